@@ -1,0 +1,1 @@
+"""Collectives with byte accounting (`ops`) and the counters themselves (`stats`)."""

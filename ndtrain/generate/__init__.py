@@ -1,0 +1,5 @@
+"""Text generation from a trained model."""
+
+from .sampler import sample
+
+__all__ = ["sample"]

@@ -1,0 +1,1 @@
+"""Benchmarks that run ndtrain and a PyTorch-native anchor side by side in one invocation."""

@@ -1,0 +1,53 @@
+"""Side-by-side timing: A B A B rounds, medians, ratio.
+
+The machine is shared and noisy, so a benchmark never compares against a number measured
+earlier: both contenders run in the same processes, interleaved round by round, and only the
+ratio of their medians is reported as the result.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def alternate(contenders: dict[str, Callable[[], None]], rounds: int, steps: int,
+              device: torch.device, warmup_rounds: int = 1) -> dict[str, list[float]]:
+    """Seconds per step of each contender, one figure per round, rounds interleaved.
+    Every rank runs this; the times are those of the slowest rank (barriers around)."""
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for r in range(warmup_rounds + rounds):
+        for name, fn in contenders.items():
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                fn()
+            _sync(device)
+            if r >= warmup_rounds:
+                times[name].append((time.perf_counter() - t0) / steps)
+    return times
+
+
+def report(times: dict[str, list[float]], work_per_step: float, unit: str, ratio_label: str,
+           numerator: str, denominator: str) -> str:
+    """A table of rounds, the medians, and the ratio line (always last): the throughput of
+    `numerator` over that of `denominator` (above 1.00: numerator is faster)."""
+    names = list(times)
+    lines = ["round  " + "  ".join(f"{n:>18}" for n in names)]
+    for i in range(len(times[names[0]])):
+        lines.append(f"{i + 1:>5}  " + "  ".join(f"{work_per_step / times[n][i]:>14,.0f} {unit}" for n in names))
+    med = {n: statistics.median(v) for n, v in times.items()}
+    lines.append("median " + "  ".join(f"{work_per_step / med[n]:>14,.0f} {unit}" for n in names))
+    lines.append(f"{ratio_label} throughput ratio: {med[denominator] / med[numerator]:.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,283 @@
+"""The `ndtrain` command: train, prepare, generate, bench.
+
+Bad input is refused before anything starts or is written: one line naming the key, the
+value and the rule, exit status 2. A fault during a run names the rank and exits 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from ndtrain import __version__
+
+EPILOG = """\
+examples:
+  ndtrain train                                  the embedded default: small Llama on the stdlib, DP over 2 processes
+  ndtrain train --nproc 4 train.steps=100        4-way data parallel
+  ndtrain train --config configs/default.toml model.preset=tiny
+  ndtrain generate --run runs/train-... --prompt "def main("
+  ndtrain bench dp                               our DP against torch DDP, side by side
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="ndtrain", description="N-D parallel training of transformer language models.",
+                                 epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--version", action="version", version=f"ndtrain {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND")
+
+    def with_config(p):
+        p.add_argument("--config", metavar="FILE", help="TOML file with [model], [parallel], [train], [data], [run] tables")
+        p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=50 parallel.dp=2")
+
+    p = sub.add_parser("train", help="pretrain a model (with no arguments: the embedded default job)",
+                       description="Pretrain a model. With no arguments: a small Llama-style model on the Python "
+                                   "standard library's source, data parallel over 2 CPU processes (or every local GPU).")
+    p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+    with_config(p)
+
+    p = sub.add_parser("prepare", help="tokenize a corpus into token shards (cached)",
+                       description="Train or load the tokenizer and write memory-mapped token shards. "
+                                   "`ndtrain train` does this itself when needed.")
+    with_config(p)
+
+    p = sub.add_parser("generate", help="sample text from a trained run")
+    p.add_argument("--run", required=True, metavar="DIR", help="a run directory written by `ndtrain train`")
+    p.add_argument("--prompt", required=True, metavar="TEXT")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP)")
+    p.add_argument("what", choices=["matmul", "dp"])
+    p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
+    p.add_argument("--rounds", type=int, default=6, help="alternating A/B rounds")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    with_config(p)
+    return ap
+
+
+def fail(message: str, code: int = 2) -> int:
+    print(f"ndtrain: error: {message}", file=sys.stderr)
+    return code
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """Like parse_args, but KEY=VALUE overrides may stand anywhere, also after options."""
+    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or "=" in argv[0]:
+        argv = ["train"] + argv
+    args, extra = parser.parse_known_args(argv)
+    stray = [a for a in extra if a.startswith("-") or "=" not in a or not hasattr(args, "overrides")]
+    if stray:
+        parser.error(f"unrecognized arguments: {' '.join(stray)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from ndtrain.checkpoint.store import CheckpointError
+    from ndtrain.config import ConfigError
+    from ndtrain.data.shards import DataError
+    from ndtrain.launch import RankFailure
+
+    try:
+        return {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate,
+                "bench": cmd_bench}[args.command](args)
+    except (ConfigError, DataError) as e:
+        return fail(str(e))
+    except CheckpointError as e:
+        return fail(str(e), 1)
+    except RankFailure as e:
+        if e.traceback and not _known_fault(e.summary):
+            print(e.traceback, file=sys.stderr)
+        return fail(str(e), 2 if e.summary.startswith(("DataError", "ConfigError")) else 1)
+    except KeyboardInterrupt:
+        return fail("interrupted", 130)
+
+
+def _known_fault(summary: str) -> bool:
+    return summary.startswith(("TrainingError", "DataError", "ConfigError", "CheckpointError"))
+
+
+# --------------------------------------------------------------------------- train
+
+def _data_kwargs(cfg) -> dict:
+    d = cfg.data
+    return dict(source=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+                val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key)
+
+
+def _run_dir(cfg, task: str) -> Path:
+    from ndtrain.launch import external_run_id
+    if cfg.run.dir:
+        return Path(cfg.run.dir).expanduser()
+    run_id = external_run_id()
+    if run_id:
+        return Path("runs") / f"{task}-{run_id}"
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    path = Path("runs") / f"{task}-{stamp}"
+    n = 1
+    while path.exists():
+        n += 1
+        path = Path("runs") / f"{task}-{stamp}-{n}"
+    return path
+
+
+def check_resume(cfg, run_dir: Path) -> Path | None:
+    """Decide, before anything is written, whether this run continues a checkpoint."""
+    from ndtrain.checkpoint import store
+    from ndtrain.config import ConfigError
+    from ndtrain.train.worker import mesh_shape
+    last = store.latest(run_dir)
+    if last is None:
+        if cfg.run.resume == "true":
+            raise ConfigError("run.resume", "true", f"run.dir {str(run_dir)!r} holds no checkpoint to resume")
+        return None
+    if cfg.run.resume == "false":
+        raise ConfigError("run.dir", str(run_dir), "already holds checkpoints; set run.resume=true to continue "
+                          "it or choose another run.dir")
+    saved = store.read_meta(last).get("mesh")
+    shape = mesh_shape(cfg)
+    here = {d: getattr(shape, d) for d in saved} if saved else None
+    if saved != here:
+        raise ConfigError("parallel", str(here), f"differs from the layout of checkpoint {last} ({saved}); "
+                          "resuming needs the same layout")
+    return last
+
+
+def cmd_train(args) -> int:
+    from ndtrain.config import ConfigError, load_config, to_toml, validate
+    from ndtrain.data.prepare import PreparedData, prepare_data
+    from ndtrain.launch import external_world, launch_local
+    from ndtrain.train.worker import train_worker
+
+    cfg = load_config(args.config, args.overrides)
+    if args.nproc is not None:
+        cfg.run.nproc = args.nproc
+    world = external_world()
+    validate(cfg, world=world)
+    run_dir = _run_dir(cfg, "train")
+    resumed = check_resume(cfg, run_dir)
+
+    if world is not None:  # torchrun / SLURM started us: this process is one rank
+        summary = train_worker(cfg.to_dict(), str(run_dir), None)
+        if summary:
+            print_summary(summary)
+        return 0
+
+    data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=cfg.run.progress))
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = data.vocab_size
+    elif cfg.model.vocab_size < data.vocab_size:
+        raise ConfigError("model.vocab_size", cfg.model.vocab_size,
+                          f"must be at least the tokenizer's vocabulary, {data.vocab_size}")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")
+    p = cfg.parallel
+    print(f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
+          f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} steps → {run_dir}"
+          + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
+    if p.world == 1:
+        summary = train_worker(cfg.to_dict(), str(run_dir), str(data.path))
+    else:
+        summary = launch_local(p.world, train_worker, cfg.to_dict(), str(run_dir), str(data.path))[0]
+    print_summary(summary)
+    return 0
+
+
+def print_summary(s: dict) -> None:
+    run = Path(s["run_dir"])
+    lines = []
+    if s.get("val_loss") is not None:
+        lines.append(f"validation loss {s['val_loss']:.4f} nats/token vs unigram baseline "
+                     f"{s['unigram_val_loss']:.4f} after {s['steps']} steps")
+    mfu = f"MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "MFU n/a"
+    if s.get("tokens_per_s"):
+        lines.append(f"throughput {s['tokens_per_s']:,.0f} tokens/s · {mfu} ({s['mfu_peak_source']})")
+    lines += [f"run directory  {run}",
+              f"config         {run / 'config.toml'}",
+              f"metrics        {run / 'metrics.jsonl'}"]
+    if s.get("plot"):
+        lines.append(f"loss plot      {s['plot']}")
+    lines += [f"checkpoint     {s['checkpoint']}",
+              f"sample with    ndtrain generate --run {run} --prompt \"def \""]
+    print("\n".join(lines), flush=True)
+
+
+# --------------------------------------------------------------------------- prepare
+
+def cmd_prepare(args) -> int:
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.prepare import PreparedData, prepare_data
+    cfg = load_config(args.config, args.overrides)
+    validate(cfg)
+    data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=cfg.run.progress))
+    m = data.meta
+    print(f"prepared {data.path}\n  vocabulary {data.vocab_size} · train {m['train_tokens']:,} tokens · "
+          f"validation {m['val_tokens']:,} tokens · unigram validation loss {data.unigram_val_loss:.4f}")
+    return 0
+
+
+# --------------------------------------------------------------------------- generate
+
+def cmd_generate(args) -> int:
+    import torch
+    from safetensors.torch import load_file
+
+    from ndtrain.checkpoint import store
+    from ndtrain.config import ConfigError
+    from ndtrain.data.tokenizer import TextTokenizer
+    from ndtrain.generate.sampler import sample
+    from ndtrain.model.args import ModelArgs
+    from ndtrain.model.llama import Transformer
+    from ndtrain.parallel.parallelize import load_unique_state
+
+    run = Path(args.run)
+    if not run.is_dir():
+        raise ConfigError("--run", args.run, "directory does not exist")
+    last = store.latest(run)
+    if last is None or not (last / "model.safetensors").is_file():
+        raise ConfigError("--run", args.run, "holds no checkpoint with model.safetensors (did training finish?)")
+    if args.max_new_tokens <= 0:
+        raise ConfigError("--max-new-tokens", args.max_new_tokens, "must be > 0")
+    if args.temperature < 0:
+        raise ConfigError("--temperature", args.temperature, "must be >= 0")
+    meta = store.read_meta(last)
+    model = Transformer(ModelArgs(**meta["model_args"]))
+    load_unique_state(model, load_file(str(last / "model.safetensors")))
+    tok = TextTokenizer.from_file(run / "tokenizer.json")
+    ids = tok.encode(args.prompt)
+    if not ids:
+        raise ConfigError("--prompt", args.prompt, "must not be empty")
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    out = sample(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                 seed=args.seed, eot_id=tok.eot_id)
+    if out and out[-1] == tok.eot_id:
+        out = out[:-1]
+    print(args.prompt + tok.decode(out))
+    return 0
+
+
+# --------------------------------------------------------------------------- bench
+
+def cmd_bench(args) -> int:
+    if args.what == "matmul":
+        from ndtrain.bench.matmul import run_matmul_bench
+        return run_matmul_bench(args)
+    from ndtrain.bench import dp
+    return dp.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

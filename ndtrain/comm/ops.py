@@ -1,0 +1,109 @@
+"""The collectives, called by name where they happen, each counted in the mesh's CommStats.
+
+Every function takes a mesh `Group`. On a group of size one it does the local equivalent
+and returns at once, so a dimension of size 1 costs nothing and needs no special case at the
+call site. `async_op=True` returns a handle with `.wait()` in every case.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ndtrain.mesh import Group
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.6 to 2.12 have the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Done:
+    """The handle of an operation that completed synchronously."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+DONE = Done()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _finish(work, async_op: bool):
+    if async_op:
+        return work if work is not None else DONE
+    return None
+
+
+def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bool = False):
+    """Sum (or `op`) of `t` over the group, in place."""
+    if not group.active:
+        return _finish(None, async_op)
+    group.stats.record(group.name, "all_reduce", _nbytes(t), group.size)
+    return _finish(dist.all_reduce(t, op=op, group=group.pg, async_op=async_op), async_op)
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
+    """`out` (group.size × inp along dim 0) = every rank's `inp`, in group order."""
+    if not group.active:
+        out.copy_(inp.view_as(out))
+        return _finish(None, async_op)
+    group.stats.record(group.name, "all_gather", _nbytes(out), group.size)
+    return _finish(_all_gather(out, inp, group=group.pg, async_op=async_op), async_op)
+
+
+def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group,
+                   op=dist.ReduceOp.SUM, async_op: bool = False):
+    """`out` = this rank's 1/n slice (dim 0) of the sum of every rank's `inp`."""
+    if not group.active:
+        out.copy_(inp.view_as(out))
+        return _finish(None, async_op)
+    group.stats.record(group.name, "reduce_scatter", _nbytes(inp), group.size)
+    return _finish(_reduce_scatter(out, inp, op=op, group=group.pg, async_op=async_op), async_op)
+
+
+def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group,
+               out_splits: list[int] | None = None, in_splits: list[int] | None = None,
+               async_op: bool = False):
+    if not group.active:
+        out.copy_(inp)
+        return _finish(None, async_op)
+    group.stats.record(group.name, "all_to_all", _nbytes(inp), group.size)
+    work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg, async_op=async_op)
+    return _finish(work, async_op)
+
+
+def broadcast(t: torch.Tensor, group: Group, src: int = 0, async_op: bool = False):
+    """Copy group member `src`'s `t` (a group index, not a global rank) to every member."""
+    if not group.active:
+        return _finish(None, async_op)
+    group.stats.record(group.name, "broadcast", _nbytes(t), group.size)
+    work = dist.broadcast(t, src=group.ranks[src], group=group.pg, async_op=async_op)
+    return _finish(work, async_op)
+
+
+def send(t: torch.Tensor, group: Group, dst: int):
+    """Point-to-point send to group member `dst`; returns a handle."""
+    group.stats.record(group.name, "send", _nbytes(t), group.size)
+    return dist.isend(t, dst=group.ranks[dst], group=group.pg)
+
+
+def recv(t: torch.Tensor, group: Group, src: int):
+    """Point-to-point receive from group member `src` into `t`; returns a handle."""
+    group.stats.record(group.name, "recv", _nbytes(t), group.size)
+    return dist.irecv(t, src=group.ranks[src], group=group.pg)
+
+
+def all_reduce_scalars(values: list[float], group: Group, dtype=torch.float64) -> list[float]:
+    """Sum a few Python numbers over the group in one message (metrics, token counts).
+    Bookkeeping, not training traffic: not counted in the byte accounting."""
+    if not group.active:
+        return list(values)
+    t = torch.tensor(values, dtype=dtype, device=group.device)
+    dist.all_reduce(t, group=group.pg)
+    return t.tolist()

@@ -1,0 +1,66 @@
+"""Byte accounting for every collective, per mesh dimension and per kind.
+
+Two figures per call:
+- payload: the bytes of the tensor the caller handed in (for all-gather, the gathered output);
+- wire: the bytes one rank sends under the bandwidth-optimal ring algorithm, the quantity
+  the ZeRO and Megatron papers reason with: all-reduce 2(n-1)/n·S, all-gather and
+  reduce-scatter (n-1)/n·S of the full tensor, all-to-all (n-1)/n·S, send S, broadcast S.
+So "ZeRO-3 moves 1.5× the bytes of DP" and Megatron's 8·b·s·h·(t-1)/t are checks on `wire`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass
+class Tally:
+    calls: int = 0
+    payload: float = 0.0
+    wire: float = 0.0
+
+
+_RING_FACTOR = {
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+    "send": lambda n: 1.0,
+    "recv": lambda n: 0.0,  # the sender counts the bytes; a receive moves nothing out
+}
+
+
+class CommStats:
+    """Counts bytes per (dimension, collective kind). One per mesh, never global."""
+
+    def __init__(self):
+        self.tallies: dict[tuple[str, str], Tally] = defaultdict(Tally)
+
+    def record(self, dim: str, kind: str, nbytes: int, group_size: int) -> None:
+        t = self.tallies[(dim, kind)]
+        t.calls += 1
+        t.payload += nbytes
+        t.wire += nbytes * _RING_FACTOR[kind](group_size)
+
+    def reset(self) -> None:
+        self.tallies.clear()
+
+    def wire_by_dim(self) -> dict[str, float]:
+        out: dict[str, float] = defaultdict(float)
+        for (dim, _), t in self.tallies.items():
+            out[dim] += t.wire
+        return dict(out)
+
+    def wire(self, dim: str | None = None, kind: str | None = None) -> float:
+        return sum(t.wire for (d, k), t in self.tallies.items()
+                   if (dim is None or d == dim) and (kind is None or k == kind))
+
+    def payload(self, dim: str | None = None, kind: str | None = None) -> float:
+        return sum(t.payload for (d, k), t in self.tallies.items()
+                   if (dim is None or d == dim) and (kind is None or k == kind))
+
+    def as_metrics(self) -> dict[str, float]:
+        """Flat `comm/<dim>/<kind>` → wire bytes, for metrics.jsonl."""
+        return {f"comm/{d}/{k}": t.wire for (d, k), t in sorted(self.tallies.items())}

@@ -1,0 +1,463 @@
+"""Typed configuration: TOML file + dotted KEY=VALUE overrides, checked before any process starts.
+
+A config is five sections (model, parallel, train, data, run) of plain dataclasses. Values
+come from the defaults, then a TOML file, then command-line overrides. `validate()` turns
+every mistake we can see up front into a `ConfigError`: one line naming the key, the value
+and the rule. The CLI prints it and exits with status 2 before writing anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import os
+import re
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from ndtrain.model.args import PRESETS, ModelArgs
+
+
+class ConfigError(ValueError):
+    """A configuration mistake. `str(err)` is the one line shown to the user."""
+
+    def __init__(self, key: str, value: Any, rule: str):
+        self.key, self.value, self.rule = key, value, rule
+        shown = f"{value!r}" if isinstance(value, str) else f"{value}"
+        super().__init__(f"{key} = {shown}: {rule}")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "small"
+    # None means "take it from the preset"; vocab_size None means "from the tokenizer".
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    rope_theta: float | None = None
+    tie_embeddings: bool | None = None
+    dropout: float = 0.0
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 0  # total data-parallel size dp_replicate × dp_shard; 0 = every process left over
+    dp_replicate: int = 1
+    tp: int = 1
+    sp: bool | None = None  # sequence parallelism; None = on whenever tp > 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 0
+    bucket_mb: float = 25.0
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 300
+    global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int = 0  # sequences per forward/backward on one rank; 0 = no accumulation
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = no clipping
+    seed: int = 0
+    precision: str = "fp32"
+    recompute: str = "none"
+    eval_every: int = 100  # 0 = evaluate only at the end
+    eval_batches: int = 8
+    save_every: int = 0  # 0 = save only at the end
+    log_every: int = 10
+
+    def accumulation(self, dp: int) -> int:
+        return self.global_batch // (dp * self.micro_batch)
+
+
+@dataclass
+class DataConfig:
+    path: str = "stdlib"  # "stdlib", a text/JSONL file or folder, or a prepared folder
+    tokenizer: str = ""  # "" = train a byte-level BPE on the training split; or a tokenizer.json
+    vocab_size: int = 4096  # size of the BPE trained when no tokenizer is given
+    val_fraction: float = 0.05
+    jsonl_key: str = "text"
+    cache_dir: str = "~/.cache/ndtrain"
+
+
+@dataclass
+class RunConfig:
+    dir: str = ""  # "" = runs/<task>-<date>-<time>
+    resume: str = "auto"  # auto: continue if run.dir holds a checkpoint; true: must; false: must not
+    nproc: int = 0  # 0 = the product of the parallel sizes, or 2 CPU processes / every local GPU
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # torch threads per rank on the CPU; 0 = cores / local ranks
+    stop_after: int = 0  # stop (with a checkpoint) after this many steps in this invocation; 0 = never
+    progress: bool = True
+    plot: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def copy(self) -> "Config":
+        return from_dict(self.to_dict())
+
+    def model_args(self, vocab_size: int | None = None) -> ModelArgs:
+        """The model shape: the preset with this config's overrides applied."""
+        m = self.model
+        base = PRESETS[m.preset]
+        changes = {f.name: getattr(m, f.name) for f in fields(m)
+                   if f.name not in ("preset",) and getattr(m, f.name) is not None}
+        if vocab_size is not None and m.vocab_size is None:
+            changes["vocab_size"] = vocab_size
+        if "max_seq_len" not in changes:
+            changes["max_seq_len"] = max(base.max_seq_len, self.train.seq_len)
+        return base.with_(**changes)
+
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+_SECTION_CLASSES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
+                    "data": DataConfig, "run": RunConfig}
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _SECTION_CLASSES.items() for f in fields(cls)]
+
+
+def _field_type(section: str, name: str):
+    hints = typing.get_type_hints(_SECTION_CLASSES[section])
+    return hints[name]
+
+
+def _unknown_key(key: str, value: Any = "…") -> ConfigError:
+    near = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    if not near:  # a right name in the wrong section, or a typo of the name alone
+        names = {k.split(".", 1)[1]: k for k in all_keys()}
+        tail = key.split(".")[-1]
+        close = difflib.get_close_matches(tail, list(names), n=1, cutoff=0.6)
+        near = [names[close[0]]] if close else []
+    hint = f"; did you mean {near[0]}?" if near else f"; valid sections are {', '.join(SECTIONS)}"
+    return ConfigError(key, value, f"unknown key{hint}")
+
+
+# --------------------------------------------------------------------------- coercion
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _base_type(tp) -> tuple[type, bool]:
+    """(the concrete type, whether None is allowed) for `int`, `int | None` and the like."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _coerce_text(key: str, text: str, tp) -> Any:
+    """A command-line value (always text) to the key's type."""
+    base, optional = _base_type(tp)
+    low = text.strip().lower()
+    if optional and low in ("none", "null", "preset", "auto", ""):
+        return None
+    try:
+        if base is bool:
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if base is int:
+            return int(text.replace("_", ""))
+        if base is float:
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+    except ValueError:
+        raise ConfigError(key, text, f"expected {_TYPE_WORDS[base]}") from None
+    return text
+
+
+def _coerce_value(key: str, value: Any, tp) -> Any:
+    """A TOML value (already typed) to the key's type, refusing silent conversions."""
+    base, optional = _base_type(tp)
+    if isinstance(value, str) and base is not str:
+        if optional and value.strip().lower() in ("none", "preset", "auto", ""):
+            return None
+        raise ConfigError(key, value, f"expected {_TYPE_WORDS[base]}")
+    if base is bool and not isinstance(value, bool):
+        raise ConfigError(key, value, "expected true or false")
+    if base is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(key, value, "expected an integer")
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, value, "expected a number")
+        value = float(value)
+    if base is str:
+        if isinstance(value, bool):  # resume = true in a file means the word "true"
+            return "true" if value else "false"
+        if not isinstance(value, str):
+            raise ConfigError(key, value, "expected a string")
+    return value
+
+
+def _set(cfg: Config, key: str, value: Any, *, from_text: bool) -> None:
+    parts = key.split(".")
+    if len(parts) != 2 or parts[0] not in _SECTION_CLASSES:
+        raise _unknown_key(key, value)
+    section, name = parts
+    obj = getattr(cfg, section)
+    if name not in {f.name for f in fields(obj)}:
+        raise _unknown_key(key, value)
+    tp = _field_type(section, name)
+    value = _coerce_text(key, value, tp) if from_text else _coerce_value(key, value, tp)
+    setattr(obj, name, value)
+
+
+def from_dict(data: dict) -> Config:
+    cfg = Config()
+    for section, values in data.items():
+        if section not in _SECTION_CLASSES:
+            near = difflib.get_close_matches(section, list(_SECTION_CLASSES), n=1)
+            hint = f"did you mean [{near[0]}]?" if near else f"valid sections are {', '.join(SECTIONS)}"
+            raise ConfigError(f"[{section}]", "table", f"unknown section; {hint}")
+        if not isinstance(values, dict):
+            raise ConfigError(section, values, "expected a table of keys")
+        for name, value in values.items():
+            if value is None:
+                continue
+            _set(cfg, f"{section}.{name}", value, from_text=False)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """Defaults, then the TOML file, then KEY=VALUE overrides. Raises ConfigError."""
+    cfg = Config()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError("--config", str(path), "file does not exist")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError("--config", str(path), f"not valid TOML ({e})") from None
+        cfg = from_dict(data)
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(item, item, "expected KEY=VALUE, e.g. train.steps=100")
+        key, value = item.split("=", 1)
+        _set(cfg, key.strip(), value, from_text=True)
+    return cfg
+
+
+# --------------------------------------------------------------------------- TOML output
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    text = str(v).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'
+
+
+def to_toml(cfg: Config) -> str:
+    """The config as TOML. Keys whose value is None ("from the preset") are left out."""
+    out = []
+    for section, values in cfg.to_dict().items():
+        out.append(f"[{section}]")
+        out += [f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None]
+        out.append("")
+    return "\n".join(out)
+
+
+# --------------------------------------------------------------------------- validation
+
+PRECISIONS = ("fp32", "bf16", "fp16")
+PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
+_RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
+
+# Dimensions whose implementation has not landed yet: refused up front, never half-run.
+NOT_YET = {"parallel.tp": "tensor parallelism", "parallel.pp": "pipeline parallelism",
+           "parallel.cp": "context parallelism", "parallel.ep": "expert parallelism"}
+
+
+def _positive(key: str, value, *, zero_ok: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(key, value, "must be >= 0" if zero_ok else "must be > 0")
+
+
+def resolve_world(cfg: Config, world: int | None) -> None:
+    """Fill parallel.dp and run.nproc from each other and check their product.
+
+    `world` is the process count imposed from outside (torchrun/SLURM), or None locally.
+    """
+    p, run = cfg.parallel, cfg.run
+    fixed = p.pp * p.cp * p.tp
+    nproc = world or run.nproc
+    if p.dp == 0:
+        if nproc == 0:
+            nproc = fixed * default_local_processes(run.device)
+        if nproc % fixed:
+            raise ConfigError("run.nproc", nproc,
+                              f"must be a multiple of pp×cp×tp = {p.pp}×{p.cp}×{p.tp} = {fixed}")
+        p.dp = nproc // fixed
+    if nproc == 0:
+        nproc = p.world
+    if p.world != nproc:
+        source = "the launcher's WORLD_SIZE" if world else "run.nproc (--nproc)"
+        raise ConfigError("parallel", f"pp×dp×cp×tp = {p.pp}×{p.dp}×{p.cp}×{p.tp} = {p.world}",
+                          f"must equal the process count, {nproc} from {source}")
+    run.nproc = nproc
+
+
+def default_local_processes(device: str) -> int:
+    import torch
+    if device in ("auto", "cuda") and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return 2
+
+
+def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True) -> Config:
+    """Check everything that can be checked before a process starts; fills derived values
+    (parallel.dp, run.nproc, train.micro_batch, parallel.sp). Raises the first ConfigError."""
+    m, p, t, d, r = cfg.model, cfg.parallel, cfg.train, cfg.data, cfg.run
+
+    if m.preset not in PRESETS:
+        raise ConfigError("model.preset", m.preset, f"unknown preset; choose one of {', '.join(PRESETS)}")
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+        _positive(f"model.{key}", getattr(m, key))
+    if m.rope_theta is not None:
+        _positive("model.rope_theta", m.rope_theta)
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
+
+    for key in ("pp", "dp_replicate", "tp", "cp", "ep", "pp_virtual"):
+        _positive(f"parallel.{key}", getattr(p, key))
+    _positive("parallel.dp", p.dp, zero_ok=True)
+    for key, what in NOT_YET.items():
+        value = getattr(p, key.split(".")[1])
+        if value != 1:
+            raise ConfigError(key, value, f"{what} is not implemented yet; use 1")
+    if p.zero != 0:
+        raise ConfigError("parallel.zero", p.zero, "ZeRO sharding is not implemented yet; use 0")
+    if p.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError("parallel.pp_schedule", p.pp_schedule, f"unknown schedule; choose one of {', '.join(PP_SCHEDULES)}")
+    _positive("parallel.bucket_mb", p.bucket_mb)
+
+    _positive("train.steps", t.steps)
+    _positive("train.seq_len", t.seq_len)
+    _positive("train.lr", t.lr)
+    _positive("train.global_batch", t.global_batch)
+    _positive("train.micro_batch", t.micro_batch, zero_ok=True)
+    for key in ("warmup", "eval_every", "save_every", "eval_batches", "grad_clip", "weight_decay"):
+        _positive(f"train.{key}", getattr(t, key), zero_ok=True)
+    _positive("train.log_every", t.log_every)
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError("train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(t, key) < 1.0:
+            raise ConfigError(f"train.{key}", getattr(t, key), "must be in [0, 1)")
+    if t.precision not in PRECISIONS:
+        raise ConfigError("train.precision", t.precision, f"choose one of {', '.join(PRECISIONS)}")
+    if t.precision != "fp32":
+        raise ConfigError("train.precision", t.precision, "mixed precision is not implemented yet; use fp32")
+    match = _RECOMPUTE.match(t.recompute)
+    if not match:
+        raise ConfigError("train.recompute", t.recompute, "choose none, full, selective or every:K")
+    if t.recompute != "none":
+        raise ConfigError("train.recompute", t.recompute, "activation recomputation is not implemented yet; use none")
+
+    if r.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("run.device", r.device, "choose auto, cpu or cuda")
+    if r.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("run.device", r.device, "no CUDA device is available")
+    if r.resume not in ("auto", "true", "false"):
+        raise ConfigError("run.resume", r.resume, "choose auto, true or false")
+    _positive("run.nproc", r.nproc, zero_ok=True)
+    _positive("run.threads", r.threads, zero_ok=True)
+    _positive("run.stop_after", r.stop_after, zero_ok=True)
+
+    # The layout: process count, batch split, head split.
+    if p.dp and p.dp % p.dp_replicate:
+        raise ConfigError("parallel.dp_replicate", p.dp_replicate, f"must divide parallel.dp = {p.dp}")
+    resolve_world(cfg, world)
+    if p.dp % p.dp_replicate:
+        raise ConfigError("parallel.dp_replicate", p.dp_replicate, f"must divide parallel.dp = {p.dp}")
+    if t.micro_batch == 0:
+        if t.global_batch % p.dp:
+            raise ConfigError("train.global_batch", t.global_batch, f"must be divisible by parallel.dp = {p.dp}")
+        t.micro_batch = t.global_batch // p.dp
+    if t.global_batch % (p.dp * t.micro_batch):
+        raise ConfigError("train.global_batch", t.global_batch,
+                          f"must be divisible by dp × micro_batch = {p.dp} × {t.micro_batch} = {p.dp * t.micro_batch}")
+    if p.sp is None:
+        p.sp = p.tp > 1
+
+    a = cfg.model_args(vocab_size=m.vocab_size or PRESETS[m.preset].vocab_size)
+    if a.dim % a.n_heads:
+        raise ConfigError("model.n_heads", a.n_heads, f"must divide model.dim = {a.dim}")
+    if a.head_dim % 2:
+        raise ConfigError("model.n_heads", a.n_heads, f"head dim {a.dim}/{a.n_heads} = {a.head_dim} must be even for RoPE")
+    if a.n_kv_heads > a.n_heads or a.n_heads % a.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", a.n_kv_heads, f"must divide model.n_heads = {a.n_heads}")
+    if a.n_heads % p.tp:
+        raise ConfigError("model.n_heads", a.n_heads, f"must be divisible by parallel.tp = {p.tp}")
+    if a.n_kv_heads % p.tp and p.tp % a.n_kv_heads:
+        raise ConfigError("model.n_kv_heads", a.n_kv_heads,
+                          f"must divide or be divisible by parallel.tp = {p.tp}")
+
+    if check_paths:
+        if d.path != "stdlib" and not Path(os.path.expanduser(d.path)).exists():
+            raise ConfigError("data.path", d.path, "path does not exist (use \"stdlib\" for the embedded corpus)")
+        if d.tokenizer and not Path(os.path.expanduser(d.tokenizer)).is_file():
+            raise ConfigError("data.tokenizer", d.tokenizer, "file does not exist")
+    _positive("data.vocab_size", d.vocab_size)
+    if d.vocab_size < 257:
+        raise ConfigError("data.vocab_size", d.vocab_size, "must be at least 257 (256 bytes + end of text)")
+    if not 0.0 < d.val_fraction <= 0.5:
+        raise ConfigError("data.val_fraction", d.val_fraction, "must be in (0, 0.5]")
+    return cfg
+
+
+def recompute_every(spec: str) -> int:
+    """`every:K` → K; `full` → 1; `none`/`selective` → 0."""
+    if spec == "full":
+        return 1
+    m = _RECOMPUTE.match(spec)
+    return int(m.group(2)) if m and m.group(2) else 0

@@ -1,0 +1,187 @@
+"""ParallelMesh: the named dimensions of one N-D layout, each rank's place in it, and its groups.
+
+Ranks are laid out row-major over `pp, dp_replicate, dp_shard, cp, tp`: tp varies fastest
+(neighbouring ranks share the fastest links), pp slowest. A group of dimension X holds the
+ranks that differ only in their X coordinate. Composite groups (`dp` = dp_replicate ×
+dp_shard, `dp_cp` = dp × cp, `dp_shard_cp` for expert parallelism) hold the ranks that differ
+only in those coordinates.
+
+The mesh is built once per process and passed to whatever needs it; nothing here is global.
+A dimension of size 1 creates no process group: its `Group` has `pg = None` and the
+collectives in `ndtrain.comm` return at once for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from itertools import product
+
+import torch
+import torch.distributed as dist
+
+from ndtrain.comm.stats import CommStats
+
+DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+COMPOSITES = {
+    "dp": ("dp_replicate", "dp_shard"),
+    "dp_cp": ("dp_replicate", "dp_shard", "cp"),
+    "dp_shard_cp": ("dp_shard", "cp"),
+}
+
+
+@dataclass(frozen=True)
+class MeshShape:
+    pp: int = 1
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    cp: int = 1
+    tp: int = 1
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(getattr(self, d) for d in DIMS)
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.sizes)
+
+    def size(self, name: str) -> int:
+        return math.prod(getattr(self, d) for d in COMPOSITES.get(name, (name,)))
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """Row-major coordinates of `rank`, tp fastest."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} outside a mesh of {self.world}")
+        out = {}
+        for d in reversed(DIMS):
+            rank, out[d] = divmod(rank, getattr(self, d))
+        return {d: out[d] for d in DIMS}
+
+    def rank_of(self, coords: dict[str, int]) -> int:
+        rank = 0
+        for d in DIMS:
+            rank = rank * getattr(self, d) + coords.get(d, 0)
+        return rank
+
+    def group_ranks(self, dims: tuple[str, ...]) -> list[list[int]]:
+        """Every group along `dims`: lists of ranks differing only in those coordinates,
+        each list ordered by the group's own row-major index."""
+        others = [d for d in DIMS if d not in dims]
+        groups = []
+        for fixed in product(*(range(getattr(self, d)) for d in others)):
+            base = dict(zip(others, fixed))
+            members = []
+            for varying in product(*(range(getattr(self, d)) for d in dims)):
+                members.append(self.rank_of({**base, **dict(zip(dims, varying))}))
+            groups.append(members)
+        return groups
+
+    def group_of(self, rank: int, dims: tuple[str, ...]) -> list[int]:
+        return next(g for g in self.group_ranks(dims) if rank in g)
+
+
+@dataclass
+class Group:
+    """One rank's view of one (possibly composite) mesh dimension."""
+
+    name: str
+    ranks: list[int]
+    rank: int  # this process's index inside the group
+    pg: dist.ProcessGroup | None
+    stats: CommStats = field(repr=False, default_factory=CommStats)
+    device: torch.device = field(default=torch.device("cpu"))  # where its messages live
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def active(self) -> bool:
+        return self.pg is not None
+
+
+class ParallelMesh:
+    """Coordinates and process groups of this rank; built once, passed explicitly."""
+
+    def __init__(self, shape: MeshShape, rank: int, device: torch.device,
+                 groups: dict[str, Group], stats: CommStats):
+        self.shape, self.rank, self.device, self.stats = shape, rank, device, stats
+        self.coords = shape.coords(rank)
+        self._groups = groups
+
+    # -- construction --------------------------------------------------------
+    @classmethod
+    def single(cls, device: torch.device | str = "cpu") -> "ParallelMesh":
+        """The one-process mesh: every dimension has size 1, no groups."""
+        return cls.build(MeshShape(), torch.device(device))
+
+    @classmethod
+    def build(cls, shape: MeshShape, device: torch.device | str = "cpu") -> "ParallelMesh":
+        """Build from the initialised default process group (or alone when world is 1).
+
+        Uses torch's DeviceMesh over the dimensions larger than one, and flattens the
+        composite dimensions from it, so the groups are the ones torch would make.
+        """
+        device = torch.device(device)
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if world != shape.world:
+            raise ValueError(f"mesh {dict(zip(DIMS, shape.sizes))} needs {shape.world} processes, "
+                             f"but the world has {world}")
+        stats = CommStats()
+        live = tuple(d for d in DIMS if getattr(shape, d) > 1)
+        device_mesh = None
+        if live:
+            from torch.distributed.device_mesh import init_device_mesh
+            device_mesh = init_device_mesh(device.type, tuple(getattr(shape, d) for d in live),
+                                           mesh_dim_names=live)
+        groups: dict[str, Group] = {}
+        for name in DIMS + tuple(COMPOSITES):
+            dims = COMPOSITES.get(name, (name,))
+            members = shape.group_of(rank, dims)
+            live_dims = tuple(d for d in dims if d in live)
+            pg = None
+            if live_dims:
+                sub = device_mesh[live_dims] if len(live_dims) > 1 else device_mesh[live_dims[0]]
+                if len(live_dims) > 1:
+                    sub = sub._flatten(f"{'_'.join(live_dims)}_flat")
+                pg = sub.get_group()
+                assert dist.get_process_group_ranks(pg) == members, (name, members)
+            groups[name] = Group(name, members, members.index(rank), pg, stats, device)
+        return cls(shape, rank, device, groups, stats)
+
+    # -- queries ---------------------------------------------------------------
+    def group(self, name: str) -> Group:
+        return self._groups[name]
+
+    def size(self, name: str) -> int:
+        return self.shape.size(name)
+
+    def coord(self, name: str) -> int:
+        """This rank's index along a (possibly composite) dimension."""
+        return self._groups[name].rank
+
+    @property
+    def world(self) -> int:
+        return self.shape.world
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.size("dp")
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pp"] == self.shape.pp - 1
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    def describe(self) -> str:
+        live = [f"{d}={getattr(self.shape, d)}" for d in DIMS if getattr(self.shape, d) > 1]
+        return " × ".join(live) if live else "single process"

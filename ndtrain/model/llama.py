@@ -1,0 +1,283 @@
+"""A Llama-style decoder on one device: RMSNorm, rotary positions, grouped-query attention,
+SwiGLU feed-forward, pre-norm residual blocks.
+
+This file knows nothing of parallelism. Two choices keep it usable by the modules that do:
+- Layers are keyed by their global index, and a `Transformer` may hold any subset of them,
+  with or without the embedding and the head. A pipeline stage is simply a `Transformer`
+  built with `layer_ids`, and its parameter names equal those of the full model.
+- Attention reads its head counts from tensor shapes, never from the config, so a tensor
+  parallel layer that keeps only some heads runs this same code. The attention core (rope,
+  softmax attention, reshape) is its own child module, `core`, which selective recompute
+  can wrap and context parallelism can replace.
+
+Rotary convention: "half-split" (the two halves of each head's vector are the real and
+imaginary parts), as in Hugging Face's Llama, so the HF converter needs no permutation.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from typing import Sequence
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+from .args import ModelArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # fp32 statistics: the mean of squares overflows or loses precision in bf16/fp16.
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Rotary position embedding
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin of angle position·theta^(-2i/head_dim), each [max_seq_len, head_dim//2], fp32."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x [b, s, heads, head_dim] by the angles of its positions; cos, sin: [s, head_dim//2].
+
+    Pair i of a head is (x[i], x[i + head_dim//2]). Computed in fp32, returned in x's dtype.
+    """
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# Key/value cache for generation
+
+
+class KVCache:
+    """Keys and values of past positions, per layer, for incremental decoding.
+
+    Buffers [batch, max_len, n_kv_heads, head_dim] are allocated on a layer's first
+    `update`, shaped like the keys it brings, so the cache needs no config and follows
+    whatever heads the attention layer holds. `pos` is the number of positions already
+    stored; the `Transformer` that owns the cache advances it after each forward.
+    Use one cache per `Transformer` instance.
+    """
+
+    def __init__(self, max_len: int):
+        self.max_len = max_len
+        self.pos = 0
+        self.k: dict[str, Tensor] = {}
+        self.v: dict[str, Tensor] = {}
+
+    def update(self, layer_key: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store k, v [b, s, kv_heads, head_dim] at positions pos..pos+s-1 and return the
+        keys and values of positions 0..pos+s-1."""
+        b, s, heads, head_dim = k.shape
+        end = self.pos + s
+        if end > self.max_len:
+            raise ValueError(f"KVCache: {end} positions exceed max_len={self.max_len}")
+        if layer_key not in self.k:
+            shape = (b, self.max_len, heads, head_dim)
+            self.k[layer_key] = torch.zeros(shape, dtype=k.dtype, device=k.device)
+            self.v[layer_key] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        self.k[layer_key][:, self.pos:end] = k
+        self.v[layer_key][:, self.pos:end] = v
+        return self.k[layer_key][:, :end], self.v[layer_key][:, :end]
+
+    def advance(self, n: int) -> None:
+        self.pos += n
+
+    def reset(self) -> None:
+        self.pos = 0
+
+
+# ---------------------------------------------------------------------------------------
+# Decoder block
+
+
+class AttentionCore(nn.Module):
+    """Everything between the projections: rotary, cache, softmax attention, head merge.
+
+    q [b, s, heads, head_dim], k and v [b, s, kv_heads, head_dim] -> [b, s, heads·head_dim].
+    It holds no parameters; recompute wraps it, context parallelism replaces it.
+    """
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
+                cache: KVCache | None = None, layer_key: str | None = None) -> Tensor:
+        b, s = q.shape[:2]
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(layer_key, k, v)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # sdpa wants [b, heads, s, head_dim]
+        n_q, n_kv = q.shape[1], k.shape[1]
+        gqa = {"enable_gqa": True} if n_q != n_kv else {}
+        s_kv = k.shape[2]
+        if s == s_kv:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
+        elif s == 1:  # one new token sees every cached one
+            out = F.scaled_dot_product_attention(q, k, v, **gqa)
+        else:  # a chunk after cached positions: query i sits at position s_kv - s + i
+            q_pos = torch.arange(s_kv - s, s_kv, device=q.device)
+            mask = torch.arange(s_kv, device=q.device)[None, :] <= q_pos[:, None]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+        return out.transpose(1, 2).reshape(b, s, -1)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.head_dim = args.head_dim
+        kv_dim = args.n_kv_heads * args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wv = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.core = AttentionCore()
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                cache: KVCache | None = None, layer_key: str | None = None) -> Tensor:
+        b, s, _ = x.shape
+        # -1 heads: a tensor-parallel shard holds fewer heads than the config says.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        return self.wo(self.core(q, k, v, cos, sin, cache, layer_key))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.dropout = args.dropout
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
+                cache: KVCache | None = None, layer_key: str | None = None) -> Tensor:
+        a = self.attention(self.attention_norm(x), cos, sin, cache, layer_key)
+        x = x + F.dropout(a, self.dropout, training=self.training)
+        m = self.feed_forward(self.ffn_norm(x))
+        return x + F.dropout(m, self.dropout, training=self.training)
+
+
+# ---------------------------------------------------------------------------------------
+# The model
+
+
+def init_std(name: str, args: ModelArgs) -> float:
+    """Standard deviation of a weight's initial values (norm weights start at 1 instead).
+    The projections that write into the residual stream are scaled down by depth, so the
+    residual's variance does not grow with the number of layers (GPT-2)."""
+    if name.endswith(("wo.weight", "w2.weight")):
+        return 0.02 / math.sqrt(2 * args.n_layers)
+    return 0.02
+
+
+def initial_value(name: str, shape: Sequence[int], args: ModelArgs, seed: int) -> Tensor:
+    """The full initial value of the parameter `name` (fp32, CPU): a function of the seed and
+    the name only, so every layout, stage and shard agrees on it. A shard draws the full
+    tensor and keeps its slice."""
+    if name.endswith("norm.weight"):
+        return torch.ones(shape)
+    if args.tie_embeddings and name == "output.weight":
+        name = "tok_embeddings.weight"  # a separate head of a tied model mirrors the embedding
+    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
+    return torch.randn(tuple(shape), generator=g) * init_std(name, args)
+
+
+class Transformer(nn.Module):
+    """The decoder, or the part of it a pipeline stage holds.
+
+    embed: tokens [b, s] in; else hidden states [b, s, dim] in.
+    head: logits [b, s, vocab] out; else hidden states out.
+    layer_ids: the global indices of the blocks held (default: all).
+    """
+
+    def __init__(self, args: ModelArgs, layer_ids: Sequence[int] | None = None,
+                 embed: bool = True, head: bool = True):
+        super().__init__()
+        self.args = args
+        layer_ids = sorted(range(args.n_layers) if layer_ids is None else layer_ids)
+        in_range = all(0 <= i < args.n_layers for i in layer_ids)
+        if not in_range or len(set(layer_ids)) != len(layer_ids):
+            raise ValueError(f"layer_ids {layer_ids} must be distinct and in 0..{args.n_layers - 1}")
+
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if embed else None
+        self.layers = nn.ModuleDict({str(i): Block(args) for i in layer_ids})
+        self.norm = RMSNorm(args.dim, args.norm_eps) if head else None
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if head else None
+        if args.tie_embeddings and embed and head:
+            self.output.weight = self.tok_embeddings.weight
+
+        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # `.to(bfloat16)` would round the rotary tables; rebuild them in fp32 instead.
+        super()._apply(fn, recurse)
+        if self.rope_cos.dtype != torch.float32:
+            self._reset_rope()
+        return self
+
+    def _reset_rope(self) -> None:
+        a = self.args
+        device = self.rope_cos.device
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta)
+        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+
+    def forward(self, x: Tensor, positions: Tensor | None = None,
+                cache: KVCache | None = None) -> Tensor:
+        s = x.shape[1]
+        if positions is None:
+            start = cache.pos if cache is not None else 0
+            positions = torch.arange(start, start + s, device=x.device)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for key, layer in self.layers.items():
+            h = layer(h, cos, sin, cache, key)
+        if cache is not None:
+            cache.advance(s)
+        if self.output is not None:
+            h = self.output(self.norm(h))
+        return h
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic initialisation, see `initial_value`. Also rebuilds the rotary
+        tables, so a model built on the meta device and materialised with `to_empty` works."""
+        for name, p in self.named_parameters():
+            p.copy_(initial_value(name, p.shape, self.args, seed))
+        self._reset_rope()
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # parameters() yields a tied one once

@@ -1,0 +1,35 @@
+"""Sharding metadata carried by each parameter (the nanotron idea), read by the global
+gradient norm and by checkpoint resharding.
+
+- `shard_dims(p)`: the mesh dimensions over which `p` holds only a slice of the full
+  tensor (e.g. ("tp",) for a column-parallel weight, ("dp_shard",) for a ZeRO flat shard).
+  Every dimension not listed holds a full replica. Pipeline stages hold disjoint
+  parameters, so "pp" is implicitly a shard dimension of every parameter.
+- `is_duplicate(p)`: a second copy that must not be counted twice, such as the output
+  head that a tied embedding keeps on the last pipeline stage.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_SHARD_ATTR = "_ndtrain_shard_dims"
+_DUP_ATTR = "_ndtrain_duplicate"
+
+
+def mark_sharded(p: torch.Tensor, dims: tuple[str, ...] | list[str]) -> torch.Tensor:
+    setattr(p, _SHARD_ATTR, tuple(dims))
+    return p
+
+
+def shard_dims(p: torch.Tensor) -> tuple[str, ...]:
+    return getattr(p, _SHARD_ATTR, ())
+
+
+def mark_duplicate(p: torch.Tensor, duplicate: bool = True) -> torch.Tensor:
+    setattr(p, _DUP_ATTR, duplicate)
+    return p
+
+
+def is_duplicate(p: torch.Tensor) -> bool:
+    return getattr(p, _DUP_ATTR, False)

@@ -1,0 +1,63 @@
+"""Gradient clipping by the global norm, correct for any sharding of the parameters.
+
+The squared norm is a sum over the *unique* elements of the full model. A parameter sharded
+over some mesh dimensions holds a distinct slice on each rank of those dimensions, so its
+local sum of squares must be summed over them; a replicated dimension holds equal copies,
+which must be counted once. We therefore keep one partial sum per set of shard dimensions
+(a bitmask over the mesh dimensions) and, for each live dimension in a fixed order, sum over
+that dimension only the partial sums whose set contains it. Pipeline stages hold disjoint
+parameters, so every set contains "pp"; duplicates (a tied head on the last stage) are
+skipped.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ndtrain.comm import ops
+from ndtrain.mesh import DIMS, ParallelMesh
+from ndtrain.parallel.placement import is_duplicate, shard_dims
+
+
+def grad_norm(params, mesh: ParallelMesh) -> torch.Tensor:
+    """The global L2 norm of the gradients of `params` (this rank's local tensors)."""
+    device = mesh.device
+    partial = torch.zeros(2 ** len(DIMS), dtype=torch.float64, device=device)
+    by_mask: dict[int, list[torch.Tensor]] = {}
+    for p in params:
+        if p.grad is None or is_duplicate(p):
+            continue
+        dims = set(shard_dims(p)) | {"pp"}
+        mask = sum(1 << i for i, d in enumerate(DIMS) if d in dims)
+        by_mask.setdefault(mask, []).append(p.grad)
+    for mask, grads in by_mask.items():
+        norms = torch._foreach_norm(grads, 2.0)
+        partial[mask] = torch.stack(norms).double().pow(2).sum()
+    present = 0
+    for mask in by_mask:
+        present |= mask
+    for i, d in enumerate(DIMS):
+        group = mesh.group(d)
+        # Every rank of a group must agree on whether it reduces; they do, because the
+        # parameters sharded over a dimension exist on every rank of that dimension.
+        if not group.active or not (present >> i) & 1:
+            continue
+        has_dim = torch.tensor([(m >> i) & 1 == 1 for m in range(partial.numel())], device=device)
+        summed = partial * has_dim
+        ops.all_reduce(summed, group)
+        partial = torch.where(has_dim, summed, partial)
+    return partial.sum().sqrt()
+
+
+def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> float:
+    """Scale gradients so the global norm is at most `max_norm` (0 = measure only)."""
+    params = [p for p in params if p.grad is not None]
+    total = grad_norm(params, mesh)
+    if max_norm > 0:
+        scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+        grads = list({id(p): p.grad for p in params}.values())
+        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+    value = total.item()
+    return value if math.isfinite(value) else float("inf")

@@ -1,0 +1,48 @@
+"""What each training process runs: join the group, build the mesh, train."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from ndtrain import config as config_mod
+from ndtrain.checkpoint import store
+from ndtrain.data.prepare import PreparedData, prepare_data
+from ndtrain.launch import init_process, shutdown
+from ndtrain.mesh import MeshShape, ParallelMesh
+
+
+def mesh_shape(cfg: config_mod.Config) -> MeshShape:
+    p = cfg.parallel
+    return MeshShape(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp)
+
+
+def prepare_on_each_node(cfg: config_mod.Config, local_rank: int) -> Path:
+    """Under torchrun every node prepares its own copy once (local rank 0), the others wait."""
+    d = cfg.data
+    kwargs = dict(source=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+                  val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key)
+    path = prepare_data(**kwargs, progress=True) if local_rank == 0 else None
+    if dist.is_initialized():
+        dist.barrier()
+    return path or prepare_data(**kwargs, progress=False)
+
+
+def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None) -> dict:
+    """Entry point of one rank. Returns the run summary on rank 0 ({} elsewhere)."""
+    from ndtrain.train.trainer import Trainer
+
+    cfg = config_mod.from_dict(cfg_dict)
+    env = init_process(cfg.run.device, cfg.run.threads)
+    try:
+        data_path = Path(data_dir) if data_dir else prepare_on_each_node(cfg, env.local_rank)
+        mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
+        trainer = Trainer(cfg, mesh, PreparedData.open(data_path), Path(run_dir),
+                          local_world=env.local_world)
+        last = store.latest(Path(run_dir)) if cfg.run.resume != "false" else None
+        if last is not None:
+            trainer.resume(last)
+        return trainer.fit(stop_after=cfg.run.stop_after)
+    finally:
+        shutdown()

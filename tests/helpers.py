@@ -1,0 +1,70 @@
+"""Shared pieces of the multi-rank tests: a tiny prepared corpus and a trainer runner."""
+
+from __future__ import annotations
+
+import shutil
+import sysconfig
+from pathlib import Path
+
+import torch
+
+TINY = ["model.preset=tiny", "train.steps=5", "train.global_batch=8", "train.seq_len=32",
+        "train.lr=3e-3", "train.warmup=2", "train.eval_every=0", "train.eval_batches=1",
+        "run.progress=false", "run.plot=false", "run.device=cpu"]
+
+
+def make_tiny_corpus(root: Path) -> Path:
+    """About 150 KB of real Python source: a few stdlib modules copied into a folder."""
+    src = Path(sysconfig.get_paths()["stdlib"])
+    out = root / "corpus"
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("textwrap.py", "bisect.py", "colorsys.py", "heapq.py", "fnmatch.py", "shlex.py",
+                 "glob.py", "keyword.py", "stat.py", "this.py", "queue.py", "sched.py"):
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return out
+
+
+def tiny_data_dir(root: Path) -> Path:
+    from ndtrain.data.prepare import prepare_data
+    corpus = make_tiny_corpus(root)
+    return prepare_data(source=str(corpus), vocab_size=512, val_fraction=0.2,
+                        cache_dir=root / "cache", progress=False)
+
+
+def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_dir: str | None = None,
+                  resume: bool = False):
+    """Build a Trainer on the current world with TINY + overrides and train; returns
+    (losses, model state on rank 0 or None, trainer)."""
+    import torch.distributed as dist
+
+    from ndtrain.checkpoint import store
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.prepare import PreparedData
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.trainer import Trainer
+    from ndtrain.train.worker import mesh_shape
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    cfg = validate(load_config(None, TINY + overrides), world=world)
+    mesh = ParallelMesh.build(mesh_shape(cfg))
+    trainer = Trainer(cfg, mesh, PreparedData.open(data_dir), Path(run_dir) if run_dir else None)
+    if resume:
+        trainer.resume(store.latest(Path(run_dir)))
+    trainer.fit(stop_after=stop_after)
+    losses = [r["loss"] for r in trainer.history]
+    state = {k: v.detach().clone() for k, v in trainer.par.model_state().items()} if mesh.rank == 0 else None
+    return losses, state, trainer
+
+
+def assert_states_close(a: dict, b: dict, rtol: float = 1e-5) -> None:
+    assert a.keys() == b.keys()
+    for k in a:
+        err = (a[k] - b[k]).norm() / b[k].norm().clamp_min(1e-12)
+        assert err <= rtol, f"{k}: relative error {err:.2e} > {rtol}"
+
+
+def assert_losses_close(a: list[float], b: list[float], rtol: float = 1e-5) -> None:
+    assert len(a) == len(b)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= rtol * abs(y), f"step {i}: {x} vs {y}"
