@@ -73,7 +73,7 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = 300
+    steps: int = 400
     global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
     micro_batch: int = 0  # sequences per forward/backward on one rank; 0 = no accumulation
     seq_len: int = 128

@@ -183,5 +183,9 @@ class ParallelMesh:
         return self.coords["pp"] == 0
 
     def describe(self) -> str:
-        live = [f"{d}={getattr(self.shape, d)}" for d in DIMS if getattr(self.shape, d) > 1]
+        """E.g. "pp=2 × dp=2 × tp=2"; "dp_replicate=2 × dp_shard=2" for hybrid sharding."""
+        names = dict(zip(DIMS, DIMS))
+        if self.shape.dp_replicate == 1:
+            names["dp_shard"] = "dp"
+        live = [f"{names[d]}={getattr(self.shape, d)}" for d in DIMS if getattr(self.shape, d) > 1]
         return " × ".join(live) if live else "single process"

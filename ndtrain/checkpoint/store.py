@@ -121,10 +121,14 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: meta.json unreadable ({e})") from None
 
 
-def load_part(path: Path, name: str, mesh: ParallelMesh, replicated: tuple[str, ...],
-              tensors: bool, device: torch.device | str = "cpu"):
+def load_part(path: Path, name: str, mesh: ParallelMesh, replicated: tuple[str, ...] | None,
+              device: torch.device | str = "cpu"):
     """Read this rank's copy of a part written by `save` on the same layout."""
+    tensors = True
     file = Path(path) / file_name(name, mesh, replicated, tensors)
+    if not file.is_file():
+        tensors = False
+        file = Path(path) / file_name(name, mesh, replicated, tensors)
     if not file.is_file():
         raise CheckpointError(f"checkpoint {path}: part file {file.name} is missing "
                               f"(was it written with a different layout?)")

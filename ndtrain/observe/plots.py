@@ -12,6 +12,15 @@ import matplotlib.pyplot as plt  # noqa: E402
 from ndtrain.observe.metrics import read_metrics  # noqa: E402
 
 
+def _smooth(values: list[float], weight: float = 0.9) -> list[float]:
+    """Exponential moving average, bias-corrected so the start is not pulled to zero."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values):
+        avg = weight * avg + (1 - weight) * v
+        out.append(avg / (1 - weight ** (i + 1)))
+    return out
+
+
 def plot_loss(metrics_path: Path, out: Path, baseline: float | None = None, title: str = "") -> Path:
     """Training and validation loss against step, with the unigram baseline if given."""
     records = read_metrics(metrics_path)
@@ -19,7 +28,8 @@ def plot_loss(metrics_path: Path, out: Path, baseline: float | None = None, titl
     loss = [r["loss"] for r in records if r.get("loss") is not None]
     val = [(r["step"] + 1, r["val_loss"]) for r in records if r.get("val_loss") is not None]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot(steps, loss, lw=1, label="train loss")
+    ax.plot(steps, loss, lw=0.8, alpha=0.35, color="C0")
+    ax.plot(steps, _smooth(loss), lw=1.5, color="C0", label="train loss (smoothed)")
     if val:
         ax.plot(*zip(*val), "o-", ms=4, label="validation loss")
     if baseline is not None:

@@ -36,6 +36,8 @@ class Trainer:
                  *, local_world: int = 1):
         self.cfg, self.mesh, self.data = cfg, mesh, data
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         self.args = cfg.model_args(vocab_size=data.vocab_size)
         # Per-rank random stream for dropout; weights come from per-name generators instead.
@@ -188,12 +190,12 @@ class Trainer:
             raise TrainingError(f"checkpoint {path} was written with layout {meta.get('mesh')}, "
                                 f"this run has {here}; resuming needs the same layout")
         if meta.get("model_sharded"):
-            state = store.load_part(path, "model_shard", mesh, par.model_replicated, True, mesh.device)
+            state = store.load_part(path, "model_shard", mesh, par.model_replicated, mesh.device)
         else:
-            state = store.load_part(path, "model", mesh, DIMS, True, mesh.device)
+            state = store.load_part(path, "model", mesh, DIMS, mesh.device)
         par.load_model_state(state)
-        par.optimizer.load_state_dict(store.load_part(path, "optim", mesh, par.optim_replicated, False, mesh.device))
-        rng = store.load_part(path, "rng", mesh, store.PER_RANK, False)
+        par.optimizer.load_state_dict(store.load_part(path, "optim", mesh, par.optim_replicated, mesh.device))
+        rng = store.load_part(path, "rng", mesh, store.PER_RANK)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and mesh.device.type == "cuda":
             torch.cuda.set_rng_state(rng["cuda"], mesh.device)

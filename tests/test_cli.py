@@ -1,0 +1,75 @@
+"""The command line end to end: train on 2 local processes, the run directory, generate,
+and a rank that dies."""
+
+import json
+import time
+
+import pytest
+
+from helpers import make_tiny_corpus
+from ndtrain.cli import main
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    corpus = make_tiny_corpus(root)
+    run = root / "run"
+    code = main(["train", "--nproc", "2", f"data.path={corpus}", "data.vocab_size=400",
+                 f"data.cache_dir={root / 'cache'}", "model.preset=tiny", "train.steps=6",
+                 "train.global_batch=4", "train.seq_len=32", "train.eval_every=3", "train.eval_batches=1",
+                 f"run.dir={run}", "run.device=cpu"])
+    assert code == 0
+    return run
+
+
+def test_train_writes_the_run_directory(trained_run, capsys):
+    run = trained_run
+    for name in ("config.toml", "metrics.jsonl", "loss.png", "summary.json", "tokenizer.json"):
+        assert (run / name).is_file(), name
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(6))
+    for r in records:
+        assert {"step", "loss", "tokens_per_s", "mfu", "comm_bytes"} <= r.keys()
+        assert r["comm"]["dp_cp.all_reduce"] > 0
+    assert [r["step"] for r in records if "val_loss" in r] == [2, 5]
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000006"
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["layout"] == "dp=2" and summary["val_loss"] > 0
+
+
+def test_generate_samples_from_the_run(trained_run, capsys):
+    assert main(["generate", "--run", str(trained_run), "--prompt", "def ", "--max-new-tokens", "12",
+                 "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def ") and len(out) > len("def ")
+
+
+def test_resume_false_refuses_existing_run(trained_run, capsys):
+    assert main(["train", f"run.dir={trained_run}", "run.resume=false", "model.preset=tiny"]) == 2
+    assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def test_generate_bad_input(tmp_path, capsys):
+    assert main(["generate", "--run", str(tmp_path / "nope"), "--prompt", "x"]) == 2
+    assert "--run" in capsys.readouterr().err
+
+
+def _dies_on_rank_1():
+    import torch
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    if dist.get_rank() == 1:
+        raise ValueError("injected fault")
+    dist.all_reduce(torch.ones(1))  # rank 0 waits on the dead peer: must not hang
+    dist.barrier()
+
+
+def test_dead_rank_is_named_and_nothing_hangs():
+    from ndtrain.launch import RankFailure, launch_local
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as e:
+        launch_local(2, _dies_on_rank_1)
+    assert e.value.rank == 1
+    assert "ValueError: injected fault" in e.value.summary
+    assert time.monotonic() - t0 < 120

@@ -1,0 +1,64 @@
+"""Checkpoints: 10 steps straight equal 5 steps, a resume, and 5 more, bit for bit."""
+
+import pytest
+import torch
+
+from helpers import train_in_rank
+from ndtrain.testing import run_ranks
+
+STEPS = ["train.steps=10", "train.eval_every=5", "train.micro_batch=2"]
+
+
+def _straight_vs_resumed(data_dir, root):
+    import torch.distributed as dist
+    straight, s_state, _ = train_in_rank(STEPS, data_dir, run_dir=f"{root}/straight")
+    first, _, _ = train_in_rank(STEPS, data_dir, stop_after=5, run_dir=f"{root}/resumed")
+    dist.barrier()
+    second, r_state, trainer = train_in_rank(STEPS, data_dir, run_dir=f"{root}/resumed", resume=True)
+    return straight, first + second, s_state, r_state, trainer.step
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_resume_is_bit_exact(world, tiny_data, tmp_path):
+    results = run_ranks(_straight_vs_resumed, world, tiny_data, str(tmp_path))
+    straight, resumed, s_state, r_state, step = results[0]
+    assert step == 10
+    assert straight == resumed  # exact float equality, every step
+    for k in s_state:
+        assert torch.equal(s_state[k], r_state[k]), k
+    # the resumed run's metrics file reads like the straight one
+    from ndtrain.observe.metrics import read_metrics
+    a = read_metrics(tmp_path / "straight" / "metrics.jsonl")
+    b = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(10))
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]
+
+
+def _resume_other_layout(data_dir, root):
+    from ndtrain.checkpoint import store  # noqa: F401
+    train_in_rank(["train.steps=2"], data_dir, run_dir=root)
+    return True
+
+
+def test_corrupt_and_mismatched_checkpoints_are_named(tiny_data, tmp_path):
+    from pathlib import Path
+
+    from ndtrain.checkpoint import store
+    from ndtrain.train.trainer import TrainingError
+    run_ranks(_resume_other_layout, 2, tiny_data, str(tmp_path))
+    last = store.latest(tmp_path)
+    assert last.name == "step_0000002" and (last / "model.safetensors").is_file()
+    assert not list(Path(tmp_path, "checkpoints").glob("*.tmp"))
+    # a single process may not resume a 2-rank checkpoint
+    with pytest.raises(TrainingError, match="layout"):
+        train_in_rank(["train.steps=4"], tiny_data, run_dir=str(tmp_path), resume=True)
+    # a truncated optimizer file is reported by name
+    (last / "optim.pt").write_bytes(b"garbage")
+    cp = tmp_path / "copy"
+    import shutil
+    shutil.copytree(tmp_path, cp, ignore=shutil.ignore_patterns("copy"))
+    meta = (cp / "checkpoints" / last.name / "meta.json")
+    meta.write_text(meta.read_text().replace('"dp_shard": 2', '"dp_shard": 1'))
+    with pytest.raises(store.CheckpointError, match="optim.pt is corrupt"):
+        train_in_rank(["train.steps=4"], tiny_data, run_dir=str(cp), resume=True)
