@@ -35,7 +35,7 @@ def tiny_data_dir(root: Path) -> Path:
 def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_dir: str | None = None,
                   resume: bool = False):
     """Build a Trainer on the current world with TINY + overrides and train; returns
-    (losses, model state on rank 0 or None, trainer)."""
+    (losses, the full model's weights on rank 0 or None, trainer)."""
     import torch.distributed as dist
 
     from ndtrain.checkpoint import store
@@ -53,7 +53,8 @@ def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_
         trainer.resume(store.latest(Path(run_dir)))
     trainer.fit(stop_after=stop_after)
     losses = [r["loss"] for r in trainer.history]
-    state = {k: v.detach().clone() for k, v in trainer.par.model_state().items()} if mesh.rank == 0 else None
+    full = trainer.par.full_model_state()  # collective: the whole model, on rank 0
+    state = {k: v.detach().float().clone() for k, v in full.items()} if mesh.rank == 0 else None
     return losses, state, trainer
 
 

@@ -1,0 +1,54 @@
+"""The master test: every layout trains exactly like one process.
+
+Each row of LAYOUTS runs TINY for 5 steps on the same seed and data, then compares the
+losses of every step and the final full weights (gathered to rank 0) with a single-process
+run, at 1e-5 relative. Rows of one world size share one launch of that many ranks.
+
+Add a row for every new dimension and every composition it supports.
+"""
+
+import pytest
+
+from helpers import assert_losses_close, assert_states_close, train_in_rank
+from ndtrain.testing import run_ranks
+
+LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
+    2: [
+        ("dp2", ["parallel.dp=2"]),
+        ("dp2-buckets-smaller-than-a-weight", ["parallel.dp=2", "parallel.bucket_mb=0.001"]),
+        ("dp2-accumulation", ["parallel.dp=2", "train.micro_batch=1"]),
+    ],
+    4: [
+        ("dp4", ["parallel.dp=4"]),
+        ("dp4-buckets-smaller-than-a-weight", ["parallel.dp=4", "parallel.bucket_mb=0.001"]),
+        ("dp4-accumulation", ["parallel.dp=4", "train.micro_batch=1"]),
+    ],
+}
+
+
+def _single(data_dir):
+    return train_in_rank([], data_dir)[:2]
+
+
+def _run_layouts(data_dir, rows):
+    return {name: train_in_rank(overrides, data_dir)[:2] for name, overrides in rows}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data):
+    return run_ranks(_single, 1, tiny_data)[0]
+
+
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_layout_invariance(world, tiny_data, reference):
+    ref_losses, ref_state = reference
+    results = run_ranks(_run_layouts, world, tiny_data, LAYOUTS[world], timeout=600)
+    for name, _ in LAYOUTS[world]:
+        losses, state = results[0][name]
+        try:
+            assert_losses_close(losses, ref_losses, 1e-5)
+            assert_states_close(state, ref_state, 1e-5)
+        except AssertionError as e:
+            raise AssertionError(f"layout {name}: {e}") from None
+        for rank, other in enumerate(results[1:], 1):
+            assert other[name][0] == losses, f"layout {name}: rank {rank} reports other losses"
