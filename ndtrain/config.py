@@ -57,6 +57,7 @@ class ParallelConfig:
     pp: int = 1
     pp_schedule: str = "1f1b"
     pp_virtual: int = 1
+    pp_split: str = ""  # blocks per pipeline chunk, e.g. "3,5,5,3"; "" = balanced by cost
     cp: int = 1
     ep: int = 1
     zero: int = 0
@@ -309,7 +310,7 @@ PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
 
 # Dimensions whose implementation has not landed yet: refused up front, never half-run.
-NOT_YET = {"parallel.tp": "tensor parallelism", "parallel.pp": "pipeline parallelism",
+NOT_YET = {"parallel.tp": "tensor parallelism",
            "parallel.cp": "context parallelism", "parallel.ep": "expert parallelism"}
 
 
@@ -436,6 +437,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
         raise ConfigError("model.n_heads", a.n_heads, f"head dim {a.dim}/{a.n_heads} = {a.head_dim} must be even for RoPE")
     if a.n_kv_heads > a.n_heads or a.n_heads % a.n_kv_heads:
         raise ConfigError("model.n_kv_heads", a.n_kv_heads, f"must divide model.n_heads = {a.n_heads}")
+    _check_pipeline(cfg, a)
     if a.n_heads % p.tp:
         raise ConfigError("model.n_heads", a.n_heads, f"must be divisible by parallel.tp = {p.tp}")
     if a.n_kv_heads % p.tp and p.tp % a.n_kv_heads:
@@ -453,6 +455,38 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     if not 0.0 < d.val_fraction <= 0.5:
         raise ConfigError("data.val_fraction", d.val_fraction, "must be in (0, 0.5]")
     return cfg
+
+
+def _check_pipeline(cfg: Config, a: ModelArgs) -> None:
+    """The pipeline's layout: chunks, split, micro-batches per schedule."""
+    from ndtrain.parallel.pipeline.partition import parse_split, split_error
+
+    p, t = cfg.parallel, cfg.train
+    n_chunks = p.pp * p.pp_virtual
+    if p.pp == 1:
+        for key, value, default in (("pp_virtual", p.pp_virtual, 1), ("pp_split", p.pp_split, "")):
+            if value != default:
+                raise ConfigError(f"parallel.{key}", value, "needs parallel.pp > 1")
+        return
+    if p.pp_virtual > 1 and p.pp_schedule != "interleaved":
+        raise ConfigError("parallel.pp_virtual", p.pp_virtual,
+                          f"needs parallel.pp_schedule = 'interleaved' (it is {p.pp_schedule!r})")
+    if p.pp_split:
+        try:
+            counts = parse_split(p.pp_split)
+        except ValueError:
+            raise ConfigError("parallel.pp_split", p.pp_split, "expected layers per chunk, e.g. \"3,5\"") from None
+        error = split_error(counts, n_chunks, a.n_layers)
+        if error:
+            raise ConfigError("parallel.pp_split", p.pp_split, error)
+    elif a.n_layers < n_chunks:
+        raise ConfigError("model.n_layers", a.n_layers, f"must be at least pp × pp_virtual = "
+                          f"{p.pp} × {p.pp_virtual} = {n_chunks}: every pipeline chunk needs a layer")
+    m = t.accumulation(p.dp)
+    if p.pp_schedule == "interleaved" and m % p.pp:
+        raise ConfigError("parallel.pp_schedule", p.pp_schedule,
+                          f"needs the micro-batch count global_batch / (dp × micro_batch) = {t.global_batch} / "
+                          f"({p.dp} × {t.micro_batch}) = {m} to be a multiple of parallel.pp = {p.pp}")
 
 
 def recompute_every(spec: str) -> int:

@@ -12,16 +12,29 @@ import pytest
 from helpers import assert_losses_close, assert_states_close, train_in_rank
 from ndtrain.testing import run_ranks
 
+def _pipeline(pp: int, schedule: str, m: int, *extra: str) -> tuple[str, list[str]]:
+    """A pipeline row: pp stages, m micro-batches per data-parallel rank (global batch 8)."""
+    dp = next((int(e.split("=")[1]) for e in extra if e.startswith("parallel.dp=")), 1)
+    name = f"pp{pp}-{schedule}-m{m}" + "".join(f"-{e.split('.', 1)[1]}" for e in extra)
+    return name, [f"parallel.pp={pp}", f"parallel.pp_schedule={schedule}",
+                  f"train.micro_batch={8 // (dp * m)}", *extra]
+
+
 LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
     2: [
         ("dp2", ["parallel.dp=2"]),
         ("dp2-buckets-smaller-than-a-weight", ["parallel.dp=2", "parallel.bucket_mb=0.001"]),
         ("dp2-accumulation", ["parallel.dp=2", "train.micro_batch=1"]),
+        *(_pipeline(2, schedule, m) for schedule in ("afab", "1f1b", "zb") for m in (2, 4)),
+        *(_pipeline(2, "interleaved", m, "parallel.pp_virtual=2") for m in (2, 4)),
     ],
     4: [
         ("dp4", ["parallel.dp=4"]),
         ("dp4-buckets-smaller-than-a-weight", ["parallel.dp=4", "parallel.bucket_mb=0.001"]),
         ("dp4-accumulation", ["parallel.dp=4", "train.micro_batch=1"]),
+        *(_pipeline(4, schedule, m) for schedule in ("afab", "1f1b", "zb") for m in (4, 8)),
+        _pipeline(2, "1f1b", 2, "parallel.dp=2", "parallel.bucket_mb=0.001"),
+        _pipeline(2, "zb", 4, "parallel.dp=2"),
     ],
 }
 

@@ -99,6 +99,20 @@ def recv(t: torch.Tensor, group: Group, src: int):
     return dist.irecv(t, src=group.ranks[src], group=group.pg)
 
 
+def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group) -> list:
+    """Post point-to-point sends and receives (to and from group members) as one group, one
+    NCCL group on CUDA, so two ranks that send to each other at once cannot wait on each
+    other. Returns one handle per message, sends first, then receives."""
+    p2p = []
+    for t, dst in sends:
+        group.stats.record(group.name, "send", _nbytes(t), group.size)
+        p2p.append(dist.P2POp(dist.isend, t, group.ranks[dst], group.pg))
+    for t, src in recvs:
+        group.stats.record(group.name, "recv", _nbytes(t), group.size)
+        p2p.append(dist.P2POp(dist.irecv, t, group.ranks[src], group.pg))
+    return dist.batch_isend_irecv(p2p) if p2p else []
+
+
 def all_reduce_scalars(values: list[float], group: Group, dtype=torch.float64) -> list[float]:
     """Sum a few Python numbers over the group in one message (metrics, token counts).
     Bookkeeping, not training traffic: not counted in the byte accounting."""

@@ -27,6 +27,8 @@ from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.parallel.data import DataParallel
+from ndtrain.parallel.pipeline.executor import PipelineSchedule
+from ndtrain.parallel.pipeline.stage import StageModel, TiedEmbedding, build_chunks, gather_stages
 from ndtrain.train.clip import clip_grad_norm_
 from ndtrain.train.loss import token_loss_sum
 from ndtrain.train.optim import build_optimizer, param_groups, set_lr
@@ -44,7 +46,7 @@ class Parallelized:
     mesh: ParallelMesh
     grad_sync: GradSync
     optimizer: torch.optim.Optimizer
-    schedule: SingleStage
+    schedule: SingleStage | PipelineSchedule
     loss_fn: Callable = token_loss_sum
     # mesh dims over which model / optimizer states are identical copies (for checkpoints)
     model_replicated: tuple[str, ...] = REPLICATED_MODEL_DIMS
@@ -67,8 +69,10 @@ class Parallelized:
         return self.schedule.evaluate(micro_batches)
 
     def reduce_loss(self, local: torch.Tensor) -> float:
-        """The step's loss from each rank's share: summed over dp × cp."""
-        return ops.all_reduce_scalars([float(local)], self.mesh.group("dp_cp"))[0]
+        """The step's loss from each rank's share: summed over dp × cp, and over pp, where
+        only the last stage holds a loss."""
+        total = ops.all_reduce_scalars([float(local)], self.mesh.group("dp_cp"))
+        return ops.all_reduce_scalars(total, self.mesh.group("pp"))[0]
 
     # -- state ----------------------------------------------------------------------
     def model_state(self) -> dict[str, torch.Tensor]:
@@ -80,7 +84,10 @@ class Parallelized:
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0 (None elsewhere). Collective.
-        With no model dimension sharded, rank 0 already holds everything."""
+        With no model dimension sharded, rank 0 already holds everything; pipeline stages
+        send theirs to it."""
+        if self.mesh.shape.pp > 1:
+            return gather_stages(self.model, self.model_state(), self.mesh)
         return self.model_state() if self.mesh.rank == 0 else None
 
 
@@ -114,10 +121,19 @@ def build_model(args: ModelArgs, seed: int, device: torch.device) -> Transformer
 
 
 def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
-    model = build_model(args, cfg.train.seed, mesh.device)
+    pipelined = mesh.shape.pp > 1
+    # The whole model, or under pipeline parallelism only this rank's chunks; module swaps
+    # (tensor parallelism) apply to each chunk, before they are gathered into one module.
+    chunks = build_chunks(args, mesh, cfg) if pipelined else {0: build_model(args, cfg.train.seed, mesh.device)}
+    model = StageModel(chunks) if pipelined else chunks[0]
     bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
     grad_sync = DataParallel(list(model.parameters()), mesh.group("dp_cp"), bucket_bytes)
     optimizer = build_optimizer(param_groups(model.named_parameters(), cfg.train.weight_decay),
                                 cfg.train, mesh.device)
-    schedule = SingleStage(model, token_loss_sum)
+    if pipelined:
+        tied = TiedEmbedding(mesh, model) if args.tie_embeddings else None
+        schedule = PipelineSchedule(chunks, mesh, cfg.parallel.pp_schedule, cfg.parallel.pp_virtual,
+                                    token_loss_sum, tied)
+    else:
+        schedule = SingleStage(model, token_loss_sum)
     return Parallelized(model, mesh, grad_sync, optimizer, schedule)

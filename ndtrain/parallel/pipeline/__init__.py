@@ -1,0 +1,1 @@
+"""Pipeline parallelism (see executor.py)."""

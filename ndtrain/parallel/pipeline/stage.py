@@ -1,0 +1,108 @@
+"""This rank's share of the pipeline: its chunks, one module holding them under the full
+model's parameter names, the tied embedding across the first and last stage, and the
+gathering of every stage's weights for a checkpoint.
+
+Each chunk is a `Transformer(args, layer_ids, embed, head)`: the model's own code, holding
+only some blocks, with the same parameter names and (by name) the same initial values as in
+the full model. Transformations that swap modules (tensor parallelism) apply to each chunk;
+`StageModel` is built after them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ndtrain.comm import ops
+from ndtrain.config import Config
+from ndtrain.mesh import DIMS, Group, ParallelMesh
+from ndtrain.model.args import ModelArgs
+from ndtrain.model.llama import Transformer
+from ndtrain.parallel.pipeline.partition import chunk_counts, local_chunks, make_chunks
+from ndtrain.parallel.placement import is_duplicate, mark_duplicate
+
+
+def build_chunks(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> dict[int, Transformer]:
+    """This rank's chunks, by their index in the pipeline, initialised like the full model."""
+    p = cfg.parallel
+    counts = chunk_counts(args, p.pp * p.pp_virtual, cfg.train.seq_len, p.pp_split)
+    specs = make_chunks(counts)
+    chunks = {}
+    for c in local_chunks(mesh.coord("pp"), p.pp, p.pp_virtual):
+        spec = specs[c]
+        chunk = Transformer(args, spec.layer_ids, embed=spec.embed, head=spec.head)
+        chunk.init_weights(cfg.train.seed)
+        if args.tie_embeddings and spec.head:
+            # The last stage's copy of the embedding: its gradient is summed with the first
+            # stage's (TiedEmbedding), and the global norm must count it once.
+            mark_duplicate(chunk.output.weight)
+        chunks[c] = chunk.to(mesh.device)
+    return chunks
+
+
+class StageModel(nn.Module):
+    """The chunks of one rank as one module whose parameter names are the full model's
+    ("layers.5.attention.wq.weight"), for the optimizer, checkpoints and gradient sync.
+    It is never called: the schedule runs the chunks."""
+
+    def __init__(self, chunks: dict[int, Transformer]):
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for chunk in chunks.values():
+            if chunk.tok_embeddings is not None:
+                self.tok_embeddings = chunk.tok_embeddings
+            self.layers.update(chunk.layers)
+        for chunk in chunks.values():
+            if chunk.output is not None:
+                self.norm, self.output = chunk.norm, chunk.output
+
+    def forward(self, *args):
+        raise RuntimeError("a pipeline stage is run by its schedule, chunk by chunk")
+
+
+class TiedEmbedding:
+    """Input embedding (first stage) and output head (last stage) are one weight held twice:
+    after the backward pass their gradients are summed over the two, so both copies take the
+    same optimizer step and stay equal."""
+
+    def __init__(self, mesh: ParallelMesh, model: nn.Module):
+        pp_groups = mesh.shape.group_ranks(("pp",))
+        self.group: Group | None = None
+        for ranks in pp_groups:  # every rank creates every group, in the same order
+            ends = [ranks[0], ranks[-1]]
+            pg = dist.new_group(ends)
+            if mesh.rank in ends:
+                self.group = Group("pp_ends", ends, ends.index(mesh.rank), pg, mesh.stats, mesh.device)
+        self.weight = None
+        if self.group is not None:
+            self.weight = model.tok_embeddings.weight if mesh.is_first_stage else model.output.weight
+
+    def sync(self) -> None:
+        if self.weight is not None:
+            ops.all_reduce(self.weight.grad, self.group)
+
+
+def stage_is_gathered_here(mesh: ParallelMesh) -> bool:
+    """Whether this rank speaks for its stage when the full model is gathered: the rank at
+    coordinate 0 of every dimension but pp."""
+    return all(mesh.coords[d] == 0 for d in DIMS if d != "pp")
+
+
+def gather_stages(model: nn.Module, state: dict[str, torch.Tensor], mesh: ParallelMesh) -> dict | None:
+    """The full model on rank 0 from each stage's weights `state` (the stage's whole weights,
+    on the rank that speaks for it). Duplicates (a tied head) are left out, as in the full
+    model's own state. Collective over the pp group of rank 0; None elsewhere."""
+    if not stage_is_gathered_here(mesh):
+        return None
+    duplicates = {name for name, p in model.named_parameters() if is_duplicate(p)}
+    local = {k: v.detach().cpu() for k, v in state.items() if k not in duplicates}
+    group = mesh.group("pp")
+    out = [None] * group.size if mesh.rank == 0 else None
+    dist.gather_object(local, out, dst=group.ranks[0], group=group.pg)
+    if mesh.rank != 0:
+        return None
+    full: dict[str, torch.Tensor] = {}
+    for stage in out:
+        full.update(stage)
+    return full
