@@ -1,4 +1,4 @@
-"""The `ndtrain` command: train, prepare, generate, bench.
+"""The `ndtrain` command: train, prepare, generate, trace, bench.
 
 Bad input is refused before anything starts or is written: one line naming the key, the
 value and the rule, exit status 2. A fault during a run names the rank and exits 1.
@@ -22,6 +22,8 @@ examples:
   ndtrain train --config configs/default.toml model.preset=tiny
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain bench dp                               our DP against torch DDP, side by side
+  ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
+  ndtrain bench pp                               our 1F1B against torch.distributed.pipelining, and each schedule's bubble
 """
 
 
@@ -54,11 +56,22 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
 
-    p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP)")
-    p.add_argument("what", choices=["matmul", "dp"])
+    p = sub.add_parser("trace", help="run a few pipelined steps; write the schedule as a Chrome trace and a picture",
+                       description="Train a few steps of a pipelined layout (parallel.pp > 1), then write the last "
+                                   "step's per-rank timeline as trace.json (chrome://tracing, ui.perfetto.dev) and "
+                                   "timeline.png, and print the measured bubble next to the theory. Writes no checkpoint.")
+    p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+    p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>)")
+    p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default 3)")
+    with_config(p)
+
+    p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
+                                     "pp (our 1F1B vs torch.distributed.pipelining, bubbles)")
+    p.add_argument("what", choices=["matmul", "dp", "pp"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=6, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR")
     with_config(p)
     return ap
 
@@ -92,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate,
-                "bench": cmd_bench}[args.command](args)
+                "bench": cmd_bench, "trace": cmd_trace}[args.command](args)
     except (ConfigError, DataError) as e:
         return fail(str(e))
     except CheckpointError as e:
@@ -196,6 +209,37 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    from ndtrain.config import ConfigError, load_config, validate
+    from ndtrain.data.prepare import PreparedData, prepare_data
+    from ndtrain.launch import launch_local
+    from ndtrain.observe.trace import trace_worker
+
+    cfg = load_config(args.config, list(args.overrides) + [f"train.steps={args.steps}", "train.eval_batches=1",
+                                                           "run.progress=false"])
+    if args.nproc is not None:
+        cfg.run.nproc = args.nproc
+    validate(cfg)
+    p, t = cfg.parallel, cfg.train
+    if p.pp == 1:
+        raise ConfigError("parallel.pp", 1, "ndtrain trace draws a pipeline schedule; set parallel.pp > 1")
+    out = Path(args.out) if args.out else _run_dir(cfg, "trace")
+    data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=False))
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = data.vocab_size
+    m = t.accumulation(p.dp)
+    print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} tp={p.tp}, schedule {p.pp_schedule}"
+          + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "") + f", {m} micro-batches, {t.steps} steps → {out}",
+          flush=True)
+    r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
+    ms = " ".join(f"{k} {v:.1f} ms" for k, v in r["mean_ms"].items())
+    print(f"bubble    {r['measured_bubble']:.3f} measured vs {r['theory_bubble']:.3f} theory {r['theory']} "
+          f"(idle / busy per rank; mean {ms})\n"
+          f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
+          f"timeline  {r['timeline']}", flush=True)
+    return 0
+
+
 def print_summary(s: dict) -> None:
     run = Path(s["run_dir"])
     lines = []
@@ -275,6 +319,9 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
+    if args.what == "pp":
+        from ndtrain.bench import pp
+        return pp.run(args)
     from ndtrain.bench import dp
     return dp.run(args)
 

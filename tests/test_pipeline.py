@@ -136,3 +136,217 @@ def test_gradients_match_torch_pipelining(tiny_data):
     for rank in run_ranks(_grads_vs_torch_pipelining, 2, tiny_data):
         for (schedule, virtual), worst in rank.items():
             assert worst < 1e-6, (schedule, virtual, worst)
+
+
+# --------------------------------------------------------------------------- more layouts, memory, messages
+
+EIGHT_LAYERS = ["model.n_layers=8"]
+SPECIAL = [  # (name, pipeline overrides on 4 ranks, the single-process reference's overrides)
+    ("pp4-interleaved-v2-m4", ["parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2",
+                               "train.micro_batch=2", *EIGHT_LAYERS], ["train.micro_batch=2", *EIGHT_LAYERS]),
+    ("pp4-interleaved-v2-m8", ["parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2",
+                               "train.micro_batch=1", *EIGHT_LAYERS], ["train.micro_batch=1", *EIGHT_LAYERS]),
+    ("pp2-dp2-zb-tied", ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=zb", "train.micro_batch=1",
+                         "model.tie_embeddings=true"], ["model.tie_embeddings=true"]),
+]
+EVAL = ["train.eval_batches=2"]  # the last step evaluates: forward-only through the pipeline
+
+
+def _references(data_dir):
+    out = {}
+    for name, _, ref in SPECIAL:
+        losses, state, trainer = train_in_rank(ref + EVAL, data_dir)
+        out[name] = (losses, state, trainer.history[-1]["val_loss"])
+    return out
+
+
+def _special_layouts_and_counts(data_dir):
+    import torch.distributed as dist
+
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.loader import BatchLoader
+    from ndtrain.data.prepare import PreparedData
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.parallel.parallelize import build
+    from ndtrain.train.worker import mesh_shape
+
+    runs = {}
+    for name, overrides, _ in SPECIAL:
+        losses, state, trainer = train_in_rank(overrides + EVAL, data_dir)
+        runs[name] = (losses, state, trainer.history[-1]["val_loss"])
+
+    # Activations held and messages sent, over one step of 8 micro-batches on 4 stages
+    data = PreparedData.open(data_dir)
+    x, y = BatchLoader(data.stream("train"), 32, 8, 0).rows(0, 0, 8)
+    micro = list(zip(x.split(1), y.split(1)))
+    peaks, traffic = {}, {}
+    for schedule, extra in (("afab", []), ("1f1b", []), ("zb", []),
+                            ("interleaved", ["parallel.pp_virtual=2", *EIGHT_LAYERS])):
+        cfg = validate(load_config(None, TINY + ["parallel.pp=4", f"parallel.pp_schedule={schedule}",
+                                                 "train.micro_batch=1", *extra]), world=dist.get_world_size())
+        mesh = ParallelMesh.build(mesh_shape(cfg))
+        par = build(cfg.model_args(vocab_size=data.vocab_size), mesh, cfg)
+        par.forward_backward(micro, 256.0)  # the first step also agrees on the shapes
+        par.grad_sync.zero_grad()
+        mesh.stats.reset()
+        par.forward_backward(micro, 256.0)
+        peaks[schedule] = par.schedule.peak_held
+        traffic[schedule] = (mesh.stats.tallies[("pp", "send")].calls, mesh.stats.tallies[("pp", "recv")].calls)
+
+    # Gradient sync over dp: once per step, each bucket once, after the last backward of
+    # each of the rank's two chunks, though 4 micro-batches ran on each.
+    cfg = validate(load_config(None, TINY + ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=interleaved",
+                                             "parallel.pp_virtual=2", "train.micro_batch=1",
+                                             "parallel.bucket_mb=0.01"]), world=dist.get_world_size())
+    mesh = ParallelMesh.build(mesh_shape(cfg))
+    par = build(cfg.model_args(vocab_size=data.vocab_size), mesh, cfg)
+    rows = 4 * mesh.dp_rank
+    mine = list(zip(x[rows:rows + 4].split(1), y[rows:rows + 4].split(1)))
+    par.forward_backward(mine, 256.0)
+    mesh.stats.reset()
+    par.forward_backward(mine, 256.0)
+    tally = mesh.stats.tallies[("dp_cp", "all_reduce")]
+    grad_sync = (tally.calls, len(par.grad_sync.buckets), tally.payload, sum(p.numel() * 4 for p in par.model.parameters()))
+    return runs, peaks, traffic, grad_sync
+
+
+def test_interleaved_pp4_and_tied_embeddings_match_one_process(tiny_data):
+    refs = run_ranks(_references, 1, tiny_data)[0]
+    results = run_ranks(_special_layouts_and_counts, 4, tiny_data, timeout=600)
+    for name, _, _ in SPECIAL:
+        losses, state, val = results[0][0][name]
+        ref_losses, ref_state, ref_val = refs[name]
+        try:
+            assert_losses_close(losses, ref_losses, 1e-5)
+            assert_states_close(state, ref_state, 1e-5)
+            assert abs(val - ref_val) <= 1e-5 * ref_val, f"val_loss {val} vs {ref_val}"
+        except AssertionError as e:
+            raise AssertionError(f"layout {name}: {e}") from None
+        for rank in results[1:]:
+            assert rank[0][name][0] == losses and rank[0][name][2] == val
+    # Peak activation memory, counted in micro-batches held on each stage (stage 0 first):
+    # 1F1B at most pp, AFAB all m, zero bubble the peak of 1F1B.
+    peaks = [rank[1] for rank in results]
+    assert [p["afab"] for p in peaks] == [8, 8, 8, 8]
+    assert [p["1f1b"] for p in peaks] == [4, 3, 2, 1]
+    assert max(p["zb"] for p in peaks) == 4
+    assert peaks[0]["interleaved"] > 4  # interleaving buys its bubble with memory
+    # Messages: one activation forward and one gradient back per micro-batch and chunk
+    # boundary, nothing more (the shapes were agreed on the first step).
+    for rank, result in enumerate(results):
+        for schedule, (sends, recvs) in result[2].items():
+            v = 2 if schedule == "interleaved" else 1
+            chunks = [rank + 4 * k for k in range(v)]
+            links = sum((c > 0) + (c < 4 * v - 1) for c in chunks)
+            assert sends == recvs == 8 * links, (schedule, rank, sends, recvs)
+        calls, buckets, payload, param_bytes = result[3]
+        assert calls == buckets > 1 and payload == param_bytes, result[3]
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+RESUME = ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "train.micro_batch=2",
+          "model.tie_embeddings=true", "train.steps=6", "train.eval_every=3"]
+
+
+def _straight_vs_resumed(data_dir, root):
+    import torch.distributed as dist
+    straight, s_state, _ = train_in_rank(RESUME, data_dir, run_dir=f"{root}/straight")
+    first, _, _ = train_in_rank(RESUME, data_dir, stop_after=3, run_dir=f"{root}/resumed")
+    dist.barrier()
+    second, r_state, trainer = train_in_rank(RESUME, data_dir, run_dir=f"{root}/resumed", resume=True)
+    return straight, first + second, s_state, r_state, trainer.step
+
+
+def test_pipeline_checkpoint_resumes_bit_exact_and_holds_the_full_model(tiny_data, tmp_path):
+    """Each stage writes its chunks (model_shard-ppK) and optimizer; rank 0 writes the
+    gathered full model, which a plain Transformer loads; 3 + 3 steps equal 6 bit for bit."""
+    from safetensors.torch import load_file
+
+    from ndtrain.checkpoint import store
+    from ndtrain.model.args import ModelArgs
+    from ndtrain.model.llama import Transformer
+    from ndtrain.parallel.parallelize import load_unique_state
+    from ndtrain.observe.metrics import read_metrics
+
+    straight, resumed, s_state, r_state, step = run_ranks(_straight_vs_resumed, 2, tiny_data, str(tmp_path))[0]
+    assert step == 6 and straight == resumed
+    for k in s_state:
+        assert torch.equal(s_state[k], r_state[k]), k
+    a = [r.get("val_loss") for r in read_metrics(tmp_path / "straight" / "metrics.jsonl")]
+    b = [r.get("val_loss") for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")]
+    assert a == b and a[2] is not None
+    last = store.latest(tmp_path / "resumed")
+    names = sorted(p.name for p in last.iterdir())
+    assert {"model.safetensors", "model_shard-pp0.safetensors", "model_shard-pp1.safetensors",
+            "optim-pp0.pt", "optim-pp1.pt"} <= set(names), names
+    full = load_file(str(last / "model.safetensors"))
+    assert "output.weight" not in full  # tied: the embedding is the one copy
+    assert "output.weight" in load_file(str(last / "model_shard-pp1.safetensors"))
+    model = Transformer(ModelArgs(**store.read_meta(last)["model_args"]))
+    load_unique_state(model, full)
+    for k, v in full.items():
+        assert torch.equal(v, r_state[k]), k
+
+
+# --------------------------------------------------------------------------- the trace
+
+def _trace(data_dir, out):
+    import torch.distributed as dist
+
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.prepare import PreparedData
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.observe.trace import trace_run
+    from ndtrain.train.worker import mesh_shape
+    cfg = validate(load_config(None, TINY + ["parallel.pp=2", "parallel.pp_schedule=zb", "train.micro_batch=1",
+                                             "train.steps=2"]), world=dist.get_world_size())
+    return trace_run(cfg, ParallelMesh.build(mesh_shape(cfg)), PreparedData.open(data_dir), out)
+
+
+def test_trace_writes_chrome_json_picture_and_bubble(tiny_data, tmp_path):
+    import json
+    report = run_ranks(_trace, 2, tiny_data, tmp_path)[0]
+    assert report["schedule"] == "zb" and report["micro_batches"] == 8
+    assert report["measured_bubble"] > 0 and report["theory_bubble"] > 0 and set(report["mean_ms"]) == {"F", "B", "W"}
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    for rank in (0, 1):
+        compute = [e for e in events if e.get("tid") == rank and e.get("cat") in ("F", "B", "W")]
+        assert sorted(e["cat"] for e in compute) == ["B"] * 8 + ["F"] * 8 + ["W"] * 8
+        assert all(e["dur"] >= 0 for e in compute)
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["parallel.pp=4", "parallel.pp_virtual=2", "parallel.pp_schedule=interleaved", "run.nproc=4"],
+     "model.n_layers = 4: must be at least pp × pp_virtual = 4 × 2 = 8"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "train.global_batch=6", "train.micro_batch=2",
+      "run.nproc=2"], "global_batch / (dp × micro_batch) = 6 / (1 × 2) = 3 to be a multiple of parallel.pp = 2"),
+    (["parallel.pp=2", "parallel.pp_schedule=gpipe"], "parallel.pp_schedule = 'gpipe': unknown schedule"),
+    (["parallel.pp=2", "parallel.pp_split=1,2"], "parallel.pp_split = '1,2': covers 3 layers, but model.n_layers = 4"),
+    (["parallel.pp=2", "parallel.pp_split=1,1,2"], "lists 3 chunks, but pp × pp_virtual = 2"),
+    (["parallel.pp=2", "parallel.pp_split=0,4"], "every chunk needs at least one layer"),
+    (["parallel.pp=2", "parallel.pp_split=2;2"], "expected layers per chunk"),
+    (["parallel.pp_virtual=2"], "parallel.pp_virtual = 2: needs parallel.pp > 1"),
+    (["parallel.pp=2", "parallel.pp_virtual=2"], "needs parallel.pp_schedule = 'interleaved'"),
+])
+def test_pipeline_config_errors(overrides, fragment):
+    from ndtrain.config import ConfigError, load_config, validate
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, ["model.preset=tiny", "run.device=cpu"] + overrides))
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv", [
+    ["train", "--nproc", "2", "parallel.pp=2", "parallel.pp_split=1,2"],
+    ["trace", "--nproc", "2"],  # a trace needs a pipeline
+])
+def test_cli_refuses_bad_pipelines_before_writing(argv, tmp_path, capsys, monkeypatch):
+    from ndtrain.cli import main
+    monkeypatch.chdir(tmp_path)
+    code = main(argv + ["model.preset=tiny", f"run.dir={tmp_path / 'run'}", "run.device=cpu"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "parallel.pp" in err
+    assert list(tmp_path.iterdir()) == []

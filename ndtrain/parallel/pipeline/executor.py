@@ -63,6 +63,10 @@ class PipelineSchedule:
         self.timeline = Timeline(mesh.device, sync=trace_sync)
         self.peak_held = 0
         self._plans: dict[tuple[int, bool], list[list[Action]]] = {}
+        # The first chunk's embedding output: where the zero-bubble split of that chunk stops.
+        self._embedded: torch.Tensor | None = None
+        if 0 in chunks and getattr(chunks[0], "tok_embeddings", None) is not None:
+            chunks[0].tok_embeddings.register_forward_hook(self._keep_embedded)
         self._probed: tuple | None = None
         # NCCL: the first operation on a group must involve all of its ranks.
         ops.all_reduce_scalars([0.0], mesh.group("pp"))
@@ -138,6 +142,8 @@ class PipelineSchedule:
                 self._release(a, step)
             self.timeline.add(a.kind, a.chunk, a.micro, start)
         self.links.wait_sends()
+        # every activation released, every received buffer consumed, every gradient sent
+        assert not (step.inputs or step.received or step.input_grads or step.split), "pipeline step left state behind"
         grad_sync.finish()
         if self.tied is not None:
             self.tied.sync()
@@ -148,6 +154,8 @@ class PipelineSchedule:
                  step: _Step) -> torch.Tensor | None:
         """Returns the micro-batch's loss on the last chunk."""
         out = self.chunks[a.chunk](x)
+        if a.chunk == 0:
+            x, self._embedded = self._embedded, None
         loss = None
         if a.chunk == self.n_chunks - 1:
             out = self.loss_fn(out, targets) / n_targets
@@ -157,12 +165,15 @@ class PipelineSchedule:
         step.peak = max(step.peak, step.held)
         return loss
 
+    def _keep_embedded(self, module, args, out) -> None:
+        self._embedded = out if torch.is_grad_enabled() else None
+
     def _backward(self, a: Action, grad: torch.Tensor | None, step: _Step, split: bool) -> None:
         key = (a.chunk, a.micro)
         x, out = step.inputs[key], step.outputs[key]
         needs_input_grad = a.chunk > 0
         if split:
-            work = SplitBackward(out, x if needs_input_grad else None, grad)
+            work = SplitBackward(out, x, grad)
             step.split[key] = work
             if needs_input_grad:
                 step.input_grads[key] = work.input_grad

@@ -11,10 +11,11 @@ the same matmuls a full backward would have done, nothing recomputed, and gradie
 `.grad` through AccumulateGrad, so data-parallel hooks fire as usual.
 
 The graph (and every activation it saved) stays alive between B and W, which is what the
-schedule counts as a micro-batch held. A chunk whose input is token ids has no input gradient:
-its B does nothing and W is the whole backward. A chunk that uses one weight twice cannot be
-split this way (resuming from one use would walk back through the other): its B is the whole
-backward and W does nothing.
+schedule counts as a micro-batch held. On the first chunk, whose input is token ids, the
+"input" is the embedding's output: B carries the gradient down to it, W turns it into the
+embedding's gradient with the rest, so every stage splits its work alike. A chunk that uses
+one weight twice cannot be split this way (resuming from one use would walk back through the
+other): its B is the whole backward and W does nothing.
 """
 
 from __future__ import annotations
@@ -57,13 +58,16 @@ class SplitBackward:
     """B now (`input_grad`), W later (`weights()`), for one micro-batch of one chunk."""
 
     def __init__(self, output: torch.Tensor, inp: torch.Tensor | None, grad: torch.Tensor | None):
+        """`inp`: the chunk's input activation (a leaf), or on the first chunk the embedding's
+        output; None: no split, W does the whole backward."""
         self.output, self.grad = output, grad
         self.input_grad = None
         self.splits: list[tuple[object, list[torch.Tensor]]] = []
         self.captured: dict = {}
         if inp is None or not inp.requires_grad:
-            return  # nothing upstream waits: W does the whole backward
-        reach = _reaches(output.grad_fn, get_gradient_edge(inp).node)
+            return
+        target = get_gradient_edge(inp).node  # AccumulateGrad of a leaf, or the embedding's node
+        reach = _reaches(output.grad_fn, target)
         for node, on_path in reach.items():
             if not on_path:
                 continue
@@ -76,9 +80,10 @@ class SplitBackward:
             # A weight used twice in the chunk: resuming from one use would also walk back
             # through the other. Keep it correct and simple: B does the whole backward.
             self.splits = []
-            inp.grad = None
+            if inp.is_leaf:
+                inp.grad = None
             torch.autograd.backward(output, grad)
-            self.input_grad, inp.grad, self.output = inp.grad, None, None
+            self.input_grad, self.output = (inp.grad if inp.is_leaf else None), None
             return
         hooks = [node.register_prehook(self._capture(node)) for node, _ in self.splits]
         try:
@@ -86,6 +91,9 @@ class SplitBackward:
         finally:
             for h in hooks:
                 h.remove()
+        if any(node is target for node, _ in self.splits):
+            # autograd stopped at `inp` without running its node: W resumes there with B's result
+            self.captured[target] = (self.input_grad,)
 
     def _capture(self, node):
         def hook(grad_outputs):

@@ -1,0 +1,135 @@
+"""`ndtrain bench pp`: our 1F1B against torch.distributed.pipelining's Schedule1F1B, and the
+bubble of each of our schedules next to its theory.
+
+Same model, same two-stage split and weights, same micro-batches, same ranks: one training
+step's forward and backward through the pipeline each, alternated round by round. The
+model's stages cost the same (the balanced split; a small vocabulary keeps the head light)
+and each micro-batch carries enough work for the timings to mean something. Then each of
+our schedules runs a few more steps with its timeline recorded, and the median measured
+bubble (idle over busy time per rank) is printed next to the theory.
+"""
+
+from __future__ import annotations
+
+import inspect
+import statistics
+
+import torch
+
+from ndtrain.bench.common import alternate, report
+from ndtrain.bench.dp import synthetic_batch
+from ndtrain.config import load_config, validate
+from ndtrain.launch import init_process, launch_local, shutdown
+from ndtrain.mesh import ParallelMesh
+from ndtrain.parallel.parallelize import build
+from ndtrain.parallel.pipeline.stage import build_chunks
+from ndtrain.parallel.pipeline.timeline import gather
+from ndtrain.train.loss import token_loss_sum
+from ndtrain.train.worker import mesh_shape
+
+BENCH_DEFAULTS = ["model.preset=small", "model.n_layers=8", "model.dim=256", "model.ffn_dim=768",
+                  "model.vocab_size=512", "train.seq_len=128", "train.global_batch=16", "train.micro_batch=2",
+                  "parallel.pp=2", "parallel.pp_schedule=1f1b", "run.progress=false"]
+SCHEDULES = (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1))
+
+
+def _torch_1f1b(cfg, args, mesh, x, y, n_targets: float, m: int):
+    """The anchor: PipelineStage + Schedule1F1B over copies of our chunks (same weights)."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    (c, chunk), = build_chunks(args, mesh, cfg).items()
+    stage = PipelineStage(chunk, c, mesh.shape.pp, mesh.device, group=mesh.group("pp").pg)
+    kwargs = {"scale_grads": False} if "scale_grads" in inspect.signature(Schedule1F1B).parameters else {}
+    schedule = Schedule1F1B(stage, m, loss_fn=lambda out, t: token_loss_sum(out, t) / n_targets, **kwargs)
+
+    def step():
+        schedule.step(*((x,) if mesh.is_first_stage else ()), **({"target": y} if mesh.is_last_stage else {}))
+        chunk.zero_grad(set_to_none=False)
+    return step
+
+
+def _bubbles(cfg, args, mesh, micro, n_targets: float, steps: int, out: str) -> list[dict] | None:
+    """Each schedule's median measured bubble over `steps` steps (after one warm-up step);
+    with `out`, the timeline of that median step drawn to out/pp-<schedule>.png."""
+    from pathlib import Path
+
+    from ndtrain.observe.trace import bubble_report, draw
+
+    rows = []
+    for name, v in SCHEDULES:
+        c = cfg.copy()
+        c.parallel.pp_schedule, c.parallel.pp_virtual = name, v
+        par = build(args, mesh, c)
+        par.schedule.timeline.sync = mesh.device.type == "cuda"
+        measured = []
+        for k in range(steps + 1):
+            par.forward_backward(micro, n_targets)
+            par.grad_sync.zero_grad()
+            ranks = gather(par.schedule.timeline.events)
+            if k and ranks is not None:
+                measured.append((bubble_report(ranks, name, mesh.shape.pp, v, len(micro)), ranks))
+        if measured:
+            median, ranks = sorted(measured, key=lambda r: r[0]["measured_bubble"])[len(measured) // 2]
+            rows.append(median)
+            if out:
+                Path(out).mkdir(parents=True, exist_ok=True)
+                label = name + (f" v={v}" if v > 1 else "")
+                title = (f"{label} · pp={mesh.shape.pp} · {len(micro)} micro-batches · bubble "
+                         f"{median['measured_bubble']:.3f} measured, {median['theory_bubble']:.3f} theory {median['theory']}")
+                draw(ranks, Path(out) / f"pp-{name}.png", title, [f"stage {r}" for r in range(len(ranks))], mesh.shape.pp)
+    return rows if mesh.rank == 0 else None
+
+
+def _worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> str:
+    from ndtrain.config import from_dict
+    cfg = from_dict(cfg_dict)
+    env = init_process(cfg.run.device, cfg.run.threads)
+    try:
+        mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
+        args = cfg.model_args()
+        t = cfg.train
+        x, y = synthetic_batch(args, t.global_batch, t.seq_len, 0, env.device)  # the same rows on every stage
+        m = t.global_batch // t.micro_batch
+        micro = list(zip(x.split(t.micro_batch), y.split(t.micro_batch)))
+        n_targets = float(t.global_batch * t.seq_len)
+
+        ours = build(args, mesh, cfg)
+
+        def step_ours():
+            ours.forward_backward(micro, n_targets)
+            ours.grad_sync.zero_grad()
+
+        step_torch = _torch_1f1b(cfg, args, mesh, x, y, n_targets, m)
+        times = alternate({"ndtrain-1f1b": step_ours, "torch-Schedule1F1B": step_torch}, rounds, steps, env.device)
+        bubbles = _bubbles(cfg, args, mesh, micro, n_targets, steps, out)
+        if mesh.rank != 0:
+            return ""
+        lines = [f"{'schedule':<14}{'measured bubble':>16}{'theory':>9}  formula", "-" * 60]
+        by_name = {}
+        for r in bubbles:
+            name = r["schedule"] + (f" v={r['virtual']}" if r["virtual"] > 1 else "")
+            by_name[r["schedule"]] = r
+            within = abs(r["measured_bubble"] - r["theory_bubble"]) <= 0.25 * r["theory_bubble"]
+            lines.append(f"{name:<14}{r['measured_bubble']:>16.3f}{r['theory_bubble']:>9.3f}  {r['theory']}"
+                         + ("" if r["schedule"] == "zb" else f"   within 25%: {'yes' if within else 'no'}"))
+        ms = by_name["zb"]["mean_ms"]
+        lines.append(f"zero bubble below 1F1B: {'yes' if by_name['zb']['measured_bubble'] < by_name['1f1b']['measured_bubble'] else 'no'}"
+                     f" (zb mean F {ms['F']:.1f} ms, B {ms['B']:.1f} ms, W {ms['W']:.1f} ms)")
+        tokens = t.global_batch * t.seq_len
+        lines.append(report(times, tokens, "tok/s", "ndtrain/torch-pipelining", numerator="ndtrain-1f1b",
+                            denominator="torch-Schedule1F1B"))
+        return "\n".join(lines)
+    finally:
+        shutdown()
+
+
+def run(args) -> int:
+    cfg = load_config(args.config, BENCH_DEFAULTS + list(args.overrides))
+    cfg.run.nproc = args.nproc
+    validate(cfg)
+    a, t, p = cfg.model_args(), cfg.train, cfg.parallel
+    print(f"bench pp: {p.pp} stages × dp {p.dp} · model dim={a.dim} layers={a.n_layers} vocab={a.vocab_size} · "
+          f"{t.global_batch // t.micro_batch} micro-batches of {t.micro_batch}×{t.seq_len} · "
+          f"{args.rounds} rounds × {args.steps} steps, alternating", flush=True)
+    print(launch_local(args.nproc, _worker, cfg.to_dict(), args.rounds, args.steps, args.out or "")[0])
+    return 0

@@ -1,0 +1,122 @@
+"""`ndtrain trace`: run a few training steps of a pipelined layout and show its schedule.
+
+Writes, for the last step, a Chrome trace (`trace.json`: open it in chrome://tracing or
+ui.perfetto.dev; one row per rank, every action including message posts and waits) and a
+picture (`timeline.png`: ranks as rows, forward/backward/weight-gradient as coloured boxes
+numbered by micro-batch, idle time in grey), and reports the measured bubble next to the
+theory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ndtrain.parallel.pipeline.schedules import theory_bubble
+from ndtrain.parallel.pipeline.timeline import COMPUTE_KINDS, Event, measured_bubble
+
+COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
+THEORY = {"afab": "(p−1)/m", "1f1b": "(p−1)/m", "interleaved": "(p−1)/(v·m)", "zb": "(p−1)(F+B−W)/(m(F+B+W))"}
+
+
+def chrome_trace(ranks: list[list[Event]], path: Path, labels: list[str]) -> Path:
+    events = []
+    for r, rank in enumerate(ranks):
+        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": labels[r]}})
+        for e in rank:
+            events.append({"ph": "X", "name": f"{e.kind}{e.micro} c{e.chunk}", "cat": e.kind, "pid": 0, "tid": r,
+                           "ts": e.start * 1e6, "dur": max(e.end - e.start, 0.0) * 1e6,
+                           "args": {"chunk": e.chunk, "micro": e.micro}})
+    Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    return Path(path)
+
+
+def draw(ranks: list[list[Event]], path: Path, title: str, labels: list[str], pp: int) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    compute = [[e for e in rank if e.kind in COMPUTE_KINDS] for rank in ranks]
+    t0 = min(e.start for rank in compute for e in rank)
+    span = (max(e.end for rank in compute for e in rank) - t0) * 1e3  # ms
+    top_virtual = max(1, max(e.chunk // pp for rank in compute for e in rank))
+    kinds = {e.kind for rank in compute for e in rank}
+    fig, ax = plt.subplots(figsize=(12, 0.55 * len(ranks) + 1.6), dpi=120)
+    for r, rank in enumerate(compute):
+        ax.broken_barh([(0, span)], (r - 0.4, 0.8), facecolors="#EBEBEB")
+        for e in rank:
+            x, w = (e.start - t0) * 1e3, (e.end - e.start) * 1e3
+            # an interleaved rank's later chunks in a lighter shade of the same colour
+            ax.broken_barh([(x, w)], (r - 0.4, 0.8), facecolors=COLOURS[e.kind], edgecolor="white",
+                           linewidth=0.6, alpha=1.0 - 0.45 * (e.chunk // pp) / top_virtual)
+            if w > span / 150:
+                ax.text(x + w / 2, r, str(e.micro), ha="center", va="center", fontsize=6, color="white")
+    ax.set_yticks(range(len(ranks)), labels)
+    ax.invert_yaxis()
+    ax.set_xlim(0, span)
+    ax.set_xlabel("time (ms)")
+    ax.set_title(title, fontsize=10)
+    names = {"F": "forward", "B": "backward (input grad)" if "W" in kinds else "backward", "W": "weight grad"}
+    handles = [Patch(color=COLOURS[k], label=names[k]) for k in COMPUTE_KINDS if k in kinds]
+    handles.append(Patch(color="#EBEBEB", label="idle"))
+    ax.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 1.06), ncol=len(handles),
+              fontsize=8, frameon=False)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return Path(path)
+
+
+def bubble_report(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: int) -> dict:
+    measured, means = measured_bubble(ranks)
+    theory = theory_bubble(schedule, pp, v, m, means.get("F", 1.0), means.get("B", 1.0), means.get("W", 0.0))
+    return {"schedule": schedule, "pp": pp, "virtual": v, "micro_batches": m, "measured_bubble": measured,
+            "theory_bubble": theory, "theory": THEORY[schedule],
+            "mean_ms": {k: 1e3 * t for k, t in means.items()}}
+
+
+def trace_worker(cfg_dict: dict, out_dir: str, data_dir: str) -> dict:
+    """One rank: train `train.steps` steps (no checkpoint), then gather the last step's
+    timeline on rank 0, which writes trace.json and timeline.png. Returns the report on rank 0."""
+    from ndtrain import config as config_mod
+    from ndtrain.data.prepare import PreparedData
+    from ndtrain.launch import init_process, shutdown
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.worker import mesh_shape
+
+    cfg = config_mod.from_dict(cfg_dict)
+    env = init_process(cfg.run.device, cfg.run.threads)
+    try:
+        mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
+        return trace_run(cfg, mesh, PreparedData.open(data_dir), Path(out_dir))
+    finally:
+        shutdown()
+
+
+def trace_run(cfg, mesh, data, out: Path) -> dict:
+    """`trace_worker` on an existing process group and mesh. Collective."""
+    from ndtrain.parallel.pipeline.timeline import gather
+    from ndtrain.train.trainer import Trainer
+
+    trainer = Trainer(cfg, mesh, data, None)
+    schedule = trainer.par.schedule
+    schedule.timeline.sync = mesh.device.type == "cuda"
+    trainer.fit()
+    ranks = gather(schedule.timeline.events)
+    if mesh.rank != 0:
+        return {}
+    p, t = cfg.parallel, cfg.train
+    m = t.accumulation(p.dp)
+    labels = [f"rank {r}  " + " ".join(f"{d}{c}" for d, c in mesh.shape.coords(r).items() if getattr(mesh.shape, d) > 1)
+              for r in range(mesh.world)]
+    report = bubble_report(ranks, p.pp_schedule, p.pp, p.pp_virtual, m)
+    out.mkdir(parents=True, exist_ok=True)
+    title = (f"{p.pp_schedule} · {mesh.describe()}" + (f" · v={p.pp_virtual}" if p.pp_virtual > 1 else "")
+             + f" · {m} micro-batches · bubble {report['measured_bubble']:.3f} measured, "
+             f"{report['theory_bubble']:.3f} theory {report['theory']}")
+    report["trace"] = str(chrome_trace(ranks, out / "trace.json", labels))
+    report["timeline"] = str(draw(ranks, out / "timeline.png", title, labels, p.pp))
+    (out / "report.json").write_text(json.dumps(report, indent=1))
+    return report
