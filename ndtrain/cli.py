@@ -55,8 +55,8 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP)")
     p.add_argument("what", choices=["matmul", "dp"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
-    p.add_argument("--rounds", type=int, default=6, help="alternating A/B rounds")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
     with_config(p)
     return ap
 
