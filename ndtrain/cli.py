@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -69,8 +67,8 @@ def _parser() -> argparse.ArgumentParser:
                                      "pp (our 1F1B vs torch.distributed.pipelining, bubbles)")
     p.add_argument("what", choices=["matmul", "dp", "pp"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
-    p.add_argument("--rounds", type=int, default=6, help="alternating A/B rounds")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
     p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR")
     with_config(p)
     return ap
@@ -169,10 +167,10 @@ def check_resume(cfg, run_dir: Path) -> Path | None:
 
 
 def cmd_train(args) -> int:
-    from ndtrain.config import ConfigError, load_config, to_toml, validate
+    from ndtrain.config import load_config, validate
     from ndtrain.data.prepare import PreparedData, prepare_data
     from ndtrain.launch import external_world, launch_local
-    from ndtrain.train.worker import train_worker
+    from ndtrain.train.worker import resolve_vocab, train_worker
 
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
@@ -189,14 +187,7 @@ def cmd_train(args) -> int:
         return 0
 
     data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=cfg.run.progress))
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = data.vocab_size
-    elif cfg.model.vocab_size < data.vocab_size:
-        raise ConfigError("model.vocab_size", cfg.model.vocab_size,
-                          f"must be at least the tokenizer's vocabulary, {data.vocab_size}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
-    shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")
+    resolve_vocab(cfg, data)  # fails here, before any process starts or file is written
     p = cfg.parallel
     print(f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
           f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} steps → {run_dir}"
@@ -214,6 +205,7 @@ def cmd_trace(args) -> int:
     from ndtrain.data.prepare import PreparedData, prepare_data
     from ndtrain.launch import launch_local
     from ndtrain.observe.trace import trace_worker
+    from ndtrain.train.worker import resolve_vocab
 
     cfg = load_config(args.config, list(args.overrides) + [f"train.steps={args.steps}", "train.eval_batches=1",
                                                            "run.progress=false"])
@@ -225,8 +217,7 @@ def cmd_trace(args) -> int:
         raise ConfigError("parallel.pp", 1, "ndtrain trace draws a pipeline schedule; set parallel.pp > 1")
     out = Path(args.out) if args.out else _run_dir(cfg, "trace")
     data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=False))
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = data.vocab_size
+    resolve_vocab(cfg, data)
     m = t.accumulation(p.dp)
     print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} tp={p.tp}, schedule {p.pp_schedule}"
           + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "") + f", {m} micro-batches, {t.steps} steps → {out}",

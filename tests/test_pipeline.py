@@ -249,15 +249,6 @@ RESUME = ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virt
           "model.tie_embeddings=true", "train.steps=6", "train.eval_every=3"]
 
 
-def _straight_vs_resumed(data_dir, root):
-    import torch.distributed as dist
-    straight, s_state, _ = train_in_rank(RESUME, data_dir, run_dir=f"{root}/straight")
-    first, _, _ = train_in_rank(RESUME, data_dir, stop_after=3, run_dir=f"{root}/resumed")
-    dist.barrier()
-    second, r_state, trainer = train_in_rank(RESUME, data_dir, run_dir=f"{root}/resumed", resume=True)
-    return straight, first + second, s_state, r_state, trainer.step
-
-
 def test_pipeline_checkpoint_resumes_bit_exact_and_holds_the_full_model(tiny_data, tmp_path):
     """Each stage writes its chunks (model_shard-ppK) and optimizer; rank 0 writes the
     gathered full model, which a plain Transformer loads; 3 + 3 steps equal 6 bit for bit."""
@@ -269,7 +260,9 @@ def test_pipeline_checkpoint_resumes_bit_exact_and_holds_the_full_model(tiny_dat
     from ndtrain.parallel.parallelize import load_unique_state
     from ndtrain.observe.metrics import read_metrics
 
-    straight, resumed, s_state, r_state, step = run_ranks(_straight_vs_resumed, 2, tiny_data, str(tmp_path))[0]
+    from test_resume import _straight_vs_resumed
+    straight, resumed, s_state, r_state, step = run_ranks(_straight_vs_resumed, 2, tiny_data, str(tmp_path),
+                                                          RESUME, 3)[0]
     assert step == 6 and straight == resumed
     for k in s_state:
         assert torch.equal(s_state[k], r_state[k]), k

@@ -9,12 +9,12 @@ from ndtrain.testing import run_ranks
 STEPS = ["train.steps=10", "train.eval_every=5", "train.micro_batch=2"]
 
 
-def _straight_vs_resumed(data_dir, root):
+def _straight_vs_resumed(data_dir, root, overrides=STEPS, first_part=5):
     import torch.distributed as dist
-    straight, s_state, _ = train_in_rank(STEPS, data_dir, run_dir=f"{root}/straight")
-    first, _, _ = train_in_rank(STEPS, data_dir, stop_after=5, run_dir=f"{root}/resumed")
+    straight, s_state, _ = train_in_rank(overrides, data_dir, run_dir=f"{root}/straight")
+    first, _, _ = train_in_rank(overrides, data_dir, stop_after=first_part, run_dir=f"{root}/resumed")
     dist.barrier()
-    second, r_state, trainer = train_in_rank(STEPS, data_dir, run_dir=f"{root}/resumed", resume=True)
+    second, r_state, trainer = train_in_rank(overrides, data_dir, run_dir=f"{root}/resumed", resume=True)
     return straight, first + second, s_state, r_state, trainer.step
 
 
@@ -36,7 +36,6 @@ def test_resume_is_bit_exact(world, tiny_data, tmp_path):
 
 
 def _resume_other_layout(data_dir, root):
-    from ndtrain.checkpoint import store  # noqa: F401
     train_in_rank(["train.steps=2"], data_dir, run_dir=root)
     return True
 

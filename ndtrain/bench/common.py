@@ -15,6 +15,14 @@ import torch
 import torch.distributed as dist
 
 
+def bench_config(args, defaults: list[str]):
+    """The benchmark's configuration: its defaults, then the user's file and overrides."""
+    from ndtrain.config import load_config, validate
+    cfg = load_config(args.config, defaults + list(args.overrides))
+    cfg.run.nproc = args.nproc
+    return validate(cfg)
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

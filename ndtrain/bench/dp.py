@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from ndtrain.bench.common import alternate, report
-from ndtrain.config import load_config, validate
+from ndtrain.bench.common import alternate, bench_config, report
 from ndtrain.launch import init_process, launch_local, shutdown
 from ndtrain.mesh import MeshShape, ParallelMesh
 from ndtrain.parallel.parallelize import build, build_model
@@ -65,9 +64,7 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
 
 
 def run(args) -> int:
-    cfg = load_config(args.config, BENCH_DEFAULTS + list(args.overrides))
-    cfg.run.nproc = args.nproc
-    validate(cfg)
+    cfg = bench_config(args, BENCH_DEFAULTS)
     p = cfg.parallel
     a = cfg.model_args()
     print(f"bench dp: {args.nproc} ranks · model dim={a.dim} layers={a.n_layers} · "

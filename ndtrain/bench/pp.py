@@ -16,9 +16,8 @@ import statistics
 
 import torch
 
-from ndtrain.bench.common import alternate, report
+from ndtrain.bench.common import alternate, bench_config, report
 from ndtrain.bench.dp import synthetic_batch
-from ndtrain.config import load_config, validate
 from ndtrain.launch import init_process, launch_local, shutdown
 from ndtrain.mesh import ParallelMesh
 from ndtrain.parallel.parallelize import build
@@ -124,9 +123,7 @@ def _worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> str:
 
 
 def run(args) -> int:
-    cfg = load_config(args.config, BENCH_DEFAULTS + list(args.overrides))
-    cfg.run.nproc = args.nproc
-    validate(cfg)
+    cfg = bench_config(args, BENCH_DEFAULTS)
     a, t, p = cfg.model_args(), cfg.train, cfg.parallel
     print(f"bench pp: {p.pp} stages × dp {p.dp} · model dim={a.dim} layers={a.n_layers} vocab={a.vocab_size} · "
           f"{t.global_batch // t.micro_batch} micro-batches of {t.micro_batch}×{t.seq_len} · "
