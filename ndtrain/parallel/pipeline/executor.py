@@ -54,13 +54,13 @@ class _Step:
 
 class PipelineSchedule:
     def __init__(self, chunks: dict[int, nn.Module], mesh: ParallelMesh, name: str, virtual: int,
-                 loss_fn: Callable, tied: TiedEmbedding | None = None, *, trace_sync: bool = False):
+                 loss_fn: Callable, tied: TiedEmbedding | None = None):
         self.chunks, self.mesh, self.name, self.loss_fn, self.tied = chunks, mesh, name, loss_fn, tied
         self.pp, self.v = mesh.shape.pp, virtual
         self.rank = mesh.coord("pp")
         self.n_chunks = self.pp * self.v
         self.links = StageLinks(mesh.group("pp"), mesh.device)
-        self.timeline = Timeline(mesh.device, sync=trace_sync)
+        self.timeline = Timeline(mesh.device)  # `.sync = True` to time CUDA kernels, not launches
         self.peak_held = 0
         self._plans: dict[tuple[int, bool], list[list[Action]]] = {}
         # The first chunk's embedding output: where the zero-bubble split of that chunk stops.
@@ -89,7 +89,7 @@ class PipelineSchedule:
         key = (tuple(inputs.shape), inputs.dtype)
         if self._probed == key:
             return
-        modes = {c: chunk.training for c, chunk in self.chunks.items()}
+        modes = {m: m.training for chunk in self.chunks.values() for m in chunk.modules()}
         for chunk in self.chunks.values():
             chunk.eval()
         for c in range(self.n_chunks - 1):
@@ -99,8 +99,8 @@ class PipelineSchedule:
         last = self.n_chunks - 1
         if owner(last, self.pp) == self.rank:
             self.links.recv_with_header(last - 1, owner(last - 1, self.pp))
-        for c, chunk in self.chunks.items():
-            chunk.train(modes[c])
+        for m, training in modes.items():
+            m.training = training
         self._probed = key
 
     # -- training ------------------------------------------------------------------------
