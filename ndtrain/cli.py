@@ -18,6 +18,7 @@ examples:
   ndtrain train                                  the embedded default: small Llama on the stdlib, DP over 2 processes
   ndtrain train --nproc 4 train.steps=100        4-way data parallel
   ndtrain train --config configs/default.toml model.preset=tiny
+  ndtrain train --nproc 4 parallel.pp=2 parallel.pp_schedule=zb train.micro_batch=2   2 pipeline stages × 2 data-parallel
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain bench dp                               our DP against torch DDP, side by side
   ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
