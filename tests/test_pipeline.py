@@ -96,7 +96,7 @@ def _one_schedule_vs_torch(data_dir, schedule, virtual):
     from ndtrain.data.loader import BatchLoader
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
-    from ndtrain.parallel.parallelize import build
+    from ndtrain.parallel.parallelize import build, decoder
     from ndtrain.parallel.pipeline.stage import build_chunks
     from ndtrain.train.loss import token_loss_sum
     from ndtrain.train.worker import mesh_shape
@@ -115,7 +115,7 @@ def _one_schedule_vs_torch(data_dir, schedule, virtual):
     ours.forward_backward(list(zip(x.split(2), y.split(2))), n)
     mine = {k: p.grad.clone() for k, p in ours.model.named_parameters()}
 
-    chunks = build_chunks(args, mesh, cfg)  # fresh copies, same initial weights
+    chunks = build_chunks(args, mesh, cfg, decoder(args, mesh, cfg))  # fresh copies, same initial weights
     stages = [PipelineStage(chunk, c, 2 * virtual, torch.device("cpu")) for c, chunk in chunks.items()]
     kwargs = {"scale_grads": False} if "scale_grads" in inspect.signature(Schedule1F1B).parameters else {}
     loss_fn = lambda out, target: token_loss_sum(out, target) / n  # noqa: E731
@@ -167,7 +167,7 @@ def _special_layouts_and_counts(data_dir):
     from ndtrain.data.loader import BatchLoader
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
-    from ndtrain.parallel.parallelize import build
+    from ndtrain.parallel.parallelize import build, decoder
     from ndtrain.train.worker import mesh_shape
 
     runs = {}

@@ -20,7 +20,7 @@ from ndtrain.bench.common import alternate, bench_config, report
 from ndtrain.bench.dp import synthetic_batch
 from ndtrain.launch import init_process, launch_local, shutdown
 from ndtrain.mesh import ParallelMesh
-from ndtrain.parallel.parallelize import build
+from ndtrain.parallel.parallelize import build, decoder
 from ndtrain.parallel.pipeline.stage import build_chunks
 from ndtrain.parallel.pipeline.timeline import gather
 from ndtrain.train.loss import token_loss_sum
@@ -37,7 +37,7 @@ def _torch_1f1b(cfg, args, mesh, x, y, n_targets: float, m: int):
     """The anchor: PipelineStage + Schedule1F1B over copies of our chunks (same weights)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    (c, chunk), = build_chunks(args, mesh, cfg).items()
+    (c, chunk), = build_chunks(args, mesh, cfg, decoder(args, mesh, cfg)).items()
     stage = PipelineStage(chunk, c, mesh.shape.pp, mesh.device, group=mesh.group("pp").pg)
     kwargs = {"scale_grads": False} if "scale_grads" in inspect.signature(Schedule1F1B).parameters else {}
     schedule = Schedule1F1B(stage, m, loss_fn=lambda out, t: token_loss_sum(out, t) / n_targets, **kwargs)

@@ -114,17 +114,28 @@ def load_unique_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
             t.copy_(state[name])
 
 
-def build_model(args: ModelArgs, seed: int, device: torch.device) -> Transformer:
-    model = Transformer(args)
+def build_model(args: ModelArgs, seed: int, device: torch.device, layer_ids=None, embed: bool = True,
+                head: bool = True) -> Transformer:
+    model = Transformer(args, layer_ids, embed, head)
     model.init_weights(seed)
     return model.to(device)
+
+
+def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
+    """`make(layer_ids, embed, head)`: this rank's share of (part of) the decoder, with the
+    weights every layout starts from."""
+
+    def make(layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
+        return build_model(args, cfg.train.seed, mesh.device, layer_ids, embed, head)
+    return make
 
 
 def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
     pipelined = mesh.shape.pp > 1
     # The whole model, or under pipeline parallelism only this rank's chunks; module swaps
-    # (tensor parallelism) apply to each chunk, before they are gathered into one module.
-    chunks = build_chunks(args, mesh, cfg) if pipelined else {0: build_model(args, cfg.train.seed, mesh.device)}
+    # (tensor parallelism, in `decoder`) apply to each chunk, before StageModel gathers them.
+    make = decoder(args, mesh, cfg)
+    chunks = build_chunks(args, mesh, cfg, make) if pipelined else {0: make()}
     model = StageModel(chunks) if pipelined else chunks[0]
     bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
     grad_sync = DataParallel(list(model.parameters()), mesh.group("dp_cp"), bucket_bytes)

@@ -68,6 +68,7 @@ class PipelineSchedule:
         if 0 in chunks and getattr(chunks[0], "tok_embeddings", None) is not None:
             chunks[0].tok_embeddings.register_forward_hook(self._keep_embedded)
         self._probed: tuple | None = None
+        self._positions: torch.Tensor | None = None
         # NCCL: the first operation on a group must involve all of its ranks.
         ops.all_reduce_scalars([0.0], mesh.group("pp"))
 
@@ -95,7 +96,7 @@ class PipelineSchedule:
         for c in range(self.n_chunks - 1):
             if owner(c, self.pp) == self.rank:
                 x = inputs if c == 0 else self.links.recv_with_header(c - 1, owner(c - 1, self.pp))
-                self.links.send_with_header(self.chunks[c](x), c, owner(c + 1, self.pp))
+                self.links.send_with_header(self._chunk(c, x, inputs), c, owner(c + 1, self.pp))
         last = self.n_chunks - 1
         if owner(last, self.pp) == self.rank:
             self.links.recv_with_header(last - 1, owner(last - 1, self.pp))
@@ -127,7 +128,7 @@ class PipelineSchedule:
             if a.kind == F:
                 x = micro_batches[a.micro][0] if a.chunk == 0 else self._take(RECV_F, a, step).requires_grad_()
                 start = self.timeline.now()
-                loss = self._forward(a, x, micro_batches[a.micro][1], n_targets, step)
+                loss = self._forward(a, x, *micro_batches[a.micro], n_targets, step)
                 if loss is not None:
                     total += loss
             elif a.kind == B:
@@ -150,10 +151,17 @@ class PipelineSchedule:
         self.peak_held = step.peak
         return total
 
-    def _forward(self, a: Action, x: torch.Tensor, targets: torch.Tensor, n_targets: float,
-                 step: _Step) -> torch.Tensor | None:
+    def _chunk(self, c: int, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Chunk c on x. Positions come from the micro-batch's tokens: a received activation
+        may hold only part of the sequence (sequence parallelism)."""
+        if self._positions is None or self._positions.numel() != tokens.shape[1]:
+            self._positions = torch.arange(tokens.shape[1], device=tokens.device)
+        return self.chunks[c](x, positions=self._positions)
+
+    def _forward(self, a: Action, x: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor,
+                 n_targets: float, step: _Step) -> torch.Tensor | None:
         """Returns the micro-batch's loss on the last chunk."""
-        out = self.chunks[a.chunk](x)
+        out = self._chunk(a.chunk, x, tokens)
         if a.chunk == 0:
             x, self._embedded = self._embedded, None
         loss = None
@@ -227,7 +235,7 @@ class PipelineSchedule:
                 continue
             inputs, targets = micro_batches[a.micro]
             x = inputs if a.chunk == 0 else self._take(RECV_F, a, step)
-            out = self.chunks[a.chunk](x)
+            out = self._chunk(a.chunk, x, inputs)
             if a.chunk == self.n_chunks - 1:
                 total += float(self.loss_fn(out, targets).double())
             else:

@@ -10,6 +10,8 @@ the full model. Transformations that swap modules (tensor parallelism) apply to 
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -23,21 +25,21 @@ from ndtrain.parallel.pipeline.partition import chunk_counts, local_chunks, make
 from ndtrain.parallel.placement import is_duplicate, mark_duplicate
 
 
-def build_chunks(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> dict[int, Transformer]:
-    """This rank's chunks, by their index in the pipeline, initialised like the full model."""
+def build_chunks(args: ModelArgs, mesh: ParallelMesh, cfg: Config, make: Callable) -> dict[int, Transformer]:
+    """This rank's chunks, by their index in the pipeline. `make(layer_ids, embed, head)`
+    builds one on mesh.device with the full model's initial values (parallelize.decoder)."""
     p = cfg.parallel
     counts = chunk_counts(args, p.pp * p.pp_virtual, cfg.train.seq_len, p.pp_split)
     specs = make_chunks(counts)
     chunks = {}
     for c in local_chunks(mesh.coord("pp"), p.pp, p.pp_virtual):
         spec = specs[c]
-        chunk = Transformer(args, spec.layer_ids, embed=spec.embed, head=spec.head)
-        chunk.init_weights(cfg.train.seed)
+        chunk = make(spec.layer_ids, spec.embed, spec.head)
         if args.tie_embeddings and spec.head:
             # The last stage's copy of the embedding: its gradient is summed with the first
             # stage's (TiedEmbedding), and the global norm must count it once.
             mark_duplicate(chunk.output.weight)
-        chunks[c] = chunk.to(mesh.device)
+        chunks[c] = chunk
     return chunks
 
 
