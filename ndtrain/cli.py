@@ -24,7 +24,7 @@ examples:
   ndtrain train --nproc 4 parallel.zero=3 train.precision=bf16 train.recompute=full
                                                  ZeRO-3 (fully sharded), bf16 compute, every block recomputed
   ndtrain train --dry-run --nproc 4 parallel.zero=2 model.preset=125M
-                                                 memory per rank of one step, then exit (writes nothing)
+                                                 memory per rank of a step, then exit (writes nothing)
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain bench dp                               our DP against torch DDP, side by side
   ndtrain bench zero                             our ZeRO-3 against torch FSDP2, side by side
@@ -46,8 +46,8 @@ def _parser() -> argparse.ArgumentParser:
                                    "standard library's source, data parallel over 2 CPU processes (or every local GPU).")
     p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
     p.add_argument("--dry-run", action="store_true",
-                   help="build the layout, run one step on random tokens, print each rank's memory "
-                        "(parameters, gradients, optimizer state, activation peak) and exit; writes nothing")
+                   help="build the layout, run two steps on random tokens, print each rank's memory "
+                        "(parameters, gradients, optimizer state, activations, peak) and exit; writes nothing")
     with_config(p)
 
     p = sub.add_parser("prepare", help="tokenize a corpus into token shards (cached)",
@@ -209,7 +209,7 @@ def cmd_train(args) -> int:
 
 
 def dry_run(cfg, world: int | None) -> int:
-    """`train --dry-run`: one measured step per rank, a table on rank 0, nothing written."""
+    """`train --dry-run`: a measured step on every rank, a table from rank 0, nothing written."""
     from ndtrain.launch import launch_local
     from ndtrain.train.dry_run import dry_run_worker, render
     if world is None and cfg.parallel.world > 1:

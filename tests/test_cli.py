@@ -33,7 +33,7 @@ def test_train_writes_the_run_directory(trained_run, capsys):
         assert {"step", "loss", "tokens_per_s", "mfu", "comm_bytes", "memory"} <= r.keys()
         assert r["comm"]["dp_cp.all_reduce"] > 0
         memory = r["memory"]  # bytes per rank
-        assert set(memory) == {"params", "grads", "optimizer", "activations"}
+        assert set(memory) == {"params", "grads", "optimizer", "activations", "peak"}
         assert all(len(v) == 2 and min(v) > 0 for v in memory.values())
         assert memory["optimizer"][0] == pytest.approx(2 * memory["params"][0], rel=1e-3)  # Adam: m and v
     assert [r["step"] for r in records if "val_loss" in r] == [2, 5]

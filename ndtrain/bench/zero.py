@@ -57,12 +57,6 @@ def _fsdp2_gathered(model) -> int:
     return storage_bytes(p for p in model.parameters() if not hasattr(p, "to_local"))
 
 
-def _ours_held(par) -> int:
-    s = par.states
-    return storage_bytes(s.param_tensors() + s.grad_tensors() + s.master_tensors()
-                         + optimizer_tensors(par.optimizer))
-
-
 def _peak(step, device, held: int, extra) -> int:
     with measure_peak(device, extra) as peak:
         step()
@@ -85,7 +79,7 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
 
         times = alternate({"ndtrain": c.step_ours, "torch-fsdp2": step_fsdp2}, rounds, steps, device)
         ours = c.ours
-        peaks = [_peak(c.step_ours, device, _ours_held(ours), lambda: ours.states.gathered_bytes),
+        peaks = [_peak(c.step_ours, device, ours.held_bytes(), lambda: ours.states.gathered_bytes),
                  _peak(step_fsdp2, device, _fsdp2_held(ref, opt), lambda: _fsdp2_gathered(ref))]
         memory = "\n".join(f"peak memory rank {r}: ndtrain {format_bytes(a)} · torch-fsdp2 {format_bytes(b)}"
                            for r, (a, b) in enumerate(per_rank(peaks, device)))

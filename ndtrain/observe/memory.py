@@ -30,12 +30,19 @@ from torch.utils._pytree import tree_flatten
 
 @dataclass
 class MemoryReport:
-    """Bytes on one rank. `activations` is the step's peak above the model states."""
+    """Bytes on one rank.
+
+    params, grads, optimizer: the model states, counted right after the optimizer step
+    (when they are all allocated). activations: the most that forward and backward held
+    at once on top of what existed when forward began. peak: that plus what existed then,
+    the rank's high-water mark of the pass. (ZeRO-2/3 allocate their gradient slices
+    during backward, so for them `grads` is also inside `activations`' window.)"""
 
     params: int = 0
     grads: int = 0
     optimizer: int = 0
     activations: int = 0
+    peak: int = 0
 
     @property
     def model_states(self) -> int:

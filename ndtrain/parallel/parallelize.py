@@ -78,11 +78,12 @@ class Parallelized:
         """Forward and backward of every micro-batch, gradients synchronised and handed to
         the optimizer's tensors. `measure_memory` records the peak the passes allocate."""
         scale = self.scaler.scale if self.scaler else 1.0  # a power of two: exact
+        held = self.held_bytes() if measure_memory else 0
         meter = measure_peak(self.mesh.device, self._working_bytes) if measure_memory else nullcontext()
         with meter as peak:
             local = self.schedule.run(micro_batches, n_targets / scale, self.grad_sync)
         if measure_memory:
-            self.memory.activations = peak["bytes"]
+            self.memory.activations, self.memory.peak = peak["bytes"], held + peak["bytes"]
         self.states.grads_to_optimizer(1.0 / scale)
         return local / scale
 
@@ -124,6 +125,11 @@ class Parallelized:
         self.memory.params = storage_bytes(self.states.param_tensors(), seen)
         self.memory.grads = storage_bytes(self.states.grad_tensors(), seen)
         self.memory.optimizer = storage_bytes(self.states.master_tensors() + optimizer_tensors(self.optimizer), seen)
+
+    def held_bytes(self) -> int:
+        s = self.states
+        return storage_bytes(s.param_tensors() + s.grad_tensors() + s.master_tensors()
+                             + optimizer_tensors(self.optimizer))
 
     def _working_bytes(self) -> int:
         return getattr(self.states, "gathered_bytes", 0)

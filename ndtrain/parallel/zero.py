@@ -122,17 +122,16 @@ class FlatParam:
         # Gradients. Stage 1: a persistent full buffer behind every param.grad, accumulated
         # by autograd over micro-batches. Stages 2-3: a buffer in reduce_dtype that lives from
         # the first gradient of a backward to its reduce-scatter.
-        # grad_shard, this rank's slice of the summed gradient, persists like the gradients
-        # of plain DP, so the memory a step allocates is activations and buffers only.
+        # grad_shard, this rank's slice of the summed gradient: stage 1, a view into
+        # grad_full; stages 2-3, allocated by the step's first reduction and freed by zero_grad.
         self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
         if stage == 1:
             self.grad_full = torch.zeros(padded, dtype=compute_dtype, device=device)
             for p in params:
                 start, n = self.slot[id(p)]
                 p.grad = self.grad_full[start:start + n].view(p.shape)
             self.grad_shard = self.grad_full[lo:hi]
-        else:
-            self.grad_shard = torch.zeros(self.shard_numel, dtype=compute_dtype, device=device)
         self.ready = 0  # parameters whose gradient arrived in this backward
         self.pending: tuple | None = None  # (work, output, input) of a reduce-scatter in flight
 
@@ -166,6 +165,8 @@ class FlatParam:
         """Keep this rank's slice of a reduced gradient (stage 1: the step's only one)."""
         if self.stage == 1:
             self.grad_shard.copy_(reduced)
+        elif self.grad_shard is None:
+            self.grad_shard = reduced.to(self.compute_dtype)  # no copy when the dtypes agree
         else:
             self.grad_shard.add_(reduced)
 
@@ -292,7 +293,7 @@ class ZeRO:
     def grads_to_optimizer(self, unscale: float) -> None:
         """Each master's gradient: the summed slice, in fp32, unscaled (fp16)."""
         for f in self.flats:
-            g = f.grad_shard
+            g = f.grad_shard if f.grad_shard is not None else torch.zeros_like(f.shard)
             f.master.grad = g if (g.dtype == torch.float32 and not f.separate_master) else g.float()
             if unscale != 1.0:
                 f.master.grad.mul_(unscale)
@@ -393,7 +394,10 @@ class ZeRO:
 
     def zero_grad(self) -> None:
         for f in self.flats:
-            (f.grad_full if self.stage == 1 else f.grad_shard).zero_()
+            if self.stage == 1:
+                f.grad_full.zero_()
+            else:
+                f.grad_shard = None
 
     # -- stage 3: gather before use, free after ------------------------------------
     def _gather(self, unit: Unit) -> None:

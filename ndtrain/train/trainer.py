@@ -52,7 +52,7 @@ class Trainer:
         # A CPU peak is a whole machine's; a GPU peak is one device's.
         self.n_peak_units = mesh.world // local_world if mesh.device.type == "cpu" else mesh.world
         self.step = 0
-        self._measured_memory = False
+        self._measured_steps = 0
         self.is_logger = mesh.rank == 0
         self.history: list[dict] = []
 
@@ -75,10 +75,11 @@ class Trainer:
         micro, local_targets = self.local_batch(self.train_loader, step)
         n_targets = all_reduce_scalars([local_targets], self.mesh.group("dp_cp"))[0]
         # The activation peak: every step from the allocator on a GPU; on the CPU, where
-        # watching every operation slows the step, once per run (it is the same each step).
-        measure = self.mesh.device.type == "cuda" or not self._measured_memory
+        # watching every operation slows the step, on the first two steps of a run (the
+        # first has no optimizer state yet; later steps repeat the second).
+        measure = self.mesh.device.type == "cuda" or self._measured_steps < 2
         local_loss = self.par.forward_backward(micro, n_targets, measure_memory=measure)
-        self._measured_memory = True
+        self._measured_steps += 1
         grad_norm = self.par.clip_grad_norm(t.grad_clip)
         lr = lr_at(step, t)
         scale = self.par.scaler.scale if self.par.scaler else None
