@@ -10,9 +10,10 @@ from helpers import train_in_rank
 from ndtrain.parallel.precision import LossScaleExhausted, LossScaler
 from ndtrain.testing import run_ranks
 
-# Measured over these 10 steps (2 ranks, TINY): bf16 ≤ 3e-3, fp16 ≤ 3e-3 relative, with DP,
-# ZeRO and either reduction dtype. The documented tolerance leaves a margin of 3×.
-LOW_PRECISION_LOSS_RTOL = 1e-2
+# Largest relative loss difference from fp32 over these 10 steps (2 ranks, TINY), measured:
+# bf16 2.1e-4, fp16 2.0e-5, with DP or ZeRO, either reduction dtype. The documented
+# tolerances leave a margin of about 10× (20 steps measure ≤ 3e-3: the gap grows slowly).
+LOSS_RTOL = {"bf16": 2e-3, "fp16": 5e-4}
 
 TRACKING = {
     "fp32": ["parallel.dp=2"],
@@ -51,7 +52,7 @@ def test_bf16_and_fp16_track_fp32(tiny_data):
         assert dtypes == {"torch." + {"bf16": "bfloat16", "fp16": "float16"}[name[:4]]}, name
         assert exact, f"{name}: parameters differ from their rounded masters"
         rel = [abs(a - b) / b for a, b in zip(losses, ref)]
-        assert max(rel) <= LOW_PRECISION_LOSS_RTOL, (name, rel)
+        assert max(rel) <= LOSS_RTOL[name[:4]], (name, rel)
         assert max(rel) > 1e-6, f"{name}: identical to fp32, the low precision was not used"
 
 

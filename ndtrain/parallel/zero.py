@@ -80,60 +80,68 @@ def allocate_storage(t: torch.Tensor) -> int:
 
 
 class FlatParam:
-    """Parameters of one unit with the same placement, decay group and dtype, in one buffer."""
+    """Parameters of one unit with the same placement, decay group and dtype, in one buffer.
+
+    full: the whole buffer in the compute dtype, every parameter a view into it (stage 3:
+      its memory exists only while the unit is gathered).
+    shard: this rank's slice of `full` (stage 3: a tensor of its own, always there).
+    master: the fp32 slice the optimizer updates (`shard` itself when computing in fp32).
+    grad_full: stage 1, the persistent full gradient behind every param.grad, accumulated by
+      autograd over micro-batches; stages 2-3, a reduce_dtype buffer that lives from the
+      first gradient of a backward pass to its reduce-scatter.
+    grad_shard: this rank's slice of the summed gradient; stage 1, a view into grad_full;
+      stages 2-3, allocated by the step's first reduction, freed by zero_grad.
+    """
 
     def __init__(self, name: str, params: list[nn.Parameter], stage: int, group: Group,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype):
         self.name, self.params, self.stage = name, params, stage
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         self.decays = decays(params[0])
-        device = params[0].device
-        self.slot: dict[int, tuple[int, int]] = {}  # id(param) -> (offset, numel)
+        self.slot: dict[int, tuple[int, int]] = {}  # id(param) -> (offset, numel) in `full`
         offset = 0
         for p in params:
             self.slot[id(p)] = (offset, p.numel())
             offset += p.numel()
         self.numel = offset
-        self.shard_numel = -(-offset // group.size)
-        padded = self.shard_numel * group.size
+        self.shard_numel = -(-offset // group.size)  # padded to a multiple of the group
         lo, hi = group.rank * self.shard_numel, (group.rank + 1) * self.shard_numel
 
-        values = torch.zeros(padded, dtype=torch.float32, device=device)
-        with torch.no_grad():
-            for p in params:
-                start, n = self.slot[id(p)]
-                values[start:start + n].copy_(p.detach().reshape(-1))
-        self.full = values if compute_dtype == torch.float32 else values.to(compute_dtype)
+        initial = self._pack_fp32(self.shard_numel * group.size)
+        self.full = initial if compute_dtype == torch.float32 else initial.to(compute_dtype)
         for p in params:
-            start, n = self.slot[id(p)]
-            p.data = self.full[start:start + n].view(p.shape)
+            p.data = self.view_of(self.full, p)
+        self.shard = self.full[lo:hi].clone() if stage == 3 else self.full[lo:hi]
         if stage == 3:
-            self.shard = self.full[lo:hi].clone()
             free_storage(self.full)
-        else:
-            self.shard = self.full[lo:hi]
-        # The fp32 master of this rank's slice: the slice itself in fp32, else a copy made
-        # from the fp32 initial values (not from their rounding).
-        self.master = nn.Parameter(self.shard if compute_dtype == torch.float32 else values[lo:hi].clone())
+        # A separate master starts from the fp32 initial values, not from their rounding.
+        self.master = nn.Parameter(self.shard if compute_dtype == torch.float32 else initial[lo:hi].clone())
         mark_sharded(self.master, shard_dims(params[0]) + SHARD_DIMS)
         mark_duplicate(self.master, is_duplicate(params[0]))
-        del values
 
-        # Gradients. Stage 1: a persistent full buffer behind every param.grad, accumulated
-        # by autograd over micro-batches. Stages 2-3: a buffer in reduce_dtype that lives from
-        # the first gradient of a backward to its reduce-scatter.
-        # grad_shard, this rank's slice of the summed gradient: stage 1, a view into
-        # grad_full; stages 2-3, allocated by the step's first reduction and freed by zero_grad.
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         if stage == 1:
-            self.grad_full = torch.zeros(padded, dtype=compute_dtype, device=device)
+            self.grad_full = torch.zeros_like(self.full)
             for p in params:
-                start, n = self.slot[id(p)]
-                p.grad = self.grad_full[start:start + n].view(p.shape)
+                p.grad = self.view_of(self.grad_full, p)
             self.grad_shard = self.grad_full[lo:hi]
-        self.ready = 0  # parameters whose gradient arrived in this backward
+        self.ready = 0  # parameters whose gradient arrived in this backward pass
         self.pending: tuple | None = None  # (work, output, input) of a reduce-scatter in flight
+
+    @torch.no_grad()
+    def _pack_fp32(self, padded: int) -> torch.Tensor:
+        values = torch.zeros(padded, dtype=torch.float32, device=self.params[0].device)
+        for p in self.params:
+            values[self.range(p)].copy_(p.detach().reshape(-1))
+        return values
+
+    def range(self, p: nn.Parameter) -> slice:
+        start, n = self.slot[id(p)]
+        return slice(start, start + n)
+
+    def view_of(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        return flat[self.range(p)].view(p.shape)
 
     @property
     def separate_master(self) -> bool:
@@ -147,8 +155,7 @@ class FlatParam:
         """Stages 2-3: move a fresh gradient from param.grad into the reduce buffer."""
         if self.grad_full is None:
             self.grad_full = torch.zeros(self.full.numel(), dtype=self.reduce_dtype, device=self.shard.device)
-        start, n = self.slot[id(p)]
-        self.grad_full[start:start + n].copy_(p.grad.reshape(-1))
+        self.grad_full[self.range(p)].copy_(p.grad.reshape(-1))
         p.grad = None
 
     def reduce_input(self) -> torch.Tensor:
@@ -243,7 +250,7 @@ class ZeRO:
                  reduce_dtype: torch.dtype, reshard_after_forward: bool = True):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
-        self.model, self.stage = model, stage
+        self.stage = stage
         self.group = mesh.group("dp_shard_cp")
         self.replicas = mesh.group("dp_replicate")
         self.reshard_after_forward = reshard_after_forward
@@ -478,9 +485,7 @@ class ZeRO:
             full = torch.empty(f.full.numel(), dtype=f.shard.dtype, device=f.shard.device)
             ops.all_gather(full, f.shard, self.group)
             if self.group.rank == 0:
-                for p in f.params:
-                    start, n = f.slot[id(p)]
-                    out[self.names[id(p)]] = full[start:start + n].view(p.shape).clone()
+                out.update({self.names[id(p)]: f.view_of(full, p).clone() for p in f.params})
         return out if self.group.rank == 0 else None
 
     def extra_state(self) -> dict:
