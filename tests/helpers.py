@@ -6,7 +6,6 @@ import shutil
 import sysconfig
 from pathlib import Path
 
-import torch
 
 TINY = ["model.preset=tiny", "train.steps=5", "train.global_batch=8", "train.seq_len=32",
         "train.lr=3e-3", "train.warmup=2", "train.eval_every=0", "train.eval_batches=1",
