@@ -191,6 +191,31 @@ def test_zero3_matches_torch_fsdp2(tiny_data):
     assert_states_close(ours, theirs, 1e-5)
 
 
+# -- tied embeddings ---------------------------------------------------------------------------
+
+TIED = ["model.tie_embeddings=true"]
+
+
+def _tied_layouts(data_dir):
+    return {name: train_in_rank(TIED + overrides, data_dir)[:2]
+            for name, overrides in (("zero1", ["parallel.zero=1"]), ("zero3", ["parallel.zero=3"]))}
+
+
+def test_tied_embeddings_under_zero(tiny_data):
+    """The head shares the embedding's parameter: one slot in the root's flat buffer, whose
+    gradient sums both uses. Equal to one process at 1e-5, losses and weights."""
+    from helpers import assert_losses_close
+    ref_losses, ref_state = run_ranks(_single_tied, 1, tiny_data)[0]
+    assert "output.weight" not in ref_state  # stored once, under the embedding's name
+    for name, (losses, state) in run_ranks(_tied_layouts, 2, tiny_data)[0].items():
+        assert_losses_close(losses, ref_losses, 1e-5)
+        assert_states_close(state, ref_state, 1e-5)
+
+
+def _single_tied(data_dir):
+    return train_in_rank(TIED, data_dir)[:2]
+
+
 # -- negative control -------------------------------------------------------------------------
 
 def _zero1_without_all_gather(data_dir):
