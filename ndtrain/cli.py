@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 from pathlib import Path
 
@@ -18,10 +19,16 @@ examples:
   ndtrain train                                  the embedded default: small Llama on the stdlib, DP over 2 processes
   ndtrain train --nproc 4 train.steps=100        4-way data parallel
   ndtrain train --config configs/default.toml model.preset=tiny
-  ndtrain train --nproc 4 parallel.pp=2 parallel.pp_schedule=zb train.micro_batch=2   2 pipeline stages × 2 data-parallel
+  ndtrain train --nproc 4 parallel.zero=3 train.precision=bf16 train.recompute=full
+                                                 ZeRO-3 (fully sharded), bf16 compute, every block recomputed
+  ndtrain train --nproc 4 parallel.pp=2 parallel.pp_schedule=zb train.micro_batch=2
+                                                 2 pipeline stages (zero bubble) × 2 data-parallel
+  ndtrain train --dry-run --nproc 4 parallel.zero=2 model.preset=125M
+                                                 memory per rank of a step, then exit (writes nothing)
   ndtrain generate --run runs/train-... --prompt "def main("
-  ndtrain bench dp                               our DP against torch DDP, side by side
   ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
+  ndtrain bench dp                               our DP against torch DDP, side by side
+  ndtrain bench zero                             our ZeRO-3 against torch FSDP2, side by side
   ndtrain bench pp                               our 1F1B against torch.distributed.pipelining, and each schedule's bubble
 """
 
@@ -40,6 +47,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="Pretrain a model. With no arguments: a small Llama-style model on the Python "
                                    "standard library's source, data parallel over 2 CPU processes (or every local GPU).")
     p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the layout, run two steps on random tokens, print each rank's memory "
+                        "(parameters, gradients, optimizer state, activations, peak) and exit; writes nothing")
     with_config(p)
 
     p = sub.add_parser("prepare", help="tokenize a corpus into token shards (cached)",
@@ -65,8 +75,9 @@ def _parser() -> argparse.ArgumentParser:
     with_config(p)
 
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
+                                     "zero (our ZeRO-3 vs torch FSDP2), "
                                      "pp (our 1F1B vs torch.distributed.pipelining, bubbles)")
-    p.add_argument("what", choices=["matmul", "dp", "pp"])
+    p.add_argument("what", choices=["matmul", "dp", "zero", "pp"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
@@ -178,6 +189,8 @@ def cmd_train(args) -> int:
         cfg.run.nproc = args.nproc
     world = external_world()
     validate(cfg, world=world)
+    if args.dry_run:
+        return dry_run(cfg, world)
     run_dir = _run_dir(cfg, "train")
     resumed = check_resume(cfg, run_dir)
 
@@ -229,6 +242,17 @@ def cmd_trace(args) -> int:
           f"(idle / busy per rank; mean {ms})\n"
           f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
           f"timeline  {r['timeline']}", flush=True)
+def dry_run(cfg, world: int | None) -> int:
+    """`train --dry-run`: a measured step on every rank, a table from rank 0, nothing written."""
+    from ndtrain.launch import launch_local
+    from ndtrain.train.dry_run import dry_run_worker, render
+    if world is None and cfg.parallel.world > 1:
+        result = launch_local(cfg.parallel.world, dry_run_worker, cfg.to_dict())[0]
+    else:  # alone, or one rank of torchrun / SLURM
+        result = dry_run_worker(cfg.to_dict())
+        if os.environ.get("RANK", "0") != "0":
+            return 0
+    print(render(cfg, result), flush=True)
     return 0
 
 
@@ -311,11 +335,8 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    if args.what == "pp":
-        from ndtrain.bench import pp
-        return pp.run(args)
-    from ndtrain.bench import dp
-    return dp.run(args)
+    from ndtrain.bench import dp, pp, zero
+    return {"dp": dp, "zero": zero, "pp": pp}[args.what].run(args)
 
 
 if __name__ == "__main__":

@@ -148,6 +148,8 @@ SPECIAL = [  # (name, pipeline overrides on 4 ranks, the single-process referenc
                                "train.micro_batch=1", *EIGHT_LAYERS], ["train.micro_batch=1", *EIGHT_LAYERS]),
     ("pp2-dp2-zb-tied", ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=zb", "train.micro_batch=1",
                          "model.tie_embeddings=true"], ["model.tie_embeddings=true"]),
+    ("pp2-zero1-zb-tied", ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", "parallel.pp_schedule=zb",
+                           "train.micro_batch=1", "model.tie_embeddings=true"], ["model.tie_embeddings=true"]),
 ]
 EVAL = ["train.eval_batches=2"]  # the last step evaluates: forward-only through the pipeline
 
@@ -175,23 +177,25 @@ def _special_layouts_and_counts(data_dir):
         losses, state, trainer = train_in_rank(overrides + EVAL, data_dir)
         runs[name] = (losses, state, trainer.history[-1]["val_loss"])
 
-    # Activations held and messages sent, over one step of 8 micro-batches on 4 stages
+    # Activations held (counted, and in bytes by the memory accounting) and messages sent,
+    # over one step of 8 micro-batches on 4 stages (and 1F1B on one micro-batch, for scale)
     data = PreparedData.open(data_dir)
     x, y = BatchLoader(data.stream("train"), 32, 8, 0).rows(0, 0, 8)
     micro = list(zip(x.split(1), y.split(1)))
-    peaks, traffic = {}, {}
-    for schedule, extra in (("afab", []), ("1f1b", []), ("zb", []),
-                            ("interleaved", ["parallel.pp_virtual=2", *EIGHT_LAYERS])):
+    peaks, traffic, activation_bytes = {}, {}, {}
+    for schedule, extra, m in (("afab", [], 8), ("1f1b", [], 8), ("zb", [], 8), ("1f1b", [], 1),
+                               ("interleaved", ["parallel.pp_virtual=2", *EIGHT_LAYERS], 8)):
         cfg = validate(load_config(None, TINY + ["parallel.pp=4", f"parallel.pp_schedule={schedule}",
                                                  "train.micro_batch=1", *extra]), world=dist.get_world_size())
         mesh = ParallelMesh.build(mesh_shape(cfg))
         par = build(cfg.model_args(vocab_size=data.vocab_size), mesh, cfg)
-        par.forward_backward(micro, 256.0)  # the first step also agrees on the shapes
+        par.forward_backward(micro[:m], 256.0)  # the first step also agrees on the shapes
         par.grad_sync.zero_grad()
         mesh.stats.reset()
-        par.forward_backward(micro, 256.0)
-        peaks[schedule] = par.schedule.peak_held
-        traffic[schedule] = (mesh.stats.tallies[("pp", "send")].calls, mesh.stats.tallies[("pp", "recv")].calls)
+        par.forward_backward(micro[:m], 256.0, measure_memory=True)
+        key = schedule if m == 8 else f"{schedule}-m{m}"
+        peaks[key], activation_bytes[key] = par.schedule.peak_held, par.memory.activations
+        traffic[key] = (mesh.stats.tallies[("pp", "send")].calls, mesh.stats.tallies[("pp", "recv")].calls)
 
     # Gradient sync over dp: once per step, each bucket once, after the last backward of
     # each of the rank's two chunks, though 4 micro-batches ran on each.
@@ -207,7 +211,7 @@ def _special_layouts_and_counts(data_dir):
     par.forward_backward(mine, 256.0)
     tally = mesh.stats.tallies[("dp_cp", "all_reduce")]
     grad_sync = (tally.calls, len(par.grad_sync.buckets), tally.payload, sum(p.numel() * 4 for p in par.model.parameters()))
-    return runs, peaks, traffic, grad_sync
+    return runs, peaks, traffic, grad_sync, activation_bytes
 
 
 def test_interleaved_pp4_and_tied_embeddings_match_one_process(tiny_data):
@@ -227,14 +231,23 @@ def test_interleaved_pp4_and_tied_embeddings_match_one_process(tiny_data):
     # Peak activation memory, counted in micro-batches held on each stage (stage 0 first):
     # 1F1B at most pp, AFAB all m, zero bubble the peak of 1F1B.
     peaks = [rank[1] for rank in results]
-    assert [p["afab"] for p in peaks] == [8, 8, 8, 8]
+    assert [p["afab"] for p in peaks] == [8, 8, 8, 8] and peaks[0]["1f1b-m1"] == 1
     assert [p["1f1b"] for p in peaks] == [4, 3, 2, 1]
     assert max(p["zb"] for p in peaks) == 4
     assert peaks[0]["interleaved"] > 4  # interleaving buys its bubble with memory
+    # The same in bytes (observe/memory.py) on stage 0: AFAB holds about twice what 1F1B
+    # holds, and each micro-batch held costs the same in both (within 30%).
+    mem = results[0][4]
+    assert mem["afab"] > 1.6 * mem["1f1b"], mem
+    per_afab = (mem["afab"] - mem["1f1b-m1"]) / (8 - 1)
+    per_1f1b = (mem["1f1b"] - mem["1f1b-m1"]) / (4 - 1)
+    assert abs(per_afab - per_1f1b) < 0.3 * per_1f1b, mem
     # Messages: one activation forward and one gradient back per micro-batch and chunk
     # boundary, nothing more (the shapes were agreed on the first step).
     for rank, result in enumerate(results):
         for schedule, (sends, recvs) in result[2].items():
+            if schedule == "1f1b-m1":
+                continue
             v = 2 if schedule == "interleaved" else 1
             chunks = [rank + 4 * k for k in range(v)]
             links = sum((c > 0) + (c < 4 * v - 1) for c in chunks)

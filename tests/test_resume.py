@@ -9,18 +9,24 @@ from ndtrain.testing import run_ranks
 STEPS = ["train.steps=10", "train.eval_every=5", "train.micro_batch=2"]
 
 
-def _straight_vs_resumed(data_dir, root, overrides=STEPS, first_part=5):
+def _straight_vs_resumed(data_dir, root, extra, first_part=5):
     import torch.distributed as dist
-    straight, s_state, _ = train_in_rank(overrides, data_dir, run_dir=f"{root}/straight")
-    first, _, _ = train_in_rank(overrides, data_dir, stop_after=first_part, run_dir=f"{root}/resumed")
+    steps = STEPS + extra
+    straight, s_state, _ = train_in_rank(steps, data_dir, run_dir=f"{root}/straight")
+    first, _, _ = train_in_rank(steps, data_dir, stop_after=first_part, run_dir=f"{root}/resumed")
     dist.barrier()
-    second, r_state, trainer = train_in_rank(overrides, data_dir, run_dir=f"{root}/resumed", resume=True)
+    second, r_state, trainer = train_in_rank(steps, data_dir, run_dir=f"{root}/resumed", resume=True)
     return straight, first + second, s_state, r_state, trainer.step
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_resume_is_bit_exact(world, tiny_data, tmp_path):
-    results = run_ranks(_straight_vs_resumed, world, tiny_data, str(tmp_path))
+# ZeRO-3 in bf16: sharded parameters, fp32 master slices; ZeRO-1 in fp16: replicated
+# parameters, sharded masters and moments, the loss scaler's state.
+@pytest.mark.parametrize("world, extra", [(1, []), (2, []),
+                                          (2, ["parallel.zero=3", "train.precision=bf16"]),
+                                          (2, ["parallel.zero=1", "train.precision=fp16", "train.loss_scale_window=3"])],
+                         ids=["single", "dp2", "zero3-bf16", "zero1-fp16"])
+def test_resume_is_bit_exact(world, extra, tiny_data, tmp_path):
+    results = run_ranks(_straight_vs_resumed, world, tiny_data, str(tmp_path), extra)
     straight, resumed, s_state, r_state, step = results[0]
     assert step == 10
     assert straight == resumed  # exact float equality, every step

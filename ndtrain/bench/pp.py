@@ -16,8 +16,7 @@ import statistics
 
 import torch
 
-from ndtrain.bench.common import alternate, bench_config, report
-from ndtrain.bench.dp import synthetic_batch
+from ndtrain.bench.common import alternate, bench_config, report, synthetic_batch
 from ndtrain.launch import init_process, launch_local, shutdown
 from ndtrain.mesh import ParallelMesh
 from ndtrain.parallel.parallelize import build, decoder
