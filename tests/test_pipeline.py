@@ -146,8 +146,6 @@ SPECIAL = [  # (name, pipeline overrides on 4 ranks, the single-process referenc
                                "train.micro_batch=2", *EIGHT_LAYERS], ["train.micro_batch=2", *EIGHT_LAYERS]),
     ("pp4-interleaved-v2-m8", ["parallel.pp=4", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2",
                                "train.micro_batch=1", *EIGHT_LAYERS], ["train.micro_batch=1", *EIGHT_LAYERS]),
-    ("pp2-dp2-zb-tied", ["parallel.pp=2", "parallel.dp=2", "parallel.pp_schedule=zb", "train.micro_batch=1",
-                         "model.tie_embeddings=true"], ["model.tie_embeddings=true"]),
     ("pp2-zero1-zb-tied", ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", "parallel.pp_schedule=zb",
                            "train.micro_batch=1", "model.tie_embeddings=true"], ["model.tie_embeddings=true"]),
 ]
