@@ -17,11 +17,18 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
         ("dp2", ["parallel.dp=2"]),
         ("dp2-buckets-smaller-than-a-weight", ["parallel.dp=2", "parallel.bucket_mb=0.001"]),
         ("dp2-accumulation", ["parallel.dp=2", "train.micro_batch=1"]),
+        ("tp2-sp", ["parallel.tp=2"]),
+        ("tp2", ["parallel.tp=2", "parallel.sp=false"]),
     ],
     4: [
         ("dp4", ["parallel.dp=4"]),
         ("dp4-buckets-smaller-than-a-weight", ["parallel.dp=4", "parallel.bucket_mb=0.001"]),
         ("dp4-accumulation", ["parallel.dp=4", "train.micro_batch=1"]),
+        # tiny has 2 KV heads: tp4 replicates each on two ranks, tp2 splits them
+        ("tp4-sp", ["parallel.tp=4"]),
+        ("tp4", ["parallel.tp=4", "parallel.sp=false"]),
+        ("tp2-sp-dp2-accumulation", ["parallel.tp=2", "parallel.dp=2", "train.micro_batch=1"]),
+        ("tp2-dp2", ["parallel.tp=2", "parallel.sp=false", "parallel.dp=2"]),
     ],
 }
 

@@ -9,18 +9,22 @@ from ndtrain.testing import run_ranks
 STEPS = ["train.steps=10", "train.eval_every=5", "train.micro_batch=2"]
 
 
-def _straight_vs_resumed(data_dir, root):
+def _straight_vs_resumed(data_dir, root, layout):
     import torch.distributed as dist
-    straight, s_state, _ = train_in_rank(STEPS, data_dir, run_dir=f"{root}/straight")
-    first, _, _ = train_in_rank(STEPS, data_dir, stop_after=5, run_dir=f"{root}/resumed")
+    steps = STEPS + layout
+    straight, s_state, _ = train_in_rank(steps, data_dir, run_dir=f"{root}/straight")
+    first, _, _ = train_in_rank(steps, data_dir, stop_after=5, run_dir=f"{root}/resumed")
     dist.barrier()
-    second, r_state, trainer = train_in_rank(STEPS, data_dir, run_dir=f"{root}/resumed", resume=True)
+    second, r_state, trainer = train_in_rank(steps, data_dir, run_dir=f"{root}/resumed", resume=True)
     return straight, first + second, s_state, r_state, trainer.step
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_resume_is_bit_exact(world, tiny_data, tmp_path):
-    results = run_ranks(_straight_vs_resumed, world, tiny_data, str(tmp_path))
+@pytest.mark.parametrize("world, layout", [
+    (1, []), (2, []),
+    (2, ["parallel.tp=2", "model.dropout=0.1"]),  # local shards, and the shared dropout stream
+], ids=["single", "dp2", "tp2-sp-dropout"])
+def test_resume_is_bit_exact(world, layout, tiny_data, tmp_path):
+    results = run_ranks(_straight_vs_resumed, world, tiny_data, str(tmp_path), layout)
     straight, resumed, s_state, r_state, step = results[0]
     assert step == 10
     assert straight == resumed  # exact float equality, every step

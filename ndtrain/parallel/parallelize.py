@@ -26,6 +26,7 @@ from ndtrain.config import Config
 from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
+from ndtrain.parallel import tensor
 from ndtrain.parallel.data import DataParallel
 from ndtrain.train.clip import clip_grad_norm_
 from ndtrain.train.loss import token_loss_sum
@@ -79,9 +80,12 @@ class Parallelized:
         load_unique_state(self.model, state)
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights on rank 0 (None elsewhere). Collective.
-        With no model dimension sharded, rank 0 already holds everything."""
-        return self.model_state() if self.mesh.rank == 0 else None
+        """The whole model's weights on rank 0 (None elsewhere). Collective over tp on the
+        first data-parallel replica; with no model dimension split, rank 0 holds it all."""
+        if self.mesh.coord("dp_cp") != 0:
+            return None
+        state = tensor.full_state(self.model, self.model_state(), self.mesh.group("tp"))
+        return state if self.mesh.rank == 0 else None
 
 
 def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -114,10 +118,16 @@ def build_model(args: ModelArgs, seed: int, device: torch.device) -> Transformer
 
 
 def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
-    model = build_model(args, cfg.train.seed, mesh.device)
+    tp = mesh.group("tp")
+    if tp.active:
+        model = tensor.build(args, cfg.train.seed, mesh.device, tp, cfg.parallel.sp)
+        loss_fn = tensor.VocabParallelLoss(tp)
+    else:
+        model = build_model(args, cfg.train.seed, mesh.device)
+        loss_fn = token_loss_sum
     bucket_bytes = int(cfg.parallel.bucket_mb * 2**20)
     grad_sync = DataParallel(list(model.parameters()), mesh.group("dp_cp"), bucket_bytes)
     optimizer = build_optimizer(param_groups(model.named_parameters(), cfg.train.weight_decay),
                                 cfg.train, mesh.device)
-    schedule = SingleStage(model, token_loss_sum)
-    return Parallelized(model, mesh, grad_sync, optimizer, schedule)
+    schedule = SingleStage(model, loss_fn)
+    return Parallelized(model, mesh, grad_sync, optimizer, schedule, loss_fn)
