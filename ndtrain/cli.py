@@ -22,6 +22,8 @@ examples:
   ndtrain train --config configs/default.toml model.preset=tiny
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain bench dp                               our DP against torch DDP, side by side
+  ndtrain bench tp                               our TP+SP against DTensor TP+SP on 2 ranks, side by side
+  ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
 """
 
 
@@ -54,8 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
 
-    p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP)")
-    p.add_argument("what", choices=["matmul", "dp"])
+    p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
+                                     "tp (ours vs DTensor TP+SP, tensor parallel over --nproc ranks)")
+    p.add_argument("what", choices=["matmul", "dp", "tp"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=6, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=5, help="timed steps per round")
@@ -275,8 +278,8 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import dp
-    return dp.run(args)
+    from ndtrain.bench import dp, tp
+    return {"dp": dp, "tp": tp}[args.what].run(args)
 
 
 if __name__ == "__main__":

@@ -107,7 +107,7 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
         def step_dtensor():
             dtensor_loss_backward(ref, x, y, n_targets)
             opt.step()
-            opt.zero_grad(set_to_none=False)
+            opt.zero_grad()  # to None: DTensor keeps SP norm gradients Partial, not zeroable in place
 
         times = alternate({"ndtrain": step_ours, "torch-dtensor-tp": step_dtensor}, rounds, steps, env.device)
         return report(times, t.global_batch * t.seq_len, "tok/s", "ndtrain/torch-dtensor-tp",
