@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import shutil
 import sys
 from pathlib import Path
 
@@ -60,8 +58,8 @@ def _parser() -> argparse.ArgumentParser:
                                      "tp (ours vs DTensor TP+SP, tensor parallel over --nproc ranks)")
     p.add_argument("what", choices=["matmul", "dp", "tp"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
-    p.add_argument("--rounds", type=int, default=6, help="alternating A/B rounds")
-    p.add_argument("--steps", type=int, default=5, help="timed steps per round")
+    p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
     with_config(p)
     return ap
 
@@ -159,10 +157,10 @@ def check_resume(cfg, run_dir: Path) -> Path | None:
 
 
 def cmd_train(args) -> int:
-    from ndtrain.config import ConfigError, load_config, to_toml, validate
+    from ndtrain.config import load_config, validate
     from ndtrain.data.prepare import PreparedData, prepare_data
     from ndtrain.launch import external_world, launch_local
-    from ndtrain.train.worker import train_worker
+    from ndtrain.train.worker import resolve_vocab, train_worker
 
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
@@ -179,14 +177,7 @@ def cmd_train(args) -> int:
         return 0
 
     data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=cfg.run.progress))
-    if cfg.model.vocab_size is None:
-        cfg.model.vocab_size = data.vocab_size
-    elif cfg.model.vocab_size < data.vocab_size:
-        raise ConfigError("model.vocab_size", cfg.model.vocab_size,
-                          f"must be at least the tokenizer's vocabulary, {data.vocab_size}")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.toml").write_text(to_toml(cfg))
-    shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")
+    resolve_vocab(cfg, data)  # fails here, before any process starts or file is written
     p = cfg.parallel
     print(f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
           f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} steps → {run_dir}"

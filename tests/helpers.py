@@ -6,7 +6,6 @@ import shutil
 import sysconfig
 from pathlib import Path
 
-import torch
 
 # train.eps=1e-6: with Adam's default 1e-8, a weight whose gradient happens to sum to ~1e-9
 # (one in ~10^4 does) gets an update lr·g/(|g|+eps) that turns the summation-order round-off

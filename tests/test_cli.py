@@ -73,3 +73,24 @@ def test_dead_rank_is_named_and_nothing_hangs():
     assert e.value.rank == 1
     assert "ValueError: injected fault" in e.value.summary
     assert time.monotonic() - t0 < 120
+
+
+def test_under_torchrun_ndtrain_is_one_rank(tmp_path):
+    """torchrun starts the processes; ndtrain reads RANK/WORLD_SIZE and writes a full run dir."""
+    import subprocess
+    import sys
+
+    from helpers import make_tiny_corpus
+    corpus = make_tiny_corpus(tmp_path)
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+           "--rdzv-endpoint", "127.0.0.1:0", "-m", "ndtrain.cli", "train", "model.preset=tiny",
+           "train.steps=2", "train.global_batch=4", "train.seq_len=32", "train.eval_batches=1",
+           f"data.path={corpus}", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}",
+           f"run.dir={run}", "run.device=cpu", "run.plot=false"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "validation loss" in out.stdout
+    for name in ("config.toml", "tokenizer.json", "metrics.jsonl", "checkpoints/latest"):
+        assert (run / name).is_file(), name
+    assert "dp = 2" in (run / "config.toml").read_text()

@@ -113,3 +113,22 @@ def test_cli_exit_2_one_line_nothing_written(argv, tmp_path, capsys, monkeypatch
 
 def test_config_is_plain_data():
     assert Config().copy().to_dict() == Config().to_dict()
+
+
+def test_default_toml_lists_every_key_with_its_default():
+    """configs/default.toml documents every key; its values are the code's defaults."""
+    import re
+    from pathlib import Path
+
+    from ndtrain.config import all_keys
+    path = Path(__file__).parent.parent / "configs" / "default.toml"
+    text = path.read_text()
+    assert load_config(path).to_dict() == Config().to_dict()
+    section = None
+    documented = set()
+    for line in text.splitlines():
+        if m := re.match(r"^\[(\w+)\]", line):
+            section = m.group(1)
+        elif m := re.match(r"^#?\s*(\w+)\s*=", line):
+            documented.add(f"{section}.{m.group(1)}")
+    assert set(all_keys()) <= documented, set(all_keys()) - documented

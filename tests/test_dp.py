@@ -57,7 +57,6 @@ def test_dp_matches_torch_ddp_and_counts_bytes(tiny_data):
 
 
 def _accumulation_syncs_once(data_dir):
-    from helpers import TINY  # noqa: F401
     losses, _, trainer = train_in_rank(["train.micro_batch=1", "train.steps=1", "parallel.bucket_mb=0.01"], data_dir)
     mesh = trainer.mesh
     tally = mesh.stats.tallies[("dp_cp", "all_reduce")]

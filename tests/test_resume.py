@@ -40,7 +40,6 @@ def test_resume_is_bit_exact(world, layout, tiny_data, tmp_path):
 
 
 def _resume_other_layout(data_dir, root):
-    from ndtrain.checkpoint import store  # noqa: F401
     train_in_rank(["train.steps=2"], data_dir, run_dir=root)
     return True
 

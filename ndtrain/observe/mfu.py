@@ -72,5 +72,5 @@ def peak_flops(device: torch.device, precision: str, cache_dir: str | Path) -> t
     path = cpu_peak_file(cache_dir)
     if path.is_file():
         data = json.loads(path.read_text())
-        return float(data["flops"]), f"CPU matmul measured by `ndtrain bench matmul` ({path})"
+        return float(data["flops"]), f"peak = CPU matmul rate measured by `ndtrain bench matmul`, {path}"
     return None, "CPU peak unknown: run `ndtrain bench matmul` once to measure it"

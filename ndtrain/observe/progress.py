@@ -36,6 +36,8 @@ class TrainProgress:
         step = record["step"] + 1
         if self.live:
             self.progress.update(self.task, completed=step, info=_fmt(record))
+            if record.get("val_loss") is not None:  # evaluations stay on screen above the bar
+                self.progress.console.print(f"step {step}/{self.total} · {_fmt(record)}")
         elif step % self.log_every == 0 or step == self.total or record.get("val_loss") is not None:
             print(f"step {step}/{self.total} · {_fmt(record)}", flush=True)
 

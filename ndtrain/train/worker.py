@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import torch.distributed as dist
@@ -29,6 +30,22 @@ def prepare_on_each_node(cfg: config_mod.Config, local_rank: int) -> Path:
     return path or prepare_data(**kwargs, progress=False)
 
 
+def resolve_vocab(cfg: config_mod.Config, data: PreparedData) -> None:
+    """model.vocab_size from the tokenizer, or check that the one given covers it."""
+    if cfg.model.vocab_size is None:
+        cfg.model.vocab_size = data.vocab_size
+    elif cfg.model.vocab_size < data.vocab_size:
+        raise config_mod.ConfigError("model.vocab_size", cfg.model.vocab_size,
+                                     f"must be at least the tokenizer's vocabulary, {data.vocab_size}")
+
+
+def write_run_files(cfg: config_mod.Config, data: PreparedData, run_dir: Path) -> None:
+    """The resolved config and the tokenizer, so the run directory is self-contained."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
+    shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")
+
+
 def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None) -> dict:
     """Entry point of one rank. Returns the run summary on rank 0 ({} elsewhere)."""
     from ndtrain.train.trainer import Trainer
@@ -37,9 +54,12 @@ def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None) -> dict:
     env = init_process(cfg.run.device, cfg.run.threads)
     try:
         data_path = Path(data_dir) if data_dir else prepare_on_each_node(cfg, env.local_rank)
+        data = PreparedData.open(data_path)
+        resolve_vocab(cfg, data)
+        if env.rank == 0:
+            write_run_files(cfg, data, Path(run_dir))
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        trainer = Trainer(cfg, mesh, PreparedData.open(data_path), Path(run_dir),
-                          local_world=env.local_world)
+        trainer = Trainer(cfg, mesh, data, Path(run_dir), local_world=env.local_world)
         last = store.latest(Path(run_dir)) if cfg.run.resume != "false" else None
         if last is not None:
             trainer.resume(last)
