@@ -25,7 +25,7 @@ from ndtrain.train.optim import build_optimizer, param_groups
 
 BENCH_DEFAULTS = ["model.preset=small", "model.n_layers=8", "model.dim=256", "model.ffn_dim=768",
                   "model.n_heads=8", "model.n_kv_heads=4", "model.vocab_size=4096",
-                  "model.tie_embeddings=false", "train.seq_len=256", "train.global_batch=8",
+                  "model.tie_embeddings=false", "train.seq_len=128", "train.global_batch=8",
                   "parallel.sp=true", "run.progress=false"]
 
 
