@@ -28,9 +28,10 @@ numbers, never the full [b, s, vocab] on one rank. The vocabulary is padded to a
 of t with zero rows whose logits are masked to −inf, so padding changes no result.
 
 Where each piece sits:
-- `parallelize(model, group, sp)` swaps the plain model's modules for the ones named in
-  PLAN; model/llama.py is untouched. The entry f (or its SP all-gather) is applied once per
-  region by the norm in front of it, because q, k, v (and gate, up) share one input.
+- `parallelize(model, group, sp, device)` swaps the plain model's modules for the ones
+  named in PLAN; model/llama.py holds no parallel code. The entry f (or its SP all-gather)
+  is applied once per region by the norm in front of it, because q, k, v (and gate, up)
+  share one input.
 - Grouped-query attention: KV heads are split like query heads when t divides their
   number; otherwise every rank keeps the whole (small) K and V projections, uses the head
   its query heads read, and f on the weight sums the gradients of the ranks sharing it.
