@@ -21,7 +21,7 @@ def _straight_vs_resumed(data_dir, root, layout):
 
 @pytest.mark.parametrize("world, layout", [
     (1, []), (2, []),
-    (2, ["parallel.tp=2", "model.dropout=0.1"]),  # local shards, and the shared dropout stream
+    (2, ["parallel.tp=2", "model.dropout=0.1", "train.micro_batch=4"]),  # local shards, the shared dropout stream
 ], ids=["single", "dp2", "tp2-sp-dropout"])
 def test_resume_is_bit_exact(world, layout, tiny_data, tmp_path):
     results = run_ranks(_straight_vs_resumed, world, tiny_data, str(tmp_path), layout)

@@ -85,6 +85,8 @@ def _ours_vs_dtensor(data_dir):
         loss = ours.forward_backward([(x, y)], n)
         grads = tensor.full_state(ours.model, {k: p.grad for k, p in ours.model.named_parameters()},
                                   mesh.group("tp"))
+        with torch.no_grad():  # each rank holds only its half of the vocabulary's logits
+            assert ours.model(x).shape == (*x.shape, args.vocab_size // 2)
         ref = dtensor_model(args, cfg.train.seed, torch.device("cpu"), tp_mesh, sp)
         ref_loss = dtensor_loss_backward(ref, x, y, n)
         # without SP the norms stay plain tensors (replicated, not DTensors)
@@ -245,8 +247,9 @@ def test_bad_tensor_parallel_input(overrides, fragment, tmp_path, capsys, monkey
     assert list(tmp_path.iterdir()) == []
 
 
-def test_seq_len_need_not_divide_without_sp():
+def test_sp_defaults_on_with_tp_and_seq_len_need_not_divide_without_it():
     from ndtrain.config import load_config, validate
+    assert validate(load_config(None, ["parallel.tp=2", "run.nproc=2", "run.device=cpu"])).parallel.sp is True
     cfg = validate(load_config(None, ["model.preset=tiny", "parallel.tp=2", "parallel.sp=false",
                                       "train.seq_len=33", "run.nproc=2", "run.device=cpu"]))
     assert cfg.parallel.sp is False and cfg.parallel.tp == 2
