@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import sys
 from pathlib import Path
 
@@ -18,8 +19,13 @@ examples:
   ndtrain train                                  the embedded default: small Llama on the stdlib, DP over 2 processes
   ndtrain train --nproc 4 train.steps=100        4-way data parallel
   ndtrain train --config configs/default.toml model.preset=tiny
+  ndtrain train --nproc 4 parallel.zero=3 train.precision=bf16 train.recompute=full
+                                                 ZeRO-3 (fully sharded), bf16 compute, every block recomputed
+  ndtrain train --dry-run --nproc 4 parallel.zero=2 model.preset=125M
+                                                 memory per rank of a step, then exit (writes nothing)
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain bench dp                               our DP against torch DDP, side by side
+  ndtrain bench zero                             our ZeRO-3 against torch FSDP2, side by side
   ndtrain bench tp                               our TP+SP against DTensor TP+SP on 2 ranks, side by side
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
 """
@@ -39,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
                        description="Pretrain a model. With no arguments: a small Llama-style model on the Python "
                                    "standard library's source, data parallel over 2 CPU processes (or every local GPU).")
     p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="build the layout, run two steps on random tokens, print each rank's memory "
+                        "(parameters, gradients, optimizer state, activations, peak) and exit; writes nothing")
     with_config(p)
 
     p = sub.add_parser("prepare", help="tokenize a corpus into token shards (cached)",
@@ -55,8 +64,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
 
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
-                                     "tp (ours vs DTensor TP+SP, tensor parallel over --nproc ranks)")
-    p.add_argument("what", choices=["matmul", "dp", "tp"])
+                                     "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2)")
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
@@ -167,6 +176,8 @@ def cmd_train(args) -> int:
         cfg.run.nproc = args.nproc
     world = external_world()
     validate(cfg, world=world)
+    if args.dry_run:
+        return dry_run(cfg, world)
     run_dir = _run_dir(cfg, "train")
     resumed = check_resume(cfg, run_dir)
 
@@ -187,6 +198,20 @@ def cmd_train(args) -> int:
     else:
         summary = launch_local(p.world, train_worker, cfg.to_dict(), str(run_dir), str(data.path))[0]
     print_summary(summary)
+    return 0
+
+
+def dry_run(cfg, world: int | None) -> int:
+    """`train --dry-run`: a measured step on every rank, a table from rank 0, nothing written."""
+    from ndtrain.launch import launch_local
+    from ndtrain.train.dry_run import dry_run_worker, render
+    if world is None and cfg.parallel.world > 1:
+        result = launch_local(cfg.parallel.world, dry_run_worker, cfg.to_dict())[0]
+    else:  # alone, or one rank of torchrun / SLURM
+        result = dry_run_worker(cfg.to_dict())
+        if os.environ.get("RANK", "0") != "0":
+            return 0
+    print(render(cfg, result), flush=True)
     return 0
 
 
@@ -269,8 +294,8 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import dp, tp
-    return {"dp": dp, "tp": tp}[args.what].run(args)
+    from ndtrain.bench import dp, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero}[args.what].run(args)
 
 
 if __name__ == "__main__":

@@ -59,7 +59,8 @@ class ParallelConfig:
     pp_virtual: int = 1
     cp: int = 1
     ep: int = 1
-    zero: int = 0
+    zero: int = 0  # ZeRO stage over dp_shard: 0 (plain DP), 1 (optimizer), 2 (+ gradients), 3 (+ parameters)
+    reshard_after_forward: bool = True  # zero=3: free each block after its forward (false: keep until backward)
     bucket_mb: float = 25.0
 
     @property
@@ -86,8 +87,14 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 0
-    precision: str = "fp32"
-    recompute: str = "none"
+    precision: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 (the optimizer keeps fp32 masters)
+    reduce_fp32: bool = True  # reduce gradients in fp32; false: in train.precision, half the bytes
+    loss_scaler: bool = True  # fp16: dynamic loss scaling
+    allow_unscaled_fp16: bool = False  # permit fp16 with loss_scaler = false
+    loss_scale_init: float = 65536.0
+    loss_scale_window: int = 1000  # good steps before the loss scale doubles
+    loss_scale_min: float = 1.0  # an overflow at this scale stops the run
+    recompute: str = "none"  # none | full | selective (attention core) | every:K (blocks 0, K, 2K, ...)
     eval_every: int = 100  # 0 = evaluate only at the end
     eval_batches: int = 8
     save_every: int = 0  # 0 = save only at the end
@@ -372,8 +379,8 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
         value = getattr(p, key.split(".")[1])
         if value != 1:
             raise ConfigError(key, value, f"{what} is not implemented yet; use 1")
-    if p.zero != 0:
-        raise ConfigError("parallel.zero", p.zero, "ZeRO sharding is not implemented yet; use 0")
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero", p.zero, "choose a ZeRO stage: 0, 1, 2 or 3")
     if p.pp_schedule not in PP_SCHEDULES:
         raise ConfigError("parallel.pp_schedule", p.pp_schedule, f"unknown schedule; choose one of {', '.join(PP_SCHEDULES)}")
     _positive("parallel.bucket_mb", p.bucket_mb)
@@ -393,13 +400,23 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
             raise ConfigError(f"train.{key}", getattr(t, key), "must be in [0, 1)")
     if t.precision not in PRECISIONS:
         raise ConfigError("train.precision", t.precision, f"choose one of {', '.join(PRECISIONS)}")
-    if t.precision != "fp32":
-        raise ConfigError("train.precision", t.precision, "mixed precision is not implemented yet; use fp32")
+    if t.precision == "fp16" and not t.loss_scaler and not t.allow_unscaled_fp16:
+        raise ConfigError("train.loss_scaler", False, "fp16 without loss scaling flushes small gradients "
+                          "to zero; keep it on, or set train.allow_unscaled_fp16=true to insist")
+    for key in ("loss_scale_init", "loss_scale_min"):
+        value = getattr(t, key)
+        _positive(f"train.{key}", value)
+        if not math.log2(value).is_integer():
+            raise ConfigError(f"train.{key}", value, "must be a power of two (so scaling is exact)")
+    _positive("train.loss_scale_window", t.loss_scale_window)
+    if t.loss_scale_init < t.loss_scale_min:
+        raise ConfigError("train.loss_scale_init", t.loss_scale_init,
+                          f"must be at least train.loss_scale_min = {t.loss_scale_min}")
     match = _RECOMPUTE.match(t.recompute)
     if not match:
         raise ConfigError("train.recompute", t.recompute, "choose none, full, selective or every:K")
-    if t.recompute != "none":
-        raise ConfigError("train.recompute", t.recompute, "activation recomputation is not implemented yet; use none")
+    if match.group(2) is not None and int(match.group(2)) < 1:
+        raise ConfigError("train.recompute", t.recompute, "every:K needs K >= 1 (every:1 = full)")
 
     if r.device not in ("auto", "cpu", "cuda"):
         raise ConfigError("run.device", r.device, "choose auto, cpu or cuda")
@@ -428,6 +445,9 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
                           f"must be divisible by dp × micro_batch = {p.dp} × {t.micro_batch} = {p.dp * t.micro_batch}")
     if p.sp is None:
         p.sp = p.tp > 1
+    if p.zero and p.dp_shard == 1:
+        raise ConfigError("parallel.zero", p.zero, "ZeRO shards over parallel.dp_shard = dp / dp_replicate "
+                          f"= {p.dp} / {p.dp_replicate} = 1: nothing to shard; use zero=0 or more data-parallel ranks")
 
     a = cfg.model_args(vocab_size=m.vocab_size or PRESETS[m.preset].vocab_size)
     if a.dim % a.n_heads:

@@ -36,9 +36,10 @@ def tiny_data_dir(root: Path) -> Path:
 
 
 def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_dir: str | None = None,
-                  resume: bool = False):
+                  resume: bool = False, before_fit=None):
     """Build a Trainer on the current world with TINY + overrides and train; returns
-    (losses, the full model's weights on rank 0 or None, trainer)."""
+    (losses, the full model's weights on rank 0 or None, trainer). `before_fit(trainer)`
+    runs just before training (to install a probe or a fault)."""
     import torch.distributed as dist
 
     from ndtrain.checkpoint import store
@@ -54,6 +55,8 @@ def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_
     trainer = Trainer(cfg, mesh, PreparedData.open(data_dir), Path(run_dir) if run_dir else None)
     if resume:
         trainer.resume(store.latest(Path(run_dir)))
+    if before_fit is not None:
+        before_fit(trainer)
     trainer.fit(stop_after=stop_after)
     losses = [r["loss"] for r in trainer.history]
     full = trainer.par.full_model_state()  # collective: the whole model, on rank 0

@@ -30,8 +30,12 @@ def test_train_writes_the_run_directory(trained_run, capsys):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == list(range(6))
     for r in records:
-        assert {"step", "loss", "tokens_per_s", "mfu", "comm_bytes"} <= r.keys()
+        assert {"step", "loss", "tokens_per_s", "mfu", "comm_bytes", "memory"} <= r.keys()
         assert r["comm"]["dp_cp.all_reduce"] > 0
+        memory = r["memory"]  # bytes per rank
+        assert set(memory) == {"params", "grads", "optimizer", "activations", "peak"}
+        assert all(len(v) == 2 and min(v) > 0 for v in memory.values())
+        assert memory["optimizer"][0] == pytest.approx(2 * memory["params"][0], rel=1e-3)  # Adam: m and v
     assert [r["step"] for r in records if "val_loss" in r] == [2, 5]
     assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000006"
     summary = json.loads((run / "summary.json").read_text())
@@ -48,6 +52,21 @@ def test_generate_samples_from_the_run(trained_run, capsys):
 def test_resume_false_refuses_existing_run(trained_run, capsys):
     assert main(["train", f"run.dir={trained_run}", "run.resume=false", "model.preset=tiny"]) == 2
     assert "already holds checkpoints" in capsys.readouterr().err
+
+
+def test_dry_run_prints_memory_per_rank_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code = main(["train", "--dry-run", "--nproc", "1", "model.preset=tiny", "train.precision=bf16",
+                 "train.recompute=full", "train.seq_len=32", "train.global_batch=2", "data.vocab_size=512",
+                 "run.device=cpu"])
+    out = capsys.readouterr().out.splitlines()
+    assert code == 0
+    assert out[0].startswith("dry run: tiny model, single process, zero=0, bf16, recompute=full")
+    assert out[1].split()[:4] == ["rank", "parameters", "params", "grads"]
+    row = out[2].split()  # rank, parameters, then "value unit" cells
+    assert row[0] == "0" and row[1] == "213,568"  # the tiny model's parameters
+    assert row[8:10] == row[10:12]  # measured model states == the formula, 16 bytes per parameter
+    assert list(tmp_path.iterdir()) == []  # nothing written
 
 
 def test_generate_bad_input(tmp_path, capsys):

@@ -60,6 +60,14 @@ def test_written_config_round_trips(tmp_path):
     (["run.resume=maybe"], "run.resume = 'maybe': choose auto, true or false"),
     (["data.val_fraction=0.9"], "data.val_fraction = 0.9: must be in (0, 0.5]"),
     (["nokey"], "expected KEY=VALUE"),
+    (["parallel.zero=3", "run.nproc=1"], "parallel.zero = 3: ZeRO shards over parallel.dp_shard = dp / dp_replicate = 1 / 1 = 1"),
+    (["parallel.zero=3", "run.nproc=2", "parallel.dp_replicate=2"], "dp / dp_replicate = 2 / 2 = 1: nothing to shard"),
+    (["parallel.zero=4"], "parallel.zero = 4: choose a ZeRO stage: 0, 1, 2 or 3"),
+    (["train.precision=fp16", "train.loss_scaler=false"], "train.loss_scaler = False: fp16 without loss scaling"),
+    (["train.recompute=every:0"], "train.recompute = 'every:0': every:K needs K >= 1"),
+    (["train.recompute=every:-2"], "every:K needs K >= 1"),
+    (["train.loss_scale_init=1000"], "train.loss_scale_init = 1000.0: must be a power of two"),
+    (["train.loss_scale_init=2", "train.loss_scale_min=4"], "must be at least train.loss_scale_min = 4.0"),
 ])
 def test_each_error_is_one_clear_line(overrides, fragment):
     if fragment.startswith("head dim"):
@@ -68,6 +76,14 @@ def test_each_error_is_one_clear_line(overrides, fragment):
     msg = error_of(overrides + ["run.device=cpu"])
     assert fragment in msg
     assert "\n" not in msg
+
+
+def test_implemented_options_validate():
+    cfg = validate(load_config(None, ["run.device=cpu", "run.nproc=4", "parallel.zero=3", "parallel.dp_replicate=2",
+                                      "train.precision=fp16", "train.recompute=every:2"]))
+    assert cfg.parallel.dp_shard == 2
+    validate(load_config(None, ["run.device=cpu", "train.precision=fp16", "train.loss_scaler=false",
+                                "train.allow_unscaled_fp16=true"]))
 
 
 def test_world_from_launcher_must_match():
@@ -99,6 +115,8 @@ def test_wrong_type_in_file(tmp_path):
     ["train", "model.preset=nope"],
     ["train", "data.path=/missing/corpus.txt"],
     ["train", "--config", "/missing.toml"],
+    ["train", "--nproc", "1", "parallel.zero=3"],
+    ["train", "--dry-run", "train.recompute=every:0"],
 ])
 def test_cli_exit_2_one_line_nothing_written(argv, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

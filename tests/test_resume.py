@@ -9,9 +9,9 @@ from ndtrain.testing import run_ranks
 STEPS = ["train.steps=10", "train.eval_every=5", "train.micro_batch=2"]
 
 
-def _straight_vs_resumed(data_dir, root, layout):
+def _straight_vs_resumed(data_dir, root, extra):
     import torch.distributed as dist
-    steps = STEPS + layout
+    steps = STEPS + extra
     straight, s_state, _ = train_in_rank(steps, data_dir, run_dir=f"{root}/straight")
     first, _, _ = train_in_rank(steps, data_dir, stop_after=5, run_dir=f"{root}/resumed")
     dist.barrier()
@@ -19,12 +19,16 @@ def _straight_vs_resumed(data_dir, root, layout):
     return straight, first + second, s_state, r_state, trainer.step
 
 
-@pytest.mark.parametrize("world, layout", [
-    (1, []), (2, []),
-    (2, ["parallel.tp=2", "model.dropout=0.1", "train.micro_batch=4"]),  # local shards, the shared dropout stream
-], ids=["single", "dp2", "tp2-sp-dropout"])
-def test_resume_is_bit_exact(world, layout, tiny_data, tmp_path):
-    results = run_ranks(_straight_vs_resumed, world, tiny_data, str(tmp_path), layout)
+# ZeRO-3 in bf16: sharded parameters, fp32 master slices; ZeRO-1 in fp16: replicated
+# parameters, sharded masters and moments, the loss scaler's state.
+@pytest.mark.parametrize("world, extra", [(1, []), (2, []),
+                                          (2, ["parallel.zero=3", "train.precision=bf16"]),
+                                          (2, ["parallel.zero=1", "train.precision=fp16", "train.loss_scale_window=3"]),
+                                          # TP: local shards, the dropout stream a tp group shares
+                                          (2, ["parallel.tp=2", "model.dropout=0.1", "train.micro_batch=4"])],
+                         ids=["single", "dp2", "zero3-bf16", "zero1-fp16", "tp2-sp-dropout"])
+def test_resume_is_bit_exact(world, extra, tiny_data, tmp_path):
+    results = run_ranks(_straight_vs_resumed, world, tiny_data, str(tmp_path), extra)
     straight, resumed, s_state, r_state, step = results[0]
     assert step == 10
     assert straight == resumed  # exact float equality, every step

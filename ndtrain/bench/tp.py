@@ -12,14 +12,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ndtrain.bench.common import alternate, report
-from ndtrain.bench.dp import synthetic_batch
-from ndtrain.config import load_config, validate
-from ndtrain.launch import init_process, launch_local, shutdown
-from ndtrain.mesh import MeshShape, ParallelMesh
+from ndtrain.bench.common import Contest, alternate, bench_config, report
+from ndtrain.launch import launch_local, shutdown
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
-from ndtrain.parallel.parallelize import build, build_model
+from ndtrain.parallel.parallelize import build_model
 from ndtrain.train.loss import IGNORE
 from ndtrain.train.optim import build_optimizer, param_groups
 
@@ -84,43 +81,27 @@ def dtensor_loss_backward(model, x, y, n_targets: float) -> torch.Tensor:
 def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ndtrain.config import from_dict
-    cfg = from_dict(cfg_dict)
-    env = init_process(cfg.run.device, cfg.run.threads)
+    c = Contest.start(cfg_dict)
     try:
-        tp = cfg.parallel.tp
-        mesh = ParallelMesh.build(MeshShape(tp=tp), env.device)
-        args = cfg.model_args()
-        t = cfg.train
-        x, y = synthetic_batch(args, t.global_batch, t.seq_len, 0, env.device)  # same rows on every rank
-        n_targets = float(t.global_batch * t.seq_len)
-
-        ours = build(args, mesh, cfg)
-
-        def step_ours():
-            ours.forward_backward([(x, y)], n_targets)
-            ours.optimizer_step(t.lr)
-
-        ref = dtensor_model(args, t.seed, env.device, init_device_mesh(env.device.type, (tp,)), cfg.parallel.sp)
-        opt = build_optimizer(param_groups(ref.named_parameters(), t.weight_decay), t, env.device)
+        t, device = c.cfg.train, c.env.device
+        tp_mesh = init_device_mesh(device.type, (c.cfg.parallel.tp,))
+        ref = dtensor_model(c.args, t.seed, device, tp_mesh, c.cfg.parallel.sp)
+        opt = build_optimizer(param_groups(ref.named_parameters(), t.weight_decay), t, device)
 
         def step_dtensor():
-            dtensor_loss_backward(ref, x, y, n_targets)
+            dtensor_loss_backward(ref, c.x, c.y, c.n_targets)
             opt.step()
             opt.zero_grad()  # to None: DTensor keeps SP norm gradients Partial, not zeroable in place
 
-        times = alternate({"ndtrain": step_ours, "torch-dtensor-tp": step_dtensor}, rounds, steps, env.device)
-        return report(times, t.global_batch * t.seq_len, "tok/s", "ndtrain/torch-dtensor-tp",
+        times = alternate({"ndtrain": c.step_ours, "torch-dtensor-tp": step_dtensor}, rounds, steps, device)
+        return report(times, c.tokens, "tok/s", "ndtrain/torch-dtensor-tp",
                       numerator="ndtrain", denominator="torch-dtensor-tp")
     finally:
         shutdown()
 
 
 def run(args) -> int:
-    cfg = load_config(args.config, BENCH_DEFAULTS + list(args.overrides))
-    cfg.run.nproc = cfg.parallel.tp = args.nproc  # tensor parallel over every rank
-    cfg.parallel.dp = 1
-    validate(cfg)
+    cfg = bench_config(args, BENCH_DEFAULTS + [f"parallel.tp={args.nproc}"])  # TP over every rank
     a, p = cfg.model_args(), cfg.parallel
     print(f"bench tp: tp={p.tp} sp={p.sp} · model dim={a.dim} layers={a.n_layers} heads={a.n_heads}/{a.n_kv_heads} "
           f"vocab={a.vocab_size} · batch {cfg.train.global_batch}×{cfg.train.seq_len} · "

@@ -17,8 +17,9 @@ How:
    so an unused parameter delays overlap but never hangs the step.
 5. On accumulation micro-steps (`set_sync(False)`) the hooks do nothing: gradients keep
    accumulating locally and only the last micro-step communicates.
-6. Reduction runs in fp32: a bucket of lower-precision gradients is copied to an fp32
-   staging buffer for the all-reduce and back.
+6. Reduction runs in `reduce_dtype` (fp32 by default, parallel/precision.py): a bucket of
+   lower-precision gradients is widened into a staging buffer that exists only while its
+   all-reduce is in flight, and the sum is rounded back into the bucket.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Bucket:
     index: int
     params: list[nn.Parameter]
     buffer: torch.Tensor  # flat gradients, the storage behind every param.grad in the bucket
-    staging: torch.Tensor | None  # fp32 copy for reduction when `buffer` is low precision
+    staging: torch.Tensor | None = None  # the buffer widened to reduce_dtype, while in flight
     ready: int = 0
     work: object = None
     launched: bool = False
@@ -81,10 +82,7 @@ class DataParallel:
     def _make_bucket(self, params: list[nn.Parameter]) -> None:
         numel = sum(p.numel() for p in params)
         buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        staging = None
-        if self.group.active and buffer.dtype != self.reduce_dtype:
-            staging = torch.empty(numel, dtype=self.reduce_dtype, device=buffer.device)
-        bucket = Bucket(len(self.buckets), params, buffer, staging)
+        bucket = Bucket(len(self.buckets), params, buffer)
         offset = 0
         for p in params:
             p.grad = buffer[offset:offset + p.numel()].view_as(p)
@@ -111,9 +109,8 @@ class DataParallel:
 
     def _launch(self, bucket: Bucket) -> None:
         send = bucket.buffer
-        if bucket.staging is not None:
-            bucket.staging.copy_(bucket.buffer)
-            send = bucket.staging
+        if self.group.active and send.dtype != self.reduce_dtype:
+            bucket.staging = send = bucket.buffer.to(self.reduce_dtype)
         bucket.work = ops.all_reduce(send, self.group, async_op=True)
         bucket.launched = True
         self._next_launch += 1
@@ -126,7 +123,7 @@ class DataParallel:
             bucket.work.wait()
             if bucket.staging is not None:
                 bucket.buffer.copy_(bucket.staging)
-            bucket.work, bucket.launched, bucket.ready = None, False, 0
+            bucket.work, bucket.launched, bucket.ready, bucket.staging = None, False, 0, None
         self._next_launch = 0
         self.sync = True
 

@@ -10,14 +10,22 @@ from torch import nn
 from ndtrain.config import TrainConfig
 
 
-def param_groups(named_params, weight_decay: float) -> list[dict]:
+def decays(p: torch.Tensor) -> bool:
     """Matrices (linear weights, embeddings) decay; vectors (norm weights) do not."""
+    return p.ndim >= 2
+
+
+def param_groups(named_params, weight_decay: float) -> list[dict]:
     decay, no_decay, seen = [], [], set()
     for _, p in named_params:
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (decay if p.ndim >= 2 else no_decay).append(p)
+        (decay if decays(p) else no_decay).append(p)
+    return decay_groups(decay, no_decay, weight_decay)
+
+
+def decay_groups(decay: list, no_decay: list, weight_decay: float) -> list[dict]:
     groups = [{"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]

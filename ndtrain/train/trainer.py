@@ -18,11 +18,13 @@ from ndtrain.data.loader import BatchLoader
 from ndtrain.data.prepare import PreparedData
 from ndtrain.mesh import DIMS, ParallelMesh
 from ndtrain.model.args import flops_per_token
+from ndtrain.observe.memory import per_rank
 from ndtrain.observe.metrics import MetricsLog
 from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss
 from ndtrain.observe.progress import TrainProgress
 from ndtrain.parallel.parallelize import Parallelized, build
+from ndtrain.parallel.precision import LossScaleExhausted
 from ndtrain.train.loss import count_targets
 from ndtrain.train.optim import lr_at
 
@@ -53,6 +55,7 @@ class Trainer:
         # A CPU peak is a whole machine's; a GPU peak is one device's.
         self.n_peak_units = mesh.world // local_world if mesh.device.type == "cpu" else mesh.world
         self.step = 0
+        self._measured_steps = 0
         self.is_logger = mesh.rank == 0
         self.history: list[dict] = []
 
@@ -74,10 +77,16 @@ class Trainer:
         self.mesh.stats.reset()
         micro, local_targets = self.local_batch(self.train_loader, step)
         n_targets = all_reduce_scalars([local_targets], self.mesh.group("dp_cp"))[0]
-        local_loss = self.par.forward_backward(micro, n_targets)
+        # The activation peak: every step from the allocator on a GPU; on the CPU, where
+        # watching every operation slows the step, on the first two steps of a run (the
+        # first has no optimizer state yet; later steps repeat the second).
+        measure = self.mesh.device.type == "cuda" or self._measured_steps < 2
+        local_loss = self.par.forward_backward(micro, n_targets, measure_memory=measure)
+        self._measured_steps += 1
         grad_norm = self.par.clip_grad_norm(t.grad_clip)
         lr = lr_at(step, t)
-        self.par.optimizer_step(lr)
+        scale = self.par.scaler.scale if self.par.scaler else None
+        stepped = self.par.optimizer_step(lr)
         loss = self.par.reduce_loss(local_loss)
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize(self.mesh.device)
@@ -86,10 +95,20 @@ class Trainer:
         mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.n_peak_units)
                if self.peak else None)
         comm = {f"{d}.{k}": tally.wire for (d, k), tally in sorted(self.mesh.stats.tallies.items())}
-        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
-                "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
-                "tokens": (step + 1) * t.global_batch * t.seq_len,
-                "comm_bytes": sum(comm.values()), "comm": comm}
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+                  "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
+                  "tokens": (step + 1) * t.global_batch * t.seq_len,
+                  "comm_bytes": sum(comm.values()), "comm": comm, "memory": self.memory_per_rank()}
+        if scale is not None:
+            record.update(loss_scale=scale, skipped=not stepped)
+        return record
+
+    def memory_per_rank(self) -> dict[str, list[int]]:
+        """Bytes of parameters, gradients, optimizer state and the activation peak, one
+        entry per rank (observe/memory.py)."""
+        mine = self.par.memory.as_dict()
+        table = per_rank(list(mine.values()), self.mesh.device)
+        return {k: [int(row[i]) for row in table] for i, k in enumerate(mine)}
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -117,10 +136,16 @@ class Trainer:
         self.par.model.train()
         try:
             for step in range(self.step, stop):
-                record = self.train_step(step)
+                try:
+                    record = self.train_step(step)
+                except LossScaleExhausted as e:
+                    raise TrainingError(f"step {step}: {e}; stopping ({self._last_checkpoint()})") from None
                 self.step = step + 1
                 if not math.isfinite(record["loss"]):
                     raise TrainingError(self._diverged_message(step, record["loss"]))
+                if record.get("skipped"):
+                    progress.print(f"step {step}: fp16 gradients overflowed; step skipped, loss scale "
+                                   f"{record['loss_scale']:g} → {self.par.scaler.scale:g}")
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps:
                     record["val_loss"] = self.evaluate()
                 self.history.append(record)
@@ -137,10 +162,13 @@ class Trainer:
             self.save()
         return self.finish() if log else {}
 
-    def _diverged_message(self, step: int, loss: float) -> str:
+    def _last_checkpoint(self) -> str:
         last = store.latest(self.run_dir) if self.run_dir else None
-        where = f"last good checkpoint: {last}" if last else "no checkpoint was saved before it"
-        return f"step {step}: loss is {loss}; stopping ({where}). Try a lower train.lr or train.grad_clip."
+        return f"last good checkpoint: {last}" if last else "no checkpoint was saved before it"
+
+    def _diverged_message(self, step: int, loss: float) -> str:
+        return (f"step {step}: loss is {loss}; stopping ({self._last_checkpoint()}). "
+                "Try a lower train.lr or train.grad_clip.")
 
     def finish(self) -> dict:
         """Rank 0: loss plot and summary.json."""
@@ -174,7 +202,7 @@ class Trainer:
         rng = {"cpu": torch.get_rng_state()}
         if mesh.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(mesh.device)
-        parts = {"optim": (par.optimizer.state_dict(), par.optim_replicated),
+        parts = {"optim": (par.optim_state(), par.optim_replicated),
                  "rng": (rng, store.PER_RANK)}
         if model_is_full:
             parts["model"] = (par.model_state(), DIMS)
@@ -197,7 +225,7 @@ class Trainer:
         else:
             state = store.load_part(path, "model", mesh, DIMS, mesh.device)
         par.load_model_state(state)
-        par.optimizer.load_state_dict(store.load_part(path, "optim", mesh, par.optim_replicated, mesh.device))
+        par.load_optim_state(store.load_part(path, "optim", mesh, par.optim_replicated, mesh.device))
         rng = store.load_part(path, "rng", mesh, store.PER_RANK)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and mesh.device.type == "cuda":

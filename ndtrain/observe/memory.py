@@ -1,0 +1,146 @@
+"""Memory accounting per rank: model states (parameters, gradients, optimizer state) and the
+peak of what a step's forward and backward allocate on top of them.
+
+- Model states are counted byte for byte from the tensors that hold them: the sum of the
+  sizes of their *storages*, each storage once (a parameter that is a view into a flat
+  ZeRO buffer costs nothing extra; a freed ZeRO-3 buffer costs 0). The same count works on
+  every device.
+- The step's peak ("activations": the saved activations, plus whatever else forward and
+  backward hold at that moment: gradients in flight, ZeRO-3's gathered blocks, fp32
+  reduction buffers) comes from the CUDA caching allocator's statistics on a GPU. On the
+  CPU there are no allocator statistics, so `CpuPeak` watches every tensor operation while
+  the step runs: each storage an operation creates counts from its creation until Python
+  frees it (a weak reference's finalizer), and the highest sum is the peak. Storages grown
+  outside any operation (ZeRO-3 regathers a freed buffer with `storage.resize_`) are added
+  through `extra`, a function the caller supplies.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+@dataclass
+class MemoryReport:
+    """Bytes on one rank.
+
+    params, grads, optimizer: the model states, counted right after the optimizer step
+    (when they are all allocated). activations: the most that forward and backward held
+    at once on top of what existed when forward began. peak: that plus what existed then,
+    the rank's high-water mark of the pass. (ZeRO-2/3 allocate their gradient slices
+    during backward, so for them `grads` is also inside `activations`' window.)"""
+
+    params: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    peak: int = 0
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _storages(tensors: Iterable[torch.Tensor]):
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            yield t.untyped_storage()
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor], seen: set | None = None) -> int:
+    """Bytes of the distinct storages behind `tensors`, skipping those already in `seen`
+    (which is updated, so several categories can share one set and never double count)."""
+    seen = set() if seen is None else seen
+    total = 0
+    for st in _storages(tensors):
+        key = (st.device, st.data_ptr())
+        if st.nbytes() == 0 or key in seen:
+            continue
+        seen.add(key)
+        total += st.nbytes()
+    return total
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+class CpuPeak(TorchDispatchMode):
+    """Peak bytes of the storages created while active (see module docstring)."""
+
+    def __init__(self, extra: Callable[[], int] | None = None):
+        super().__init__()
+        self.extra = extra or (lambda: 0)
+        self.base_extra = 0
+        self.live = 0
+        self.peak = 0
+        self._sizes: dict[int, int] = {}
+
+    def __enter__(self):
+        self.base_extra = self.extra()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {id(st) for st in _storages(tree_flatten((args, kwargs))[0])}
+        for st in _storages(tree_flatten(out)[0]):
+            key = id(st)
+            if key in inputs or key in self._sizes:
+                continue  # a view or an in-place result: no new memory
+            self._sizes[key] = st.nbytes()
+            self.live += st.nbytes()
+            weakref.finalize(st, self._free, key)
+        self.peak = max(self.peak, self.live + self.extra() - self.base_extra)
+        return out
+
+    def _free(self, key: int) -> None:
+        self.live -= self._sizes.pop(key)
+
+
+@contextmanager
+def measure_peak(device: torch.device, extra: Callable[[], int] | None = None):
+    """`with measure_peak(dev) as result:` ... then `result["bytes"]` is the peak allocated
+    inside the block above what was allocated when it started."""
+    result = {"bytes": 0}
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        yield result
+        torch.cuda.synchronize(device)
+        result["bytes"] = torch.cuda.max_memory_allocated(device) - base
+        return
+    tracker = CpuPeak(extra)
+    with tracker:
+        yield result
+    result["bytes"] = tracker.peak
+
+
+def per_rank(values: list[float], device: torch.device) -> list[list[float]]:
+    """Every rank's `values` (bookkeeping: not counted in the communication accounting)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [list(values)]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    table = torch.zeros(world, len(values), dtype=torch.float64, device=device)
+    table[rank] = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(table)
+    return table.tolist()
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} GiB"

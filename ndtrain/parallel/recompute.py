@@ -1,0 +1,121 @@
+"""Activation recomputation: trade compute for the memory of saved activations.
+
+Backward needs tensors that forward saved (inputs of matmuls, softmax outputs, ...). A
+*recomputed region* keeps only its inputs: while it runs forward, every tensor autograd
+wants to save is replaced by its index, and the first time backward asks for one of them
+the region runs forward again, with the same inputs and random state, and hands out the
+tensors that second run saved. The gradients are therefore the same, bit for bit.
+
+`train.recompute` chooses the regions:
+- `none`: nothing is recomputed;
+- `full`: every decoder block (keeps one hidden state per block);
+- `every:K`: blocks 0, K, 2K, ... (by global layer index), a middle ground;
+- `selective`: only each attention core (rotary, softmax attention, head merge), the part
+  whose saved tensors grow with the sequence length but which costs few FLOPs to redo
+  (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models").
+
+Regions wrap a module's `forward` on the instance, so parameter names, module hooks (ZeRO-3
+gathers a block in its forward pre-hook and before its backward) and state dicts are
+untouched. The second run calls the original `forward` directly: the module's own hooks do
+not fire twice.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from ndtrain.config import recompute_every
+
+
+class _Region:
+    """One forward call of a recomputed region and, later, its second run."""
+
+    def __init__(self, fn, args, kwargs):
+        self.fn, self.args, self.kwargs = fn, args, kwargs
+        self.devices = sorted({a.device.index for a in args
+                               if isinstance(a, torch.Tensor) and a.device.type == "cuda"})
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = [torch.cuda.get_rng_state(d) for d in self.devices]
+        self.count = 0
+        self.saved: list[torch.Tensor] | None = None
+
+    def pack(self, tensor: torch.Tensor) -> int:
+        index, self.count = self.count, self.count + 1
+        return index  # the tensor itself is dropped
+
+    def unpack(self, index: int) -> torch.Tensor:
+        if self.saved is None:
+            self.saved = self._run_again()
+        return self.saved[index]
+
+    def _run_again(self) -> list[torch.Tensor]:
+        saved: list[torch.Tensor] = []
+
+        def keep(t):
+            # Neither list nor graph may hold the tensor with its grad_fn: the second run's
+            # graph would then reach itself through objects Python's collector cannot see
+            # (an output saved by its own node), and the whole region would leak.
+            saved.append(t.detach())
+            return None  # the second run's graph is never differentiated
+
+        # Detached inputs: the second run builds a graph of its own, which is thrown away.
+        args = [_detached(a) for a in self.args]
+        kwargs = {k: _detached(v) for k, v in self.kwargs.items()}
+        with torch.random.fork_rng(devices=self.devices), torch.enable_grad(), \
+                saved_tensors_hooks(keep, _never):
+            torch.set_rng_state(self.cpu_rng)
+            for d, state in zip(self.devices, self.cuda_rng):
+                torch.cuda.set_rng_state(state, d)
+            self.fn(*args, **kwargs)
+        if len(saved) != self.count:
+            raise RuntimeError(f"recomputation saved {len(saved)} tensors where forward saved "
+                               f"{self.count}: the region is not deterministic")
+        return saved
+
+
+def _never(_):
+    raise RuntimeError("the graph of a recomputation cannot be differentiated")
+
+
+def _detached(a):
+    return a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
+
+
+def run_recomputed(fn, *args, **kwargs):
+    """`fn(*args, **kwargs)`, keeping none of its saved activations (see module docstring)."""
+    if not torch.is_grad_enabled():
+        return fn(*args, **kwargs)
+    region = _Region(fn, args, kwargs)
+    with saved_tensors_hooks(region.pack, region.unpack):
+        return fn(*args, **kwargs)
+
+
+def recompute_module(module: nn.Module) -> None:
+    """Make every forward call of `module` a recomputed region."""
+    module.forward = functools.partial(run_recomputed, module.forward)
+
+
+def apply_recompute(model: nn.Module, spec: str) -> list[str]:
+    """Wrap the regions `spec` names in every decoder (a pipeline stage may hold several);
+    returns the names of the wrapped modules."""
+    if spec == "none":
+        return []
+    wrapped = []
+    every = recompute_every(spec)
+    for name, module in model.named_modules():
+        layers = getattr(module, "layers", None)
+        if not isinstance(layers, nn.ModuleDict):
+            continue
+        for key, block in layers.items():
+            prefix = f"{name}.layers.{key}" if name else f"layers.{key}"
+            if spec == "selective":
+                recompute_module(block.attention.core)
+                wrapped.append(f"{prefix}.attention.core")
+            elif int(key) % every == 0:
+                recompute_module(block)
+                wrapped.append(prefix)
+    return wrapped

@@ -1,0 +1,529 @@
+"""ZeRO-1/2/3 and hybrid sharding (HSDP): data parallelism whose model states are split.
+
+Plain data parallelism keeps on every rank the parameters (Ψ values), their gradients and
+the optimizer state (fp32 master weights and Adam's two moments). ZeRO (Rajbhandari et al.
+2020) gives each of the N ranks of the shard group one N-th of them:
+- stage 1: the optimizer state. Gradients are *reduce-scattered* (each rank receives the
+  sum of its slice only), each rank updates its slice, and the parameters are
+  *all-gathered* back. Same bytes on the wire as an all-reduce, which is exactly a
+  reduce-scatter followed by an all-gather.
+- stage 2: the gradients too. Each unit's gradients are reduce-scattered as soon as its
+  backward ends, and only this rank's slice of the sum is kept.
+- stage 3: the parameters too. A unit's parameters are all-gathered just before its forward,
+  freed after it, gathered again just before its backward and freed after it. The gather of
+  the next unit is started early (prefetched) so it overlaps the current unit's compute.
+  With `parallel.reshard_after_forward = false` a unit stays gathered from its forward to
+  its backward: one gather fewer, the memory of stage 2 in between.
+
+Units. Each decoder block (`model.layers[k]`) is one unit; everything else of a decoder
+(embedding, final norm, output head; a tied head is the embedding's own parameter) is its
+*root* unit. Stage 3 gathers and frees units; every stage reduces gradients per unit.
+ZeRO only sees the module's local parameters, so a tensor-parallel shard or a pipeline
+stage's chunks are sharded the same way.
+
+Flat buffers. The parameters of one unit that share placement (`shard_dims`, duplicate or
+not, parallel/placement.py), weight-decay group and dtype are packed into one flat buffer
+`full`, padded to a multiple of N; every parameter becomes a view into it. Rank r owns the
+slice [r·S, (r+1)·S), S = padded / N. Its fp32 *master* of that slice is what the optimizer
+updates (one tensor per flat buffer, so AdamW runs on N times fewer elements), marked with
+the parameters' shard dims plus "dp_shard" and "cp", so train/clip.py's global norm counts
+each element once. In fp32 the master *is* the slice of the parameters (no copy).
+
+Groups. ZeRO shards over `dp_shard × cp` (the mesh group `dp_shard_cp`, which is just
+dp_shard while context parallelism is off): context-parallel ranks hold the same
+parameters, so they can share the sharding, and one reduce-scatter sums gradients over both.
+With `parallel.dp_replicate > 1` (HSDP) every group of dp_shard ranks holds a full sharded
+copy: after the reduce-scatter, each rank all-reduces its slice with the ranks holding the
+same slice in the other replicas (`dp_replicate`). Together: a sum over dp × cp, as
+DESIGN.md asks of dense gradients.
+
+Gradients are stored in the compute dtype and reduced in `reduce_dtype` (fp32 by default,
+parallel/precision.py). Stage 1 accumulates micro-batches locally and reduces once per step;
+stages 2 and 3 reduce after every micro-batch's backward (that is what keeps the full
+gradients from ever existing), so accumulation multiplies their gradient traffic.
+
+Collectives on one group must be issued in the same order on every rank: reduce-scatters
+start strictly in unit order (last block first, root last); a unit whose gradients are not
+all ready delays the ones after it until the end of the backward pass, never forever.
+Stage 3 assumes every rank runs the same units in the same order, as the decoder does.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ndtrain.comm import ops
+from ndtrain.mesh import Group, ParallelMesh
+from ndtrain.parallel.placement import is_duplicate, mark_duplicate, mark_sharded, shard_dims
+from ndtrain.train.optim import decay_groups, decays
+
+SHARD_DIMS = ("dp_shard", "cp")
+
+
+def free_storage(t: torch.Tensor) -> int:
+    """Release the memory behind `t` (and every view of it); returns the bytes freed."""
+    n = t.untyped_storage().nbytes()
+    t.untyped_storage().resize_(0)
+    return n
+
+
+def allocate_storage(t: torch.Tensor) -> int:
+    """Give `t`'s storage its memory back (contents undefined); returns the bytes allocated."""
+    n = t.numel() * t.element_size()
+    t.untyped_storage().resize_(n)
+    return n
+
+
+class FlatParam:
+    """Parameters of one unit with the same placement, decay group and dtype, in one buffer.
+
+    full: the whole buffer in the compute dtype, every parameter a view into it (stage 3:
+      its memory exists only while the unit is gathered).
+    shard: this rank's slice of `full` (stage 3: a tensor of its own, always there).
+    master: the fp32 slice the optimizer updates (`shard` itself when computing in fp32).
+    grad_full: stage 1, the persistent full gradient behind every param.grad, accumulated by
+      autograd over micro-batches; stages 2-3, a reduce_dtype buffer that lives from the
+      first gradient of a backward pass to its reduce-scatter.
+    grad_shard: this rank's slice of the summed gradient; stage 1, a view into grad_full;
+      stages 2-3, allocated by the step's first reduction, freed by zero_grad.
+    """
+
+    def __init__(self, name: str, params: list[nn.Parameter], stage: int, group: Group,
+                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype):
+        self.name, self.params, self.stage = name, params, stage
+        self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        self.decays = decays(params[0])
+        self.slot: dict[int, tuple[int, int]] = {}  # id(param) -> (offset, numel) in `full`
+        offset = 0
+        for p in params:
+            self.slot[id(p)] = (offset, p.numel())
+            offset += p.numel()
+        self.numel = offset
+        self.shard_numel = -(-offset // group.size)  # padded to a multiple of the group
+        lo, hi = group.rank * self.shard_numel, (group.rank + 1) * self.shard_numel
+
+        initial = self._pack_fp32(self.shard_numel * group.size)
+        self.full = initial if compute_dtype == torch.float32 else initial.to(compute_dtype)
+        for p in params:
+            p.data = self.view_of(self.full, p)
+        self.shard = self.full[lo:hi].clone() if stage == 3 else self.full[lo:hi]
+        if stage == 3:
+            free_storage(self.full)
+        # A separate master starts from the fp32 initial values, not from their rounding.
+        self.master = nn.Parameter(self.shard if compute_dtype == torch.float32 else initial[lo:hi].clone())
+        mark_sharded(self.master, shard_dims(params[0]) + SHARD_DIMS)
+        mark_duplicate(self.master, is_duplicate(params[0]))
+
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        if stage == 1:
+            self.grad_full = torch.zeros_like(self.full)
+            for p in params:
+                p.grad = self.view_of(self.grad_full, p)
+            self.grad_shard = self.grad_full[lo:hi]
+        self.ready = 0  # parameters whose gradient arrived in this backward pass
+        self.pending: tuple | None = None  # (work, output, input) of a reduce-scatter in flight
+
+    @torch.no_grad()
+    def _pack_fp32(self, padded: int) -> torch.Tensor:
+        values = torch.zeros(padded, dtype=torch.float32, device=self.params[0].device)
+        for p in self.params:
+            values[self.range(p)].copy_(p.detach().reshape(-1))
+        return values
+
+    def range(self, p: nn.Parameter) -> slice:
+        start, n = self.slot[id(p)]
+        return slice(start, start + n)
+
+    def view_of(self, flat: torch.Tensor, p: nn.Parameter) -> torch.Tensor:
+        return flat[self.range(p)].view(p.shape)
+
+    @property
+    def separate_master(self) -> bool:
+        return self.master.untyped_storage().data_ptr() != self.shard.untyped_storage().data_ptr()
+
+    @property
+    def complete(self) -> bool:
+        return self.ready == len(self.params)
+
+    def take_grad(self, p: nn.Parameter) -> None:
+        """Stages 2-3: move a fresh gradient from param.grad into the reduce buffer."""
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.full.numel(), dtype=self.reduce_dtype, device=self.shard.device)
+        self.grad_full[self.range(p)].copy_(p.grad.reshape(-1))
+        p.grad = None
+
+    def reduce_input(self) -> torch.Tensor:
+        """The full local gradient, in reduce_dtype, to reduce-scatter."""
+        if self.stage == 1:
+            g = self.grad_full
+            return g if g.dtype == self.reduce_dtype else g.to(self.reduce_dtype)
+        if self.grad_full is None:  # no gradient arrived on this rank: contribute zeros
+            self.grad_full = torch.zeros(self.full.numel(), dtype=self.reduce_dtype, device=self.shard.device)
+        g, self.grad_full = self.grad_full, None
+        return g
+
+    def accumulate(self, reduced: torch.Tensor) -> None:
+        """Keep this rank's slice of a reduced gradient (stage 1: the step's only one)."""
+        if self.stage == 1:
+            self.grad_shard.copy_(reduced)
+        elif self.grad_shard is None:
+            self.grad_shard = reduced.to(self.compute_dtype)  # no copy when the dtypes agree
+        else:
+            self.grad_shard.add_(reduced)
+
+
+@dataclass
+class Unit:
+    """A block, or a decoder's root; stage 3 gathers and frees its flat buffers together."""
+
+    name: str
+    module: nn.Module
+    flats: list[FlatParam]
+    next: "Unit | None" = None  # the unit whose forward follows (prefetched in forward)
+    prev: "Unit | None" = None  # the unit whose backward follows (prefetched in backward)
+    state: str = "sharded"  # sharded | gathering | gathered
+    works: list = field(default_factory=list)
+
+
+def decoder_units(model: nn.Module) -> list[list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]]:
+    """The units of every decoder found in `model` (a pipeline stage may hold several):
+    [(name, module, [(param name, param)])], the root first, then the blocks in order.
+    A tied parameter belongs to the first unit that holds it; a unit without parameters is
+    left out; parameters outside any decoder form a last unit, "rest"."""
+    named = {id(p): n for n, p in model.named_parameters()}  # a tied parameter: first name
+    claimed: set[int] = set()
+
+    def claim(params):
+        out = []
+        for p in params:
+            if p.requires_grad and id(p) not in claimed:
+                claimed.add(id(p))
+                out.append((named[id(p)], p))
+        return out
+
+    decoders = []
+    for name, module in model.named_modules():
+        layers = getattr(module, "layers", None)
+        if not isinstance(layers, nn.ModuleDict):
+            continue
+        prefix = f"{name}." if name else ""
+        in_blocks = {id(p) for p in layers.parameters()}
+        units = [(f"{prefix}root", module, claim(p for p in module.parameters() if id(p) not in in_blocks))]
+        units += [(f"{prefix}layers.{key}", block, claim(block.parameters())) for key, block in layers.items()]
+        decoders.append([u for u in units if u[2]])
+    rest = claim(model.parameters())
+    if rest:
+        decoders.append([("rest", model, rest)])
+    return [d for d in decoders if d]
+
+
+def link_units(units: list[Unit]) -> list[Unit]:
+    """Set each unit's prefetch neighbours; return the units in the order their gradients
+    complete. Forward runs the root, block 0, block 1, ...; backward starts at the root's
+    head, then runs the last block to the first, and the root's embedding gradient is the
+    last of all."""
+    for a, b in zip(units, units[1:]):
+        a.next = b
+    has_root = units[0].name.endswith("root")
+    blocks = units[1:] if has_root else units
+    for a, b in zip(blocks, blocks[1:]):
+        b.prev = a
+    if has_root and blocks:
+        units[0].prev = blocks[-1]
+    return list(reversed(blocks)) + (units[:1] if has_root else [])
+
+
+class ZeRO:
+    """Sharded model states over `dp_shard × cp`, replicated over `dp_replicate`.
+
+    The gradient synchroniser of every schedule (`set_sync`, `finish`, `zero_grad`) and the
+    owner of what the optimizer updates (`param_groups`, `grads_to_optimizer`, `after_step`).
+    """
+
+    def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int, compute_dtype: torch.dtype,
+                 reduce_dtype: torch.dtype, reshard_after_forward: bool = True):
+        if stage not in (1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
+        self.stage = stage
+        self.group = mesh.group("dp_shard_cp")
+        self.replicas = mesh.group("dp_replicate")
+        self.reshard_after_forward = reshard_after_forward
+        self.units: list[Unit] = []
+        self.names: dict[int, str] = {}
+        backward_order: list[Unit] = []
+        for decoder in decoder_units(model):
+            units = [Unit(unit_name, module, self._flats(unit_name, named, compute_dtype, reduce_dtype))
+                     for unit_name, module, named in decoder]
+            self.names.update({id(p): n for _, _, named in decoder for n, p in named})
+            self.units += units
+            backward_order = link_units(units) + backward_order  # later decoders run backward first
+        self.flats = [f for u in backward_order for f in u.flats]
+        self._flat_of = {id(p): f for f in self.flats for p in f.params}
+        self._unit_of = {id(f): u for u in self.units for f in u.flats}
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
+                       for f in self.flats for p in f.params]
+        if stage == 3:
+            for unit in self.units:
+                self._hooks.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
+                self._hooks.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+        self.sync = True
+        self._next_launch = 0
+        self._in_backward = False
+        self.gathered_bytes = 0  # stage 3: bytes of units gathered right now (memory accounting)
+
+    def _flats(self, unit_name, named, compute_dtype, reduce_dtype) -> list[FlatParam]:
+        by_key: dict[tuple, list[nn.Parameter]] = {}
+        for _, p in named:
+            key = (shard_dims(p), is_duplicate(p), decays(p), p.dtype, p.device)
+            by_key.setdefault(key, []).append(p)
+        flats = []
+        for (dims, dup, decay, _, _), params in by_key.items():
+            name = ".".join([unit_name, "decay" if decay else "no_decay", *dims] + (["duplicate"] if dup else []))
+            flats.append(FlatParam(name, params, self.stage, self.group, compute_dtype, reduce_dtype))
+        return flats
+
+    # -- the optimizer's view ---------------------------------------------------
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        return decay_groups([f.master for f in self.flats if f.decays],
+                            [f.master for f in self.flats if not f.decays], weight_decay)
+
+    def optim_params(self) -> list[nn.Parameter]:
+        return [f.master for f in self.flats]
+
+    @torch.no_grad()
+    def grads_to_optimizer(self, unscale: float) -> None:
+        """Each master's gradient: the summed slice, in fp32, unscaled (fp16)."""
+        for f in self.flats:
+            g = f.grad_shard if f.grad_shard is not None else torch.zeros_like(f.shard)
+            f.master.grad = g if (g.dtype == torch.float32 and not f.separate_master) else g.float()
+            if unscale != 1.0:
+                f.master.grad.mul_(unscale)
+
+    @torch.no_grad()
+    def after_step(self) -> None:
+        """The updated masters become this rank's slice of the parameters; stages 1-2
+        all-gather the slices so every rank holds the whole updated model again."""
+        self.drop_grads()
+        for f in self.flats:
+            if f.separate_master:
+                f.shard.copy_(f.master)
+        if self.stage < 3:
+            works = [ops.all_gather(f.full, f.shard, self.group, async_op=True) for f in self.flats]
+            for w in works:
+                w.wait()
+
+    def drop_grads(self) -> None:
+        for f in self.flats:
+            f.master.grad = None
+
+    # -- GradSync: called by the schedule ---------------------------------------
+    def set_sync(self, enabled: bool) -> None:
+        """Stage 1: True on the last micro-batch, whose backward communicates. Stages 2-3
+        reduce every micro-batch regardless."""
+        self.sync = enabled
+
+    def _reduces_now(self) -> bool:
+        return self.stage >= 2 or self.sync
+
+    def _note_backward(self) -> None:
+        """At the first hook of a backward pass, ask autograd to call us when it ends."""
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._reduces_now():
+            return
+        self._note_backward()
+        flat = self._flat_of[id(p)]
+        if self.stage >= 2:
+            flat.take_grad(p)
+        flat.ready += 1
+        if flat.complete:
+            self._launch_ready_prefix()
+            if self.stage == 3:
+                unit = self._unit_of[id(flat)]
+                if all(f.complete for f in unit.flats):
+                    self._reshard(unit)  # its backward is over
+
+    def _launch_ready_prefix(self) -> None:
+        while self._next_launch < len(self.flats) and self.flats[self._next_launch].complete:
+            self._launch(self.flats[self._next_launch])
+
+    def _launch(self, flat: FlatParam) -> None:
+        """Reduce-scatter a flat buffer's gradients over the shard group (asynchronous)."""
+        grads = flat.reduce_input()
+        out = torch.empty(flat.shard_numel, dtype=grads.dtype, device=grads.device)
+        work = ops.reduce_scatter(out, grads, self.group, async_op=True)
+        flat.pending = (work, out, grads)
+        self._next_launch += 1
+
+    def _resolve(self, flat: FlatParam) -> None:
+        if flat.pending is not None:
+            work, out, _ = flat.pending
+            work.wait()
+            flat.accumulate(out)
+            flat.pending = None
+
+    def _end_of_backward(self) -> None:
+        """Launch what is still waiting (in order), keep every reduced slice (which frees
+        the full-size gradients), free what stage 3 still holds."""
+        while self._next_launch < len(self.flats):
+            self._launch(self.flats[self._next_launch])
+        for f in self.flats:
+            self._resolve(f)
+            f.ready = 0
+        self._next_launch = 0
+        self._in_backward = False
+        if self.stage == 3:
+            for unit in self.units:
+                self._reshard(unit)
+
+    def finish(self) -> None:
+        """Wait for every reduce-scatter; HSDP: all-reduce each slice across the replicas."""
+        for f in self.flats:
+            self._resolve(f)
+        if self.replicas.active:
+            sends = [f.grad_shard if f.grad_shard.dtype == f.reduce_dtype else f.grad_shard.to(f.reduce_dtype)
+                     for f in self.flats]
+            works = [ops.all_reduce(s, self.replicas, async_op=True) for s in sends]
+            for f, s, w in zip(self.flats, sends, works):
+                w.wait()
+                if s is not f.grad_shard:
+                    f.grad_shard.copy_(s)
+        self.sync = True
+
+    def zero_grad(self) -> None:
+        for f in self.flats:
+            if self.stage == 1:
+                f.grad_full.zero_()
+            else:
+                f.grad_shard = None
+
+    # -- stage 3: gather before use, free after ------------------------------------
+    def _gather(self, unit: Unit) -> None:
+        """Start all-gathering a unit's parameters (no-op if it is gathered or on its way)."""
+        if unit.state != "sharded":
+            return
+        for f in unit.flats:
+            self.gathered_bytes += allocate_storage(f.full)
+            unit.works.append(ops.all_gather(f.full, f.shard, self.group, async_op=True))
+        unit.state = "gathering"
+
+    def _wait(self, unit: Unit) -> None:
+        if unit.state == "gathering":
+            for w in unit.works:
+                w.wait()
+            unit.works, unit.state = [], "gathered"
+
+    def _reshard(self, unit: Unit) -> None:
+        if unit.state == "sharded":
+            return
+        self._wait(unit)
+        for f in unit.flats:
+            self.gathered_bytes -= free_storage(f.full)
+        unit.state = "sharded"
+
+    def _pre_forward(self, unit: Unit, module, args) -> None:
+        self._gather(unit)
+        self._wait(unit)
+        if unit.next is not None:
+            self._gather(unit.next)  # prefetch: overlaps this unit's forward
+
+    def _post_forward(self, unit: Unit, module, args, output) -> None:
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(functools.partial(self._pre_backward, unit))
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self._reshard(unit)
+
+    def _pre_backward(self, unit: Unit, grad: torch.Tensor) -> None:
+        self._note_backward()
+        self._gather(unit)
+        self._wait(unit)
+        if unit.prev is not None:
+            self._gather(unit.prev)  # prefetch: overlaps this unit's backward
+
+    # -- state for checkpoints ----------------------------------------------------
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """Stage 3: this rank's slices by flat-buffer name; stages 1-2: the (replicated)
+        parameters by name, copied out of the flat buffers."""
+        if self.stage == 3:
+            return {f.name: f.shard for f in self.flats}
+        return {self.names[id(p)]: p.detach().clone() for f in self.flats for p in f.params}
+
+    @torch.no_grad()
+    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+        expected = self.local_state()
+        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+        if missing or unexpected:
+            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+        if self.stage == 3:
+            for f in self.flats:
+                f.shard.copy_(state[f.name])
+        else:
+            for f in self.flats:
+                for p in f.params:
+                    p.copy_(state[self.names[id(p)]])
+
+    @torch.no_grad()
+    def gathered_state(self) -> dict[str, torch.Tensor] | None:
+        """The local model's parameters, whole over the shard group, on its rank 0 (None
+        elsewhere). Collective over the shard group under stage 3."""
+        if self.stage < 3:
+            return self.local_state() if self.group.rank == 0 else None
+        out = {}
+        for f in self.flats:
+            full = torch.empty(f.full.numel(), dtype=f.shard.dtype, device=f.shard.device)
+            ops.all_gather(full, f.shard, self.group)
+            if self.group.rank == 0:
+                out.update({self.names[id(p)]: f.view_of(full, p).clone() for p in f.params})
+        return out if self.group.rank == 0 else None
+
+    def extra_state(self) -> dict:
+        """What a checkpoint needs besides the parameters and the optimizer's moments."""
+        return {"masters": [f.master.detach() for f in self.flats if f.separate_master]}
+
+    @torch.no_grad()
+    def load_extra_state(self, state: dict) -> None:
+        masters = [f.master for f in self.flats if f.separate_master]
+        for m, saved in zip(masters, state["masters"], strict=True):
+            m.copy_(saved)
+
+    # -- memory accounting ---------------------------------------------------------
+    def param_tensors(self) -> list[torch.Tensor]:
+        return [t for f in self.flats for t in (f.full, f.shard)]
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [t for f in self.flats for t in (f.grad_full, f.grad_shard) if t is not None]
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        return [f.master for f in self.flats]
+
+    def remove(self) -> None:
+        for h in self._hooks:
+            h.remove()
+
+
+def model_state_bytes(psi: int, stage: int, n: int, compute_bytes: int) -> dict[str, float]:
+    """The ZeRO paper's model-state bytes per rank for Ψ parameters over n ranks, with
+    parameters and gradients in `compute_bytes` each and K bytes of optimizer state per
+    parameter: the fp32 master (unless the compute dtype is fp32 already) and Adam's two
+    fp32 moments. bf16/fp16: K = 12 (the paper's 2Ψ + 2Ψ + 12Ψ); fp32: K = 8."""
+    k = 8 + (4 if compute_bytes != 4 else 0)
+    params, grads, optim = compute_bytes * psi, compute_bytes * psi, k * psi
+    if stage >= 1:
+        optim /= n
+    if stage >= 2:
+        grads /= n
+    if stage >= 3:
+        params /= n
+    return {"params": params, "grads": grads, "optimizer": optim}

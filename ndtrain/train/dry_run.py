@@ -1,0 +1,86 @@
+"""`ndtrain train --dry-run`: build the layout, measure a step's memory per rank, print it.
+
+Every rank builds its share of the model exactly as training would, runs two steps (forward,
+backward, optimizer) on random tokens of the configured shape, and reports the second, the
+first steady one (observe/memory.py): parameters, gradients, optimizer state, the most the
+forward and backward passes held on top of them, and the peak. Next to the measured model states stands what the
+ZeRO formulas predict (parallel/zero.model_state_bytes). Nothing is written: no data is
+prepared (the vocabulary is `model.vocab_size`, else the tokenizer's, else
+`data.vocab_size`), no run directory is made.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from ndtrain.config import Config, from_dict
+from ndtrain.mesh import ParallelMesh
+from ndtrain.observe.memory import format_bytes, per_rank
+from ndtrain.parallel.precision import compute_dtype
+from ndtrain.parallel.zero import model_state_bytes
+
+COLUMNS = ("params", "grads", "optimizer", "activations", "peak")
+
+
+def vocab_size(cfg: Config) -> int:
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    if cfg.data.tokenizer:
+        from ndtrain.data.tokenizer import TextTokenizer
+        return TextTokenizer.from_file(os.path.expanduser(cfg.data.tokenizer)).vocab_size
+    return cfg.data.vocab_size
+
+
+def measure(cfg: Config, mesh: ParallelMesh) -> dict:
+    """Two steps on random tokens; every rank's figures (collective)."""
+    from ndtrain.parallel.parallelize import build
+
+    t = cfg.train
+    args = cfg.model_args(vocab_size=vocab_size(cfg))
+    par = build(args, mesh, cfg)
+    rows = t.global_batch // mesh.dp_size
+    g = torch.Generator().manual_seed(t.seed + mesh.rank)
+    tokens = torch.randint(0, args.vocab_size, (rows, t.seq_len + 1), generator=g).to(mesh.device)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    micro = list(zip(inputs.split(t.micro_batch), targets.split(t.micro_batch)))
+    for _ in range(2):  # the second step is the steady one: the optimizer state exists
+        par.forward_backward(micro, float(t.global_batch * t.seq_len), measure_memory=True)
+        par.clip_grad_norm(t.grad_clip)
+        par.optimizer_step(t.lr)
+    psi = sum(p.numel() for p in {id(p): p for p in par.model.parameters()}.values())
+    mine = [psi] + [getattr(par.memory, c) for c in COLUMNS]
+    table = per_rank(mine, mesh.device)
+    return {"ranks": [dict(zip(("psi",) + COLUMNS, map(int, row))) for row in table],
+            "layout": mesh.describe(), "n_shard": mesh.size("dp_shard_cp")}
+
+
+def dry_run_worker(cfg_dict: dict) -> dict:
+    from ndtrain.launch import init_process, shutdown
+    from ndtrain.train.worker import mesh_shape
+
+    cfg = from_dict(cfg_dict)
+    env = init_process(cfg.run.device, cfg.run.threads)
+    try:
+        return measure(cfg, ParallelMesh.build(mesh_shape(cfg), env.device))
+    finally:
+        shutdown()
+
+
+def render(cfg: Config, result: dict) -> str:
+    p, t = cfg.parallel, cfg.train
+    c = torch.finfo(compute_dtype(t.precision)).bits // 8
+    head = (f"dry run: {cfg.model.preset} model, {result['layout']}, zero={p.zero}, {t.precision}, "
+            f"recompute={t.recompute}, micro-batch {t.micro_batch}×{t.seq_len}")
+    lines = [head, f"{'rank':>4}  {'parameters':>12}  {'params':>12}  {'grads':>12}  {'optimizer':>12}  "
+                   f"{'model states':>12}  {'ZeRO formula':>12}  {'activations':>12}  {'peak':>12}"]
+    for rank, r in enumerate(result["ranks"]):
+        states = r["params"] + r["grads"] + r["optimizer"]
+        formula = sum(model_state_bytes(r["psi"], p.zero, result["n_shard"], c).values())
+        cells = [r["params"], r["grads"], r["optimizer"], states, formula, r["activations"], r["peak"]]
+        lines.append(f"{rank:>4}  {r['psi']:>12,}  " + "  ".join(f"{format_bytes(x):>12}" for x in cells))
+    lines += ["model states: counted after the optimizer step; ZeRO formula: c·Ψ + c·Ψ + K·Ψ, c bytes per value",
+              "  in the compute dtype, K = 12 (fp32 master + Adam moments) or 8 in fp32, sharded terms / shard group",
+              "activations: the most forward + backward held on top of what existed when they began; peak: the two"]
+    return "\n".join(lines)

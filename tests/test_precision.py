@@ -1,0 +1,123 @@
+"""Mixed precision: bf16 and fp16 track fp32, masters stay exact, the fp16 loss scaler skips,
+backs off, grows back, and stops the run at its minimum scale keeping the last checkpoint."""
+
+import math
+
+import pytest
+import torch
+
+from helpers import train_in_rank
+from ndtrain.parallel.precision import LossScaleExhausted, LossScaler
+from ndtrain.testing import run_ranks
+
+# Largest relative loss difference from fp32 over these 10 steps (2 ranks, TINY), measured:
+# bf16 2.1e-4, fp16 2.0e-5, with DP or ZeRO, either reduction dtype. The documented
+# tolerances leave a margin of about 10× (20 steps measure ≤ 3e-3: the gap grows slowly).
+LOSS_RTOL = {"bf16": 2e-3, "fp16": 5e-4}
+
+TRACKING = {
+    "fp32": ["parallel.dp=2"],
+    "bf16-dp": ["parallel.dp=2", "train.precision=bf16"],
+    "bf16-zero3": ["parallel.zero=3", "train.precision=bf16"],
+    "bf16-zero1-bf16-reduction": ["parallel.zero=1", "train.precision=bf16", "train.reduce_fp32=false"],
+    "fp16-dp": ["parallel.dp=2", "train.precision=fp16"],
+    "fp16-zero2-accumulation": ["parallel.zero=2", "train.precision=fp16", "train.micro_batch=2"],
+}
+
+
+def _train_precisions(data_dir):
+    out = {}
+    for name, overrides in TRACKING.items():
+        losses, _, trainer = train_in_rank(["train.steps=10"] + overrides, data_dir)
+        par = trainer.par
+        # The compute parameters are always their fp32 masters rounded: nothing drifts.
+        if "zero" in name:
+            exact = all(torch.equal(f.shard, f.master.to(f.shard.dtype)) for f in par.states.flats)
+        elif par.states.masters is not None:
+            exact = all(torch.equal(p, m.to(p.dtype)) for p, m in zip(par.states.masters.params, par.states.masters.masters))
+        else:
+            exact = True
+        dtypes = {str(p.dtype) for p in par.model.parameters()}
+        out[name] = (losses, exact, dtypes)
+    return out
+
+
+def test_bf16_and_fp16_track_fp32(tiny_data):
+    results = run_ranks(_train_precisions, 2, tiny_data)[0]
+    ref, _, ref_dtypes = results["fp32"]
+    assert ref_dtypes == {"torch.float32"}
+    for name, (losses, exact, dtypes) in results.items():
+        if name == "fp32":
+            continue
+        assert dtypes == {"torch." + {"bf16": "bfloat16", "fp16": "float16"}[name[:4]]}, name
+        assert exact, f"{name}: parameters differ from their rounded masters"
+        rel = [abs(a - b) / b for a, b in zip(losses, ref)]
+        assert max(rel) <= LOSS_RTOL[name[:4]], (name, rel)
+        assert max(rel) > 1e-6, f"{name}: identical to fp32, the low precision was not used"
+
+
+# -- the fp16 loss scaler -------------------------------------------------------------------
+
+def _inject_inf(steps, rank=None):
+    """A fault: on `rank` (every rank if None), the gradient of one weight becomes inf
+    during the backward of the given steps."""
+    import torch.distributed as dist
+
+    def install(trainer):
+        if rank is not None and dist.get_rank() != rank:
+            return
+        weight = trainer.par.model.layers["1"].feed_forward.w2.weight
+        weight.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), math.inf) if trainer.step in steps else g)
+    return install
+
+
+def _recovery(data_dir):
+    overrides = ["parallel.zero=2", "train.precision=fp16", "train.steps=8", "train.loss_scale_window=2",
+                 "train.loss_scale_init=1024"]
+    losses, _, trainer = train_in_rank(overrides, data_dir, before_fit=_inject_inf({2}, rank=1))
+    adam_steps = {int(s["step"]) for s in trainer.par.optimizer.state.values()}
+    return [(r["loss_scale"], r["skipped"]) for r in trainer.history], losses, adam_steps
+
+
+def test_fp16_scaler_skips_backs_off_and_grows_back(tiny_data):
+    """An inf on rank 1 only, at step 2: every rank skips step 2 (the overflow is seen through
+    the global gradient norm), the scale halves, then doubles after 2 good steps."""
+    per_rank = run_ranks(_recovery, 2, tiny_data)
+    for history, losses, adam_steps in per_rank:
+        assert history == [(1024, False), (1024, False), (2048, True), (1024, False), (1024, False),
+                           (2048, False), (2048, False), (4096, False)]
+        assert adam_steps == {7}  # 8 steps, one skipped
+        assert all(math.isfinite(x) for x in losses)
+    assert per_rank[0][1] == per_rank[1][1]
+
+
+def _exhausted(data_dir, run_dir):
+    overrides = ["train.precision=fp16", "train.steps=8", "train.save_every=2", "train.loss_scale_init=4",
+                 "train.loss_scale_min=1"]
+    return train_in_rank(overrides, data_dir, run_dir=run_dir, before_fit=_inject_inf(set(range(3, 8))))
+
+
+def test_fp16_overflow_at_the_minimum_scale_stops_the_run(tiny_data, tmp_path):
+    """Overflows from step 3 on: scale 4 → 2 → 1, then step 5 overflows at the minimum and the
+    run stops, naming the step and the last good checkpoint, which is kept (nothing newer)."""
+    from ndtrain.checkpoint import store
+    from ndtrain.train.trainer import TrainingError
+
+    with pytest.raises(TrainingError, match=r"step 5: fp16 gradients are not finite even at the minimum "
+                                            r"loss scale 1 .*last good checkpoint: .*step_0000004"):
+        _exhausted(tiny_data, str(tmp_path))
+    assert store.latest(tmp_path).name == "step_0000004"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["latest", "step_0000002", "step_0000004"]
+
+
+def test_loss_scaler_rules():
+    s = LossScaler(init=8, window=3, min_scale=2)
+    assert [s.update(True) for _ in range(3)] == [True] * 3 and s.scale == 16
+    assert s.update(False) is False and s.scale == 8 and s.good_steps == 0
+    assert s.update(True) and s.update(False) is False and s.scale == 4
+    assert s.update(False) is False and s.scale == 2
+    with pytest.raises(LossScaleExhausted):
+        s.update(False)
+    restored = LossScaler(init=1, window=3, min_scale=1)
+    restored.load_state_dict(s.state_dict())
+    assert restored.scale == 2 and restored.good_steps == 0
