@@ -1,8 +1,8 @@
 """Tensor and sequence parallelism: the operators, agreement with DTensor TP, the bytes on
 the wire, GQA splits, vocabulary padding, tied embeddings, dropout, bad input.
 
-(TP and TP × DP against one process over 5 steps are rows of tests/test_layouts.py; the
-bit-exact resume of a TP layout is in tests/test_resume.py.)
+(TP, TP × DP, TP × ZeRO-1/2/3 and TP × recomputation against one process over 5 steps are
+rows of tests/test_layouts.py; the bit-exact resume of a TP layout is in tests/test_resume.py.)
 """
 
 import pytest
