@@ -82,5 +82,6 @@ def render(cfg: Config, result: dict) -> str:
         lines.append(f"{rank:>4}  {r['psi']:>12,}  " + "  ".join(f"{format_bytes(x):>12}" for x in cells))
     lines += ["model states: counted after the optimizer step; ZeRO formula: c·Ψ + c·Ψ + K·Ψ, c bytes per value",
               "  in the compute dtype, K = 12 (fp32 master + Adam moments) or 8 in fp32, sharded terms / shard group",
-              "activations: the most forward + backward held on top of what existed when they began; peak: the two"]
+              "activations: the most that forward + backward held on top of what existed when they began",
+              "peak: the most held in all at any moment of the two steps"]
     return "\n".join(lines)
