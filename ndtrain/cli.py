@@ -29,7 +29,9 @@ examples:
   ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
   ndtrain bench dp                               our DP against torch DDP, side by side
   ndtrain bench zero                             our ZeRO-3 against torch FSDP2, side by side
+  ndtrain bench tp                               our TP+SP against DTensor TP+SP on 2 ranks, side by side
   ndtrain bench pp                               our 1F1B against torch.distributed.pipelining, and each schedule's bubble
+  ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
 """
 
 
@@ -75,9 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     with_config(p)
 
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
-                                     "zero (our ZeRO-3 vs torch FSDP2), "
+                                     "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
                                      "pp (our 1F1B vs torch.distributed.pipelining, bubbles)")
-    p.add_argument("what", choices=["matmul", "dp", "zero", "pp"])
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
@@ -335,8 +337,8 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import dp, pp, zero
-    return {"dp": dp, "zero": zero, "pp": pp}[args.what].run(args)
+    from ndtrain.bench import dp, pp, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp}[args.what].run(args)
 
 
 if __name__ == "__main__":

@@ -317,8 +317,7 @@ PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
 
 # Dimensions whose implementation has not landed yet: refused up front, never half-run.
-NOT_YET = {"parallel.tp": "tensor parallelism",
-           "parallel.cp": "context parallelism", "parallel.ep": "expert parallelism"}
+NOT_YET = {"parallel.cp": "context parallelism", "parallel.ep": "expert parallelism"}
 
 
 def _positive(key: str, value, *, zero_ok: bool = False) -> None:
@@ -458,11 +457,18 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     if a.n_kv_heads > a.n_heads or a.n_heads % a.n_kv_heads:
         raise ConfigError("model.n_kv_heads", a.n_kv_heads, f"must divide model.n_heads = {a.n_heads}")
     _check_pipeline(cfg, a)
+    if p.tp > a.n_heads:
+        raise ConfigError("parallel.tp", p.tp, f"must be at most model.n_heads = {a.n_heads} (tensor parallelism splits heads)")
     if a.n_heads % p.tp:
         raise ConfigError("model.n_heads", a.n_heads, f"must be divisible by parallel.tp = {p.tp}")
     if a.n_kv_heads % p.tp and p.tp % a.n_kv_heads:
         raise ConfigError("model.n_kv_heads", a.n_kv_heads,
                           f"must divide or be divisible by parallel.tp = {p.tp}")
+    if a.ffn_dim % p.tp:
+        raise ConfigError("model.ffn_dim", a.ffn_dim, f"must be divisible by parallel.tp = {p.tp}")
+    if p.sp and p.tp > 1 and t.seq_len % p.tp:
+        raise ConfigError("train.seq_len", t.seq_len,
+                          f"must be divisible by parallel.tp = {p.tp} with sequence parallelism (parallel.sp) on")
 
     if check_paths:
         if d.path != "stdlib" and not Path(os.path.expanduser(d.path)).exists():

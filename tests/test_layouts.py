@@ -38,6 +38,9 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
         ("zero3-recompute-selective", ["parallel.zero=3", "train.recompute=selective"]),
         ("zero2-recompute-every2", ["parallel.zero=2", "train.recompute=every:2"]),
         ("zero3-recompute-full-accumulation", ["parallel.zero=3", "train.recompute=full", "train.micro_batch=1"]),
+        ("tp2-sp", ["parallel.tp=2"]),
+        ("tp2", ["parallel.tp=2", "parallel.sp=false"]),
+        ("tp2-sp-recompute-full", ["parallel.tp=2", "train.recompute=full"]),  # reruns the collectives
     ],
     4: [
         ("dp4", ["parallel.dp=4"]),
@@ -55,6 +58,21 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
         ("hsdp2x2-zero2-accumulation", ["parallel.zero=2", "parallel.dp_replicate=2", "train.micro_batch=1"]),
         ("hsdp2x2-zero1-recompute-every2", ["parallel.zero=1", "parallel.dp_replicate=2", "train.recompute=every:2"]),
         ("zero3-accumulation", ["parallel.zero=3", "train.micro_batch=1"]),
+        # tiny has 2 KV heads: tp4 replicates each on two ranks, tp2 splits them
+        ("tp4-sp", ["parallel.tp=4"]),
+        ("tp4", ["parallel.tp=4", "parallel.sp=false"]),
+        ("tp2-sp-dp2-accumulation", ["parallel.tp=2", "parallel.dp=2", "train.micro_batch=1"]),
+        ("tp2-dp2", ["parallel.tp=2", "parallel.sp=false", "parallel.dp=2"]),
+        ("tp2-sp-dp2-zero1", ["parallel.tp=2", "parallel.zero=1"]),
+        ("tp2-dp2-zero2", ["parallel.tp=2", "parallel.sp=false", "parallel.zero=2"]),
+        ("tp2-sp-dp2-zero3", ["parallel.tp=2", "parallel.zero=3"]),
+        ("tp2-sp-dp2-zero3-accumulation", ["parallel.tp=2", "parallel.zero=3", "train.micro_batch=1"]),
+        _pipeline(2, "1f1b", 2, "parallel.tp=2"),  # sequence-parallel activations between stages
+        _pipeline(2, "zb", 4, "parallel.tp=2", "parallel.sp=false"),  # W runs tp collectives
+    ],
+    8: [
+        _pipeline(2, "1f1b", 2, "parallel.tp=2", "parallel.dp=2"),
+        _pipeline(2, "interleaved", 4, "parallel.tp=2", "parallel.dp=2", "parallel.zero=1", "parallel.pp_virtual=2"),
     ],
 }
 

@@ -148,6 +148,8 @@ SPECIAL = [  # (name, pipeline overrides on 4 ranks, the single-process referenc
                                "train.micro_batch=1", *EIGHT_LAYERS], ["train.micro_batch=1", *EIGHT_LAYERS]),
     ("pp2-zero1-zb-tied", ["parallel.pp=2", "parallel.dp=2", "parallel.zero=1", "parallel.pp_schedule=zb",
                            "train.micro_batch=1", "model.tie_embeddings=true"], ["model.tie_embeddings=true"]),
+    ("pp2-tp2-tied", ["parallel.pp=2", "parallel.tp=2", "train.micro_batch=2", "model.tie_embeddings=true"],
+     ["model.tie_embeddings=true"]),  # vocabulary-split embedding and head, summed across the ends
 ]
 EVAL = ["train.eval_batches=2"]  # the last step evaluates: forward-only through the pipeline
 

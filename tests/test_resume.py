@@ -23,8 +23,10 @@ def _straight_vs_resumed(data_dir, root, extra, first_part=5):
 # parameters, sharded masters and moments, the loss scaler's state.
 @pytest.mark.parametrize("world, extra", [(1, []), (2, []),
                                           (2, ["parallel.zero=3", "train.precision=bf16"]),
-                                          (2, ["parallel.zero=1", "train.precision=fp16", "train.loss_scale_window=3"])],
-                         ids=["single", "dp2", "zero3-bf16", "zero1-fp16"])
+                                          (2, ["parallel.zero=1", "train.precision=fp16", "train.loss_scale_window=3"]),
+                                          # TP: local shards, the dropout stream a tp group shares
+                                          (2, ["parallel.tp=2", "model.dropout=0.1", "train.micro_batch=4"])],
+                         ids=["single", "dp2", "zero3-bf16", "zero1-fp16", "tp2-sp-dropout"])
 def test_resume_is_bit_exact(world, extra, tiny_data, tmp_path):
     results = run_ranks(_straight_vs_resumed, world, tiny_data, str(tmp_path), extra)
     straight, resumed, s_state, r_state, step = results[0]

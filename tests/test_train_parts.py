@@ -70,7 +70,12 @@ def test_global_norm_counts_each_element_once(kind):
 
 
 def test_slurm_variables_become_torch_distributed_ones(monkeypatch):
+    import os
+
     from ndtrain import launch
+    # A private environment: _adopt_slurm_env writes RANK, WORLD_SIZE, ... which, left in
+    # os.environ, would make every later CLI test think torchrun started it.
+    monkeypatch.setattr(os, "environ", dict(os.environ))
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("SLURM_PROCID", "5")
@@ -80,7 +85,6 @@ def test_slurm_variables_become_torch_distributed_ones(monkeypatch):
     monkeypatch.setenv("SLURM_LAUNCH_NODE_IPADDR", "10.0.0.7")
     assert launch.external_world() == 8
     launch._adopt_slurm_env()
-    import os
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("5", "8", "1")
     assert os.environ["LOCAL_WORLD_SIZE"] == "4" and os.environ["MASTER_ADDR"] == "10.0.0.7"
 

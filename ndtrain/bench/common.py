@@ -74,8 +74,8 @@ def synthetic_batch(args, rows: int, seq_len: int, rank: int, device) -> tuple[t
 @dataclass
 class Contest:
     """What both contenders of a distributed benchmark share: this process's rank, the
-    config, this rank's rows of one synthetic global batch, and our `Parallelized` on a
-    data-parallel mesh over every rank."""
+    config, this rank's rows of one synthetic global batch (by data-parallel rank: tensor
+    parallel ranks share theirs), and our `Parallelized` on the config's layout."""
 
     cfg: Config
     env: object  # launch.ProcessEnv
@@ -90,14 +90,15 @@ class Contest:
         """Join the launched process group and build our side (call `launch.shutdown` after)."""
         from ndtrain.config import from_dict
         from ndtrain.launch import init_process
-        from ndtrain.mesh import MeshShape, ParallelMesh
+        from ndtrain.mesh import ParallelMesh
         from ndtrain.parallel.parallelize import build
+        from ndtrain.train.worker import mesh_shape
 
         cfg = from_dict(cfg_dict)
         env = init_process(cfg.run.device, cfg.run.threads)
-        mesh = ParallelMesh.build(MeshShape(dp_shard=env.world), env.device)
+        mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
         args, t = cfg.model_args(), cfg.train
-        x, y = synthetic_batch(args, t.global_batch // env.world, t.seq_len, env.rank, env.device)
+        x, y = synthetic_batch(args, t.global_batch // mesh.dp_size, t.seq_len, mesh.dp_rank, env.device)
         return cls(cfg, env, args, x, y, float(t.global_batch * t.seq_len), build(args, mesh, cfg))
 
     def step_ours(self) -> None:

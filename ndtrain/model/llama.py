@@ -28,6 +28,13 @@ from torch import Tensor
 from .args import ModelArgs
 
 
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # fp32 statistics: the mean of squares overflows or loses precision in bf16/fp16.
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * normed.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -35,10 +42,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # fp32 statistics: the mean of squares overflows or loses precision in bf16/fp16.
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 # ---------------------------------------------------------------------------------------
@@ -174,7 +178,9 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.dropout = args.dropout
+        # One module for both residual branches: it holds no state, and a layout that
+        # splits the residual stream can swap it for a dropout that draws the same mask.
+        self.dropout = nn.Dropout(args.dropout)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
@@ -183,9 +189,9 @@ class Block(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
                 cache: KVCache | None = None, layer_key: str | None = None) -> Tensor:
         a = self.attention(self.attention_norm(x), cos, sin, cache, layer_key)
-        x = x + F.dropout(a, self.dropout, training=self.training)
+        x = x + self.dropout(a)
         m = self.feed_forward(self.ffn_norm(x))
-        return x + F.dropout(m, self.dropout, training=self.training)
+        return x + self.dropout(m)
 
 
 # ---------------------------------------------------------------------------------------
@@ -245,12 +251,14 @@ class Transformer(nn.Module):
         # `.to(bfloat16)` would round the rotary tables; rebuild them in fp32 instead.
         super()._apply(fn, recurse)
         if self.rope_cos.dtype != torch.float32:
-            self._reset_rope()
+            self.reset_rope()
         return self
 
-    def _reset_rope(self) -> None:
+    def reset_rope(self, device: torch.device | str | None = None) -> None:
+        """Recompute the rotary tables in fp32, where they live or on `device` (a model
+        built on the meta device, a cast)."""
         a = self.args
-        device = self.rope_cos.device
+        device = device or self.rope_cos.device
         cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta)
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
@@ -277,7 +285,7 @@ class Transformer(nn.Module):
         tables, so a model built on the meta device and materialised with `to_empty` works."""
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, p.shape, self.args, seed))
-        self._reset_rope()
+        self.reset_rope()
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied one once

@@ -35,6 +35,7 @@ from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.observe.memory import MemoryReport, measure_peak, optimizer_tensors, storage_bytes
+from ndtrain.parallel import tensor
 from ndtrain.parallel.data import DataParallel
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
 from ndtrain.parallel.pipeline.stage import StageModel, TiedEmbedding, build_chunks, gather_stages
@@ -147,10 +148,13 @@ class Parallelized:
         self.states.load_local_state(state)
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's weights on rank 0 (None elsewhere). Collective.
-        With no model dimension sharded, rank 0 already holds everything; pipeline stages
-        send theirs to it."""
+        """The whole model's weights on rank 0 (None elsewhere). Collective: over the
+        ZeRO-3 shards, then over tp on the first data-parallel replica, then over pp
+        (every stage sends its weights to rank 0)."""
         state = self.states.gathered_state()
+        if self.mesh.coord("dp_cp") != 0:
+            return None
+        state = tensor.full_state(self.model, state, self.mesh.group("tp"))
         if self.mesh.shape.pp > 1:
             return gather_stages(self.model, state, self.mesh)
         return state if self.mesh.rank == 0 else None
@@ -259,15 +263,20 @@ def build_model(args: ModelArgs, seed: int, device: torch.device, layer_ids=None
 
 def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
     """`make(layer_ids, embed, head)`: this rank's share of (part of) the decoder, with the
-    weights every layout starts from."""
+    weights every layout starts from; tensor-parallel modules when tp > 1."""
+    tp = mesh.group("tp")
 
     def make(layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
+        if tp.active:
+            return tensor.build(args, cfg.train.seed, mesh.device, tp, cfg.parallel.sp, layer_ids, embed, head)
         return build_model(args, cfg.train.seed, mesh.device, layer_ids, embed, head)
     return make
 
 
 def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
     t, p = cfg.train, cfg.parallel
+    tp = mesh.group("tp")
+    loss_fn = tensor.VocabParallelLoss(tp) if tp.active else token_loss_sum
     pipelined = mesh.shape.pp > 1
     # The whole model, or under pipeline parallelism only this rank's chunks; module swaps
     # (tensor parallelism, in `decoder`) and recomputation wrappers apply to each chunk,
@@ -296,8 +305,8 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
         scaler = LossScaler(t.loss_scale_init, t.loss_scale_window, t.loss_scale_min)
     if pipelined:
         tied = TiedEmbedding(mesh, model) if args.tie_embeddings else None
-        schedule = PipelineSchedule(chunks, mesh, p.pp_schedule, p.pp_virtual, token_loss_sum, tied)
+        schedule = PipelineSchedule(chunks, mesh, p.pp_schedule, p.pp_virtual, loss_fn, tied)
     else:
-        schedule = SingleStage(model, token_loss_sum)
-    return Parallelized(model, mesh, grad_sync, optimizer, schedule, model_replicated=model_replicated,
+        schedule = SingleStage(model, loss_fn)
+    return Parallelized(model, mesh, grad_sync, optimizer, schedule, loss_fn, model_replicated=model_replicated,
                         optim_replicated=optim_replicated, states=states, scaler=scaler)

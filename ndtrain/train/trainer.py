@@ -42,9 +42,12 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         self.args = cfg.model_args(vocab_size=data.vocab_size)
-        # Per-rank random stream for dropout; weights come from per-name generators instead.
-        torch.manual_seed(t.seed * 100_003 + mesh.rank)
         self.par: Parallelized = build(self.args, mesh, cfg)
+        # The random stream for dropout (weights come from per-name generators), seeded after
+        # the build so no layout's construction shifts it. The ranks of a tp group share it:
+        # they hold the same activations, or slices of a tensor one device would have drawn
+        # for whole (parallel/tensor.py); tp is the innermost mesh dimension.
+        torch.manual_seed(t.seed * 100_003 + mesh.rank // mesh.shape.tp)
         self.train_loader = BatchLoader(data.stream("train"), t.seq_len, t.global_batch, t.seed)
         self.val_loader = BatchLoader(data.stream("val"), t.seq_len, t.global_batch, t.seed, shuffle=False)
         self.flops_per_token = flops_per_token(self.args, t.seq_len)

@@ -1,0 +1,510 @@
+"""Tensor and sequence parallelism: Megatron-LM's intra-layer split (Shoeybi et al. 2019),
+with the residual stream split along the sequence between layers (Korthikanti et al. 2022).
+
+A decoder block has two tensor-parallel (TP) regions, attention and the MLP. Inside a region
+the weights are split over the `t` ranks of `tp` so that nothing is communicated between
+the first matmul and the last:
+
+    x ─f─► wq wk wv (column-parallel) ─► attention over this rank's heads ─► wo (row-parallel) ─g─► +
+    x ─f─► w1 w3 (column-parallel) ─► silu(gate)·up on this rank's features ─► w2 (row-parallel) ─g─► +
+
+The conjugate operators at the edges carry all the communication:
+- f enters a region: identity forward; backward, all-reduce of the input's gradient.
+- g leaves it: all-reduce of the partial sums forward; identity backward.
+Four all-reduces of b·s·h per layer and micro-batch: 8·b·s·h·(t−1)/t elements on the wire
+(Narayanan et al. 2021).
+
+Sequence parallelism (SP, `parallel.sp`) splits the residual stream between regions along
+the sequence, so the norms, dropout and residual adds handle s/t positions per rank. f
+becomes an all-gather (reduce-scatter backward) and g a reduce-scatter (all-gather
+backward): the same bytes, and 1/t of the activation memory outside the regions. A norm
+weight then sees only this rank's positions, so its gradient is summed over tp by f
+applied to the weight, two all-reduces of h per layer: 8·(t−1)/t·(b·s·h + h/2) in all.
+
+The vocabulary is split too: the embedding looks up the rows it holds and leaves through g
+(or the reduce-scatter); the head produces this rank's columns of the logits, and the loss
+(`vocab_parallel_cross_entropy`) is computed from them with three reductions of b·s
+numbers, never the full [b, s, vocab] on one rank. The vocabulary is padded to a multiple
+of t with zero rows whose logits are masked to −inf, so padding changes no result.
+
+Where each piece sits:
+- `parallelize(model, group, sp, device)` swaps the plain model's modules for the ones
+  named in PLAN; model/llama.py holds no parallel code. The entry f (or its SP all-gather)
+  is applied once per region by the norm in front of it, because q, k, v (and gate, up)
+  share one input.
+- Grouped-query attention: KV heads are split like query heads when t divides their
+  number; otherwise every rank keeps the whole (small) K and V projections, uses the head
+  its query heads read, and f on the weight sums the gradients of the ranks sharing it.
+- Initialisation: `build` creates the swapped model on the meta device, then every rank
+  fills its parameters with its slice of the full initial value (`initial_value` in the
+  model), so every layout starts from the same full weights.
+- Random numbers: ranks of one TP group share one random stream (the trainer seeds by the
+  rank without its tp coordinate). A random op on a split tensor draws the numbers of the
+  full tensor and keeps its slice (`SequenceShardedDropout`), so dropout equals one device.
+- Split parameters carry `mark_sharded(p, ("tp",))` for the global gradient norm, and
+  their split (`split_of`) for `full_state`, which gathers the whole model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ndtrain.comm import ops
+from ndtrain.mesh import Group
+from ndtrain.model.args import ModelArgs
+from ndtrain.model.llama import RMSNorm, Transformer, initial_value, rms_norm
+from ndtrain.parallel.placement import mark_sharded
+from ndtrain.train.loss import IGNORE
+
+# ---------------------------------------------------------------------------------------
+# The conjugate operators. The residual stream is [b, s, h]; SP splits dimension 1.
+
+
+class CopyToTP(torch.autograd.Function):
+    """f. Forward: identity. Backward: all-reduce (sum) of the gradient over tp.
+
+    Every rank feeds the same input to its own slice of the weights, so each computes only
+    part of the input's gradient; the full gradient is their sum. The incoming gradient is
+    reduced in place: it is a fresh tensor made by the matmuls that consume f's output.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        grad = grad.contiguous()
+        ops.all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class ReduceFromTP(torch.autograd.Function):
+    """g. Forward: all-reduce (sum) over tp of each rank's partial result. Backward: identity.
+
+    After a row-parallel matmul each rank holds a partial sum of the output; the sum is
+    the output. Its gradient is the same on every rank, so backward needs nothing.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.mark_dirty(x)
+        ops.all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class GatherSequence(torch.autograd.Function):
+    """f under SP. Forward: all-gather along the sequence, [b, s/t, h] → [b, s, h].
+    Backward: reduce-scatter along the sequence, [b, s, h] → [b, s/t, h].
+
+    The region needs every position; each rank's gradient of the gathered input is partial
+    (its own weight slices), so backward sums and hands each rank its positions at once.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group
+        return gather_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return reduce_scatter_sequence(grad, ctx.group), None
+
+
+class ReduceScatterSequence(torch.autograd.Function):
+    """g under SP. Forward: reduce-scatter along the sequence, partial [b, s, h] → summed
+    [b, s/t, h]. Backward: all-gather along the sequence, [b, s/t, h] → [b, s, h].
+
+    The gradient of every position of the partial sums is the gradient of the sum at that
+    position, which lives on the rank that holds it: gathering gives it to everyone.
+    """
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group
+        return reduce_scatter_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return gather_sequence(grad, ctx.group), None
+
+
+def gather_sequence(x: Tensor, group: Group) -> Tensor:
+    """[b, s/t, ...] from every rank → [b, s, ...], ranks' chunks in order."""
+    t, b = group.size, x.shape[0]
+    out = x.new_empty((t * b, *x.shape[1:]))  # the collectives work along dim 0
+    ops.all_gather(out, x.contiguous(), group)
+    # [t, b, s/t, ...] → [b, t·s/t, ...]: a copy unless b = 1
+    return out.view(t, *x.shape).transpose(0, 1).reshape(b, t * x.shape[1], *x.shape[2:])
+
+
+def reduce_scatter_sequence(x: Tensor, group: Group) -> Tensor:
+    """Partial [b, s, ...] on every rank → this rank's s/t positions of the sum."""
+    t, b, s = group.size, x.shape[0], x.shape[1]
+    chunks = x.reshape(b, t, s // t, *x.shape[2:]).transpose(0, 1).contiguous()
+    out = x.new_empty(chunks.shape[1:])
+    ops.reduce_scatter(out, chunks.flatten(0, 1), group)
+    return out
+
+
+def enter_region(x: Tensor, group: Group, sp: bool) -> Tensor:
+    return GatherSequence.apply(x, group) if sp else CopyToTP.apply(x, group)
+
+
+def leave_region(x: Tensor, group: Group, sp: bool) -> Tensor:
+    return ReduceScatterSequence.apply(x, group) if sp else ReduceFromTP.apply(x, group)
+
+
+# ---------------------------------------------------------------------------------------
+# Split parameters
+
+
+@dataclass(frozen=True)
+class Split:
+    """A parameter holds rank r's chunk of the full tensor along `dim`, whose size `full`
+    is padded with zeros to a multiple of t first."""
+
+    dim: int
+    full: int
+
+
+_SPLIT_ATTR = "_ndtrain_tp_split"
+
+
+def split_of(p: Tensor) -> Split | None:
+    return getattr(p, _SPLIT_ATTR, None)
+
+
+def local_slice(full: Tensor, split: Split, group: Group) -> Tensor:
+    """This rank's chunk of a full tensor (padded with zeros to t equal chunks)."""
+    per_rank = math.ceil(split.full / group.size)
+    pad = per_rank * group.size - split.full
+    if pad:
+        shape = list(full.shape)
+        shape[split.dim] = pad
+        full = torch.cat([full, full.new_zeros(shape)], dim=split.dim)
+    return full.narrow(split.dim, group.rank * per_rank, per_rank)
+
+
+# ---------------------------------------------------------------------------------------
+# Layers. Each takes its (local) weight; `parallelize` below makes them from the plain ones.
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y_r = X·A_rᵀ, A split by rows (output features): this rank's features of Y.
+
+    The input must already be inside the region (the same full X on every rank); the
+    output stays split for the row-parallel layer that ends the region.
+    """
+
+    def __init__(self, weight: nn.Parameter):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+class RowParallelLinear(nn.Module):
+    """Y = Σ_r X_r·B_rᵀ, B split by columns (input features): each rank multiplies its
+    features of X, and g (or the SP reduce-scatter) sums the partial results."""
+
+    def __init__(self, weight: nn.Parameter, group: Group, sp: bool):
+        super().__init__()
+        self.weight, self.group, self.sp = weight, group, sp
+
+    def forward(self, x: Tensor) -> Tensor:
+        return leave_region(F.linear(x, self.weight), self.group, self.sp)
+
+
+class ReplicatedHeadsLinear(nn.Module):
+    """The K or V projection when there are fewer KV heads than tp ranks.
+
+    Every rank keeps the whole weight (kv_heads·head_dim rows, small) and computes only the
+    head its query heads read; the ranks sharing a head each hold part of its gradient, so
+    f on the weight sums them and every copy stays equal.
+    """
+
+    def __init__(self, weight: nn.Parameter, head_dim: int, n_kv_heads: int, group: Group):
+        super().__init__()
+        self.weight, self.group = weight, group
+        head = group.rank // (group.size // n_kv_heads)  # query heads are split contiguously
+        self.rows = slice(head * head_dim, (head + 1) * head_dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, CopyToTP.apply(self.weight, self.group)[self.rows])
+
+
+class RegionEntryNorm(nn.Module):
+    """RMSNorm, then the entry into the TP region it feeds (f, or the SP all-gather).
+
+    Under SP the norm sees this rank's positions only, so its weight's gradient is a
+    partial sum: f on the weight completes it over tp.
+    """
+
+    def __init__(self, weight: nn.Parameter, eps: float, group: Group, sp: bool):
+        super().__init__()
+        self.weight, self.eps, self.group, self.sp = weight, eps, group, sp
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = CopyToTP.apply(self.weight, self.group) if self.sp else self.weight
+        return enter_region(rms_norm(x, weight, self.eps), self.group, self.sp)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """The lookup table split by rows (tokens): each rank embeds the tokens it holds, zeros
+    for the others, and g (or the SP reduce-scatter) sums the ranks' rows."""
+
+    def __init__(self, weight: nn.Parameter, group: Group, sp: bool):
+        super().__init__()
+        self.weight, self.group, self.sp = weight, group, sp
+        self.start = group.rank * weight.shape[0]
+
+    def forward(self, ids: Tensor) -> Tensor:
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        return leave_region(out.masked_fill(outside.unsqueeze(-1), 0.0), self.group, self.sp)
+
+
+class VocabParallelHead(nn.Module):
+    """The output projection split by rows (tokens): this rank's columns of the logits.
+    Columns of the padding are −inf, so they take no probability."""
+
+    def __init__(self, weight: nn.Parameter, vocab_size: int, group: Group):
+        super().__init__()
+        self.weight = weight
+        self.real = max(0, min(weight.shape[0], vocab_size - group.rank * weight.shape[0]))
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = F.linear(x, self.weight)
+        if self.real < self.weight.shape[0]:
+            padding = torch.arange(self.weight.shape[0], device=x.device) >= self.real
+            logits = logits.masked_fill(padding, float("-inf"))
+        return logits
+
+
+class SequenceShardedDropout(nn.Module):
+    """Dropout on this rank's positions that equals dropout on the whole sequence.
+
+    The ranks of a TP group share one random stream, the one a single device would use.
+    Each draws the mask of the full [b, s, h] tensor from it, exactly as `F.dropout` on the
+    full tensor would, and keeps its own positions: t× the random numbers, the same result.
+    """
+
+    def __init__(self, p: float, group: Group):
+        super().__init__()
+        self.p, self.group = p, group
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0.0:
+            return x
+        s = x.shape[1]
+        full = x.new_ones((x.shape[0], s * self.group.size, *x.shape[2:]))
+        mask = F.dropout(full, self.p)  # the draws (and the 1/(1−p) scaling) of F.dropout
+        return x * mask.narrow(1, self.group.rank * s, s)
+
+
+# ---------------------------------------------------------------------------------------
+# The plan: which module of the plain model becomes which parallel module
+
+
+@dataclass
+class Context:
+    args: ModelArgs
+    group: Group
+    sp: bool
+    device: torch.device
+    # plain parameter → its replacement, so a tied head shares the embedding's
+    made: dict[int, nn.Parameter] = field(default_factory=dict)
+
+    def param(self, plain: nn.Parameter, split_dim: int | None = None) -> nn.Parameter:
+        """The local parameter standing for `plain` (uninitialised, on the device): whole,
+        or this rank's chunk along `split_dim`, marked as split over tp."""
+        if id(plain) not in self.made:
+            shape = list(plain.shape)
+            if split_dim is not None:
+                shape[split_dim] = math.ceil(shape[split_dim] / self.group.size)
+            p = nn.Parameter(torch.empty(shape, device=self.device))
+            if split_dim is not None:
+                setattr(p, _SPLIT_ATTR, Split(split_dim, plain.shape[split_dim]))
+                mark_sharded(p, ("tp",))
+            self.made[id(plain)] = p
+        return self.made[id(plain)]
+
+
+def _embedding(m: nn.Embedding, c: Context) -> nn.Module:
+    return VocabParallelEmbedding(c.param(m.weight, 0), c.group, c.sp)
+
+
+def _head(m: nn.Linear, c: Context) -> nn.Module:
+    return VocabParallelHead(c.param(m.weight, 0), c.args.vocab_size, c.group)
+
+
+def _entry_norm(m: RMSNorm, c: Context) -> nn.Module:
+    return RegionEntryNorm(c.param(m.weight), m.eps, c.group, c.sp)
+
+
+def _column(m: nn.Linear, c: Context) -> nn.Module:
+    return ColumnParallelLinear(c.param(m.weight, 0))
+
+
+def _row(m: nn.Linear, c: Context) -> nn.Module:
+    return RowParallelLinear(c.param(m.weight, 1), c.group, c.sp)
+
+
+def _kv(m: nn.Linear, c: Context) -> nn.Module:
+    if c.args.n_kv_heads % c.group.size == 0:
+        return _column(m, c)
+    return ReplicatedHeadsLinear(c.param(m.weight), c.args.head_dim, c.args.n_kv_heads, c.group)
+
+
+def _dropout(m: nn.Dropout, c: Context) -> nn.Module:
+    return SequenceShardedDropout(m.p, c.group) if c.sp else m
+
+
+Swap = Callable[[nn.Module, Context], nn.Module]
+
+PLAN: dict[str, Swap] = {
+    "tok_embeddings": _embedding,
+    "layers.*.attention_norm": _entry_norm,
+    "layers.*.attention.wq": _column,
+    "layers.*.attention.wk": _kv,
+    "layers.*.attention.wv": _kv,
+    "layers.*.attention.wo": _row,
+    "layers.*.dropout": _dropout,
+    "layers.*.ffn_norm": _entry_norm,
+    "layers.*.feed_forward.w1": _column,  # gate
+    "layers.*.feed_forward.w3": _column,  # up
+    "layers.*.feed_forward.w2": _row,  # down
+    "norm": _entry_norm,
+    "output": _head,
+}
+
+
+def parallelize(model: Transformer, group: Group, sp: bool, device: torch.device) -> Transformer:
+    """Swap the modules named in PLAN for their tensor-parallel versions, in place. The
+    new parameters live on `device`, uninitialised (see `init_weights`)."""
+    c = Context(model.args, group, sp, torch.device(device))
+    for name, module in list(model.named_modules()):
+        swap = next((fn for pattern, fn in PLAN.items() if fnmatchcase(name, pattern)), None)
+        if swap is not None:
+            model.set_submodule(name, swap(module, c))
+    left = [n for n, p in model.named_parameters() if id(p) not in {id(q) for q in c.made.values()}]
+    if left:  # a plain weight left in place would be trained as a replica: wrong, silently
+        raise ValueError(f"tensor parallelism has no plan for {left[:3]}")
+    return model
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int, group: Group) -> None:
+    """Every parameter = this rank's slice of the full initial value, as on one device."""
+    for name, p in model.named_parameters():
+        split = split_of(p)
+        if split is None:
+            p.copy_(initial_value(name, p.shape, model.args, seed))
+            continue
+        shape = list(p.shape)
+        shape[split.dim] = split.full
+        p.copy_(local_slice(initial_value(name, shape, model.args, seed), split, group))
+
+
+def build(args: ModelArgs, seed: int, device: torch.device, group: Group, sp: bool,
+          layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
+    """This rank's tensor-parallel model (or pipeline chunk: `layer_ids`, `embed`, `head` as
+    in `Transformer`): the plain model is laid out on the meta device (no memory), its
+    modules swapped, and only the local slices are made and filled."""
+    with torch.device("meta"):
+        model = Transformer(args, layer_ids, embed, head)
+    parallelize(model, group, sp, device)
+    init_weights(model, seed, group)
+    model.reset_rope(device)
+    return model
+
+
+def full_state(model: nn.Module, state: dict[str, Tensor], group: Group) -> dict[str, Tensor]:
+    """The full tensors of `state` (this rank's parameters, or their gradients, by name):
+    split ones are gathered over tp and lose their padding. Collective over tp."""
+    params = dict(model.named_parameters())
+    out = {}
+    for name, t in state.items():
+        split = split_of(params[name]) if name in params else None
+        if split is None or not group.active:
+            out[name] = t
+            continue
+        chunks = t.new_empty((group.size * t.shape[0], *t.shape[1:]))
+        ops.all_gather(chunks, t.contiguous(), group)
+        chunks = chunks.view(group.size, *t.shape).unbind(0)
+        out[name] = torch.cat(chunks, dim=split.dim).narrow(split.dim, 0, split.full)
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# The loss from vocab-split logits
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token cross-entropy of targets [n] from logits [n, V/t] split over the vocabulary.
+
+    Forward: the max over the vocabulary (all-reduce MAX of n numbers), then the sum of
+    exponentials and the target's logit (one all-reduce of 2n numbers): loss = log Σ exp −
+    target logit, shifted by the max. No rank ever holds more than its V/t columns.
+    Backward: no communication: the gradient of this rank's logits is softmax − one-hot on
+    its own columns.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, group: Group) -> Tensor:
+        n_local, dtype = logits.shape[-1], logits.dtype
+        logits = logits.float()
+        top = logits.max(dim=-1).values
+        ops.all_reduce(top, group, op=dist.ReduceOp.MAX)
+        shifted = logits - top.unsqueeze(-1)
+        local = targets - group.rank * n_local
+        mine = (local >= 0) & (local < n_local)  # IGNORE (negative) is never anyone's
+        local = local.masked_fill(~mine, 0)
+        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+        exp = shifted.exp_()
+        sums = torch.stack([exp.sum(dim=-1), target_logit])
+        ops.all_reduce(sums, group)
+        valid = targets != IGNORE
+        loss = (sums[0].log() - sums[1]) * valid
+        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local, mine, valid)
+        ctx.dtype = dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        softmax, local, mine, valid = ctx.saved_tensors
+        g = grad * valid
+        out = softmax.mul_(g.unsqueeze(-1))  # saved tensors are not used again
+        out.scatter_add_(-1, local.unsqueeze(-1), -(g * mine).unsqueeze(-1))
+        return out.to(ctx.dtype), None, None
+
+
+def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, group: Group) -> Tensor:
+    return VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), group)
+
+
+@dataclass
+class VocabParallelLoss:
+    """The schedule's loss under TP: the sum of token losses, from this rank's logit
+    columns. The same value on every rank of the group."""
+
+    group: Group
+
+    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.group).sum()
