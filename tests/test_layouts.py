@@ -48,7 +48,6 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
         ("dp4-accumulation", ["parallel.dp=4", "train.micro_batch=1"]),
         *(_pipeline(4, schedule, m) for schedule in ("afab", "1f1b", "zb") for m in (4, 8)),
         _pipeline(2, "1f1b", 2, "parallel.dp=2", "parallel.bucket_mb=0.001"),
-        _pipeline(2, "zb", 4, "parallel.dp=2"),
         _pipeline(2, "1f1b", 2, "parallel.dp=2", "parallel.zero=1"),
         _pipeline(2, "interleaved", 4, "parallel.dp=2", "parallel.zero=1", "parallel.pp_virtual=2"),
         ("zero1", ["parallel.zero=1"]),
@@ -72,7 +71,6 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
     ],
     8: [
         _pipeline(2, "1f1b", 2, "parallel.tp=2", "parallel.dp=2"),
-        _pipeline(2, "interleaved", 4, "parallel.tp=2", "parallel.dp=2", "parallel.zero=1", "parallel.pp_virtual=2"),
     ],
 }
 
