@@ -169,7 +169,7 @@ def _special_layouts_and_counts(data_dir):
     from ndtrain.data.loader import BatchLoader
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
-    from ndtrain.parallel.parallelize import build, decoder
+    from ndtrain.parallel.parallelize import build
     from ndtrain.train.worker import mesh_shape
 
     runs = {}

@@ -12,7 +12,6 @@ bubble (idle over busy time per rank) is printed next to the theory.
 from __future__ import annotations
 
 import inspect
-import statistics
 
 import torch
 

@@ -1,1 +1,15 @@
-"""Pipeline parallelism (see executor.py)."""
+"""Pipeline parallelism: the layers cut into chunks over the `pp` ranks, micro-batches
+flowing through them by a schedule. Our own implementation on torch.distributed
+point-to-point messages. Reading order:
+
+- partition.py   the cut into pp × v chunks, balanced by an explicit cost per layer
+- stage.py       this rank's chunks, StageModel, the tied embedding, gathering the stages
+- schedules.py   AFAB, 1F1B, interleaved 1F1B and zero bubble as data: per-rank action lists
+- verify.py      proofs on those lists (complete, ordered, deadlock-free), a cost simulator
+- p2p.py         messages: shapes agreed once per run, buffers, grouped posts
+- weightgrad.py  the zero-bubble split of a backward into B (input grad) and W (weights)
+- executor.py    PipelineSchedule, the one executor of any list (`run`, `evaluate`)
+- timeline.py    every action's start and end, the measured bubble
+
+Kept free of imports here: the config validator imports partition.py without torch.
+"""
