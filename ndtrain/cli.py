@@ -242,8 +242,12 @@ def cmd_trace(args) -> int:
     ms = " ".join(f"{k} {v:.1f} ms" for k, v in r["mean_ms"].items())
     print(f"bubble    {r['measured_bubble']:.3f} measured vs {r['theory_bubble']:.3f} theory {r['theory']} "
           f"(idle / busy per rank; mean {ms})\n"
+          f"          {r['replayed_bubble']:.3f} with these action durations and free messages "
+          f"(measured − this = what messages and the executor cost)\n"
           f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
           f"timeline  {r['timeline']}", flush=True)
+
+
 def dry_run(cfg, world: int | None) -> int:
     """`train --dry-run`: a measured step on every rank, a table from rank 0, nothing written."""
     from ndtrain.launch import launch_local

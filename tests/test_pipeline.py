@@ -68,6 +68,22 @@ def test_simulated_bubble_equals_theory(name, v):
                 assert got == pytest.approx(theory_bubble("1f1b", pp, 1, m) / 3)
 
 
+def test_replayed_bubble_separates_durations_from_the_executor():
+    """Replaying a timeline through the schedule with its own durations and free messages:
+    equal durations give the theory; one slow action on the critical path raises the replay,
+    because it is a property of the durations, not of the messages."""
+    from ndtrain.observe.trace import replayed_bubble
+    from ndtrain.parallel.pipeline.timeline import Event
+    for name, v in (("1f1b", 1), ("interleaved", 2)):
+        plan = build_schedule(name, 2, v, 8)
+        sim = simulate(plan, 2, {"F": 1.0, "B": 2.0})
+        ranks = [[Event(a.kind, a.chunk, a.micro, s, e) for a, s, e in rank] for rank in sim]
+        assert replayed_bubble(ranks, name, 2, v, 8) == pytest.approx(theory_bubble(name, 2, v, 8))
+        slow = ranks[1][0]  # the last stage's first forward takes three times as long
+        ranks[1][0] = Event(slow.kind, slow.chunk, slow.micro, slow.start, slow.start + 3 * (slow.end - slow.start))
+        assert replayed_bubble(ranks, name, 2, v, 8) > theory_bubble(name, 2, v, 8) * 1.25
+
+
 def test_partition_counts_the_head_and_can_be_overridden():
     from ndtrain.model.args import PRESETS
     a = PRESETS["tiny"].with_(n_layers=8, vocab_size=2048)  # a head worth ~3.4 blocks
@@ -315,6 +331,7 @@ def test_trace_writes_chrome_json_picture_and_bubble(tiny_data, tmp_path):
     report = run_ranks(_trace, 2, tiny_data, tmp_path)[0]
     assert report["schedule"] == "zb" and report["micro_batches"] == 8
     assert report["measured_bubble"] > 0 and report["theory_bubble"] > 0 and set(report["mean_ms"]) == {"F", "B", "W"}
+    assert 0 < report["replayed_bubble"] <= report["measured_bubble"] + 0.05
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     for rank in (0, 1):
         compute = [e for e in events if e.get("tid") == rank and e.get("cat") in ("F", "B", "W")]

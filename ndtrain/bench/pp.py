@@ -29,6 +29,7 @@ BENCH_DEFAULTS = ["model.preset=small", "model.n_layers=8", "model.dim=256", "mo
                   "parallel.pp=2", "parallel.pp_schedule=1f1b", "run.progress=false"]
 SCHEDULES = (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1))
 BUBBLE_STEPS = 5  # timed steps per schedule for the bubble; the median one is reported
+PACE_S = 0.025  # seconds per block per F, B and W in the paced measurement
 
 
 def _torch_1f1b(cfg, args, mesh, x, y, n_targets: float, m: int):
@@ -46,11 +47,14 @@ def _torch_1f1b(cfg, args, mesh, x, y, n_targets: float, m: int):
     return step
 
 
-def _bubbles(cfg, args, mesh, micro, n_targets: float, steps: int, out: str) -> list[dict] | None:
+def _bubbles(cfg, args, mesh, micro, n_targets: float, steps: int, out: str,
+             paced_s: float = 0.0) -> list[dict] | None:
     """Each schedule's median measured bubble over `steps` steps (after one warm-up step);
-    with `out`, the timeline of that median step drawn to out/pp-<schedule>.png."""
+    with `out`, the timeline of that median step drawn to out/pp-<schedule>.png
+    (pp-paced-<schedule>.png when every block is paced to `paced_s` per F, B and W)."""
     from pathlib import Path
 
+    from ndtrain.bench.pacing import pace
     from ndtrain.observe.trace import bubble_report, draw
 
     rows = []
@@ -58,6 +62,8 @@ def _bubbles(cfg, args, mesh, micro, n_targets: float, steps: int, out: str) -> 
         c = cfg.copy()
         c.parallel.pp_schedule, c.parallel.pp_virtual = name, v
         par = build(args, mesh, c)
+        if paced_s:
+            pace(par.model, paced_s, paced_s, paced_s)
         par.schedule.timeline.sync = mesh.device.type == "cuda"
         measured = []
         for k in range(steps + 1):
@@ -73,11 +79,30 @@ def _bubbles(cfg, args, mesh, micro, n_targets: float, steps: int, out: str) -> 
             rows.append(median)
             if out:
                 Path(out).mkdir(parents=True, exist_ok=True)
-                label = name + (f" v={v}" if v > 1 else "")
+                label = name + (f" v={v}" if v > 1 else "") + (f" · paced {paced_s * 1e3:.0f} ms/block" if paced_s else "")
                 title = (f"{label} · pp={mesh.shape.pp} · {len(micro)} micro-batches · bubble "
                          f"{median['measured_bubble']:.3f} measured, {median['theory_bubble']:.3f} theory {median['theory']}")
-                draw(ranks, Path(out) / f"pp-{name}.png", title, [f"stage {r}" for r in range(len(ranks))], mesh.shape.pp)
+                png = f"pp-paced-{name}.png" if paced_s else f"pp-{name}.png"
+                draw(ranks, Path(out) / png, title, [f"stage {r}" for r in range(len(ranks))], mesh.shape.pp)
     return rows if mesh.rank == 0 else None
+
+
+def _bubble_table(title: str, bubbles: list[dict]) -> list[str]:
+    lines = [title, f"{'schedule':<16}{'median':>8}{'best':>8}{'replay':>8}{'theory':>8}  formula", "-" * 80]
+    by_name = {}
+    for r in bubbles:
+        name = r["schedule"] + (f" v={r['virtual']}" if r["virtual"] > 1 else "")
+        by_name[r["schedule"]] = r
+        within = abs(r["measured_bubble"] - r["theory_bubble"]) <= 0.25 * r["theory_bubble"]
+        lines.append(f"{name:<16}{r['measured_bubble']:>8.3f}{r['best_bubble']:>8.3f}{r['replayed_bubble']:>8.3f}"
+                     f"{r['theory_bubble']:>8.3f}"
+                     f"  {r['theory']:<24}" + ("" if r["schedule"] == "zb" else f" median within 25%: {'yes' if within else 'no'}"))
+    zb, ofb = by_name["zb"], by_name["1f1b"]
+    ms = zb["mean_ms"]
+    lines.append(f"zero bubble below 1F1B: median {'yes' if zb['measured_bubble'] < ofb['measured_bubble'] else 'no'}, "
+                 f"best {'yes' if zb['best_bubble'] < ofb['best_bubble'] else 'no'} "
+                 f"(zb mean F {ms['F']:.1f} ms, B {ms['B']:.1f} ms, W {ms['W']:.1f} ms)")
+    return lines + [""]
 
 
 def _slowdown_when_sharing(device: torch.device) -> float:
@@ -136,24 +161,20 @@ def _worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> str:
         step_torch = _torch_1f1b(cfg, args, mesh, x, y, n_targets, m)
         times = alternate({"ndtrain-1f1b": step_ours, "torch-Schedule1F1B": step_torch}, rounds, steps, env.device)
         bubbles = _bubbles(cfg, args, mesh, micro, n_targets, BUBBLE_STEPS, out)
+        # Paced: a small model whose blocks each sleep PACE_S per F, B and W, so the ranks'
+        # "compute" cannot slow each other down (see bench/pacing.py).
+        paced_args = args.with_(dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2)
+        paced_micro = [(a[:, :32], b[:, :32]) for a, b in micro]
+        paced = _bubbles(cfg, paced_args, mesh, paced_micro, n_targets, BUBBLE_STEPS, out, PACE_S)
         if mesh.rank != 0:
             return ""
         lines = [f"machine: a rank computes {slowdown:.2f}x slower while the other ranks compute than alone "
                  f"(1.00 = truly parallel; above, idle ranks speed the others up and bubbles read high)",
-                 f"bubble = idle / busy time per rank over the step, median (best) of {BUBBLE_STEPS} steps",
-                 f"{'schedule':<16}{'median':>8}{'best':>8}{'theory':>8}  formula", "-" * 72]
-        by_name = {}
-        for r in bubbles:
-            name = r["schedule"] + (f" v={r['virtual']}" if r["virtual"] > 1 else "")
-            by_name[r["schedule"]] = r
-            within = abs(r["measured_bubble"] - r["theory_bubble"]) <= 0.25 * r["theory_bubble"]
-            lines.append(f"{name:<16}{r['measured_bubble']:>8.3f}{r['best_bubble']:>8.3f}{r['theory_bubble']:>8.3f}"
-                         f"  {r['theory']:<24}" + ("" if r["schedule"] == "zb" else f" median within 25%: {'yes' if within else 'no'}"))
-        zb, ofb = by_name["zb"], by_name["1f1b"]
-        ms = zb["mean_ms"]
-        lines.append(f"zero bubble below 1F1B: median {'yes' if zb['measured_bubble'] < ofb['measured_bubble'] else 'no'}, "
-                     f"best {'yes' if zb['best_bubble'] < ofb['best_bubble'] else 'no'} "
-                     f"(zb mean F {ms['F']:.1f} ms, B {ms['B']:.1f} ms, W {ms['W']:.1f} ms)")
+                 f"bubble = idle / busy time per rank over the step, median (best) of {BUBBLE_STEPS} steps; "
+                 "replay = the median step's own action durations with free messages (the executor's cost is median − replay)"]
+        lines += _bubble_table("real compute (this machine's cores)", bubbles)
+        lines += _bubble_table(f"paced compute: every block sleeps {PACE_S * 1e3:.0f} ms in F, B and W "
+                               "(the executor, messages and B/W split are real)", paced)
         tokens = t.global_batch * t.seq_len
         lines.append(report(times, tokens, "tok/s", "ndtrain/torch-pipelining", numerator="ndtrain-1f1b",
                             denominator="torch-Schedule1F1B"))

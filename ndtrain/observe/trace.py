@@ -69,10 +69,26 @@ def draw(ranks: list[list[Event]], path: Path, title: str, labels: list[str], pp
     return Path(path)
 
 
-def bubble_report(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: int) -> dict:
+def replayed_bubble(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: int,
+                    pipeline: list[int] | None = None) -> float:
+    """The bubble the schedule would have with exactly the measured durations of every action
+    but free messages. Against `measured`, it isolates what messages and the executor cost;
+    against theory, what unequal or noisy action durations cost. `pipeline`: the ranks of
+    one pipeline in stage order (default: the first pp ranks, a pure pipeline layout)."""
+    from ndtrain.parallel.pipeline.schedules import build_schedule
+    from ndtrain.parallel.pipeline.verify import bubble, simulate
+    stages = [ranks[i] for i in (pipeline or range(pp))]
+    took = {(r, e.kind, e.chunk, e.micro): e.end - e.start for r, events in enumerate(stages) for e in events}
+    plan = build_schedule(schedule, pp, v, m)
+    return bubble(simulate(plan, pp, lambda r, a: took[(r, a.kind, a.chunk, a.micro)]))
+
+
+def bubble_report(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: int,
+                  pipeline: list[int] | None = None) -> dict:
     measured, means = measured_bubble(ranks)
     theory = theory_bubble(schedule, pp, v, m, means.get("F", 1.0), means.get("B", 1.0), means.get("W", 0.0))
     return {"schedule": schedule, "pp": pp, "virtual": v, "micro_batches": m, "measured_bubble": measured,
+            "replayed_bubble": replayed_bubble(ranks, schedule, pp, v, m, pipeline),
             "theory_bubble": theory, "theory": THEORY[schedule],
             "mean_ms": {k: 1e3 * t for k, t in means.items()}}
 
@@ -111,11 +127,11 @@ def trace_run(cfg, mesh, data, out: Path) -> dict:
     m = t.accumulation(p.dp)
     labels = [f"rank {r}  " + " ".join(f"{d}{c}" for d, c in mesh.shape.coords(r).items() if getattr(mesh.shape, d) > 1)
               for r in range(mesh.world)]
-    report = bubble_report(ranks, p.pp_schedule, p.pp, p.pp_virtual, m)
+    report = bubble_report(ranks, p.pp_schedule, p.pp, p.pp_virtual, m, mesh.group("pp").ranks)
     out.mkdir(parents=True, exist_ok=True)
     title = (f"{p.pp_schedule} · {mesh.describe()}" + (f" · v={p.pp_virtual}" if p.pp_virtual > 1 else "")
              + f" · {m} micro-batches · bubble {report['measured_bubble']:.3f} measured, "
-             f"{report['theory_bubble']:.3f} theory {report['theory']}")
+             f"{report['replayed_bubble']:.3f} replayed, {report['theory_bubble']:.3f} theory {report['theory']}")
     report["trace"] = str(chrome_trace(ranks, out / "trace.json", labels))
     report["timeline"] = str(draw(ranks, out / "timeline.png", title, labels, p.pp))
     (out / "report.json").write_text(json.dumps(report, indent=1))

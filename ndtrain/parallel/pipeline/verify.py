@@ -154,9 +154,11 @@ def verify(schedule: list[list[Action]], pp: int, v: int, m: int, *, train: bool
     check_deadlock_free(schedule, pp)
 
 
-def simulate(schedule: list[list[Action]], pp: int, cost: dict[str, float]) -> list[list[tuple[Action, float, float]]]:
-    """The timeline the lists would give with compute costs `cost` (per kind) and free,
-    buffered messages: [(action, start, end)] per rank, compute actions only."""
+def simulate(schedule: list[list[Action]], pp: int, cost) -> list[list[tuple[Action, float, float]]]:
+    """The timeline the lists would give with compute costs `cost` and free, buffered
+    messages: [(action, start, end)] per rank, compute actions only. `cost` is a dict
+    kind -> cost, or a function (rank, action) -> cost (e.g. measured durations)."""
+    cost_of = cost if callable(cost) else (lambda rank, a: cost[a.kind])
     partner = check_links(schedule, pp)
     sent_at: dict[tuple[int, int], float] = {}  # (rank, index of send) -> when it was posted
     at, clock = [0] * len(schedule), [0.0] * len(schedule)
@@ -174,7 +176,7 @@ def simulate(schedule: list[list[Action]], pp: int, cost: dict[str, float]) -> l
                         break
                     clock[r] = max(clock[r], sent_at[src])
                 else:
-                    start, clock[r] = clock[r], clock[r] + cost[a.kind]
+                    start, clock[r] = clock[r], clock[r] + cost_of(r, a)
                     out[r].append((a, start, clock[r]))
                 at[r] += 1
                 progress = True
