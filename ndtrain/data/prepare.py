@@ -348,6 +348,9 @@ def prepare_data(
         return PreparedData.open(final).path
 
     final.parent.mkdir(parents=True, exist_ok=True)
+    if progress:  # a log (no terminal, no bar) should still say what these seconds are
+        what = "the standard library" if source == STDLIB else source
+        print(f"preparing {what} once: {'BPE tokenizer, ' if not tokenizer else ''}token shards → {final}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=final.parent))
     try:
         _build(tmp, source, tokenizer, vocab_size, val_fraction, jsonl_key, progress, shard_tokens)
