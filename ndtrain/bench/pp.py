@@ -29,7 +29,8 @@ BENCH_DEFAULTS = ["model.preset=small", "model.n_layers=8", "model.dim=256", "mo
                   "parallel.pp=2", "parallel.pp_schedule=1f1b", "run.progress=false"]
 SCHEDULES = (("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1))
 BUBBLE_STEPS = 5  # timed steps per schedule for the bubble; the median one is reported
-PACE_S = 0.025  # seconds per block per F, B and W in the paced measurement
+PACE_S = 0.05  # seconds per block per F, B and W in the paced measurement (large against the ~2 ms
+# of real work and hook overhead per block, and against this host's sleep jitter)
 
 
 def _torch_1f1b(cfg, args, mesh, x, y, n_targets: float, m: int):
