@@ -67,7 +67,8 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
         ("tp2-sp-dp2-zero3", ["parallel.tp=2", "parallel.zero=3"]),
         ("tp2-sp-dp2-zero3-accumulation", ["parallel.tp=2", "parallel.zero=3", "train.micro_batch=1"]),
         _pipeline(2, "1f1b", 2, "parallel.tp=2"),  # sequence-parallel activations between stages
-        _pipeline(2, "zb", 4, "parallel.tp=2", "parallel.sp=false"),  # W runs tp collectives
+        _pipeline(2, "zb", 4, "parallel.tp=2", "parallel.sp=false"),  # B runs the tp collectives, W none
+        _pipeline(2, "zb", 4, "parallel.tp=2"),  # SP norm gradients: partial through W, summed per step
     ],
     8: [
         _pipeline(2, "1f1b", 2, "parallel.tp=2", "parallel.dp=2"),

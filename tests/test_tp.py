@@ -126,29 +126,34 @@ def _tp_bytes(data_dir):
                                                          f"model.n_layers={layers}",
                                                          "model.n_kv_heads=4"]), world=dist.get_world_size())
                 par = build(cfg.model_args(vocab_size=vocab), mesh, cfg)
-                mesh.stats.reset()
-                par.forward_backward([(x, x)], float(x.numel()))
-                out[t, sp, layers] = mesh.stats.wire("tp")
+                for m in (1, 2):  # micro-batches in the step
+                    mesh.stats.reset()
+                    par.forward_backward([(x, x)] * m, float(m * x.numel()))
+                    par.grad_sync.zero_grad()
+                    out[t, sp, layers, m] = mesh.stats.wire("tp")
     return out
 
 
 def test_bytes_per_layer_match_the_formulas(tiny_data):
-    """Per layer and micro-batch, in fp32 bytes (4 per element), b=2, s=32, h=64:
-    - plain TP (Narayanan et al. 2021): 4 all-reduces of b·s·h, 8·b·s·h·(t−1)/t elements;
-    - with SP: 4 all-gathers + 4 reduce-scatters of b·s·h (the same 8·b·s·h·(t−1)/t) plus
-      the all-reduce of the two norm weights' gradients, 2 × 2·h·(t−1)/t.
-    Outside the layers: the embedding's exit and the head's entry (2·b·s·h·(t−1)/t times 2
-    without SP, the same with it plus the final norm weight's 2·h·(t−1)/t), and the loss's
-    max and sums (3 all-reduced numbers per token: 6·b·s·(t−1)/t)."""
+    """Per layer, in fp32 bytes (4 per element), b=2, s=32, h=64, m micro-batches of b×s:
+    - plain TP (Narayanan et al. 2021): 4 all-reduces of b·s·h per micro-batch,
+      8·b·s·h·(t−1)/t elements each;
+    - with SP: 4 all-gathers + 4 reduce-scatters of b·s·h per micro-batch (the same
+      8·b·s·h·(t−1)/t), plus, once per step whatever m is, the all-reduce of the two norm
+      weights' partial gradients, 2 × 2·h·(t−1)/t.
+    Outside the layers, per micro-batch: the embedding's exit and the head's entry
+    (2·b·s·h·(t−1)/t times 2), and the loss's max and sums (3 all-reduced numbers per
+    token: 6·b·s·(t−1)/t); with SP, once per step, the final norm weight's 2·h·(t−1)/t."""
     b, s, h, nbytes = 2, 32, 64, 4
     measured = run_ranks(_tp_bytes, 4, tiny_data)[0]
     for t in (2, 4):
         for sp in (False, True):
-            per_layer = measured[t, sp, 2] - measured[t, sp, 1]
-            expected = 8 * b * s * h * (t - 1) / t + (4 * h * (t - 1) / t if sp else 0)
-            assert per_layer == pytest.approx(expected * nbytes, rel=1e-12), (t, sp)
-            outside = 4 * b * s * h * (t - 1) / t + (2 * h * (t - 1) / t if sp else 0) + 6 * b * s * (t - 1) / t
-            assert measured[t, sp, 1] == pytest.approx((expected + outside) * nbytes, rel=1e-12), (t, sp)
+            for m in (1, 2):
+                per_layer = measured[t, sp, 2, m] - measured[t, sp, 1, m]
+                expected = m * 8 * b * s * h * (t - 1) / t + (4 * h * (t - 1) / t if sp else 0)
+                assert per_layer == pytest.approx(expected * nbytes, rel=1e-12), (t, sp, m)
+                outside = m * (4 * b * s * h + 6 * b * s) * (t - 1) / t + (2 * h * (t - 1) / t if sp else 0)
+                assert measured[t, sp, 1, m] == pytest.approx((expected + outside) * nbytes, rel=1e-12), (t, sp, m)
 
 
 # --- equivalence cases with their own single-process reference -------------------------

@@ -38,6 +38,7 @@ from ndtrain.observe.memory import MemoryReport, measure_peak, optimizer_tensors
 from ndtrain.parallel import tensor
 from ndtrain.parallel.data import DataParallel
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
+from ndtrain.parallel.placement import partial_dims
 from ndtrain.parallel.pipeline.stage import StageModel, TiedEmbedding, build_chunks, gather_stages
 from ndtrain.parallel.precision import (LossScaler, MasterWeights, cast_parameters, compute_dtype,
                                         reduce_dtype)
@@ -85,6 +86,8 @@ class Parallelized:
         meter = measure_peak(self.mesh.device, self._working_bytes) if measure_memory else nullcontext()
         with meter as peak:
             local = self.schedule.run(micro_batches, n_targets / scale, self.grad_sync)
+        # once per step: the tp sum of gradients each tp rank holds a part of (tensor.py)
+        tensor.sum_partial_grads(self.states.partial_grads("tp"), self.mesh.group("tp"))
         if measure_memory:
             self.memory.activations, self.memory.peak = peak["bytes"], held + peak["bytes"]
         self.states.grads_to_optimizer(1.0 / scale)
@@ -192,6 +195,11 @@ class ReplicatedStates:
     def grads_to_optimizer(self, unscale: float) -> None:
         if self.masters is not None:
             self.masters.grads_to_masters(unscale)
+
+    def partial_grads(self, dim: str) -> list[torch.Tensor]:
+        """The synchronised gradients of the parameters marked partial over `dim`."""
+        params = {id(p): p for p in self.model.parameters() if dim in partial_dims(p)}.values()
+        return [p.grad for p in params if p.grad is not None]
 
     def after_step(self) -> None:
         if self.masters is not None:

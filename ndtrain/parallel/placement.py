@@ -7,6 +7,10 @@ gradient norm and by checkpoint resharding.
   parameters, so "pp" is implicitly a shard dimension of every parameter.
 - `is_duplicate(p)`: a second copy that must not be counted twice, such as the output
   head that a tied embedding keeps on the last pipeline stage.
+- `partial_dims(p)`: the mesh dimensions over which `p` is replicated but each rank's
+  gradient is only part of the whole (a norm weight under sequence parallelism sees this
+  rank's positions only). The step sums those gradients over the dimension once, after its
+  last backward (`Parallelized.forward_backward`), instead of once per micro-batch.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import torch
 
 _SHARD_ATTR = "_ndtrain_shard_dims"
 _DUP_ATTR = "_ndtrain_duplicate"
+_PARTIAL_ATTR = "_ndtrain_partial_dims"
 
 
 def mark_sharded(p: torch.Tensor, dims: tuple[str, ...] | list[str]) -> torch.Tensor:
@@ -33,3 +38,12 @@ def mark_duplicate(p: torch.Tensor, duplicate: bool = True) -> torch.Tensor:
 
 def is_duplicate(p: torch.Tensor) -> bool:
     return getattr(p, _DUP_ATTR, False)
+
+
+def mark_partial(p: torch.Tensor, dims: tuple[str, ...] | list[str]) -> torch.Tensor:
+    setattr(p, _PARTIAL_ATTR, tuple(dims))
+    return p
+
+
+def partial_dims(p: torch.Tensor) -> tuple[str, ...]:
+    return getattr(p, _PARTIAL_ATTR, ())

@@ -18,8 +18,10 @@ Sequence parallelism (SP, `parallel.sp`) splits the residual stream between regi
 the sequence, so the norms, dropout and residual adds handle s/t positions per rank. f
 becomes an all-gather (reduce-scatter backward) and g a reduce-scatter (all-gather
 backward): the same bytes, and 1/t of the activation memory outside the regions. A norm
-weight then sees only this rank's positions, so its gradient is summed over tp by f
-applied to the weight, two all-reduces of h per layer: 8·(t−1)/t·(b·s·h + h/2) in all.
+weight then sees only this rank's positions, so its gradient is a partial sum over tp:
+the step completes it once, after the last micro-batch, in one all-reduce of every such
+weight together (`sum_partial_grads`): 8·b·s·h·(t−1)/t per layer and micro-batch, plus
+2·2h·(t−1)/t per layer and step.
 
 The vocabulary is split too: the embedding looks up the rows it holds and leaves through g
 (or the reduce-scatter); the head produces this rank's columns of the logits, and the loss
@@ -34,7 +36,8 @@ Where each piece sits:
   share one input.
 - Grouped-query attention: KV heads are split like query heads when t divides their
   number; otherwise every rank keeps the whole (small) K and V projections, uses the head
-  its query heads read, and f on the weight sums the gradients of the ranks sharing it.
+  its query heads read, and the step sums the gradients of the ranks sharing it (the
+  weight is marked partial, as a sequence-parallel norm weight is).
 - Initialisation: `build` creates the swapped model on the meta device, then every rank
   fills its parameters with its slice of the full initial value (`initial_value` in the
   model), so every layout starts from the same full weights.
@@ -61,7 +64,7 @@ from ndtrain.comm import ops
 from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import RMSNorm, Transformer, initial_value, rms_norm
-from ndtrain.parallel.placement import mark_sharded
+from ndtrain.parallel.placement import mark_partial, mark_sharded
 from ndtrain.train.loss import IGNORE
 
 # ---------------------------------------------------------------------------------------
@@ -234,34 +237,54 @@ class ReplicatedHeadsLinear(nn.Module):
     """The K or V projection when there are fewer KV heads than tp ranks.
 
     Every rank keeps the whole weight (kv_heads·head_dim rows, small) and computes only the
-    head its query heads read; the ranks sharing a head each hold part of its gradient, so
-    f on the weight sums them and every copy stays equal.
+    head its query heads read; the ranks sharing a head each hold part of its gradient. The
+    weight is marked partial over tp: the step sums its gradient once, after the last
+    micro-batch (`sum_partial_grads`), and every copy stays equal.
     """
 
     def __init__(self, weight: nn.Parameter, head_dim: int, n_kv_heads: int, group: Group):
         super().__init__()
-        self.weight, self.group = weight, group
+        self.weight, self.group = mark_partial(weight, ("tp",)), group
         head = group.rank // (group.size // n_kv_heads)  # query heads are split contiguously
         self.rows = slice(head * head_dim, (head + 1) * head_dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, CopyToTP.apply(self.weight, self.group)[self.rows])
+        return F.linear(x, self.weight[self.rows])
 
 
 class RegionEntryNorm(nn.Module):
     """RMSNorm, then the entry into the TP region it feeds (f, or the SP all-gather).
 
     Under SP the norm sees this rank's positions only, so its weight's gradient is a
-    partial sum: f on the weight completes it over tp.
+    partial sum: the weight is marked partial over tp, and the step completes the sum once,
+    after the last micro-batch (`sum_partial_grads`).
     """
 
     def __init__(self, weight: nn.Parameter, eps: float, group: Group, sp: bool):
         super().__init__()
         self.weight, self.eps, self.group, self.sp = weight, eps, group, sp
+        if sp:
+            mark_partial(weight, ("tp",))
 
     def forward(self, x: Tensor) -> Tensor:
-        weight = CopyToTP.apply(self.weight, self.group) if self.sp else self.weight
-        return enter_region(rms_norm(x, weight, self.eps), self.group, self.sp)
+        return enter_region(rms_norm(x, self.weight, self.eps), self.group, self.sp)
+
+
+@torch.no_grad()
+def sum_partial_grads(grads: list[Tensor], group: Group) -> None:
+    """Complete the gradients that each tp rank holds only part of (`partial_dims`): one
+    fp32 all-reduce of all of them together, once per step, after the last backward and the
+    data-parallel reduction (both sums, so their order does not matter). Megatron does the
+    same for its sequence-parallel norm weights. Collective over tp; every rank must pass
+    the same shapes in the same order."""
+    if not grads or not group.active:
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    ops.all_reduce(flat, group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 class VocabParallelEmbedding(nn.Module):

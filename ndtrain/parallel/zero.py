@@ -59,7 +59,7 @@ from torch.utils._pytree import tree_flatten
 
 from ndtrain.comm import ops
 from ndtrain.mesh import Group, ParallelMesh
-from ndtrain.parallel.placement import is_duplicate, mark_duplicate, mark_sharded, shard_dims
+from ndtrain.parallel.placement import is_duplicate, mark_duplicate, mark_sharded, partial_dims, shard_dims
 from ndtrain.train.optim import decay_groups, decays
 
 SHARD_DIMS = ("dp_shard", "cp")
@@ -321,6 +321,21 @@ class ZeRO:
     def drop_grads(self) -> None:
         for f in self.flats:
             f.master.grad = None
+
+    def partial_grads(self, dim: str) -> list[torch.Tensor]:
+        """The parts of this rank's summed gradient slices that belong to parameters marked
+        partial over `dim` (tensor.sum_partial_grads completes them). Ranks of `dim` hold
+        the same flats and the same slice of each, so the lists line up."""
+        out = []
+        for f in self.flats:
+            lo, hi = self.group.rank * f.shard_numel, (self.group.rank + 1) * f.shard_numel
+            spans = [(max(s.start, lo) - lo, min(s.stop, hi) - lo)
+                     for s in (f.range(p) for p in f.params if dim in partial_dims(p))]
+            spans = [(a, b) for a, b in spans if a < b]
+            if spans and f.grad_shard is None:  # no gradient arrived here: zeros take part
+                f.grad_shard = torch.zeros_like(f.shard)
+            out += [f.grad_shard[a:b] for a, b in spans]
+        return out
 
     # -- GradSync: called by the schedule ---------------------------------------
     def set_sync(self, enabled: bool) -> None:
