@@ -86,8 +86,9 @@ class Parallelized:
         meter = measure_peak(self.mesh.device, self._working_bytes) if measure_memory else nullcontext()
         with meter as peak:
             local = self.schedule.run(micro_batches, n_targets / scale, self.grad_sync)
-        # once per step: the tp sum of gradients each tp rank holds a part of (tensor.py)
-        tensor.sum_partial_grads(self.states.partial_grads("tp"), self.mesh.group("tp"))
+        tp = self.mesh.group("tp")
+        if tp.active:  # once per step: the sum of gradients each tp rank holds a part of
+            tensor.sum_partial_grads(self.states.partial_grads("tp"), tp)
         if measure_memory:
             self.memory.activations, self.memory.peak = peak["bytes"], held + peak["bytes"]
         self.states.grads_to_optimizer(1.0 / scale)
