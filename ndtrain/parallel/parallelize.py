@@ -38,8 +38,8 @@ from ndtrain.observe.memory import MemoryReport, measure_peak, optimizer_tensors
 from ndtrain.parallel import tensor
 from ndtrain.parallel.data import DataParallel
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
-from ndtrain.parallel.placement import partial_dims
 from ndtrain.parallel.pipeline.stage import StageModel, TiedEmbedding, build_chunks, gather_stages
+from ndtrain.parallel.placement import partial_dims
 from ndtrain.parallel.precision import (LossScaler, MasterWeights, cast_parameters, compute_dtype,
                                         reduce_dtype)
 from ndtrain.parallel.recompute import apply_recompute
