@@ -89,7 +89,16 @@ class Parallelized:
         """The whole model's weights on rank 0 (None elsewhere). Collective: over the
         ZeRO-3 shards, then over tp on the first data-parallel replica, then over pp
         (every stage sends its weights to rank 0)."""
-        state = self.states.gathered_state()
+        return self._whole(self.states.gathered_state())
+
+    def full_grad_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's gradients as the optimizer receives them (summed over every
+        dimension, before clipping), by name, on rank 0; None elsewhere. Collective, like
+        `full_model_state`. What the layout proofs compare after the first step."""
+        return self._whole(self.states.gathered_grads())
+
+    def _whole(self, state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """From the states gathered over dp_shard × cp (on its rank 0) to the whole model."""
         if self.mesh.coord("dp_cp") != 0:
             return None
         state = tensor.full_state(self.model, state, self.mesh.group("tp"))

@@ -83,6 +83,14 @@ class ReplicatedStates:
     def gathered_state(self) -> dict[str, torch.Tensor]:
         return self.local_state()
 
+    def gathered_grads(self) -> dict[str, torch.Tensor]:
+        """The optimizer's gradients (synchronised, unclipped) by parameter name."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            holder = self.masters.master_of(p) if self.masters is not None else p
+            out[name] = holder.grad if holder.grad is not None else torch.zeros_like(holder)
+        return out
+
     def extra_state(self) -> dict:
         return {"masters": [m.detach() for m in self.masters.masters] if self.masters else []}
 

@@ -507,10 +507,20 @@ class ZeRO:
         elsewhere). Collective over the shard group under stage 3."""
         if self.stage < 3:
             return self.local_state() if self.group.rank == 0 else None
+        return self._gather_flats(lambda f: f.shard)
+
+    @torch.no_grad()
+    def gathered_grads(self) -> dict[str, torch.Tensor] | None:
+        """The optimizer's gradients (summed, unclipped), whole over the shard group, by
+        parameter name, on its rank 0 (None elsewhere). Collective over the shard group."""
+        return self._gather_flats(lambda f: f.master.grad if f.master.grad is not None else torch.zeros_like(f.master))
+
+    def _gather_flats(self, slice_of) -> dict[str, torch.Tensor] | None:
         out = {}
         for f in self.flats:
-            full = torch.empty(f.full.numel(), dtype=f.shard.dtype, device=f.shard.device)
-            ops.all_gather(full, f.shard, self.group)
+            part = slice_of(f)
+            full = torch.empty(f.full.numel(), dtype=part.dtype, device=part.device)
+            ops.all_gather(full, part.contiguous(), self.group)
             if self.group.rank == 0:
                 out.update({self.names[id(p)]: f.view_of(full, p).clone() for p in f.params})
         return out if self.group.rank == 0 else None
