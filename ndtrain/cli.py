@@ -168,18 +168,22 @@ def open_data(cfg, progress: bool):
 
 
 def _run_dir(cfg, task: str) -> Path:
+    """run.dir, or a new folder under runs/ (validate() checked a given run.dir)."""
+    from ndtrain.config import check_writable_dir
     from ndtrain.launch import external_run_id
     if cfg.run.dir:
         return Path(cfg.run.dir).expanduser()
     run_id = external_run_id()
     if run_id:
-        return Path("runs") / f"{task}-{run_id}"
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = Path("runs") / f"{task}-{stamp}"
-    n = 1
-    while path.exists():
-        n += 1
-        path = Path("runs") / f"{task}-{stamp}-{n}"
+        path = Path("runs") / f"{task}-{run_id}"
+    else:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = Path("runs") / f"{task}-{stamp}"
+        n = 1
+        while path.exists():
+            n += 1
+            path = Path("runs") / f"{task}-{stamp}-{n}"
+    check_writable_dir("run.dir", str(path))
     return path
 
 

@@ -505,7 +505,8 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
             raise ConfigError("data.path", d.path, "path does not exist (use \"stdlib\" for the embedded corpus)")
         if d.tokenizer and not Path(os.path.expanduser(d.tokenizer)).is_file():
             raise ConfigError("data.tokenizer", d.tokenizer, "file does not exist")
-        check_writable_dir("run.dir", r.dir, Path(r.dir or "runs"))
+        if r.dir:  # the default, runs/<task>-<time>, is checked where the CLI names it
+            check_writable_dir("run.dir", r.dir)
         if not is_prepared_folder(d.path):
             check_writable_dir("data.cache_dir", d.cache_dir)
     _positive("data.vocab_size", d.vocab_size)

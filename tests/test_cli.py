@@ -235,3 +235,11 @@ def test_eval_batches_0_skips_evaluation(tiny_data, tmp_path):
                                   run_dir=str(tmp_path / "run"))
     assert all("val_loss" not in r for r in trainer.history)
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["val_loss"] is None
+
+
+def test_default_run_dir_in_an_unwritable_folder_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    folder = unwritable_dir(tmp_path)
+    monkeypatch.chdir(folder)
+    code = main(["train", "run.device=cpu", "model.preset=tiny"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("ndtrain: error: run.dir = 'runs/train-") and "cannot be written" in err
