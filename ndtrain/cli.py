@@ -249,7 +249,7 @@ def cmd_train(args) -> int:
 def cmd_trace(args) -> int:
     from ndtrain.config import ConfigError, check_writable_dir, load_config, validate
     from ndtrain.launch import launch_local
-    from ndtrain.observe.trace import trace_worker
+    from ndtrain.train.trace import trace_worker
     from ndtrain.train.worker import resolve_vocab
 
     if args.steps <= 0:
@@ -341,7 +341,7 @@ def cmd_generate(args) -> int:
     from ndtrain.generate.sampler import sample
     from ndtrain.model.args import ModelArgs
     from ndtrain.model.llama import Transformer
-    from ndtrain.parallel.parallelize import load_unique_state
+    from ndtrain.parallel.states import load_unique_state
 
     if args.max_new_tokens <= 0:
         raise ConfigError("--max-new-tokens", args.max_new_tokens, "must be > 0")

@@ -227,6 +227,7 @@ def idle(overrides, file_text=None, tmp_path=None, world=None):
     (["train.loss_scaler=false"], "train.loss_scaler"),
     (["train.allow_unscaled_fp16=true", "train.precision=fp16"], "train.allow_unscaled_fp16"),
     (["train.reduce_fp32=false"], "train.reduce_fp32"),
+    (["train.reduce_fp32=false", "train.precision=fp64"], "train.reduce_fp32"),
     (["train.eval_every=5", "train.eval_batches=0"], "train.eval_every"),
     (["data.vocab_size=1000", "data.tokenizer=" + __file__], "data.vocab_size"),
 ])
