@@ -25,6 +25,7 @@ from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss
 from ndtrain.observe.progress import TrainProgress
 from ndtrain.model.loss import count_targets
+from ndtrain.parallel import context
 from ndtrain.parallel.parallelize import Parallelized, build
 from ndtrain.parallel.precision import LossScaleExhausted
 from ndtrain.train.optim import lr_at
@@ -47,10 +48,11 @@ class Trainer:
         self.par: Parallelized = build(self.args, mesh, cfg)
         self.stepper = TrainStep(self.par, cfg)
         # The random stream for dropout (weights come from per-name generators), seeded after
-        # the build so no layout's construction shifts it. The ranks of a tp group share it:
-        # they hold the same activations, or slices of a tensor one device would have drawn
-        # for whole (parallel/tensor.py); tp is the innermost mesh dimension.
-        torch.manual_seed(t.seed * 100_003 + mesh.rank // mesh.shape.tp)
+        # the build so no layout's construction shifts it. The ranks of a cp × tp group share
+        # it: they hold the same activations, or slices of a tensor one device would have drawn
+        # for whole (parallel/tensor.py, parallel/context/); cp and tp are the innermost mesh
+        # dimensions.
+        torch.manual_seed(t.seed * 100_003 + mesh.rank // (mesh.shape.tp * mesh.shape.cp))
         self.train_loader = BatchLoader(data.stream("train"), t.seq_len, t.global_batch, t.seed)
         self.val_loader = BatchLoader(data.stream("val"), t.seq_len, t.global_batch, t.seed, shuffle=False)
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
@@ -63,14 +65,24 @@ class Trainer:
         self.history: list[dict] = []
 
     # -- data -----------------------------------------------------------------------
-    def local_batch(self, loader: BatchLoader, step: int):
-        """This rank's rows of the global batch of `step`, cut into micro-batches."""
-        t = self.cfg.train
-        per_rank = t.global_batch // self.mesh.dp_size
+    def rows(self, loader: BatchLoader, step: int) -> MicroBatch:
+        """This data-parallel rank's rows of the global batch of `step`, whole sequences."""
+        per_rank = self.cfg.train.global_batch // self.mesh.dp_size
         start = self.mesh.dp_rank * per_rank
         inputs, targets = loader.rows(step, start, start + per_rank)
-        rows = MicroBatch(inputs, targets).to(self.mesh.device)
-        return rows.split(t.micro_batch), count_targets(targets)
+        return MicroBatch(inputs, targets).to(self.mesh.device)
+
+    def local_batch(self, loader: BatchLoader, step: int):
+        """This rank's share of the global batch of `step`, cut into micro-batches, and the
+        number of targets in it. Under context parallelism each row is reduced to this CP
+        rank's tokens (the zigzag layout, parallel/context/layout.py): targets were shifted
+        before, so none is lost, and the counts of the CP ranks add up to the count of the
+        whole rows (they may differ between ranks: masked targets fall anywhere)."""
+        rows = self.rows(loader, step)
+        cp = self.mesh.group("cp")
+        if cp.active:
+            rows = context.shard(rows, cp.size, cp.rank)
+        return rows.split(self.cfg.train.micro_batch), count_targets(rows.targets)
 
     # -- one step -------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
@@ -97,7 +109,7 @@ class Trainer:
         mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.n_peak_units)
                if self.peak else None)
         comm = {f"{d}.{k}": tally.wire for (d, k), tally in sorted(self.mesh.stats.tallies.items())}
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": int(n_targets),
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "tokens": (step + 1) * t.global_batch * t.seq_len,
                   "comm_bytes": sum(comm.values()), "comm": comm, "memory": self.memory_per_rank()}

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ndtrain.comm import ops
-from ndtrain.config import ConfigError
+from ndtrain.config import CP_IMPLS, ConfigError
 from ndtrain.mesh import Group
 from ndtrain.model.llama import AttentionCore, KVCache, apply_rope
 from ndtrain.parallel.context.allgather import AllGatherAttention
@@ -25,7 +25,7 @@ from ndtrain.parallel.context.ring import RingAttention
 from ndtrain.parallel.context.ulysses import ulysses_attention
 from ndtrain.parallel.context.visibility import Visibility
 
-IMPLS = ("ring", "allgather", "ulysses")
+IMPLS = CP_IMPLS
 
 
 class Plans:
