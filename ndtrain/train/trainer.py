@@ -109,7 +109,7 @@ class Trainer:
         mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.n_peak_units)
                if self.peak else None)
         comm = self.mesh.stats.as_metrics()
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": int(n_targets),
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "tokens": (step + 1) * t.global_batch * t.seq_len,
                   "comm_bytes": sum(comm.values()), "comm": comm, "memory": self.memory_per_rank()}
