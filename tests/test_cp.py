@@ -18,6 +18,7 @@ import torch
 from ndtrain.testing import run_ranks
 
 KERNEL_TOL = 1e-10
+IMPLS = ("ring", "allgather", "ulysses")
 
 
 # --------------------------------------------------------------------------- the layout
@@ -180,3 +181,174 @@ def test_attention_kernels_equal_full_attention_fp64(cp):
                     worst = max(worst, err)
     assert len(per_rank[0]) == 24
     print(f"cp={cp}: largest relative deviation {worst:.1e}")
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["parallel.cp=2", "train.seq_len=30"], "train.seq_len = 30: must be divisible by 2 × parallel.cp = 4"),
+    (["parallel.cp=3", "train.seq_len=32"], "train.seq_len = 32: must be divisible by 2 × parallel.cp = 6"),
+    (["parallel.cp=2", "parallel.tp=4", "train.seq_len=36"], "must be divisible by cp × tp = 2 × 4"),
+    (["parallel.cp=3", "parallel.cp_impl=ulysses", "train.seq_len=48"],
+     "parallel.cp = 3: cp_impl = ulysses splits the query heads per tp rank, n_heads / tp = 4 / 1 = 4"),
+    (["parallel.cp=2", "parallel.tp=4", "parallel.sp=false", "parallel.cp_impl=ulysses"],
+     "n_heads / tp = 4 / 4 = 1, over cp"),
+    (["parallel.cp=4", "parallel.cp_impl=ulysses", "model.n_heads=8", "model.n_kv_heads=8", "model.dim=64"],
+     None),  # 8 KV heads over 4 ranks: split, valid
+    (["parallel.cp=4", "parallel.cp_impl=ulysses", "model.n_heads=8", "model.n_kv_heads=2", "model.dim=64"],
+     None),  # 2 KV heads over 4 ranks: repeated, valid
+    (["parallel.cp=4", "parallel.cp_impl=ulysses", "model.n_heads=12", "model.n_kv_heads=6", "model.dim=96"],
+     "needs the KV heads per tp rank (6, of n_kv_heads = 6) to divide cp or be divisible by it"),
+    (["parallel.cp_impl=zigzag"], "parallel.cp_impl = 'zigzag': choose one of ring, allgather, ulysses"),
+])
+def test_bad_context_parallel_configs(overrides, fragment):
+    from ndtrain.config import ConfigError, load_config, validate
+    cfg = load_config(None, ["model.preset=tiny", "run.device=cpu", *overrides])
+    world = cfg.parallel.cp * cfg.parallel.tp
+    if fragment is None:
+        validate(cfg, world=world)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world=world)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cp_refuses_a_model_whose_attention_takes_no_positions():
+    from torch import nn
+
+    from ndtrain.config import ConfigError
+    from ndtrain.mesh import Group
+    from ndtrain.parallel.context import apply
+
+    class LearnedPositions(nn.Module):  # attention without an AttentionCore: no rotary positions
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({"0": nn.Module()})
+            self.layers["0"].attention = nn.MultiheadAttention(8, 2)
+
+    group = Group("cp", [0, 1], 0, None)
+    with pytest.raises(ConfigError, match="parallel.cp = 2: layer 0 of LearnedPositions has no AttentionCore"):
+        apply(LearnedPositions(), group, "ring")
+
+
+def test_cli_refuses_seq_len_not_divisible(tmp_path, capsys):
+    from ndtrain.cli import main
+    assert main(["train", "--nproc", "2", "parallel.cp=2", "train.seq_len=30", f"run.dir={tmp_path / 'run'}"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.strip() == ("ndtrain: error: train.seq_len = 30: must be divisible by 2 × "
+                                                 "parallel.cp = 4: context parallelism cuts each sequence into "
+                                                 "2·cp equal chunks")
+    assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------- end to end
+
+def packed_documents(trainer) -> None:
+    """Turn every row into packed documents, as SFT does, decided by the tokens alone (so
+    every layout packs alike): a document starts after each token ≡ 0 mod 5, positions
+    restart there, targets of each document's first 3 tokens and of the first 12 tokens of
+    every row are IGNORE (so the zigzag chunks of a row hold unequal numbers of targets: at
+    cp = 2 rank 0 holds 8 of its 16, rank 1 12), and tokens carry weights 1 + (id mod 3)/2."""
+    from dataclasses import replace
+
+    from ndtrain.model.loss import IGNORE
+    plain = trainer.rows
+
+    def rows(loader, step):
+        mb = plain(loader, step)
+        b, s = mb.tokens.shape
+        index = torch.arange(s).expand(b, s)
+        start = torch.zeros(b, s, dtype=torch.bool)
+        start[:, 1:] = mb.tokens[:, :-1] % 5 == 0
+        start[:, 0] = True
+        doc_ids = start.long().cumsum(1)
+        first = (index * start).cummax(1).values
+        positions = index - first
+        targets = mb.targets.masked_fill((positions < 3) | (index < 12), IGNORE)
+        return replace(mb, targets=targets, positions=positions, doc_ids=doc_ids,
+                       weights=1.0 + (mb.tokens % 3).double() / 2)
+    trainer.rows = rows
+
+
+def _pipeline(schedule: str, m: int, *extra: str) -> list[str]:
+    return ["parallel.pp=2", f"parallel.pp_schedule={schedule}", f"train.micro_batch={8 // m}", *extra]
+
+
+# name → (overrides, reference). References are single-process runs of the same data:
+# "plain"; "packed" (packed_documents); "dropout" (model.dropout=0.1); "bf16".
+E2E: dict[int, list[tuple[str, list[str], str]]] = {
+    2: [
+        *((f"cp2-{impl}", ["parallel.cp=2", f"parallel.cp_impl={impl}"], "plain") for impl in IMPLS),
+        *((f"cp2-{impl}-packed", ["parallel.cp=2", f"parallel.cp_impl={impl}"], "packed") for impl in IMPLS),
+        ("cp2-zero3-over-cp", ["parallel.cp=2", "parallel.zero=3"], "plain"),
+        ("cp2-recompute-selective", ["parallel.cp=2", "train.recompute=selective"], "plain"),  # reruns the ring
+        ("cp2-bf16", ["parallel.cp=2", "train.precision=bf16"], "bf16"),
+    ],
+    4: [
+        *((f"cp4-{impl}", ["parallel.cp=4", f"parallel.cp_impl={impl}"], "plain") for impl in IMPLS),
+        ("cp4-ring-packed", ["parallel.cp=4"], "packed"),
+        ("cp2-tp2-sp-recompute-full", ["parallel.cp=2", "parallel.tp=2", "train.recompute=full"], "plain"),
+        ("cp2-tp2-sp-ulysses-dropout", ["parallel.cp=2", "parallel.tp=2", "parallel.cp_impl=ulysses",
+                                        "model.dropout=0.1"], "dropout"),
+        ("cp2-tp2-allgather", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=false", "parallel.cp_impl=allgather"],
+         "plain"),
+        ("cp2-dp2-zero3", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=3"], "plain"),
+        ("cp2-hsdp2-zero2", ["parallel.cp=2", "parallel.dp=2", "parallel.dp_replicate=2", "parallel.zero=2"], "plain"),
+        ("cp2-dp2-zero1-accumulation-packed", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=1",
+                                               "train.micro_batch=2"], "packed"),
+        ("cp2-pp2-1f1b", _pipeline("1f1b", 4, "parallel.cp=2"), "plain"),
+        ("cp2-pp2-interleaved", _pipeline("interleaved", 4, "parallel.cp=2", "parallel.pp_virtual=2"), "plain"),
+        ("cp2-pp2-zb-allgather-packed", _pipeline("zb", 4, "parallel.cp=2", "parallel.cp_impl=allgather"), "packed"),
+        ("cp2-pp2-afab-ulysses", _pipeline("afab", 2, "parallel.cp=2", "parallel.cp_impl=ulysses"), "plain"),
+    ],
+    8: [
+        ("pp2-dp2-cp2", _pipeline("1f1b", 2, "parallel.cp=2", "parallel.dp=2"), "plain"),
+        ("pp2-cp2-tp2", _pipeline("1f1b", 4, "parallel.cp=2", "parallel.tp=2"), "plain"),
+    ],
+}
+REFERENCES = {"plain": [], "packed": [], "dropout": ["model.dropout=0.1"], "bf16": ["train.precision=bf16"]}
+STEPS = ["train.steps=3"]  # TINY's 5 steps cost the budget two more without testing anything new
+
+
+def _train(overrides: list[str], reference: str, data_dir: str):
+    from helpers import train_in_rank
+    hook = packed_documents if reference == "packed" else None
+    losses, state, trainer = train_in_rank(STEPS + REFERENCES[reference] + overrides, data_dir, before_fit=hook)
+    return {"losses": losses, "state": state, "targets": [r["targets"] for r in trainer.history]}
+
+
+def _references(data_dir):
+    return {name: _train([], name, data_dir) for name in REFERENCES}
+
+
+def _rows(data_dir, rows):
+    return {name: _train(overrides, ref, data_dir) for name, overrides, ref in rows}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_data):
+    return run_ranks(_references, 1, tiny_data)[0]
+
+
+@pytest.mark.parametrize("world", sorted(E2E))
+def test_training_equals_one_process(world, tiny_data, references):
+    """fp32 at 1e-5 relative (losses, final weights); bf16 against bf16 on one process at
+    the precision suite's bf16 tolerance, 2e-3 of the loss. The logged target counts equal
+    one process's, packed documents included."""
+    from helpers import assert_losses_close, assert_states_close
+    results = run_ranks(_rows, world, tiny_data, E2E[world], timeout=600)
+    for name, _, ref_name in E2E[world]:
+        run, ref = results[0][name], references[ref_name]
+        try:
+            assert run["targets"] == ref["targets"]
+            if ref_name == "bf16":
+                assert_losses_close(run["losses"], ref["losses"], 2e-3)
+                assert run["losses"] != references["plain"]["losses"]
+            else:
+                assert_losses_close(run["losses"], ref["losses"], 1e-5)
+                assert_states_close(run["state"], ref["state"], 1e-5)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+        for rank, other in enumerate(results[1:], 1):
+            assert other[name]["losses"] == run["losses"], f"{name}: rank {rank} reports other losses"
+    assert references["packed"]["targets"][0] < references["plain"]["targets"][0]

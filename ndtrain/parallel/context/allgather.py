@@ -42,7 +42,8 @@ def allgather_forward(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibi
         recorder.message("kv", layer, 0, start, start)
     start = recorder.now() if recorder else 0.0
     kv = widened(_gathered_heads(gathered))
-    out, lse = attend(to_heads(widened(q), kv.shape[2]), kv[0], kv[1], _mask(vis), 1.0 / math.sqrt(q.shape[-1]))
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out, lse = attend(to_heads(widened(q), kv.shape[2]), kv[0], kv[1], vis.gathered_mask(), scale)
     if recorder:
         recorder.compute("attn F", layer, 0, start)
     return out, lse, gathered
@@ -68,7 +69,7 @@ class AllGatherAttention(torch.autograd.Function):
         n_kv = kv.shape[2]
         dout = to_heads(widened(grad).reshape(q.shape), n_kv)
         delta = (dout * to_heads(widened(out).view(q.shape), n_kv)).sum(-1)
-        dq, dk, dv = attend_backward(to_heads(widened(q), n_kv), kv[0], kv[1], _mask(vis),
+        dq, dk, dv = attend_backward(to_heads(widened(q), n_kv), kv[0], kv[1], vis.gathered_mask(),
                                      1.0 / math.sqrt(q.shape[-1]), lse, delta, dout)
         # [2, b, G, cp·s, d] → [cp, 2, b, s, G, d], this rank's slice summed over the group
         two, b, g, s_all, d = 2, *dk.shape
@@ -79,9 +80,3 @@ class AllGatherAttention(torch.autograd.Function):
         return from_heads(dq).view(q.shape).to(q.dtype), mine[0].to(ctx.dtype), mine[1].to(ctx.dtype), \
             None, None, None, None
 
-
-def _mask(vis: Visibility) -> Tensor | None:
-    """Local queries × the gathered sequence (rank order), by global index and document."""
-    keys = torch.cat(vis.index)
-    docs = vis.docs.permute(1, 0, 2).reshape(vis.docs.shape[1], -1) if vis.docs is not None else None
-    return vis.mask(slice(None), keys, docs)

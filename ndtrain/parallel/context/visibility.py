@@ -36,6 +36,8 @@ class Visibility:
         self.local = self.seq_len // self.cp
         self.chunk = self.seq_len // (2 * self.cp)
         self.index = [zigzag_index(self.seq_len, self.cp, r, self.device) for r in range(self.cp)]
+        self._blocks: dict[int, Block | None] = {}  # every layer asks the same, forward and backward
+        self._gathered: tuple[Tensor | None] | None = None
 
     def mask(self, rows: slice, key_index: Tensor, key_docs: Tensor | None) -> Tensor | None:
         """Visibility of this rank's query rows against keys at `key_index` (global) with
@@ -50,6 +52,18 @@ class Visibility:
         return mask.view(-1 if mask.dim() == 3 else 1, 1, 1, *mask.shape[-2:])
 
     def ring_block(self, src: int) -> Block | None:
+        if src not in self._blocks:
+            self._blocks[src] = self._ring_block(src)
+        return self._blocks[src]
+
+    def gathered_mask(self) -> Tensor | None:
+        """Local queries × every rank's keys in rank order (all-gather back end)."""
+        if self._gathered is None:
+            docs = self.docs.permute(1, 0, 2).reshape(self.docs.shape[1], -1) if self.docs is not None else None
+            self._gathered = (self.mask(slice(None), torch.cat(self.index), docs),)
+        return self._gathered[0]
+
+    def _ring_block(self, src: int) -> Block | None:
         """What this rank computes against the keys of CP rank `src` (None: nothing).
 
         In chunks: query chunk i sees key chunk j fully when j < i, causally when j = i, not
