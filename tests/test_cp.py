@@ -352,3 +352,56 @@ def test_training_equals_one_process(world, tiny_data, references):
         for rank, other in enumerate(results[1:], 1):
             assert other[name]["losses"] == run["losses"], f"{name}: rank {rank} reports other losses"
     assert references["packed"]["targets"][0] < references["plain"]["targets"][0]
+
+
+# --------------------------------------------------------------------------- bytes per layer
+
+COMM_CASES = [  # on 4 ranks: (overrides, the collectives expected on the cp group)
+    *(([f"parallel.cp=4", f"parallel.cp_impl={impl}"], impl) for impl in IMPLS),
+    *((["parallel.cp=2", f"parallel.cp_impl={impl}"], impl) for impl in IMPLS),  # × dp 2
+    *((["parallel.cp=2", "parallel.tp=2", f"parallel.cp_impl={impl}", "train.precision=bf16"], impl) for impl in IMPLS),
+]
+KINDS = {"ring": {"send", "recv"}, "allgather": {"all_gather", "reduce_scatter"}, "ulysses": {"all_to_all"}}
+
+
+def _comm_on_ranks(cases):
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.batch import MicroBatch
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.parallel import context
+    from ndtrain.parallel.parallelize import build
+    from ndtrain.parallel.precision import compute_dtype
+    from ndtrain.train.worker import mesh_shape
+
+    out = []
+    for overrides, _ in cases:
+        cfg = validate(load_config(None, ["model.preset=tiny", "model.vocab_size=512", "run.device=cpu",
+                                          "train.seq_len=48", "train.global_batch=4", *overrides]), world=4)
+        mesh = ParallelMesh.build(mesh_shape(cfg))
+        args = cfg.model_args()
+        par = build(args, mesh, cfg)
+        rows = cfg.train.global_batch // mesh.dp_size
+        tokens = torch.randint(0, args.vocab_size, (rows, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        mb = context.shard(MicroBatch(tokens[:, :-1], tokens[:, 1:]), mesh.shape.cp, mesh.coord("cp"))
+        mesh.stats.reset()
+        par.forward_backward([mb], float(rows * cfg.train.seq_len))
+        tp = mesh.shape.tp
+        heads, kv = args.n_heads // tp, max(1, args.n_kv_heads // tp)
+        value = torch.finfo(compute_dtype(cfg.train.precision)).bits // 8
+        expected = args.n_layers * context.wire_bytes(cfg.parallel.cp_impl, rows * cfg.train.seq_len, heads, kv,
+                                                      args.head_dim, mesh.shape.cp, value, 4)
+        kinds = {k for (d, k) in mesh.stats.tallies if d == "cp"}
+        out.append((mesh.stats.wire("cp"), expected, kinds))
+    return out
+
+
+def test_bytes_per_layer_match_the_formulas():
+    """What each back end sends over the cp group in one forward and backward (no document
+    ids: they add one all-gather of b·S ids per micro-batch) equals n_layers × `wire_bytes`:
+    cp 4, cp 2 × dp 2, and cp 2 × tp 2 in bf16 (K/V in bf16, gradient accumulators in fp32;
+    heads per tp rank: 2 query, 1 KV head, repeated for Ulysses)."""
+    results = run_ranks(_comm_on_ranks, 4, COMM_CASES)
+    for rank, per_case in enumerate(results):
+        for (overrides, impl), (wire, expected, kinds) in zip(COMM_CASES, per_case):
+            assert kinds == KINDS[impl], (overrides, kinds)
+            assert wire == pytest.approx(expected, rel=1e-12), f"rank {rank} {overrides}: {wire} vs {expected}"
