@@ -314,7 +314,8 @@ def _train(overrides: list[str], reference: str, data_dir: str):
     from helpers import train_in_rank
     hook = packed_documents if reference == "packed" else None
     losses, state, trainer = train_in_rank(STEPS + REFERENCES[reference] + overrides, data_dir, before_fit=hook)
-    return {"losses": losses, "state": state, "targets": [r["targets"] for r in trainer.history]}
+    return {"losses": losses, "state": state, "targets": [r["targets"] for r in trainer.history],
+            "activations": max(trainer.history[1]["memory"]["activations"])}
 
 
 def _references(data_dir):
@@ -352,6 +353,12 @@ def test_training_equals_one_process(world, tiny_data, references):
         for rank, other in enumerate(results[1:], 1):
             assert other[name]["losses"] == run["losses"], f"{name}: rank {rank} reports other losses"
     assert references["packed"]["targets"][0] < references["plain"]["targets"][0]
+    # the memory report: activations per rank shrink with cp (same rows per rank here)
+    for name in (f"cp{world}-{impl}" for impl in IMPLS):
+        if name in results[0]:
+            ratio = results[0][name]["activations"] / references["plain"]["activations"]
+            print(f"{name}: activations per rank {ratio:.2f} of one process's")
+            assert ratio < 1.2 / world, f"{name}: activations {ratio:.2f} of one process's"
 
 
 # --------------------------------------------------------------------------- bytes per layer
