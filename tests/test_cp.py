@@ -412,3 +412,35 @@ def test_bytes_per_layer_match_the_formulas():
         for (overrides, impl), (wire, expected, kinds) in zip(COMM_CASES, per_case):
             assert kinds == KINDS[impl], (overrides, kinds)
             assert wire == pytest.approx(expected, rel=1e-12), f"rank {rank} {overrides}: {wire} vs {expected}"
+
+
+# --------------------------------------------------------------------------- the trace
+
+def _ring_trace(data_dir, out):
+    import torch.distributed as dist
+
+    from helpers import TINY
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.prepare import PreparedData
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.trace import trace_run
+    from ndtrain.train.worker import mesh_shape
+    cfg = validate(load_config(None, TINY + ["parallel.cp=2", "train.steps=2"]), world=dist.get_world_size())
+    return trace_run(cfg, ParallelMesh.build(mesh_shape(cfg)), PreparedData.open(data_dir), out)
+
+
+def test_trace_shows_every_ring_step_and_message(tiny_data, tmp_path):
+    import json
+    report = run_ranks(_ring_trace, 2, tiny_data, tmp_path)[0]
+    layers, cp = report["layers"], 2
+    # per rank: forward cp−1 K/V exchanges per layer; backward as many plus cp dK/dV hops
+    assert report["messages"] == layers * (2 * (cp - 1) + cp)
+    assert 0.0 <= report["hidden"] <= 1.0 and report["in_flight"] >= report["waited"] >= 0
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    for rank in (0, 1):
+        mine = [e for e in events if e.get("tid") == rank and e.get("ph") == "X"]
+        steps = sorted((e["cat"], e["args"]["chunk"], e["args"]["micro"]) for e in mine if e["cat"].startswith("attn"))
+        assert steps == sorted((kind, layer, step) for kind in ("attn B", "attn F") for layer in range(layers)
+                               for step in range(cp))
+        assert sum(e["cat"] == "dkv" for e in mine) == layers * cp
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000

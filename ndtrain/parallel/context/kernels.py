@@ -47,23 +47,25 @@ def kv_heads(k: Tensor) -> Tensor:
 
 
 def _scores(q: Tensor, k: Tensor, mask: Tensor | None, scale: float) -> Tensor:
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale  # [b, G, r, sq, sk]
-    return s if mask is None else s.masked_fill(~mask, NEG_INF)
+    s = torch.matmul(q * scale, k.unsqueeze(2).transpose(-1, -2))  # [b, G, r, sq, sk]
+    return s if mask is None else s.masked_fill_(~mask, NEG_INF)
 
 
-def _finite(lse: Tensor) -> Tensor:
-    """lse with −inf (a row that sees nothing) replaced by 0, so exp(S − lse) is 0 there."""
-    return lse.masked_fill(lse == NEG_INF, 0.0)
+def _finite(x: Tensor) -> Tensor:
+    """x with −inf (a row that sees nothing) replaced by 0, so exp(S − x) is 0 there."""
+    return x.masked_fill(x == NEG_INF, 0.0)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> tuple[Tensor, Tensor]:
     """One block: q [b, G, r, sq, d], k and v [b, G, sk, d], mask broadcastable to
     [b, 1, 1, sq, sk] (True = visible) or None. Returns out [b, G, r, sq, d] and lse
     [b, G, r, sq]."""
-    s = _scores(q, k, mask, scale)
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - _finite(lse).unsqueeze(-1))
-    return torch.matmul(p, v.unsqueeze(2)), lse
+    p = _scores(q, k, mask, scale)
+    top = _finite(p.amax(dim=-1))
+    p.sub_(top.unsqueeze(-1)).exp_()  # in place: the block's scores are not needed again
+    total = p.sum(dim=-1)
+    out = torch.matmul(p, v.unsqueeze(2)) / total.masked_fill(total == 0, 1.0).unsqueeze(-1)
+    return out, top + torch.log(total)
 
 
 def merge(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> tuple[Tensor, Tensor]:
@@ -79,12 +81,11 @@ def attend_backward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale:
     """The block's share of the gradients: (dq [b, G, r, sq, d], dk and dv [b, G, sk, d]).
     `lse` is the rows' final log-sum-exp over all key blocks, `delta` = rowsum(dout ∘ out)
     of the final output, both [b, G, r, sq]."""
-    p = torch.exp(_scores(q, k, mask, scale) - _finite(lse).unsqueeze(-1))
+    p = _scores(q, k, mask, scale).sub_(_finite(lse).unsqueeze(-1)).exp_()
     b, g, r, sq, sk = p.shape
     flat_p, flat_dout = p.reshape(b, g, r * sq, sk), dout.reshape(b, g, r * sq, -1)
     dv = torch.matmul(flat_p.transpose(-1, -2), flat_dout)
-    dp = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2))
-    ds = p * (dp - delta.unsqueeze(-1))
+    ds = torch.matmul(dout, v.unsqueeze(2).transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(p)  # P ∘ (dP − D)
     dq = torch.matmul(ds, k.unsqueeze(2)) * scale
     dk = torch.matmul(ds.reshape(b, g, r * sq, sk).transpose(-1, -2), q.reshape(b, g, r * sq, -1)) * scale
     return dq, dk, dv
