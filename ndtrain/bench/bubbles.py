@@ -38,6 +38,9 @@ def measure_bubbles(cfg, args, mesh, micro, n_targets: float, steps: int, out: s
         v = cfg.parallel.pp_virtual if name == "interleaved" else 1
         c = cfg.copy()
         c.parallel.pp_schedule, c.parallel.pp_virtual = name, v
+        chunks = mesh.shape.pp * v
+        if paced_s and args.n_layers % chunks == 0:  # paced blocks cost the same: as many in every chunk
+            c.parallel.pp_split = ",".join([str(args.n_layers // chunks)] * chunks)
         par = build(args, mesh, c)
         if paced_s:
             pace(par.model, paced_s, paced_s, paced_s)

@@ -102,10 +102,11 @@ def _worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> str:
             pairs.append((ours, theirs))
         times = alternate(contenders, rounds, steps, env.device)
         real = measure_bubbles(cfg, args, mesh, micro, n_targets, BUBBLE_STEPS, out)
-        # Paced: a small model whose blocks each sleep PACE_S per F, B and W, so the ranks'
-        # "compute" cannot slow each other down (see bench/pacing.py).
-        paced_args = args.with_(dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2)
-        paced_micro = [MicroBatch(mb.tokens[:, :32], mb.targets[:, :32]) for mb in micro]
+        # Paced: a small model (the same number of blocks, a light head) whose blocks each sleep
+        # PACE_S per F, B and W, so the ranks' "compute" cannot slow each other down (see
+        # bench/pacing.py), split into as many blocks per chunk.
+        paced_args = args.with_(dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2, vocab_size=512)
+        paced_micro = [MicroBatch(mb.tokens[:, :32] % 512, mb.targets[:, :32] % 512) for mb in micro]
         paced = measure_bubbles(cfg, paced_args, mesh, paced_micro, n_targets, BUBBLE_STEPS, out, PACE_S)
         if mesh.rank != 0:
             return ""
