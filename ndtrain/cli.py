@@ -54,6 +54,16 @@ def _parser() -> argparse.ArgumentParser:
                         "(parameters, gradients, optimizer state, activations, peak) and exit; writes nothing")
     with_config(p)
 
+    p = sub.add_parser("sft", help="supervised fine-tuning on chat or prompt/completion JSONL (no arguments: "
+                                   "the embedded default job)",
+                       description="Fine-tune a model on conversations: the loss counts answer tokens only. With no "
+                                   "arguments: the default pretraining run's model (trained first if there is none) "
+                                   "on functions of the Python standard library, asked for by signature and docstring.")
+    p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+    p.add_argument("--show-example", action="store_true",
+                   help="print one training example as the model sees it, the trained tokens highlighted, and exit")
+    with_config(p)
+
     p = sub.add_parser("prepare", help="tokenize a corpus into token shards (cached)",
                        description="Train or load the tokenizer and write memory-mapped token shards. "
                                    "`ndtrain train` does this itself when needed.")
@@ -116,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from ndtrain.launch import RankFailure
 
     try:
-        return {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate,
+        return {"train": cmd_train, "sft": cmd_sft, "prepare": cmd_prepare, "generate": cmd_generate,
                 "bench": cmd_bench, "trace": cmd_trace}[args.command](args)
     except (ConfigError, DataError) as e:
         return fail(str(e))
@@ -216,6 +226,67 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_sft(args) -> int:
+    from ndtrain.config import SFT_DEFAULTS, ConfigError, load_config, validate
+    from ndtrain.data.sft import ShortSequence, make_template, prepare_sft
+    from ndtrain.launch import external_world, launch_local
+    from ndtrain.train import sft
+
+    cfg = load_config(args.config, args.overrides, defaults=SFT_DEFAULTS)
+    if args.nproc is not None:
+        cfg.run.nproc = args.nproc
+    world = external_world()
+    validate(cfg, world=world)
+    if not cfg.model.init_from and not args.show_example:
+        cfg.model.init_from = f"run:{default_pretraining_run(cfg, world)}"
+    sft.adopt_base_shape(cfg)
+    validate(cfg, world=world)
+    sft.load_score(cfg.sft.score)  # a bad scoring function fails here, not after training
+    d, t = cfg.data, cfg.train
+    template = make_template(cfg, progress=cfg.run.progress)
+    try:
+        data = prepare_sft(d.path, template, t.seq_len, d.truncate, d.val_fraction, d.on_bad_record, d.cache_dir)
+    except ShortSequence as e:
+        raise ConfigError("train.seq_len", t.seq_len, f"is smaller than the shortest example ({e.shortest} positions, "
+                          f"{e.key}): packing would have to cut or drop every example") from None
+    if args.show_example:
+        print(sft.show_example(data), flush=True)
+        return 0
+    run_dir = _run_dir(cfg, "sft")
+    resumed = check_resume(cfg, run_dir)
+    if world is not None:
+        summary = sft.sft_worker(cfg.to_dict(), str(run_dir), data)
+    else:
+        p = cfg.parallel
+        print(f"ndtrain sft: {cfg.model.preset} model from {cfg.model.init_from or 'scratch'}, {p.world} "
+              f"process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {t.steps} steps, "
+              f"packing {d.packing} → {run_dir}" + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
+        print(data.describe(), flush=True)
+        summary = launch_local(p.world, sft.sft_worker, cfg.to_dict(), str(run_dir), data)[0]
+    if summary:
+        print(sft.describe_summary(summary), flush=True)
+        print_summary(summary)
+    return 0
+
+
+def default_pretraining_run(cfg, world) -> Path:
+    """The newest finished run of the default `ndtrain train` under runs/, trained now if
+    there is none (with this command's process count)."""
+    from ndtrain.config import ConfigError
+    from ndtrain.train.sft import find_default_run
+    found = find_default_run(Path("runs"))
+    if found is not None:
+        return found
+    if world is not None:
+        raise ConfigError("model.init_from", "", "no default pretraining run under runs/; under torchrun, run "
+                          "`ndtrain train` first or set model.init_from=run:DIR")
+    print("ndtrain sft: no finished default pretraining run under runs/; running `ndtrain train` first", flush=True)
+    nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
+    if main(["train", *nproc, f"run.device={cfg.run.device}"]) != 0:
+        raise ConfigError("model.init_from", "", "the default pretraining run failed")
+    return find_default_run(Path("runs"))
+
+
 def cmd_trace(args) -> int:
     from ndtrain.config import ConfigError, load_config, validate
     from ndtrain.data.prepare import PreparedData, prepare_data
@@ -266,8 +337,8 @@ def print_summary(s: dict) -> None:
     run = Path(s["run_dir"])
     lines = []
     if s.get("val_loss") is not None:
-        lines.append(f"validation loss {s['val_loss']:.4f} nats/token vs unigram baseline "
-                     f"{s['unigram_val_loss']:.4f} after {s['steps']} steps")
+        lines.append(f"validation loss {s['val_loss']:.4f} nats/token vs {s['baseline']} "
+                     f"{s['baseline_val_loss']:.4f} after {s['steps']} steps")
     mfu = f"MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "MFU n/a"
     if s.get("tokens_per_s"):
         lines.append(f"throughput {s['tokens_per_s']:,.0f} tokens/s · {mfu} ({s['mfu_peak_source']})")

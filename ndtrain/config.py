@@ -46,6 +46,7 @@ class ModelConfig:
     rope_theta: float | None = None
     tie_embeddings: bool | None = None
     dropout: float = 0.0
+    init_from: str = ""  # "" = random weights (sft: the default pretraining run) | run:DIR | hf:DIR | scratch
 
 
 @dataclass
@@ -113,6 +114,18 @@ class DataConfig:
     val_fraction: float = 0.05
     jsonl_key: str = "text"
     cache_dir: str = "~/.cache/ndtrain"
+    # Supervised fine-tuning (ndtrain sft):
+    packing: str = "bfd"  # bfd: several examples per row (best-fit decreasing); none: one per row, padded
+    truncate: str = "keep_start"  # an example longer than train.seq_len: keep_start (cut its end) | drop
+    on_bad_record: str = "error"  # a malformed record: error (stop, naming file:line) | skip (count it)
+    template: str = "auto"  # builtin (our special tokens) | hf (the tokenizer's chat_template) | auto
+
+
+@dataclass
+class SFTConfig:
+    generate: int = 0  # held-out prompts answered greedily after training (0 = none)
+    max_new_tokens: int = 128
+    score: str = "exact"  # exact (answer == reference) | MODULE:FUNCTION(prompt, completion, reference) -> float
 
 
 @dataclass
@@ -133,6 +146,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def to_dict(self) -> dict:
@@ -146,7 +160,7 @@ class Config:
         m = self.model
         base = PRESETS[m.preset]
         changes = {f.name: getattr(m, f.name) for f in fields(m)
-                   if f.name not in ("preset",) and getattr(m, f.name) is not None}
+                   if f.name not in ("preset", "init_from") and getattr(m, f.name) is not None}
         if vocab_size is not None and m.vocab_size is None:
             changes["vocab_size"] = vocab_size
         if "max_seq_len" not in changes:
@@ -154,9 +168,14 @@ class Config:
         return base.with_(**changes)
 
 
+# `ndtrain sft`'s own defaults, applied before --config and KEY=VALUE (configs/sft.toml
+# lists them): the embedded instruction set, longer rows than pretraining, a lower rate.
+SFT_DEFAULTS = ["data.path=stdlib-functions", "train.seq_len=256", "train.steps=200", "train.lr=1e-3",
+                "train.warmup=10", "train.eval_every=50", "train.eval_batches=16", "sft.generate=4"]
+
 SECTIONS = {f.name: f.type for f in fields(Config)}
 _SECTION_CLASSES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-                    "data": DataConfig, "run": RunConfig}
+                    "data": DataConfig, "sft": SFTConfig, "run": RunConfig}
 
 
 def all_keys() -> list[str]:
@@ -253,8 +272,11 @@ def _set(cfg: Config, key: str, value: Any, *, from_text: bool) -> None:
     setattr(obj, name, value)
 
 
-def from_dict(data: dict) -> Config:
+def from_dict(data: dict, base: list[str] | tuple = ()) -> Config:
     cfg = Config()
+    for item in base:
+        key, value = item.split("=", 1)
+        _set(cfg, key, value, from_text=True)
     for section, values in data.items():
         if section not in _SECTION_CLASSES:
             near = difflib.get_close_matches(section, list(_SECTION_CLASSES), n=1)
@@ -269,9 +291,11 @@ def from_dict(data: dict) -> Config:
     return cfg
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Defaults, then the TOML file, then KEY=VALUE overrides. Raises ConfigError."""
-    cfg = Config()
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (),
+                defaults: list[str] | tuple = ()) -> Config:
+    """Defaults (the code's, then a command's own `defaults`, KEY=VALUE), then the TOML
+    file, then KEY=VALUE overrides. Raises ConfigError."""
+    data: dict = {}
     if path is not None:
         p = Path(path)
         if not p.is_file():
@@ -280,7 +304,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
             data = tomllib.loads(p.read_text())
         except tomllib.TOMLDecodeError as e:
             raise ConfigError("--config", str(path), f"not valid TOML ({e})") from None
-        cfg = from_dict(data)
+    cfg = from_dict(data, base=defaults)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(item, item, "expected KEY=VALUE, e.g. train.steps=100")
@@ -313,6 +337,11 @@ def to_toml(cfg: Config) -> str:
 # --------------------------------------------------------------------------- validation
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+PACKINGS = ("bfd", "none")
+TRUNCATIONS = ("keep_start", "drop")
+BAD_RECORD_POLICIES = ("error", "skip")
+TEMPLATES = ("auto", "builtin", "hf")
+EMBEDDED_DATA = ("stdlib", "stdlib-functions")  # pretraining corpus, SFT instruction set
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
 
@@ -483,8 +512,9 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
                           f"must be divisible by parallel.tp = {p.tp} with sequence parallelism (parallel.sp) on")
 
     if check_paths:
-        if d.path != "stdlib" and not Path(os.path.expanduser(d.path)).exists():
-            raise ConfigError("data.path", d.path, "path does not exist (use \"stdlib\" for the embedded corpus)")
+        if d.path not in EMBEDDED_DATA and not Path(os.path.expanduser(d.path)).exists():
+            raise ConfigError("data.path", d.path, "path does not exist (use \"stdlib\" for the embedded corpus, "
+                              "\"stdlib-functions\" for the embedded instruction set)")
         if d.tokenizer and not Path(os.path.expanduser(d.tokenizer)).is_file():
             raise ConfigError("data.tokenizer", d.tokenizer, "file does not exist")
     _positive("data.vocab_size", d.vocab_size)
@@ -492,7 +522,35 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
         raise ConfigError("data.vocab_size", d.vocab_size, "must be at least 257 (256 bytes + end of text)")
     if not 0.0 < d.val_fraction <= 0.5:
         raise ConfigError("data.val_fraction", d.val_fraction, "must be in (0, 0.5]")
+    for key, choices in (("packing", PACKINGS), ("truncate", TRUNCATIONS), ("on_bad_record", BAD_RECORD_POLICIES),
+                         ("template", TEMPLATES)):
+        if getattr(d, key) not in choices:
+            raise ConfigError(f"data.{key}", getattr(d, key), f"choose one of {', '.join(choices)}")
+    _check_init_from(m.init_from, check_paths)
+    _check_sft(cfg.sft)
     return cfg
+
+
+def _check_init_from(spec: str, check_paths: bool) -> None:
+    if spec in ("", "scratch"):
+        return
+    kind, _, where = spec.partition(":")
+    if kind not in ("run", "hf") or not where:
+        raise ConfigError("model.init_from", spec, "expected run:DIR (an ndtrain run), hf:DIR (a Hugging Face "
+                          "model folder) or scratch")
+    if check_paths and not Path(os.path.expanduser(where)).is_dir():
+        raise ConfigError("model.init_from", spec, f"{where} is not a directory")
+
+
+_SCORE = re.compile(r"^(exact|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+
+
+def _check_sft(s: SFTConfig) -> None:
+    _positive("sft.generate", s.generate, zero_ok=True)
+    _positive("sft.max_new_tokens", s.max_new_tokens)
+    if not _SCORE.match(s.score):
+        raise ConfigError("sft.score", s.score, "choose exact, or MODULE:FUNCTION (a function of prompt, "
+                          "completion and reference that returns a number)")
 
 
 def _check_pipeline(cfg: Config, a: ModelArgs) -> None:

@@ -46,13 +46,14 @@ def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_
     from ndtrain.config import load_config, validate
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.tasks import Pretrain
     from ndtrain.train.trainer import Trainer
     from ndtrain.train.worker import mesh_shape
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = validate(load_config(None, TINY + overrides), world=world)
     mesh = ParallelMesh.build(mesh_shape(cfg))
-    trainer = Trainer(cfg, mesh, PreparedData.open(data_dir), Path(run_dir) if run_dir else None)
+    trainer = Trainer(cfg, mesh, Pretrain(cfg, PreparedData.open(data_dir)), Path(run_dir) if run_dir else None)
     if resume:
         trainer.resume(store.latest(Path(run_dir)))
     if before_fit is not None:

@@ -12,6 +12,7 @@ from ndtrain.launch import init_process, shutdown
 from ndtrain.mesh import ParallelMesh
 from ndtrain.observe.trace import bubble_report, chrome_trace, draw
 from ndtrain.parallel.pipeline.timeline import gather
+from ndtrain.train.tasks import Pretrain
 from ndtrain.train.trainer import Trainer
 from ndtrain.train.worker import mesh_shape
 
@@ -30,7 +31,7 @@ def trace_worker(cfg_dict: dict, out_dir: str, data_dir: str) -> dict:
 
 def trace_run(cfg, mesh, data, out: Path) -> dict:
     """`trace_worker` on an existing process group and mesh. Collective."""
-    trainer = Trainer(cfg, mesh, data, None)
+    trainer = Trainer(cfg, mesh, Pretrain(cfg, data), None)
     schedule = trainer.par.schedule
     schedule.timeline.sync = mesh.device.type == "cuda"
     trainer.fit()

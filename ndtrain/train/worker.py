@@ -48,6 +48,7 @@ def write_run_files(cfg: config_mod.Config, data: PreparedData, run_dir: Path) -
 
 def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None) -> dict:
     """Entry point of one rank. Returns the run summary on rank 0 ({} elsewhere)."""
+    from ndtrain.train.tasks import Pretrain
     from ndtrain.train.trainer import Trainer
 
     cfg = config_mod.from_dict(cfg_dict)
@@ -59,7 +60,7 @@ def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None) -> dict:
         if env.rank == 0:
             write_run_files(cfg, data, Path(run_dir))
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        trainer = Trainer(cfg, mesh, data, Path(run_dir), local_world=env.local_world)
+        trainer = Trainer(cfg, mesh, Pretrain(cfg, data), Path(run_dir), local_world=env.local_world)
         last = store.latest(Path(run_dir)) if cfg.run.resume != "false" else None
         if last is not None:
             trainer.resume(last)
