@@ -262,7 +262,10 @@ def cmd_sft(args) -> int:
               f"process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {t.steps} steps, "
               f"packing {d.packing} → {run_dir}" + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
         print(data.describe(), flush=True)
-        summary = launch_local(p.world, sft.sft_worker, cfg.to_dict(), str(run_dir), data)[0]
+        if p.world == 1:
+            summary = sft.sft_worker(cfg.to_dict(), str(run_dir), data)
+        else:
+            summary = launch_local(p.world, sft.sft_worker, cfg.to_dict(), str(run_dir), data)[0]
     if summary:
         print(sft.describe_summary(summary), flush=True)
         print_summary(summary)
