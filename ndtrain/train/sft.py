@@ -104,12 +104,12 @@ def sft_worker(cfg_dict: dict, run_dir: str, data: SFTData) -> dict:
     from ndtrain.launch import init_process, shutdown
     from ndtrain.mesh import ParallelMesh
     from ndtrain.train.trainer import Trainer
-    from ndtrain.train.worker import mesh_shape
+    from ndtrain.train.worker import from_rank_0, mesh_shape
 
     cfg = config_mod.from_dict(cfg_dict)
     env = init_process(cfg.run.device, cfg.run.threads)
-    run = Path(run_dir)
     try:
+        run = Path(from_rank_0(run_dir))
         if env.rank == 0:
             run.mkdir(parents=True, exist_ok=True)
             (run / "config.toml").write_text(config_mod.to_toml(cfg))
