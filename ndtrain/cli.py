@@ -89,8 +89,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
-                                     "pp (our 1F1B vs torch.distributed.pipelining, bubbles)")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp"])
+                                     "pp (our 1F1B vs torch.distributed.pipelining, bubbles), "
+                                     "sft (packed vs padded fine-tuning rows, answer tokens/s)")
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "sft"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
@@ -459,8 +460,8 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import dp, pp, tp, zero
-    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp}[args.what].run(args)
+    from ndtrain.bench import dp, pp, sft, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "sft": sft}[args.what].run(args)
 
 
 if __name__ == "__main__":

@@ -42,17 +42,19 @@ def alternate(contenders: dict[str, Callable[[], None]], rounds: int, steps: int
     return times
 
 
-def report(times: dict[str, list[float]], work_per_step: float, unit: str, ratio_label: str,
+def report(times: dict[str, list[float]], work_per_step: float | dict[str, float], unit: str, ratio_label: str,
            numerator: str, denominator: str) -> str:
     """A table of rounds, the medians, and the ratio line (always last): the throughput of
-    `numerator` over that of `denominator` (above 1.00: numerator is faster)."""
+    `numerator` over that of `denominator` (above 1.00: numerator is faster). `work_per_step`:
+    one figure for both, or one per contender."""
     names = list(times)
+    work = work_per_step if isinstance(work_per_step, dict) else dict.fromkeys(names, work_per_step)
     lines = ["round  " + "  ".join(f"{n:>18}" for n in names)]
     for i in range(len(times[names[0]])):
-        lines.append(f"{i + 1:>5}  " + "  ".join(f"{work_per_step / times[n][i]:>14,.0f} {unit}" for n in names))
-    med = {n: statistics.median(v) for n, v in times.items()}
-    lines.append("median " + "  ".join(f"{work_per_step / med[n]:>14,.0f} {unit}" for n in names))
-    lines.append(f"{ratio_label} throughput ratio: {med[denominator] / med[numerator]:.2f}")
+        lines.append(f"{i + 1:>5}  " + "  ".join(f"{work[n] / times[n][i]:>14,.0f} {unit}" for n in names))
+    rate = {n: work[n] / statistics.median(v) for n, v in times.items()}
+    lines.append("median " + "  ".join(f"{rate[n]:>14,.0f} {unit}" for n in names))
+    lines.append(f"{ratio_label} throughput ratio: {rate[numerator] / rate[denominator]:.2f}")
     return "\n".join(lines)
 
 
@@ -60,7 +62,7 @@ def bench_config(args, defaults: list[str]) -> Config:
     """The benchmark's defaults, then --config, then the command line's KEY=VALUE, validated
     for --nproc ranks."""
     from ndtrain.config import load_config, validate
-    cfg = load_config(args.config, defaults + list(args.overrides))
+    cfg = load_config(args.config, list(args.overrides), defaults=defaults)
     cfg.run.nproc = args.nproc
     return validate(cfg)
 
