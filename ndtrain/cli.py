@@ -26,12 +26,17 @@ examples:
                                                  2 pipeline stages (zero bubble) × 2 data-parallel
   ndtrain train --dry-run --nproc 4 parallel.zero=2 model.preset=125M
                                                  memory per rank of a step, then exit (writes nothing)
+  ndtrain sft                                    fine-tune the default run's model on stdlib functions (signature → body)
+  ndtrain sft --show-example                     one training example, the trained (answer) tokens highlighted
+  ndtrain sft data.path=chat.jsonl model.init_from=hf:./my-llama
+                                                 fine-tune a Hugging Face model on your chats with its chat template
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
   ndtrain bench dp                               our DP against torch DDP, side by side
   ndtrain bench zero                             our ZeRO-3 against torch FSDP2, side by side
   ndtrain bench tp                               our TP+SP against DTensor TP+SP on 2 ranks, side by side
   ndtrain bench pp                               our 1F1B against torch.distributed.pipelining, and each schedule's bubble
+  ndtrain bench sft                              packed against padded fine-tuning rows, answer tokens/s
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
 """
 

@@ -44,10 +44,10 @@ def _worker(cfg_dict: dict, data, rounds: int, steps: int) -> str:
 
         def step(packing: str) -> None:
             task, s = tasks[packing], steps_run[packing]
-            batch = task.step_data("train", s, start, start + per_rank, t.micro_batch, env.device)
+            mine = task.rows("train", s, start, start + per_rank).to(env.device)
             n = count_targets(task.rows("train", s, 0, t.global_batch).targets)  # the whole global batch's
             answers[packing].append(n)
-            ours.forward_backward(batch.micro_batches, float(n))
+            ours.forward_backward(mine.split(t.micro_batch), float(n))
             ours.clip_grad_norm(t.grad_clip)
             ours.optimizer_step(t.lr)
             steps_run[packing] = s + 1

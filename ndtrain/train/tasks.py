@@ -7,7 +7,9 @@ divides every micro-batch's loss sum by that global count (the step owns the los
 runs the layout's schedule. Nothing below the task (the trainer, the schedules, the
 parallel modules) branches on which task it is.
 
-A task provides:
+The trainer decides which rows are this rank's (its data-parallel share; under context
+parallelism, its part of each sequence) and cuts them into micro-batches; the task decides
+what the rows hold. A task provides:
 - `vocab_size`: the ids its batches may hold (the model's embedding covers them);
 - `rows(split, step, start, stop)`: rows start..stop−1 of the global batch of `step`
   ("train"), or of evaluation batch `step` ("val"), as one MicroBatch: a pure function of
@@ -23,8 +25,6 @@ A task provides:
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from ndtrain.config import Config
 from ndtrain.data.batch import MicroBatch
@@ -55,12 +55,6 @@ class Task:
 
     def before_update(self, step: int, trainer) -> None:
         """Called before the batch of `step` is read (RL: the rollout phase)."""
-
-    def step_data(self, split: str, step: int, start: int, stop: int, micro_batch: int,
-                  device: torch.device) -> StepData:
-        """This rank's rows of `step`, on `device`, cut into micro-batches of `micro_batch` rows."""
-        mb = self.rows(split, step, start, stop).to(device)
-        return StepData(mb.split(micro_batch), self.targets(mb))
 
 
 class Pretrain(Task):

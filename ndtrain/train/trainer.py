@@ -59,11 +59,13 @@ class Trainer:
 
     # -- data -----------------------------------------------------------------------
     def local_batch(self, split: str, step: int) -> StepData:
-        """This rank's rows of the global batch of `step`, from the task, cut into micro-batches."""
+        """This rank's rows of the global batch of `step` (of validation batch `step`), from
+        the task, cut into micro-batches, and the loss targets the task counts in them."""
         t = self.cfg.train
         per_rank = t.global_batch // self.mesh.dp_size
         start = self.mesh.dp_rank * per_rank
-        return self.task.step_data(split, step, start, start + per_rank, t.micro_batch, self.mesh.device)
+        rows = self.task.rows(split, step, start, start + per_rank).to(self.mesh.device)
+        return StepData(rows.split(t.micro_batch), self.task.targets(rows))
 
     # -- one step -------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
