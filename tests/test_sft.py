@@ -362,7 +362,7 @@ def _bad_jsonl(tmp_path, name, lines):
     return path
 
 
-@pytest.mark.parametrize("case", ["malformed", "no-assistant", "unknown-role", "seq-len", "init-from"])
+@pytest.mark.parametrize("case", ["malformed", "no-assistant", "unknown-role", "seq-len", "init-from", "score"])
 def test_bad_input_is_one_line_exit_2_nothing_written(case, sft_files, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     good = json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a b"}]})
@@ -379,14 +379,21 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case, sft_files, tmp_path,
         expect = "r.jsonl:1: messages[0]: role 'robot'"
     elif case == "seq-len":
         extra, expect = ["train.seq_len=4"], "train.seq_len = 4: is smaller than the shortest example"
-    else:
+    elif case == "init-from":
         extra, expect = [f"model.init_from=run:{tmp_path / 'nothing'}"], "model.init_from = 'run:"
+    else:
+        extra, expect = ["sft.score=no_such_module:f"], "sft.score = 'no_such_module:f': cannot import it"
     before = set(tmp_path.iterdir())
     code = main(["sft", f"data.path={data}", f"data.tokenizer={sft_files[1]}", "model.init_from=scratch",
                  "model.preset=tiny", "run.device=cpu", *extra])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and expect in err, err
     assert set(tmp_path.iterdir()) == before
+
+
+def answer_length(prompt: str, completion: str, reference: str) -> float:
+    """A user-supplied score (sft.score=test_sft:answer_length)."""
+    return float(len(completion))
 
 
 def test_sft_command_end_to_end(sft_files, tmp_path, capsys):
@@ -398,10 +405,11 @@ def test_sft_command_end_to_end(sft_files, tmp_path, capsys):
     assert shown.startswith("training example") and "<|assistant|>⟦" in shown and "<|end|>⟧" in shown
     run = tmp_path / "run"
     assert main(["sft", "--nproc", "1", *args, "train.steps=4", "train.eval_every=2", "sft.generate=2",
-                 "sft.max_new_tokens=8", f"run.dir={run}"]) == 0
+                 "sft.max_new_tokens=8", "sft.score=test_sft:answer_length", f"run.dir={run}"]) == 0
     out = capsys.readouterr().out
     summary = json.loads((run / "summary.json").read_text())
-    assert summary["task"] == "sft" and len(summary["samples"]) == 2 and summary["score"] is not None
+    assert summary["task"] == "sft" and len(summary["samples"]) == 2
+    assert summary["score"] == sum(len(x["completion"]) for x in summary["samples"]) / 2
     assert summary["baseline_val_loss"] > 0 and summary["val_loss"] > 0
     assert "answer-token validation loss" in out and "held-out prompt" in out
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -80,7 +80,9 @@ def answer_held_out(model: Transformer, data: SFTData, cfg: Config) -> dict:
         if new and new[-1] in template.stop_ids:
             new = new[:-1]
         prompt, completion = template.decode(ids), template.decode(new)
-        samples.append({"key": conv.key, "prompt": prompt, "completion": completion, "reference": conv.answer,
+        question = conv.prompt_turns[-1].content if conv.prompt_turns else ""
+        samples.append({"key": conv.key, "prompt": prompt, "question": question, "completion": completion,
+                        "reference": conv.answer,
                         "score": float(score(prompt, completion, conv.answer))})
     mean = sum(x["score"] for x in samples) / len(samples) if samples else None
     return {"samples": samples, "score": mean, "score_fn": s.score}
@@ -222,6 +224,13 @@ def show_example(data: SFTData, max_length: int = 120) -> str:
     return f"{head} ({'green' if console.is_terminal else 'between ⟦ ⟧'})\n{body}"
 
 
+def _lines(text: str, most: int) -> str:
+    """The first `most` non-blank lines of `text`, and how many more there are."""
+    lines = [line for line in text.rstrip().splitlines() if line.strip()]
+    more = f"\n   … {len(lines) - most} more lines" if len(lines) > most else ""
+    return "\n".join(lines[:most]) + more
+
+
 def describe_summary(s: dict) -> str:
     lines = []
     if s.get("baseline_val_loss") is not None and s.get("val_loss") is not None:
@@ -229,9 +238,8 @@ def describe_summary(s: dict) -> str:
                      f"{s['val_loss']:.4f} (fine-tuned) after {s['steps']} steps")
     lines.append(f"training rows: {s['train_rows']:,} ({s['packing']}), {100 * s['padding_fraction']:.1f}% padding")
     for x in s.get("samples", []):
-        prompt_tail = "\n".join(x["prompt"].rstrip().splitlines()[-3:])
-        lines += [f"--- held-out prompt ({x['key']}), score {x['score']:g}:", prompt_tail,
-                  "--- generated:", x["completion"].rstrip(), "--- reference:", x["reference"].rstrip()]
+        lines += [f"── held-out prompt ({x['key']}), score {x['score']:g}", _lines(x["question"], 3),
+                  "── generated", _lines(x["completion"], 8), "── reference", _lines(x["reference"], 8)]
     if s.get("samples"):
         lines.append(f"mean {s['score_fn']} score on {len(s['samples'])} held-out prompts: {s['score']:.3f}")
     return "\n".join(lines)
