@@ -70,11 +70,13 @@ def load_score(spec: str):
 
 
 def answer_held_out(model: Transformer, data: SFTData, cfg: Config) -> dict:
-    """Greedy answers to the first `sft.generate` held-out prompts, and their mean score."""
+    """Greedy answers to `sft.generate` held-out prompts spread evenly over the validation
+    set, and their mean score."""
     s = cfg.sft
     template, score = data.template, load_score(s.score)
     samples = []
-    for conv in data.held_out[:s.generate]:
+    n = min(s.generate, len(data.held_out))
+    for conv in (data.held_out[i * len(data.held_out) // n] for i in range(n)):  # spread over the set
         ids = template.prompt_ids(conv)
         new = sample(model, ids, s.max_new_tokens, temperature=0.0, stop_ids=template.stop_ids)
         if new and new[-1] in template.stop_ids:
@@ -133,6 +135,8 @@ def fine_tune(trainer, task: SFT, data: SFTData, cfg: Config, run: Path | None) 
     base_file = run / "base_val_loss.json" if run is not None else None
     if trainer.step == 0:
         task.baseline = trainer.evaluate()
+        if trainer.is_logger and cfg.run.progress:
+            print(f"base model: validation loss {task.baseline:.4f} nats per answer token", flush=True)
         if base_file is not None and trainer.is_logger:
             base_file.write_text(json.dumps({"val_loss": task.baseline}) + "\n")
     elif base_file is not None and base_file.is_file():
@@ -224,9 +228,10 @@ def show_example(data: SFTData, max_length: int = 120) -> str:
     return f"{head} ({'green' if console.is_terminal else 'between ⟦ ⟧'})\n{body}"
 
 
-def _lines(text: str, most: int) -> str:
-    """The first `most` non-blank lines of `text`, and how many more there are."""
-    lines = [line for line in text.rstrip().splitlines() if line.strip()]
+def _lines(text: str, most: int, width: int = 100) -> str:
+    """The first `most` non-blank lines of `text` (each cut at `width` characters), and how
+    many more there are."""
+    lines = [line if len(line) <= width else line[:width] + " …" for line in text.rstrip().splitlines() if line.strip()]
     more = f"\n   … {len(lines) - most} more lines" if len(lines) > most else ""
     return "\n".join(lines[:most]) + more
 
