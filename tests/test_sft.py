@@ -397,9 +397,11 @@ def answer_length(prompt: str, completion: str, reference: str) -> float:
 
 
 def test_sft_command_end_to_end(sft_files, tmp_path, capsys):
-    data, tokenizer = sft_files
+    good, tokenizer = sft_files
+    data = tmp_path / "with-a-bad-line.jsonl"
+    data.write_text(open(good).read() + '{"messages": "oops"}\n')
     args = [f"data.path={data}", f"data.tokenizer={tokenizer}", "model.init_from=scratch", "model.preset=tiny",
-            "train.seq_len=64", "train.global_batch=4", "run.device=cpu"]
+            "train.seq_len=64", "train.global_batch=4", "run.device=cpu", "data.on_bad_record=skip"]
     assert main(["sft", "--show-example", *args]) == 0
     shown = capsys.readouterr().out
     assert shown.startswith("training example") and "<|assistant|>⟦" in shown and "<|end|>⟧" in shown
@@ -414,5 +416,6 @@ def test_sft_command_end_to_end(sft_files, tmp_path, capsys):
     assert "answer-token validation loss" in out and "held-out prompt" in out
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1, 2, 3] and all(r["targets"] > 0 for r in records)
+    assert (run / "skipped_records.txt").read_text() == f"{data}:49: messages must be a non-empty list of messages\n"
     tok = TextTokenizer.from_file(run / "tokenizer.json")
     assert tok.token_id("<|assistant|>") and (run / "checkpoints" / "latest").is_file()

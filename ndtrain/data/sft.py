@@ -46,7 +46,8 @@ class SFTData:
     def describe(self) -> str:
         lines = [f"train {self.counts['train'].describe()}", f"validation {self.counts['val'].describe()}"]
         if self.skipped:
-            lines.append(f"skipped {len(self.skipped):,} bad records (data.on_bad_record=skip), first: {self.skipped[0]}")
+            lines.append(f"skipped {len(self.skipped):,} bad records (data.on_bad_record=skip; all in the run's "
+                         f"skipped_records.txt), first: {self.skipped[0]}")
         return "\n".join(lines)
 
 

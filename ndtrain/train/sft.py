@@ -118,6 +118,8 @@ def sft_worker(cfg_dict: dict, run_dir: str, data: SFTData) -> dict:
             run.mkdir(parents=True, exist_ok=True)
             (run / "config.toml").write_text(config_mod.to_toml(cfg))
             data.template.save(run)
+            if data.skipped:
+                (run / "skipped_records.txt").write_text("".join(line + "\n" for line in data.skipped))
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
         task = SFT(cfg, data)
         trainer = Trainer(cfg, mesh, task, run, local_world=env.local_world)
