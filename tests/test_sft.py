@@ -86,6 +86,7 @@ def test_records_both_shapes_and_roles():
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}, "empty"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"},
                    {"role": "user", "content": "q"}]}, "must end with the assistant"),
+    ({"messages": [{"role": "assistant", "content": "a"}]}, "no prompt to answer"),
     ({"prompt": "q", "completion": 3}, "both be strings"),
     ({"text": "q"}, "needs 'messages'"),
 ])

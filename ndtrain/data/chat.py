@@ -7,7 +7,8 @@ A line holds one record in either shape:
   whose last turns, the completion, are the answer).
 
 A record is bad when its line is not JSON, has neither shape, names a role the template
-does not know, has an empty answer, or has no assistant turn to learn from. Every bad
+does not know, has an empty answer, has no assistant turn to learn from, opens with the
+assistant (no prompt) or does not end with the assistant's answer. Every bad
 record is reported as `FILE:LINE: why`; `on_bad_record="error"` stops at the first one,
 `"skip"` leaves them out and counts them.
 """
@@ -104,6 +105,8 @@ def parse_record(record) -> tuple[list[Turn], bool]:
 def _check_turns(turns: list[Turn]) -> None:
     if not any(t.role == "assistant" for t in turns):
         raise BadRecord("no assistant turn: nothing to learn from")
+    if turns[0].role == "assistant":
+        raise BadRecord("the first turn is the assistant's: there is no prompt to answer")
     if turns[-1].role != "assistant":
         raise BadRecord(f"the last turn is the {turns[-1].role}'s; a conversation must end with the assistant's answer")
     if any(t.role == "system" for t in turns[1:]):

@@ -112,10 +112,9 @@ class HFTemplate:
         self.pad_id = pad if pad is not None else (eos if eos is not None else 0)
         # The answer's closing marker (e.g. <|im_end|>): a special token that a rendered
         # answer adds after its content stops generation too.
-        probe = self._answer_text([Turn("user", "x"), Turn("assistant", "y", True)], 1)
-        closing = self._encode(probe.split("y", 1)[-1])
+        probe = self.text_segments(Conversation("probe", [Turn("user", "x"), Turn("assistant", "y", True)]))[-1][0]
         special = set(hf_tokenizer.all_special_ids) | set(getattr(hf_tokenizer, "added_tokens_decoder", {}))
-        self.stop_ids |= {i for i in closing if i in special}
+        self.stop_ids |= {i for i in self._encode(probe.split("y", 1)[-1]) if i in special}
 
     @classmethod
     def from_dir(cls, path: str | Path) -> "HFTemplate":
@@ -134,15 +133,10 @@ class HFTemplate:
     def _encode(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"] if text else []
 
-    def _answer_text(self, turns: list[Turn], i: int) -> str:
-        prefix = self._apply(turns[:i], True)
-        full = self._apply(turns[:i + 1], False)
-        if not full.startswith(prefix):
-            raise DataError("the chat template does not render a conversation as a prefix of its continuation "
-                            "(it rewrites earlier turns); the answer tokens cannot be located: use data.template=builtin")
-        return full[len(prefix):]
-
     def text_segments(self, conv: Conversation) -> list[tuple[str, bool]]:
+        """The rendered text in runs, each trained or not. For every assistant turn i, the
+        answer is what rendering turns 0..i adds to rendering turns 0..i−1 with the
+        generation prompt."""
         if not conv.chat:
             eos = self.tok.eos_token or ""
             return [(conv.turns[0].content, False), (conv.turns[1].content + eos, True)]
@@ -150,13 +144,14 @@ class HFTemplate:
         for i, turn in enumerate(conv.turns):
             if not turn.trained:
                 continue
-            prefix = self._apply(conv.turns[:i], True) if i else ""
-            answer = self._answer_text(conv.turns, i) if i else self._apply(conv.turns[:1], False)
-            if not prefix.startswith(done):
-                raise DataError("the chat template renders earlier turns differently as the conversation grows; "
+            prefix = self._apply(conv.turns[:i], True)  # i >= 1: a conversation opens with a prompt
+            full = self._apply(conv.turns[:i + 1], False)
+            if not (prefix.startswith(done) and full.startswith(prefix)):
+                raise DataError("the chat template does not render a conversation as a prefix of its continuation "
+                                "(it rewrites earlier turns), so the answer tokens cannot be located; "
                                 "use data.template=builtin")
-            out += [(prefix[len(done):], False), (answer, True)]
-            done = prefix + answer
+            out += [(prefix[len(done):], False), (full[len(prefix):], True)]
+            done = full
         return [(text, trained) for text, trained in out if text]
 
     def render_many(self, conversations: list[Conversation]) -> list[list[tuple[list[int], bool]]]:
