@@ -1,4 +1,4 @@
-"""The `ndtrain` command: train, prepare, generate, trace, bench.
+"""The `ndtrain` command: train, prepare, generate, trace, bench, convert, checkpoint.
 
 Bad input is refused before anything starts or is written: one line naming the key, the
 value and the rule, exit status 2. A fault during a run names the rank and exits 1.
@@ -31,6 +31,10 @@ examples:
   ndtrain sft data.path=chat.jsonl model.init_from=hf:./my-llama
                                                  fine-tune a Hugging Face model on your chats with its chat template
   ndtrain generate --run runs/train-... --prompt "def main("
+  ndtrain train --nproc 4 parallel.tp=2 run.dir=runs/x   resume runs/x on another layout (any layout reads any checkpoint)
+  ndtrain train --nproc 2 model.init_from=hf:DIR data.path=my.jsonl   start from a Hugging Face Llama/Qwen model
+  ndtrain convert --to-hf runs/x --out hf/x      export a run as a Hugging Face model folder
+  ndtrain checkpoint inspect runs/x              steps, layout, tensors and bytes per rank of a run's checkpoints
   ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
   ndtrain bench dp                               our DP against torch DDP, side by side
   ndtrain bench zero                             our ZeRO-3 against torch FSDP2, side by side
@@ -92,6 +96,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default 3)")
     with_config(p)
 
+    p = sub.add_parser("convert", help="Hugging Face models in and out (Llama, Qwen2, Qwen3)",
+                       description="--from-hf DIR --to RUN_DIR: a run directory with a step-0 checkpoint of the HF "
+                                   "weights and its tokenizer (train from it with model.init_from=run:RUN_DIR). "
+                                   "--to-hf RUN_DIR --out DIR: the run's newest good checkpoint as a HF model folder "
+                                   "(model.safetensors, config.json, tokenizer.json).")
+    p.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model folder (config.json, *.safetensors)")
+    p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
+    p.add_argument("--to-hf", metavar="RUN_DIR", help="an ndtrain run directory (or one checkpoint folder)")
+    p.add_argument("--out", metavar="DIR", help="with --to-hf: the HF model folder to write")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="--to-hf: the exported dtype (default: as stored)")
+
+    p = sub.add_parser("checkpoint", help="inspect a run's checkpoints",
+                       description="inspect DIR: the checkpoints of a run (or one checkpoint folder): steps, the "
+                                   "layout that wrote them, the model, every tensor with its pieces, bytes per rank.")
+    p.add_argument("action", choices=["inspect"])
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--verify", action="store_true", help="also check every file against its SHA-256")
+
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
                                      "pp (our 1F1B vs torch.distributed.pipelining, bubbles), "
@@ -149,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"train": cmd_train, "sft": cmd_sft, "prepare": cmd_prepare, "generate": cmd_generate,
-                "bench": cmd_bench, "trace": cmd_trace}[args.command](args)
+                "bench": cmd_bench, "trace": cmd_trace, "convert": cmd_convert,
+                "checkpoint": cmd_checkpoint}[args.command](args)
     except (ConfigError, DataError) as e:
         return fail(str(e))
     except CheckpointError as e:
@@ -204,28 +227,31 @@ def _run_dir(cfg, task: str) -> Path:
 
 
 def check_resume(cfg, run_dir: Path) -> Path | None:
-    """Decide, before anything is written, whether this run continues a checkpoint."""
+    """Decide, before anything is written, whether this run continues a checkpoint, and
+    refuse a config the checkpoint cannot continue (another model, other data or their
+    order), naming the key. The ranks verify checksums and fall back to older checkpoints
+    themselves; here only the cheap checks run."""
     from ndtrain.checkpoint import store
+    from ndtrain.checkpoint.resume import check_resume_config
+    from ndtrain.checkpoint.sources import newest_readable
     from ndtrain.config import ConfigError
-    from ndtrain.train.worker import mesh_shape
-    last = store.latest(run_dir)
-    if last is None:
+    if not store.steps_of(run_dir):
         if cfg.run.resume == "true":
             raise ConfigError("run.resume", "true", f"run.dir {str(run_dir)!r} holds no checkpoint to resume")
         return None
     if cfg.run.resume == "false":
         raise ConfigError("run.dir", str(run_dir), "already holds checkpoints; set run.resume=true to continue "
                           "it or choose another run.dir")
-    saved = store.read_meta(last).get("mesh")
-    shape = mesh_shape(cfg)
-    here = {d: getattr(shape, d) for d in saved} if saved else None
-    if saved != here:
-        raise ConfigError("parallel", str(here), f"differs from the layout of checkpoint {last} ({saved}); "
-                          "resuming needs the same layout")
+    last = newest_readable(run_dir)
+    if last is None:
+        raise store.CheckpointError(f"run.dir {run_dir}: none of its checkpoints is complete; move them away "
+                                    "(or choose another run.dir) to start afresh")
+    check_resume_config(cfg, store.read_meta(last))
     return last
 
 
 def cmd_train(args) -> int:
+    from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import load_config, validate
     from ndtrain.launch import external_world, launch_local
     from ndtrain.train.worker import resolve_vocab, train_worker
@@ -235,6 +261,7 @@ def cmd_train(args) -> int:
         cfg.run.nproc = args.nproc
         cfg.explicit |= {"run.nproc"}
     world = external_world()
+    resolve_init_from(cfg)  # the model (and tokenizer) of model.init_from, before validating it
     validate(cfg, world=world)
     warn_before_start(cfg, world)
     if args.dry_run:
@@ -263,6 +290,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_sft(args) -> int:
+    from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import SFT_DEFAULTS, ConfigError, load_config, validate
     from ndtrain.data.sft import ShortSequence, make_template, prepare_sft
     from ndtrain.launch import external_world, launch_local
@@ -273,15 +301,19 @@ def cmd_sft(args) -> int:
         cfg.run.nproc = args.nproc
         cfg.explicit |= {"run.nproc"}
     world = external_world()
+    if cfg.model.init_from == "scratch":  # random weights; "" means the default pretraining run
+        cfg.model.init_from = ""
+    elif not cfg.model.init_from and not args.show_example:
+        validate(cfg, world=world)
+        cfg.model.init_from = f"run:{default_pretraining_run(cfg, world)}"
+    resolve_init_from(cfg)  # the model and tokenizer of model.init_from
     validate(cfg, world=world)
     warn_before_start(cfg, world, "sft")
-    if not cfg.model.init_from and not args.show_example:
-        cfg.model.init_from = f"run:{default_pretraining_run(cfg, world)}"
-    sft.adopt_base_shape(cfg)
-    validate(cfg, world=world)
     sft.load_score(cfg.sft.score)  # a bad scoring function fails here, not after training
     d, t = cfg.data, cfg.train
     template = make_template(cfg, progress=cfg.run.progress)
+    if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
+        cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
     try:
         data = prepare_sft(d.path, template, t.seq_len, d.truncate, d.val_fraction, d.on_bad_record, d.cache_dir)
     except ShortSequence as e:
@@ -292,11 +324,11 @@ def cmd_sft(args) -> int:
         return 0
     run_dir = _run_dir(cfg, "sft")
     resumed = check_resume(cfg, run_dir)
-    if world is not None:
+    if world is not None:  # torchrun / SLURM started us: this process is one rank
         summary = sft.sft_worker(cfg.to_dict(), str(run_dir), data)
     else:
         p = cfg.parallel
-        print(f"ndtrain sft: {cfg.model.preset} model from {cfg.model.init_from or 'scratch'}, {p.world} "
+        print(f"ndtrain sft: {cfg.model.preset} model from {cfg.model.init_from or 'random weights'}, {p.world} "
               f"process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {t.steps} steps, "
               f"packing {d.packing} → {run_dir}" + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
         print(data.describe(), flush=True)
@@ -415,15 +447,15 @@ def cmd_prepare(args) -> int:
 
 def cmd_generate(args) -> int:
     import torch
-    from safetensors.torch import load_file
 
     from ndtrain.checkpoint import store
+    from ndtrain.checkpoint.layout import load_model
+    from ndtrain.checkpoint.sources import CheckpointSource
     from ndtrain.config import ConfigError
     from ndtrain.data.tokenizer import TextTokenizer
     from ndtrain.generate.sampler import sample
     from ndtrain.model.args import ModelArgs
     from ndtrain.model.llama import Transformer
-    from ndtrain.parallel.states import load_unique_state
 
     if args.max_new_tokens <= 0:
         raise ConfigError("--max-new-tokens", args.max_new_tokens, "must be > 0")
@@ -434,12 +466,14 @@ def cmd_generate(args) -> int:
     run = Path(args.run)
     if not run.is_dir():
         raise ConfigError("--run", args.run, "directory does not exist")
-    last = store.latest(run)
-    if last is None or not (last / "model.safetensors").is_file():
-        raise ConfigError("--run", args.run, "holds no checkpoint with model.safetensors (did training finish?)")
+    if not store.steps_of(run):
+        raise ConfigError("--run", args.run, "holds no checkpoint (did training save one?)")
+    last = store.select(run, report=lambda m: print(f"ndtrain: {m}", file=sys.stderr))
+    if last is None:
+        raise store.CheckpointError(f"run {run}: none of its checkpoints passes its checks")
     meta = store.read_meta(last)
     model = Transformer(ModelArgs(**meta["model_args"]))
-    load_unique_state(model, load_file(str(last / "model.safetensors")))
+    load_model(CheckpointSource(last, meta), model)
     tok = TextTokenizer.from_file(run / "tokenizer.json")
     ids = tok.encode(args.prompt)
     if not ids:
@@ -450,6 +484,41 @@ def cmd_generate(args) -> int:
     if out and out[-1] == tok.eot_id:
         out = out[:-1]
     print(args.prompt + tok.decode(out))
+    return 0
+
+
+# --------------------------------------------------------------------------- convert, checkpoint
+
+def cmd_convert(args) -> int:
+    from ndtrain.checkpoint.convert import from_hf, to_hf
+    from ndtrain.config import ConfigError
+    if bool(args.from_hf) == bool(args.to_hf):
+        raise ConfigError("convert", "--from-hf / --to-hf", "give exactly one of --from-hf DIR --to RUN_DIR "
+                          "and --to-hf RUN_DIR --out DIR")
+    if args.from_hf:
+        if not args.to:
+            raise ConfigError("--to", None, "--from-hf needs --to RUN_DIR, the run directory to create")
+        if not Path(args.from_hf).is_dir():
+            raise ConfigError("--from-hf", args.from_hf, "directory does not exist")
+        path = from_hf(Path(args.from_hf), Path(args.to))
+        print(f"converted {args.from_hf} → {path}\ntrain from it with  ndtrain train model.init_from=run:{args.to}")
+        return 0
+    if not args.out:
+        raise ConfigError("--out", None, "--to-hf needs --out DIR, the Hugging Face folder to write")
+    if not Path(args.to_hf).is_dir():
+        raise ConfigError("--to-hf", args.to_hf, "directory does not exist")
+    out = to_hf(Path(args.to_hf), Path(args.out), args.dtype,
+                report=lambda m: print(f"ndtrain: {m}", file=sys.stderr))
+    print(f"exported {args.to_hf} → {out} (transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
+
+
+def cmd_checkpoint(args) -> int:
+    from ndtrain.checkpoint.inspect import describe
+    from ndtrain.config import ConfigError
+    if not Path(args.dir).is_dir():
+        raise ConfigError("DIR", args.dir, "directory does not exist")
+    print(describe(Path(args.dir), verify=args.verify))
     return 0
 
 

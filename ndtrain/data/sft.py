@@ -54,19 +54,15 @@ class SFTData:
 def make_template(cfg: Config, progress: bool = False):
     """The chat template `data.template` names, on the tokenizer the model was trained with:
     - hf (auto with model.init_from=hf:DIR): DIR's tokenizer and its own chat_template;
-    - builtin: our special tokens added to the base run's tokenizer.json (run:DIR), to
-      `data.tokenizer`, or to the embedded corpus's tokenizer (prepared once, cached)."""
+    - builtin: our special tokens added to `data.tokenizer` (which model.init_from sets to
+      its run's or model's tokenizer.json), or to the embedded corpus's tokenizer (prepared
+      once, cached)."""
     d, init = cfg.data, cfg.model.init_from
     kind, _, where = init.partition(":")
     if d.template == "hf" or (d.template == "auto" and kind == "hf"):
         if kind != "hf":
             raise ConfigError("data.template", d.template, "needs model.init_from=hf:DIR (a tokenizer with a chat_template)")
         return HFTemplate.from_dir(where)
-    if kind in ("run", "hf"):
-        path = Path(where).expanduser() / "tokenizer.json"
-        if not path.is_file():
-            raise ConfigError("model.init_from", init, f"{path} does not exist (the model's tokenizer)")
-        return BuiltinTemplate(TextTokenizer.from_file(path))
     if d.tokenizer:
         return BuiltinTemplate(TextTokenizer.from_file(d.tokenizer))
     from ndtrain.data.prepare import PreparedData, prepare_data

@@ -104,7 +104,6 @@ def full_model(trainer) -> Transformer | None:
 
 def sft_worker(cfg_dict: dict, run_dir: str, data: SFTData) -> dict:
     """Entry point of one rank of `ndtrain sft`. Returns the summary on rank 0 ({} elsewhere)."""
-    from ndtrain.checkpoint import store
     from ndtrain.launch import init_process, shutdown
     from ndtrain.mesh import ParallelMesh
     from ndtrain.train.trainer import Trainer
@@ -114,18 +113,15 @@ def sft_worker(cfg_dict: dict, run_dir: str, data: SFTData) -> dict:
     env = init_process(cfg.run.device, cfg.run.threads)
     try:
         run = Path(from_rank_0(run_dir))
-        if env.rank == 0:
-            run.mkdir(parents=True, exist_ok=True)
+        mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
+        task = SFT(cfg, data)
+        trainer = Trainer(cfg, mesh, task, run, local_world=env.local_world)
+        trainer.start()  # resume run.dir's checkpoint, or load model.init_from
+        if env.rank == 0:  # once started: a refused resume leaves the run's files as they were
             (run / "config.toml").write_text(config_mod.to_toml(cfg))
             data.template.save(run)
             if data.skipped:
                 (run / "skipped_records.txt").write_text("".join(line + "\n" for line in data.skipped))
-        mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        task = SFT(cfg, data)
-        trainer = Trainer(cfg, mesh, task, run, local_world=env.local_world)
-        last = store.latest(run) if cfg.run.resume != "false" else None
-        if last is not None:
-            trainer.resume(last)
         return fine_tune(trainer, task, data, cfg, run)
     finally:
         shutdown()
@@ -187,20 +183,6 @@ def find_default_run(root: Path) -> Path | None:
                 and json.loads((run / "summary.json").read_text()).get("steps") == cfg.train.steps:
             return run
     return None
-
-
-def adopt_base_shape(cfg: Config) -> None:
-    """With model.init_from=run:DIR, the model's shape is that run's (its vocabulary grows by
-    the template's special tokens)."""
-    kind, _, where = cfg.model.init_from.partition(":")
-    if kind != "run":
-        return
-    base = _run_config(Path(where).expanduser())
-    if base is None:
-        raise ConfigError("model.init_from", cfg.model.init_from, f"{where} holds no readable config.toml "
-                          "(not an ndtrain run)")
-    for key in SHAPE_KEYS:
-        setattr(cfg.model, key, getattr(base.model, key))
 
 
 def show_example(data: SFTData, max_length: int = 120) -> str:
