@@ -420,3 +420,79 @@ def test_sft_command_end_to_end(sft_files, tmp_path, capsys):
     assert (run / "skipped_records.txt").read_text() == f"{data}:49: messages must be a non-empty list of messages\n"
     tok = TextTokenizer.from_file(run / "tokenizer.json")
     assert tok.token_id("<|assistant|>") and (run / "checkpoints" / "latest").is_file()
+
+
+# --------------------------------------------------------------------------- starting points
+
+
+def _pretrain_then_grow(tiny_data, run_dir, data_path):
+    """Rank 0 of 1: a 1-step pretraining run to start from (its full weights returned)."""
+    from ckpt_helpers import train
+    return train(["train.steps=1"], tiny_data, run_dir)[1]
+
+
+def _sft_start_in_rank(run_dir, data_path, tokenizer):
+    import torch.distributed as dist
+
+    from ckpt_helpers import full_state
+    from ndtrain.checkpoint.sources import resolve_init_from
+    from ndtrain.config import load_config, validate
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.sft import SFT
+    from ndtrain.train.trainer import Trainer
+    from ndtrain.train.worker import mesh_shape
+
+    cfg = load_config(None, TINY + ["train.seq_len=64", f"model.init_from=run:{run_dir}", "parallel.tp=2",
+                                    f"data.tokenizer={tokenizer}"])
+    resolve_init_from(cfg)  # the run's model (vocabulary 512)
+    template = BuiltinTemplate(TextTokenizer.from_file(cfg.data.tokenizer))
+    cfg.model.vocab_size = template.vocab_size  # + 4 special tokens, as cmd_sft does
+    validate(cfg, world=dist.get_world_size())
+    task = SFT(cfg, prepare_sft(data_path, template, 64, "keep_start", 0.2))
+    trainer = Trainer(cfg, ParallelMesh.build(mesh_shape(cfg)), task, None)
+    trainer.start()
+    return full_state(trainer)
+
+
+def test_init_from_a_run_grows_the_vocabulary_for_the_template(sft_files, tiny_data, tmp_path):
+    """init_from=run: on TP 2 (the vocabulary split over the ranks): the run's rows as they
+    were, each of the template's 4 added rows the mean of the run's rows."""
+    run = str(tmp_path / "base")
+    base = run_ranks(_pretrain_then_grow, 1, tiny_data, run, sft_files[0])[0]
+    grown = run_ranks(_sft_start_in_rank, 2, run, *sft_files)[0]
+    for key in ("tok_embeddings.weight", "output.weight"):
+        old = base[key]
+        assert grown[key].shape == (old.shape[0] + 4, old.shape[1])
+        assert torch.equal(grown[key][:old.shape[0]], old)
+        assert torch.allclose(grown[key][old.shape[0]:], old.mean(0).expand(4, -1), rtol=0, atol=1e-7)
+    assert all(torch.equal(grown[k], base[k]) for k in base if k not in ("tok_embeddings.weight", "output.weight"))
+
+
+def test_sft_from_a_hugging_face_model_with_its_chat_template(sft_files, tmp_path, capsys):
+    """init_from=hf:DIR uses DIR's chat template; the base model's validation loss that
+    ndtrain reports equals the one transformers computes on the same answer tokens."""
+    transformers = pytest.importorskip("transformers")
+    hf_tok = _hf_tokenizer(CHATML)
+    folder = tmp_path / "hf"
+    config = transformers.LlamaConfig(vocab_size=len(hf_tok), hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    model.save_pretrained(folder)
+    hf_tok.save_pretrained(folder)
+    run = tmp_path / "run"
+    assert main(["sft", "--nproc", "1", f"model.init_from=hf:{folder}", f"data.path={sft_files[0]}",
+                 "train.seq_len=64", "train.global_batch=4", "train.steps=1", "train.eval_batches=100",
+                 "data.val_fraction=0.2", "sft.generate=0", "run.device=cpu", f"run.dir={run}"]) == 0
+    summary = json.loads((run / "summary.json").read_text())
+    assert transformers.AutoTokenizer.from_pretrained(str(run)).chat_template == CHATML  # the run keeps it
+    data = prepare_sft(sft_files[0], HFTemplate(hf_tok), 64, "keep_start", 0.2)
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for ex in data.val:
+            logits = model(torch.as_tensor(ex.tokens[None, :-1])).logits[0]
+            trained = torch.as_tensor(ex.trained[1:])
+            losses = torch.nn.functional.cross_entropy(logits, torch.as_tensor(ex.tokens[1:]), reduction="none")
+            total, count = total + float(losses[trained].sum()), count + int(trained.sum())
+    assert summary["baseline_val_loss"] == pytest.approx(total / count, rel=1e-5)
