@@ -296,7 +296,11 @@ SFT_LAYOUTS = {
     2: [("dp2-accumulation", ["parallel.dp=2", "train.micro_batch=1"]),
         ("zero3-dp2", ["parallel.zero=3", "train.micro_batch=2"]),
         ("tp2-sp", ["parallel.tp=2", "train.micro_batch=2"]),
-        ("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch=2"])],
+        ("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch=2"]),
+        # packed rows under context parallelism: the document masks inside the ring (and after
+        # Ulysses' all-to-all), targets per cp rank unequal
+        ("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring", "train.micro_batch=2"]),
+        ("cp2-ulysses", ["parallel.cp=2", "parallel.cp_impl=ulysses", "train.micro_batch=2"])],
     8: [("pp2-tp2-dp2", ["parallel.pp=2", "parallel.tp=2", "parallel.dp=2", "train.micro_batch=2"])],
 }
 
@@ -308,8 +312,8 @@ def _assert_close(a, b, rtol, what):
 
 def test_sft_layouts_equal_one_process_in_fp64(sft_files, template):
     """Losses of 3 steps and the final weights, element by element at 1e-9 of each tensor's
-    max, for every layout the issue lists; micro-batches hold very unequal answer counts, so
-    a mean of per-micro-batch means would be caught."""
+    max, for every layout the issue lists and context parallelism; micro-batches hold very
+    unequal answer counts, so a mean of per-micro-batch means would be caught."""
     task = _sft_task(*sft_files, _config(SFT_TEST))
     counts = [[int((task.rows("train", s, r, r + 1).targets != IGNORE).sum()) for r in range(8)] for s in range(3)]
     assert max(max(c) / max(min(c), 1) for c in counts) >= 3, counts

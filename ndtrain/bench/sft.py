@@ -13,10 +13,14 @@ from __future__ import annotations
 
 import torch
 
-from ndtrain.bench.common import alternate, bench_config, report
+from ndtrain.bench.common import TRAINING, Bench, alternate, announce, bench_config, describe, report
 
-BENCH_DEFAULTS = ["model.init_from=scratch", "data.path=stdlib-functions", "train.seq_len=256",
-                  "train.global_batch=16", "run.progress=false"]
+# Both contenders are the same trainer on the same data: every key reaches both, except
+# data.packing, which is what they differ in. The model starts from random weights.
+BENCH = Bench("sft", ("model.preset=small",),
+              ("data.path=stdlib-functions", "train.seq_len=256", "train.global_batch=16", "run.progress=false"),
+              TRAINING + ("parallel.", "data.path", "data.tokenizer", "data.vocab_size", "data.val_fraction",
+                          "data.truncate", "data.on_bad_record", "data.cache_dir"))
 
 
 def _worker(cfg_dict: dict, data, rounds: int, steps: int) -> str:
@@ -34,7 +38,7 @@ def _worker(cfg_dict: dict, data, rounds: int, steps: int) -> str:
     try:
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
         t = cfg.train
-        ours = TrainStep(build(cfg.model_args(vocab_size=data.vocab_size), mesh, cfg), cfg)
+        ours = TrainStep(build(cfg.model_args(), mesh, cfg), cfg)
         per_rank = t.global_batch // mesh.dp_size
         start = mesh.dp_rank * per_rank
         tasks, steps_run, answers = {}, {}, {}
@@ -68,12 +72,11 @@ def run(args) -> int:
     from ndtrain.data.sft import make_template, prepare_sft
     from ndtrain.launch import launch_local
 
-    cfg = bench_config(args, BENCH_DEFAULTS)
+    cfg = bench_config(args, BENCH)
     d, t = cfg.data, cfg.train
     data = prepare_sft(d.path, make_template(cfg), t.seq_len, d.truncate, d.val_fraction, d.on_bad_record, d.cache_dir)
-    a = cfg.model_args(vocab_size=data.vocab_size)
-    print(f"bench sft: {args.nproc} ranks · model dim={a.dim} layers={a.n_layers} · {t.global_batch} rows × "
-          f"{t.seq_len} positions per step · {d.path} · {args.rounds} rounds × {args.steps} steps, alternating",
-          flush=True)
+    cfg.model.vocab_size = data.vocab_size
+    announce(args, cfg, f"bench sft: packed vs padded rows · {args.nproc} ranks · {describe(cfg)} · {d.path} · "
+                        f"{args.rounds} rounds × {args.steps} steps, alternating")
     print(launch_local(args.nproc, _worker, cfg.to_dict(), data, args.rounds, args.steps)[0])
     return 0

@@ -25,6 +25,7 @@ from ndtrain.observe.metrics import MetricsLog
 from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss
 from ndtrain.observe.progress import TrainProgress
+from ndtrain.parallel import context
 from ndtrain.parallel.parallelize import Parallelized, build
 from ndtrain.parallel.precision import LossScaleExhausted
 from ndtrain.train.optim import lr_at
@@ -66,20 +67,27 @@ class Trainer:
         """The random stream of dropout (weights come from per-name generators) is a function
         of the seed, the step and the rank's place in the computation (its pipeline stage
         and data-parallel slot), never of its rank number: a resumed run, on any layout,
-        draws what an uninterrupted one draws. The ranks of a tp group share it: they hold
-        the same activations, or slices of a tensor one device would have drawn for whole
-        (parallel/tensor.py)."""
-        place = f"dropout/{self.cfg.train.seed}/{step}/{self.mesh.coord('pp')}/{self.mesh.coord('dp_cp')}"
+        draws what an uninterrupted one draws. The ranks of a cp × tp group share it: they
+        hold the same activations, or slices of a tensor one device would have drawn for
+        whole (parallel/tensor.py, parallel/context/)."""
+        place = f"dropout/{self.cfg.train.seed}/{step}/{self.mesh.coord('pp')}/{self.mesh.coord('dp')}"
         torch.manual_seed(zlib.crc32(place.encode()))
 
     # -- data -----------------------------------------------------------------------
     def local_batch(self, split: str, step: int) -> StepData:
-        """This rank's rows of the global batch of `step` (of validation batch `step`), from
-        the task, cut into micro-batches, and the loss targets the task counts in them."""
+        """This rank's share of the global batch of `step` (of validation batch `step`): its
+        data-parallel rows, from the task, and under context parallelism this CP rank's
+        tokens of each row (the zigzag layout, parallel/context/layout.py: targets were
+        shifted before, so none is lost); cut into micro-batches, with the loss targets the
+        task counts in them (the CP ranks' counts add up to the whole rows' and may differ
+        between ranks: masked targets fall anywhere)."""
         t = self.cfg.train
         per_rank = t.global_batch // self.mesh.dp_size
         start = self.mesh.dp_rank * per_rank
         rows = self.task.rows(split, step, start, start + per_rank).to(self.mesh.device)
+        cp = self.mesh.group("cp")
+        if cp.active:
+            rows = context.shard(rows, cp.size, cp.rank)
         return StepData(rows.split(t.micro_batch), self.task.targets(rows))
 
     # -- one step -------------------------------------------------------------------
@@ -109,10 +117,9 @@ class Trainer:
         mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.n_peak_units)
                if self.peak else None)
         comm = self.mesh.stats.as_metrics()
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": int(n_targets),
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
-                  "tokens": (step + 1) * t.global_batch * t.seq_len, "targets": int(n_targets),
-                  "targets_per_s": n_targets / dt,
+                  "tokens": (step + 1) * t.global_batch * t.seq_len, "targets_per_s": n_targets / dt,
                   "comm_bytes": sum(comm.values()), "comm": comm, "memory": self.memory_per_rank()}
         if scale is not None:
             record.update(loss_scale=scale, skipped=not stepped)
