@@ -500,3 +500,27 @@ def test_sft_from_a_hugging_face_model_with_its_chat_template(sft_files, tmp_pat
             losses = torch.nn.functional.cross_entropy(logits, torch.as_tensor(ex.tokens[1:]), reduction="none")
             total, count = total + float(losses[trained].sum()), count + int(trained.sum())
     assert summary["baseline_val_loss"] == pytest.approx(total / count, rel=1e-5)
+
+
+def _bench_sft(cfg_dict, data):
+    from ndtrain.bench import sft
+    return sft._worker(cfg_dict, data, 1, 1)
+
+
+def test_bench_sft_runs_both_layouts(sft_files, template):
+    """The benchmark's plumbing (never its timings): both contenders train a step and the
+    last line is the ratio."""
+    import re
+    from types import SimpleNamespace
+
+    from ndtrain.bench import sft
+    from ndtrain.bench.common import bench_config
+    args = SimpleNamespace(config=None, nproc=2, overrides=[
+        "model.preset=tiny", "train.seq_len=64", "train.global_batch=4", "run.device=cpu", "run.threads=1",
+        f"data.path={sft_files[0]}", f"data.tokenizer={sft_files[1]}", "data.val_fraction=0.2"])
+    cfg = bench_config(args, sft.BENCH)
+    data = prepare_sft(sft_files[0], template, 64, "keep_start", 0.2)
+    cfg.model.vocab_size = data.vocab_size
+    out = run_ranks(_bench_sft, 2, cfg.to_dict(), data, timeout=300)[0]
+    assert re.match(r"packed: \d+ rows of \d+ examples, [\d.]+% padding", out), out
+    assert re.search(r"\nndtrain sft packed/padded throughput ratio: \d+\.\d\d$", out), out
