@@ -26,6 +26,10 @@ examples:
                                                  2 pipeline stages (zero bubble) × 2 data-parallel
   ndtrain train --dry-run --nproc 4 parallel.zero=2 model.preset=125M
                                                  memory per rank of a step, then exit (writes nothing)
+  ndtrain sft                                    fine-tune the default run's model on stdlib functions (signature → body)
+  ndtrain sft --show-example                     one training example, the trained (answer) tokens highlighted
+  ndtrain sft data.path=chat.jsonl model.init_from=hf:./my-llama
+                                                 fine-tune a Hugging Face model on your chats with its chat template
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain train --nproc 4 parallel.tp=2 run.dir=runs/x   resume runs/x on another layout (any layout reads any checkpoint)
   ndtrain train --nproc 2 model.init_from=hf:DIR data.path=my.jsonl   start from a Hugging Face Llama/Qwen model
@@ -40,6 +44,7 @@ examples:
                                                  and each schedule's bubble (real compute, paced, theory)
   ndtrain bench zero model.preset=125M train.global_batch=8
                                                  the same on a preset's shape (every benchmark takes model.preset)
+  ndtrain bench sft                              fine-tuning on packed against padded rows, answer tokens/s
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
 """
 
@@ -61,6 +66,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true",
                    help="build the layout, run two steps on random tokens, print each rank's memory "
                         "(parameters, gradients, optimizer state, activations, peak) and exit; writes nothing")
+    with_config(p)
+
+    p = sub.add_parser("sft", help="supervised fine-tuning on chat or prompt/completion JSONL (no arguments: "
+                                   "the embedded default job)",
+                       description="Fine-tune a model on conversations: the loss counts answer tokens only. With no "
+                                   "arguments: the default pretraining run's model (trained first if there is none) "
+                                   "on functions of the Python standard library, asked for by signature and docstring.")
+    p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+    p.add_argument("--show-example", action="store_true",
+                   help="print one training example as the model sees it, the trained tokens highlighted, and exit")
     with_config(p)
 
     p = sub.add_parser("prepare", help="tokenize a corpus into token shards (cached)",
@@ -110,13 +125,14 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
                                      "pp (our 1F1B, interleaved, zero bubble vs torch.distributed.pipelining; "
-                                     "bubbles); KEY=VALUE reaches both sides or is refused",
-                       description="Run ndtrain and its PyTorch-native anchor side by side, alternating rounds; "
-                                   "the last line is the ratio of their median throughputs. Every key a "
-                                   "benchmark accepts (model.*, train.precision, train.recompute, "
-                                   "train.micro_batch, ...) reaches both sides; others are refused. "
+                                     "bubbles), sft (packed vs padded fine-tuning rows); KEY=VALUE reaches both "
+                                     "sides or is refused",
+                       description="Run ndtrain and its PyTorch-native anchor side by side (sft: packed and padded "
+                                   "rows), alternating rounds; the last line is the ratio of their median "
+                                   "throughputs. Every key a benchmark accepts (model.*, train.precision, "
+                                   "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp"])
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "sft"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
@@ -130,12 +146,12 @@ def fail(message: str, code: int = 2) -> int:
     return code
 
 
-def warn_before_start(cfg, world: int | None) -> None:
+def warn_before_start(cfg, world: int | None, command: str = "train") -> None:
     """Keys that do nothing in this layout, and more CPU processes than cores."""
     from ndtrain.idle_keys import idle_keys
     from ndtrain.launch import oversubscribed, warn
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world)) if world else cfg.parallel.world
-    warn(idle_keys(cfg, world) + [oversubscribed(local, cfg.run.device)])
+    warn(idle_keys(cfg, world, command) + [oversubscribed(local, cfg.run.device)])
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -161,8 +177,9 @@ def main(argv: list[str] | None = None) -> int:
     from ndtrain.launch import RankFailure
 
     try:
-        return {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "bench": cmd_bench,
-                "trace": cmd_trace, "convert": cmd_convert, "checkpoint": cmd_checkpoint}[args.command](args)
+        return {"train": cmd_train, "sft": cmd_sft, "prepare": cmd_prepare, "generate": cmd_generate,
+                "bench": cmd_bench, "trace": cmd_trace, "convert": cmd_convert,
+                "checkpoint": cmd_checkpoint}[args.command](args)
     except (ConfigError, DataError) as e:
         return fail(str(e))
     except CheckpointError as e:
@@ -279,6 +296,77 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_sft(args) -> int:
+    from ndtrain.checkpoint.sources import resolve_init_from
+    from ndtrain.config import SFT_DEFAULTS, ConfigError, load_config, validate
+    from ndtrain.data.sft import ShortSequence, make_template, prepare_sft
+    from ndtrain.launch import external_world, launch_local
+    from ndtrain.train import sft
+
+    cfg = load_config(args.config, args.overrides, defaults=SFT_DEFAULTS)
+    if args.nproc is not None:
+        cfg.run.nproc = args.nproc
+        cfg.explicit |= {"run.nproc"}
+    world = external_world()
+    if cfg.model.init_from == "scratch":  # random weights; "" means the default pretraining run
+        cfg.model.init_from = ""
+    elif not cfg.model.init_from and not args.show_example:
+        validate(cfg, world=world)
+        cfg.model.init_from = f"run:{default_pretraining_run(cfg, world)}"
+    resolve_init_from(cfg)  # the model and tokenizer of model.init_from
+    validate(cfg, world=world)
+    warn_before_start(cfg, world, "sft")
+    sft.load_score(cfg.sft.score)  # a bad scoring function fails here, not after training
+    d, t = cfg.data, cfg.train
+    template = make_template(cfg, progress=cfg.run.progress)
+    if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
+        cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
+    try:
+        data = prepare_sft(d.path, template, t.seq_len, d.truncate, d.val_fraction, d.on_bad_record, d.cache_dir)
+    except ShortSequence as e:
+        raise ConfigError("train.seq_len", t.seq_len, f"is smaller than the shortest example ({e.shortest} positions, "
+                          f"{e.key}): packing would have to cut or drop every example") from None
+    if args.show_example:
+        print(sft.show_example(data), flush=True)
+        return 0
+    run_dir = _run_dir(cfg, "sft")
+    resumed = check_resume(cfg, run_dir)
+    if world is not None:  # torchrun / SLURM started us: this process is one rank
+        summary = sft.sft_worker(cfg.to_dict(), str(run_dir), data)
+    else:
+        p = cfg.parallel
+        print(f"ndtrain sft: {cfg.model.preset} model from {cfg.model.init_from or 'random weights'}, {p.world} "
+              f"process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {t.steps} steps, "
+              f"packing {d.packing} → {run_dir}" + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
+        print(data.describe(), flush=True)
+        if p.world == 1:
+            summary = sft.sft_worker(cfg.to_dict(), str(run_dir), data)
+        else:
+            summary = launch_local(p.world, sft.sft_worker, cfg.to_dict(), str(run_dir), data)[0]
+    if summary:
+        print(sft.describe_summary(summary), flush=True)
+        print_summary(summary)
+    return 0
+
+
+def default_pretraining_run(cfg, world) -> Path:
+    """The newest finished run of the default `ndtrain train` under runs/, trained now if
+    there is none (with this command's process count)."""
+    from ndtrain.config import ConfigError
+    from ndtrain.train.sft import find_default_run
+    found = find_default_run(Path("runs"))
+    if found is not None:
+        return found
+    if world is not None:
+        raise ConfigError("model.init_from", "", "no default pretraining run under runs/; under torchrun, run "
+                          "`ndtrain train` first or set model.init_from=run:DIR")
+    print("ndtrain sft: no finished default pretraining run under runs/; running `ndtrain train` first", flush=True)
+    nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
+    if main(["train", *nproc, f"run.device={cfg.run.device}"]) != 0:
+        raise ConfigError("model.init_from", "", "the default pretraining run failed")
+    return find_default_run(Path("runs"))
+
+
 def cmd_trace(args) -> int:
     from ndtrain.config import ConfigError, check_writable_dir, load_config, validate
     from ndtrain.launch import launch_local
@@ -345,8 +433,8 @@ def print_summary(s: dict) -> None:
     run = Path(s["run_dir"])
     lines = []
     if s.get("val_loss") is not None:
-        lines.append(f"validation loss {s['val_loss']:.4f} nats/token vs unigram baseline "
-                     f"{s['unigram_val_loss']:.4f} after {s['steps']} steps")
+        lines.append(f"validation loss {s['val_loss']:.4f} nats/token vs {s['baseline']} "
+                     f"{s['baseline_val_loss']:.4f} after {s['steps']} steps")
     mfu = f"MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "MFU n/a"
     if s.get("tokens_per_s"):
         lines.append(f"throughput {s['tokens_per_s']:,.0f} tokens/s · {mfu} ({s['mfu_peak_source']})")
@@ -464,8 +552,8 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import dp, pp, tp, zero
-    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp}[args.what].run(args)
+    from ndtrain.bench import dp, pp, sft, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "sft": sft}[args.what].run(args)
 
 
 if __name__ == "__main__":

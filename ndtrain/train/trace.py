@@ -17,6 +17,7 @@ from ndtrain.observe.trace import bubble_report, chrome_trace, draw
 from ndtrain.parallel import context
 from ndtrain.parallel.context.recorder import RingTimeline, overlap
 from ndtrain.parallel.pipeline.timeline import gather
+from ndtrain.train.tasks import Pretrain
 from ndtrain.train.trainer import Trainer
 from ndtrain.train.worker import mesh_shape
 
@@ -42,7 +43,7 @@ def trace_run(cfg, mesh, data, out: Path) -> dict:
     """`trace_worker` on an existing process group and mesh. Collective."""
     if mesh.shape.pp == 1:
         return ring_trace_run(cfg, mesh, data, out)
-    trainer = Trainer(cfg, mesh, data, None)
+    trainer = Trainer(cfg, mesh, Pretrain(cfg, data), None)
     schedule = trainer.par.schedule
     schedule.timeline.sync = mesh.device.type == "cuda"
     trainer.fit()
@@ -67,7 +68,7 @@ def ring_trace_run(cfg, mesh, data, out: Path) -> dict:
     """Context parallelism: train all steps but the last, then record the last one's
     attention (every ring step of every layer, forward and backward, and every message).
     Collective; the report on rank 0."""
-    trainer = Trainer(cfg, mesh, data, None)
+    trainer = Trainer(cfg, mesh, Pretrain(cfg, data), None)
     if cfg.train.steps > 1:
         trainer.fit(stop_after=cfg.train.steps - 1)
     recorder = RingTimeline(mesh.device, sync=mesh.device.type == "cuda")
