@@ -30,6 +30,9 @@ examples:
   ndtrain sft --show-example                     one training example, the trained (answer) tokens highlighted
   ndtrain sft data.path=chat.jsonl model.init_from=hf:./my-llama
                                                  fine-tune a Hugging Face model on your chats with its chat template
+  ndtrain rl                                     the embedded default: SFT warm-up on addition (cached), then GRPO
+  ndtrain rl rl.loss=dapo rl.task=sort           DAPO on sorting lists (after an SFT warm-up on sorting)
+  ndtrain rl --evaluate model.init_from=run:DIR  held-out pass@1 and pass@k of a run's model on rl.task
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain train --nproc 4 parallel.tp=2 run.dir=runs/x   resume runs/x on another layout (any layout reads any checkpoint)
   ndtrain train --nproc 2 model.init_from=hf:DIR data.path=my.jsonl   start from a Hugging Face Llama/Qwen model
@@ -45,6 +48,7 @@ examples:
   ndtrain bench zero model.preset=125M train.global_batch=8
                                                  the same on a preset's shape (every benchmark takes model.preset)
   ndtrain bench sft                              fine-tuning on packed against padded rows, answer tokens/s
+  ndtrain bench generate                         batched generation with a KV cache against recomputing the prefix
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
 """
 
@@ -76,6 +80,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
     p.add_argument("--show-example", action="store_true",
                    help="print one training example as the model sees it, the trained tokens highlighted, and exit")
+    with_config(p)
+
+    p = sub.add_parser("rl", help="reinforcement learning with verifiable rewards (no arguments: the embedded "
+                                  "default job)",
+                       description="Train a policy on a verifiable task: before each update it samples rl.group_size "
+                                   "completions per prompt, a program scores them, and a policy-gradient loss "
+                                   "(rl.loss: reinforce, grpo, dr_grpo, dapo) reinforces them by their advantage. "
+                                   "Starts from model.init_from; with no arguments, from a short SFT warm-up on "
+                                   "multi-digit addition (run through `ndtrain sft` once, cached), then GRPO on 2 "
+                                   "CPU processes (or every local GPU). model.init_from=scratch: random weights.")
+    p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+    p.add_argument("--evaluate", action="store_true",
+                   help="only evaluate model.init_from's policy on held-out prompts (pass@1, pass@k) and exit; "
+                        "writes nothing")
     with_config(p)
 
     p = sub.add_parser("prepare", help="tokenize a corpus into token shards (cached)",
@@ -125,14 +143,14 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
                                      "pp (our 1F1B, interleaved, zero bubble vs torch.distributed.pipelining; "
-                                     "bubbles), sft (packed vs padded fine-tuning rows); KEY=VALUE reaches both "
-                                     "sides or is refused",
+                                     "bubbles), sft (packed vs padded fine-tuning rows), generate (KV cache vs "
+                                     "recomputing the prefix, one process); KEY=VALUE reaches both sides or is refused",
                        description="Run ndtrain and its PyTorch-native anchor side by side (sft: packed and padded "
                                    "rows), alternating rounds; the last line is the ratio of their median "
                                    "throughputs. Every key a benchmark accepts (model.*, train.precision, "
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "sft"])
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "sft", "generate"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
@@ -177,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     from ndtrain.launch import RankFailure
 
     try:
-        return {"train": cmd_train, "sft": cmd_sft, "prepare": cmd_prepare, "generate": cmd_generate,
+        return {"train": cmd_train, "sft": cmd_sft, "rl": cmd_rl, "prepare": cmd_prepare, "generate": cmd_generate,
                 "bench": cmd_bench, "trace": cmd_trace, "convert": cmd_convert,
                 "checkpoint": cmd_checkpoint}[args.command](args)
     except (ConfigError, DataError) as e:
@@ -347,6 +365,90 @@ def cmd_sft(args) -> int:
         print(sft.describe_summary(summary), flush=True)
         print_summary(summary)
     return 0
+
+
+def cmd_rl(args) -> int:
+    from ndtrain.checkpoint.sources import resolve_init_from
+    from ndtrain.config import RL_DEFAULTS, check_rl_job, load_config, validate
+    from ndtrain.data.sft import make_template
+    from ndtrain.launch import external_world, launch_local
+    from ndtrain.train.rl import job
+
+    cfg = load_config(args.config, args.overrides, defaults=RL_DEFAULTS)
+    if args.nproc is not None:
+        cfg.run.nproc = args.nproc
+        cfg.explicit |= {"run.nproc"}
+    world = external_world()
+    if cfg.model.init_from == "scratch":  # random weights, the task's character tokenizer
+        cfg.model.init_from = ""
+        if not cfg.data.tokenizer:
+            cfg.data.tokenizer = str(job.char_tokenizer_file(cfg.data.cache_dir))
+        validate(cfg, world=world)
+    else:
+        validate(cfg, world=world)  # every key's own rules first, before any warm-up runs
+        if not cfg.model.init_from:
+            cfg.model.init_from = f"run:{default_warmup(cfg, world)}"
+    resolve_init_from(cfg)  # the model and tokenizer of model.init_from
+    if "train.seq_len" not in cfg.explicit:
+        cfg.train.seq_len = job.row_length(cfg)
+    validate(cfg, world=world)
+    check_rl_job(cfg)
+    job.check_reward(cfg)
+    warn_before_start(cfg, world, "rl")
+    template = make_template(cfg, progress=cfg.run.progress)
+    if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
+        cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
+    p, r = cfg.parallel, cfg.rl
+    if args.evaluate:
+        if world is not None:
+            result = job.rl_worker(cfg.to_dict(), "", template, True)
+        else:
+            result = launch_local(p.world, job.rl_worker, cfg.to_dict(), "", template, True)[0]
+        if result:
+            print(job.describe_eval(f"{cfg.model.init_from} on {r.task}", result), flush=True)
+        return 0
+    run_dir = _run_dir(cfg, "rl")
+    resumed = check_resume(cfg, run_dir)
+    if world is not None:  # torchrun / SLURM started us: this process is one rank
+        summary = job.rl_worker(cfg.to_dict(), str(run_dir), template)
+    else:
+        print(f"ndtrain rl: {r.loss} on {r.task} (size {r.size}), {cfg.model.preset} model from {cfg.model.init_from or 'random weights'}, "
+              f"{p.world} process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), "
+              f"{cfg.train.steps} updates of {cfg.train.global_batch // r.group_size} prompts × {r.group_size} "
+              f"completions → {run_dir}" + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
+        if p.world == 1:
+            summary = job.rl_worker(cfg.to_dict(), str(run_dir), template)
+        else:
+            summary = launch_local(p.world, job.rl_worker, cfg.to_dict(), str(run_dir), template)[0]
+    if summary:
+        print(job.describe_summary(summary), flush=True)
+        print_summary(summary)
+    return 0
+
+
+def default_warmup(cfg, world) -> Path:
+    """The default RL job's starting point: its SFT warm-up (`ndtrain sft` on problems of the
+    task), run now unless a finished one is cached."""
+    from ndtrain.config import ConfigError
+    from ndtrain.train.rl import job
+    if cfg.rl.warmup_steps == 0:
+        raise ConfigError("rl.warmup_steps", 0, "no warm-up and no model.init_from: set model.init_from=run:DIR, "
+                          "or model.init_from=scratch for random weights")
+    folder = job.warmup_folder(cfg)
+    run = folder / "run"
+    if job.finished(run):
+        print(f"ndtrain rl: starting from the cached SFT warm-up {run}", flush=True)
+        return run
+    if world is not None:
+        raise ConfigError("model.init_from", "", "the default SFT warm-up is not cached yet; under torchrun, run "
+                          "`ndtrain rl` locally once first or set model.init_from=run:DIR")
+    print(f"ndtrain rl: SFT warm-up on {cfg.rl.task} ({cfg.rl.warmup_steps} steps, once; cached in {folder})",
+          flush=True)
+    job.write_warmup_data(cfg, folder)
+    nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
+    if main(["sft", *nproc, *job.warmup_overrides(cfg, folder)]) != 0 or not job.finished(run):
+        raise ConfigError("model.init_from", "", f"the default SFT warm-up in {folder} failed")
+    return run
 
 
 def default_pretraining_run(cfg, world) -> Path:
@@ -552,8 +654,8 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import dp, pp, sft, tp, zero
-    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "sft": sft}[args.what].run(args)
+    from ndtrain.bench import dp, generate, pp, sft, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "sft": sft, "generate": generate}[args.what].run(args)
 
 
 if __name__ == "__main__":

@@ -138,6 +138,38 @@ class SFTConfig:
 
 
 @dataclass
+class RLConfig:
+    # What is asked: a built-in verifiable task (data/verifiable.py), drawn on the fly
+    task: str = "addition"  # addition | reverse | sort | countdown
+    size: int = 2  # digits per operand (addition), letters (reverse), list length (sort), numbers (countdown)
+    reverse_answer: bool = True  # addition: the sum's digits least significant first
+    reward: str = "builtin"  # builtin (the task's check) | MODULE:FUNCTION(prompt, completion, answer) -> number
+    format_reward: float = 0.0  # builtin: added for a well-formed answer (correctness scores 1)
+    # Rollouts
+    group_size: int = 8  # completions sampled per prompt
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = the whole vocabulary
+    top_p: float = 1.0
+    # The update
+    loss: str = "grpo"  # reinforce | grpo | dr_grpo | dapo
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float | None = None  # None = 0.28 for dapo (clip-higher), clip_low otherwise
+    kl_coef: float = 0.0  # β of the k3 KL to the frozen reference (the starting policy)
+    ppo_epochs: int = 1  # updates per rollout batch (old log-probs kept)
+    max_refills: int = 4  # dapo: extra rollout rounds to replace groups whose rewards are all equal
+    overlong_buffer: int | None = None  # length penalty over the last N of max_new_tokens; None = dapo: a quarter, else 0
+    shuffle_rewards: bool = False  # a negative control: rewards permuted over the batch before use
+    logprob_tol: float = 1e-3  # fp32/fp64: largest |rollout − training| log-prob gap before stopping
+    # Evaluation on held-out prompts (every train.eval_every steps and at the end)
+    eval_prompts: int = 200  # held-out prompts, answered greedily (pass@1) and pass_k times
+    pass_k: int = 4  # samples per prompt for pass@k (0 = none)
+    # The default job's warm-up (model.init_from empty): SFT on the task through the SFT task
+    warmup_steps: int = 250
+    warmup_examples: int = 20000
+
+
+@dataclass
 class RunConfig:
     dir: str = ""  # "" = runs/<task>-<date>-<time>
     resume: str = "auto"  # auto: continue if run.dir holds a checkpoint; true: must; false: must not
@@ -156,6 +188,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     # The dotted keys the user set (in the file or on the command line), filled by
@@ -188,9 +221,15 @@ class Config:
 SFT_DEFAULTS = ["data.path=stdlib-functions", "train.seq_len=256", "train.steps=200", "train.lr=1e-3",
                 "train.warmup=10", "train.eval_every=50", "train.eval_batches=16", "sft.generate=4"]
 
+# `ndtrain rl`'s own defaults (configs/rl.toml lists them): a batch of 8 prompts × 8
+# completions, a constant learning rate, held-out evaluation every 10 updates; the rows'
+# length (train.seq_len) follows from the task unless given.
+RL_DEFAULTS = ["train.steps=60", "train.global_batch=64", "train.lr=5e-4", "train.warmup=0", "train.min_lr_ratio=1.0",
+               "train.weight_decay=0.0", "train.eval_every=10", "train.eval_batches=0", "train.log_every=5"]
+
 SECTIONS = {f.name: f.type for f in fields(Config)}
 _SECTION_CLASSES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-                    "data": DataConfig, "sft": SFTConfig, "run": RunConfig}
+                    "data": DataConfig, "sft": SFTConfig, "rl": RLConfig, "run": RunConfig}
 
 
 def all_keys() -> list[str]:
@@ -375,6 +414,9 @@ _RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
 # Dimensions whose implementation has not landed yet: refused up front, never half-run.
 NOT_YET = {"parallel.ep": "expert parallelism"}
 CP_IMPLS = ("ring", "allgather", "ulysses")
+RL_TASKS = ("addition", "reverse", "sort", "countdown")
+RL_LOSSES = ("reinforce", "grpo", "dr_grpo", "dapo")
+RL_SIZES = {"addition": (1, 9), "reverse": (2, 30), "sort": (2, 20), "countdown": (2, 6)}
 
 
 def _positive(key: str, value, *, zero_ok: bool = False) -> None:
@@ -585,7 +627,70 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
         if getattr(d, key) not in choices:
             raise ConfigError(f"data.{key}", getattr(d, key), f"choose one of {', '.join(choices)}")
     _check_sft(cfg.sft)
+    _check_rl(cfg.rl)
     return cfg
+
+
+def _check_rl(r: RLConfig) -> None:
+    """The rl keys on their own; `check_rl_job` adds what only `ndtrain rl` needs."""
+    if r.task not in RL_TASKS:
+        raise ConfigError("rl.task", r.task, f"choose one of {', '.join(RL_TASKS)}")
+    lo, hi = RL_SIZES[r.task]
+    if not lo <= r.size <= hi:
+        raise ConfigError("rl.size", r.size, f"must be in [{lo}, {hi}] for rl.task = {r.task}")
+    if r.loss not in RL_LOSSES:
+        raise ConfigError("rl.loss", r.loss, f"choose one of {', '.join(RL_LOSSES)}")
+    if r.reward != "builtin" and not _SCORE.match(r.reward):
+        raise ConfigError("rl.reward", r.reward, "choose builtin, or MODULE:FUNCTION (a function of prompt, "
+                          "completion and answer that returns a number)")
+    for key in ("group_size", "max_new_tokens", "ppo_epochs", "logprob_tol"):
+        _positive(f"rl.{key}", getattr(r, key))
+    for key in ("top_k", "kl_coef", "max_refills", "overlong_buffer", "eval_prompts", "pass_k", "warmup_steps",
+                "format_reward", "temperature"):
+        _positive(f"rl.{key}", getattr(r, key), zero_ok=True)
+    _positive("rl.warmup_examples", r.warmup_examples)
+    if not 0.0 < r.top_p <= 1.0:
+        raise ConfigError("rl.top_p", r.top_p, "must be in (0, 1]")
+    if not 0.0 <= r.clip_low < 1.0:
+        raise ConfigError("rl.clip_low", r.clip_low, "must be in [0, 1): the ratio is clipped to [1 - clip_low, "
+                          "1 + clip_high]")
+    _positive("rl.clip_high", r.clip_high, zero_ok=True)
+    if r.overlong_buffer is not None and r.overlong_buffer >= r.max_new_tokens:
+        raise ConfigError("rl.overlong_buffer", r.overlong_buffer,
+                          f"must be less than rl.max_new_tokens = {r.max_new_tokens}")
+
+
+def check_rl_job(cfg: Config) -> None:
+    """What `ndtrain rl` needs of a validated config: whole groups on every data-parallel
+    rank, groups that can disagree, an update rule that fits the batch."""
+    r, t, p = cfg.rl, cfg.train, cfg.parallel
+    if r.loss != "reinforce" and r.group_size < 2:
+        raise ConfigError("rl.group_size", r.group_size, f"rl.loss = {r.loss} normalises rewards within a group of "
+                          "completions of one prompt: it needs at least 2 (or rl.loss = reinforce)")
+    if t.global_batch % (r.group_size * p.dp):
+        raise ConfigError("train.global_batch", t.global_batch,
+                          f"must be divisible by rl.group_size × dp = {r.group_size} × {p.dp} = {r.group_size * p.dp} "
+                          "(each data-parallel rank trains on whole groups)")
+    if r.loss != "reinforce" and r.temperature == 0:
+        raise ConfigError("rl.temperature", 0.0, "greedy sampling gives a group the same completion every time: "
+                          "its rewards never differ, so there is nothing to learn; use a temperature > 0")
+    if r.loss == "reinforce" and r.ppo_epochs > 1:
+        raise ConfigError("rl.ppo_epochs", r.ppo_epochs, "reinforce has no importance ratio, so it cannot reuse a "
+                          "batch; use grpo, dr_grpo or dapo for several updates per rollout")
+
+
+def rl_overlong_buffer(r: RLConfig) -> int:
+    """rl.overlong_buffer, or its default: a quarter of max_new_tokens for dapo, else none."""
+    if r.overlong_buffer is not None:
+        return r.overlong_buffer
+    return r.max_new_tokens // 4 if r.loss == "dapo" else 0
+
+
+def rl_clip_high(r: RLConfig) -> float:
+    """rl.clip_high, or its default: DAPO's clip-higher 0.28, else symmetric."""
+    if r.clip_high is not None:
+        return r.clip_high
+    return 0.28 if r.loss == "dapo" else r.clip_low
 
 
 _SCORE = re.compile(r"^(exact|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")

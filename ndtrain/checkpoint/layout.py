@@ -157,8 +157,12 @@ def install_moments(optimizer: torch.optim.Optimizer, moments: dict, step: float
 
 @torch.no_grad()
 def load_model(source, model: torch.nn.Module) -> None:
-    """Fill a plain one-process model's parameters from `source` (generate, convert)."""
+    """Fill a model's parameters from `source`: a plain one-process model (generate,
+    convert), or one whose split parameters carry their regions (a tensor-parallel one: RL's
+    generation layout), each reading only its box."""
     for name, p in model.named_parameters():  # a tied parameter once, under its first name
+        region = region_of(p)
         data = torch.empty(p.numel(), dtype=p.dtype)
-        source.fill(f"weight/{name}", Piece.whole(p.shape), data)
-        p.copy_(data.view(p.shape))
+        source.fill(f"weight/{name}", Piece(region.shape, region.offsets, tuple(p.shape)), data)
+        with torch.no_grad():
+            p.copy_(data.view(p.shape).to(p.device))

@@ -3,8 +3,11 @@ attention and the loss need to know about them.
 
 Pretraining fills only tokens and targets. SFT packs several examples into a row: positions
 restart at each example, doc_ids keep attention inside it, and prompt tokens have target
-IGNORE. RL adds per-token weights (the advantage). Context parallelism permutes every field
-the same way. The trainer, the schedules and the parallel modules never branch on the task.
+IGNORE. RL adds per-token weights (its loss normalisation), the advantage of each sampled
+token and the log-probabilities recorded before the update (of the policy that sampled, and
+of a frozen reference), which its objective reads (train/rl/losses.py). Context parallelism
+permutes every field the same way. The trainer, the schedules and the parallel modules
+never branch on the task.
 """
 
 from __future__ import annotations
@@ -22,6 +25,9 @@ class MicroBatch:
     positions: Tensor | None = None  # [b, s] RoPE positions; None = 0..s-1 in every row
     doc_ids: Tensor | None = None  # [b, s] document of each token; None = one per row
     weights: Tensor | None = None  # [b, s] per-token loss weights; None = 1
+    advantages: Tensor | None = None  # [b, s] RL: the advantage of each sampled token
+    old_logprobs: Tensor | None = None  # [b, s] RL: log p(target) under the policy before the update
+    ref_logprobs: Tensor | None = None  # [b, s] RL: log p(target) under the frozen reference
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)

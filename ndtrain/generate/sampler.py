@@ -1,36 +1,150 @@
-"""Autoregressive sampling with a KV cache, for the `generate` command and RL rollouts."""
+"""Autoregressive sampling with a KV cache, for the `generate` command and RL rollouts.
+
+`generate` continues a batch of prompts of different lengths at once. The prompts are
+left-padded to one length; the padding is a document of its own (`doc_ids` 0, the prompt
+and its continuation 1), so no token ever attends to it (model/llama.KVCache keeps each
+cached position's document), and every row's positions start at 0 at its first real
+token, as they would if it were alone. One forward reads the prompts (prefill), then one
+forward per new token reads only that token.
+
+Each row draws from its own random stream (`seeds`), by inverse transform sampling: a
+uniform number u from the row's generator, and the first token whose cumulative
+probability exceeds u. A row's continuation therefore depends on its prompt and its seed,
+never on which other rows share its batch or on which rank generates it. What a row
+records besides its tokens: the log-probability of each under the model *without*
+temperature or filtering (the policy RL trains: it equals what a training forward
+computes), and the entropy of that distribution.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..model.llama import KVCache, Transformer
+from ..model.llama import KVCache, widened
 
 
-def next_token(logits: Tensor, temperature: float, top_k: int, generator: torch.Generator) -> int:
-    """Pick a token from one position's logits [vocab]: the argmax when temperature is 0,
-    else a draw from the softmax of logits/temperature restricted to the top_k (0: all)."""
-    if temperature == 0:
-        return int(logits.argmax())
-    # On the CPU in fp32: the same seed draws the same token on any device and dtype.
-    logits = logits.float().cpu() / temperature
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
+@dataclass
+class Generated:
+    tokens: list[list[int]]  # the new tokens of each row, its stop token included if it stopped
+    logprobs: list[list[float]]  # log p of each new token under the untempered, unfiltered model
+    entropies: list[list[float]]  # entropy (nats) of the model's distribution at each new token
+    stopped: list[bool]  # the row ended with a stop token (else it ran to max_new_tokens)
+
+
+def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """Logits [b, V] with −inf outside each row's `top_k` largest (0: all) and outside the
+    smallest set of largest-probability tokens whose probabilities add up to `top_p`
+    (the most likely token always stays)."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    if top_p < 1.0:
+        ordered, index = torch.sort(logits, dim=-1, descending=True)
+        probs = torch.softmax(ordered, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # probability of the tokens ranked above
+        drop = before >= top_p
+        drop[:, 0] = False
+        logits = logits.masked_fill(drop.scatter(-1, index, drop), float("-inf"))
+    return logits
+
+
+def draw(logits: Tensor, temperature: float, top_k: int, top_p: float,
+         generators: Sequence[torch.Generator]) -> Tensor:
+    """One token per row of `logits` [b, V]: the argmax when temperature is 0, else a draw
+    from softmax(filtered logits / temperature), with one uniform number from each row's
+    generator."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(filter_logits(widened(logits) / temperature, top_k, top_p), dim=-1)
+    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]).to(probs.device)
+    cdf = torch.cumsum(probs.double(), dim=-1)
+    token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    return token.clamp_max(logits.shape[-1] - 1)
+
+
+def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    """tokens, positions and doc_ids [b, P] of prompts left-padded to the longest, P."""
+    width = max(len(p) for p in prompts)
+    tokens = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    doc_ids = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        if len(p):
+            tokens[i, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+            doc_ids[i, width - len(p):] = 1
+    pad = torch.tensor([width - len(p) for p in prompts])
+    positions = (torch.arange(width)[None, :] - pad[:, None]).clamp_min(0)
+    return tokens.to(device), positions.to(device), doc_ids.to(device)
 
 
 @torch.no_grad()
-def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
+def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, seeds: Sequence[int] | None = None,
+             stop_ids: Collection[int] = (), pad_id: int = 0, use_cache: bool = True) -> Generated:
+    """Continue every prompt by up to `max_new_tokens` tokens, a row ending after any of
+    `stop_ids`. `model(tokens, positions=, cache=, doc_ids=)` returns logits [b, s, V] (a
+    `Transformer`, or a tensor-parallel one that gathers its vocabulary); `seeds`: one per
+    row (default: the row's index). Prompt plus continuation must fit in
+    `model.args.max_seq_len`. `use_cache=False` recomputes every position at every step
+    (the same tokens, for `ndtrain bench generate`)."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("generate: every prompt needs at least one token")
+    seeds = list(range(len(prompts))) if seeds is None else list(seeds)
+    if len(seeds) != len(prompts):
+        raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
+    width = max(len(p) for p in prompts)
+    if width + max_new_tokens - 1 > model.args.max_seq_len:
+        raise ValueError(f"generate: prompts of up to {width} tokens and {max_new_tokens} new ones exceed the "
+                         f"model's max_seq_len {model.args.max_seq_len}")
+    device = next(model.parameters()).device
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    stops = torch.tensor(sorted(set(stop_ids)) or [-1], device=device)
+    b = len(prompts)
+    out = Generated([[] for _ in range(b)], [[] for _ in range(b)], [[] for _ in range(b)], [False] * b)
+    if max_new_tokens <= 0:
+        return out
+    was_training = model.training
+    model.eval()
+    try:
+        cache = KVCache(width + max_new_tokens) if use_cache else None
+        tokens, positions, doc_ids = left_pad(prompts, pad_id, device)
+        seen = (tokens, positions, doc_ids)  # without a cache: everything so far, every step
+        next_pos = positions[:, -1] + 1
+        running = torch.ones(b, dtype=torch.bool, device=device)
+        for step in range(max_new_tokens):
+            logits = widened(model(tokens, positions=positions, cache=cache, doc_ids=doc_ids)[:, -1])
+            token = draw(logits, temperature, top_k, top_p, generators)
+            logp = torch.log_softmax(logits, dim=-1)
+            chosen = logp.gather(-1, token[:, None]).squeeze(-1)
+            entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
+            for i in running.nonzero().flatten().tolist():
+                out.tokens[i].append(int(token[i]))
+                out.logprobs[i].append(float(chosen[i]))
+                out.entropies[i].append(float(entropy[i]))
+            running &= ~torch.isin(token, stops)
+            if not bool(running.any()) or step == max_new_tokens - 1:
+                break
+            tokens = token.masked_fill(~running, pad_id)[:, None]
+            positions, doc_ids = next_pos[:, None], torch.ones_like(tokens)
+            next_pos = next_pos + 1
+            if cache is None:
+                seen = tuple(torch.cat([old, new], dim=1) for old, new in zip(seen, (tokens, positions, doc_ids)))
+                tokens, positions, doc_ids = seen
+        out.stopped = [bool(t) and t[-1] in set(stop_ids) for t in out.tokens]
+        return out
+    finally:
+        model.train(was_training)
+
+
+def sample(model, prompt_ids: list[int], max_new_tokens: int,
            temperature: float = 0.8, top_k: int = 50, seed: int = 0,
-           eot_id: int | None = None, stop_ids: Collection[int] = ()) -> list[int]:
-    """Continue `prompt_ids` by up to `max_new_tokens` tokens and return only the new ones,
-    stopping after `eot_id` or any of `stop_ids` (which is included). The prompt is cut from the left so that
-    prompt and continuation fit in the model's `max_seq_len`."""
+           eot_id: int | None = None, stop_ids: Collection[int] = (), top_p: float = 1.0) -> list[int]:
+    """Continue one prompt by up to `max_new_tokens` tokens and return only the new ones,
+    stopping after `eot_id` or any of `stop_ids` (which is included). The prompt is cut from
+    the left so that prompt and continuation fit in the model's `max_seq_len`."""
     if not prompt_ids:
         raise ValueError("sample: prompt_ids is empty")
     if max_new_tokens <= 0:
@@ -40,21 +154,4 @@ def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
     max_new_tokens = min(max_new_tokens, max_len)
     # The last new token is never fed back, so the cache holds prompt + max_new - 1 positions.
     prompt_ids = prompt_ids[-(max_len - max_new_tokens + 1):]
-
-    device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(seed)
-    cache = KVCache(max_len)
-    was_training = model.training
-    model.eval()
-    try:
-        tokens = torch.tensor([prompt_ids], dtype=torch.long, device=device)
-        new: list[int] = []
-        while True:
-            logits = model(tokens, cache=cache)[0, -1]
-            token = next_token(logits, temperature, top_k, generator)
-            new.append(token)
-            if token in stops or len(new) == max_new_tokens:
-                return new
-            tokens = torch.tensor([[token]], dtype=torch.long, device=device)
-    finally:
-        model.train(was_training)
+    return generate(model, [prompt_ids], max_new_tokens, temperature, top_k, top_p, [seed], stops).tokens[0]

@@ -87,6 +87,10 @@ class KVCache:
     whatever heads the attention layer holds. `pos` is the number of positions already
     stored; the `Transformer` that owns the cache advances it after each forward.
     Use one cache per `Transformer` instance.
+
+    Rows of different lengths (a batch of prompts, left-padded) keep the document id of
+    every cached position (`doc_ids`): a query sees only the cached keys of its own
+    document, so padding is never attended to.
     """
 
     def __init__(self, max_len: int):
@@ -94,14 +98,13 @@ class KVCache:
         self.pos = 0
         self.k: dict[str, Tensor] = {}
         self.v: dict[str, Tensor] = {}
+        self.doc_ids: Tensor | None = None  # [batch, max_len], when the forward passes doc_ids
 
     def update(self, layer_key: str, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Store k, v [b, s, kv_heads, head_dim] at positions pos..pos+s-1 and return the
         keys and values of positions 0..pos+s-1."""
         b, s, heads, head_dim = k.shape
-        end = self.pos + s
-        if end > self.max_len:
-            raise ValueError(f"KVCache: {end} positions exceed max_len={self.max_len}")
+        end = self._end(s)
         if layer_key not in self.k:
             shape = (b, self.max_len, heads, head_dim)
             self.k[layer_key] = torch.zeros(shape, dtype=k.dtype, device=k.device)
@@ -110,11 +113,26 @@ class KVCache:
         self.v[layer_key][:, self.pos:end] = v
         return self.k[layer_key][:, :end], self.v[layer_key][:, :end]
 
+    def store_doc_ids(self, doc_ids: Tensor) -> None:
+        """The document ids [b, s] of the positions this forward adds (before its layers)."""
+        b, s = doc_ids.shape
+        end = self._end(s)
+        if self.doc_ids is None:
+            self.doc_ids = torch.zeros((b, self.max_len), dtype=doc_ids.dtype, device=doc_ids.device)
+        self.doc_ids[:, self.pos:end] = doc_ids
+
+    def _end(self, s: int) -> int:
+        end = self.pos + s
+        if end > self.max_len:
+            raise ValueError(f"KVCache: {end} positions exceed max_len={self.max_len}")
+        return end
+
     def advance(self, n: int) -> None:
         self.pos += n
 
     def reset(self) -> None:
         self.pos = 0
+        self.doc_ids = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -125,8 +143,9 @@ class AttentionCore(nn.Module):
     """Everything between the projections: rotary, cache, softmax attention, head merge.
 
     q [b, s, heads, head_dim], k and v [b, s, kv_heads, head_dim] -> [b, s, heads·head_dim].
-    `doc_ids` [b, s] (packed sequences): a token attends only to earlier tokens of its own
-    document. It holds no parameters; recompute wraps it, context parallelism replaces it.
+    `doc_ids` [b, s] (packed sequences, or rows of a generated batch with their padding): a
+    token attends only to earlier tokens of its own document. It holds no parameters;
+    recompute wraps it, context parallelism replaces it.
     """
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
@@ -140,9 +159,10 @@ class AttentionCore(nn.Module):
         n_q, n_kv = q.shape[1], k.shape[1]
         gqa = {"enable_gqa": True} if n_q != n_kv else {}
         s_kv = k.shape[2]
-        if doc_ids is not None:
-            if cache is not None:
-                raise ValueError("document masks are for training; a KV cache decodes one sequence per row")
+        if doc_ids is not None and cache is not None:  # rows of different lengths: their own keys only
+            mask = cached_document_mask(doc_ids, cache.doc_ids[:, :s_kv])
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+        elif doc_ids is not None:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids), **gqa)
         elif s == s_kv:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
@@ -153,6 +173,16 @@ class AttentionCore(nn.Module):
             mask = torch.arange(s_kv, device=q.device)[None, :] <= q_pos[:, None]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
         return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def cached_document_mask(doc_ids: Tensor, cached: Tensor) -> Tensor:
+    """[b, 1, s, s_kv] boolean for s new queries after s_kv − s cached positions: query i
+    (at slot s_kv − s + i) sees key j when j is not after it and both are in one document
+    (`cached`: the document of every slot, the new ones included)."""
+    s, s_kv = doc_ids.shape[-1], cached.shape[-1]
+    slots = torch.arange(s_kv, device=doc_ids.device)
+    causal = slots[None, :] <= (slots[s_kv - s:])[:, None]
+    return ((doc_ids[:, :, None] == cached[:, None, :]) & causal)[:, None]
 
 
 def document_mask(doc_ids: Tensor) -> Tensor:
@@ -298,13 +328,16 @@ class Transformer(nn.Module):
                 cache: KVCache | None = None, doc_ids: Tensor | None = None) -> Tensor:
         """x: tokens [b, s] (or hidden states without the embedding). positions: [s] or
         [b, s], the RoPE position of each token (default 0..s-1, after the cache);
-        a packed row restarts them at each document. doc_ids: [b, s], see AttentionCore."""
+        a packed row restarts them at each document. doc_ids: [b, s], see AttentionCore; with
+        a cache, the documents of the new positions (KVCache keeps those of the old)."""
         s = x.shape[1]
         if positions is None:
             start = cache.pos if cache is not None else 0
             positions = torch.arange(start, start + s, device=x.device)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
 
+        if cache is not None and doc_ids is not None:
+            cache.store_doc_ids(doc_ids)
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for key, layer in self.layers.items():
             h = layer(h, cos, sin, cache, key, doc_ids=doc_ids)

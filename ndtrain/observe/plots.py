@@ -45,3 +45,58 @@ def plot_loss(metrics_path: Path, out: Path, baseline: float | None = None, titl
     fig.savefig(out)
     plt.close(fig)
     return Path(out)
+
+
+def _series(records: list[dict], key: str) -> tuple[list[int], list[float]]:
+    pairs = [(r["step"] + 1, r[key]) for r in records if r.get(key) is not None]
+    return ([s for s, _ in pairs], [v for _, v in pairs]) if pairs else ([], [])
+
+
+def plot_rl(metrics_path: Path, out: Path, start: dict | None = None, title: str = "") -> Path:
+    """An RL run in six panels against updates: the training reward, held-out pass@1 and
+    pass@k (from `start`, the starting policy's, at 0), response length, entropy and KL,
+    clipping and the groups that teach something, and where each step's time went."""
+    records = read_metrics(metrics_path)
+    start = start or {}
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5), dpi=110)
+    ax = axes[0, 0]
+    steps, reward = _series(records, "reward_mean")
+    if reward:
+        ax.plot(steps, reward, lw=0.8, alpha=0.35, color="C0")
+        ax.plot(steps, _smooth(reward), lw=1.6, color="C0", label="reward (mean of the rollouts, smoothed)")
+    ax.set_title("training reward")
+    ax = axes[0, 1]
+    for i, key in enumerate(sorted({k for r in records for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))):
+        s, v = _series(records, key)
+        if key in start:
+            s, v = [0] + s, [start[key]] + v
+        ax.plot(s, v, "o-", ms=3, color=f"C{i + 1}", label=f"held-out {key}")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_title("held-out evaluation")
+    panels = [(axes[0, 2], "completion", [("response_length", "length (tokens)"), ("truncated", "cut at max length")]),
+              (axes[1, 0], "policy", [("entropy", "entropy (nats/token)"), ("kl", "KL to the start (k3)")]),
+              (axes[1, 1], "update", [("clip_fraction", "clipped tokens"),
+                                      ("groups_with_variance", "groups with reward variance")])]
+    for ax, name, keys in panels:
+        for i, (key, label) in enumerate(keys):
+            s, v = _series(records, key)
+            if v:
+                ax.plot(s, v, lw=1.2, color=f"C{i + 3}", label=label)
+        ax.set_title(name)
+    ax = axes[1, 2]
+    s, rollout = _series(records, "rollout_time_s")
+    _, total = _series(records, "step_time_s")
+    if rollout and len(rollout) == len(total):
+        ax.stackplot(s, rollout, [t - r for t, r in zip(total, rollout)], labels=["rollout", "update"],
+                     colors=["C1", "C0"], alpha=0.7)
+    ax.set_title("time per step (s)")
+    for ax in axes.flat:
+        ax.set_xlabel("update")
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle(title or "ndtrain rl")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return Path(out)

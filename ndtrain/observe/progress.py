@@ -10,11 +10,21 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 def _fmt(record: dict) -> str:
     mfu = record.get("mfu")
-    parts = [f"loss {record['loss']:.4f}", f"{record['tokens_per_s']:,.0f} tok/s",
-             f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU n/a"]
+    if "reward_mean" in record:  # RL: what the policy earns, not the surrogate loss
+        parts = [f"reward {record['reward_mean']:.3f}", f"length {record['response_length']:.1f}",
+                 f"{record['tokens_per_s']:,.0f} tok/s"]
+    else:
+        parts = [f"loss {record['loss']:.4f}", f"{record['tokens_per_s']:,.0f} tok/s",
+                 f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU n/a"]
     if record.get("val_loss") is not None:
         parts.append(f"val {record['val_loss']:.4f}")
+    if record.get("pass@1") is not None:
+        parts.append(f"held-out pass@1 {record['pass@1']:.3f}")
     return " · ".join(parts)
+
+
+def _evaluated(record: dict) -> bool:
+    return record.get("val_loss") is not None or record.get("pass@1") is not None
 
 
 class TrainProgress:
@@ -36,9 +46,9 @@ class TrainProgress:
         step = record["step"] + 1
         if self.live:
             self.progress.update(self.task, completed=step, info=_fmt(record))
-            if record.get("val_loss") is not None:  # evaluations stay on screen above the bar
+            if _evaluated(record):  # evaluations stay on screen above the bar
                 self.progress.console.print(f"step {step}/{self.total} · {_fmt(record)}")
-        elif step % self.log_every == 0 or step == self.total or record.get("val_loss") is not None:
+        elif step % self.log_every == 0 or step == self.total or _evaluated(record):
             print(f"step {step}/{self.total} · {_fmt(record)}", flush=True)
 
     def print(self, text: str) -> None:

@@ -35,7 +35,7 @@ from ndtrain.data.batch import MicroBatch
 from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
-from ndtrain.model.loss import token_loss_sum
+from ndtrain.model.loss import TokenLoss, token_nll, weighted_sum
 from ndtrain.parallel import context, tensor
 from ndtrain.parallel.data import DataParallel
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
@@ -59,7 +59,7 @@ class Parallelized:
     grad_sync: GradSync
     schedule: SingleStage | PipelineSchedule
     states: ReplicatedStates | ZeRO
-    loss_fn: Callable = token_loss_sum
+    loss_fn: TokenLoss
     # mesh dims over which model / optimizer states are identical copies (for checkpoints)
     model_replicated: tuple[str, ...] = REPLICATED_MODEL_DIMS
     optim_replicated: tuple[str, ...] = REPLICATED_MODEL_DIMS
@@ -79,6 +79,12 @@ class Parallelized:
 
     def evaluate(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         return self.schedule.evaluate(micro_batches)
+
+    def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """log p(target) [b, s] at every position of every micro-batch (0 where the target is
+        IGNORE), forward only, on every rank (under pipeline parallelism the last stage's,
+        broadcast). What RL compares with its rollout's log-probabilities."""
+        return self.schedule.logprobs(micro_batches)
 
     def reduce_loss(self, local: torch.Tensor) -> float:
         """The step's loss from each rank's share: summed over dp × cp, and over pp, where
@@ -132,10 +138,11 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
     return make
 
 
-def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
+def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable = weighted_sum) -> Parallelized:
+    """`objective(nll, micro_batch)`: the task's half of the loss (model/loss.TokenLoss)."""
     t, p = cfg.train, cfg.parallel
     tp = mesh.group("tp")
-    loss_fn = tensor.VocabParallelLoss(tp) if tp.active else token_loss_sum
+    loss_fn = TokenLoss(tensor.VocabParallelNLL(tp) if tp.active else token_nll, objective)
     pipelined = mesh.shape.pp > 1
     # The whole model, or under pipeline parallelism only this rank's chunks; module swaps
     # (tensor parallelism, in `decoder`) and recomputation wrappers apply to each chunk,

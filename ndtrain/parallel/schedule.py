@@ -24,7 +24,7 @@ class GradSync(Protocol):
 def forward_loss(model: nn.Module, mb: MicroBatch, loss_fn: Callable) -> torch.Tensor:
     """The sum of the micro-batch's token losses (weighted, where it has weights)."""
     logits = model(mb.tokens, positions=mb.positions, doc_ids=mb.doc_ids)
-    return loss_fn(logits, mb.targets, mb.weights)
+    return loss_fn(logits, mb)
 
 
 class SingleStage:
@@ -50,3 +50,9 @@ class SingleStage:
         for mb in micro_batches:
             total += forward_loss(self.model, mb, self.loss_fn).double()
         return total
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """log p(target) [b, s] of every micro-batch, forward only."""
+        return [self.loss_fn.logprobs(self.model(mb.tokens, positions=mb.positions, doc_ids=mb.doc_ids), mb)
+                for mb in micro_batches]

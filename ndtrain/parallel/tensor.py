@@ -545,12 +545,12 @@ def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, group: Group) 
 
 
 @dataclass
-class VocabParallelLoss:
-    """The schedule's loss under TP: the sum of token losses, from this rank's logit
-    columns. The same value on every rank of the group."""
+class VocabParallelNLL:
+    """The layout's half of the loss under TP (model/loss.TokenLoss): each position's
+    cross-entropy [b·s], from this rank's logit columns. The same values on every rank of
+    the group."""
 
     group: Group
 
-    def __call__(self, logits: Tensor, targets: Tensor, weights: Tensor | None = None) -> Tensor:
-        losses = vocab_parallel_cross_entropy(logits, targets, self.group)
-        return losses.sum() if weights is None else (losses * weights.flatten().to(losses.dtype)).sum()
+    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, self.group)

@@ -12,7 +12,6 @@ greedy answers to that many held-out prompts, scored by `sft.score`.
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
@@ -27,7 +26,7 @@ from ndtrain.data.sft import SFTData
 from ndtrain.generate.sampler import sample
 from ndtrain.model.llama import Transformer
 from ndtrain.parallel.states import load_unique_state
-from ndtrain.train.tasks import Task
+from ndtrain.train.tasks import Task, load_function
 
 
 class SFT(Task):
@@ -57,16 +56,7 @@ def exact_match(prompt: str, completion: str, reference: str) -> float:
 
 def load_score(spec: str):
     """`exact`, or `MODULE:FUNCTION` importable from here. Raises ConfigError."""
-    if spec == "exact":
-        return exact_match
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError("sft.score", spec, f"cannot import it ({type(e).__name__}: {e})") from None
-    if not callable(fn):
-        raise ConfigError("sft.score", spec, "is not callable")
-    return fn
+    return exact_match if spec == "exact" else load_function("sft.score", spec)
 
 
 def answer_held_out(model: Transformer, data: SFTData, cfg: Config) -> dict:

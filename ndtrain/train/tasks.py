@@ -19,18 +19,38 @@ what the rows hold. A task provides:
 - `before_update(step, trainer)`: work before each update (RL's rollout phase, which
   samples from the current policy and fills the batches `rows` serves, with per-token
   `weights`); nothing for pretraining and SFT;
+- `objective(nll, mb)`: its half of the loss (model/loss.TokenLoss), given each token's
+  negative log-likelihood: the weighted sum (default), or RL's policy-gradient objective;
+- `evaluate(trainer)`: the metrics of an evaluation step (default: the validation loss,
+  `val_loss`, unless train.eval_batches = 0); RL: held-out pass@1 and pass@k;
+- `step_metrics(trainer)`: what it adds to each step's record (RL: rewards, lengths,
+  entropy, KL, clipping, the rollout's time);
 - `baseline`, `baseline_label`: a reference loss for the summary and the plot.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 
-from ndtrain.config import Config
+from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
 from ndtrain.data.loader import BatchLoader
 from ndtrain.data.prepare import PreparedData
-from ndtrain.model.loss import count_targets
+from ndtrain.model.loss import count_targets, weighted_sum
+
+
+def load_function(key: str, spec: str):
+    """The function `MODULE:FUNCTION` names (sft.score, rl.reward), imported from here.
+    Raises ConfigError naming `key`."""
+    module, _, name = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(key, spec, f"cannot import it ({type(e).__name__}: {e})") from None
+    if not callable(fn):
+        raise ConfigError(key, spec, "is not callable")
+    return fn
 
 
 @dataclass
@@ -43,6 +63,7 @@ class Task:
     vocab_size: int
     baseline: float | None = None
     baseline_label: str = "baseline"
+    objective = staticmethod(weighted_sum)
 
     def rows(self, split: str, step: int, start: int, stop: int) -> MicroBatch:
         raise NotImplementedError
@@ -55,6 +76,14 @@ class Task:
 
     def before_update(self, step: int, trainer) -> None:
         """Called before the batch of `step` is read (RL: the rollout phase)."""
+
+    def step_metrics(self, trainer) -> dict:
+        """Called on every rank after each update; returns what the step's record adds."""
+        return {}
+
+    def evaluate(self, trainer) -> dict:
+        """Called on every rank on evaluation steps; returns the record's evaluation keys."""
+        return {"val_loss": trainer.evaluate()} if trainer.cfg.train.eval_batches else {}
 
 
 class Pretrain(Task):

@@ -18,6 +18,7 @@ from ndtrain.checkpoint.resume import check_resume_config
 from ndtrain.checkpoint.store import CheckpointError
 from ndtrain.comm.ops import all_reduce_scalars
 from ndtrain.config import Config, ConfigError
+from ndtrain.data.batch import MicroBatch
 from ndtrain.mesh import DIMS, ParallelMesh
 from ndtrain.model.args import flops_per_token
 from ndtrain.observe.memory import per_rank
@@ -46,7 +47,7 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         self.args = cfg.model_args(vocab_size=task.vocab_size)
-        self.par: Parallelized = build(self.args, mesh, cfg)
+        self.par: Parallelized = build(self.args, mesh, cfg, task.objective)
         self.stepper = TrainStep(self.par, cfg)
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
         self.peak, self.peak_source = peak_flops(mesh.device, t.precision, cfg.data.cache_dir)
@@ -90,6 +91,21 @@ class Trainer:
             rows = context.shard(rows, cp.size, cp.rank)
         return StepData(rows.split(t.micro_batch), self.task.targets(rows))
 
+    @torch.no_grad()
+    def logprobs(self, rows: MicroBatch) -> torch.Tensor:
+        """log p(target) [rows, S] of this data-parallel rank's `rows` under the current
+        weights, computed by the training layout's forward (micro-batches, the CP shard, the
+        pipeline, the vocabulary-parallel loss), whole rows on every rank of the dp group.
+        What RL takes as the old policy's log-probabilities. Collective."""
+        was_training = self.par.model.training
+        self.par.model.eval()
+        cp = self.mesh.group("cp")
+        rows = rows.to(self.mesh.device)
+        local = context.shard(rows, cp.size, cp.rank) if cp.active else rows
+        out = torch.cat(self.par.logprobs(local.split(self.cfg.train.micro_batch)))
+        self.par.model.train(was_training)
+        return context.unshard(out, cp) if cp.active else out
+
     # -- one step -------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
         t = self.cfg.train
@@ -116,6 +132,7 @@ class Trainer:
         tokens_per_s = t.global_batch * t.seq_len / dt
         mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.n_peak_units)
                if self.peak else None)
+        task_metrics = self.task.step_metrics(self)  # collective, for some tasks
         comm = self.mesh.stats.as_metrics()
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": int(n_targets),
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
@@ -125,6 +142,7 @@ class Trainer:
             record["memory"] = self.memory_per_rank()
         if scale is not None:
             record.update(loss_scale=scale, skipped=not stepped)
+        record.update(task_metrics)
         return record
 
     def memory_per_rank(self) -> dict[str, list[int]]:
@@ -172,8 +190,8 @@ class Trainer:
                     progress.print(f"step {step}: fp16 gradients overflowed; step skipped, loss scale "
                                    f"{record['loss_scale']:g} → {self.stepper.scaler.scale:g}")
                 due = (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
-                if due and t.eval_batches:  # eval_batches = 0: no evaluation, no val_loss
-                    record["val_loss"] = self.evaluate()
+                if due:
+                    record.update(self.task.evaluate(self))
                 self.history.append(record)
                 if metrics:
                     metrics.write(record)

@@ -16,6 +16,6 @@ loss is summed and divided by the step's global target count.
 """
 
 from ndtrain.parallel.context.attention import IMPLS, ContextParallelAttention, apply, set_recorder, wire_bytes
-from ndtrain.parallel.context.layout import shard, zigzag_index
+from ndtrain.parallel.context.layout import shard, unshard, zigzag_index
 
-__all__ = ["IMPLS", "ContextParallelAttention", "apply", "set_recorder", "shard", "wire_bytes", "zigzag_index"]
+__all__ = ["IMPLS", "ContextParallelAttention", "apply", "set_recorder", "shard", "unshard", "wire_bytes", "zigzag_index"]

@@ -23,6 +23,7 @@ from dataclasses import fields, replace
 import torch
 from torch import Tensor
 
+from ndtrain.comm import ops
 from ndtrain.data.batch import MicroBatch
 
 
@@ -58,3 +59,16 @@ def shard(mb: MicroBatch, cp: int, rank: int) -> MicroBatch:
         mb = replace(mb, positions=torch.arange(s, device=mb.tokens.device).expand(b, s))
     return replace(mb, **{f.name: getattr(mb, f.name)[:, index] for f in fields(mb)
                           if getattr(mb, f.name) is not None})
+
+
+def unshard(local: Tensor, group) -> Tensor:
+    """The whole rows [b, S] of a per-token tensor that each CP rank holds in its zigzag
+    order [b, S/cp] (what `shard` gave it): all-gathered over `group` (the cp group) and
+    put back in sequence order. Collective over cp."""
+    b, s_local = local.shape
+    gathered = local.new_empty((group.size * b, s_local))
+    ops.all_gather(gathered, local.contiguous(), group)
+    index = gathered_index(s_local * group.size, group.size, local.device)
+    out = torch.empty((b, s_local * group.size), dtype=local.dtype, device=local.device)
+    out[:, index] = gathered.view(group.size, b, s_local).permute(1, 0, 2).reshape(b, -1)
+    return out

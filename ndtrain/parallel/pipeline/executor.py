@@ -172,7 +172,7 @@ class PipelineSchedule:
             x, self._embedded = self._embedded, None
         loss = None
         if a.chunk == self.n_chunks - 1:
-            out = self.loss_fn(out, mb.targets, mb.weights) / n_targets
+            out = self.loss_fn(out, mb) / n_targets
             loss = out.detach()
         step.inputs[(a.chunk, a.micro)], step.outputs[(a.chunk, a.micro)] = x, out
         step.held += 1
@@ -231,9 +231,30 @@ class PipelineSchedule:
     def evaluate(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Forward only through the pipeline: the sum of token losses (no division), which
         only the last stage computes; summed over pp so every rank returns it."""
+        sums = self._forward_only(micro_batches, lambda out, mb: float(self.loss_fn(out, mb).double()))
+        total = ops.all_reduce_scalars([sum(sums)], self.mesh.group("pp"))[0]
+        return torch.tensor(total, dtype=torch.float64)
+
+    @torch.no_grad()
+    def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
+        """log p(target) [b, s] of every micro-batch (fp64), computed by the last stage and
+        broadcast over pp, so every rank returns them."""
+        mine = self._forward_only(micro_batches, lambda out, mb: self.loss_fn.logprobs(out, mb).double())
+        last = self.pp - 1
+        out = []
+        for i, mb in enumerate(micro_batches):
+            t = mine[i] if self.mesh.is_last_stage else torch.empty(mb.targets.shape, dtype=torch.float64,
+                                                                    device=mb.targets.device)
+            ops.broadcast(t, self.mesh.group("pp"), src=last)
+            out.append(t)
+        return out
+
+    def _forward_only(self, micro_batches: list[MicroBatch], on_last) -> list:
+        """Forward every micro-batch through the pipeline; `on_last(output, mb)` of each on
+        the last stage (an empty list elsewhere)."""
         self._check(micro_batches)
         self.agree_shapes(micro_batches[0])
-        step, total = _Step(), 0.0
+        step, results = _Step(), []
         for group in self.plan(len(micro_batches), train=False):
             a = group[0]
             if a.kind in MESSAGES:
@@ -243,12 +264,11 @@ class PipelineSchedule:
             x = mb.tokens if a.chunk == 0 else self._take(RECV_F, a, step)
             out = self._chunk(a.chunk, x, mb)
             if a.chunk == self.n_chunks - 1:
-                total += float(self.loss_fn(out, mb.targets, mb.weights).double())
+                results.append((a.micro, on_last(out, mb)))
             else:
                 step.outputs[(a.chunk, a.micro)] = out
         self.links.wait_sends()
-        total = ops.all_reduce_scalars([total], self.mesh.group("pp"))[0]
-        return torch.tensor(total, dtype=torch.float64)
+        return [r for _, r in sorted(results, key=lambda x: x[0])]
 
     @staticmethod
     def _check(micro_batches: list[MicroBatch]) -> None:

@@ -1,0 +1,167 @@
+"""What each rank of `ndtrain rl` runs, and the default job's SFT warm-up.
+
+The default job (`ndtrain rl` with no arguments) starts from a model that has seen the
+task: a short supervised warm-up on problems of the training split, run through the SFT
+task (`ndtrain sft` on a JSONL file written here) once, and cached under
+`data.cache_dir/rl-warmup/` by everything that decides its result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from ndtrain import config as config_mod
+from ndtrain.config import Config, ConfigError
+from ndtrain.data.verifiable import char_tokenizer, draw_problems, make_task
+from ndtrain.train.rl.task import RL, Environment
+from ndtrain.train.tasks import load_function
+
+# The warm-up's own settings (ndtrain sft keys), after the RL job's model, seed and device.
+WARMUP_SETTINGS = ["train.seq_len=64", "train.global_batch=32", "train.lr=3e-3", "train.warmup=20",
+                   "train.eval_every=0", "train.eval_batches=4", "data.packing=bfd", "data.template=builtin",
+                   "sft.generate=0", "run.plot=false"]
+MODEL_KEYS = ("preset", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "tie_embeddings", "head_dim",
+              "dropout")
+
+
+def warmup_overrides(cfg: Config, folder: Path) -> list[str]:
+    """The `ndtrain sft` overrides of the warm-up into `folder`."""
+    r = cfg.rl
+    model = [f"model.{k}={getattr(cfg.model, k)}" for k in MODEL_KEYS if getattr(cfg.model, k) is not None]
+    return model + WARMUP_SETTINGS + [
+        "model.init_from=scratch", f"data.path={folder / 'train.jsonl'}", f"data.tokenizer={folder / 'chars.json'}",
+        f"train.steps={r.warmup_steps}", f"train.seed={cfg.train.seed}", f"run.dir={folder / 'run'}",
+        f"run.device={cfg.run.device}", f"data.cache_dir={cfg.data.cache_dir}", f"run.progress={cfg.run.progress}"]
+
+
+def warmup_folder(cfg: Config) -> Path:
+    """Where the warm-up of this configuration lives: named by a hash of everything that
+    decides its result (the task, the examples, the model, the steps, the seed)."""
+    r = cfg.rl
+    what = {"task": r.task, "size": r.size, "reverse": r.reverse_answer, "examples": r.warmup_examples,
+            "steps": r.warmup_steps, "seed": cfg.train.seed, "settings": WARMUP_SETTINGS,
+            "model": {k: getattr(cfg.model, k) for k in MODEL_KEYS}}
+    key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
+    return Path(cfg.data.cache_dir).expanduser() / "rl-warmup" / f"{r.task}{r.size}-{key}"
+
+
+def write_warmup_data(cfg: Config, folder: Path) -> None:
+    """The warm-up's examples (training split only) and the task's character tokenizer."""
+    r = cfg.rl
+    folder.mkdir(parents=True, exist_ok=True)
+    task = make_task(r.task, r.size, r.reverse_answer)
+    problems = draw_problems(task, cfg.train.seed, "sft", r.warmup_examples, "train")
+    lines = "".join(json.dumps({"prompt": p.prompt, "completion": p.answer}) + "\n" for p in problems)
+    (folder / "train.jsonl").write_text(lines)
+    char_tokenizer().save(folder / "chars.json")
+
+
+def char_tokenizer_file(cache_dir: str) -> Path:
+    """The tasks' character tokenizer as a tokenizer.json under `cache_dir` (written once)."""
+    path = Path(cache_dir).expanduser() / "rl-chars" / "tokenizer.json"
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        char_tokenizer().save(path)
+    return path
+
+
+def row_length(cfg: Config) -> int:
+    """train.seq_len for rl.task's rows: the longest prompt and rl.max_new_tokens, rounded up
+    to a multiple of 8 (so context and sequence parallelism can cut it)."""
+    task = make_task(cfg.rl.task, cfg.rl.size, cfg.rl.reverse_answer)
+    return -(-(task.max_prompt_chars + cfg.rl.max_new_tokens) // 8) * 8
+
+
+def check_reward(cfg: Config) -> None:
+    """rl.reward imports, and returns a number for a sample problem's reference answer.
+    Raises ConfigError before anything starts."""
+    r = cfg.rl
+    if r.reward == "builtin":
+        return
+    fn = load_function("rl.reward", r.reward)
+    p = draw_problems(make_task(r.task, r.size, r.reverse_answer), 0, "probe", 1, "train")[0]
+    sample = f"a sample (prompt {p.prompt!r}, completion {p.answer!r}, answer {p.answer!r})"
+    try:
+        value = fn(p.prompt, p.answer, p.answer)
+    except Exception as e:  # noqa: BLE001 - a user's function may raise anything
+        raise ConfigError("rl.reward", r.reward, f"raised {type(e).__name__}: {e} on {sample}") from None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError("rl.reward", r.reward, f"returned {value!r} ({type(value).__name__}) on {sample}: "
+                          "a reward must be a number")
+
+
+def finished(run: Path) -> bool:
+    from ndtrain.checkpoint import store
+    return (run / "summary.json").is_file() and store.latest(run) is not None
+
+
+# ----------------------------------------------------------------------------- one rank
+
+def rl_worker(cfg_dict: dict, run_dir: str, template, evaluate_only: bool = False) -> dict:
+    """Entry point of one rank of `ndtrain rl`. Returns the summary on rank 0 ({} elsewhere)."""
+    from ndtrain.launch import init_process, shutdown
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.trainer import Trainer
+    from ndtrain.train.worker import from_rank_0, mesh_shape
+
+    cfg = config_mod.from_dict(cfg_dict)
+    env = init_process(cfg.run.device, cfg.run.threads)
+    try:
+        run = Path(from_rank_0(run_dir)) if not evaluate_only else None
+        mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
+        task = RL(cfg, Environment(cfg, template))
+        trainer = Trainer(cfg, mesh, task, run, local_world=env.local_world)
+        trainer.start()  # resume run.dir's checkpoint, or load model.init_from
+        if evaluate_only:
+            result = task.evaluate(trainer)
+            return result if mesh.rank == 0 else {}
+        if env.rank == 0:
+            (run / "config.toml").write_text(config_mod.to_toml(cfg))
+            template.save(run)
+        return reinforce(trainer, task, cfg, run)
+    finally:
+        shutdown()
+
+
+def reinforce(trainer, task: RL, cfg: Config, run: Path) -> dict:
+    """Evaluate the starting policy (from step 0), train, plot. Collective; the summary on
+    rank 0."""
+    start_file = run / "start_eval.json"
+    if trainer.step == 0:
+        start = task.evaluate(trainer)
+        if trainer.is_logger:
+            start_file.write_text(json.dumps(start) + "\n")
+            if cfg.run.progress:
+                print(describe_eval("starting policy", start), flush=True)
+    else:
+        start = json.loads(start_file.read_text()) if start_file.is_file() else {}
+    summary = trainer.fit(stop_after=cfg.run.stop_after)
+    if not trainer.is_logger:
+        return {}
+    from ndtrain.observe.plots import plot_rl
+    final = next((r for r in reversed(trainer.history) if "pass@1" in r), {})
+    summary = dict(summary)
+    summary.update(task="rl", rl_task=cfg.rl.task, loss=cfg.rl.loss, start=start,
+                   final={k: v for k, v in final.items() if k.startswith(("pass@", "eval_"))})
+    if cfg.run.plot:
+        summary["rl_plot"] = str(plot_rl(run / "metrics.jsonl", run / "rl.png", start,
+                                         title=f"{cfg.rl.loss} on {cfg.rl.task} · {trainer.mesh.describe()}"))
+    (run / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def describe_eval(label: str, e: dict) -> str:
+    passes = " · ".join(f"{k} {v:.3f}" for k, v in e.items() if k.startswith("pass@"))
+    return f"{label}: held-out {passes}" + (f" · mean reward {e['eval_reward']:.3f}" if "eval_reward" in e else "")
+
+
+def describe_summary(s: dict) -> str:
+    lines = []
+    if s.get("start") and s.get("final"):
+        lines.append(describe_eval("start", s["start"]))
+        lines.append(describe_eval(f"after {s['steps']} updates", s["final"]))
+    if s.get("rl_plot"):
+        lines.append(f"RL curves      {s['rl_plot']}")
+    return "\n".join(lines)
