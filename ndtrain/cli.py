@@ -369,7 +369,7 @@ def cmd_sft(args) -> int:
 
 def cmd_rl(args) -> int:
     from ndtrain.checkpoint.sources import resolve_init_from
-    from ndtrain.config import RL_DEFAULTS, check_rl_job, load_config, validate
+    from ndtrain.config import RL_DEFAULTS, ConfigError, check_rl_job, load_config, validate
     from ndtrain.data.sft import make_template
     from ndtrain.launch import external_world, launch_local
     from ndtrain.train.rl import job
@@ -379,21 +379,24 @@ def cmd_rl(args) -> int:
         cfg.run.nproc = args.nproc
         cfg.explicit |= {"run.nproc"}
     world = external_world()
-    if cfg.model.init_from == "scratch":  # random weights, the task's character tokenizer
+    scratch = cfg.model.init_from == "scratch"  # random weights, the task's character tokenizer
+    if scratch:
         cfg.model.init_from = ""
-        if not cfg.data.tokenizer:
-            cfg.data.tokenizer = str(job.char_tokenizer_file(cfg.data.cache_dir))
-        validate(cfg, world=world)
-    else:
-        validate(cfg, world=world)  # every key's own rules first, before any warm-up runs
-        if not cfg.model.init_from:
-            cfg.model.init_from = f"run:{default_warmup(cfg, world)}"
+    validate(cfg, world=world)  # every key's own rules, the job's and the reward's, before anything runs
+    check_rl_job(cfg)
+    job.check_reward(cfg)
+    if "train.seq_len" in cfg.explicit and cfg.train.seq_len < job.row_length(cfg, rounded=False):
+        raise ConfigError("train.seq_len", cfg.train.seq_len, f"must hold the task's longest prompt and "
+                          f"rl.max_new_tokens = {cfg.rl.max_new_tokens} new tokens: at least "
+                          f"{job.row_length(cfg, rounded=False)} (leave it unset to get that)")
+    if scratch and not cfg.data.tokenizer:
+        cfg.data.tokenizer = str(job.char_tokenizer_file(cfg.data.cache_dir))
+    elif not scratch and not cfg.model.init_from:
+        cfg.model.init_from = f"run:{default_warmup(cfg, world)}"
     resolve_init_from(cfg)  # the model and tokenizer of model.init_from
     if "train.seq_len" not in cfg.explicit:
         cfg.train.seq_len = job.row_length(cfg)
     validate(cfg, world=world)
-    check_rl_job(cfg)
-    job.check_reward(cfg)
     warn_before_start(cfg, world, "rl")
     template = make_template(cfg, progress=cfg.run.progress)
     if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:

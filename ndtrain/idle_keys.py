@@ -52,7 +52,7 @@ def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool
          "it only permits train.precision = fp16 with train.loss_scaler = false"),
         *((f"train.{k}", not fp16 or not t.loss_scaler,
            "loss scaling is for train.precision = fp16 with train.loss_scaler = true only") for k in scaling),
-        ("train.eval_every", t.eval_batches == 0, "train.eval_batches = 0 turns evaluation off"),
+        ("train.eval_every", t.eval_batches == 0 and command != "rl", "train.eval_batches = 0 turns evaluation off"),
         ("data.vocab_size", bool(d.tokenizer) or prepared,
          "it sizes the BPE trained when there is no data.tokenizer and data.path is not a prepared folder"),
         *((f"data.{k}", prepared, "data.path is a prepared folder, read as it is")
@@ -67,6 +67,30 @@ def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool
     rules += [(key, command != "sft", "only ndtrain sft reads it") for key in sft_keys]
     rules += [(f"sft.{k}", cfg.sft.generate == 0, "sft.generate = 0 generates nothing") for k in ("max_new_tokens", "score")]
     rules.append(("data.jsonl_key", command == "sft", "SFT records are read whole (messages, or prompt and completion)"))
+    rules += _rl_rules(cfg, command)
+    return rules
+
+
+def _rl_rules(cfg: Config, command: str) -> list[tuple[str, bool, str]]:
+    from dataclasses import fields
+
+    from ndtrain.config import RLConfig
+    r = cfg.rl
+    rules = [(f"rl.{f.name}", command != "rl", "only ndtrain rl reads it") for f in fields(RLConfig)]
+    if command != "rl":
+        return rules
+    ratio = "reinforce has no importance ratio to clip"
+    rules += [
+        *((f"data.{k}", True, "ndtrain rl draws its prompts from rl.task") for k in
+          ("path", "vocab_size", "val_fraction", "jsonl_key", "packing", "truncate", "on_bad_record")),
+        ("rl.clip_low", r.loss == "reinforce", ratio), ("rl.clip_high", r.loss == "reinforce", ratio),
+        ("rl.max_refills", r.loss != "dapo", "dynamic sampling (refilling groups) is dapo's"),
+        ("rl.reverse_answer", r.task != "addition", "it writes addition's answers backwards"),
+        ("rl.format_reward", r.reward != "builtin", "it adds to the builtin reward; rl.reward is your function"),
+        *((f"rl.{k}", "model.init_from" in cfg.explicit, "model.init_from is set: there is no default warm-up")
+          for k in ("warmup_steps", "warmup_examples")),
+        ("rl.pass_k", r.eval_prompts == 0, "rl.eval_prompts = 0 evaluates nothing"),
+    ]
     return rules
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -279,3 +280,90 @@ def test_rl_update_under_every_layout_equals_one_process_in_fp64():
     for name, _ in FP32_CONSISTENCY:
         gaps = [m["logprob_gap"] for m in runs[name]["metrics"][::2]]
         assert max(gaps) <= 1e-5 and max(gaps) > 0, (name, gaps)
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def text_reward(prompt: str, completion: str, answer: str):
+    return "good"
+
+
+def broken_reward(prompt: str, completion: str, answer: str):
+    raise KeyError(answer)
+
+
+@pytest.mark.parametrize("extra, expect", [
+    (["rl.group_size=1"], "rl.group_size = 1: rl.loss = grpo normalises rewards within a group"),
+    (["train.global_batch=12"], "train.global_batch = 12: must be divisible by rl.group_size × dp = 8 × 2 = 16"),
+    (["rl.reward=no_such_module:f"], "rl.reward = 'no_such_module:f': cannot import it (ModuleNotFoundError"),
+    (["rl.reward=test_rl:no_such_function"], "rl.reward = 'test_rl:no_such_function': cannot import it"),
+    (["rl.reward=test_rl:text_reward"], "rl.reward = 'test_rl:text_reward': returned 'good' (str) on a sample"),
+    (["rl.reward=test_rl:broken_reward"], "rl.reward = 'test_rl:broken_reward': raised KeyError"),
+    (["rl.loss=bandit"], "rl.loss = 'bandit': choose one of reinforce, grpo, dr_grpo, dapo"),
+    (["rl.temperature=0"], "rl.temperature = 0.0: greedy sampling gives a group the same completion"),
+    (["rl.loss=reinforce", "rl.ppo_epochs=2"], "rl.ppo_epochs = 2: reinforce has no importance ratio"),
+    (["rl.size=12"], "rl.size = 12: must be in [1, 9] for rl.task = addition"),
+    (["train.seq_len=8"], "train.seq_len = 8: must hold the task's longest prompt"),
+])
+def test_bad_input_is_one_line_exit_2_nothing_written(extra, expect, tmp_path, capsys, monkeypatch):
+    from ndtrain.cli import main
+    monkeypatch.chdir(tmp_path)
+    code = main(["rl", "--nproc", "2", "model.init_from=scratch", "model.preset=tiny", "run.device=cpu",
+                 f"data.cache_dir={tmp_path / 'cache'}", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and expect in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_failing_reward_scores_zero_and_says_why():
+    from ndtrain.data.template import BuiltinTemplate
+    from ndtrain.train.rl.task import Environment
+    from ndtrain.config import load_config
+    cfg = load_config(None, ["rl.reward=test_rl:length_reward"])
+    env = Environment(cfg, BuiltinTemplate(char_tokenizer()))
+    problem = draw_problems(env.task, 0, "x", 1, "train")[0]
+    ids = char_tokenizer().encode("17")
+    reward, fmt, correct, error, why = env.score(problem, ids)
+    assert (reward, correct, error) == (0.0, 0.0, 1.0) and math.isnan(fmt) and why == "raised ValueError: no sevens"
+    assert env.score(problem, char_tokenizer().encode("12"))[:4:2] == (2 / 6, 0.0)
+
+
+def test_rl_command_end_to_end(tmp_path, capsys):
+    """The default job's path with tiny settings: an SFT warm-up through `ndtrain sft`
+    (cached: the second command starts from it), then GRPO; metrics.jsonl carries the RL
+    metrics and held-out pass@1, rl.png is drawn; --evaluate scores a run's policy."""
+    from ndtrain.cli import main
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    tiny = ["--nproc", "1", "model.preset=tiny", "run.device=cpu", f"data.cache_dir={cache}", "rl.warmup_steps=3",
+            "rl.warmup_examples=200", "rl.eval_prompts=8", "rl.pass_k=2", "train.global_batch=16", "rl.group_size=4"]
+    assert main(["rl", *tiny, "train.steps=2", "train.eval_every=1", f"run.dir={run}"]) == 0
+    out = capsys.readouterr().out
+    assert "SFT warm-up on addition" in out and "starting policy: held-out pass@1" in out
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1] and all("pass@1" in r and "pass@2" in r for r in records)
+    for key in ("reward_mean", "reward_std", "response_length", "entropy", "clip_fraction", "kl",
+                "groups_with_variance", "rollout_time_s", "step_time_s", "logprob_gap", "correct", "format"):
+        assert all(key in r for r in records), key
+    assert (run / "rl.png").is_file() and json.loads((run / "summary.json").read_text())["task"] == "rl"
+    assert main(["rl", *tiny, "--evaluate"]) == 0
+    out = capsys.readouterr().out
+    assert "starting from the cached SFT warm-up" in out and "held-out pass@1" in out
+
+
+def test_rl_toml_lists_the_commands_defaults():
+    from pathlib import Path
+
+    from ndtrain.config import RL_DEFAULTS, load_config
+    path = Path(__file__).parent.parent / "configs" / "rl.toml"
+    assert load_config(path).to_dict() == load_config(None, [], defaults=RL_DEFAULTS).to_dict()
+
+
+def test_bench_generate_compares_the_same_tokens_and_ends_with_the_ratio(capsys):
+    from ndtrain.cli import main
+    assert main(["bench", "generate", "--nproc", "3"]) == 2
+    assert "--nproc = 3: bench generate runs on one process" in capsys.readouterr().err
+    assert main(["bench", "generate", "--rounds", "1", "--steps", "1", "model.preset=tiny", "train.global_batch=2",
+                 "train.seq_len=8", "run.device=cpu"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert re.fullmatch(r"ndtrain kv-cache/no-cache generation throughput ratio: \d+\.\d\d", last), last

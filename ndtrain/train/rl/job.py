@@ -67,11 +67,13 @@ def char_tokenizer_file(cache_dir: str) -> Path:
     return path
 
 
-def row_length(cfg: Config) -> int:
-    """train.seq_len for rl.task's rows: the longest prompt and rl.max_new_tokens, rounded up
-    to a multiple of 8 (so context and sequence parallelism can cut it)."""
+def row_length(cfg: Config, rounded: bool = True) -> int:
+    """train.seq_len for rl.task's rows: the longest prompt (in characters, which no
+    tokenizer of ours exceeds) and rl.max_new_tokens, rounded up to a multiple of 8 (so
+    context and sequence parallelism can cut it)."""
     task = make_task(cfg.rl.task, cfg.rl.size, cfg.rl.reverse_answer)
-    return -(-(task.max_prompt_chars + cfg.rl.max_new_tokens) // 8) * 8
+    need = task.max_prompt_chars + cfg.rl.max_new_tokens
+    return -(-need // 8) * 8 if rounded else need
 
 
 def check_reward(cfg: Config) -> None:

@@ -239,6 +239,9 @@ class RL(Task):
         advantages, weights, ref, rollout = (torch.zeros((n, s), dtype=torch.float64) for _ in range(4))
         for row, (prompt, gen, i) in enumerate(rows):
             c, p = int(gen.lengths[i]), len(prompt)
+            if p + c > s:
+                raise TrainingError(f"a prompt of {p} tokens and its completion of {c} exceed train.seq_len = {s}; "
+                                    "raise train.seq_len")
             completion = gen.tokens[i, :c]
             tokens[row, :p] = torch.tensor(prompt)
             tokens[row, p:p + c] = completion
