@@ -252,10 +252,10 @@ def packed_documents(trainer) -> None:
     from dataclasses import replace
 
     from ndtrain.model.loss import IGNORE
-    plain = trainer.rows
+    plain = trainer.task.rows
 
-    def rows(loader, step):
-        mb = plain(loader, step)
+    def rows(split, step, start, stop):
+        mb = plain(split, step, start, stop)
         b, s = mb.tokens.shape
         index = torch.arange(s).expand(b, s)
         start = torch.zeros(b, s, dtype=torch.bool)
@@ -267,7 +267,7 @@ def packed_documents(trainer) -> None:
         targets = mb.targets.masked_fill((positions < 3) | (index < 12), IGNORE)
         return replace(mb, targets=targets, positions=positions, doc_ids=doc_ids,
                        weights=1.0 + (mb.tokens % 3).double() / 2)
-    trainer.rows = rows
+    trainer.task.rows = rows
 
 
 def _pipeline(schedule: str, m: int, *extra: str) -> list[str]:
