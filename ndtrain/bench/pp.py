@@ -19,7 +19,7 @@ from ndtrain.bench.common import alternate, bench_config, report, synthetic_batc
 from ndtrain.data.batch import MicroBatch
 from ndtrain.launch import init_process, launch_local, shutdown
 from ndtrain.mesh import ParallelMesh
-from ndtrain.parallel.parallelize import build, decoder
+from ndtrain.parallel.parallelize import build, decoder, materialized
 from ndtrain.parallel.pipeline.stage import build_chunks
 from ndtrain.parallel.pipeline.timeline import gather
 from ndtrain.model.loss import token_loss_sum
@@ -39,6 +39,7 @@ def _torch_1f1b(cfg, args, mesh, x, y, n_targets: float, m: int):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     (c, chunk), = build_chunks(args, mesh, cfg, decoder(args, mesh, cfg)).items()
+    materialized(chunk, args, mesh, cfg)
     stage = PipelineStage(chunk, c, mesh.shape.pp, mesh.device, group=mesh.group("pp").pg)
     kwargs = {"scale_grads": False} if "scale_grads" in inspect.signature(Schedule1F1B).parameters else {}
     schedule = Schedule1F1B(stage, m, loss_fn=lambda out, t: token_loss_sum(out, t) / n_targets, **kwargs)
