@@ -32,10 +32,14 @@ examples:
   ndtrain convert --to-hf runs/x --out hf/x      export a run as a Hugging Face model folder
   ndtrain checkpoint inspect runs/x              steps, layout, tensors and bytes per rank of a run's checkpoints
   ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
+  ndtrain trace --nproc 2 parallel.cp=2 train.seq_len=512      context-parallel ring steps and their overlap
   ndtrain bench dp                               our DP against torch DDP, side by side
   ndtrain bench zero                             our ZeRO-3 against torch FSDP2, side by side
   ndtrain bench tp                               our TP+SP against DTensor TP+SP on 2 ranks, side by side
-  ndtrain bench pp                               our 1F1B against torch.distributed.pipelining, and each schedule's bubble
+  ndtrain bench pp                               our 1F1B, interleaved and zero bubble against torch.distributed.pipelining,
+                                                 and each schedule's bubble (real compute, paced, theory)
+  ndtrain bench zero model.preset=125M train.global_batch=8
+                                                 the same on a preset's shape (every benchmark takes model.preset)
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
 """
 
@@ -72,10 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
 
-    p = sub.add_parser("trace", help="run a few pipelined steps; write the schedule as a Chrome trace and a picture",
+    p = sub.add_parser("trace", help="run a few pipelined or context-parallel steps; write the last one as a Chrome "
+                                     "trace and a picture",
                        description="Train a few steps of a pipelined layout (parallel.pp > 1), then write the last "
                                    "step's per-rank timeline as trace.json (chrome://tracing, ui.perfetto.dev) and "
-                                   "timeline.png, and print the measured bubble next to the theory. Writes no checkpoint.")
+                                   "timeline.png, and print the measured bubble next to the theory. With context "
+                                   "parallelism and no pipeline (parallel.cp > 1, parallel.pp = 1): every ring step of "
+                                   "every layer and every message of the last step, and the share of message time "
+                                   "hidden behind attention compute. Writes no checkpoint.")
     p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
     p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>)")
     p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default 3)")
@@ -101,7 +109,13 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
-                                     "pp (our 1F1B vs torch.distributed.pipelining, bubbles)")
+                                     "pp (our 1F1B, interleaved, zero bubble vs torch.distributed.pipelining; "
+                                     "bubbles); KEY=VALUE reaches both sides or is refused",
+                       description="Run ndtrain and its PyTorch-native anchor side by side, alternating rounds; "
+                                   "the last line is the ratio of their median throughputs. Every key a "
+                                   "benchmark accepts (model.*, train.precision, train.recompute, "
+                                   "train.micro_batch, ...) reaches both sides; others are refused. "
+                                   "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
@@ -116,17 +130,10 @@ def fail(message: str, code: int = 2) -> int:
     return code
 
 
-def warn(lines: list[str | None]) -> None:
-    """Warnings before a start, one line each, from one process (rank 0 under torchrun)."""
-    if os.environ.get("RANK", "0") == "0":
-        for line in filter(None, lines):
-            print(f"ndtrain: warning: {line}", file=sys.stderr, flush=True)
-
-
 def warn_before_start(cfg, world: int | None) -> None:
     """Keys that do nothing in this layout, and more CPU processes than cores."""
     from ndtrain.idle_keys import idle_keys
-    from ndtrain.launch import oversubscribed
+    from ndtrain.launch import oversubscribed, warn
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world)) if world else cfg.parallel.world
     warn(idle_keys(cfg, world) + [oversubscribed(local, cfg.run.device)])
 
@@ -287,8 +294,9 @@ def cmd_trace(args) -> int:
         cfg.explicit |= {"run.nproc"}
     validate(cfg)
     p, t = cfg.parallel, cfg.train
-    if p.pp == 1:
-        raise ConfigError("parallel.pp", 1, "ndtrain trace draws a pipeline schedule; set parallel.pp > 1")
+    if p.pp == 1 and p.cp == 1:
+        raise ConfigError("parallel.pp", 1, "ndtrain trace draws a pipeline schedule (parallel.pp > 1) or "
+                          "context-parallel attention (parallel.cp > 1); set one of them")
     if args.out:
         check_writable_dir("--out", args.out)
     warn_before_start(cfg, None)
@@ -296,6 +304,16 @@ def cmd_trace(args) -> int:
     data = open_data(cfg, False)
     resolve_vocab(cfg, data)
     m = t.accumulation(p.dp)
+    if p.pp == 1:
+        print(f"ndtrain trace: {cfg.model.preset} model, cp={p.cp} ({p.cp_impl}) dp={p.dp} tp={p.tp}, "
+              f"{t.steps} steps, the last one recorded → {out}", flush=True)
+        r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
+        print(f"messages  {1e3 * r['in_flight']:.1f} ms in flight per rank, {1e3 * r['waited']:.1f} ms waited: "
+              f"{100 * r['hidden']:.0f}% hidden behind {1e3 * r['compute']:.1f} ms of attention compute "
+              f"({r['messages']:.0f} messages, {r['layers']} layers, forward and backward)\n"
+              f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
+              f"timeline  {r['timeline']}", flush=True)
+        return 0
     print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} tp={p.tp}, schedule {p.pp_schedule}"
           + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "") + f", {m} micro-batches, {t.steps} steps → {out}",
           flush=True)

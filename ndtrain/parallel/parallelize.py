@@ -9,10 +9,11 @@ that dimension's module, never the trainer.
 
 Order of the transformations (each one is a no-op when its dimension has size 1):
 1. tensor/sequence parallel module swaps   (parallel/tensor.py)
-2. activation recomputation wrappers       (parallel/recompute.py)
-3. gradient synchronisation over dp × cp:  DP buckets (parallel/data.py) or ZeRO (parallel/zero.py),
+2. context-parallel attention cores        (parallel/context/)
+3. activation recomputation wrappers       (parallel/recompute.py)
+4. gradient synchronisation over dp × cp:  DP buckets (parallel/data.py) or ZeRO (parallel/zero.py),
    each with the compute dtype and fp32 masters of parallel/precision.py
-4. the schedule: one stage, or a pipeline  (parallel/pipeline/)
+5. the schedule: one stage, or a pipeline  (parallel/pipeline/)
 
 Who holds the model states is `Parallelized.states`: `states.ReplicatedStates` (zero = 0:
 the model's own parameters, plus fp32 masters under mixed precision) or `zero.ZeRO` (flat
@@ -35,7 +36,7 @@ from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.model.loss import token_loss_sum
-from ndtrain.parallel import tensor
+from ndtrain.parallel import context, tensor
 from ndtrain.parallel.construct import initializer, materialize
 from ndtrain.parallel.data import DataParallel
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
@@ -117,15 +118,20 @@ def build_model(args: ModelArgs, seed: int, device: torch.device, layer_ids=None
 
 def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
     """`make(layer_ids, embed, head)`: this rank's share of (part of) the decoder, laid out
-    on the meta device (tensor-parallel modules when tp > 1); parallel/construct.py gives
-    the parameters memory and the values every layout starts from."""
-    tp = mesh.group("tp")
+    on the meta device: tensor-parallel modules when tp > 1, context-parallel attention when
+    cp > 1; parallel/construct.py gives the parameters memory and the values every layout
+    starts from."""
+    tp, cp = mesh.group("tp"), mesh.group("cp")
 
     def make(layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
         if tp.active:
-            return tensor.build(args, tp, cfg.parallel.sp, layer_ids, embed, head)
-        with torch.device("meta"):
-            return Transformer(args, layer_ids, embed, head)
+            model = tensor.build(args, tp, cfg.parallel.sp, layer_ids, embed, head)
+        else:
+            with torch.device("meta"):
+                model = Transformer(args, layer_ids, embed, head)
+        if cp.active:
+            context.apply(model, cp, cfg.parallel.cp_impl, tp if tp.active and cfg.parallel.sp else None)
+        return model
     return make
 
 
