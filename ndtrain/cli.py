@@ -78,12 +78,16 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
-                                     "pp (our 1F1B vs torch.distributed.pipelining, bubbles)")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp"])
+                                     "pp (our 1F1B vs torch.distributed.pipelining, bubbles), "
+                                     "comm (every collective's bus bandwidth, our ring all-reduce vs the backend's)")
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "comm"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR")
+    p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR; "
+                                               "comm: the picture and figures (default runs/bench-comm-<date>)")
+    p.add_argument("--sizes", nargs="+", metavar="SIZE", help="comm: message sizes, e.g. 1K 4M 64M "
+                                                              "(default 1 KB to 256 MB by powers of 4)")
     with_config(p)
     return ap
 
@@ -341,8 +345,8 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import dp, pp, tp, zero
-    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp}[args.what].run(args)
+    from ndtrain.bench import comm, dp, pp, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "comm": comm}[args.what].run(args)
 
 
 if __name__ == "__main__":

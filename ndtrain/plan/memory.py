@@ -1,0 +1,355 @@
+"""Memory per rank: model states by the ZeRO formulas, activations by replaying one step.
+
+Model states (parameters, gradients, optimizer state) follow Rajbhandari et al. 2020
+through `parallel/zero.model_state_bytes`, applied to the parameters a rank holds: its
+tensor-parallel shards (vocabulary padded to a multiple of t, K/V weights replicated when t
+exceeds the KV heads) of its pipeline chunks (the cost-balanced split of
+`parallel/pipeline/partition.py`; a tied embedding has a copy on the last stage).
+
+Activations are not one formula: what is held at the worst moment depends on the schedule.
+So the planner replays one training step of each pipeline rank, action by action in the
+order its schedule runs them (`compute_orders`, the engine's own lists), adding and removing
+bytes where the engine allocates and frees them:
+- forward of a micro-batch on a chunk: each block's saved tensors (plan/activations.py, by
+  recompute mode), the head's, the loss's (logits, log-softmax; vocab-parallel under TP);
+- backward: the loss gradient (the largest moment for a large vocabulary), then block by
+  block from the last, each with its working tensors (the incoming gradient, the MLP's
+  gradients, one weight's gradient) and, when recomputed, its forward run again; the
+  block's saved tensors go when its backward ends (zero bubble: when its W ends, plus the
+  gradients kept at the split nodes until then);
+- communication buffers: ZeRO-3's gathered units (the current one, the prefetched one, the
+  chunk's root), ZeRO-2/3's full-size reduce buffers, which the engine keeps from a unit's
+  first gradient until the end of the backward pass, and the gradient shards they leave;
+  DP's and ZeRO-1's reduce-dtype staging copies under bf16/fp16; the pipeline's messages,
+  which the executor keeps until the end of the step.
+`activations` is the highest sum over the step of everything but the model states that
+exist when it begins, the quantity `train --dry-run` measures (observe/memory.py); `total`
+is that plus those states, the rank's peak.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ndtrain.config import Config
+from ndtrain.model.args import ModelArgs, block_params
+from ndtrain.parallel.pipeline.partition import Chunk, chunk_counts, local_chunks, make_chunks
+from ndtrain.parallel.pipeline.schedules import B, F, W, Action, compute_orders
+from ndtrain.parallel.zero import model_state_bytes
+from ndtrain.plan.activations import block_bytes_per_token, head_bytes_per_token, kv_width, recomputed
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+
+
+@dataclass
+class RankMemory:
+    """One pipeline rank's bytes (every dp, cp and tp rank of a stage holds the same)."""
+
+    stage: int
+    params_count: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float = 0.0  # the step's peak on top of the states held when it began
+    at_peak: dict = field(default_factory=dict)  # what made up `activations` at that moment
+    grads_held: bool = True  # whether gradients exist when the step begins (ZeRO-0/1)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.optimizer + (self.grads if self.grads_held else 0.0) + self.activations
+
+    def as_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "total": self.total}
+
+
+# --------------------------------------------------------------------------- parameters
+
+def padded_vocab(args: ModelArgs, tp: int) -> int:
+    return -(-args.vocab_size // tp) * tp
+
+
+def block_local(args: ModelArgs, tp: int) -> int:
+    """Parameters of one block on one tensor-parallel rank."""
+    if tp == 1:
+        return block_params(args)
+    h, kv = args.dim, args.n_kv_heads * args.head_dim
+    kv_local = kv // tp if args.n_kv_heads % tp == 0 else kv  # replicated K/V weights
+    return 2 * h * h // tp + 2 * h * kv_local + 3 * h * args.ffn_dim // tp + 2 * h
+
+
+def root_local(args: ModelArgs, chunk: Chunk, tp: int, pipelined: bool) -> int:
+    """Embedding, final norm and head held by a chunk, on one tensor-parallel rank."""
+    table = padded_vocab(args, tp) // tp * args.dim
+    n = table if chunk.embed else 0
+    if chunk.head:
+        n += args.dim
+        if not (args.tie_embeddings and chunk.embed):
+            n += table  # untied head, or a tied head's copy on the last stage
+    return n
+
+
+def stage_chunks(cfg: Config, args: ModelArgs) -> list[list[Chunk]]:
+    p = cfg.parallel
+    chunks = make_chunks(chunk_counts(args, p.pp * p.pp_virtual, cfg.train.seq_len, p.pp_split))
+    return [[chunks[c] for c in local_chunks(r, p.pp, p.pp_virtual)] for r in range(p.pp)]
+
+
+def stage_params(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> int:
+    tp, pipelined = cfg.parallel.tp, cfg.parallel.pp > 1
+    return sum(len(ch.layer_ids) * block_local(args, tp) + root_local(args, ch, tp, pipelined) for ch in chunks)
+
+
+# --------------------------------------------------------------------------- the replay
+
+class Ledger:
+    """Live bytes by category; remembers the highest total and what it was made of."""
+
+    def __init__(self):
+        self.live: Counter = Counter()
+        self.peak = 0.0
+        self.at_peak: dict = {}
+
+    def add(self, what: str, n: float) -> None:
+        self.live[what] += n
+
+    def moment(self, **transient: float) -> None:
+        """A point where the engine holds what is live plus `transient`."""
+        parts = Counter(self.live)
+        for k, v in transient.items():
+            parts[k.replace("_", " ")] += v
+        total = sum(parts.values())
+        if total > self.peak:
+            self.peak = total
+            self.at_peak = {k: v for k, v in parts.items() if v > 0}
+
+
+@dataclass
+class StepShape:
+    """The sizes the replay needs, for one pipeline rank."""
+
+    cfg: Config
+    args: ModelArgs
+    c: int  # compute bytes per value
+    r: int  # reduce bytes per value
+    n: int  # tokens of a micro-batch on one rank (after context parallelism)
+    n_res: float  # tokens of the residual stream on one rank (after sequence parallelism)
+    shard: int  # ZeRO's shard group, dp_shard × cp
+
+    @classmethod
+    def of(cls, cfg: Config, args: ModelArgs) -> "StepShape":
+        p, t = cfg.parallel, cfg.train
+        c = BYTES[t.precision]
+        r = 4 if (t.reduce_fp32 or c == 4) else c
+        n = t.micro_batch * t.seq_len // p.cp
+        return cls(cfg, args, c, max(r, c), n, n / p.tp if p.sp else n, p.dp_shard * p.cp)
+
+    @property
+    def tp(self) -> int:
+        return self.cfg.parallel.tp
+
+    def block_saved(self, layer: int) -> float:
+        mode = recomputed(self.cfg.train.recompute, layer)
+        return block_bytes_per_token(self.args, self.c, self.tp, self.cfg.parallel.sp, mode) * self.n
+
+    def block_full(self) -> float:
+        return block_bytes_per_token(self.args, self.c, self.tp, self.cfg.parallel.sp, "none") * self.n
+
+    def block_working(self) -> float:
+        """A block's backward at its widest: the incoming gradient, the MLP's gradients
+        (its input's and silu's), and one weight's gradient before it is accumulated."""
+        a, tp = self.args, self.tp
+        return self.c * (a.dim + a.ffn_dim / tp) * self.n + self.c * a.dim * a.ffn_dim / tp
+
+    def block_forward_working(self) -> float:
+        """The end of a block's forward: the row-parallel matmul's output before it joins the
+        residual stream (under TP a copy for the all-reduce or reduce-scatter, under SP also
+        its output)."""
+        h = self.c * self.args.dim
+        return h * self.n * (2 if self.tp > 1 else 1) + (h * self.n_res if self.cfg.parallel.sp else 0.0)
+
+    def split_kept(self) -> float:
+        """Zero bubble: the gradients B leaves at the split nodes for W, per block: the
+        outputs' gradients of wq, wk, wv, wo, w1, w3, w2 and the two norm weights."""
+        a, tp = self.args, self.tp
+        return self.c * self.n * (a.dim / tp + 2 * kv_width(a, tp) + 2 * a.ffn_dim / tp + 2 * a.dim) + \
+            self.c * self.n_res * 2 * a.dim
+
+    def vocab_local(self) -> int:
+        return padded_vocab(self.args, self.tp) // self.tp
+
+
+def _loss_forward(s: StepShape) -> tuple[float, float]:
+    """(the most the loss holds while it runs forward, what it keeps for backward)."""
+    v, n, c = s.vocab_local(), s.n, s.c
+    copy = 4 * v * n if c != 4 else 0  # the fp32 copy of low-precision logits
+    if s.tp > 1:  # vocab-parallel: logits, (masked), fp32 shifted logits → softmax kept
+        masked = c * v * n if v * s.tp != s.args.vocab_size else 0
+        return c * v * n + masked + copy + 4 * v * n, 4 * v * n
+    return c * v * n + copy + 4 * v * n, 4 * v * n  # logits, log-softmax kept
+
+
+def _loss_backward(s: StepShape) -> float:
+    """On top of what the loss kept: cross-entropy's gradient and log-softmax's (fp32)."""
+    v, n, c = s.vocab_local(), s.n, s.c
+    if s.tp > 1:  # in place on the kept softmax; cast back to the compute dtype
+        return c * v * n if c != 4 else 0.0
+    return 8 * v * n
+
+
+class Units:
+    """ZeRO's units on this rank: bytes of one gathered copy and of one reduce buffer."""
+
+    def __init__(self, s: StepShape, chunks: list[Chunk]):
+        self.s, self.stage = s, s.cfg.parallel.zero
+        n = s.shard
+        pad = lambda x: -(-x // n) * n  # noqa: E731 - flat buffers are padded to the shard group
+        self.block = pad(block_local(s.args, s.tp))
+        self.root = {ch.index: pad(root_local(s.args, ch, s.tp, s.cfg.parallel.pp > 1)) for ch in chunks}
+
+
+def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledger:
+    """The activation peak of pipeline rank `rank` over one step (see the module docstring)."""
+    s = StepShape.of(cfg, args)
+    p, t = cfg.parallel, cfg.train
+    units = Units(s, chunks)
+    zero, c, r = p.zero, s.c, s.r
+    z3, keep_gathered = zero == 3, zero == 3 and not p.reshard_after_forward
+    m = t.accumulation(p.dp)
+    by_index = {ch.index: ch for ch in chunks}
+    if p.pp > 1:
+        orders = compute_orders(p.pp_schedule, p.pp, p.pp_virtual, m)[rank]
+    else:
+        orders = [[Action(kind, 0, i)] for i in range(m) for kind in (F, B)]
+    actions = [a for tick in orders for a in tick]
+    split = any(a.kind == W for a in actions)
+    last_backward = {a.chunk: k for k, a in enumerate(actions) if a.kind in (B, W)}
+    book = Ledger()
+    held: dict[tuple[int, int], float] = {}  # (chunk, micro) → saved bytes not yet freed
+    passes: Counter = Counter()  # backward passes run per chunk (ZeRO-2/3 keep shards after the first)
+    gathered = 0.0  # ZeRO-3 units kept gathered between forward and backward
+    hidden = c * args.dim * s.n_res  # one hidden state of the residual stream
+
+    def units_of(ch: Chunk) -> int:
+        return units.block * len(ch.layer_ids) + units.root[ch.index]
+
+    for k, a in enumerate(actions):
+        ch, key = by_index[a.chunk], (a.chunk, a.micro)
+        block_g, root_g = (c * units.block, c * units.root[ch.index]) if z3 else (0.0, 0.0)
+        if a.kind == F:
+            held[key] = 0.0
+            if not ch.embed and c != 4:  # the received input; in fp32 it is the first block's input
+                book.add("activations", hidden)
+                held[key] += hidden
+            for i in ch.layer_ids:
+                book.moment(gathered_parameters=gathered + root_g + 2 * block_g)
+                book.add("activations", s.block_saved(i))
+                held[key] += s.block_saved(i)
+                if keep_gathered:
+                    gathered += block_g
+            if ch.head:
+                saved = head_bytes_per_token(args, c, s.tp, p.sp) * s.n
+                book.add("activations", saved)
+                held[key] += saved
+                running, kept = _loss_forward(s)
+                book.moment(gathered_parameters=gathered + root_g, loss=running)
+                book.add("loss", kept)
+            else:  # the output sent on: the executor keeps the send until the step ends
+                book.add("pipeline messages", hidden)
+            if keep_gathered:
+                gathered += root_g
+            continue
+        embedding_grad = c * s.vocab_local() * args.dim + c * args.dim * s.n  # its weight's gradient, and its input's
+        if a.kind == W:
+            book.moment(working=s.block_working())
+            if ch.embed:
+                book.moment(working=embedding_grad)
+            book.add("activations", -held.pop(key))
+            continue
+        # B: one backward pass of one micro-batch through one chunk
+        sync = zero >= 2 or last_backward[a.chunk] == k
+        staged = 0.0  # communication buffers this pass allocates
+        full_buffer = r if (sync and zero >= 2) else 0.0  # ZeRO-2/3: from a unit's first gradient to the pass's end
+        launched = 0.0  # per parameter, when a unit's gradients are complete and its reduction starts
+        if sync and zero >= 2:
+            launched = r / s.shard  # the reduce-scatter's output
+        elif sync and zero == 1:
+            launched = r / s.shard + (r if r != c else 0.0)  # its output, and the fp32 copy of the input
+        elif sync and r != c:
+            launched = r  # DP: the bucket's fp32 copy
+
+        def gathered_now(remaining: int) -> float:
+            """ZeRO-3 during backward: the root and the current block and the prefetched one,
+            or, kept gathered since forward, the root and the blocks not yet done."""
+            return root_g + (remaining * block_g if keep_gathered else 2 * block_g)
+
+        if ch.head:  # the loss's gradient comes before the hooks that gather anything
+            book.moment(gathered_parameters=gathered, loss=_loss_backward(s))
+            book.add("loss", -_loss_forward(s)[1] * (0 if split else 1))
+            v = s.vocab_local()
+            book.moment(gathered_parameters=gathered_now(len(ch.layer_ids)), working=c * v * s.n + c * v * args.dim)
+            staged += full_buffer * units.root[ch.index]
+            book.moment(gathered_parameters=gathered_now(len(ch.layer_ids)), gradient_buffers=staged,
+                        working=c * v * args.dim)
+            saved = head_bytes_per_token(args, c, s.tp, p.sp) * s.n
+            if split:  # W still needs the loss's kept tensors and the logits' gradient (under TP: the same)
+                logits_grad = c * v * s.n if (s.tp == 1 or c != 4) else 0.0
+                book.add("activations", logits_grad)
+                held[key] += logits_grad + _loss_forward(s)[1]
+                book.add("activations", _loss_forward(s)[1])
+                book.add("loss", -_loss_forward(s)[1])
+            else:
+                book.add("activations", -saved)
+                held[key] -= saved
+        for done, i in enumerate(reversed(ch.layer_ids)):
+            staged += full_buffer * units.block
+            now = gathered_now(len(ch.layer_ids) - done)
+            if recomputed(t.recompute, i) != "none":  # its forward again, then its backward
+                rerun = s.block_full() - s.block_saved(i)
+                book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun,
+                            working=s.block_forward_working() + hidden)  # + the gradient waiting for it
+            else:
+                rerun = 0.0
+            book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun, working=s.block_working())
+            if not split:
+                book.add("activations", -s.block_saved(i))
+                held[key] -= s.block_saved(i)
+            staged += launched * units.block
+        if ch.embed:
+            staged += (0.0 if ch.head else full_buffer * units.root[ch.index])
+            if not split:
+                book.moment(gathered_parameters=gathered_now(0), gradient_buffers=staged, working=embedding_grad)
+        staged += launched * units.root[ch.index]
+        book.moment(gathered_parameters=gathered_now(0), gradient_buffers=staged)
+        if split:  # zero bubble: the graph stays for W, with the gradients kept at the split nodes
+            book.add("activations", s.split_kept() * len(ch.layer_ids))
+            held[key] += s.split_kept() * len(ch.layer_ids)
+        else:
+            book.add("activations", -held.pop(key))
+        if ch.index > 0:
+            book.add("pipeline messages", hidden)  # the input's gradient, sent and kept
+        if sync and zero >= 2:
+            if not passes[a.chunk]:
+                book.add("gradient shards", c * units_of(ch) / s.shard)
+        elif sync and launched:
+            book.add("gradient buffers", staged)  # freed by finish(), when the step ends
+        passes[a.chunk] += 1
+        if keep_gathered:
+            gathered = 0.0  # the end of a backward pass reshards every unit
+    return book
+
+
+def per_rank(cfg: Config, args: ModelArgs) -> list[RankMemory]:
+    """Memory of every pipeline stage (all ranks of a stage hold the same)."""
+    p = cfg.parallel
+    c = BYTES[cfg.train.precision]
+    out = []
+    for rank, chunks in enumerate(stage_chunks(cfg, args)):
+        psi = stage_params(cfg, args, chunks)
+        states = model_state_bytes(psi, p.zero, p.dp_shard * p.cp, c)
+        book = replay(cfg, args, rank, chunks)
+        out.append(RankMemory(rank, psi, states["params"], states["grads"], states["optimizer"],
+                              book.peak, book.at_peak, grads_held=p.zero <= 1))
+    return out
