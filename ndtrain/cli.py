@@ -224,7 +224,7 @@ def cmd_trace(args) -> int:
     from ndtrain.config import ConfigError, load_config, validate
     from ndtrain.data.prepare import PreparedData, prepare_data
     from ndtrain.launch import launch_local
-    from ndtrain.observe.trace import trace_worker
+    from ndtrain.train.trace import trace_worker
     from ndtrain.train.worker import resolve_vocab
 
     cfg = load_config(args.config, list(args.overrides) + [f"train.steps={args.steps}", "train.eval_batches=1",
@@ -311,7 +311,7 @@ def cmd_generate(args) -> int:
     from ndtrain.generate.sampler import sample
     from ndtrain.model.args import ModelArgs
     from ndtrain.model.llama import Transformer
-    from ndtrain.parallel.parallelize import load_unique_state
+    from ndtrain.parallel.states import load_unique_state
 
     run = Path(args.run)
     if not run.is_dir():

@@ -88,7 +88,7 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 0
-    precision: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 (the optimizer keeps fp32 masters)
+    precision: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs)
     reduce_fp32: bool = True  # reduce gradients in fp32; false: in train.precision, half the bytes
     loss_scaler: bool = True  # fp16: dynamic loss scaling
     allow_unscaled_fp16: bool = False  # permit fp16 with loss_scaler = false
@@ -312,7 +312,7 @@ def to_toml(cfg: Config) -> str:
 
 # --------------------------------------------------------------------------- validation
 
-PRECISIONS = ("fp32", "bf16", "fp16")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
 
@@ -349,6 +349,15 @@ def resolve_world(cfg: Config, world: int | None) -> None:
         raise ConfigError("parallel", f"pp×dp×cp×tp = {p.pp}×{p.dp}×{p.cp}×{p.tp} = {p.world}",
                           f"must equal the process count, {nproc} from {source}")
     run.nproc = nproc
+
+
+def _uses_cuda(device: str) -> bool:
+    if device == "cuda":
+        return True
+    if device != "auto":
+        return False
+    import torch
+    return torch.cuda.is_available()
 
 
 def default_local_processes(device: str) -> int:
@@ -400,6 +409,9 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
             raise ConfigError(f"train.{key}", getattr(t, key), "must be in [0, 1)")
     if t.precision not in PRECISIONS:
         raise ConfigError("train.precision", t.precision, f"choose one of {', '.join(PRECISIONS)}")
+    if t.precision == "fp64" and _uses_cuda(r.device):
+        raise ConfigError("train.precision", t.precision, "fp64 is for the CPU layout proofs (run.device=cpu); "
+                          "on a GPU use fp32, bf16 or fp16")
     if t.precision == "fp16" and not t.loss_scaler and not t.allow_unscaled_fp16:
         raise ConfigError("train.loss_scaler", False, "fp16 without loss scaling flushes small gradients "
                           "to zero; keep it on, or set train.allow_unscaled_fp16=true to insist")
@@ -485,8 +497,6 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
 
 def _check_pipeline(cfg: Config, a: ModelArgs) -> None:
     """The pipeline's layout: chunks, split, micro-batches per schedule."""
-    from ndtrain.parallel.pipeline.partition import parse_split, split_error
-
     p, t = cfg.parallel, cfg.train
     n_chunks = p.pp * p.pp_virtual
     if p.pp == 1:
@@ -516,6 +526,24 @@ def _check_pipeline(cfg: Config, a: ModelArgs) -> None:
         raise ConfigError("parallel.pp_schedule", p.pp_schedule,
                           f"needs the micro-batch count global_batch / (dp × micro_batch) = {t.global_batch} / "
                           f"({p.dp} × {t.micro_batch}) = {m} to be a multiple of parallel.pp = {p.pp}")
+
+
+def parse_split(text: str) -> list[int]:
+    """"3,5,5,3" → [3, 5, 5, 3]; raises ValueError on anything else."""
+    parts = [p.strip() for p in text.split(",")]
+    counts = [int(p) for p in parts]  # ValueError on a non-integer
+    return counts
+
+
+def split_error(counts: list[int], n_chunks: int, n_layers: int) -> str | None:
+    """Why a hand-written split cannot be used, or None."""
+    if len(counts) != n_chunks:
+        return f"lists {len(counts)} chunks, but pp × pp_virtual = {n_chunks}"
+    if min(counts) < 1:
+        return "every chunk needs at least one layer"
+    if sum(counts) != n_layers:
+        return f"covers {sum(counts)} layers, but model.n_layers = {n_layers}: a split must cover every layer once"
+    return None
 
 
 def recompute_every(spec: str) -> int:

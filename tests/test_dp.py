@@ -20,11 +20,12 @@ def _grads_vs_ddp(data_dir):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from ndtrain.config import load_config, validate
+    from ndtrain.data.batch import MicroBatch
     from ndtrain.data.loader import BatchLoader
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import MeshShape, ParallelMesh
     from ndtrain.parallel.parallelize import build, build_model
-    from ndtrain.train.loss import token_loss_sum
+    from ndtrain.model.loss import token_loss_sum
     from helpers import TINY
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -38,7 +39,7 @@ def _grads_vs_ddp(data_dir):
     n = float(8 * 32)
 
     ours = build(args, mesh, cfg)
-    ours.forward_backward([(x, y)], n)
+    ours.forward_backward([MicroBatch(x, y)], n)
     ref = DDP(build_model(args, cfg.train.seed, torch.device("cpu")))
     # DDP averages over ranks; our loss is already divided by the global count, so scale by world.
     (token_loss_sum(ref(x), y) / n * world).backward()

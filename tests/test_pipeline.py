@@ -109,12 +109,13 @@ def _one_schedule_vs_torch(data_dir, schedule, virtual):
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
     from ndtrain.config import load_config, validate
+    from ndtrain.data.batch import MicroBatch
     from ndtrain.data.loader import BatchLoader
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
     from ndtrain.parallel.parallelize import build, decoder
     from ndtrain.parallel.pipeline.stage import build_chunks
-    from ndtrain.train.loss import token_loss_sum
+    from ndtrain.model.loss import token_loss_sum
     from ndtrain.train.worker import mesh_shape
 
     m = 4
@@ -128,7 +129,7 @@ def _one_schedule_vs_torch(data_dir, schedule, virtual):
     n = float((y != -100).sum())
 
     ours = build(args, mesh, cfg)
-    ours.forward_backward(list(zip(x.split(2), y.split(2))), n)
+    ours.forward_backward(MicroBatch(x, y).split(2), n)
     mine = {k: p.grad.clone() for k, p in ours.model.named_parameters()}
 
     chunks = build_chunks(args, mesh, cfg, decoder(args, mesh, cfg))  # fresh copies, same initial weights
@@ -182,10 +183,12 @@ def _special_layouts_and_counts(data_dir):
     import torch.distributed as dist
 
     from ndtrain.config import load_config, validate
+    from ndtrain.data.batch import MicroBatch
     from ndtrain.data.loader import BatchLoader
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
     from ndtrain.parallel.parallelize import build
+    from ndtrain.train.step import TrainStep
     from ndtrain.train.worker import mesh_shape
 
     runs = {}
@@ -197,7 +200,7 @@ def _special_layouts_and_counts(data_dir):
     # over one step of 8 micro-batches on 4 stages (and 1F1B on one micro-batch, for scale)
     data = PreparedData.open(data_dir)
     x, y = BatchLoader(data.stream("train"), 32, 8, 0).rows(0, 0, 8)
-    micro = list(zip(x.split(1), y.split(1)))
+    micro = MicroBatch(x, y).split(1)
     peaks, traffic, activation_bytes = {}, {}, {}
     for schedule, extra, m in (("afab", [], 8), ("1f1b", [], 8), ("zb", [], 8), ("1f1b", [], 1),
                                ("interleaved", ["parallel.pp_virtual=2", *EIGHT_LAYERS], 8)):
@@ -208,9 +211,10 @@ def _special_layouts_and_counts(data_dir):
         par.forward_backward(micro[:m], 256.0)  # the first step also agrees on the shapes
         par.grad_sync.zero_grad()
         mesh.stats.reset()
-        par.forward_backward(micro[:m], 256.0, measure_memory=True)
+        step = TrainStep(par, cfg)
+        step.forward_backward(micro[:m], 256.0, measure_memory=True)
         key = schedule if m == 8 else f"{schedule}-m{m}"
-        peaks[key], activation_bytes[key] = par.schedule.peak_held, par.memory.activations
+        peaks[key], activation_bytes[key] = par.schedule.peak_held, step.memory.activations
         traffic[key] = (mesh.stats.tallies[("pp", "send")].calls, mesh.stats.tallies[("pp", "recv")].calls)
 
     # Gradient sync over dp: once per step, each bucket once, after the last backward of
@@ -221,7 +225,7 @@ def _special_layouts_and_counts(data_dir):
     mesh = ParallelMesh.build(mesh_shape(cfg))
     par = build(cfg.model_args(vocab_size=data.vocab_size), mesh, cfg)
     rows = 4 * mesh.dp_rank
-    mine = list(zip(x[rows:rows + 4].split(1), y[rows:rows + 4].split(1)))
+    mine = MicroBatch(x[rows:rows + 4], y[rows:rows + 4]).split(1)
     par.forward_backward(mine, 256.0)
     mesh.stats.reset()
     par.forward_backward(mine, 256.0)
@@ -286,7 +290,7 @@ def test_pipeline_checkpoint_resumes_bit_exact_and_holds_the_full_model(tiny_dat
     from ndtrain.checkpoint import store
     from ndtrain.model.args import ModelArgs
     from ndtrain.model.llama import Transformer
-    from ndtrain.parallel.parallelize import load_unique_state
+    from ndtrain.parallel.states import load_unique_state
     from ndtrain.observe.metrics import read_metrics
 
     from test_resume import _straight_vs_resumed
@@ -317,9 +321,10 @@ def _trace(data_dir, out):
     import torch.distributed as dist
 
     from ndtrain.config import load_config, validate
+    from ndtrain.data.batch import MicroBatch
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
-    from ndtrain.observe.trace import trace_run
+    from ndtrain.train.trace import trace_run
     from ndtrain.train.worker import mesh_shape
     cfg = validate(load_config(None, TINY + ["parallel.pp=2", "parallel.pp_schedule=zb", "train.micro_batch=1",
                                              "train.steps=2"]), world=dist.get_world_size())

@@ -80,7 +80,7 @@ def _recovery(data_dir):
     overrides = ["parallel.zero=2", "train.precision=fp16", "train.steps=8", "train.loss_scale_window=2",
                  "train.loss_scale_init=1024"]
     losses, _, trainer = train_in_rank(overrides, data_dir, before_fit=_inject_inf({2}, rank=1))
-    adam_steps = {int(s["step"]) for s in trainer.par.optimizer.state.values()}
+    adam_steps = {int(s["step"]) for s in trainer.stepper.optimizer.state.values()}
     return [(r["loss_scale"], r["skipped"]) for r in trainer.history], losses, adam_steps
 
 

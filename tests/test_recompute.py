@@ -7,7 +7,7 @@ from ndtrain.model.args import PRESETS
 from ndtrain.model.llama import Transformer
 from ndtrain.observe.memory import CpuPeak
 from ndtrain.parallel.recompute import apply_recompute
-from ndtrain.train.loss import token_loss_sum
+from ndtrain.model.loss import token_loss_sum
 
 MODES = ["none", "selective", "every:2", "full"]
 

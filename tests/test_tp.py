@@ -66,6 +66,7 @@ def _ours_vs_dtensor(data_dir):
 
     from ndtrain.bench.tp import dtensor_loss_backward, dtensor_model
     from ndtrain.config import load_config, validate
+    from ndtrain.data.batch import MicroBatch
     from ndtrain.data.loader import BatchLoader
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import MeshShape, ParallelMesh
@@ -82,7 +83,7 @@ def _ours_vs_dtensor(data_dir):
         cfg = validate(load_config(None, TINY + ["parallel.tp=2", f"parallel.sp={sp}"]), world=2)
         args = cfg.model_args(vocab_size=data.vocab_size)
         ours = build(args, mesh, cfg)
-        loss = ours.forward_backward([(x, y)], n)
+        loss = ours.forward_backward([MicroBatch(x, y)], n)
         grads = tensor.full_state(ours.model, {k: p.grad for k, p in ours.model.named_parameters()},
                                   mesh.group("tp"))
         with torch.no_grad():  # each rank holds only its half of the vocabulary's logits
@@ -110,6 +111,7 @@ def _tp_bytes(data_dir):
     import torch.distributed as dist
 
     from ndtrain.config import load_config, validate
+    from ndtrain.data.batch import MicroBatch
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import MeshShape, ParallelMesh
     from ndtrain.parallel.parallelize import build
@@ -128,7 +130,7 @@ def _tp_bytes(data_dir):
                 par = build(cfg.model_args(vocab_size=vocab), mesh, cfg)
                 for m in (1, 2):  # micro-batches in the step
                     mesh.stats.reset()
-                    par.forward_backward([(x, x)] * m, float(m * x.numel()))
+                    par.forward_backward([MicroBatch(x, x)] * m, float(m * x.numel()))
                     par.grad_sync.zero_grad()
                     out[t, sp, layers, m] = mesh.stats.wire("tp")
     return out
@@ -254,6 +256,7 @@ def test_bad_tensor_parallel_input(overrides, fragment, tmp_path, capsys, monkey
 
 def test_sp_defaults_on_with_tp_and_seq_len_need_not_divide_without_it():
     from ndtrain.config import load_config, validate
+    from ndtrain.data.batch import MicroBatch
     assert validate(load_config(None, ["parallel.tp=2", "run.nproc=2", "run.device=cpu"])).parallel.sp is True
     cfg = validate(load_config(None, ["model.preset=tiny", "parallel.tp=2", "parallel.sp=false",
                                       "train.seq_len=33", "run.nproc=2", "run.device=cpu"]))

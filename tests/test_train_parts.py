@@ -10,7 +10,7 @@ import torch
 from ndtrain.config import TrainConfig
 from ndtrain.mesh import ParallelMesh
 from ndtrain.testing import run_ranks
-from ndtrain.train.clip import clip_grad_norm_, grad_norm
+from ndtrain.parallel.clip import clip_grad_norm_, grad_norm
 from ndtrain.train.optim import lr_at
 
 

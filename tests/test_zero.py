@@ -153,8 +153,11 @@ def _two_steps_vs_fsdp2(data_dir):
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import MeshShape, ParallelMesh
     from ndtrain.parallel.parallelize import build, build_model
-    from ndtrain.train.loss import token_loss_sum
-    from ndtrain.train.optim import build_optimizer, param_groups
+    from ndtrain.model.loss import token_loss_sum
+    from ndtrain.parallel.states import param_groups
+    from ndtrain.train.optim import build_optimizer
+    from ndtrain.train.step import TrainStep
+    from ndtrain.data.batch import MicroBatch
 
     world, rank = dist.get_world_size(), dist.get_rank()
     cfg = validate(load_config(None, TINY + ["parallel.zero=3"]), world=world)
@@ -164,7 +167,7 @@ def _two_steps_vs_fsdp2(data_dir):
     per = 8 // world
     n = float(8 * 32)
 
-    ours = build(args, ParallelMesh.build(MeshShape(dp_shard=world)), cfg)
+    ours = TrainStep(build(args, ParallelMesh.build(MeshShape(dp_shard=world)), cfg), cfg)
     ref = build_model(args, cfg.train.seed, torch.device("cpu"))
     mesh = init_device_mesh("cpu", (world,))
     for block in ref.layers.values():
@@ -173,7 +176,7 @@ def _two_steps_vs_fsdp2(data_dir):
     opt = build_optimizer(param_groups(ref.named_parameters(), cfg.train.weight_decay), cfg.train, torch.device("cpu"))
     for step in range(2):
         x, y = loader.rows(step, rank * per, (rank + 1) * per)
-        ours.forward_backward([(x, y)], n)
+        ours.forward_backward([MicroBatch(x, y)], n)
         ours.optimizer_step(1e-3)
         # FSDP2 averages over ranks; our loss is already divided by the global count.
         (token_loss_sum(ref(x), y) / n * world).backward()
@@ -182,7 +185,7 @@ def _two_steps_vs_fsdp2(data_dir):
         opt.step()
         opt.zero_grad()
     theirs = {k: p.full_tensor() for k, p in ref.named_parameters()}
-    return ours.full_model_state(), theirs
+    return ours.par.full_model_state(), theirs
 
 
 def test_zero3_matches_torch_fsdp2(tiny_data):

@@ -83,7 +83,7 @@ class Contest:
     x: torch.Tensor
     y: torch.Tensor
     n_targets: float
-    ours: object  # parallel.parallelize.Parallelized
+    ours: object  # train.step.TrainStep on a parallel.parallelize.Parallelized
 
     @classmethod
     def start(cls, cfg_dict: dict) -> "Contest":
@@ -92,6 +92,7 @@ class Contest:
         from ndtrain.launch import init_process
         from ndtrain.mesh import ParallelMesh
         from ndtrain.parallel.parallelize import build
+        from ndtrain.train.step import TrainStep
         from ndtrain.train.worker import mesh_shape
 
         cfg = from_dict(cfg_dict)
@@ -99,10 +100,12 @@ class Contest:
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
         args, t = cfg.model_args(), cfg.train
         x, y = synthetic_batch(args, t.global_batch // mesh.dp_size, t.seq_len, mesh.dp_rank, env.device)
-        return cls(cfg, env, args, x, y, float(t.global_batch * t.seq_len), build(args, mesh, cfg))
+        ours = TrainStep(build(args, mesh, cfg), cfg)
+        return cls(cfg, env, args, x, y, float(t.global_batch * t.seq_len), ours)
 
     def step_ours(self) -> None:
-        self.ours.forward_backward([(self.x, self.y)], self.n_targets)
+        from ndtrain.data.batch import MicroBatch
+        self.ours.forward_backward([MicroBatch(self.x, self.y)], self.n_targets)
         self.ours.optimizer_step(self.cfg.train.lr)
 
     @property

@@ -10,8 +10,9 @@ from __future__ import annotations
 from ndtrain.bench.common import Contest, alternate, bench_config, report
 from ndtrain.launch import launch_local, shutdown
 from ndtrain.parallel.parallelize import build_model
-from ndtrain.train.loss import token_loss_sum
-from ndtrain.train.optim import build_optimizer, param_groups
+from ndtrain.model.loss import token_loss_sum
+from ndtrain.parallel.states import param_groups
+from ndtrain.train.optim import build_optimizer
 
 BENCH_DEFAULTS = ["model.preset=small", "model.n_layers=8", "model.dim=256", "model.ffn_dim=768",
                   "model.vocab_size=4096", "train.seq_len=128", "train.global_batch=16",

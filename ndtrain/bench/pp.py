@@ -16,12 +16,13 @@ import inspect
 import torch
 
 from ndtrain.bench.common import alternate, bench_config, report, synthetic_batch
+from ndtrain.data.batch import MicroBatch
 from ndtrain.launch import init_process, launch_local, shutdown
 from ndtrain.mesh import ParallelMesh
 from ndtrain.parallel.parallelize import build, decoder
 from ndtrain.parallel.pipeline.stage import build_chunks
 from ndtrain.parallel.pipeline.timeline import gather
-from ndtrain.train.loss import token_loss_sum
+from ndtrain.model.loss import token_loss_sum
 from ndtrain.train.worker import mesh_shape
 
 BENCH_DEFAULTS = ["model.preset=small", "model.n_layers=8", "model.dim=256", "model.ffn_dim=768",
@@ -149,7 +150,7 @@ def _worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> str:
         t = cfg.train
         x, y = synthetic_batch(args, t.global_batch, t.seq_len, 0, env.device)  # the same rows on every stage
         m = t.global_batch // t.micro_batch
-        micro = list(zip(x.split(t.micro_batch), y.split(t.micro_batch)))
+        micro = MicroBatch(x, y).split(t.micro_batch)
         n_targets = float(t.global_batch * t.seq_len)
 
         slowdown = _slowdown_when_sharing(env.device)
@@ -165,7 +166,7 @@ def _worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> str:
         # Paced: a small model whose blocks each sleep PACE_S per F, B and W, so the ranks'
         # "compute" cannot slow each other down (see bench/pacing.py).
         paced_args = args.with_(dim=64, ffn_dim=128, n_heads=4, n_kv_heads=2)
-        paced_micro = [(a[:, :32], b[:, :32]) for a, b in micro]
+        paced_micro = [MicroBatch(mb.tokens[:, :32], mb.targets[:, :32]) for mb in micro]
         paced = _bubbles(cfg, paced_args, mesh, paced_micro, n_targets, BUBBLE_STEPS, out, PACE_S)
         if mesh.rank != 0:
             return ""

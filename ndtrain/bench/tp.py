@@ -17,8 +17,9 @@ from ndtrain.launch import launch_local, shutdown
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.parallel.parallelize import build_model
-from ndtrain.train.loss import IGNORE
-from ndtrain.train.optim import build_optimizer, param_groups
+from ndtrain.model.loss import IGNORE
+from ndtrain.parallel.states import param_groups
+from ndtrain.train.optim import build_optimizer
 
 BENCH_DEFAULTS = ["model.preset=small", "model.n_layers=8", "model.dim=256", "model.ffn_dim=768",
                   "model.n_heads=8", "model.n_kv_heads=4", "model.vocab_size=4096",

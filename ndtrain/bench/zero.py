@@ -18,8 +18,9 @@ from ndtrain.launch import launch_local, shutdown
 from ndtrain.observe.memory import format_bytes, measure_peak, optimizer_tensors, per_rank, storage_bytes
 from ndtrain.parallel.parallelize import build_model
 from ndtrain.parallel.precision import compute_dtype, reduce_dtype
-from ndtrain.train.loss import token_loss_sum
-from ndtrain.train.optim import build_optimizer, param_groups
+from ndtrain.model.loss import token_loss_sum
+from ndtrain.parallel.states import param_groups
+from ndtrain.train.optim import build_optimizer
 
 ZERO_DEFAULTS = BENCH_DEFAULTS + ["parallel.zero=3"]
 
@@ -79,7 +80,7 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
 
         times = alternate({"ndtrain": c.step_ours, "torch-fsdp2": step_fsdp2}, rounds, steps, device)
         ours = c.ours
-        peaks = [_peak(c.step_ours, device, ours.held_bytes(), lambda: ours.states.gathered_bytes),
+        peaks = [_peak(c.step_ours, device, ours.held_bytes(), lambda: ours.par.states.gathered_bytes),
                  _peak(step_fsdp2, device, _fsdp2_held(ref, opt), lambda: _fsdp2_gathered(ref))]
         memory = "\n".join(f"peak memory rank {r}: ndtrain {format_bytes(a)} · torch-fsdp2 {format_bytes(b)}"
                            for r, (a, b) in enumerate(per_rank(peaks, device)))

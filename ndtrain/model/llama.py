@@ -28,9 +28,15 @@ from torch import Tensor
 from .args import ModelArgs
 
 
+def widened(x: Tensor) -> Tensor:
+    """`x` in fp32, or in fp64 if it is already (fp64 runs are the layout proofs: nothing
+    may round them to fp32 on the way)."""
+    return x if x.dtype == torch.float64 else x.float()
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # fp32 statistics: the mean of squares overflows or loses precision in bf16/fp16.
-    x32 = x.float()
+    x32 = widened(x)
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)
 
@@ -57,12 +63,14 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, 
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x [b, s, heads, head_dim] by the angles of its positions; cos, sin: [s, head_dim//2].
+    """Rotate x [b, s, heads, head_dim] by the angles of its positions; cos, sin:
+    [s, head_dim//2] (every row at the same positions) or [b, s, head_dim//2].
 
-    Pair i of a head is (x[i], x[i + head_dim//2]). Computed in fp32, returned in x's dtype.
+    Pair i of a head is (x[i], x[i + head_dim//2]). Computed in fp32 (fp64 for fp64 x),
+    returned in x's dtype.
     """
-    x1, x2 = x.float().chunk(2, dim=-1)
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    x1, x2 = widened(x).chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return rotated.to(x.dtype)
 
@@ -117,11 +125,13 @@ class AttentionCore(nn.Module):
     """Everything between the projections: rotary, cache, softmax attention, head merge.
 
     q [b, s, heads, head_dim], k and v [b, s, kv_heads, head_dim] -> [b, s, heads·head_dim].
-    It holds no parameters; recompute wraps it, context parallelism replaces it.
+    `doc_ids` [b, s] (packed sequences): a token attends only to earlier tokens of its own
+    document. It holds no parameters; recompute wraps it, context parallelism replaces it.
     """
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
-                cache: KVCache | None = None, layer_key: str | None = None) -> Tensor:
+                cache: KVCache | None = None, layer_key: str | None = None,
+                doc_ids: Tensor | None = None) -> Tensor:
         b, s = q.shape[:2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
@@ -130,7 +140,11 @@ class AttentionCore(nn.Module):
         n_q, n_kv = q.shape[1], k.shape[1]
         gqa = {"enable_gqa": True} if n_q != n_kv else {}
         s_kv = k.shape[2]
-        if s == s_kv:
+        if doc_ids is not None:
+            if cache is not None:
+                raise ValueError("document masks are for training; a KV cache decodes one sequence per row")
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids), **gqa)
+        elif s == s_kv:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
         elif s == 1:  # one new token sees every cached one
             out = F.scaled_dot_product_attention(q, k, v, **gqa)
@@ -139,6 +153,14 @@ class AttentionCore(nn.Module):
             mask = torch.arange(s_kv, device=q.device)[None, :] <= q_pos[:, None]
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
         return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def document_mask(doc_ids: Tensor) -> Tensor:
+    """[b, 1, s, s] boolean: query i may see key j when j <= i and both are in one document.
+    The diagonal is always visible, so no row is ever fully masked."""
+    s = doc_ids.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
+    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
 
 
 class Attention(nn.Module):
@@ -152,14 +174,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
         self.core = AttentionCore()
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                cache: KVCache | None = None, layer_key: str | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
+                layer_key: str | None = None, doc_ids: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape
         # -1 heads: a tensor-parallel shard holds fewer heads than the config says.
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        return self.wo(self.core(q, k, v, cos, sin, cache, layer_key))
+        return self.wo(self.core(q, k, v, cos, sin, cache, layer_key, doc_ids=doc_ids))
 
 
 class FeedForward(nn.Module):
@@ -186,9 +208,9 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor,
-                cache: KVCache | None = None, layer_key: str | None = None) -> Tensor:
-        a = self.attention(self.attention_norm(x), cos, sin, cache, layer_key)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
+                layer_key: str | None = None, doc_ids: Tensor | None = None) -> Tensor:
+        a = self.attention(self.attention_norm(x), cos, sin, cache, layer_key, doc_ids=doc_ids)
         x = x + self.dropout(a)
         m = self.feed_forward(self.ffn_norm(x))
         return x + self.dropout(m)
@@ -263,7 +285,10 @@ class Transformer(nn.Module):
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
-                cache: KVCache | None = None) -> Tensor:
+                cache: KVCache | None = None, doc_ids: Tensor | None = None) -> Tensor:
+        """x: tokens [b, s] (or hidden states without the embedding). positions: [s] or
+        [b, s], the RoPE position of each token (default 0..s-1, after the cache);
+        a packed row restarts them at each document. doc_ids: [b, s], see AttentionCore."""
         s = x.shape[1]
         if positions is None:
             start = cache.pos if cache is not None else 0
@@ -272,7 +297,7 @@ class Transformer(nn.Module):
 
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for key, layer in self.layers.items():
-            h = layer(h, cos, sin, cache, key)
+            h = layer(h, cos, sin, cache, key, doc_ids=doc_ids)
         if cache is not None:
             cache.advance(s)
         if self.output is not None:

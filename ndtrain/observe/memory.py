@@ -76,6 +76,16 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
+def model_state_bytes(states, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer state) bytes held now by a layout's `states`
+    (parallel/states.py or parallel/zero.py): the masters count as optimizer state."""
+    seen: set = set()
+    params = storage_bytes(states.param_tensors(), seen)
+    grads = storage_bytes(states.grad_tensors(), seen)
+    optim = storage_bytes(states.master_tensors() + optimizer_tensors(optimizer), seen)
+    return params, grads, optim
+
+
 class CpuPeak(TorchDispatchMode):
     """Peak bytes of the storages created while active (see module docstring)."""
 

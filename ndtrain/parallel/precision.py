@@ -1,6 +1,7 @@
 """Mixed precision: compute in bf16 or fp16, update fp32 master weights, scale fp16 losses.
 
-`train.precision` picks the compute dtype. Under bf16 or fp16:
+`train.precision` picks the compute dtype: fp32, bf16, fp16, or fp64 (CPU only: the layout
+proofs run in it, so that round-off cannot hide a wrong result). Under bf16 or fp16:
 1. The model's parameters and the gradients autograd writes are in the compute dtype, so
    the matmuls and the activations they save run at half the bytes.
 2. The optimizer never sees them. It updates fp32 *master* weights: one per parameter here
@@ -20,7 +21,7 @@
    step overflows at `loss_scale_min`, the scale cannot save it and the run stops.
 
 Whether a step overflowed is read from the global gradient norm that clipping computes
-anyway (train/clip.py): it is inf or NaN on every rank as soon as one element anywhere is,
+anyway (parallel/clip.py): it is inf or NaN on every rank as soon as one element anywhere is,
 so every rank skips the same steps without a collective of its own.
 """
 
@@ -31,15 +32,22 @@ from torch import nn
 
 from ndtrain.parallel.placement import is_duplicate, mark_duplicate, mark_sharded, shard_dims
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
 def compute_dtype(precision: str) -> torch.dtype:
     return DTYPES[precision]
 
 
+def has_masters(dtype: torch.dtype) -> bool:
+    """Whether parameters in `dtype` need fp32 masters for the optimizer (bf16, fp16). In
+    fp32, and in fp64 (the CPU layout proofs), the parameters are their own masters."""
+    return dtype in (torch.bfloat16, torch.float16)
+
+
 def reduce_dtype(precision: str, reduce_fp32: bool) -> torch.dtype:
-    return torch.float32 if reduce_fp32 else DTYPES[precision]
+    dtype = DTYPES[precision]
+    return torch.float32 if reduce_fp32 and has_masters(dtype) else dtype
 
 
 def master_like(values: torch.Tensor, placement_of: torch.Tensor) -> nn.Parameter:

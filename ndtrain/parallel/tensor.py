@@ -63,9 +63,9 @@ from torch import Tensor, nn
 from ndtrain.comm import ops
 from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
-from ndtrain.model.llama import RMSNorm, Transformer, initial_value, rms_norm
+from ndtrain.model.llama import RMSNorm, Transformer, initial_value, rms_norm, widened
+from ndtrain.model.loss import IGNORE
 from ndtrain.parallel.placement import mark_partial, mark_sharded
-from ndtrain.train.loss import IGNORE
 
 # ---------------------------------------------------------------------------------------
 # The conjugate operators. The residual stream is [b, s, h]; SP splits dimension 1.
@@ -279,7 +279,7 @@ def sum_partial_grads(grads: list[Tensor], group: Group) -> None:
     the same shapes in the same order."""
     if not grads or not group.active:
         return
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    flat = torch.cat([widened(g.reshape(-1)) for g in grads])
     ops.all_reduce(flat, group)
     offset = 0
     for g in grads:
@@ -492,7 +492,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, group: Group) -> Tensor:
         n_local, dtype = logits.shape[-1], logits.dtype
-        logits = logits.float()
+        logits = widened(logits)
         top = logits.max(dim=-1).values
         ops.all_reduce(top, group, op=dist.ReduceOp.MAX)
         shifted = logits - top.unsqueeze(-1)
@@ -529,5 +529,6 @@ class VocabParallelLoss:
 
     group: Group
 
-    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.group).sum()
+    def __call__(self, logits: Tensor, targets: Tensor, weights: Tensor | None = None) -> Tensor:
+        losses = vocab_parallel_cross_entropy(logits, targets, self.group)
+        return losses.sum() if weights is None else (losses * weights.flatten().to(losses.dtype)).sum()

@@ -26,7 +26,7 @@ not, parallel/placement.py), weight-decay group and dtype are packed into one fl
 `full`, padded to a multiple of N; every parameter becomes a view into it. Rank r owns the
 slice [r·S, (r+1)·S), S = padded / N. Its fp32 *master* of that slice is what the optimizer
 updates (one tensor per flat buffer, so AdamW runs on N times fewer elements), marked with
-the parameters' shard dims plus "dp_shard" and "cp", so train/clip.py's global norm counts
+the parameters' shard dims plus "dp_shard" and "cp", so parallel/clip.py's global norm counts
 each element once. In fp32 the master *is* the slice of the parameters (no copy).
 
 Groups. ZeRO shards over `dp_shard × cp` (the mesh group `dp_shard_cp`, which is just
@@ -60,7 +60,8 @@ from torch.utils._pytree import tree_flatten
 from ndtrain.comm import ops
 from ndtrain.mesh import Group, ParallelMesh
 from ndtrain.parallel.placement import is_duplicate, mark_duplicate, mark_sharded, partial_dims, shard_dims
-from ndtrain.train.optim import decay_groups, decays
+from ndtrain.parallel.precision import has_masters
+from ndtrain.parallel.states import decay_groups, decays
 
 SHARD_DIMS = ("dp_shard", "cp")
 
@@ -108,14 +109,14 @@ class FlatParam:
         lo, hi = group.rank * self.shard_numel, (group.rank + 1) * self.shard_numel
 
         initial = self._pack_fp32(self.shard_numel * group.size)
-        self.full = initial if compute_dtype == torch.float32 else initial.to(compute_dtype)
+        self.full = initial.to(compute_dtype)  # no copy in fp32
         for p in params:
             p.data = self.view_of(self.full, p)
         self.shard = self.full[lo:hi].clone() if stage == 3 else self.full[lo:hi]
         if stage == 3:
             free_storage(self.full)
         # A separate master starts from the fp32 initial values, not from their rounding.
-        self.master = nn.Parameter(self.shard if compute_dtype == torch.float32 else initial[lo:hi].clone())
+        self.master = nn.Parameter(initial[lo:hi].clone() if has_masters(compute_dtype) else self.shard)
         mark_sharded(self.master, shard_dims(params[0]) + SHARD_DIMS)
         mark_duplicate(self.master, is_duplicate(params[0]))
 
@@ -301,7 +302,7 @@ class ZeRO:
         """Each master's gradient: the summed slice, in fp32, unscaled (fp16)."""
         for f in self.flats:
             g = f.grad_shard if f.grad_shard is not None else torch.zeros_like(f.shard)
-            f.master.grad = g if (g.dtype == torch.float32 and not f.separate_master) else g.float()
+            f.master.grad = g.float() if f.separate_master else g
             if unscale != 1.0:
                 f.master.grad.mul_(unscale)
 

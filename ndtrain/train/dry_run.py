@@ -35,22 +35,24 @@ def vocab_size(cfg: Config) -> int:
 
 def measure(cfg: Config, mesh: ParallelMesh) -> dict:
     """Two steps on random tokens; every rank's figures (collective)."""
+    from ndtrain.data.batch import MicroBatch
     from ndtrain.parallel.parallelize import build
+    from ndtrain.train.step import TrainStep
 
     t = cfg.train
     args = cfg.model_args(vocab_size=vocab_size(cfg))
     par = build(args, mesh, cfg)
+    step = TrainStep(par, cfg)
     rows = t.global_batch // mesh.dp_size
     g = torch.Generator().manual_seed(t.seed + mesh.rank)
     tokens = torch.randint(0, args.vocab_size, (rows, t.seq_len + 1), generator=g).to(mesh.device)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    micro = list(zip(inputs.split(t.micro_batch), targets.split(t.micro_batch)))
+    micro = MicroBatch(tokens[:, :-1], tokens[:, 1:]).split(t.micro_batch)
     for _ in range(2):  # the second step is the steady one: the optimizer state exists
-        par.forward_backward(micro, float(t.global_batch * t.seq_len), measure_memory=True)
-        par.clip_grad_norm(t.grad_clip)
-        par.optimizer_step(t.lr)
+        step.forward_backward(micro, float(t.global_batch * t.seq_len), measure_memory=True)
+        step.clip_grad_norm(t.grad_clip)
+        step.optimizer_step(t.lr)
     psi = sum(p.numel() for p in {id(p): p for p in par.model.parameters()}.values())
-    mine = [psi] + [getattr(par.memory, c) for c in COLUMNS]
+    mine = [psi] + [getattr(step.memory, c) for c in COLUMNS]
     table = per_rank(mine, mesh.device)
     return {"ranks": [dict(zip(("psi",) + COLUMNS, map(int, row))) for row in table],
             "layout": mesh.describe(), "n_shard": mesh.size("dp_shard_cp")}

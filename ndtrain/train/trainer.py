@@ -14,6 +14,7 @@ import torch
 from ndtrain.checkpoint import store
 from ndtrain.comm.ops import all_reduce_scalars
 from ndtrain.config import Config
+from ndtrain.data.batch import MicroBatch
 from ndtrain.data.loader import BatchLoader
 from ndtrain.data.prepare import PreparedData
 from ndtrain.mesh import DIMS, ParallelMesh
@@ -23,10 +24,11 @@ from ndtrain.observe.metrics import MetricsLog
 from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss
 from ndtrain.observe.progress import TrainProgress
+from ndtrain.model.loss import count_targets
 from ndtrain.parallel.parallelize import Parallelized, build
 from ndtrain.parallel.precision import LossScaleExhausted
-from ndtrain.train.loss import count_targets
 from ndtrain.train.optim import lr_at
+from ndtrain.train.step import TrainStep
 
 
 class TrainingError(RuntimeError):
@@ -43,6 +45,7 @@ class Trainer:
         t = cfg.train
         self.args = cfg.model_args(vocab_size=data.vocab_size)
         self.par: Parallelized = build(self.args, mesh, cfg)
+        self.stepper = TrainStep(self.par, cfg)
         # The random stream for dropout (weights come from per-name generators), seeded after
         # the build so no layout's construction shifts it. The ranks of a tp group share it:
         # they hold the same activations, or slices of a tensor one device would have drawn
@@ -66,9 +69,8 @@ class Trainer:
         per_rank = t.global_batch // self.mesh.dp_size
         start = self.mesh.dp_rank * per_rank
         inputs, targets = loader.rows(step, start, start + per_rank)
-        inputs, targets = inputs.to(self.mesh.device), targets.to(self.mesh.device)
-        micro = list(zip(inputs.split(t.micro_batch), targets.split(t.micro_batch)))
-        return micro, count_targets(targets)
+        rows = MicroBatch(inputs, targets).to(self.mesh.device)
+        return rows.split(t.micro_batch), count_targets(targets)
 
     # -- one step -------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
@@ -81,12 +83,12 @@ class Trainer:
         # watching every operation slows the step, on the first two steps of a run (the
         # first has no optimizer state yet; later steps repeat the second).
         measure = self.mesh.device.type == "cuda" or self._measured_steps < 2
-        local_loss = self.par.forward_backward(micro, n_targets, measure_memory=measure)
+        local_loss = self.stepper.forward_backward(micro, n_targets, measure_memory=measure)
         self._measured_steps += 1
-        grad_norm = self.par.clip_grad_norm(t.grad_clip)
+        grad_norm = self.stepper.clip_grad_norm(t.grad_clip)
         lr = lr_at(step, t)
-        scale = self.par.scaler.scale if self.par.scaler else None
-        stepped = self.par.optimizer_step(lr)
+        scale = self.stepper.scaler.scale if self.stepper.scaler else None
+        stepped = self.stepper.optimizer_step(lr)
         loss = self.par.reduce_loss(local_loss)
         if self.mesh.device.type == "cuda":
             torch.cuda.synchronize(self.mesh.device)
@@ -106,7 +108,7 @@ class Trainer:
     def memory_per_rank(self) -> dict[str, list[int]]:
         """Bytes of parameters, gradients, optimizer state and the activation peak, one
         entry per rank (observe/memory.py)."""
-        mine = self.par.memory.as_dict()
+        mine = self.stepper.memory.as_dict()
         table = per_rank(list(mine.values()), self.mesh.device)
         return {k: [int(row[i]) for row in table] for i, k in enumerate(mine)}
 
@@ -145,7 +147,7 @@ class Trainer:
                     raise TrainingError(self._diverged_message(step, record["loss"]))
                 if record.get("skipped"):
                     progress.print(f"step {step}: fp16 gradients overflowed; step skipped, loss scale "
-                                   f"{record['loss_scale']:g} → {self.par.scaler.scale:g}")
+                                   f"{record['loss_scale']:g} → {self.stepper.scaler.scale:g}")
                 if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps:
                     record["val_loss"] = self.evaluate()
                 self.history.append(record)
@@ -202,13 +204,13 @@ class Trainer:
         rng = {"cpu": torch.get_rng_state()}
         if mesh.device.type == "cuda":
             rng["cuda"] = torch.cuda.get_rng_state(mesh.device)
-        parts = {"optim": (par.optim_state(), par.optim_replicated),
+        parts = {"optim": (self.stepper.state_dict(), par.optim_replicated),
                  "rng": (rng, store.PER_RANK)}
         if model_is_full:
-            parts["model"] = (par.model_state(), DIMS)
+            parts["model"] = (par.states.local_state(), DIMS)
         else:
             parts["model"] = (par.full_model_state(), DIMS)
-            parts["model_shard"] = (par.model_state(), par.model_replicated)
+            parts["model_shard"] = (par.states.local_state(), par.model_replicated)
         meta = {"model_args": self.args.to_dict(), "tokens": self.step * self.cfg.train.global_batch * self.cfg.train.seq_len,
                 "model_sharded": not model_is_full}
         return store.save(self.run_dir, self.step, mesh, parts, meta)
@@ -224,8 +226,8 @@ class Trainer:
             state = store.load_part(path, "model_shard", mesh, par.model_replicated, mesh.device)
         else:
             state = store.load_part(path, "model", mesh, DIMS, mesh.device)
-        par.load_model_state(state)
-        par.load_optim_state(store.load_part(path, "optim", mesh, par.optim_replicated, mesh.device))
+        par.states.load_local_state(state)
+        self.stepper.load_state_dict(store.load_part(path, "optim", mesh, par.optim_replicated, mesh.device))
         rng = store.load_part(path, "rng", mesh, store.PER_RANK)
         torch.set_rng_state(rng["cpu"])
         if "cuda" in rng and mesh.device.type == "cuda":

@@ -1,5 +1,5 @@
 """The one executor that runs any pipeline schedule: `PipelineSchedule`, the `schedule` of a
-pipelined `Parallelized` (same `run` and `evaluate` as `train.schedule.SingleStage`).
+pipelined `Parallelized` (same `run` and `evaluate` as `parallel.schedule.SingleStage`).
 
 A step walks this rank's action list (schedules.py) in order:
 - a group of messages is posted at once; a received buffer is waited for only by the action
@@ -36,7 +36,8 @@ from ndtrain.parallel.pipeline.stage import TiedEmbedding
 from ndtrain.parallel.pipeline.timeline import Timeline
 from ndtrain.parallel.pipeline.verify import groups, verify
 from ndtrain.parallel.pipeline.weightgrad import SplitBackward
-from ndtrain.train.schedule import GradSync, MicroBatch
+from ndtrain.data.batch import MicroBatch
+from ndtrain.parallel.schedule import GradSync
 
 
 class _Step:
@@ -68,7 +69,7 @@ class PipelineSchedule:
         if 0 in chunks and getattr(chunks[0], "tok_embeddings", None) is not None:
             chunks[0].tok_embeddings.register_forward_hook(self._keep_embedded)
         self._probed: tuple | None = None
-        self._positions: torch.Tensor | None = None
+        self._positions: torch.Tensor | None = None  # 0..s-1, for micro-batches that give none
         # NCCL: the first operation on a group must involve all of its ranks.
         ops.all_reduce_scalars([0.0], mesh.group("pp"))
 
@@ -84,10 +85,10 @@ class PipelineSchedule:
 
     # -- shapes, once per run ----------------------------------------------------------
     @torch.no_grad()
-    def agree_shapes(self, inputs: torch.Tensor) -> None:
+    def agree_shapes(self, mb: MicroBatch) -> None:
         """Run one micro-batch through the chunks in pipeline order, with dropout off, each
         boundary's sender announcing the shape of what it sends (p2p.StageLinks)."""
-        key = (tuple(inputs.shape), inputs.dtype)
+        key = (tuple(mb.tokens.shape), mb.tokens.dtype)
         if self._probed == key:
             return
         modes = {m: m.training for chunk in self.chunks.values() for m in chunk.modules()}
@@ -95,8 +96,8 @@ class PipelineSchedule:
             chunk.eval()
         for c in range(self.n_chunks - 1):
             if owner(c, self.pp) == self.rank:
-                x = inputs if c == 0 else self.links.recv_with_header(c - 1, owner(c - 1, self.pp))
-                self.links.send_with_header(self._chunk(c, x, inputs), c, owner(c + 1, self.pp))
+                x = mb.tokens if c == 0 else self.links.recv_with_header(c - 1, owner(c - 1, self.pp))
+                self.links.send_with_header(self._chunk(c, x, mb), c, owner(c + 1, self.pp))
         last = self.n_chunks - 1
         if owner(last, self.pp) == self.rank:
             self.links.recv_with_header(last - 1, owner(last - 1, self.pp))
@@ -109,14 +110,14 @@ class PipelineSchedule:
         """Forward and backward of every micro-batch through the pipeline; returns this
         rank's share of the loss (the sum on the last stage, 0 elsewhere)."""
         self._check(micro_batches)
-        self.agree_shapes(micro_batches[0][0])
+        self.agree_shapes(micro_batches[0])
         plan = self.plan(len(micro_batches), train=True)
         last_backward = {}
         for k, group in enumerate(plan):
             if group[0].kind in (B, W):
                 last_backward[group[0].chunk] = k
         split = any(g[0].kind == W for g in plan)
-        step, total = _Step(), torch.zeros((), dtype=torch.float32, device=self.mesh.device)
+        step, total = _Step(), torch.zeros((), dtype=torch.float64, device=self.mesh.device)
         self.timeline.begin()
         for k, group in enumerate(plan):
             a = group[0]
@@ -126,9 +127,10 @@ class PipelineSchedule:
                 self.timeline.add("post", a.chunk, a.micro, start)
                 continue
             if a.kind == F:
-                x = micro_batches[a.micro][0] if a.chunk == 0 else self._take(RECV_F, a, step).requires_grad_()
+                mb = micro_batches[a.micro]
+                x = mb.tokens if a.chunk == 0 else self._take(RECV_F, a, step).requires_grad_()
                 start = self.timeline.now()
-                loss = self._forward(a, x, *micro_batches[a.micro], n_targets, step)
+                loss = self._forward(a, x, mb, n_targets, step)
                 if loss is not None:
                     total += loss
             elif a.kind == B:
@@ -151,22 +153,26 @@ class PipelineSchedule:
         self.peak_held = step.peak
         return total
 
-    def _chunk(self, c: int, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        """Chunk c on x. Positions come from the micro-batch's tokens: a received activation
-        may hold only part of the sequence (sequence parallelism)."""
-        if self._positions is None or self._positions.numel() != tokens.shape[1]:
-            self._positions = torch.arange(tokens.shape[1], device=tokens.device)
-        return self.chunks[c](x, positions=self._positions)
+    def _chunk(self, c: int, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+        """Chunk c on x. Positions come from the micro-batch, not from x: a received
+        activation may hold only part of the sequence (sequence parallelism)."""
+        positions = mb.positions
+        if positions is None:
+            s = mb.tokens.shape[1]
+            if self._positions is None or self._positions.numel() != s:
+                self._positions = torch.arange(s, device=mb.tokens.device)
+            positions = self._positions
+        return self.chunks[c](x, positions=positions, doc_ids=mb.doc_ids)
 
-    def _forward(self, a: Action, x: torch.Tensor, tokens: torch.Tensor, targets: torch.Tensor,
-                 n_targets: float, step: _Step) -> torch.Tensor | None:
+    def _forward(self, a: Action, x: torch.Tensor, mb: MicroBatch, n_targets: float,
+                 step: _Step) -> torch.Tensor | None:
         """Returns the micro-batch's loss on the last chunk."""
-        out = self._chunk(a.chunk, x, tokens)
+        out = self._chunk(a.chunk, x, mb)
         if a.chunk == 0:
             x, self._embedded = self._embedded, None
         loss = None
         if a.chunk == self.n_chunks - 1:
-            out = self.loss_fn(out, targets) / n_targets
+            out = self.loss_fn(out, mb.targets, mb.weights) / n_targets
             loss = out.detach()
         step.inputs[(a.chunk, a.micro)], step.outputs[(a.chunk, a.micro)] = x, out
         step.held += 1
@@ -226,18 +232,18 @@ class PipelineSchedule:
         """Forward only through the pipeline: the sum of token losses (no division), which
         only the last stage computes; summed over pp so every rank returns it."""
         self._check(micro_batches)
-        self.agree_shapes(micro_batches[0][0])
+        self.agree_shapes(micro_batches[0])
         step, total = _Step(), 0.0
         for group in self.plan(len(micro_batches), train=False):
             a = group[0]
             if a.kind in MESSAGES:
                 self._post(group, step, train=False)
                 continue
-            inputs, targets = micro_batches[a.micro]
-            x = inputs if a.chunk == 0 else self._take(RECV_F, a, step)
-            out = self._chunk(a.chunk, x, inputs)
+            mb = micro_batches[a.micro]
+            x = mb.tokens if a.chunk == 0 else self._take(RECV_F, a, step)
+            out = self._chunk(a.chunk, x, mb)
             if a.chunk == self.n_chunks - 1:
-                total += float(self.loss_fn(out, targets).double())
+                total += float(self.loss_fn(out, mb.targets, mb.weights).double())
             else:
                 step.outputs[(a.chunk, a.micro)] = out
         self.links.wait_sends()
@@ -246,7 +252,7 @@ class PipelineSchedule:
 
     @staticmethod
     def _check(micro_batches: list[MicroBatch]) -> None:
-        shape = micro_batches[0][0].shape
-        if any(x.shape != shape for x, _ in micro_batches):
+        shape = micro_batches[0].tokens.shape
+        if any(mb.tokens.shape != shape for mb in micro_batches):
             raise ValueError("pipeline micro-batches must all have the same shape "
-                             f"(got {sorted({tuple(x.shape) for x, _ in micro_batches})})")
+                             f"(got {sorted({tuple(mb.tokens.shape) for mb in micro_batches})})")

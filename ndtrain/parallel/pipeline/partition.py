@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ndtrain.config import parse_split, split_error
 from ndtrain.model.args import ModelArgs, block_params
 
 
@@ -36,24 +37,6 @@ def layer_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], floa
     embedding = 2.0 * args.dim
     head = 2.0 * args.dim * args.vocab_size + args.dim
     return embedding, [block] * args.n_layers, head
-
-
-def parse_split(text: str) -> list[int]:
-    """"3,5,5,3" → [3, 5, 5, 3]; raises ValueError on anything else."""
-    parts = [p.strip() for p in text.split(",")]
-    counts = [int(p) for p in parts]  # ValueError on a non-integer
-    return counts
-
-
-def split_error(counts: list[int], n_chunks: int, n_layers: int) -> str | None:
-    """Why a hand-written split cannot be used, or None."""
-    if len(counts) != n_chunks:
-        return f"lists {len(counts)} chunks, but pp × pp_virtual = {n_chunks}"
-    if min(counts) < 1:
-        return "every chunk needs at least one layer"
-    if sum(counts) != n_layers:
-        return f"covers {sum(counts)} layers, but model.n_layers = {n_layers}: a split must cover every layer once"
-    return None
 
 
 def balanced_counts(costs: list[float], n_chunks: int, first_extra: float, last_extra: float) -> list[int]:

@@ -12,6 +12,8 @@ from typing import Callable, Protocol
 import torch
 from torch import nn
 
+from ndtrain.data.batch import MicroBatch
+
 
 class GradSync(Protocol):
     def set_sync(self, enabled: bool) -> None: ...
@@ -19,7 +21,10 @@ class GradSync(Protocol):
     def zero_grad(self) -> None: ...
 
 
-MicroBatch = tuple[torch.Tensor, torch.Tensor]  # inputs [b, s], targets [b, s]
+def forward_loss(model: nn.Module, mb: MicroBatch, loss_fn: Callable) -> torch.Tensor:
+    """The sum of the micro-batch's token losses (weighted, where it has weights)."""
+    logits = model(mb.tokens, positions=mb.positions, doc_ids=mb.doc_ids)
+    return loss_fn(logits, mb.targets, mb.weights)
 
 
 class SingleStage:
@@ -28,11 +33,11 @@ class SingleStage:
 
     def run(self, micro_batches: list[MicroBatch], n_targets: float, grad_sync: GradSync) -> torch.Tensor:
         """Forward and backward every micro-batch; returns this rank's share of the loss."""
-        total = torch.zeros((), dtype=torch.float32, device=micro_batches[0][0].device)
+        total = torch.zeros((), dtype=torch.float64, device=micro_batches[0].tokens.device)
         last = len(micro_batches) - 1
-        for i, (inputs, targets) in enumerate(micro_batches):
+        for i, mb in enumerate(micro_batches):
             grad_sync.set_sync(i == last)
-            loss = self.loss_fn(self.model(inputs), targets) / n_targets
+            loss = forward_loss(self.model, mb, self.loss_fn) / n_targets
             loss.backward()
             total += loss.detach()
         grad_sync.finish()
@@ -41,7 +46,7 @@ class SingleStage:
     @torch.no_grad()
     def evaluate(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         """Sum of token losses over the micro-batches (no division), forward only."""
-        total = torch.zeros((), dtype=torch.float64, device=micro_batches[0][0].device)
-        for inputs, targets in micro_batches:
-            total += self.loss_fn(self.model(inputs), targets).double()
+        total = torch.zeros((), dtype=torch.float64, device=micro_batches[0].tokens.device)
+        for mb in micro_batches:
+            total += forward_loss(self.model, mb, self.loss_fn).double()
         return total

@@ -1,0 +1,40 @@
+"""What a task hands the trainer: micro-batches of tokens with their targets, and what
+attention and the loss need to know about them.
+
+Pretraining fills only tokens and targets. SFT packs several examples into a row: positions
+restart at each example, doc_ids keep attention inside it, and prompt tokens have target
+IGNORE. RL adds per-token weights (the advantage). Context parallelism permutes every field
+the same way. The trainer, the schedules and the parallel modules never branch on the task.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class MicroBatch:
+    tokens: Tensor  # [b, s] input ids
+    targets: Tensor  # [b, s] next-token ids, IGNORE where no loss is taken
+    positions: Tensor | None = None  # [b, s] RoPE positions; None = 0..s-1 in every row
+    doc_ids: Tensor | None = None  # [b, s] document of each token; None = one per row
+    weights: Tensor | None = None  # [b, s] per-token loss weights; None = 1
+
+    def to(self, device: torch.device | str) -> "MicroBatch":
+        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
+    def rows(self, start: int, stop: int) -> "MicroBatch":
+        return replace(self, **{f.name: getattr(self, f.name)[start:stop] for f in fields(self)
+                                if getattr(self, f.name) is not None})
+
+    @property
+    def size(self) -> int:
+        return self.tokens.shape[0]
+
+    def split(self, rows: int) -> list["MicroBatch"]:
+        """Consecutive micro-batches of `rows` rows each."""
+        return [self.rows(i, i + rows) for i in range(0, self.size, rows)]

@@ -1,0 +1,129 @@
+"""Who holds the model states when they are not sharded (zero = 0), and the optimizer's
+parameter groups.
+
+`ReplicatedStates`: every rank of dp × cp holds the whole local model (all of it, or its
+tensor-parallel shard, or its pipeline stage), and DP all-reduces its gradients. Under
+mixed precision the optimizer updates fp32 masters (precision.py). `zero.ZeRO` is the
+sharded counterpart with the same methods; the step, clipping, checkpoints and the memory
+report read the states only through them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ndtrain.parallel.placement import partial_dims
+from ndtrain.parallel.precision import MasterWeights
+
+
+def decays(p: torch.Tensor) -> bool:
+    """Matrices (linear weights, embeddings) decay; vectors (norm weights) do not."""
+    return p.ndim >= 2
+
+
+def decay_groups(decay: list, no_decay: list, weight_decay: float) -> list[dict]:
+    groups = [{"params": decay, "weight_decay": weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def param_groups(named_params, weight_decay: float) -> list[dict]:
+    """AdamW groups: decoupled weight decay on matrices only; each parameter once."""
+    decay, no_decay, seen = [], [], set()
+    for _, p in named_params:
+        if not p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        (decay if decays(p) else no_decay).append(p)
+    return decay_groups(decay, no_decay, weight_decay)
+
+
+class ReplicatedStates:
+    """zero = 0: the model's own parameters (or their fp32 masters) are what the optimizer
+    updates; `grad_sync` (parallel/data.py) owns the gradient buffers."""
+
+    def __init__(self, model: nn.Module, grad_sync, masters: MasterWeights | None = None):
+        self.model, self.grad_sync, self.masters = model, grad_sync, masters
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        named = self.model.named_parameters()
+        if self.masters is not None:
+            named = ((n, self.masters.master_of(p)) for n, p in named if p.requires_grad)
+        return param_groups(named, weight_decay)
+
+    def optim_params(self) -> list[torch.Tensor]:
+        if self.masters is not None:
+            return self.masters.masters
+        return list({id(p): p for p in self.model.parameters() if p.requires_grad}.values())
+
+    def grads_to_optimizer(self, unscale: float) -> None:
+        if self.masters is not None:
+            self.masters.grads_to_masters(unscale)
+
+    def partial_grads(self, dim: str) -> list[torch.Tensor]:
+        """The synchronised gradients of the parameters marked partial over `dim`."""
+        params = {id(p): p for p in self.model.parameters() if dim in partial_dims(p)}.values()
+        return [p.grad for p in params if p.grad is not None]
+
+    def after_step(self) -> None:
+        if self.masters is not None:
+            self.masters.write_back()
+
+    def drop_grads(self) -> None:
+        if self.masters is not None:
+            self.masters.drop_grads()
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        return unique_state(self.model)
+
+    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+        load_unique_state(self.model, state)
+
+    def gathered_state(self) -> dict[str, torch.Tensor]:
+        return self.local_state()
+
+    def extra_state(self) -> dict:
+        return {"masters": [m.detach() for m in self.masters.masters] if self.masters else []}
+
+    @torch.no_grad()
+    def load_extra_state(self, state: dict) -> None:
+        for m, saved in zip(self.masters.masters if self.masters else [], state["masters"], strict=True):
+            m.copy_(saved)
+
+    # -- memory accounting ------------------------------------------------------
+    def param_tensors(self) -> list[torch.Tensor]:
+        return list(self.model.parameters())
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        buckets = getattr(self.grad_sync, "buckets", None)
+        if buckets is not None:
+            return [b.buffer for b in buckets]
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def master_tensors(self) -> list[torch.Tensor]:
+        return list(self.masters.masters) if self.masters else []
+
+
+def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state dict with each storage once (a tied weight under its first name)."""
+    out, seen = {}, set()
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = t
+    return out
+
+
+def load_unique_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    expected = unique_state(model)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, t in expected.items():
+            t.copy_(state[name])

@@ -1,0 +1,89 @@
+"""One optimizer step on a layout: forward and backward (the layout's), the global-norm
+clip, the fp16 loss scale, AdamW, and the memory those moments hold.
+
+`Parallelized` (parallel/parallelize.py) knows where the work runs; `TrainStep` owns what a
+step does with the result: the optimizer and its learning rate, the loss scaler, and the
+memory report (observe/memory.py).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import torch
+
+from ndtrain.config import Config
+from ndtrain.data.batch import MicroBatch
+from ndtrain.observe.memory import MemoryReport, measure_peak, model_state_bytes, storage_bytes
+from ndtrain.parallel.clip import clip_grad_norm_, grad_norm
+from ndtrain.parallel.parallelize import Parallelized
+from ndtrain.parallel.precision import LossScaler
+from ndtrain.train.optim import build_optimizer, set_lr
+
+
+class TrainStep:
+    def __init__(self, par: Parallelized, cfg: Config):
+        t = cfg.train
+        self.par, self.mesh = par, par.mesh
+        self.optimizer = build_optimizer(par.states.param_groups(t.weight_decay), t, par.mesh.device)
+        self.scaler = None
+        if t.precision == "fp16" and t.loss_scaler:
+            self.scaler = LossScaler(t.loss_scale_init, t.loss_scale_window, t.loss_scale_min)
+        self.memory = MemoryReport()
+        self._grad_norm: float | None = None
+
+    def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float,
+                         measure_memory: bool = False) -> torch.Tensor:
+        """The layout's forward and backward of every micro-batch, under the fp16 loss scale
+        (a power of two: exact). `measure_memory` records the peak the passes allocate."""
+        scale = self.scaler.scale if self.scaler else 1.0
+        states = self.par.states
+        held = self.held_bytes() if measure_memory else 0
+        working = lambda: getattr(states, "gathered_bytes", 0)  # noqa: E731 - ZeRO-3's regathers
+        meter = measure_peak(self.mesh.device, working) if measure_memory else nullcontext()
+        with meter as peak:
+            local = self.par.forward_backward(micro_batches, n_targets / scale, 1.0 / scale)
+        if measure_memory:
+            self.memory.activations, self.memory.peak = peak["bytes"], held + peak["bytes"]
+        return local / scale
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        self._grad_norm = clip_grad_norm_(self.par.states.optim_params(), max_norm, self.mesh)
+        return self._grad_norm
+
+    def optimizer_step(self, lr: float) -> bool:
+        """Apply the step; False when the fp16 loss scaler skipped it (gradients not finite)."""
+        par = self.par
+        if self.scaler is not None:
+            norm = self._grad_norm
+            if norm is None:
+                norm = grad_norm(par.states.optim_params(), self.mesh).item()
+            if not self.scaler.update(math.isfinite(norm)):  # raises at the minimum scale
+                par.states.drop_grads()
+                par.grad_sync.zero_grad()
+                self._grad_norm = None
+                return False
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+        par.states.after_step()
+        # Right after the step, while the gradients still exist: the moment model states peak.
+        self.memory.params, self.memory.grads, self.memory.optimizer = model_state_bytes(par.states, self.optimizer)
+        par.grad_sync.zero_grad()
+        self._grad_norm = None
+        return True
+
+    def held_bytes(self) -> int:
+        return sum(model_state_bytes(self.par.states, self.optimizer))
+
+    # -- checkpoints ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The optimizer's moments, plus fp32 masters and the loss scale where they exist."""
+        return {"optimizer": self.optimizer.state_dict(), **self.par.states.extra_state(),
+                "scaler": self.scaler.state_dict() if self.scaler else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.par.states.load_extra_state(state)
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
