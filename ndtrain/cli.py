@@ -76,6 +76,26 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default 3)")
     with_config(p)
 
+    p = sub.add_parser("plan", help="predict memory per rank, step time and days of a layout on a cluster; "
+                                    "--search for the best layouts that fit",
+                       description="Plan before you spend: memory per rank (parameters, gradients, optimizer "
+                                   "states, activations, communication buffers), step time (compute, TP/SP/CP/EP, "
+                                   "pipeline bubble, DP/ZeRO), tokens/s, MFU and days, for a layout on a cluster "
+                                   "too large for this machine. Checks the layout with the rules train enforces. "
+                                   "Formulas and sources: docs/plan.md.")
+    p.add_argument("--cluster", required=True, metavar="SPEC",
+                   help="A100-40GB, A100-80GB, H100-SXM, H200, B200, this-machine (calibrated by bench matmul "
+                        "and bench comm), or a TOML file")
+    p.add_argument("--gpus", type=int, metavar="N", help="GPUs (processes); default: the layout's product, or one node")
+    p.add_argument("--mfu", type=float, metavar="X", help="an achieved MFU (0-1) instead of the modelled step time")
+    p.add_argument("--tflops", type=float, metavar="X", help="an achieved TFLOP/s per GPU instead of the modelled step time")
+    p.add_argument("--tokens", metavar="N", help="tokens to train on (e.g. 15T, 300B, 2e12): prints the days")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--search", action="store_true", help="list the fastest layouts that fit (model, batch, "
+                                                          "sequence and precision as configured)")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="--search: how many layouts (default 10)")
+    with_config(p)
+
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
                                      "pp (our 1F1B vs torch.distributed.pipelining, bubbles), "
@@ -121,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         return {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate,
-                "bench": cmd_bench, "trace": cmd_trace}[args.command](args)
+                "bench": cmd_bench, "trace": cmd_trace, "plan": cmd_plan}[args.command](args)
     except (ConfigError, DataError) as e:
         return fail(str(e))
     except CheckpointError as e:
@@ -195,6 +215,7 @@ def cmd_train(args) -> int:
         cfg.run.nproc = args.nproc
     world = external_world()
     validate(cfg, world=world)
+    _check_fits(cfg, world)
     if args.dry_run:
         return dry_run(cfg, world)
     run_dir = _run_dir(cfg, "train")
@@ -218,6 +239,14 @@ def cmd_train(args) -> int:
         summary = launch_local(p.world, train_worker, cfg.to_dict(), str(run_dir), str(data.path))[0]
     print_summary(summary)
     return 0
+
+
+def _check_fits(cfg, world: int | None) -> None:
+    """Refuse, before any process starts, a model whose states alone overflow the device."""
+    from ndtrain.plan.fit import check_model_states_fit
+    from ndtrain.train.dry_run import vocab_size
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if world is not None else cfg.parallel.world
+    check_model_states_fit(cfg, vocab_size(cfg), local)
 
 
 def cmd_trace(args) -> int:
@@ -337,6 +366,13 @@ def cmd_generate(args) -> int:
         out = out[:-1]
     print(args.prompt + tok.decode(out))
     return 0
+
+
+# --------------------------------------------------------------------------- plan
+
+def cmd_plan(args) -> int:
+    from ndtrain.plan.command import run
+    return run(args)
 
 
 # --------------------------------------------------------------------------- bench

@@ -55,6 +55,8 @@ class RankMemory:
     activations: float = 0.0  # the step's peak on top of the states held when it began
     at_peak: dict = field(default_factory=dict)  # what made up `activations` at that moment
     grads_held: bool = True  # whether gradients exist when the step begins (ZeRO-0/1)
+    in_flight: int = 0  # micro-batches whose activations were held at that moment
+    saved_by_mode: dict = field(default_factory=dict)  # one micro-batch's saved blocks per recompute mode
 
     @property
     def total(self) -> float:
@@ -111,19 +113,22 @@ class Ledger:
         self.live: Counter = Counter()
         self.peak = 0.0
         self.at_peak: dict = {}
+        self.in_flight = 0  # micro-batches whose activations are held (set by the replay)
+        self.in_flight_at_peak = 0
 
     def add(self, what: str, n: float) -> None:
         self.live[what] += n
 
     def moment(self, **transient: float) -> None:
         """A point where the engine holds what is live plus `transient`."""
-        parts = Counter(self.live)
-        for k, v in transient.items():
-            parts[k.replace("_", " ")] += v
-        total = sum(parts.values())
+        total = sum(self.live.values()) + sum(transient.values())
         if total > self.peak:
+            parts = Counter(self.live)
+            for k, v in transient.items():
+                parts[k.replace("_", " ")] += v
             self.peak = total
             self.at_peak = {k: v for k, v in parts.items() if v > 0}
+            self.in_flight_at_peak = self.in_flight
 
 
 @dataclass
@@ -142,9 +147,9 @@ class StepShape:
     def of(cls, cfg: Config, args: ModelArgs) -> "StepShape":
         p, t = cfg.parallel, cfg.train
         c = BYTES[t.precision]
-        r = 4 if (t.reduce_fp32 or c == 4) else c
+        r = 4 if (t.reduce_fp32 and c == 2) else c
         n = t.micro_batch * t.seq_len // p.cp
-        return cls(cfg, args, c, max(r, c), n, n / p.tp if p.sp else n, p.dp_shard * p.cp)
+        return cls(cfg, args, c, r, n, n / p.tp if p.sp else n, p.dp_shard * p.cp)
 
     @property
     def tp(self) -> int:
@@ -221,8 +226,9 @@ def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledg
     by_index = {ch.index: ch for ch in chunks}
     if p.pp > 1:
         orders = compute_orders(p.pp_schedule, p.pp, p.pp_virtual, m)[rank]
-    else:
-        orders = [[Action(kind, 0, i)] for i in range(m) for kind in (F, B)]
+    else:  # micro-batches run one after another: the first, the second (ZeRO-2/3 shards exist by
+        # then) and the last (which reduces) are the ones that differ
+        orders = [[Action(kind, 0, i)] for i in sorted({0, min(1, m - 1), m - 1}) for kind in (F, B)]
     actions = [a for tick in orders for a in tick]
     split = any(a.kind == W for a in actions)
     last_backward = {a.chunk: k for k, a in enumerate(actions) if a.kind in (B, W)}
@@ -237,6 +243,7 @@ def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledg
 
     for k, a in enumerate(actions):
         ch, key = by_index[a.chunk], (a.chunk, a.micro)
+        book.in_flight = len(held) + (a.kind == F)
         block_g, root_g = (c * units.block, c * units.root[ch.index]) if z3 else (0.0, 0.0)
         if a.kind == F:
             held[key] = 0.0
@@ -350,6 +357,10 @@ def per_rank(cfg: Config, args: ModelArgs) -> list[RankMemory]:
         psi = stage_params(cfg, args, chunks)
         states = model_state_bytes(psi, p.zero, p.dp_shard * p.cp, c)
         book = replay(cfg, args, rank, chunks)
+        s = StepShape.of(cfg, args)
+        layers = [i for ch in chunks for i in ch.layer_ids]
+        by_mode = {mode: block_bytes_per_token(args, s.c, p.tp, p.sp, mode) * s.n * len(layers)
+                   for mode in ("none", "selective", "full")}
         out.append(RankMemory(rank, psi, states["params"], states["grads"], states["optimizer"],
-                              book.peak, book.at_peak, grads_held=p.zero <= 1))
+                              book.peak, book.at_peak, p.zero <= 1, book.in_flight_at_peak, by_mode))
     return out
