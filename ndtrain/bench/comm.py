@@ -118,12 +118,13 @@ def _worker(sizes: list[int], rounds: int, device_kind: str) -> dict:
 
     env = init_process(device_kind)
     try:
-        mesh = ParallelMesh.build(MeshShape(dp_shard=env.world), env.device)
+        world = dist.get_world_size()
+        mesh = ParallelMesh.build(MeshShape(dp_shard=world), env.device)
         group = mesh.group("dp_shard")
         cap = _agree(_memory_cap(env.device, env.local_world), dist.ReduceOp.MIN, env.device)
         rows = []
         for size in [s for s in sizes if s <= cap]:
-            b = Buffers(size, env.world, env.device)
+            b = Buffers(size, world, env.device)
             calls = _calls(group, b)
             iters = {}
             for kind, call in calls.items():  # warm-up, and how many calls fill TARGET_S
@@ -134,11 +135,11 @@ def _worker(sizes: list[int], rounds: int, device_kind: str) -> dict:
                     times[kind].append(_timed(call, iters[kind], env.device))
             for kind in calls:
                 t = statistics.median(times[kind])
-                algbw, busbw = bus_bandwidth(kind, env.world, b.nbytes, t)
+                algbw, busbw = bus_bandwidth(kind, world, b.nbytes, t)
                 rows.append({"kind": kind, "size": size, "bytes": b.nbytes, "seconds": t, "algbw": algbw, "busbw": busbw})
             del b, calls
         backend = dist.get_backend()
-        return {"rows": rows, "n": env.world, "device": env.device.type, "backend": backend,
+        return {"rows": rows, "n": world, "device": env.device.type, "backend": backend,
                 "capped": [s for s in sizes if s > cap]}
     finally:
         shutdown()

@@ -76,17 +76,17 @@ def llama_core_inputs(args: ModelArgs, c: int, tp: int) -> list[Saved]:
     return [Saved("q, k (core inputs)", c * (args.dim / tp + kv_width(args, tp)), SPLIT)]
 
 
-def gpt_block(h: int, heads: int, s: int) -> list[Saved]:
+def gpt_block(h: int, heads: int, s: int, tp: int) -> list[Saved]:
     """Korthikanti et al.'s GPT layer, 16-bit activations and 1-byte dropout masks."""
     return [
         Saved("layer norm inputs", 2 * 2 * h, RESIDUAL),
         Saved("dropout masks (attention, MLP outputs)", 2 * h, RESIDUAL),
         Saved("QKV and MLP inputs", 2 * 2 * h, REGION),
-        Saved("Q, K", 4 * h, SPLIT),
-        Saved("V", 2 * h, SPLIT),
-        Saved("projection input", 2 * h, SPLIT),
-        Saved("GeLU input and output", 16 * h, SPLIT),
-        Saved("softmax, its dropout mask and output", 5 * heads * s, SPLIT, core=True),
+        Saved("Q, K", 4 * h / tp, SPLIT),
+        Saved("V", 2 * h / tp, SPLIT),
+        Saved("projection input", 2 * h / tp, SPLIT),
+        Saved("GeLU input and output", 16 * h / tp, SPLIT),
+        Saved("softmax, its dropout mask and output", 5 * heads * s / tp, SPLIT, core=True),
     ]
 
 
@@ -114,7 +114,7 @@ def korthikanti_bytes_per_token(h: int, heads: int, s: int, tp: int, sp: bool, m
     """Korthikanti et al.'s layer under our bookkeeping (Table 2's rows)."""
     if mode == "full":
         return 2 * h
-    terms = [x for x in gpt_block(h, heads, s) if not (mode == "selective" and x.core)]
+    terms = [x for x in gpt_block(h, heads, s, tp) if not (mode == "selective" and x.core)]
     return per_token(terms, tp, sp, region_split=True)
 
 

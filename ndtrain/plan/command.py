@@ -35,7 +35,7 @@ def run(args) -> int:
     if args.search:
         return _search(cfg, cluster, args, tokens)
     cfg, device = plan_config(cfg, cluster, args.gpus)
-    plan = make_plan(cfg, cfg.model_args(), device, mfu=args.mfu, tflops=args.tflops, tokens=tokens)
+    plan = make_plan(cfg, cfg.model_args(), device, given_mfu=args.mfu, tflops=args.tflops, tokens=tokens)
     print(to_json(plan) if args.json else render(plan), flush=True)
     return 0
 
@@ -47,21 +47,20 @@ def _search(cfg, cluster, args, tokens) -> int:
     from ndtrain.plan.search import render, search
 
     gpus = args.gpus or cfg.run.nproc or cluster.gpus_per_node
-    probe = cfg.copy()
+    probe = cfg.copy()  # the model, batch and precision must be valid on their own (one rank)
     probe.parallel.dp = probe.parallel.dp_replicate = probe.parallel.pp = probe.parallel.tp = 1
     probe.parallel.zero, probe.parallel.pp_virtual, probe.parallel.pp_split, probe.parallel.sp = 0, 1, "", None
     probe.train.micro_batch = 0
-    _, device = plan_config(probe, cluster, 1)  # the model and batch must at least be valid
-    found, smallest, where = search(cfg, cfg.model_args(), cluster.per_device(gpus) if cluster.shared_node else device,
-                                    gpus, args.top, tokens)
+    plan_config(probe, cluster, 1)
+    device = cluster.per_device(gpus)
+    found, smallest, where = search(cfg, cfg.model_args(), device, gpus, args.top, tokens)
     if not found:
-        a = cfg.model_args()
         key = next((f"model.{k}" for k in ("dim", "n_layers", "ffn_dim", "vocab_size")
                     if getattr(cfg.model, k) is not None), "model.preset")
         value = getattr(cfg.model, key.split(".")[1])
-        raise ConfigError(key, value, f"the model does not fit on any layout of {gpus} × {cluster.name}: the smallest "
-                          f"memory per rank found is {smallest / 2**30:,.1f} GiB ({where or 'no valid layout'}), the "
-                          f"device has {device.memory / 2**30:,.1f} GiB" + (f" ({a.n_layers} layers)" if False else ""))
+        smallest_text = f"{smallest / 2**30:,.1f} GiB ({where})" if where else "none (no layout passes validation)"
+        raise ConfigError(key, value, f"does not fit on any layout of {gpus} × {cluster.name}: the smallest memory "
+                          f"per rank found is {smallest_text}, the device has {device.memory / 2**30:,.1f} GiB")
     if args.json:
         print(json.dumps([{"overrides": f.overrides, **f.plan.as_json()} for f in found]))
     else:

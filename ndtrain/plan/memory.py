@@ -169,11 +169,19 @@ class StepShape:
         return self.c * (a.dim + a.ffn_dim / tp) * self.n + self.c * a.dim * a.ffn_dim / tp
 
     def block_forward_working(self) -> float:
-        """The end of a block's forward: the row-parallel matmul's output before it joins the
-        residual stream (under TP a copy for the all-reduce or reduce-scatter, under SP also
-        its output)."""
+        """The end of a block's forward: the attention branch's output (a local variable
+        until the block returns), the MLP's row-parallel output before it joins the residual
+        stream, under TP its copy for the all-reduce or reduce-scatter, under SP that one's
+        output."""
         h = self.c * self.args.dim
-        return h * self.n * (2 if self.tp > 1 else 1) + (h * self.n_res if self.cfg.parallel.sp else 0.0)
+        sp = self.cfg.parallel.sp
+        return h * self.n_res + h * self.n * (2 if self.tp > 1 else 1) + (h * self.n_res if sp else 0.0)
+
+    def incoming_gradient(self) -> float:
+        """The gradient a block's backward starts from; under SP also its gather over the
+        sequence (the backward of the block's last reduce-scatter)."""
+        h = self.c * self.args.dim
+        return h * self.n_res + (h * self.n if self.cfg.parallel.sp else 0.0)
 
     def split_kept(self) -> float:
         """Zero bubble: the gradients B leaves at the split nodes for W, per block: the
@@ -288,9 +296,9 @@ def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledg
             launched = r  # DP: the bucket's fp32 copy
 
         def gathered_now(remaining: int) -> float:
-            """ZeRO-3 during backward: the root and the current block and the prefetched one,
-            or, kept gathered since forward, the root and the blocks not yet done."""
-            return root_g + (remaining * block_g if keep_gathered else 2 * block_g)
+            """ZeRO-3 during backward: the root, the current block and the one before it
+            (prefetched), or, kept gathered since forward, the root and the blocks not yet done."""
+            return root_g + (remaining if keep_gathered else min(remaining, 2)) * block_g
 
         if ch.head:  # the loss's gradient comes before the hooks that gather anything
             book.moment(gathered_parameters=gathered, loss=_loss_backward(s))
@@ -316,7 +324,7 @@ def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledg
             if recomputed(t.recompute, i) != "none":  # its forward again, then its backward
                 rerun = s.block_full() - s.block_saved(i)
                 book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun,
-                            working=s.block_forward_working() + hidden)  # + the gradient waiting for it
+                            working=s.block_forward_working() + s.incoming_gradient())
             else:
                 rerun = 0.0
             book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun, working=s.block_working())

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from ndtrain.config import Config, ConfigError, validate
 from ndtrain.model.args import ModelArgs, param_count
 from ndtrain.plan.cluster import THIS_MACHINE, Cluster
+from ndtrain.plan.formulas import mfu
 from ndtrain.plan.memory import RankMemory, per_rank
 from ndtrain.plan.steptime import StepTime, model_flops_per_step, step_time
 
@@ -65,7 +66,7 @@ class Plan:
 
     @property
     def mfu(self) -> float:
-        return self.tflops_per_gpu * 1e12 / self.cluster.peak_flops(self.cfg.train.precision)
+        return mfu(self.flops_per_step, self.step_time_s, self.world, self.cluster.peak_flops(self.cfg.train.precision))
 
     @property
     def days(self) -> float | None:
@@ -122,18 +123,17 @@ def plan_config(cfg: Config, cluster: Cluster, gpus: int | None) -> tuple[Config
         raise ConfigError("train.precision", "fp64", "fp64 is for the CPU layout proofs; on GPUs use fp32, bf16 or fp16")
     cfg.run.device, cfg.run.nproc = "cpu", 0  # the planner never touches a device
     validate(cfg, world=gpus, check_paths=False)
-    local = min(gpus, cluster.gpus_per_node) if cluster.shared_node else 1
-    return cfg, cluster.per_device(gpus if cluster.shared_node else local)
+    return cfg, cluster.per_device(gpus)  # this machine: every process is local
 
 
-def make_plan(cfg: Config, args: ModelArgs, cluster: Cluster, *, mfu: float | None = None,
+def make_plan(cfg: Config, args: ModelArgs, cluster: Cluster, *, given_mfu: float | None = None,
               tflops: float | None = None, tokens: float | None = None) -> Plan:
     """`cfg` validated, `cluster` per device (plan_config)."""
     step, stages = step_time(cfg, args, cluster)
     peak = cluster.peak_flops(cfg.train.precision)
-    if mfu is not None or tflops is not None:
-        rate = tflops * 1e12 if tflops is not None else mfu * peak
-        source = f"given: {rate / 1e12:,.1f} TFLOP/s per GPU" + (f" (MFU {mfu:.1%})" if mfu is not None else "")
+    if given_mfu is not None or tflops is not None:
+        rate = tflops * 1e12 if tflops is not None else given_mfu * peak
+        source = f"given: {rate / 1e12:,.1f} TFLOP/s per GPU" + (f" (MFU {given_mfu:.1%})" if given_mfu else "")
         seconds = model_flops_per_step(cfg, args) / (rate * cfg.parallel.world)
     else:
         source = f"modelled: compute at {cluster.efficiency:.0%} of peak, plus communication and bubble"

@@ -1,0 +1,39 @@
+"""The papers' closed forms the planner stands on (sources in docs/plan.md).
+
+- Training FLOPs per token (Kaplan et al. 2020; Narayanan et al. 2021, appendix;
+  Korthikanti et al. 2022, appendix): 6N for the matmuls, N the weights that take part in
+  one (every layer's, and the output head's; not the embedding lookup), plus the attention
+  scores QKᵀ and AV: 12·L·h·s when the whole s×s matrix is counted (Megatron's papers,
+  PaLM), 6·L·h·s when the masked half of a causal matrix is not (Llama 3, FlashAttention,
+  and ndtrain's own MFU: `model/args.flops_per_token`).
+- MFU: the model's FLOPs (without recomputation) per second over the peak of all devices.
+- A GPT layer (Megatron: LayerNorm and biases, 4h GeLU MLP, learned positions) has 12h² +
+  13h parameters; with V·h embeddings and s·h positions, Narayanan et al.'s
+  P = 12·l·h²·(1 + 13/(12h) + (V + s)/(12·l·h)).
+"""
+
+from __future__ import annotations
+
+
+def training_flops_per_token(matmul_params: float, layers: int, hidden: int, seq_len: int,
+                             causal: bool = True) -> float:
+    """6N + 6·L·h·s (causal half) or 6N + 12·L·h·s (the whole attention matrix)."""
+    return 6.0 * matmul_params + (6.0 if causal else 12.0) * layers * hidden * seq_len
+
+
+def mfu(model_flops: float, seconds: float, devices: int, peak: float) -> float:
+    return model_flops / (seconds * devices * peak)
+
+
+def gpt_params(layers: int, hidden: int, vocab: int = 51200, seq_len: int = 2048) -> int:
+    """Parameters of a Megatron GPT, counted by piece."""
+    h = hidden
+    attention = 3 * h * h + 3 * h + h * h + h  # QKV and the output projection, with biases
+    mlp = h * 4 * h + 4 * h + 4 * h * h + h  # h → 4h → h, with biases
+    norms = 2 * 2 * h  # two LayerNorms (weight and bias)
+    return layers * (attention + mlp + norms) + vocab * h + seq_len * h + 2 * h  # + embeddings, final norm
+
+
+def gpt_matmul_params(layers: int, hidden: int, vocab: int = 51200) -> int:
+    """The weights that take part in a matmul: 12h² per layer and the (tied) head V·h."""
+    return 12 * layers * hidden * hidden + vocab * hidden
