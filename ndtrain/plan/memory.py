@@ -29,7 +29,7 @@ is that plus those states, the rank's peak.
 
 from __future__ import annotations
 
-import math
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -94,9 +94,15 @@ def root_local(args: ModelArgs, chunk: Chunk, tp: int, pipelined: bool) -> int:
 
 
 def stage_chunks(cfg: Config, args: ModelArgs) -> list[list[Chunk]]:
+    """Each pipeline rank's chunks, cut as the engine cuts them (partition.py)."""
     p = cfg.parallel
-    chunks = make_chunks(chunk_counts(args, p.pp * p.pp_virtual, cfg.train.seq_len, p.pp_split))
-    return [[chunks[c] for c in local_chunks(r, p.pp, p.pp_virtual)] for r in range(p.pp)]
+    return _stage_chunks(args, p.pp, p.pp_virtual, cfg.train.seq_len, p.pp_split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_chunks(args: ModelArgs, pp: int, v: int, seq_len: int, split: str) -> list[list[Chunk]]:
+    chunks = make_chunks(chunk_counts(args, pp * v, seq_len, split))
+    return [[chunks[c] for c in local_chunks(r, pp, v)] for r in range(pp)]
 
 
 def stage_params(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> int:
@@ -155,12 +161,19 @@ class StepShape:
     def tp(self) -> int:
         return self.cfg.parallel.tp
 
+    def saved_by_mode(self, mode: str) -> float:
+        """One block's saved bytes for one micro-batch under a recompute mode (none,
+        selective, full)."""
+        cache = self.__dict__.setdefault("_saved", {})
+        if mode not in cache:
+            cache[mode] = block_bytes_per_token(self.args, self.c, self.tp, self.cfg.parallel.sp, mode) * self.n
+        return cache[mode]
+
     def block_saved(self, layer: int) -> float:
-        mode = recomputed(self.cfg.train.recompute, layer)
-        return block_bytes_per_token(self.args, self.c, self.tp, self.cfg.parallel.sp, mode) * self.n
+        return self.saved_by_mode(recomputed(self.cfg.train.recompute, layer))
 
     def block_full(self) -> float:
-        return block_bytes_per_token(self.args, self.c, self.tp, self.cfg.parallel.sp, "none") * self.n
+        return self.saved_by_mode("none")
 
     def block_working(self) -> float:
         """A block's backward at its widest: the incoming gradient, the MLP's gradients

@@ -12,8 +12,7 @@ device are dropped before their step is replayed. The rest are ranked by step ti
 
 from __future__ import annotations
 
-import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 
 from ndtrain.config import Config, ConfigError, validate
@@ -65,14 +64,15 @@ def candidates(cfg: Config, args: ModelArgs, gpus: int, gpus_per_node: int):
 
 
 def _apply(cfg: Config, overrides: list[str]) -> Config:
-    """A copy of `cfg` with `section.key=value` overrides (integers, true/false or words)."""
-    out = copy.deepcopy(cfg)
+    """A copy of `cfg` with `section.key=value` overrides (integers, true/false or words);
+    the sections validate() fills in are fresh copies."""
+    changes: dict[str, dict] = {"parallel": {}, "train": {}}
     for item in overrides:
         key, value = item.split("=", 1)
         section, name = key.split(".")
-        typed = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
-        setattr(getattr(out, section), name, typed)
-    return out
+        changes[section][name] = {"true": True, "false": False}.get(value, int(value) if value.isdigit() else value)
+    return Config(model=cfg.model, parallel=replace(cfg.parallel, **changes["parallel"]),
+                  train=replace(cfg.train, **changes["train"]), data=cfg.data, run=replace(cfg.run))
 
 
 def _states_fit(cfg: Config, args: ModelArgs, memory: float) -> float:
@@ -99,7 +99,7 @@ def search(cfg: Config, args: ModelArgs, cluster: Cluster, gpus: int, top: int =
             validate(trial, world=gpus, check_paths=False)
         except ConfigError:
             continue
-        key = str(trial.to_dict()["parallel"]) + str(trial.to_dict()["train"])
+        key = (tuple(vars(trial.parallel).items()), tuple(vars(trial.train).items()))
         if key in seen:
             continue
         seen.add(key)
