@@ -1,5 +1,6 @@
 """The planner's memory per rank against what `ndtrain train --dry-run` measures, for every
-layout of the layout-invariance matrix (tests/test_layouts.py::LAYOUTS).
+layout of the layout-invariance matrix (tests/test_layouts.py::LAYOUTS), and a few in
+bf16, fp16 and fp64.
 
 One launch per world size runs `dry_run.measure` (two steps on random tokens, the second
 measured: observe/memory.py) on every row of that size; the planner (plan/memory.py) then
@@ -21,6 +22,13 @@ from test_layouts import LAYOUTS
 
 TOLERANCE = 0.05
 BASE = TINY + ["model.vocab_size=512"]
+# Beyond the matrix (which runs in fp32): the other compute dtypes change byte sizes only.
+PRECISIONS = [("bf16-zero2", ["parallel.zero=2", "train.precision=bf16"]),
+              ("fp16-tp2-sp", ["parallel.tp=2", "train.precision=fp16"]),
+              ("bf16-pp2-zb", ["parallel.pp=2", "parallel.pp_schedule=zb", "train.micro_batch=2",
+                               "train.precision=bf16"]),
+              ("fp64-dp2", ["train.precision=fp64"])]
+ROWS = {world: rows + (PRECISIONS if world == 2 else []) for world, rows in LAYOUTS.items()}
 
 
 def _config(overrides, world):
@@ -42,11 +50,11 @@ def _measure_rows(rows):
     return out
 
 
-@pytest.mark.parametrize("world", sorted(LAYOUTS))
+@pytest.mark.parametrize("world", sorted(ROWS))
 def test_planned_memory_matches_the_dry_run(world):
-    measured = run_ranks(_measure_rows, world, LAYOUTS[world], timeout=600)[0]
+    measured = run_ranks(_measure_rows, world, ROWS[world], timeout=600)[0]
     failures, worst = [], (0.0, "")
-    for name, overrides in LAYOUTS[world]:
+    for name, overrides in ROWS[world]:
         cfg = _config(overrides, world)
         stages = per_rank(cfg, cfg.model_args())
         per_stage = world // cfg.parallel.pp  # ranks are laid out with pp outermost

@@ -157,7 +157,10 @@ def draw(rows: list[dict], n: int, path: Path) -> Path:
             ax.plot(*zip(*pts), marker="o", markersize=3, label=kind.replace("_", "-"),
                     linestyle="--" if kind == "ring_all_reduce" else "-")
     ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes)")
+    sizes = sorted({r["bytes"] for r in rows})
+    ax.set_xticks(sizes, [label(s).replace(" ", "") for s in sizes], fontsize=7)
+    ax.minorticks_off()
+    ax.set_xlabel("message size")
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title(f"ndtrain bench comm: {n} ranks")
     ax.grid(True, alpha=0.3)

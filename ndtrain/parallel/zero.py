@@ -543,9 +543,10 @@ class ZeRO:
 def model_state_bytes(psi: int, stage: int, n: int, compute_bytes: int) -> dict[str, float]:
     """The ZeRO paper's model-state bytes per rank for Ψ parameters over n ranks, with
     parameters and gradients in `compute_bytes` each and K bytes of optimizer state per
-    parameter: the fp32 master (unless the compute dtype is fp32 already) and Adam's two
-    fp32 moments. bf16/fp16: K = 12 (the paper's 2Ψ + 2Ψ + 12Ψ); fp32: K = 8."""
-    k = 8 + (4 if compute_bytes != 4 else 0)
+    parameter: the fp32 master (unless the compute dtype is fp32 or fp64 already) and Adam's
+    two moments (fp32, or fp64 in fp64). bf16/fp16: K = 12 (the paper's 2Ψ + 2Ψ + 12Ψ);
+    fp32: K = 8; fp64: K = 16."""
+    k = 12 if compute_bytes < 4 else 2 * compute_bytes
     params, grads, optim = compute_bytes * psi, compute_bytes * psi, k * psi
     if stage >= 1:
         optim /= n

@@ -11,8 +11,8 @@ full recomputation keeps the layer input, 2·h.
 
 The same bookkeeping, done for ndtrain's own block (`model/llama.py`, read off the tensors
 autograd keeps on the CPU and checked against `train --dry-run` by tests/test_plan_memory.py):
-- RMSNorm computes in fp32: it keeps the block input and the attention residual in fp32
-  (4·h each; in fp32 they are the tensors themselves), its 1/rms (4 bytes) and the
+- RMSNorm computes in fp32 (fp64 in fp64): it keeps the block input and the attention
+  residual in fp32 (4·h each; in fp32 they are the tensors themselves), its 1/rms (4 bytes) and the
   normalised input in the compute dtype (c·h), twice per block;
 - the inputs of the column-parallel matmuls (c·h each, attention and MLP): with sequence
   parallelism the *gathered* input is kept, so these two are never split by t;
@@ -55,17 +55,22 @@ def kv_width(args: ModelArgs, tp: int) -> int:
     return heads * args.head_dim
 
 
+def wide(c: int) -> int:
+    """Bytes of the values the model widens to fp32 (fp64 stays fp64): `llama.widened`."""
+    return max(c, 4)
+
+
 def llama_block(args: ModelArgs, c: int, tp: int) -> list[Saved]:
-    h, f, kv = args.dim, args.ffn_dim / tp, kv_width(args, tp)
+    h, f, kv, w = args.dim, args.ffn_dim / tp, kv_width(args, tp), wide(c)
     return [
-        Saved("block input (fp32)", 4 * h, RESIDUAL),
-        Saved("attention residual (fp32)", 4 * h, RESIDUAL),
-        Saved("norm 1/rms", 2 * 4, RESIDUAL),
+        Saved("block input (fp32)", w * h, RESIDUAL),
+        Saved("attention residual (fp32)", w * h, RESIDUAL),
+        Saved("norm 1/rms", 2 * w, RESIDUAL),
         Saved("normalised inputs", 2 * c * h, RESIDUAL),
         Saved("attention and MLP inputs", 2 * c * h, REGION),
         Saved("q, k (rotated)", c * (h / tp + kv), SPLIT, core=True),
         Saved("v", c * kv, SPLIT),
-        Saved("softmax statistics", 4 * args.n_heads / tp, SPLIT, core=True),
+        Saved("softmax statistics", w * args.n_heads / tp, SPLIT, core=True),
         Saved("attention output", c * h / tp, SPLIT),
         Saved("SwiGLU gate, silu, up, product", 4 * c * f, SPLIT),
     ]
@@ -121,8 +126,8 @@ def korthikanti_bytes_per_token(h: int, heads: int, s: int, tp: int, sp: bool, m
 def head_bytes_per_token(args: ModelArgs, c: int, tp: int, sp: bool) -> float:
     """The final norm and the head's input: the last block's output in fp32, 1/rms, the
     normalised output (residual stream), the head's input (gathered under SP)."""
-    r = tp if sp else 1
-    return (4 * args.dim + 4 + c * args.dim) / r + c * args.dim
+    r, w = (tp if sp else 1), wide(c)
+    return (w * args.dim + w + c * args.dim) / r + c * args.dim
 
 
 def recomputed(mode: str, layer: int) -> str:

@@ -38,9 +38,10 @@ from ndtrain.model.args import ModelArgs, block_params
 from ndtrain.parallel.pipeline.partition import Chunk, chunk_counts, local_chunks, make_chunks
 from ndtrain.parallel.pipeline.schedules import B, F, W, Action, compute_orders
 from ndtrain.parallel.zero import model_state_bytes
-from ndtrain.plan.activations import block_bytes_per_token, head_bytes_per_token, kv_width, recomputed
+from ndtrain.plan.activations import block_bytes_per_token, head_bytes_per_token, kv_width, recomputed, wide
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+SAVED = "saved activations"
 
 
 @dataclass
@@ -208,21 +209,22 @@ class StepShape:
 
 
 def _loss_forward(s: StepShape) -> tuple[float, float]:
-    """(the most the loss holds while it runs forward, what it keeps for backward)."""
-    v, n, c = s.vocab_local(), s.n, s.c
-    copy = 4 * v * n if c != 4 else 0  # the fp32 copy of low-precision logits
-    if s.tp > 1:  # vocab-parallel: logits, (masked), fp32 shifted logits → softmax kept
+    """(the most the loss holds while it runs forward, what it keeps for backward). The loss
+    works in fp32 (fp64 in fp64): w bytes per value."""
+    v, n, c, w = s.vocab_local(), s.n, s.c, wide(s.c)
+    copy = w * v * n if c != w else 0  # the widened copy of low-precision logits
+    if s.tp > 1:  # vocab-parallel: logits, (masked), widened shifted logits → softmax kept
         masked = c * v * n if v * s.tp != s.args.vocab_size else 0
-        return c * v * n + masked + copy + 4 * v * n, 4 * v * n
-    return c * v * n + copy + 4 * v * n, 4 * v * n  # logits, log-softmax kept
+        return c * v * n + masked + copy + w * v * n, w * v * n
+    return c * v * n + copy + w * v * n, w * v * n  # logits, log-softmax kept
 
 
 def _loss_backward(s: StepShape) -> float:
-    """On top of what the loss kept: cross-entropy's gradient and log-softmax's (fp32)."""
-    v, n, c = s.vocab_local(), s.n, s.c
+    """On top of what the loss kept: cross-entropy's gradient and log-softmax's."""
+    v, n, c, w = s.vocab_local(), s.n, s.c, wide(s.c)
     if s.tp > 1:  # in place on the kept softmax; cast back to the compute dtype
-        return c * v * n if c != 4 else 0.0
-    return 8 * v * n
+        return c * v * n if c != w else 0.0
+    return 2 * w * v * n
 
 
 class Units:
@@ -268,18 +270,18 @@ def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledg
         block_g, root_g = (c * units.block, c * units.root[ch.index]) if z3 else (0.0, 0.0)
         if a.kind == F:
             held[key] = 0.0
-            if not ch.embed and c != 4:  # the received input; in fp32 it is the first block's input
-                book.add("activations", hidden)
+            if not ch.embed and c != wide(c):  # the received input; widened, it is the first block's input
+                book.add(SAVED, hidden)
                 held[key] += hidden
             for i in ch.layer_ids:
                 book.moment(gathered_parameters=gathered + root_g + 2 * block_g)
-                book.add("activations", s.block_saved(i))
+                book.add(SAVED, s.block_saved(i))
                 held[key] += s.block_saved(i)
                 if keep_gathered:
                     gathered += block_g
             if ch.head:
                 saved = head_bytes_per_token(args, c, s.tp, p.sp) * s.n
-                book.add("activations", saved)
+                book.add(SAVED, saved)
                 held[key] += saved
                 running, kept = _loss_forward(s)
                 book.moment(gathered_parameters=gathered + root_g, loss=running)
@@ -294,7 +296,7 @@ def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledg
             book.moment(working=s.block_working())
             if ch.embed:
                 book.moment(working=embedding_grad)
-            book.add("activations", -held.pop(key))
+            book.add(SAVED, -held.pop(key))
             continue
         # B: one backward pass of one micro-batch through one chunk
         sync = zero >= 2 or last_backward[a.chunk] == k
@@ -323,13 +325,13 @@ def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledg
                         working=c * v * args.dim)
             saved = head_bytes_per_token(args, c, s.tp, p.sp) * s.n
             if split:  # W still needs the loss's kept tensors and the logits' gradient (under TP: the same)
-                logits_grad = c * v * s.n if (s.tp == 1 or c != 4) else 0.0
-                book.add("activations", logits_grad)
+                logits_grad = c * v * s.n if (s.tp == 1 or c != wide(c)) else 0.0
+                book.add(SAVED, logits_grad)
                 held[key] += logits_grad + _loss_forward(s)[1]
-                book.add("activations", _loss_forward(s)[1])
+                book.add(SAVED, _loss_forward(s)[1])
                 book.add("loss", -_loss_forward(s)[1])
             else:
-                book.add("activations", -saved)
+                book.add(SAVED, -saved)
                 held[key] -= saved
         for done, i in enumerate(reversed(ch.layer_ids)):
             staged += full_buffer * units.block
@@ -342,7 +344,7 @@ def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledg
                 rerun = 0.0
             book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun, working=s.block_working())
             if not split:
-                book.add("activations", -s.block_saved(i))
+                book.add(SAVED, -s.block_saved(i))
                 held[key] -= s.block_saved(i)
             staged += launched * units.block
         if ch.embed:
@@ -352,10 +354,10 @@ def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledg
         staged += launched * units.root[ch.index]
         book.moment(gathered_parameters=gathered_now(0), gradient_buffers=staged)
         if split:  # zero bubble: the graph stays for W, with the gradients kept at the split nodes
-            book.add("activations", s.split_kept() * len(ch.layer_ids))
+            book.add(SAVED, s.split_kept() * len(ch.layer_ids))
             held[key] += s.split_kept() * len(ch.layer_ids)
         else:
-            book.add("activations", -held.pop(key))
+            book.add(SAVED, -held.pop(key))
         if ch.index > 0:
             book.add("pipeline messages", hidden)  # the input's gradient, sent and kept
         if sync and zero >= 2:

@@ -11,7 +11,14 @@ GiB = 2**30
 
 
 def gib(n: float) -> str:
-    return f"{n / GiB:,.2f} GiB"
+    return f"{n / GiB:,.2f} GiB" if n >= GiB / 4 else f"{n / 2**20:,.1f} MiB"
+
+
+def count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.3g}{unit}"
+    return f"{n:,.0f}"
 
 
 def seconds(s: float) -> str:
@@ -46,7 +53,7 @@ def render(plan: Plan) -> str:
     for what, n in sorted(w.at_peak.items(), key=lambda kv: -kv[1]):
         lines.append(_row(f"  {what}", gib(n)))
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    lines.append(_row("total (peak)", gib(w.total), f"{verdict} in {gib(c.memory)}"))
+    lines.append(_row("total (peak)", gib(w.total), f"{verdict} in {gib(c.memory)} ({c.memory / 1e9:,.0f} GB)"))
     if p.pp > 1:
         lines.append("  by stage: " + " · ".join(f"{r.stage}: {gib(r.total)}" for r in plan.memory))
     lines.append("  one micro-batch's saved blocks on this stage by recompute mode: " + " · ".join(
@@ -69,7 +76,7 @@ def render(plan: Plan) -> str:
     lines += ["", f"throughput {plan.tokens_per_s:,.0f} tokens/s · {plan.tflops_per_gpu:,.1f} TFLOP/s per GPU · "
                   f"MFU {plan.mfu:.1%} ({plan.rate_source})"]
     if plan.days is not None:
-        lines.append(f"days to train {plan.tokens:,.3g} tokens: {plan.days:,.1f}")
+        lines.append(f"days to train {count(plan.tokens)} tokens on {plan.world} GPUs: {plan.days:,.1f}")
     return "\n".join(lines)
 
 
