@@ -72,7 +72,7 @@ def test_a_model_that_fits_nowhere(capsys):
                          "train.global_batch=8", "train.precision=bf16")
     assert code == 2
     assert "model.dim = 16384: does not fit on any layout of 4 × A100-40GB" in err
-    assert "the smallest memory per rank found is" in err and "GiB (parallel.tp=" in err and "37.3 GiB" in err
+    assert "the smallest memory per rank found is" in err and "GiB (parallel.tp=" in err and "the device has 33.5 GiB (less 10% headroom)" in err
 
 
 def test_search_proposes_only_layouts_train_accepts(capsys):
@@ -87,7 +87,7 @@ def test_search_proposes_only_layouts_train_accepts(capsys):
     for f in found:
         again = f.plan.cfg.copy()
         validate(again, world=8, check_paths=False)  # raises if train would refuse it
-        assert f.plan.fits and f.plan.worst.total <= cluster.memory
+        assert f.plan.fits and f.plan.worst.total <= 0.9 * cluster.memory
         p = again.parallel
         layouts.add((p.tp, p.pp, p.zero))
         assert not (p.pp > 1 and p.zero >= 2) and p.cp == 1 and p.ep == 1  # what validate refuses today

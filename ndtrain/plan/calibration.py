@@ -19,15 +19,12 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-BUS_FACTOR = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "broadcast": lambda n: 1.0,
-    "reduce": lambda n: 1.0,
-    "send_recv": lambda n: 1.0,
-}
+from ndtrain.comm.stats import RING_FACTOR
+
+# The share of S on the slowest link: CommStats' wire bytes per rank (comm/stats.py), plus a
+# reduce (pipelined down a ring, each rank passes S on) and a send/recv pair (S each way).
+BUS_FACTOR = {**{k: v for k, v in RING_FACTOR.items() if k not in ("send", "recv")},
+              "reduce": lambda n: 1.0, "send_recv": lambda n: 1.0}
 
 
 def bus_bandwidth(kind: str, n: int, nbytes: float, seconds: float) -> tuple[float, float]:

@@ -10,6 +10,8 @@ reaches about 80% of them on large messages.
 
 `efficiency` is the assumed fraction of the peak that the compute kernels reach (the
 "assumed MFU" of the compute alone; communication and the pipeline bubble come on top).
+`headroom` (10%) is the memory a layout must leave free to count as fitting: the CUDA
+context, NCCL's buffers and the allocator's fragmentation, which the plan does not count.
 
 "this machine" is the CPU in front of you: `ndtrain bench matmul` gives its peak (all
 cores), `ndtrain bench comm` the latency and bus bandwidth of each collective over gloo;
@@ -39,9 +41,14 @@ class Cluster:
     intra: LinkFit  # NVLink: latency (s), bus bandwidth (bytes/s)
     inter: LinkFit  # between nodes
     efficiency: float = 0.6  # assumed fraction of the peak the compute kernels reach
+    headroom: float = 0.1  # memory kept free for what the plan does not count (CUDA context, fragmentation)
     shared_node: bool = False  # a CPU: the node's processes share its peak and its memory
     fits: dict = field(default_factory=dict)  # measured {collective: {group size: LinkFit}} (this machine)
     source: str = "datasheet"
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory * (1 - self.headroom)
 
     def peak_flops(self, precision: str) -> float:
         return self.peak.get(precision) or self.peak["fp32"]
@@ -118,7 +125,7 @@ def from_toml(path: Path) -> Cluster:
         data = tomllib.loads(path.read_text())
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("--cluster", str(path), f"not valid TOML ({e})") from None
-    known = {"name", "gpus_per_node", "memory_gb", "peak_tflops", "links", "efficiency"}
+    known = {"name", "gpus_per_node", "memory_gb", "peak_tflops", "links", "efficiency", "headroom"}
     for key in data:
         if key not in known:
             raise ConfigError(f"--cluster {path}: {key}", data[key], f"unknown key; expected {', '.join(sorted(known))}")
@@ -132,6 +139,9 @@ def from_toml(path: Path) -> Cluster:
     efficiency = _number(data, "efficiency", "") if "efficiency" in data else 0.6
     if efficiency > 1:
         raise ConfigError("efficiency", efficiency, "must be in (0, 1]")
+    headroom = _number(data, "headroom", "", positive=False) if "headroom" in data else 0.1
+    if not 0 <= headroom < 1:
+        raise ConfigError("headroom", headroom, "must be in [0, 1)")
     gpn = _number(data, "gpus_per_node", "")
     if gpn != int(gpn):
         raise ConfigError("gpus_per_node", gpn, "expected an integer")
@@ -140,7 +150,7 @@ def from_toml(path: Path) -> Cluster:
                            _number(links, "intra_gbps", "links.") * GB),
                    LinkFit(_number(links, "inter_latency_us", "links.") * 1e-6 if "inter_latency_us" in links else 20e-6,
                            _number(links, "inter_gbps", "links.") * GB),
-                   efficiency, source=str(path))
+                   efficiency, headroom, source=str(path))
 
 
 def resolve(spec: str, cache_dir: str) -> Cluster:

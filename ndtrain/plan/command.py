@@ -60,7 +60,8 @@ def _search(cfg, cluster, args, tokens) -> int:
         value = getattr(cfg.model, key.split(".")[1])
         smallest_text = f"{smallest / 2**30:,.1f} GiB ({where})" if where else "none (no layout passes validation)"
         raise ConfigError(key, value, f"does not fit on any layout of {gpus} × {cluster.name}: the smallest memory "
-                          f"per rank found is {smallest_text}, the device has {device.memory / 2**30:,.1f} GiB")
+                          f"per rank found is {smallest_text}, the device has {device.usable_memory / 2**30:,.1f} GiB "
+                          f"(less {device.headroom:.0%} headroom)")
     if args.json:
         print(json.dumps([{"overrides": f.overrides, **f.plan.as_json()} for f in found]))
     else:

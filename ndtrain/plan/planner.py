@@ -46,7 +46,7 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.worst.total <= self.cluster.memory
+        return self.worst.total <= self.cluster.usable_memory
 
     @property
     def tokens_per_step(self) -> int:
@@ -89,6 +89,7 @@ class Plan:
             "memory_per_stage": [{"stage": m.stage, "params_count": m.params_count,
                                   **{k: int(v) for k, v in m.as_dict().items()}} for m in self.memory],
             "device_memory": int(self.cluster.memory),
+            "usable_memory": int(self.cluster.usable_memory),
             "fits": self.fits,
             "step_time_s": self.step_time_s,
             "step_time_model_s": {k: v for k, v in self.step.as_dict().items()},

@@ -53,7 +53,8 @@ def render(plan: Plan) -> str:
     for what, n in sorted(w.at_peak.items(), key=lambda kv: -kv[1]):
         lines.append(_row(f"  {what}", gib(n)))
     verdict = "fits" if plan.fits else "DOES NOT FIT"
-    lines.append(_row("total (peak)", gib(w.total), f"{verdict} in {gib(c.memory)} ({c.memory / 1e9:,.0f} GB)"))
+    lines.append(_row("total (peak)", gib(w.total), f"{verdict} in {gib(c.usable_memory)} ({c.memory / 1e9:,.0f} GB "
+                                                   f"less {c.headroom:.0%} headroom)"))
     if p.pp > 1:
         lines.append("  by stage: " + " · ".join(f"{r.stage}: {gib(r.total)}" for r in plan.memory))
     lines.append("  one micro-batch's saved blocks on this stage by recompute mode: " + " · ".join(

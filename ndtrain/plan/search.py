@@ -75,7 +75,7 @@ def _apply(cfg: Config, overrides: list[str]) -> Config:
                   train=replace(cfg.train, **changes["train"]), data=cfg.data, run=replace(cfg.run))
 
 
-def _states_fit(cfg: Config, args: ModelArgs, memory: float) -> float:
+def _states_fit(cfg: Config, args: ModelArgs) -> float:
     """The largest model states of a stage (bytes); a quick filter before the replay."""
     p = cfg.parallel
     worst = 0.0
@@ -103,8 +103,8 @@ def search(cfg: Config, args: ModelArgs, cluster: Cluster, gpus: int, top: int =
         if key in seen:
             continue
         seen.add(key)
-        states = _states_fit(trial, args, cluster.memory)
-        if states > cluster.memory:
+        states = _states_fit(trial, args)
+        if states > cluster.usable_memory:
             if states < smallest:
                 smallest, smallest_layout = states, " ".join(overrides)
             continue
@@ -118,7 +118,8 @@ def search(cfg: Config, args: ModelArgs, cluster: Cluster, gpus: int, top: int =
 
 
 def render(found: list[Found], cluster: Cluster, gpus: int) -> str:
-    lines = [f"the fastest layouts that fit on {gpus} × {cluster.name} ({cluster.memory / 2**30:,.1f} GiB each)",
+    lines = [f"the fastest layouts that fit on {gpus} × {cluster.name} (within {cluster.usable_memory / 2**30:,.1f} GiB: "
+             f"{cluster.memory / 1e9:,.0f} GB less {cluster.headroom:.0%} headroom)",
              f"{'#':>2}  {'tp':>3} {'cp':>3} {'pp':>3} {'dp':>4} {'rep':>3} {'zero':>4} {'schedule':>12} {'micro':>5} "
              f"{'recompute':>9}  {'memory':>10}  {'step':>9}  {'tokens/s':>12}  {'MFU':>6}"]
     for i, f in enumerate(found, 1):
