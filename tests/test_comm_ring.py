@@ -74,18 +74,29 @@ def test_fit_recovers_latency_and_bandwidth():
     got = fit("all_gather", 4, points)
     assert got.latency_s == pytest.approx(50e-6, rel=1e-6) and got.busbw == pytest.approx(2e9, rel=1e-6)
     assert truth.seconds("all_reduce", 1, 2**20) == 0.0  # one rank: nothing to send
+    # with its points, a fit follows the measured curve: exactly at the points (bus bytes:
+    # S·3/4 for an all-gather on 4 ranks), log-log between them, the last slope beyond
+    for s, t in points:
+        assert got.seconds("all_gather", 4, s) == pytest.approx(t)
+    bent = LinkFit(1e-4, 1e9, ((1e3, 1e-4), (1e6, 1e-3), (1e8, 1.0)))
+    assert bent.seconds("send_recv", 2, 10**4.5) == pytest.approx(10**-3.5)  # halfway in log-log
+    assert bent.seconds("send_recv", 2, 2e8) == pytest.approx(1.0 + 1e8 * (1.0 - 1e-3) / (1e8 - 1e6))
+    assert bent.seconds("send_recv", 2, 10) == pytest.approx(1e-4)  # below the first point: the latency
 
 
 def test_bench_comm_reports_every_collective(tmp_path, capsys, monkeypatch):
-    """The command end to end on 2 ranks and two small sizes (the ring line needs its 64 MB)."""
+    """The command end to end on 2 ranks and two small sizes; the ring/backend line at 4 KB
+    instead of 64 MB, to keep the test quick (its label is checked below)."""
     from ndtrain.bench import comm
     from ndtrain.cli import main
 
     def launch(nproc, fn, *args):  # the fork server instead of torch's elastic launcher: same worker, faster
         return dict(enumerate(run_ranks(fn, nproc, *args, timeout=300)))
 
+    assert comm.label(comm.RATIO_SIZE) == "64 MB"
     monkeypatch.setattr("ndtrain.launch.launch_local", launch)
     monkeypatch.setattr(comm, "TARGET_S", 0.001)
+    monkeypatch.setattr(comm, "RATIO_SIZE", 4096)
     code = main(["bench", "comm", "--nproc", "2", "--rounds", "1", "--sizes", "1K", "4KB", "--out", str(tmp_path / "out"),
                  f"data.cache_dir={tmp_path / 'cache'}", "run.device=cpu"])
     out = capsys.readouterr().out.splitlines()
@@ -96,7 +107,7 @@ def test_bench_comm_reports_every_collective(tmp_path, capsys, monkeypatch):
     assert header[1:] == list(comm.KINDS)
     assert [line.split()[0] for line in out if line.strip().startswith(("1 KB", "4 KB"))] == ["1", "4"]
     last = out[-1]
-    assert last.startswith("ndtrain ring/backend all_reduce busbw ratio at 64 MB: ")
+    assert last.startswith("ndtrain ring/backend all_reduce busbw ratio at 4 KB: ")
     assert math.isfinite(float(last.rsplit(": ", 1)[1])) and len(last.rsplit(": ", 1)[1].split(".")[1]) == 2
 
 

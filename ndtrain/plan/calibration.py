@@ -1,6 +1,7 @@
 """What `ndtrain bench comm` measured, in the form the planner reads: per collective and
 group size, a latency α and a bus bandwidth β, so that one call on S bytes over n ranks
-takes t(S) = α + S · factor(n) / β.
+takes t(S) = α + S · factor(n) / β, and the measured points themselves, which the planner
+follows where it has them (a real curve bends: gloo's large reduce-scatters slow down).
 
 factor(n) is the bus-bandwidth factor of nccl-tests (NVIDIA's `PERFORMANCE.md`): the share
 of S that crosses the slowest link under the bandwidth-optimal algorithm, 2(n−1)/n for an
@@ -15,6 +16,7 @@ backend; each run replaces the entries of the group size it measured.
 from __future__ import annotations
 
 import json
+import math
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,13 +42,31 @@ def _base(kind: str) -> str:
 
 @dataclass(frozen=True)
 class LinkFit:
+    """t(S) = α + S·factor(n)/β; with measured `points` ((bus bytes, seconds), from `bench
+    comm`), the measured curve itself, interpolated (log-log) between them and continued
+    at the last bandwidth beyond them: gloo's collectives are far from one straight line."""
+
     latency_s: float
     busbw: float  # bytes/s
+    points: tuple = ()
 
     def seconds(self, kind: str, n: int, nbytes: float) -> float:
         if n <= 1 or nbytes <= 0:
             return 0.0
-        return self.latency_s + nbytes * BUS_FACTOR[_base(kind)](n) / self.busbw
+        x = nbytes * BUS_FACTOR[_base(kind)](n)  # the bytes on the slowest link
+        if not self.points:
+            return self.latency_s + x / self.busbw
+        pts = self.points
+        if x <= pts[0][0]:
+            return pts[0][1]
+        if x >= pts[-1][0]:
+            (x0, t0), (x1, t1) = pts[-2] if len(pts) > 1 else (0.0, 0.0), pts[-1]
+            return t1 + (x - x1) * (t1 - t0) / (x1 - x0) if x1 > x0 and t1 > t0 else t1 * x / x1
+        for (x0, t0), (x1, t1) in zip(pts, pts[1:]):
+            if x0 <= x <= x1:
+                w = math.log(x / x0) / math.log(x1 / x0)
+                return math.exp(math.log(t0) + w * math.log(t1 / t0))
+        raise AssertionError("unreachable")
 
 
 def fit(kind: str, n: int, points: list[tuple[float, float]]) -> LinkFit:
@@ -66,7 +86,7 @@ def fit(kind: str, n: int, points: list[tuple[float, float]]) -> LinkFit:
         (x0, t0), (x1, t1) = min(zip(xs, ts)), max(zip(xs, ts))
         k = t1 / x1
         alpha = max(t0 - k * x0, 0.0)
-    return LinkFit(alpha, 1.0 / k)
+    return LinkFit(alpha, 1.0 / k, tuple(sorted(zip(xs, ts))))
 
 
 def calibration_file(cache_dir: str | Path) -> Path:
@@ -82,7 +102,8 @@ def save(cache_dir: str | Path, key: str, n: int, fits: dict[str, LinkFit]) -> P
     data = json.loads(path.read_text()) if path.is_file() else {}
     entry = data.setdefault(key, {})
     for kind, f in fits.items():
-        entry.setdefault(kind, {})[str(n)] = {"latency_s": f.latency_s, "busbw": f.busbw}
+        entry.setdefault(kind, {})[str(n)] = {"latency_s": f.latency_s, "busbw": f.busbw,
+                                             "bus_bytes_seconds": [list(p) for p in f.points]}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, sort_keys=True))
     return path
@@ -101,7 +122,8 @@ def load(cache_dir: str | Path, key: str | None = None) -> dict[str, dict[int, L
     if entry is None:
         mine = [k for k in data if k.startswith(f"{platform.node() or 'host'}/")]
         entry = data[(mine or sorted(data))[0]]
-    return {kind: {int(n): LinkFit(v["latency_s"], v["busbw"]) for n, v in sizes.items()}
+    return {kind: {int(n): LinkFit(v["latency_s"], v["busbw"], tuple(map(tuple, v.get("bus_bytes_seconds", []))))
+                   for n, v in sizes.items()}
             for kind, sizes in entry.items()}
 
 
