@@ -83,7 +83,7 @@ def block_local(args: ModelArgs, tp: int) -> int:
     return 2 * h * h // tp + 2 * h * kv_local + 3 * h * args.ffn_dim // tp + 2 * h
 
 
-def root_local(args: ModelArgs, chunk: Chunk, tp: int, pipelined: bool) -> int:
+def root_local(args: ModelArgs, chunk: Chunk, tp: int) -> int:
     """Embedding, final norm and head held by a chunk, on one tensor-parallel rank."""
     table = padded_vocab(args, tp) // tp * args.dim
     n = table if chunk.embed else 0
@@ -107,8 +107,8 @@ def _stage_chunks(args: ModelArgs, pp: int, v: int, seq_len: int, split: str) ->
 
 
 def stage_params(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> int:
-    tp, pipelined = cfg.parallel.tp, cfg.parallel.pp > 1
-    return sum(len(ch.layer_ids) * block_local(args, tp) + root_local(args, ch, tp, pipelined) for ch in chunks)
+    tp = cfg.parallel.tp
+    return sum(len(ch.layer_ids) * block_local(args, tp) + root_local(args, ch, tp) for ch in chunks)
 
 
 # --------------------------------------------------------------------------- the replay
@@ -231,144 +231,175 @@ class Units:
     """ZeRO's units on this rank: bytes of one gathered copy and of one reduce buffer."""
 
     def __init__(self, s: StepShape, chunks: list[Chunk]):
-        self.s, self.stage = s, s.cfg.parallel.zero
         n = s.shard
         pad = lambda x: -(-x // n) * n  # noqa: E731 - flat buffers are padded to the shard group
         self.block = pad(block_local(s.args, s.tp))
-        self.root = {ch.index: pad(root_local(s.args, ch, s.tp, s.cfg.parallel.pp > 1)) for ch in chunks}
+        self.root = {ch.index: pad(root_local(s.args, ch, s.tp)) for ch in chunks}
 
 
-def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledger:
-    """The activation peak of pipeline rank `rank` over one step (see the module docstring)."""
-    s = StepShape.of(cfg, args)
-    p, t = cfg.parallel, cfg.train
-    units = Units(s, chunks)
-    zero, c, r = p.zero, s.c, s.r
-    z3, keep_gathered = zero == 3, zero == 3 and not p.reshard_after_forward
-    m = t.accumulation(p.dp)
-    by_index = {ch.index: ch for ch in chunks}
-    if p.pp > 1:
-        orders = compute_orders(p.pp_schedule, p.pp, p.pp_virtual, m)[rank]
-    else:  # micro-batches run one after another: the first, the second (ZeRO-2/3 shards exist by
-        # then) and the last (which reduces) are the ones that differ
-        orders = [[Action(kind, 0, i)] for i in sorted({0, min(1, m - 1), m - 1}) for kind in (F, B)]
-    actions = [a for tick in orders for a in tick]
-    split = any(a.kind == W for a in actions)
-    last_backward = {a.chunk: k for k, a in enumerate(actions) if a.kind in (B, W)}
-    book = Ledger()
-    held: dict[tuple[int, int], float] = {}  # (chunk, micro) → saved bytes not yet freed
-    passes: Counter = Counter()  # backward passes run per chunk (ZeRO-2/3 keep shards after the first)
-    gathered = 0.0  # ZeRO-3 units kept gathered between forward and backward
-    hidden = c * args.dim * s.n_res  # one hidden state of the residual stream
+class Replay:
+    """One step of one pipeline rank, action by action (see the module docstring)."""
 
-    def units_of(ch: Chunk) -> int:
-        return units.block * len(ch.layer_ids) + units.root[ch.index]
+    def __init__(self, cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]):
+        self.cfg, self.args = cfg, args
+        self.s = s = StepShape.of(cfg, args)
+        p, t = cfg.parallel, cfg.train
+        self.units = Units(s, chunks)
+        self.z3 = p.zero == 3
+        self.keep_gathered = self.z3 and not p.reshard_after_forward
+        m = t.accumulation(p.dp)
+        self.chunks = {ch.index: ch for ch in chunks}
+        if p.pp > 1:
+            orders = compute_orders(p.pp_schedule, p.pp, p.pp_virtual, m)[rank]
+        else:  # micro-batches run one after another: the first, the second (ZeRO-2/3 shards
+            # exist by then) and the last (which reduces) are the ones that differ
+            orders = [[Action(kind, 0, i)] for i in sorted({0, min(1, m - 1), m - 1}) for kind in (F, B)]
+        self.actions = [a for tick in orders for a in tick]
+        self.split = any(a.kind == W for a in self.actions)  # zero bubble
+        self.last_backward = {a.chunk: k for k, a in enumerate(self.actions) if a.kind in (B, W)}
+        self.book = Ledger()
+        self.held: dict[tuple[int, int], float] = {}  # (chunk, micro) → saved bytes not yet freed
+        self.passes: Counter = Counter()  # backward passes per chunk (ZeRO-2/3 keep shards after the first)
+        self.gathered = 0.0  # ZeRO-3 units kept gathered from forward to backward
+        self.hidden = s.c * args.dim * s.n_res  # one hidden state of the residual stream
 
-    for k, a in enumerate(actions):
-        ch, key = by_index[a.chunk], (a.chunk, a.micro)
-        book.in_flight = len(held) + (a.kind == F)
-        block_g, root_g = (c * units.block, c * units.root[ch.index]) if z3 else (0.0, 0.0)
-        if a.kind == F:
-            held[key] = 0.0
-            if not ch.embed and c != wide(c):  # the received input; widened, it is the first block's input
-                book.add(SAVED, hidden)
-                held[key] += hidden
-            for i in ch.layer_ids:
-                book.moment(gathered_parameters=gathered + root_g + 2 * block_g)
-                book.add(SAVED, s.block_saved(i))
-                held[key] += s.block_saved(i)
-                if keep_gathered:
-                    gathered += block_g
-            if ch.head:
-                saved = head_bytes_per_token(args, c, s.tp, p.sp) * s.n
-                book.add(SAVED, saved)
-                held[key] += saved
-                running, kept = _loss_forward(s)
-                book.moment(gathered_parameters=gathered + root_g, loss=running)
-                book.add("loss", kept)
-            else:  # the output sent on: the executor keeps the send until the step ends
-                book.add("pipeline messages", hidden)
-            if keep_gathered:
-                gathered += root_g
-            continue
-        embedding_grad = c * s.vocab_local() * args.dim + c * args.dim * s.n  # its weight's gradient, and its input's
-        if a.kind == W:
-            book.moment(working=s.block_working())
-            if ch.embed:
-                book.moment(working=embedding_grad)
-            book.add(SAVED, -held.pop(key))
-            continue
-        # B: one backward pass of one micro-batch through one chunk
-        sync = zero >= 2 or last_backward[a.chunk] == k
-        staged = 0.0  # communication buffers this pass allocates
-        full_buffer = r if (sync and zero >= 2) else 0.0  # ZeRO-2/3: from a unit's first gradient to the pass's end
-        launched = 0.0  # per parameter, when a unit's gradients are complete and its reduction starts
-        if sync and zero >= 2:
-            launched = r / s.shard  # the reduce-scatter's output
-        elif sync and zero == 1:
-            launched = r / s.shard + (r if r != c else 0.0)  # its output, and the fp32 copy of the input
-        elif sync and r != c:
-            launched = r  # DP: the bucket's fp32 copy
+    def run(self) -> Ledger:
+        for k, a in enumerate(self.actions):
+            self.book.in_flight = len(self.held) + (a.kind == F)
+            {F: self.forward, B: self.backward, W: self.weights}[a.kind](a, k)
+        return self.book
 
-        def gathered_now(remaining: int) -> float:
-            """ZeRO-3 during backward: the root, the current block and the one before it
-            (prefetched), or, kept gathered since forward, the root and the blocks not yet done."""
-            return root_g + (remaining if keep_gathered else min(remaining, 2)) * block_g
+    # -- sizes ----------------------------------------------------------------------------
+    def gathered_units(self, ch: Chunk) -> tuple[float, float]:
+        """ZeRO-3: bytes of one gathered block and of the chunk's gathered root."""
+        c = self.s.c
+        return (c * self.units.block, c * self.units.root[ch.index]) if self.z3 else (0.0, 0.0)
 
-        if ch.head:  # the loss's gradient comes before the hooks that gather anything
-            book.moment(gathered_parameters=gathered, loss=_loss_backward(s))
-            book.add("loss", -_loss_forward(s)[1] * (0 if split else 1))
-            v = s.vocab_local()
-            book.moment(gathered_parameters=gathered_now(len(ch.layer_ids)), working=c * v * s.n + c * v * args.dim)
-            staged += full_buffer * units.root[ch.index]
-            book.moment(gathered_parameters=gathered_now(len(ch.layer_ids)), gradient_buffers=staged,
-                        working=c * v * args.dim)
-            saved = head_bytes_per_token(args, c, s.tp, p.sp) * s.n
-            if split:  # W still needs the loss's kept tensors and the logits' gradient (under TP: the same)
-                logits_grad = c * v * s.n if (s.tp == 1 or c != wide(c)) else 0.0
-                book.add(SAVED, logits_grad)
-                held[key] += logits_grad + _loss_forward(s)[1]
-                book.add(SAVED, _loss_forward(s)[1])
-                book.add("loss", -_loss_forward(s)[1])
-            else:
-                book.add(SAVED, -saved)
-                held[key] -= saved
+    def gathered_in_backward(self, ch: Chunk, remaining: int) -> float:
+        """The root, the current block and the one before it (prefetched), or, kept gathered
+        since forward, the root and the blocks not yet done."""
+        block_g, root_g = self.gathered_units(ch)
+        return root_g + (remaining if self.keep_gathered else min(remaining, 2)) * block_g
+
+    def reduce_buffers(self, sync: bool) -> tuple[float, float]:
+        """Bytes per parameter of the gradient buffers a backward pass makes: (from a unit's
+        first gradient to the end of the pass: ZeRO-2/3's full reduce buffer; from a unit's
+        completion: the reduce-scatter's output, and DP's or ZeRO-1's fp32 copy)."""
+        zero, r, c, shard = self.cfg.parallel.zero, self.s.r, self.s.c, self.s.shard
+        if not sync:
+            return 0.0, 0.0
+        if zero >= 2:
+            return r, r / shard
+        if zero == 1:
+            return 0.0, r / shard + (r if r != c else 0.0)
+        return 0.0, (r if r != c else 0.0)
+
+    def _keep(self, key, n: float) -> None:
+        self.book.add(SAVED, n)
+        self.held[key] += n
+
+    # -- actions --------------------------------------------------------------------------
+    def forward(self, a: Action, k: int) -> None:
+        s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
+        block_g, root_g = self.gathered_units(ch)
+        self.held[key] = 0.0
+        if not ch.embed and s.c != wide(s.c):  # the received input; widened, it is the first block's input
+            self._keep(key, self.hidden)
+        for i in ch.layer_ids:
+            book.moment(gathered_parameters=self.gathered + root_g + 2 * block_g)
+            self._keep(key, s.block_saved(i))
+            if self.keep_gathered:
+                self.gathered += block_g
+        if ch.head:
+            self._keep(key, head_bytes_per_token(self.args, s.c, s.tp, self.cfg.parallel.sp) * s.n)
+            running, kept = _loss_forward(s)
+            book.moment(gathered_parameters=self.gathered + root_g, loss=running)
+            book.add("loss", kept)
+        else:  # the output sent on: the executor keeps the send until the step ends
+            book.add("pipeline messages", self.hidden)
+        if self.keep_gathered:
+            self.gathered += root_g
+
+    def weights(self, a: Action, k: int) -> None:
+        """Zero bubble's W: the weight gradients, then the micro-batch's graph goes."""
+        self.book.moment(working=self.s.block_working())
+        if self.chunks[a.chunk].embed:
+            self.book.moment(working=self.embedding_gradient())
+        self.book.add(SAVED, -self.held.pop((a.chunk, a.micro)))
+
+    def embedding_gradient(self) -> float:
+        """The embedding's weight gradient and the gradient arriving at it."""
+        s = self.s
+        return s.c * s.vocab_local() * self.args.dim + s.c * self.args.dim * s.n
+
+    def backward(self, a: Action, k: int) -> None:
+        """One backward pass of one micro-batch through one chunk (B; under zero bubble the
+        input gradients only)."""
+        s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
+        zero = self.cfg.parallel.zero
+        sync = zero >= 2 or self.last_backward[a.chunk] == k
+        full_buffer, launched = self.reduce_buffers(sync)
+        units, root = self.units, self.units.root[ch.index]
+        staged = 0.0  # this pass's gradient buffers so far
+        if ch.head:
+            staged = self._head_backward(ch, key, full_buffer * root)
         for done, i in enumerate(reversed(ch.layer_ids)):
             staged += full_buffer * units.block
-            now = gathered_now(len(ch.layer_ids) - done)
-            if recomputed(t.recompute, i) != "none":  # its forward again, then its backward
+            now = self.gathered_in_backward(ch, len(ch.layer_ids) - done)
+            rerun = 0.0
+            if recomputed(self.cfg.train.recompute, i) != "none":  # its forward again, then its backward
                 rerun = s.block_full() - s.block_saved(i)
                 book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun,
                             working=s.block_forward_working() + s.incoming_gradient())
-            else:
-                rerun = 0.0
             book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun, working=s.block_working())
-            if not split:
-                book.add(SAVED, -s.block_saved(i))
-                held[key] -= s.block_saved(i)
+            if not self.split:
+                self._keep(key, -s.block_saved(i))
             staged += launched * units.block
         if ch.embed:
-            staged += (0.0 if ch.head else full_buffer * units.root[ch.index])
-            if not split:
-                book.moment(gathered_parameters=gathered_now(0), gradient_buffers=staged, working=embedding_grad)
-        staged += launched * units.root[ch.index]
-        book.moment(gathered_parameters=gathered_now(0), gradient_buffers=staged)
-        if split:  # zero bubble: the graph stays for W, with the gradients kept at the split nodes
-            book.add(SAVED, s.split_kept() * len(ch.layer_ids))
-            held[key] += s.split_kept() * len(ch.layer_ids)
+            staged += 0.0 if ch.head else full_buffer * root
+            if not self.split:
+                book.moment(gathered_parameters=self.gathered_in_backward(ch, 0), gradient_buffers=staged,
+                            working=self.embedding_gradient())
+        staged += launched * root
+        book.moment(gathered_parameters=self.gathered_in_backward(ch, 0), gradient_buffers=staged)
+        if self.split:  # zero bubble: the graph stays for W, with the gradients kept at the split nodes
+            self._keep(key, s.split_kept() * len(ch.layer_ids))
         else:
-            book.add(SAVED, -held.pop(key))
+            book.add(SAVED, -self.held.pop(key))
         if ch.index > 0:
-            book.add("pipeline messages", hidden)  # the input's gradient, sent and kept
+            book.add("pipeline messages", self.hidden)  # the input's gradient, sent and kept
         if sync and zero >= 2:
-            if not passes[a.chunk]:
-                book.add("gradient shards", c * units_of(ch) / s.shard)
+            if not self.passes[a.chunk]:
+                book.add("gradient shards", s.c * (units.block * len(ch.layer_ids) + root) / s.shard)
         elif sync and launched:
             book.add("gradient buffers", staged)  # freed by finish(), when the step ends
-        passes[a.chunk] += 1
-        if keep_gathered:
-            gathered = 0.0  # the end of a backward pass reshards every unit
-    return book
+        self.passes[a.chunk] += 1
+        if self.keep_gathered:
+            self.gathered = 0.0  # the end of a backward pass reshards every unit
+
+    def _head_backward(self, ch: Chunk, key, root_buffer: float) -> float:
+        """The loss's gradient (before any hook gathers anything), then the head's; returns
+        the gradient buffer the head's weight gradient lands in."""
+        s, book = self.s, self.book
+        c, v = s.c, s.vocab_local()
+        kept = _loss_forward(s)[1]
+        book.moment(gathered_parameters=self.gathered, loss=_loss_backward(s))
+        book.add("loss", -kept)
+        if self.split:  # W still needs the loss's kept tensors and the logits' gradient (under TP: the same)
+            self._keep(key, kept)
+        now = self.gathered_in_backward(ch, len(ch.layer_ids))
+        book.moment(gathered_parameters=now, working=c * v * s.n + c * v * self.args.dim)
+        book.moment(gathered_parameters=now, gradient_buffers=root_buffer, working=c * v * self.args.dim)
+        if self.split:
+            self._keep(key, c * v * s.n if (s.tp == 1 or c != wide(c)) else 0.0)
+        else:
+            self._keep(key, -head_bytes_per_token(self.args, c, s.tp, self.cfg.parallel.sp) * s.n)
+        return root_buffer
+
+
+def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledger:
+    """The activation peak of pipeline rank `rank` over one step."""
+    return Replay(cfg, args, rank, chunks).run()
 
 
 def per_rank(cfg: Config, args: ModelArgs) -> list[RankMemory]:

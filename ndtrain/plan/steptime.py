@@ -39,7 +39,7 @@ from ndtrain.model.args import ModelArgs, block_params, flops_per_token
 from ndtrain.parallel.pipeline.partition import Chunk, chunk_costs
 from ndtrain.parallel.pipeline.schedules import theory_bubble
 from ndtrain.plan.cluster import Cluster
-from ndtrain.plan.memory import BYTES, padded_vocab, stage_chunks, stage_params
+from ndtrain.plan.memory import BYTES, stage_chunks, stage_params
 
 INNER_TO_OUTER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 
@@ -191,6 +191,3 @@ def model_flops_per_step(cfg: Config, args: ModelArgs) -> float:
     t = cfg.train
     return flops_per_token(args, t.seq_len) * t.global_batch * t.seq_len
 
-
-def vocab_padding(args: ModelArgs, tp: int) -> int:
-    return padded_vocab(args, tp) - args.vocab_size
