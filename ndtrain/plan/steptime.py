@@ -8,8 +8,9 @@ Per pipeline stage (every rank of a stage does the same work):
   by t, context parallelism the tokens by cp. Rate: peak × efficiency.
 - tensor (and sequence) parallelism, per block and micro-batch, exposed: 2 all-reduces
   forward and 2 backward of b·s·h values (Narayanan et al. 2021: 8·b·s·h·(t−1)/t on the
-  wire), or under SP the same bytes as all-gathers and reduce-scatters (Korthikanti et al.
-  2022); plus the embedding's exit and the head's entry; recomputation repeats the forward's.
+  wire), or under SP the same bytes as 4 all-gathers and 4 reduce-scatters (Korthikanti et
+  al. 2022); plus the embedding's exit and the head's entry (one all-reduce each,
+  4·b·s·h·(t−1)/t); recomputation repeats the forward's.
 - context parallelism (ring attention), when it exists: each block passes K and V around
   the ring, cp − 1 steps forward and twice that backward. Expert parallelism: two
   all-to-alls of the routed tokens per MoE block forward and two backward; the model has no
@@ -130,12 +131,14 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster) -> tuple[StepTime,
         blocks = sum(len(ch.layer_ids) for ch in chunks)
         ends = sum(ch.embed for ch in chunks) + sum(ch.head for ch in chunks)
         if p.tp > 1:
-            kinds = ("all_gather", "reduce_scatter") if p.sp else ("all_reduce", "all_reduce")
-            one = sum(collective(cluster, cfg, k, ("tp",), act) for k in kinds)  # one entry + one exit
-            per_micro = (2 * blocks + ends) * one  # forward and backward: two regions per block
-            if t.recompute != "none" and t.recompute != "selective":
-                per_micro += sum(1 for ch in chunks for i in ch.layer_ids if i % recompute_every(t.recompute) == 0) * one
-            st.tp = per_micro * m
+            # one all-reduce, or under SP one all-gather and one reduce-scatter (the same bytes)
+            kinds = ("all_gather", "reduce_scatter") if p.sp else ("all_reduce",)
+            pair = sum(collective(cluster, cfg, k, ("tp",), act) for k in kinds)
+            # a block: two regions, each entered and left forward and backward: 4 pairs; the
+            # embedding's exit and the head's entry: one each; a recomputed block's forward: 2
+            recomputed_blocks = sum(1 for i in (i for ch in chunks for i in ch.layer_ids)
+                                    if t.recompute not in ("none", "selective") and i % recompute_every(t.recompute) == 0)
+            st.tp = (4 * blocks + ends + 2 * recomputed_blocks) * pair * m
         if p.cp > 1:  # ring attention: K and V around the ring
             kv = 2 * c * t.micro_batch * t.seq_len / p.cp * args.n_kv_heads * args.head_dim
             st.cp = 3 * (p.cp - 1) * blocks * collective(cluster, cfg, "send_recv", ("cp",), kv) * m
