@@ -46,7 +46,12 @@ class ModelConfig:
     max_seq_len: int | None = None
     rope_theta: float | None = None
     tie_embeddings: bool | None = None
+    head_dim: int | None = None  # None = dim / n_heads
+    norm_eps: float | None = None
+    qkv_bias: bool | None = None  # biases on q, k, v (Qwen2)
+    qk_norm: bool | None = None  # RMSNorm of each query and key head (Qwen3)
     dropout: float = 0.0
+    init_from: str = ""  # "" = random init; run:DIR (an ndtrain run or checkpoint) or hf:DIR (a HF model folder)
 
 
 @dataclass
@@ -100,6 +105,7 @@ class TrainConfig:
     eval_every: int = 100  # 0 = evaluate only at the end
     eval_batches: int = 8
     save_every: int = 0  # 0 = save only at the end
+    keep_checkpoints: int = 0  # keep the newest N checkpoints (the one just written always); 0 = keep all
     log_every: int = 10
 
     def accumulation(self, dp: int) -> int:
@@ -153,7 +159,7 @@ class Config:
         m = self.model
         base = PRESETS[m.preset]
         changes = {f.name: getattr(m, f.name) for f in fields(m)
-                   if f.name not in ("preset",) and getattr(m, f.name) is not None}
+                   if f.name not in ("preset", "init_from") and getattr(m, f.name) is not None}
         if vocab_size is not None and m.vocab_size is None:
             changes["vocab_size"] = vocab_size
         if "max_seq_len" not in changes:
@@ -395,10 +401,18 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
 
     if m.preset not in PRESETS:
         raise ConfigError("model.preset", m.preset, f"unknown preset; choose one of {', '.join(PRESETS)}")
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "head_dim"):
         _positive(f"model.{key}", getattr(m, key))
-    if m.rope_theta is not None:
-        _positive("model.rope_theta", m.rope_theta)
+    for key in ("rope_theta", "norm_eps"):
+        if getattr(m, key) is not None:
+            _positive(f"model.{key}", getattr(m, key))
+    if m.init_from:
+        kind, _, path = m.init_from.partition(":")
+        if kind not in ("run", "hf") or not path:
+            raise ConfigError("model.init_from", m.init_from, "expected run:DIR (an ndtrain run or checkpoint) "
+                              "or hf:DIR (a Hugging Face model folder)")
+        if check_paths and not Path(os.path.expanduser(path)).is_dir():
+            raise ConfigError("model.init_from", m.init_from, "no such directory")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
 
@@ -468,6 +482,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     if r.threads > cores:
         raise ConfigError("run.threads", r.threads, f"must be at most this machine's {cores} CPU cores")
     _positive("run.stop_after", r.stop_after, zero_ok=True)
+    _positive("train.keep_checkpoints", t.keep_checkpoints, zero_ok=True)
 
     # The layout: process count, batch split, head split.
     if p.dp and p.dp % p.dp_replicate:
@@ -489,10 +504,13 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
                           f"= {p.dp} / {p.dp_replicate} = 1: nothing to shard; use zero=0 or more data-parallel ranks")
 
     a = cfg.model_args(vocab_size=m.vocab_size or PRESETS[m.preset].vocab_size)
-    if a.dim % a.n_heads:
-        raise ConfigError("model.n_heads", a.n_heads, f"must divide model.dim = {a.dim}")
+    if m.head_dim is None and a.dim % a.n_heads:
+        raise ConfigError("model.n_heads", a.n_heads, f"must divide model.dim = {a.dim} (or set model.head_dim)")
     if a.head_dim % 2:
-        raise ConfigError("model.n_heads", a.n_heads, f"head dim {a.dim}/{a.n_heads} = {a.head_dim} must be even for RoPE")
+        key, value = ("model.head_dim", a.head_dim) if m.head_dim else ("model.n_heads", a.n_heads)
+        raise ConfigError(key, value, f"head dim {a.head_dim} must be even for RoPE")
+    if a.qkv_bias and a.qk_norm:
+        raise ConfigError("model.qk_norm", True, "with model.qkv_bias as well is no known model family; choose one")
     if a.n_kv_heads > a.n_heads or a.n_heads % a.n_kv_heads:
         raise ConfigError("model.n_kv_heads", a.n_kv_heads, f"must divide model.n_heads = {a.n_heads}")
     _check_pipeline(cfg, a)

@@ -22,12 +22,21 @@ class ModelArgs:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dropout: float = 0.0
+    # None: dim // n_heads. Qwen3 sets it explicitly (n_heads · head_dim need not be dim).
+    head_dim: int | None = None
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary (Qwen3)
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     def with_(self, **changes) -> "ModelArgs":
+        """A copy with `changes`. A head_dim that was derived from dim / n_heads is derived
+        again when those change."""
+        derived = self.head_dim == self.dim // self.n_heads
+        if "head_dim" not in changes and derived and ({"dim", "n_heads"} & set(changes)):
+            changes["head_dim"] = None
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -54,9 +63,14 @@ PRESETS: dict[str, ModelArgs] = {
 
 
 def block_params(a: ModelArgs) -> int:
-    """Parameters of one decoder block: attention, SwiGLU MLP and two RMSNorm weights."""
-    kv_dim = a.n_kv_heads * a.head_dim
-    attention = a.dim * a.dim * 2 + a.dim * kv_dim * 2  # wq, wo, wk, wv
+    """Parameters of one decoder block: attention (with q/k/v biases and q/k norms where the
+    family has them), SwiGLU MLP and two RMSNorm weights."""
+    q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    attention = a.dim * q_dim * 2 + a.dim * kv_dim * 2  # wq, wo, wk, wv
+    if a.qkv_bias:
+        attention += q_dim + 2 * kv_dim
+    if a.qk_norm:
+        attention += 2 * a.head_dim
     mlp = 3 * a.dim * a.ffn_dim  # gate, up, down
     return attention + mlp + 2 * a.dim
 
@@ -84,4 +98,4 @@ def flops_per_token(a: ModelArgs, seq_len: int) -> float:
     that are higher by that amount.
     """
     n = param_count(a, embedding=False)
-    return 6.0 * n + 6.0 * a.n_layers * seq_len * a.dim
+    return 6.0 * n + 6.0 * a.n_layers * seq_len * a.n_heads * a.head_dim  # n_heads·head_dim = d

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ndtrain.parallel.placement import partial_dims
+from ndtrain.parallel.placement import OptimSlice, partial_dims
 from ndtrain.parallel.precision import MasterWeights
 
 
@@ -73,6 +73,16 @@ class ReplicatedStates:
     def drop_grads(self) -> None:
         if self.masters is not None:
             self.masters.drop_grads()
+
+    def optim_slices(self) -> list[OptimSlice]:
+        """What the optimizer updates, parameter by parameter: the parameter itself or its
+        fp32 master, whole (checkpoint/layout.py reads and writes through this)."""
+        out = []
+        for name, p in self.model.named_parameters():  # a tied parameter once
+            if p.requires_grad:
+                holder = self.masters.master_of(p) if self.masters is not None else p
+                out.append(OptimSlice(name, p, holder, 0, 0, p.numel()))
+        return out
 
     def local_state(self) -> dict[str, torch.Tensor]:
         return unique_state(self.model)

@@ -44,8 +44,12 @@ Where each piece sits:
 - Random numbers: ranks of one TP group share one random stream (the trainer seeds by the
   rank without its tp coordinate). A random op on a split tensor draws the numbers of the
   full tensor and keeps its slice (`SequenceShardedDropout`), so dropout equals one device.
-- Split parameters carry `mark_sharded(p, ("tp",))` for the global gradient norm, and
-  their split (`split_of`) for `full_state`, which gathers the whole model.
+- Biases and q/k norms (Qwen2, Qwen3): a column-parallel bias is split with the rows it
+  adds to; a q/k norm weight is shared by all heads, so every rank keeps it whole and its
+  gradient is partial over tp (marked like a sequence-parallel norm weight).
+- Split parameters carry `mark_sharded(p, ("tp",))` for the global gradient norm, their
+  split (`split_of`) for `full_state`, which gathers the whole model, and their place in
+  the whole tensor (`mark_region`) for checkpoints, which read and write any layout.
 """
 
 from __future__ import annotations
@@ -65,7 +69,7 @@ from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import RMSNorm, Transformer, initial_value, rms_norm, widened
 from ndtrain.model.loss import IGNORE
-from ndtrain.parallel.placement import mark_partial, mark_sharded
+from ndtrain.parallel.placement import mark_partial, mark_region, mark_sharded
 
 # ---------------------------------------------------------------------------------------
 # The conjugate operators. The residual stream is [b, s, h]; SP splits dimension 1.
@@ -207,18 +211,19 @@ def local_slice(full: Tensor, split: Split, group: Group) -> Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = X·A_rᵀ, A split by rows (output features): this rank's features of Y.
+    """Y_r = X·A_rᵀ + b_r, A split by rows (output features), a bias with them: this
+    rank's features of Y.
 
     The input must already be inside the region (the same full X on every rank); the
     output stays split for the row-parallel layer that ends the region.
     """
 
-    def __init__(self, weight: nn.Parameter):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
         super().__init__()
-        self.weight = weight
+        self.weight, self.bias = weight, bias
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -242,14 +247,16 @@ class ReplicatedHeadsLinear(nn.Module):
     micro-batch (`sum_partial_grads`), and every copy stays equal.
     """
 
-    def __init__(self, weight: nn.Parameter, head_dim: int, n_kv_heads: int, group: Group):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, head_dim: int, n_kv_heads: int,
+                 group: Group):
         super().__init__()
         self.weight, self.group = mark_partial(weight, ("tp",)), group
+        self.bias = mark_partial(bias, ("tp",)) if bias is not None else None
         head = group.rank // (group.size // n_kv_heads)  # query heads are split contiguously
         self.rows = slice(head * head_dim, (head + 1) * head_dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight[self.rows])
+        return F.linear(x, self.weight[self.rows], self.bias[self.rows] if self.bias is not None else None)
 
 
 class RegionEntryNorm(nn.Module):
@@ -365,6 +372,9 @@ class Context:
             if split_dim is not None:
                 setattr(p, _SPLIT_ATTR, Split(split_dim, plain.shape[split_dim]))
                 mark_sharded(p, ("tp",))
+                offsets = [0] * len(shape)
+                offsets[split_dim] = self.group.rank * shape[split_dim]
+                mark_region(p, plain.shape, offsets)
             self.made[id(plain)] = p
         return self.made[id(plain)]
 
@@ -382,7 +392,8 @@ def _entry_norm(m: RMSNorm, c: Context) -> nn.Module:
 
 
 def _column(m: nn.Linear, c: Context) -> nn.Module:
-    return ColumnParallelLinear(c.param(m.weight, 0))
+    bias = c.param(m.bias, 0) if m.bias is not None else None  # split with the rows it adds to
+    return ColumnParallelLinear(c.param(m.weight, 0), bias)
 
 
 def _row(m: nn.Linear, c: Context) -> nn.Module:
@@ -392,7 +403,15 @@ def _row(m: nn.Linear, c: Context) -> nn.Module:
 def _kv(m: nn.Linear, c: Context) -> nn.Module:
     if c.args.n_kv_heads % c.group.size == 0:
         return _column(m, c)
-    return ReplicatedHeadsLinear(c.param(m.weight), c.args.head_dim, c.args.n_kv_heads, c.group)
+    bias = c.param(m.bias) if m.bias is not None else None
+    return ReplicatedHeadsLinear(c.param(m.weight), bias, c.args.head_dim, c.args.n_kv_heads, c.group)
+
+
+def _head_norm(m: RMSNorm, c: Context) -> nn.Module:
+    """A q/k norm weight is shared by every head, and each rank normalises only its own
+    heads: the whole weight on every rank, its gradient partial over tp."""
+    m.weight = mark_partial(c.param(m.weight), ("tp",))
+    return m
 
 
 def _dropout(m: nn.Dropout, c: Context) -> nn.Module:
@@ -408,6 +427,8 @@ PLAN: dict[str, Swap] = {
     "layers.*.attention.wk": _kv,
     "layers.*.attention.wv": _kv,
     "layers.*.attention.wo": _row,
+    "layers.*.attention.q_norm": _head_norm,
+    "layers.*.attention.k_norm": _head_norm,
     "layers.*.dropout": _dropout,
     "layers.*.ffn_norm": _entry_norm,
     "layers.*.feed_forward.w1": _column,  # gate

@@ -59,7 +59,8 @@ from torch.utils._pytree import tree_flatten
 
 from ndtrain.comm import ops
 from ndtrain.mesh import Group, ParallelMesh
-from ndtrain.parallel.placement import is_duplicate, mark_duplicate, mark_sharded, partial_dims, shard_dims
+from ndtrain.parallel.placement import (OptimSlice, is_duplicate, mark_duplicate, mark_sharded, partial_dims,
+                                        shard_dims)
 from ndtrain.parallel.precision import has_masters
 from ndtrain.parallel.states import decay_groups, decays
 
@@ -479,6 +480,19 @@ class ZeRO:
             self._gather(unit.prev)  # prefetch: overlaps this unit's backward
 
     # -- state for checkpoints ----------------------------------------------------
+    def optim_slices(self) -> list[OptimSlice]:
+        """What this rank's masters hold: for each parameter overlapping the rank's slice
+        [lo, hi) of a flat buffer, the part of it there (checkpoint/layout.py)."""
+        out = []
+        for f in self.flats:
+            lo, hi = self.group.rank * f.shard_numel, (self.group.rank + 1) * f.shard_numel
+            for p in f.params:
+                start, n = f.slot[id(p)]
+                a, b = max(start, lo), min(start + n, hi)
+                if a < b:
+                    out.append(OptimSlice(self.names[id(p)], p, f.master, a - lo, a - start, b - start))
+        return out
+
     def local_state(self) -> dict[str, torch.Tensor]:
         """Stage 3: this rank's slices by flat-buffer name; stages 1-2: the (replicated)
         parameters by name, copied out of the flat buffers."""

@@ -62,23 +62,28 @@ def wide(c: int) -> int:
 
 def llama_block(args: ModelArgs, c: int, tp: int) -> list[Saved]:
     h, f, kv, w = args.dim, args.ffn_dim / tp, kv_width(args, tp), wide(c)
-    return [
+    q = args.n_heads * args.head_dim / tp
+    terms = [
         Saved("block input (fp32)", w * h, RESIDUAL),
         Saved("attention residual (fp32)", w * h, RESIDUAL),
         Saved("norm 1/rms", 2 * w, RESIDUAL),
         Saved("normalised inputs", 2 * c * h, RESIDUAL),
         Saved("attention and MLP inputs", 2 * c * h, REGION),
-        Saved("q, k (rotated)", c * (h / tp + kv), SPLIT, core=True),
+        Saved("q, k (rotated)", c * (q + kv), SPLIT, core=True),
         Saved("v", c * kv, SPLIT),
         Saved("softmax statistics", w * args.n_heads / tp, SPLIT, core=True),
-        Saved("attention output", c * h / tp, SPLIT),
+        Saved("attention output", c * q, SPLIT),
         Saved("SwiGLU gate, silu, up, product", 4 * c * f, SPLIT),
     ]
+    if args.qk_norm:  # Qwen3: each q and k head's RMSNorm keeps its input (fp32), 1/rms and normalised
+        heads = q / args.head_dim + kv / args.head_dim
+        terms.append(Saved("q, k norms", (w + c) * (q + kv) + w * heads, SPLIT))
+    return terms
 
 
 def llama_core_inputs(args: ModelArgs, c: int, tp: int) -> list[Saved]:
     """What selective recompute keeps of the core instead: its inputs q and k (v is kept anyway)."""
-    return [Saved("q, k (core inputs)", c * (args.dim / tp + kv_width(args, tp)), SPLIT)]
+    return [Saved("q, k (core inputs)", c * (args.n_heads * args.head_dim / tp + kv_width(args, tp)), SPLIT)]
 
 
 def gpt_block(h: int, heads: int, s: int, tp: int) -> list[Saved]:

@@ -75,12 +75,19 @@ def padded_vocab(args: ModelArgs, tp: int) -> int:
 
 
 def block_local(args: ModelArgs, tp: int) -> int:
-    """Parameters of one block on one tensor-parallel rank."""
+    """Parameters of one block on one tensor-parallel rank: heads and features split by t
+    (a q/k/v bias with its rows), K/V weights whole when t exceeds the KV heads, the norms
+    (and Qwen3's q/k norms) whole."""
     if tp == 1:
         return block_params(args)
-    h, kv = args.dim, args.n_kv_heads * args.head_dim
+    h, q, kv = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
     kv_local = kv // tp if args.n_kv_heads % tp == 0 else kv  # replicated K/V weights
-    return 2 * h * h // tp + 2 * h * kv_local + 3 * h * args.ffn_dim // tp + 2 * h
+    n = 2 * h * q // tp + 2 * h * kv_local + 3 * h * args.ffn_dim // tp + 2 * h
+    if args.qkv_bias:
+        n += q // tp + 2 * kv_local
+    if args.qk_norm:
+        n += 2 * args.head_dim
+    return n
 
 
 def root_local(args: ModelArgs, chunk: Chunk, tp: int) -> int:
