@@ -1,6 +1,6 @@
 """The planner's memory per rank against what `ndtrain train --dry-run` measures, for every
 layout of the layout-invariance matrix (tests/test_layouts.py::LAYOUTS), and a few in
-bf16, fp16 and fp64.
+bf16, fp16 and fp64 and with Qwen2's and Qwen3's blocks.
 
 One launch per world size runs `dry_run.measure` (two steps on random tokens, the second
 measured: observe/memory.py) on every row of that size; the planner (plan/memory.py) then
@@ -22,13 +22,16 @@ from test_layouts import LAYOUTS
 
 TOLERANCE = 0.05
 BASE = TINY + ["model.vocab_size=512"]
-# Beyond the matrix (which runs in fp32): the other compute dtypes change byte sizes only.
-PRECISIONS = [("bf16-zero2", ["parallel.zero=2", "train.precision=bf16"]),
-              ("fp16-tp2-sp", ["parallel.tp=2", "train.precision=fp16"]),
-              ("bf16-pp2-zb", ["parallel.pp=2", "parallel.pp_schedule=zb", "train.micro_batch=2",
+# Beyond the matrix (fp32, Llama blocks): the other compute dtypes, and the Qwen2 (q/k/v
+# biases) and Qwen3 (q/k norms, head_dim ≠ dim / heads) blocks.
+EXTRA = [("qwen2-tp2", ["model.qkv_bias=true", "parallel.tp=2"]),
+         ("qwen3-bf16-zero3", ["model.qk_norm=true", "model.head_dim=32", "parallel.zero=3",
                                "train.precision=bf16"]),
-              ("fp64-dp2", ["train.precision=fp64"])]
-ROWS = {world: rows + (PRECISIONS if world == 2 else []) for world, rows in LAYOUTS.items()}
+         ("bf16-zero2", ["parallel.zero=2", "train.precision=bf16"]),
+         ("fp16-tp2-sp", ["parallel.tp=2", "train.precision=fp16"]),
+         ("bf16-pp2-zb", ["parallel.pp=2", "parallel.pp_schedule=zb", "train.micro_batch=2", "train.precision=bf16"]),
+         ("fp64-dp2", ["train.precision=fp64"])]
+ROWS = {world: rows + (EXTRA if world == 2 else []) for world, rows in LAYOUTS.items()}
 
 
 def _config(overrides, world):
