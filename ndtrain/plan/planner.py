@@ -110,9 +110,9 @@ def plan_config(cfg: Config, cluster: Cluster, gpus: int | None) -> tuple[Config
     cfg = cfg.copy()
     p = cfg.parallel
     fixed = p.pp * p.cp * p.tp
-    if gpus is None:
-        gpus = cfg.run.nproc or (p.world if p.dp else fixed * (cluster.gpus_per_node if cluster.name != THIS_MACHINE
-                                                                else 2))
+    if gpus is None:  # the layout's product, else one node (this machine: 2 processes), at least pp×cp×tp
+        node = 2 if cluster.name == THIS_MACHINE else cluster.gpus_per_node
+        gpus = cfg.run.nproc or (p.world if p.dp else max(node // fixed, 1) * fixed)
     if gpus < 1:
         raise ConfigError("--gpus", gpus, "must be > 0")
     if p.dp and p.world != gpus:
@@ -134,7 +134,7 @@ def make_plan(cfg: Config, args: ModelArgs, cluster: Cluster, *, given_mfu: floa
     peak = cluster.peak_flops(cfg.train.precision)
     if given_mfu is not None or tflops is not None:
         rate = tflops * 1e12 if tflops is not None else given_mfu * peak
-        source = f"given: {rate / 1e12:,.1f} TFLOP/s per GPU" + (f" (MFU {given_mfu:.1%})" if given_mfu else "")
+        source = f"given: {rate / 1e12:,.4g} TFLOP/s per GPU" + (f" (MFU {given_mfu:.1%})" if given_mfu else "")
         seconds = model_flops_per_step(cfg, args) / (rate * cfg.parallel.world)
     else:
         source = f"modelled: compute at {cluster.efficiency:.0%} of peak, plus communication and bubble"

@@ -21,6 +21,10 @@ def count(n: float) -> str:
     return f"{n:,.0f}"
 
 
+def rate(flops: float) -> str:
+    return f"{flops / 1e12:,.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.1f} GFLOP/s"
+
+
 def seconds(s: float) -> str:
     return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
 
@@ -62,7 +66,7 @@ def render(plan: Plan) -> str:
     st = plan.step
     lines += ["", f"step time ({'modelled; ' if plan.rate_source.startswith('given') else ''}busiest stage)",
               _row(f"compute at {c.efficiency:.0%} of peak", seconds(st.compute),
-                   f"{c.peak_flops(t.precision) / 1e12:,.1f} TFLOP/s {t.precision} peak"),
+                   f"{rate(c.peak_flops(t.precision))} {t.precision} peak"),
               _row("recomputation", seconds(st.recompute)),
               _row("tensor/sequence parallel", seconds(st.tp)),
               _row("context parallel", seconds(st.cp)),
@@ -74,7 +78,7 @@ def render(plan: Plan) -> str:
               _row("step", seconds(st.total))]
     if plan.rate_source.startswith("given"):
         lines.append(_row("step at the given rate", seconds(plan.step_time_s), plan.rate_source))
-    lines += ["", f"throughput {plan.tokens_per_s:,.0f} tokens/s · {plan.tflops_per_gpu:,.1f} TFLOP/s per GPU · "
+    lines += ["", f"throughput {plan.tokens_per_s:,.0f} tokens/s · {rate(plan.tflops_per_gpu * 1e12)} per GPU · "
                   f"MFU {plan.mfu:.1%} ({plan.rate_source})"]
     if plan.days is not None:
         lines.append(f"days to train {count(plan.tokens)} tokens on {plan.world} GPUs: {plan.days:,.1f}")
