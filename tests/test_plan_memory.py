@@ -1,6 +1,6 @@
 """The planner's memory per rank against what `ndtrain train --dry-run` measures, for every
 layout of the layout-invariance matrix (tests/test_layouts.py::LAYOUTS), and a few in
-bf16, fp16 and fp64 and with Qwen2's and Qwen3's blocks.
+bf16, fp16 and fp64, with Qwen2's and Qwen3's blocks, and under context parallelism.
 
 One launch per world size runs `dry_run.measure` (two steps on random tokens, the second
 measured: observe/memory.py) on every row of that size; the planner (plan/memory.py) then
@@ -32,8 +32,15 @@ EXTRA = [("qwen2-tp2", ["model.qkv_bias=true", "parallel.tp=2"]),
          # step measures no model states
          ("fp16-tp2-sp", ["parallel.tp=2", "train.precision=fp16", "train.loss_scale_init=16"]),
          ("bf16-pp2-zb", ["parallel.pp=2", "parallel.pp_schedule=zb", "train.micro_batch=2", "train.precision=bf16"]),
-         ("fp64-dp2", ["train.precision=fp64"])]
-ROWS = {world: rows + (EXTRA if world == 2 else []) for world, rows in LAYOUTS.items()}
+         ("fp64-dp2", ["train.precision=fp64"]),
+         # context parallelism (its explicit attention kernels hold s²/cp² scores while they run)
+         ("cp2-allgather", ["parallel.cp=2", "parallel.cp_impl=allgather"]),
+         ("cp2-ring-recompute-full-s256", ["parallel.cp=2", "train.recompute=full", "train.seq_len=256",
+                                           "train.global_batch=2"])]
+EXTRA_4 = [("cp2-tp2-ulysses", ["parallel.cp=2", "parallel.tp=2", "parallel.cp_impl=ulysses"]),
+           ("cp2-pp2-zb-allgather", ["parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=zb", "train.micro_batch=2",
+                                     "parallel.cp_impl=allgather"])]
+ROWS = {world: rows + {2: EXTRA, 4: EXTRA_4}.get(world, []) for world, rows in LAYOUTS.items()}
 
 
 def _config(overrides, world):

@@ -60,7 +60,7 @@ def wide(c: int) -> int:
     return max(c, 4)
 
 
-def llama_block(args: ModelArgs, c: int, tp: int) -> list[Saved]:
+def llama_block(args: ModelArgs, c: int, tp: int, cp: int = 1, cp_impl: str = "ring") -> list[Saved]:
     h, f, kv, w = args.dim, args.ffn_dim / tp, kv_width(args, tp), wide(c)
     q = args.n_heads * args.head_dim / tp
     terms = [
@@ -69,9 +69,7 @@ def llama_block(args: ModelArgs, c: int, tp: int) -> list[Saved]:
         Saved("norm 1/rms", 2 * w, RESIDUAL),
         Saved("normalised inputs", 2 * c * h, RESIDUAL),
         Saved("attention and MLP inputs", 2 * c * h, REGION),
-        Saved("q, k (rotated)", c * (q + kv), SPLIT, core=True),
-        Saved("v", c * kv, SPLIT),
-        Saved("softmax statistics", w * args.n_heads / tp, SPLIT, core=True),
+        *core_saved(args, c, tp, cp, cp_impl),
         Saved("attention output", c * q, SPLIT),
         Saved("SwiGLU gate, silu, up, product", 4 * c * f, SPLIT),
     ]
@@ -81,9 +79,37 @@ def llama_block(args: ModelArgs, c: int, tp: int) -> list[Saved]:
     return terms
 
 
+def core_saved(args: ModelArgs, c: int, tp: int, cp: int, cp_impl: str) -> list[Saved]:
+    """What the attention core keeps, per token this rank holds. The fused kernel, and ring
+    attention (parallel/context/ring.py): the rotated q and k, v, the softmax statistics.
+    All-gather attention keeps every rank's K and V (cp times its own); Ulysses keeps q, k, v
+    and the output over the whole sequence for its heads (the same count as its tokens for
+    every head; K/V heads repeated up to cp when there are fewer), and its output once more."""
+    kv, w = kv_width(args, tp), wide(c)
+    q, heads = args.n_heads * args.head_dim / tp, args.n_heads / tp
+    stats = Saved("softmax statistics", w * heads, SPLIT, core=True)
+    if cp > 1 and cp_impl == "allgather":
+        return [Saved("q (rotated)", c * q, SPLIT, core=True), Saved("every rank's k, v", 2 * c * kv * cp, SPLIT, core=True),
+                stats]
+    if cp > 1 and cp_impl == "ulysses":
+        kv_heads = kv // args.head_dim
+        kv = (kv_heads if kv_heads % cp == 0 else cp) * args.head_dim
+        return [Saved("q, k, v (all tokens, cp's heads)", c * (q + 2 * kv), SPLIT, core=True),
+                Saved("attention output (heads)", c * q, SPLIT, core=True), stats]
+    return [Saved("q, k (rotated)", c * (q + kv), SPLIT, core=True), Saved("v", c * kv, SPLIT, core=True), stats]
+
+
 def llama_core_inputs(args: ModelArgs, c: int, tp: int) -> list[Saved]:
-    """What selective recompute keeps of the core instead: its inputs q and k (v is kept anyway)."""
-    return [Saved("q, k (core inputs)", c * (args.n_heads * args.head_dim / tp + kv_width(args, tp)), SPLIT)]
+    """What selective recompute keeps of the core instead: its inputs q, k, v."""
+    return [Saved("q, k, v (core inputs)", c * (args.n_heads * args.head_dim / tp + 2 * kv_width(args, tp)), SPLIT)]
+
+
+def llama_mlp_bytes_per_token(args: ModelArgs, c: int, tp: int, sp: bool) -> float:
+    """The part of a block's saved tensors its MLP holds (freed before attention's backward
+    starts): SwiGLU's four, its input (gathered under SP), the attention residual (fp32), the
+    second norm's 1/rms and normalised input."""
+    w, r = wide(c), (tp if sp else 1)
+    return 4 * c * args.ffn_dim / tp + c * args.dim + (w * args.dim + w + c * args.dim) / r
 
 
 def gpt_block(h: int, heads: int, s: int, tp: int) -> list[Saved]:
@@ -110,11 +136,12 @@ def per_token(terms: list[Saved], tp: int, sp: bool, region_split: bool) -> floa
     return total
 
 
-def block_bytes_per_token(args: ModelArgs, c: int, tp: int, sp: bool, mode: str) -> float:
-    """ndtrain's block, per token: mode is "none", "selective" or "full" (recomputed)."""
+def block_bytes_per_token(args: ModelArgs, c: int, tp: int, sp: bool, mode: str, cp: int = 1,
+                          cp_impl: str = "ring") -> float:
+    """ndtrain's block, per token a rank holds: mode is "none", "selective" or "full" (recomputed)."""
     if mode == "full":
         return c * args.dim / (tp if sp else 1)
-    terms = llama_block(args, c, tp)
+    terms = llama_block(args, c, tp, cp, cp_impl)
     if mode == "selective":
         terms = [x for x in terms if not x.core] + llama_core_inputs(args, c, tp)
     return per_token(terms, tp, sp, region_split=False)

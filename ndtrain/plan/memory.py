@@ -38,7 +38,8 @@ from ndtrain.model.args import ModelArgs, block_params
 from ndtrain.parallel.pipeline.partition import Chunk, chunk_counts, local_chunks, make_chunks
 from ndtrain.parallel.pipeline.schedules import B, F, W, Action, compute_orders
 from ndtrain.parallel.zero import model_state_bytes
-from ndtrain.plan.activations import block_bytes_per_token, head_bytes_per_token, kv_width, recomputed, wide
+from ndtrain.plan.activations import (block_bytes_per_token, head_bytes_per_token, kv_width,
+                                      llama_mlp_bytes_per_token, recomputed, wide)
 
 BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 SAVED = "saved activations"
@@ -174,7 +175,8 @@ class StepShape:
         selective, full)."""
         cache = self.__dict__.setdefault("_saved", {})
         if mode not in cache:
-            cache[mode] = block_bytes_per_token(self.args, self.c, self.tp, self.cfg.parallel.sp, mode) * self.n
+            p = self.cfg.parallel
+            cache[mode] = block_bytes_per_token(self.args, self.c, self.tp, p.sp, mode, p.cp, p.cp_impl) * self.n
         return cache[mode]
 
     def block_saved(self, layer: int) -> float:
@@ -203,6 +205,42 @@ class StepShape:
         sequence (the backward of the block's last reduce-scatter)."""
         h = self.c * self.args.dim
         return h * self.n_res + (h * self.n if self.cfg.parallel.sp else 0.0)
+
+    def attention_working(self, backward: bool) -> float:
+        """Context parallelism's attention at its widest (its kernels are explicit, not
+        fused): ring attention holds the widened queries, output and statistics, the K/V
+        it holds and the ones arriving, and the scores of its largest block (the local
+        causal square, b·H·(s/cp)² values), twice in backward (probabilities and their
+        gradient) with the K/V gradient accumulators travelling; all-gather attention
+        widens every rank's K/V and scores its queries against the whole sequence; Ulysses
+        (a fused kernel over the whole sequence for cp's heads) holds the all-to-all
+        buffers of q, k, v. 0 without context parallelism (the fused kernel keeps no s²)."""
+        p = self.cfg.parallel
+        if p.cp == 1:
+            return 0.0
+        a, c, w, n, cp = self.args, self.c, wide(self.c), self.n, p.cp
+        q, kv, heads = a.n_heads * a.head_dim / p.tp, kv_width(a, p.tp), a.n_heads / p.tp
+        rows = self.cfg.train.micro_batch
+        local = n / rows  # this rank's positions of each sequence
+        if p.cp_impl == "ulysses":
+            kv_heads = kv // a.head_dim
+            kv = (kv_heads if kv_heads % cp == 0 else cp) * a.head_dim
+            return 3 * c * (q + 2 * kv) * n
+        scores = w * rows * heads * local * local * (cp if p.cp_impl == "allgather" else 1)
+        if p.cp_impl == "allgather":
+            keys = 2 * w * kv * n * cp
+            return (2 * keys + 3 * w * q * n + 2 * scores) if backward else (keys + 3 * w * q * n + scores)
+        if backward:  # the diagonal step (full scores, one accumulator) or a later one (half, three in flight)
+            base = 3 * w * q * n + 4 * c * kv * n
+            return base + max(2 * w * kv * n + 2 * scores, 6 * w * kv * n + scores)
+        return 4 * w * q * n + 2 * w * heads * n + 4 * c * kv * n + scores
+
+    def mlp_saved(self, layer: int) -> float:
+        """The MLP's part of a block's saved bytes, freed when the MLP's backward ends (none
+        for a recomputed block: its rerun's tensors stay until the block's backward ends)."""
+        if recomputed(self.cfg.train.recompute, layer) == "full":
+            return 0.0
+        return llama_mlp_bytes_per_token(self.args, self.c, self.tp, self.cfg.parallel.sp) * self.n
 
     def split_kept(self) -> float:
         """Zero bubble: the gradients B leaves at the split nodes for W, per block: the
@@ -313,7 +351,8 @@ class Replay:
         if not ch.embed and s.c != wide(s.c):  # the received input; widened, it is the first block's input
             self._keep(key, self.hidden)
         for i in ch.layer_ids:
-            book.moment(gathered_parameters=self.gathered + root_g + 2 * block_g)
+            book.moment(gathered_parameters=self.gathered + root_g + 2 * block_g,
+                        working=s.attention_working(backward=False))
             self._keep(key, s.block_saved(i))
             if self.keep_gathered:
                 self.gathered += block_g
@@ -357,8 +396,12 @@ class Replay:
             if recomputed(self.cfg.train.recompute, i) != "none":  # its forward again, then its backward
                 rerun = s.block_full() - s.block_saved(i)
                 book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun,
-                            working=s.block_forward_working() + s.incoming_gradient())
+                            working=max(s.block_forward_working(), s.attention_working(False)) + s.incoming_gradient())
             book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun, working=s.block_working())
+            if s.attention_working(True):  # attention's backward comes after the MLP's, whose saved
+                # tensors are gone by then (a recomputed block's rerun keeps them all until it ends)
+                book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun,
+                            working=s.attention_working(True) + s.incoming_gradient() - s.mlp_saved(i))
             if not self.split:
                 self._keep(key, -s.block_saved(i))
             staged += launched * units.block
@@ -420,8 +463,7 @@ def per_rank(cfg: Config, args: ModelArgs) -> list[RankMemory]:
         book = replay(cfg, args, rank, chunks)
         s = StepShape.of(cfg, args)
         layers = [i for ch in chunks for i in ch.layer_ids]
-        by_mode = {mode: block_bytes_per_token(args, s.c, p.tp, p.sp, mode) * s.n * len(layers)
-                   for mode in ("none", "selective", "full")}
+        by_mode = {mode: s.saved_by_mode(mode) * len(layers) for mode in ("none", "selective", "full")}
         out.append(RankMemory(rank, psi, states["params"], states["grads"], states["optimizer"],
                               book.peak, book.at_peak, p.zero <= 1, book.in_flight_at_peak, by_mode))
     return out

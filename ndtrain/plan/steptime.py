@@ -11,10 +11,13 @@ Per pipeline stage (every rank of a stage does the same work):
   wire), or under SP the same bytes as 4 all-gathers and 4 reduce-scatters (Korthikanti et
   al. 2022); plus the embedding's exit and the head's entry (one all-reduce each,
   4·b·s·h·(t−1)/t); recomputation repeats the forward's.
-- context parallelism (ring attention), when it exists: each block passes K and V around
-  the ring, cp − 1 steps forward and twice that backward. Expert parallelism: two
-  all-to-alls of the routed tokens per MoE block forward and two backward; the model has no
-  MoE blocks yet, so the term is zero.
+- context parallelism, per block and micro-batch: the bytes `parallel/context.wire_bytes`
+  counts for the back end (ring: K/V around the ring, cp − 1 steps forward, again backward
+  with the K/V gradients; allgather: an all-gather and a reduce-scatter of K/V; Ulysses:
+  all-to-alls of q, k, v and the output), with a latency per message; ring attention's
+  exchanges overlap its own compute on a GPU. Expert parallelism: two all-to-alls of the
+  routed tokens per MoE block forward and two backward; the model has no MoE blocks yet,
+  so the term is zero.
 - pipeline: each micro-batch's activation and gradient cross each stage boundary (one
   send/recv of b·s·h/t values each way, exposed), and the bubble of the schedule
   (`schedules.theory_bubble`: (p−1)/m for AFAB and 1F1B, (p−1)/(v·m) interleaved,
@@ -139,9 +142,8 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster) -> tuple[StepTime,
             recomputed_blocks = sum(1 for i in (i for ch in chunks for i in ch.layer_ids)
                                     if t.recompute not in ("none", "selective") and i % recompute_every(t.recompute) == 0)
             st.tp = (4 * blocks + ends + 2 * recomputed_blocks) * pair * m
-        if p.cp > 1:  # ring attention: K and V around the ring
-            kv = 2 * c * t.micro_batch * t.seq_len / p.cp * args.n_kv_heads * args.head_dim
-            st.cp = 3 * (p.cp - 1) * blocks * collective(cluster, cfg, "send_recv", ("cp",), kv) * m
+        if p.cp > 1:
+            st.cp = blocks * m * _context_parallel(cfg, args, cluster, c, rate)
         if p.pp > 1:
             hop = collective(cluster, cfg, "send_recv", ("pp",), act / (p.tp if p.sp else 1))
             st.pp_messages = 2 * hop * m * len(chunks)
@@ -158,6 +160,29 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster) -> tuple[StepTime,
         step.bubble = bubble * work
         step.detail["bubble_fraction"] = bubble
     return step, stages
+
+
+def _context_parallel(cfg: Config, args: ModelArgs, cluster: Cluster, c: int, rate: float) -> float:
+    """Seconds one block's context-parallel attention waits for messages, per micro-batch,
+    forward and backward: the bytes `parallel/context.wire_bytes` counts for the back end,
+    on the cp group's link, with a latency per message. Ring attention posts each step's
+    exchange before computing the step: on a GPU only what the attention's own compute does
+    not cover is exposed."""
+    from ndtrain.parallel.context import wire_bytes
+    from ndtrain.plan.activations import kv_width, wide
+
+    p, t = cfg.parallel, cfg.train
+    tokens = t.micro_batch * t.seq_len
+    heads, kv_heads = args.n_heads // p.tp, kv_width(args, p.tp) // args.head_dim
+    nbytes = wire_bytes(p.cp_impl, tokens, heads, kv_heads, args.head_dim, p.cp, c, wide(c))
+    kind, messages = {"ring": ("send_recv", 3 * (p.cp - 1)), "allgather": ("all_gather", 2),
+                      "ulysses": ("all_to_all", 8)}[p.cp_impl]
+    link = cluster.link(kind, p.cp, spans_nodes(cfg, ("cp",), cluster.gpus_per_node))
+    seconds = messages * link.latency_s + nbytes / link.busbw
+    if p.cp_impl == "ring" and not cluster.shared_node:
+        attention = 3 * 2.0 * t.seq_len * args.dim * tokens / (p.tp * p.cp) / rate  # its scores, forward and backward
+        seconds = max(seconds - attention, 0.0)
+    return seconds
 
 
 def _data_parallel(cfg: Config, args: ModelArgs, cluster: Cluster, chunks: list[Chunk], c: int, r: int, m: int,
