@@ -63,7 +63,7 @@ def candidates(cfg: Config, args: ModelArgs, gpus: int, gpus_per_node: int):
                        "parallel.sp=true" if tp > 1 else "parallel.sp=false"]
 
 
-def _apply(cfg: Config, overrides: list[str]) -> Config:
+def with_layout(cfg: Config, overrides: list[str]) -> Config:
     """A copy of `cfg` with `section.key=value` overrides (integers, true/false or words);
     the sections validate() fills in are fresh copies."""
     changes: dict[str, dict] = {"parallel": {}, "train": {}}
@@ -94,7 +94,7 @@ def search(cfg: Config, args: ModelArgs, cluster: Cluster, gpus: int, top: int =
     base.run.device, base.run.nproc = "cpu", 0
     seen = set()
     for overrides in candidates(base, args, gpus, cluster.gpus_per_node):
-        trial = _apply(base, overrides)
+        trial = with_layout(base, overrides)
         try:
             validate(trial, world=gpus, check_paths=False)
         except ConfigError:
