@@ -154,6 +154,7 @@ class StepShape:
     args: ModelArgs
     c: int  # compute bytes per value
     r: int  # reduce bytes per value
+    g: int  # gradient accumulation bytes per value (fp32 under bf16/fp16, else the compute dtype)
     n: int  # tokens of a micro-batch on one rank (after context parallelism)
     n_res: float  # tokens of the residual stream on one rank (after sequence parallelism)
     shard: int  # ZeRO's shard group, dp_shard × cp
@@ -164,7 +165,7 @@ class StepShape:
         c = BYTES[t.precision]
         r = 4 if (t.reduce_fp32 and c == 2) else c
         n = t.micro_batch * t.seq_len // p.cp
-        return cls(cfg, args, c, r, n, n / p.tp if p.sp else n, p.dp_shard * p.cp)
+        return cls(cfg, args, c, r, wide(c), n, n / p.tp if p.sp else n, p.dp_shard * p.cp)
 
     @property
     def tp(self) -> int:
@@ -185,11 +186,29 @@ class StepShape:
     def block_full(self) -> float:
         return self.saved_by_mode("none")
 
+    def rerun_kept(self, layer: int) -> float:
+        """What a recomputed region's second run keeps until the region's backward is over:
+        a whole block's saved tensors but its input (full), or the attention core's (selective:
+        rotated q and k, the softmax statistics, the kernel's output; v is its input)."""
+        mode = recomputed(self.cfg.train.recompute, layer)
+        if mode == "full":
+            return self.block_full() - self.block_saved(layer)
+        if mode == "selective":
+            a, p = self.args, self.cfg.parallel
+            q, kv = a.n_heads * a.head_dim / p.tp, kv_width(a, p.tp)
+            return (self.c * (2 * q + kv) + wide(self.c) * a.n_heads / p.tp) * self.n
+        return 0.0
+
+    def weight_gradient(self) -> float:
+        """The largest weight gradient of a block, before it is accumulated."""
+        return self.c * self.args.dim * self.args.ffn_dim / self.tp
+
     def block_working(self) -> float:
-        """A block's backward at its widest: the incoming gradient, the MLP's gradients
-        (its input's and silu's), and one weight's gradient before it is accumulated."""
-        a, tp = self.args, self.tp
-        return self.c * (a.dim + a.ffn_dim / tp) * self.n + self.c * a.dim * a.ffn_dim / tp
+        """A block's backward at its widest, beside the incoming gradient: the down
+        projection's backward (the gradient of SwiGLU's product and of its weight), or the
+        product's (that gradient and the two it makes, of silu(gate) and of up)."""
+        a, c, n, f = self.args, self.c, self.n, self.args.ffn_dim / self.tp
+        return c * a.dim * n + max(c * f * n + self.weight_gradient(), 3 * c * f * n)
 
     def block_forward_working(self) -> float:
         """The end of a block's forward: the attention branch's output (a local variable
@@ -291,7 +310,10 @@ class Replay:
         p, t = cfg.parallel, cfg.train
         self.units = Units(s, chunks)
         self.z3 = p.zero == 3
-        self.keep_gathered = self.z3 and not p.reshard_after_forward
+        # ZeRO-2/3 under a pipeline defer: a chunk's gradients accumulate until its last
+        # backward pass of the step, and ZeRO-3 keeps its units gathered until the step ends
+        self.defer = p.zero >= 2 and p.pp > 1
+        self.keep_gathered = self.z3 and not p.reshard_after_forward and not self.defer
         m = t.accumulation(p.dp)
         self.chunks = {ch.index: ch for ch in chunks}
         if p.pp > 1:
@@ -306,6 +328,7 @@ class Replay:
         self.held: dict[tuple[int, int], float] = {}  # (chunk, micro) → saved bytes not yet freed
         self.passes: Counter = Counter()  # backward passes per chunk (ZeRO-2/3 keep shards after the first)
         self.gathered = 0.0  # ZeRO-3 units kept gathered from forward to backward
+        self.this_step: set = set()  # units whose step-long buffers exist (deferred ZeRO-2/3)
         self.hidden = s.c * args.dim * s.n_res  # one hidden state of the residual stream
 
     def run(self) -> Ledger:
@@ -316,9 +339,10 @@ class Replay:
 
     # -- sizes ----------------------------------------------------------------------------
     def gathered_units(self, ch: Chunk) -> tuple[float, float]:
-        """ZeRO-3: bytes of one gathered block and of the chunk's gathered root."""
+        """ZeRO-3: bytes of one gathered block and of the chunk's gathered root (0 when they
+        stay gathered for the whole step: the ledger holds them then)."""
         c = self.s.c
-        return (c * self.units.block, c * self.units.root[ch.index]) if self.z3 else (0.0, 0.0)
+        return (c * self.units.block, c * self.units.root[ch.index]) if self.z3 and not self.defer else (0.0, 0.0)
 
     def gathered_in_backward(self, ch: Chunk, remaining: int) -> float:
         """The root, the current block and the one before it (prefetched), or, kept gathered
@@ -326,18 +350,24 @@ class Replay:
         block_g, root_g = self.gathered_units(ch)
         return root_g + (remaining if self.keep_gathered else min(remaining, 2)) * block_g
 
-    def reduce_buffers(self, sync: bool) -> tuple[float, float]:
-        """Bytes per parameter of the gradient buffers a backward pass makes: (from a unit's
-        first gradient to the end of the pass: ZeRO-2/3's full reduce buffer; from a unit's
-        completion: the reduce-scatter's output, and DP's or ZeRO-1's fp32 copy)."""
-        zero, r, c, shard = self.cfg.parallel.zero, self.s.r, self.s.c, self.s.shard
-        if not sync:
-            return 0.0, 0.0
+    def once_this_step(self, unit, what: str, nbytes: float) -> None:
+        """Allocate a buffer that then lives until the step ends, the first time only."""
+        if unit not in self.this_step:
+            self.this_step.add(unit)
+            self.book.add(what, nbytes)
+
+    def reduce_buffers(self, last: bool) -> tuple[float, float]:
+        """Bytes per parameter of the gradient buffers of a backward pass: (from a unit's first
+        gradient: ZeRO-2/3's full accumulator, in the accumulation dtype; from its completion,
+        on the pass that reduces: the reduce-scatter's output and, when the accumulation
+        and reduction dtypes differ, the converted copy; DP: that copy of the bucket)."""
+        zero, r, g, shard = self.cfg.parallel.zero, self.s.r, self.s.g, self.s.shard
+        convert = r if r != g else 0.0
         if zero >= 2:
-            return r, r / shard
-        if zero == 1:
-            return 0.0, r / shard + (r if r != c else 0.0)
-        return 0.0, (r if r != c else 0.0)
+            return g, (r / shard + convert - (g if convert else 0.0)) if (last or not self.defer) else 0.0
+        if not last:
+            return 0.0, 0.0
+        return 0.0, (r / shard if zero == 1 else 0.0) + convert
 
     def _keep(self, key, n: float) -> None:
         self.book.add(SAVED, n)
@@ -347,6 +377,9 @@ class Replay:
     def forward(self, a: Action, k: int) -> None:
         s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
         block_g, root_g = self.gathered_units(ch)
+        if self.z3 and self.defer:  # gathered at the chunk's first forward, kept until the step ends
+            self.once_this_step(("gathered", ch.index), "gathered parameters",
+                                s.c * (self.units.block * len(ch.layer_ids) + self.units.root[ch.index]))
         self.held[key] = 0.0
         if not ch.embed and s.c != wide(s.c):  # the received input; widened, it is the first block's input
             self._keep(key, self.hidden)
@@ -367,11 +400,53 @@ class Replay:
             self.gathered += root_g
 
     def weights(self, a: Action, k: int) -> None:
-        """Zero bubble's W: the weight gradients, then the micro-batch's graph goes."""
-        self.book.moment(working=self.s.block_working())
-        if self.chunks[a.chunk].embed:
-            self.book.moment(working=self.embedding_gradient())
-        self.book.add(SAVED, -self.held.pop((a.chunk, a.micro)))
+        """Zero bubble's W: autograd resumed at each split node, deepest first (the embedding,
+        then the blocks in forward order, then the head): the gradient buffers fill unit by
+        unit, each node's kept gradient goes when its weights are done, the graph (retained
+        until then) at the end."""
+        s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
+        first, launched = self.reduce_buffers(self.last_backward[a.chunk] == k)
+        root, staged = self.units.root[ch.index], 0.0
+        if ch.embed:
+            staged += self._first_gradient((ch.index, "root"), root, first)
+            book.moment(working=self.embedding_gradient(), gradient_buffers=staged)
+        for i in ch.layer_ids:
+            staged += self._first_gradient((ch.index, i), self.units.block, first)
+            book.moment(working=s.weight_gradient(), gradient_buffers=staged)
+            self._keep(key, -s.split_kept())
+            staged += self._launch(self.units.block, launched)
+        if ch.head and not ch.embed:
+            staged += self._first_gradient((ch.index, "root"), root, first)
+            book.moment(working=s.c * s.vocab_local() * self.args.dim, gradient_buffers=staged)
+        staged += self._launch(root, launched)
+        book.add(SAVED, -self.held.pop(key))
+        self._after_reduction(ch)
+
+    def _first_gradient(self, unit, n_params: int, first: float) -> float:
+        """A unit's first gradient of a pass: its accumulator (ZeRO-2/3). Returns the bytes
+        the pass frees when it ends; a deferred accumulator lives until the step ends."""
+        if not first:
+            return 0.0
+        if self.defer:
+            self.once_this_step(("accumulator", unit), "gradient buffers", first * n_params)
+            return 0.0
+        return first * n_params
+
+    def _launch(self, n_params: int, launched: float) -> float:
+        """A unit's reduction starts; returns the bytes freed when the pass ends (ZeRO-2/3);
+        DP's, ZeRO-1's and a deferred stage's wait for finish(), when the step ends."""
+        if self.cfg.parallel.zero <= 1 or self.defer:
+            self.book.add("gradient buffers", launched * n_params)
+            return 0.0
+        return launched * n_params
+
+    def _after_reduction(self, ch: Chunk) -> None:
+        """ZeRO-2/3: the first pass leaves each unit's reduced slice (in the accumulation dtype)."""
+        s = self.s
+        if self.cfg.parallel.zero >= 2 and not self.defer and not self.passes[ch.index]:
+            self.book.add("gradient shards", s.g * (self.units.block * len(ch.layer_ids) + self.units.root[ch.index])
+                          / s.shard)
+        self.passes[ch.index] += 1
 
     def embedding_gradient(self) -> float:
         """The embedding's weight gradient and the gradient arriving at it."""
@@ -380,56 +455,61 @@ class Replay:
 
     def backward(self, a: Action, k: int) -> None:
         """One backward pass of one micro-batch through one chunk (B; under zero bubble the
-        input gradients only)."""
+        input gradients only: the weights' come in W)."""
         s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
-        zero = self.cfg.parallel.zero
-        sync = zero >= 2 or self.last_backward[a.chunk] == k
-        full_buffer, launched = self.reduce_buffers(sync)
+        first, launched = self.reduce_buffers(self.last_backward[a.chunk] == k)
+        if self.split:
+            first = launched = 0.0
         units, root = self.units, self.units.root[ch.index]
-        staged = 0.0  # this pass's gradient buffers so far
+        staged = 0.0  # gradient buffers this pass frees when it ends
         if ch.head:
-            staged = self._head_backward(ch, key, full_buffer * root)
+            staged += self._first_gradient((ch.index, "root"), root, first)
+            self._head_backward(ch, key, staged)
         for done, i in enumerate(reversed(ch.layer_ids)):
-            staged += full_buffer * units.block
+            staged += self._first_gradient((ch.index, i), units.block, first)
             now = self.gathered_in_backward(ch, len(ch.layer_ids) - done)
             rerun = 0.0
-            if recomputed(self.cfg.train.recompute, i) != "none":  # its forward again, then its backward
-                rerun = s.block_full() - s.block_saved(i)
+            mode = recomputed(self.cfg.train.recompute, i)
+            rerun = s.rerun_kept(i)
+            if mode == "full":  # the block's forward again, then its backward: the rerun stays throughout
                 book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun,
                             working=max(s.block_forward_working(), s.attention_working(False)) + s.incoming_gradient())
-            book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun, working=s.block_working())
-            if s.attention_working(True):  # attention's backward comes after the MLP's, whose saved
-                # tensors are gone by then (a recomputed block's rerun keeps them all until it ends)
+            book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun if mode == "full" else 0.0,
+                        working=s.block_working())
+            # attention's backward comes after the MLP's, whose saved tensors are gone by then (a
+            # recomputed block's rerun keeps them until it ends); selective reruns the core here
+            attention = s.incoming_gradient() - s.mlp_saved(i)
+            if mode == "selective":
                 book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun,
-                            working=s.attention_working(True) + s.incoming_gradient() - s.mlp_saved(i))
+                            working=s.attention_working(False) + attention)
+            if s.attention_working(True):
+                book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun,
+                            working=s.attention_working(True) + attention)
             if not self.split:
                 self._keep(key, -s.block_saved(i))
-            staged += launched * units.block
+            staged += self._launch(units.block, launched)
         if ch.embed:
-            staged += 0.0 if ch.head else full_buffer * root
+            if not ch.head:
+                staged += self._first_gradient((ch.index, "root"), root, first)
             if not self.split:
                 book.moment(gathered_parameters=self.gathered_in_backward(ch, 0), gradient_buffers=staged,
                             working=self.embedding_gradient())
-        staged += launched * root
+        staged += self._launch(root, launched)
         book.moment(gathered_parameters=self.gathered_in_backward(ch, 0), gradient_buffers=staged)
         if self.split:  # zero bubble: the graph stays for W, with the gradients kept at the split nodes
-            self._keep(key, s.split_kept() * len(ch.layer_ids))
+            # and what recomputed regions ran again
+            self._keep(key, s.split_kept() * len(ch.layer_ids) + sum(s.rerun_kept(i) for i in ch.layer_ids))
         else:
             book.add(SAVED, -self.held.pop(key))
+            self._after_reduction(ch)
         if ch.index > 0:
             book.add("pipeline messages", self.hidden)  # the input's gradient, sent and kept
-        if sync and zero >= 2:
-            if not self.passes[a.chunk]:
-                book.add("gradient shards", s.c * (units.block * len(ch.layer_ids) + root) / s.shard)
-        elif sync and launched:
-            book.add("gradient buffers", staged)  # freed by finish(), when the step ends
-        self.passes[a.chunk] += 1
         if self.keep_gathered:
             self.gathered = 0.0  # the end of a backward pass reshards every unit
 
-    def _head_backward(self, ch: Chunk, key, root_buffer: float) -> float:
-        """The loss's gradient (before any hook gathers anything), then the head's; returns
-        the gradient buffer the head's weight gradient lands in."""
+    def _head_backward(self, ch: Chunk, key, root_buffer: float) -> None:
+        """The loss's gradient (before any hook gathers anything), then the head's, whose
+        weight gradient lands in `root_buffer` (this pass's gradient buffers so far)."""
         s, book = self.s, self.book
         c, v = s.c, s.vocab_local()
         kept = _loss_forward(s)[1]
@@ -444,7 +524,6 @@ class Replay:
             self._keep(key, c * v * s.n if (s.tp == 1 or c != wide(c)) else 0.0)
         else:
             self._keep(key, -head_bytes_per_token(self.args, c, s.tp, self.cfg.parallel.sp) * s.n)
-        return root_buffer
 
 
 def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledger:
