@@ -11,7 +11,7 @@ from ndtrain.model.args import PRESETS, flops_per_token, param_count
 from ndtrain.parallel.zero import model_state_bytes
 from ndtrain.plan.activations import korthikanti_bytes_per_token
 from ndtrain.plan.cluster import PRESETS as CLUSTERS
-from ndtrain.plan.formulas import gpt_matmul_params, gpt_params, mfu, training_flops_per_token
+from ndtrain.plan.formulas import gpt_matmul_params, gpt_params, mfu, training_flops_per_token, zero_states
 from ndtrain.plan.planner import make_plan, plan_config
 
 # --------------------------------------------------------------------------------------
@@ -32,8 +32,11 @@ ZERO_TABLE_1 = {
 def test_zero_table_1(psi):
     for nd, row in ZERO_TABLE_1[psi].items():
         for stage, published in enumerate(row):
-            ours = sum(model_state_bytes(int(psi), stage, nd, compute_bytes=2).values()) / 1e9
+            ours = zero_states(psi, stage, nd) / 1e9  # the paper's 2Ψ + 2Ψ + 12Ψ
             assert abs(ours - published) <= max(1.0, 0.005 * published), (psi, nd, stage, ours, published)
+            # the engine's accounting: the same terms with bf16 gradients accumulated in fp32
+            engine = sum(model_state_bytes(int(psi), stage, nd, compute_bytes=2).values())
+            assert engine == pytest.approx(zero_states(psi, stage, nd, grad_bytes=4))
 
 
 # --------------------------------------------------------------------------------------
