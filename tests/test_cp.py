@@ -274,15 +274,17 @@ def _pipeline(schedule: str, m: int, *extra: str) -> list[str]:
     return ["parallel.pp=2", f"parallel.pp_schedule={schedule}", f"train.micro_batch={8 // m}", *extra]
 
 
-# name → (overrides, reference). References are single-process runs of the same data:
-# "plain"; "packed" (packed_documents); "dropout" (model.dropout=0.1); "bf16".
+# name → (overrides, reference). References are single-process runs of the same data, in
+# fp64: "plain"; "packed" (packed_documents); "dropout" (model.dropout=0.1); and "fp32",
+# "bf16" in those dtypes.
 E2E: dict[int, list[tuple[str, list[str], str]]] = {
     2: [
         *((f"cp2-{impl}", ["parallel.cp=2", f"parallel.cp_impl={impl}"], "plain") for impl in IMPLS),
         *((f"cp2-{impl}-packed", ["parallel.cp=2", f"parallel.cp_impl={impl}"], "packed") for impl in IMPLS),
         ("cp2-zero3-over-cp", ["parallel.cp=2", "parallel.zero=3"], "plain"),
         ("cp2-recompute-selective", ["parallel.cp=2", "train.recompute=selective"], "plain"),  # reruns the ring
-        ("cp2-bf16", ["parallel.cp=2", "train.precision=bf16"], "bf16"),
+        ("cp2-bf16", ["parallel.cp=2"], "bf16"),
+        ("cp2-ring-fp32", ["parallel.cp=2"], "fp32"),
     ],
     4: [
         *((f"cp4-{impl}", ["parallel.cp=4", f"parallel.cp_impl={impl}"], "plain") for impl in IMPLS),
@@ -292,6 +294,7 @@ E2E: dict[int, list[tuple[str, list[str], str]]] = {
                                         "model.dropout=0.1"], "dropout"),
         ("cp2-tp2-allgather", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=false", "parallel.cp_impl=allgather"],
          "plain"),
+        ("cp2-tp2-sp-fp32", ["parallel.cp=2", "parallel.tp=2"], "fp32"),
         ("cp2-dp2-zero3", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=3"], "plain"),
         ("cp2-hsdp2-zero2", ["parallel.cp=2", "parallel.dp=2", "parallel.dp_replicate=2", "parallel.zero=2"], "plain"),
         ("cp2-dp2-zero1-accumulation-packed", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=1",
@@ -306,16 +309,33 @@ E2E: dict[int, list[tuple[str, list[str], str]]] = {
         ("pp2-cp2-tp2", _pipeline("1f1b", 4, "parallel.cp=2", "parallel.tp=2"), "plain"),
     ],
 }
-REFERENCES = {"plain": [], "packed": [], "dropout": ["model.dropout=0.1"], "bf16": ["train.precision=bf16"]}
+FP64 = ["train.precision=fp64", "train.eps=1e-8"]  # the layout proofs' dtype and AdamW's default eps
+REFERENCES = {"plain": FP64, "packed": FP64, "dropout": FP64 + ["model.dropout=0.1"], "fp32": [],
+              "bf16": ["train.precision=bf16"]}
 STEPS = ["train.steps=3"]  # TINY's 5 steps cost the budget two more without testing anything new
+LOSS_TOL, STATE_TOL = 1e-9, 1e-9  # fp64: relative loss; each weight tensor's max difference / its max
 
 
 def _train(overrides: list[str], reference: str, data_dir: str):
     from helpers import train_in_rank
     hook = packed_documents if reference == "packed" else None
     losses, state, trainer = train_in_rank(STEPS + REFERENCES[reference] + overrides, data_dir, before_fit=hook)
+    if reference not in ("fp32", "bf16"):  # the whole model again, unrounded
+        full = trainer.par.full_model_state()
+        state = {k: v.detach().double().clone() for k, v in full.items()} if full is not None else None
     return {"losses": losses, "state": state, "targets": [r["targets"] for r in trainer.history],
             "activations": max(trainer.history[1]["memory"]["activations"])}
+
+
+def assert_weights_close(a: dict, b: dict, tol: float) -> float:
+    """Element-wise: max |a − b| ≤ tol · max |b| for every tensor; returns the worst ratio."""
+    assert a.keys() == b.keys()
+    worst = 0.0
+    for k in b:
+        ratio = float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-300))
+        assert ratio <= tol, f"{k}: max difference {ratio:.1e} of its largest element > {tol:g}"
+        worst = max(worst, ratio)
+    return worst
 
 
 def _references(data_dir):
@@ -333,25 +353,32 @@ def references(tiny_data):
 
 @pytest.mark.parametrize("world", sorted(E2E))
 def test_training_equals_one_process(world, tiny_data, references):
-    """fp32 at 1e-5 relative (losses, final weights); bf16 against bf16 on one process at
-    the precision suite's bf16 tolerance, 2e-3 of the loss. The logged target counts equal
-    one process's, packed documents included."""
+    """fp64: every step's loss at 1e-9 relative and every final weight at 1e-9 of its
+    tensor's largest element; two rows again in fp32 at 1e-5 (losses, weights' norms); bf16
+    against bf16 on one process at the precision suite's bf16 tolerance, 2e-3 of the loss.
+    The logged target counts equal one process's, packed documents included."""
     from helpers import assert_losses_close, assert_states_close
     results = run_ranks(_rows, world, tiny_data, E2E[world], timeout=600)
+    worst = {"loss": 0.0, "weights": 0.0}
     for name, _, ref_name in E2E[world]:
         run, ref = results[0][name], references[ref_name]
         try:
             assert run["targets"] == ref["targets"]
             if ref_name == "bf16":
                 assert_losses_close(run["losses"], ref["losses"], 2e-3)
-                assert run["losses"] != references["plain"]["losses"]
-            else:
+                assert run["losses"] != references["fp32"]["losses"]
+            elif ref_name == "fp32":
                 assert_losses_close(run["losses"], ref["losses"], 1e-5)
                 assert_states_close(run["state"], ref["state"], 1e-5)
+            else:
+                assert_losses_close(run["losses"], ref["losses"], LOSS_TOL)
+                worst["loss"] = max(worst["loss"], *(abs(a - b) / abs(b) for a, b in zip(run["losses"], ref["losses"])))
+                worst["weights"] = max(worst["weights"], assert_weights_close(run["state"], ref["state"], STATE_TOL))
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
         for rank, other in enumerate(results[1:], 1):
             assert other[name]["losses"] == run["losses"], f"{name}: rank {rank} reports other losses"
+    print(f"world {world} fp64: losses within {worst['loss']:.1e}, weights within {worst['weights']:.1e}")
     assert references["packed"]["targets"][0] < references["plain"]["targets"][0]
     # the memory report: activations per rank shrink with cp (same rows per rank here)
     for name in (f"cp{world}-{impl}" for impl in IMPLS):
