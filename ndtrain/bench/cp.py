@@ -16,14 +16,20 @@ import statistics
 
 import torch
 
-from ndtrain.bench.common import alternate, bench_config
+from ndtrain.bench.common import TRAINING, Bench, alternate, announce, bench_config, describe
 from ndtrain.launch import launch_local, shutdown
 from ndtrain.observe.memory import format_bytes, per_rank
 
-CP_DEFAULTS = ["model.preset=small", "model.n_layers=4", "model.dim=256", "model.ffn_dim=768", "model.n_heads=8",
-               "model.n_kv_heads=4", "model.vocab_size=4096", "model.tie_embeddings=false", "train.seq_len=2048",
-               "train.global_batch=2", "run.progress=false"]
+MODEL = ("model.preset=small", "model.n_layers=4", "model.dim=256", "model.ffn_dim=768", "model.n_heads=8",
+         "model.n_kv_heads=4", "model.vocab_size=4096", "model.tie_embeddings=false")
+SETTINGS = ("train.seq_len=2048", "train.global_batch=2", "run.progress=false")
 IMPLS = ("ring", "allgather", "ulysses")
+
+
+def bench(nproc: int) -> Bench:
+    """Every contender is ours, so every training key reaches all of them; the CP group is
+    every rank."""
+    return Bench("cp", MODEL, SETTINGS + (f"parallel.cp={nproc}",), TRAINING)
 
 
 def _alone(device: torch.device):
@@ -57,23 +63,25 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> list[dict]:
             args, t = cfg.model_args(), cfg.train
             g = torch.Generator().manual_seed(1234)
             tokens = torch.randint(0, args.vocab_size, (t.global_batch, seq_len + 1), generator=g).to(env.device)
-            whole = MicroBatch(tokens[:, :-1], tokens[:, 1:])
+            whole = MicroBatch(tokens[:, :-1], tokens[:, 1:])  # the CP group shares every row
             n_targets = float(t.global_batch * seq_len)
             steppers, batches = {}, {}
             for impl in IMPLS:
                 cfg.parallel.cp_impl = impl
                 steppers[impl] = TrainStep(build(args, mesh, cfg), cfg)
-                batches[impl] = context.shard(whole, cp.size, cp.rank)
-            if env.rank == 0:
+                batches[impl] = context.shard(whole, cp.size, cp.rank).split(t.micro_batch)
+            if mesh.rank == 0:
                 single = cfg.copy()
                 single.parallel.cp, single.parallel.dp = 1, 1
                 steppers["1 process"] = TrainStep(build(args, _alone(env.device), single), single)
-            batches["1 process"] = whole
+            batches["1 process"] = whole.split(t.micro_batch)
 
             def contender(name):
                 def step(measure: bool = False):
                     if name in steppers:
-                        steppers[name].forward_backward([batches[name]], n_targets, measure_memory=measure)
+                        steppers[name].forward_backward(batches[name], n_targets, measure_memory=measure)
+                        if t.grad_clip:
+                            steppers[name].clip_grad_norm(t.grad_clip)
                         steppers[name].optimizer_step(t.lr)
                 return step
 
@@ -106,12 +114,9 @@ def render(results: list[dict]) -> str:
 
 
 def run(args) -> int:
-    cfg = bench_config(args, CP_DEFAULTS + [f"parallel.cp={args.nproc}"])
-    a, t = cfg.model_args(), cfg.train
-    print(f"bench cp: cp={cfg.parallel.cp} · ring, allgather, ulysses and 1 process · model dim={a.dim} "
-          f"layers={a.n_layers} heads={a.n_heads}/{a.n_kv_heads} · batch {t.global_batch} × "
-          f"{t.seq_len // 2} and {t.seq_len} · {t.precision} · {args.rounds} rounds × {args.steps} steps, "
-          "alternating", flush=True)
+    cfg = bench_config(args, bench(args.nproc))
+    announce(args, cfg, f"bench cp: cp={cfg.parallel.cp} · ring, allgather, ulysses and 1 process · {describe(cfg)} "
+                        f"and {cfg.train.seq_len // 2} · {args.rounds} rounds × {args.steps} steps, alternating")
     results = launch_local(args.nproc, _worker, cfg.to_dict(), args.rounds, args.steps)[0]
     print(render(results))
     return 0
