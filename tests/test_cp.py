@@ -11,6 +11,7 @@ packed documents (including documents that leave whole ring blocks masked).
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -492,3 +493,31 @@ def test_resume_under_cp_is_bit_exact(tiny_data, tmp_path):
     straight, resumed, s_state, r_state = run_ranks(_straight_vs_resumed, 2, tiny_data, str(tmp_path))[0]
     assert straight == resumed
     assert all(torch.equal(s_state[k], r_state[k]) for k in s_state)
+
+
+# --------------------------------------------------------------------------- bench cp
+
+def test_bench_cp_refuses_what_it_cannot_apply(capsys):
+    from ndtrain.cli import main
+    assert main(["bench", "cp", "parallel.cp_impl=ulysses", "run.device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.cp_impl = 'ulysses': bench cp cannot apply it to both contenders" in err and err.count("\n") == 1
+
+
+def _bench_cp(cfg_dict):
+    from ndtrain.bench import cp
+    return cp.render(cp._worker(cfg_dict, 1, 1))
+
+
+def test_bench_cp_runs_every_contender():
+    from types import SimpleNamespace
+
+    from ndtrain.bench import cp
+    from ndtrain.bench.common import bench_config
+    args = SimpleNamespace(config=None, nproc=2, overrides=["model.preset=tiny", "train.seq_len=64", "run.device=cpu",
+                                                            "run.threads=1", "train.micro_batch=1"])
+    out = run_ranks(_bench_cp, 2, bench_config(args, cp.bench(2)).to_dict())[0]
+    for seq_len in (32, 64):
+        assert f"seq_len {seq_len} " in out
+    assert all(out.count(f"  {name} ") == 2 for name in ("ring", "allgather", "ulysses", "1 process"))
+    assert re.search(r"\nndtrain cp ring/allgather throughput ratio: \d+\.\d\d$", out), out
