@@ -155,10 +155,10 @@ def _kernels_on_ranks(cp: int) -> list[dict]:
         errors = {"out": _relative(out, ref_out.flatten(2)[:, idx])}
         if impl != "ulysses":
             forward = ring_forward if impl == "ring" else allgather_forward
-            _, lse = forward(*[t.detach() for t in mine], group, vis)[:2]
+            plain_out, lse = forward(*[t.detach() for t in mine], group, vis)[:2]
             # lse [b, G, r, s] → [b, s, H]
             errors["lse"] = _relative(lse.permute(0, 3, 1, 2).reshape(b, -1, heads), ref_lse[:, idx])
-            assert torch.equal(from_heads(forward(*[t.detach() for t in mine], group, vis)[0]).to(q.dtype), out.detach())
+            assert torch.equal(from_heads(plain_out).to(q.dtype), out.detach())
         for name, mine_t, ref_t in zip(("dq", "dk", "dv"), mine, ref):
             errors[name] = _relative(mine_t.grad, ref_t.grad[:, idx])
         results.append({"case": (impl, causal, heads, kv, with_docs), **errors})
@@ -415,7 +415,8 @@ def _comm_on_ranks(cases):
         args = cfg.model_args()
         par = build(args, mesh, cfg)
         rows = cfg.train.global_batch // mesh.dp_size
-        tokens = torch.randint(0, args.vocab_size, (rows, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, args.vocab_size, (rows, cfg.train.seq_len + 1), generator=g)
         mb = context.shard(MicroBatch(tokens[:, :-1], tokens[:, 1:]), mesh.shape.cp, mesh.coord("cp"))
         mesh.stats.reset()
         par.forward_backward([mb], float(rows * cfg.train.seq_len))
