@@ -82,8 +82,8 @@ def _parser() -> argparse.ArgumentParser:
                        description="Train a few steps of a pipelined layout (parallel.pp > 1), then write the last "
                                    "step's per-rank timeline as trace.json (chrome://tracing, ui.perfetto.dev) and "
                                    "timeline.png, and print the measured bubble next to the theory. With context "
-                                   "parallelism and no pipeline (parallel.cp > 1, parallel.pp = 1): every ring step of "
-                                   "every layer and every message of the last step, and the share of message time "
+                                   "parallelism (parallel.cp > 1): every ring step of every layer and every message "
+                                   "of the last step as ring-trace.json and ring.png, and the share of message time "
                                    "hidden behind attention compute. Writes no checkpoint.")
     p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
     p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>)")
@@ -306,27 +306,27 @@ def cmd_trace(args) -> int:
     data = open_data(cfg, False)
     resolve_vocab(cfg, data)
     m = t.accumulation(p.dp)
-    if p.pp == 1:
-        print(f"ndtrain trace: {cfg.model.preset} model, cp={p.cp} ({p.cp_impl}) dp={p.dp} tp={p.tp}, "
-              f"{t.steps} steps, the last one recorded → {out}", flush=True)
-        r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
-        print(f"messages  {1e3 * r['in_flight']:.1f} ms in flight per rank, {1e3 * r['waited']:.1f} ms waited: "
-              f"{100 * r['hidden']:.0f}% hidden behind {1e3 * r['compute']:.1f} ms of attention compute "
-              f"({r['messages']:.0f} messages, {r['layers']} layers, forward and backward)\n"
+    watched = ([f"schedule {p.pp_schedule}" + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "")
+                + f", {m} micro-batches"] if p.pp > 1 else []) + ([f"attention {p.cp_impl}"] if p.cp > 1 else [])
+    print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}, {', '.join(watched)}, "
+          f"{t.steps} steps, the last one recorded → {out}", flush=True)
+    r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
+    if p.pp > 1:
+        ms = " ".join(f"{k} {v:.1f} ms" for k, v in r["mean_ms"].items())
+        print(f"bubble    {r['measured_bubble']:.3f} measured vs {r['theory_bubble']:.3f} theory {r['theory']} "
+              f"(idle / busy per rank; mean {ms})\n"
+              f"          {r['replayed_bubble']:.3f} with these action durations and free messages "
+              f"(measured − this = what messages and the executor cost)\n"
               f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
               f"timeline  {r['timeline']}", flush=True)
-        return 0
-    print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} tp={p.tp}, schedule {p.pp_schedule}"
-          + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "") + f", {m} micro-batches, {t.steps} steps → {out}",
-          flush=True)
-    r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
-    ms = " ".join(f"{k} {v:.1f} ms" for k, v in r["mean_ms"].items())
-    print(f"bubble    {r['measured_bubble']:.3f} measured vs {r['theory_bubble']:.3f} theory {r['theory']} "
-          f"(idle / busy per rank; mean {ms})\n"
-          f"          {r['replayed_bubble']:.3f} with these action durations and free messages "
-          f"(measured − this = what messages and the executor cost)\n"
-          f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
-          f"timeline  {r['timeline']}", flush=True)
+    if p.cp > 1:
+        c = r["ring"]
+        print(f"messages  {1e3 * c['in_flight']:.1f} ms in flight per rank, {1e3 * c['waited']:.1f} ms waited: "
+              f"{100 * c['hidden']:.0f}% hidden behind {1e3 * c['compute']:.1f} ms of attention compute "
+              f"({c['messages']:.0f} messages, {c['layers']} layers, forward and backward)\n"
+              f"trace     {c['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
+              f"ring      {c['timeline']}", flush=True)
+    return 0
 
 
 def dry_run(cfg, world: int | None) -> int:

@@ -444,7 +444,7 @@ def test_bytes_per_layer_match_the_formulas():
 
 # --------------------------------------------------------------------------- the trace
 
-def _ring_trace(data_dir, out):
+def _ring_trace(data_dir, out, overrides):
     import torch.distributed as dist
 
     from helpers import TINY
@@ -453,25 +453,35 @@ def _ring_trace(data_dir, out):
     from ndtrain.mesh import ParallelMesh
     from ndtrain.train.trace import trace_run
     from ndtrain.train.worker import mesh_shape
-    cfg = validate(load_config(None, TINY + ["parallel.cp=2", "train.steps=2"]), world=dist.get_world_size())
+    cfg = validate(load_config(None, TINY + ["train.steps=2", "train.micro_batch=4", *overrides]),
+                   world=dist.get_world_size())
     return trace_run(cfg, ParallelMesh.build(mesh_shape(cfg)), PreparedData.open(data_dir), out)
 
 
-def test_trace_shows_every_ring_step_and_message(tiny_data, tmp_path):
+@pytest.mark.parametrize("world, overrides, layers", [(2, ["parallel.cp=2"], 4),
+                                                       (4, ["parallel.cp=2", "parallel.pp=2"], 2)],
+                         ids=["cp2", "pp2-cp2"])
+def test_trace_shows_every_ring_step_and_message(world, overrides, layers, tiny_data, tmp_path):
+    """Two micro-batches; with a pipeline, its schedule is drawn too and a rank holds half
+    the layers."""
     import json
-    report = run_ranks(_ring_trace, 2, tiny_data, tmp_path)[0]
-    layers, cp = report["layers"], 2
-    # per rank: forward cp−1 K/V exchanges per layer; backward as many plus cp dK/dV hops
-    assert report["messages"] == layers * (2 * (cp - 1) + cp)
-    assert 0.0 <= report["hidden"] <= 1.0 and report["in_flight"] >= report["waited"] >= 0
-    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    for rank in (0, 1):
+    report = run_ranks(_ring_trace, world, tiny_data, tmp_path, overrides)[0]
+    ring, cp, m = report["ring"], 2, 2
+    assert ring["layers"] == layers
+    # per rank and micro-batch: forward cp−1 K/V exchanges per layer; backward as many plus cp dK/dV hops
+    assert ring["messages"] == m * layers * (2 * (cp - 1) + cp)
+    assert 0.0 <= ring["hidden"] <= 1.0 and ring["in_flight"] >= ring["waited"] >= 0
+    events = json.loads((tmp_path / "ring-trace.json").read_text())["traceEvents"]
+    for rank in range(world):
         mine = [e for e in events if e.get("tid") == rank and e.get("ph") == "X"]
+        held = sorted({e["args"]["chunk"] for e in mine})
+        assert len(held) == layers
         steps = sorted((e["cat"], e["args"]["chunk"], e["args"]["micro"]) for e in mine if e["cat"].startswith("attn"))
-        assert steps == sorted((kind, layer, step) for kind in ("attn B", "attn F") for layer in range(layers)
-                               for step in range(cp))
-        assert sum(e["cat"] == "dkv" for e in mine) == layers * cp
-    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+        assert steps == sorted((kind, layer, step) for kind in ("attn B", "attn F") for layer in held
+                               for step in range(cp) for _ in range(m))
+        assert sum(e["cat"] == "dkv" for e in mine) == m * layers * cp
+    assert (tmp_path / "ring.png").stat().st_size > 10_000
+    assert ("measured_bubble" in report) == ("parallel.pp=2" in overrides)
 
 
 # --------------------------------------------------------------------------- resume
