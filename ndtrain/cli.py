@@ -40,6 +40,7 @@ examples:
                                                  and each schedule's bubble (real compute, paced, theory)
   ndtrain bench zero model.preset=125M train.global_batch=8
                                                  the same on a preset's shape (every benchmark takes model.preset)
+  ndtrain bench cp                               context parallelism: ring vs allgather vs ulysses vs one process
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
   ndtrain bench comm                             every collective's bus bandwidth; our ring all-reduce vs the backend's
   ndtrain plan --cluster H100-SXM --gpus 64 model.preset=8B train.precision=bf16 parallel.tp=8 parallel.zero=1
@@ -86,8 +87,8 @@ def _parser() -> argparse.ArgumentParser:
                        description="Train a few steps of a pipelined layout (parallel.pp > 1), then write the last "
                                    "step's per-rank timeline as trace.json (chrome://tracing, ui.perfetto.dev) and "
                                    "timeline.png, and print the measured bubble next to the theory. With context "
-                                   "parallelism and no pipeline (parallel.cp > 1, parallel.pp = 1): every ring step of "
-                                   "every layer and every message of the last step, and the share of message time "
+                                   "parallelism (parallel.cp > 1): every ring step of every layer and every message "
+                                   "of the last step as ring-trace.json and ring.png, and the share of message time "
                                    "hidden behind attention compute. Writes no checkpoint.")
     p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
     p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>)")
@@ -135,14 +136,15 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
                                      "pp (our 1F1B, interleaved, zero bubble vs torch.distributed.pipelining; "
-                                     "bubbles), comm (every collective's bus bandwidth, our ring all-reduce vs "
-                                     "the backend's); KEY=VALUE reaches both sides or is refused",
+                                     "bubbles), cp (ring vs allgather vs ulysses vs 1 process at two sequence lengths), "
+                                     "comm (every collective's bus bandwidth, our ring all-reduce vs the backend's); "
+                                     "KEY=VALUE reaches both sides or is refused",
                        description="Run ndtrain and its PyTorch-native anchor side by side, alternating rounds; "
                                    "the last line is the ratio of their median throughputs. Every key a "
                                    "benchmark accepts (model.*, train.precision, train.recompute, "
                                    "train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "comm"])
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
@@ -343,27 +345,27 @@ def cmd_trace(args) -> int:
     data = open_data(cfg, False)
     resolve_vocab(cfg, data)
     m = t.accumulation(p.dp)
-    if p.pp == 1:
-        print(f"ndtrain trace: {cfg.model.preset} model, cp={p.cp} ({p.cp_impl}) dp={p.dp} tp={p.tp}, "
-              f"{t.steps} steps, the last one recorded → {out}", flush=True)
-        r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
-        print(f"messages  {1e3 * r['in_flight']:.1f} ms in flight per rank, {1e3 * r['waited']:.1f} ms waited: "
-              f"{100 * r['hidden']:.0f}% hidden behind {1e3 * r['compute']:.1f} ms of attention compute "
-              f"({r['messages']:.0f} messages, {r['layers']} layers, forward and backward)\n"
+    watched = ([f"schedule {p.pp_schedule}" + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "")
+                + f", {m} micro-batches"] if p.pp > 1 else []) + ([f"attention {p.cp_impl}"] if p.cp > 1 else [])
+    print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}, {', '.join(watched)}, "
+          f"{t.steps} steps, the last one recorded → {out}", flush=True)
+    r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
+    if p.pp > 1:
+        ms = " ".join(f"{k} {v:.1f} ms" for k, v in r["mean_ms"].items())
+        print(f"bubble    {r['measured_bubble']:.3f} measured vs {r['theory_bubble']:.3f} theory {r['theory']} "
+              f"(idle / busy per rank; mean {ms})\n"
+              f"          {r['replayed_bubble']:.3f} with these action durations and free messages "
+              f"(measured − this = what messages and the executor cost)\n"
               f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
               f"timeline  {r['timeline']}", flush=True)
-        return 0
-    print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} tp={p.tp}, schedule {p.pp_schedule}"
-          + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "") + f", {m} micro-batches, {t.steps} steps → {out}",
-          flush=True)
-    r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
-    ms = " ".join(f"{k} {v:.1f} ms" for k, v in r["mean_ms"].items())
-    print(f"bubble    {r['measured_bubble']:.3f} measured vs {r['theory_bubble']:.3f} theory {r['theory']} "
-          f"(idle / busy per rank; mean {ms})\n"
-          f"          {r['replayed_bubble']:.3f} with these action durations and free messages "
-          f"(measured − this = what messages and the executor cost)\n"
-          f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
-          f"timeline  {r['timeline']}", flush=True)
+    if p.cp > 1:
+        c = r["ring"]
+        print(f"messages  {1e3 * c['in_flight']:.1f} ms in flight per rank, {1e3 * c['waited']:.1f} ms waited: "
+              f"{100 * c['hidden']:.0f}% hidden behind {1e3 * c['compute']:.1f} ms of attention compute "
+              f"({c['messages']:.0f} messages, {c['layers']} layers, forward and backward)\n"
+              f"trace     {c['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
+              f"ring      {c['timeline']}", flush=True)
+    return 0
 
 
 def dry_run(cfg, world: int | None) -> int:
@@ -509,8 +511,8 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import comm, dp, pp, tp, zero
-    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "comm": comm}[args.what].run(args)
+    from ndtrain.bench import comm, cp, dp, pp, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm}[args.what].run(args)
 
 
 if __name__ == "__main__":
