@@ -48,8 +48,14 @@ examples:
   ndtrain bench zero model.preset=125M train.global_batch=8
                                                  the same on a preset's shape (every benchmark takes model.preset)
   ndtrain bench sft                              fine-tuning on packed against padded rows, answer tokens/s
+  ndtrain bench cp                               context parallelism: ring vs allgather vs ulysses vs one process
   ndtrain bench generate                         batched generation with a KV cache against recomputing the prefix
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
+  ndtrain bench comm                             every collective's bus bandwidth; our ring all-reduce vs the backend's
+  ndtrain plan --cluster H100-SXM --gpus 64 model.preset=8B train.precision=bf16 parallel.tp=8 parallel.zero=1
+                                                 memory per rank, step time, MFU of a layout too large for this machine
+  ndtrain plan --cluster H100-SXM --gpus 64 --search model.preset=8B train.precision=bf16
+                                                 the fastest layouts that fit
 """
 
 
@@ -114,12 +120,32 @@ def _parser() -> argparse.ArgumentParser:
                        description="Train a few steps of a pipelined layout (parallel.pp > 1), then write the last "
                                    "step's per-rank timeline as trace.json (chrome://tracing, ui.perfetto.dev) and "
                                    "timeline.png, and print the measured bubble next to the theory. With context "
-                                   "parallelism and no pipeline (parallel.cp > 1, parallel.pp = 1): every ring step of "
-                                   "every layer and every message of the last step, and the share of message time "
+                                   "parallelism (parallel.cp > 1): every ring step of every layer and every message "
+                                   "of the last step as ring-trace.json and ring.png, and the share of message time "
                                    "hidden behind attention compute. Writes no checkpoint.")
     p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
     p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>)")
     p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default 3)")
+    with_config(p)
+
+    p = sub.add_parser("plan", help="predict memory per rank, step time and days of a layout on a cluster; "
+                                    "--search for the best layouts that fit",
+                       description="Plan before you spend: memory per rank (parameters, gradients, optimizer "
+                                   "states, activations, communication buffers), step time (compute, TP/SP/CP/EP, "
+                                   "pipeline bubble, DP/ZeRO), tokens/s, MFU and days, for a layout on a cluster "
+                                   "too large for this machine. Checks the layout with the rules train enforces. "
+                                   "Formulas and sources: docs/plan.md.")
+    p.add_argument("--cluster", required=True, metavar="SPEC",
+                   help="A100-40GB, A100-80GB, H100-SXM, H200, B200, this-machine (calibrated by bench matmul "
+                        "and bench comm), or a TOML file")
+    p.add_argument("--gpus", type=int, metavar="N", help="GPUs (processes); default: the layout's product, or one node")
+    p.add_argument("--mfu", type=float, metavar="X", help="an achieved MFU (0-1) instead of the modelled step time")
+    p.add_argument("--tflops", type=float, metavar="X", help="an achieved TFLOP/s per GPU instead of the modelled step time")
+    p.add_argument("--tokens", metavar="N", help="tokens to train on (e.g. 15T, 300B, 2e12): prints the days")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--search", action="store_true", help="list the fastest layouts that fit (model, batch, "
+                                                          "sequence and precision as configured)")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="--search: how many layouts (default 10)")
     with_config(p)
 
     p = sub.add_parser("convert", help="Hugging Face models in and out (Llama, Qwen2, Qwen3)",
@@ -143,18 +169,23 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
                                      "pp (our 1F1B, interleaved, zero bubble vs torch.distributed.pipelining; "
-                                     "bubbles), sft (packed vs padded fine-tuning rows), generate (KV cache vs "
-                                     "recomputing the prefix, one process); KEY=VALUE reaches both sides or is refused",
+                                     "bubbles), cp (ring vs allgather vs ulysses vs 1 process at two sequence lengths), "
+                                     "comm (every collective's bus bandwidth, our ring all-reduce vs the backend's), "
+                                     "sft (packed vs padded fine-tuning rows), generate (KV cache vs recomputing the "
+                                     "prefix, one process); KEY=VALUE reaches both sides or is refused",
                        description="Run ndtrain and its PyTorch-native anchor side by side (sft: packed and padded "
                                    "rows), alternating rounds; the last line is the ratio of their median "
                                    "throughputs. Every key a benchmark accepts (model.*, train.precision, "
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "sft", "generate"])
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "generate"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR")
+    p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR; "
+                                               "comm: the picture and figures (default runs/bench-comm-<date>)")
+    p.add_argument("--sizes", nargs="+", metavar="SIZE", help="comm: message sizes, e.g. 1K 4M 64M "
+                                                              "(default 1 KB to 256 MB by powers of 4)")
     with_config(p)
     return ap
 
@@ -197,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"train": cmd_train, "sft": cmd_sft, "rl": cmd_rl, "prepare": cmd_prepare, "generate": cmd_generate,
                 "bench": cmd_bench, "trace": cmd_trace, "convert": cmd_convert,
-                "checkpoint": cmd_checkpoint}[args.command](args)
+                "checkpoint": cmd_checkpoint, "plan": cmd_plan}[args.command](args)
     except (ConfigError, DataError) as e:
         return fail(str(e))
     except CheckpointError as e:
@@ -288,6 +319,7 @@ def cmd_train(args) -> int:
     world = external_world()
     resolve_init_from(cfg)  # the model (and tokenizer) of model.init_from, before validating it
     validate(cfg, world=world)
+    _check_fits(cfg, world)
     warn_before_start(cfg, world)
     if args.dry_run:
         return dry_run(cfg, world)
@@ -333,6 +365,7 @@ def cmd_sft(args) -> int:
         cfg.model.init_from = f"run:{default_pretraining_run(cfg, world)}"
     resolve_init_from(cfg)  # the model and tokenizer of model.init_from
     validate(cfg, world=world)
+    _check_fits(cfg, world)
     warn_before_start(cfg, world, "sft")
     sft.load_score(cfg.sft.score)  # a bad scoring function fails here, not after training
     d, t = cfg.data, cfg.train
@@ -470,6 +503,12 @@ def default_pretraining_run(cfg, world) -> Path:
     if main(["train", *nproc, f"run.device={cfg.run.device}"]) != 0:
         raise ConfigError("model.init_from", "", "the default pretraining run failed")
     return find_default_run(Path("runs"))
+def _check_fits(cfg, world: int | None) -> None:
+    """Refuse, before any process starts, a model whose states alone overflow the device."""
+    from ndtrain.plan.fit import check_model_states_fit
+    from ndtrain.train.dry_run import vocab_size
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world)) if world else cfg.parallel.world
+    check_model_states_fit(cfg, vocab_size(cfg), local)
 
 
 def cmd_trace(args) -> int:
@@ -497,27 +536,27 @@ def cmd_trace(args) -> int:
     data = open_data(cfg, False)
     resolve_vocab(cfg, data)
     m = t.accumulation(p.dp)
-    if p.pp == 1:
-        print(f"ndtrain trace: {cfg.model.preset} model, cp={p.cp} ({p.cp_impl}) dp={p.dp} tp={p.tp}, "
-              f"{t.steps} steps, the last one recorded → {out}", flush=True)
-        r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
-        print(f"messages  {1e3 * r['in_flight']:.1f} ms in flight per rank, {1e3 * r['waited']:.1f} ms waited: "
-              f"{100 * r['hidden']:.0f}% hidden behind {1e3 * r['compute']:.1f} ms of attention compute "
-              f"({r['messages']:.0f} messages, {r['layers']} layers, forward and backward)\n"
+    watched = ([f"schedule {p.pp_schedule}" + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "")
+                + f", {m} micro-batches"] if p.pp > 1 else []) + ([f"attention {p.cp_impl}"] if p.cp > 1 else [])
+    print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}, {', '.join(watched)}, "
+          f"{t.steps} steps, the last one recorded → {out}", flush=True)
+    r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
+    if p.pp > 1:
+        ms = " ".join(f"{k} {v:.1f} ms" for k, v in r["mean_ms"].items())
+        print(f"bubble    {r['measured_bubble']:.3f} measured vs {r['theory_bubble']:.3f} theory {r['theory']} "
+              f"(idle / busy per rank; mean {ms})\n"
+              f"          {r['replayed_bubble']:.3f} with these action durations and free messages "
+              f"(measured − this = what messages and the executor cost)\n"
               f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
               f"timeline  {r['timeline']}", flush=True)
-        return 0
-    print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} tp={p.tp}, schedule {p.pp_schedule}"
-          + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "") + f", {m} micro-batches, {t.steps} steps → {out}",
-          flush=True)
-    r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
-    ms = " ".join(f"{k} {v:.1f} ms" for k, v in r["mean_ms"].items())
-    print(f"bubble    {r['measured_bubble']:.3f} measured vs {r['theory_bubble']:.3f} theory {r['theory']} "
-          f"(idle / busy per rank; mean {ms})\n"
-          f"          {r['replayed_bubble']:.3f} with these action durations and free messages "
-          f"(measured − this = what messages and the executor cost)\n"
-          f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
-          f"timeline  {r['timeline']}", flush=True)
+    if p.cp > 1:
+        c = r["ring"]
+        print(f"messages  {1e3 * c['in_flight']:.1f} ms in flight per rank, {1e3 * c['waited']:.1f} ms waited: "
+              f"{100 * c['hidden']:.0f}% hidden behind {1e3 * c['compute']:.1f} ms of attention compute "
+              f"({c['messages']:.0f} messages, {c['layers']} layers, forward and backward)\n"
+              f"trace     {c['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
+              f"ring      {c['timeline']}", flush=True)
+    return 0
 
 
 def dry_run(cfg, world: int | None) -> int:
@@ -610,6 +649,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- plan
+
+def cmd_plan(args) -> int:
+    from ndtrain.plan.command import run
+    return run(args)
+
 # --------------------------------------------------------------------------- convert, checkpoint
 
 def cmd_convert(args) -> int:
@@ -657,8 +702,9 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import dp, generate, pp, sft, tp, zero
-    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "sft": sft, "generate": generate}[args.what].run(args)
+    from ndtrain.bench import comm, cp, dp, generate, pp, sft, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft,
+            "generate": generate}[args.what].run(args)
 
 
 if __name__ == "__main__":

@@ -90,10 +90,11 @@ def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_
     return losses, state, trainer
 
 
-def proof_in_rank(overrides: list[str], data_dir: str) -> dict:
+def proof_in_rank(overrides: list[str], data_dir: str, make_task=None) -> dict:
     """One fp64 layout proof run: losses, gradient norms, first-step gradients and final
-    weights (the last two whole, on rank 0)."""
-    losses, state, trainer = train_in_rank(FP64 + overrides, data_dir, before_fit=capture_first_grads)
+    weights (the last two whole, on rank 0). `make_task` as in train_in_rank."""
+    losses, state, trainer = train_in_rank(FP64 + overrides, data_dir, before_fit=capture_first_grads,
+                                           make_task=make_task)
     return {"losses": losses, "norms": [r["grad_norm"] for r in trainer.history],
             "grads": trainer.first_grads, "state": state}
 

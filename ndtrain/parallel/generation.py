@@ -32,6 +32,7 @@ from ndtrain.mesh import Group, ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.parallel import tensor
+from ndtrain.parallel.construct import replace_parameters
 from ndtrain.parallel.parallelize import Parallelized
 from ndtrain.parallel.precision import compute_dtype
 
@@ -62,10 +63,14 @@ def empty_generation_model(par: Parallelized, cfg: Config, args: ModelArgs) -> T
     dtype, its weights still to be filled."""
     tp, device = par.mesh.group("tp"), par.mesh.device
     if tp.active:
-        model = tensor.build(args, cfg.train.seed, device, tp, sp=False)
+        model = tensor.build(args, tp, sp=False)
     else:
-        model = Transformer(args).to(device)
-    return model.to(compute_dtype(cfg.train.precision))
+        with torch.device("meta"):
+            model = Transformer(args)
+    dtype = compute_dtype(cfg.train.precision)
+    replace_parameters(model, lambda p: torch.empty(p.shape, dtype=dtype, device=device))
+    model.reset_rope(device)
+    return model
 
 
 @torch.no_grad()
