@@ -10,7 +10,9 @@ import argparse
 import datetime
 import math
 import os
+import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 from ndtrain import __version__
@@ -36,6 +38,7 @@ examples:
   ndtrain bench zero                             our ZeRO-3 against torch FSDP2, side by side
   ndtrain bench tp                               our TP+SP against DTensor TP+SP on 2 ranks, side by side
   ndtrain bench pp                               our 1F1B against torch.distributed.pipelining, and each schedule's bubble
+  ndtrain bench checkpoint                       our checkpoint save/load against torch.distributed.checkpoint (125M, 2 ranks)
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
 """
 
@@ -101,12 +104,14 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
-                                     "pp (our 1F1B vs torch.distributed.pipelining, bubbles)")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp"])
+                                     "pp (our 1F1B vs torch.distributed.pipelining, bubbles), "
+                                     "checkpoint (our save/load vs torch.distributed.checkpoint, MB/s)")
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "checkpoint"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR")
+    p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR; "
+                                                "checkpoint: write the checkpoints there (default: a temporary folder)")
     with_config(p)
     return ap
 
@@ -169,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _known_fault(summary: str) -> bool:
-    return summary.startswith(("TrainingError", "DataError", "ConfigError", "CheckpointError"))
+    return summary.startswith(("TrainingError", "DataError", "ConfigError", "CheckpointError", "CollectiveError"))
 
 
 # --------------------------------------------------------------------------- train
@@ -181,11 +186,11 @@ def _data_kwargs(cfg) -> dict:
 
 
 def open_data(cfg, progress: bool):
-    """The prepared data of `cfg` (prepared now if the cache lacks it), its ids checked
-    against its vocabulary."""
+    """The prepared data of `cfg` (prepared now if the cache lacks it), every shard checked
+    against its checksum and its ids against the vocabulary."""
     from ndtrain.data.prepare import PreparedData, prepare_data
     data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=progress))
-    data.check_token_ids()
+    data.verify()
     return data
 
 
@@ -234,6 +239,8 @@ def check_resume(cfg, run_dir: Path) -> Path | None:
 
 
 def cmd_train(args) -> int:
+    from ndtrain import supervisor
+    from ndtrain.checkpoint.lock import RunLock
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import load_config, validate
     from ndtrain.launch import external_world, launch_local
@@ -251,25 +258,46 @@ def cmd_train(args) -> int:
         return dry_run(cfg, world)
     run_dir = _run_dir(cfg, "train")
     resumed = check_resume(cfg, run_dir)
+    if resumed and cfg.model.init_from:
+        warn([f"model.init_from = {cfg.model.init_from!r} has no effect here: run.dir holds a checkpoint, "
+              "which is resumed"])
 
     if world is not None:  # torchrun / SLURM started us: this process is one rank
-        summary = train_worker(cfg.to_dict(), str(run_dir), None)
+        with RunLock(run_dir) if os.environ.get("RANK", "0") == "0" else nullcontext():
+            summary = train_worker(cfg.to_dict(), str(run_dir), None)
         if summary:
             print_summary(summary)
+        # A clean stop exits 0 here: torchrun would take another status for a failure to restart.
+        _stopped(summary, supervisor.control().stop_signal)
         return 0
 
     data = open_data(cfg, cfg.run.progress)
     resolve_vocab(cfg, data)  # fails here, before any process starts or file is written
-    p = cfg.parallel
-    print(f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
-          f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} steps → {run_dir}"
-          + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
-    if p.world == 1:
-        summary = train_worker(cfg.to_dict(), str(run_dir), str(data.path))
-    else:
-        summary = launch_local(p.world, train_worker, cfg.to_dict(), str(run_dir), str(data.path))[0]
+    p, run = cfg.parallel, cfg.run
+    with RunLock(run_dir):
+        print(f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
+              f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} steps → {run_dir}"
+              + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
+        if p.world == 1 and run.max_restarts == 0:
+            summary = train_worker(cfg.to_dict(), str(run_dir), str(data.path))
+            stop_signal = supervisor.control().stop_signal
+        else:
+            results = launch_local(p.world, train_worker, cfg.to_dict(), str(run_dir), str(data.path),
+                                   max_restarts=run.max_restarts, heartbeat_s=run.heartbeat_s,
+                                   preload=("ndtrain.train.worker", "ndtrain.train.trainer"))
+            summary, stop_signal = results[0], results.stop_signal
     print_summary(summary)
-    return 0
+    return _stopped(summary, stop_signal)
+
+
+def _stopped(summary: dict, stop_signal: int) -> int:
+    """Exit status 0, or 128 + the signal that stopped the run at a step boundary."""
+    if not summary.get("stopped"):
+        return 0
+    stop_signal = stop_signal or signal.SIGTERM
+    print(f"ndtrain: stopped by a signal after step {summary['steps']}, checkpoint saved; the same command "
+          "continues the run", file=sys.stderr, flush=True)
+    return 128 + int(stop_signal)
 
 
 def cmd_trace(args) -> int:
@@ -446,8 +474,8 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import dp, pp, tp, zero
-    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp}[args.what].run(args)
+    from ndtrain.bench import checkpoint, dp, pp, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "checkpoint": checkpoint}[args.what].run(args)
 
 
 if __name__ == "__main__":
