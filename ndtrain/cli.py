@@ -34,6 +34,7 @@ examples:
   ndtrain convert --to-hf runs/x --out hf/x      export a run as a Hugging Face model folder
   ndtrain checkpoint inspect runs/x              steps, layout, tensors and bytes per rank of a run's checkpoints
   ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
+  ndtrain trace --nproc 2 parallel.cp=2 train.seq_len=512      context-parallel ring steps and their overlap
   ndtrain bench dp                               our DP against torch DDP, side by side
   ndtrain bench zero                             our ZeRO-3 against torch FSDP2, side by side
   ndtrain bench tp                               our TP+SP against DTensor TP+SP on 2 ranks, side by side
@@ -75,10 +76,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
 
-    p = sub.add_parser("trace", help="run a few pipelined steps; write the schedule as a Chrome trace and a picture",
+    p = sub.add_parser("trace", help="run a few pipelined or context-parallel steps; write the last one as a Chrome "
+                                     "trace and a picture",
                        description="Train a few steps of a pipelined layout (parallel.pp > 1), then write the last "
                                    "step's per-rank timeline as trace.json (chrome://tracing, ui.perfetto.dev) and "
-                                   "timeline.png, and print the measured bubble next to the theory. Writes no checkpoint.")
+                                   "timeline.png, and print the measured bubble next to the theory. With context "
+                                   "parallelism and no pipeline (parallel.cp > 1, parallel.pp = 1): every ring step of "
+                                   "every layer and every message of the last step, and the share of message time "
+                                   "hidden behind attention compute. Writes no checkpoint.")
     p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
     p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>)")
     p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default 3)")
@@ -315,8 +320,9 @@ def cmd_trace(args) -> int:
         cfg.explicit |= {"run.nproc"}
     validate(cfg)
     p, t = cfg.parallel, cfg.train
-    if p.pp == 1:
-        raise ConfigError("parallel.pp", 1, "ndtrain trace draws a pipeline schedule; set parallel.pp > 1")
+    if p.pp == 1 and p.cp == 1:
+        raise ConfigError("parallel.pp", 1, "ndtrain trace draws a pipeline schedule (parallel.pp > 1) or "
+                          "context-parallel attention (parallel.cp > 1); set one of them")
     if args.out:
         check_writable_dir("--out", args.out)
     warn_before_start(cfg, None)
@@ -324,6 +330,16 @@ def cmd_trace(args) -> int:
     data = open_data(cfg, False)
     resolve_vocab(cfg, data)
     m = t.accumulation(p.dp)
+    if p.pp == 1:
+        print(f"ndtrain trace: {cfg.model.preset} model, cp={p.cp} ({p.cp_impl}) dp={p.dp} tp={p.tp}, "
+              f"{t.steps} steps, the last one recorded → {out}", flush=True)
+        r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
+        print(f"messages  {1e3 * r['in_flight']:.1f} ms in flight per rank, {1e3 * r['waited']:.1f} ms waited: "
+              f"{100 * r['hidden']:.0f}% hidden behind {1e3 * r['compute']:.1f} ms of attention compute "
+              f"({r['messages']:.0f} messages, {r['layers']} layers, forward and backward)\n"
+              f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
+              f"timeline  {r['timeline']}", flush=True)
+        return 0
     print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} tp={p.tp}, schedule {p.pp_schedule}"
           + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "") + f", {m} micro-batches, {t.steps} steps → {out}",
           flush=True)

@@ -65,6 +65,7 @@ class ParallelConfig:
     pp_virtual: int = 1
     pp_split: str = ""  # blocks per pipeline chunk, e.g. "3,5,5,3"; "" = balanced by cost
     cp: int = 1
+    cp_impl: str = "ring"  # context-parallel attention: ring | allgather | ulysses
     ep: int = 1
     zero: int = 0  # ZeRO stage over dp_shard: 0 (plain DP), 1 (optimizer), 2 (+ gradients), 3 (+ parameters)
     reshard_after_forward: bool = True  # zero=3: free each block after its forward (false: keep until backward)
@@ -347,7 +348,8 @@ PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
 
 # Dimensions whose implementation has not landed yet: refused up front, never half-run.
-NOT_YET = {"parallel.cp": "context parallelism", "parallel.ep": "expert parallelism"}
+NOT_YET = {"parallel.ep": "expert parallelism"}
+CP_IMPLS = ("ring", "allgather", "ulysses")
 
 
 def _positive(key: str, value, *, zero_ok: bool = False) -> None:
@@ -428,6 +430,8 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
             raise ConfigError(key, value, f"{what} is not implemented yet; use 1")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", p.zero, "choose a ZeRO stage: 0, 1, 2 or 3")
+    if p.cp_impl not in CP_IMPLS:
+        raise ConfigError("parallel.cp_impl", p.cp_impl, f"choose one of {', '.join(CP_IMPLS)}")
     if p.pp_schedule not in PP_SCHEDULES:
         raise ConfigError("parallel.pp_schedule", p.pp_schedule, f"unknown schedule; choose one of {', '.join(PP_SCHEDULES)}")
     _positive("parallel.bucket_mb", p.bucket_mb)
@@ -505,9 +509,10 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
                           f"must be divisible by dp × micro_batch = {p.dp} × {t.micro_batch} = {p.dp * t.micro_batch}")
     if p.sp is None:
         p.sp = p.tp > 1
-    if p.zero and p.dp_shard == 1:
-        raise ConfigError("parallel.zero", p.zero, "ZeRO shards over parallel.dp_shard = dp / dp_replicate "
-                          f"= {p.dp} / {p.dp_replicate} = 1: nothing to shard; use zero=0 or more data-parallel ranks")
+    if p.zero and p.dp_shard * p.cp == 1:
+        raise ConfigError("parallel.zero", p.zero, "ZeRO shards over dp_shard × cp = (dp / dp_replicate) × cp "
+                          f"= ({p.dp} / {p.dp_replicate}) × {p.cp} = 1: nothing to shard; use zero=0 or more "
+                          "data-parallel ranks")
 
     a = cfg.model_args(vocab_size=m.vocab_size or PRESETS[m.preset].vocab_size)
     if m.head_dim is None and a.dim % a.n_heads:
@@ -535,6 +540,8 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     if p.sp and p.tp > 1 and t.seq_len % p.tp:
         raise ConfigError("train.seq_len", t.seq_len,
                           f"must be divisible by parallel.tp = {p.tp} with sequence parallelism (parallel.sp) on")
+
+    _check_context(cfg, a)
 
     if check_paths:
         if d.path != "stdlib" and not Path(os.path.expanduser(d.path)).exists():
@@ -608,6 +615,30 @@ def _check_pipeline(cfg: Config, a: ModelArgs) -> None:
         raise ConfigError("parallel.pp_schedule", p.pp_schedule,
                           f"needs the micro-batch count global_batch / (dp × micro_batch) = {t.global_batch} / "
                           f"({p.dp} × {t.micro_batch}) = {m} to be a multiple of parallel.pp = {p.pp}")
+
+
+def _check_context(cfg: Config, a: ModelArgs) -> None:
+    """Context parallelism: the zigzag layout's chunks, sequence parallelism inside a CP
+    rank's tokens, and Ulysses' head split (on the heads each tp rank holds)."""
+    p, t = cfg.parallel, cfg.train
+    if p.cp == 1:
+        return
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError("train.seq_len", t.seq_len, f"must be divisible by 2 × parallel.cp = {2 * p.cp}: "
+                          "context parallelism cuts each sequence into 2·cp equal chunks")
+    local = t.seq_len // p.cp
+    if p.sp and p.tp > 1 and local % p.tp:
+        raise ConfigError("train.seq_len", t.seq_len, f"must be divisible by cp × tp = {p.cp} × {p.tp}: sequence "
+                          f"parallelism splits each CP rank's {local} tokens over parallel.tp = {p.tp}")
+    if p.cp_impl == "ulysses":
+        heads = a.n_heads // p.tp
+        kv = a.n_kv_heads // p.tp if a.n_kv_heads % p.tp == 0 else 1
+        if heads % p.cp:
+            raise ConfigError("parallel.cp", p.cp, f"cp_impl = ulysses splits the query heads per tp rank, "
+                              f"n_heads / tp = {a.n_heads} / {p.tp} = {heads}, over cp: they must be divisible by it")
+        if kv % p.cp and p.cp % kv:
+            raise ConfigError("parallel.cp", p.cp, f"cp_impl = ulysses needs the KV heads per tp rank ({kv}, of "
+                              f"n_kv_heads = {a.n_kv_heads}) to divide cp or be divisible by it")
 
 
 def parse_split(text: str) -> list[int]:

@@ -9,10 +9,11 @@ that dimension's module, never the trainer.
 
 Order of the transformations (each one is a no-op when its dimension has size 1):
 1. tensor/sequence parallel module swaps   (parallel/tensor.py)
-2. activation recomputation wrappers       (parallel/recompute.py)
-3. gradient synchronisation over dp × cp:  DP buckets (parallel/data.py) or ZeRO (parallel/zero.py),
+2. context-parallel attention cores        (parallel/context/)
+3. activation recomputation wrappers       (parallel/recompute.py)
+4. gradient synchronisation over dp × cp:  DP buckets (parallel/data.py) or ZeRO (parallel/zero.py),
    each with the compute dtype and fp32 masters of parallel/precision.py
-4. the schedule: one stage, or a pipeline  (parallel/pipeline/)
+5. the schedule: one stage, or a pipeline  (parallel/pipeline/)
 
 Who holds the model states is `Parallelized.states`: `states.ReplicatedStates` (zero = 0:
 the model's own parameters, plus fp32 masters under mixed precision) or `zero.ZeRO` (flat
@@ -35,7 +36,7 @@ from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.model.loss import token_loss_sum
-from ndtrain.parallel import tensor
+from ndtrain.parallel import context, tensor
 from ndtrain.parallel.data import DataParallel
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
 from ndtrain.parallel.pipeline.stage import StageModel, TiedEmbedding, build_chunks, gather_stages
@@ -107,13 +108,18 @@ def build_model(args: ModelArgs, seed: int, device: torch.device, layer_ids=None
 
 def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
     """`make(layer_ids, embed, head)`: this rank's share of (part of) the decoder, with the
-    weights every layout starts from; tensor-parallel modules when tp > 1."""
-    tp = mesh.group("tp")
+    weights every layout starts from; tensor-parallel modules when tp > 1, context-parallel
+    attention when cp > 1."""
+    tp, cp = mesh.group("tp"), mesh.group("cp")
 
     def make(layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
         if tp.active:
-            return tensor.build(args, cfg.train.seed, mesh.device, tp, cfg.parallel.sp, layer_ids, embed, head)
-        return build_model(args, cfg.train.seed, mesh.device, layer_ids, embed, head)
+            model = tensor.build(args, cfg.train.seed, mesh.device, tp, cfg.parallel.sp, layer_ids, embed, head)
+        else:
+            model = build_model(args, cfg.train.seed, mesh.device, layer_ids, embed, head)
+        if cp.active:
+            context.apply(model, cp, cfg.parallel.cp_impl, tp if tp.active and cfg.parallel.sp else None)
+        return model
     return make
 
 

@@ -32,6 +32,7 @@ from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss
 from ndtrain.observe.progress import TrainProgress
 from ndtrain.model.loss import count_targets
+from ndtrain.parallel import context
 from ndtrain.parallel.parallelize import Parallelized, build
 from ndtrain.parallel.precision import LossScaleExhausted
 from ndtrain.train.optim import lr_at
@@ -78,21 +79,31 @@ class Trainer:
         """The random stream of dropout (weights come from per-name generators) is a function
         of the seed, the step and the rank's place in the computation (its pipeline stage
         and data-parallel slot), never of its rank number: a resumed run, on any layout,
-        draws what an uninterrupted one draws. The ranks of a tp group share it: they hold
-        the same activations, or slices of a tensor one device would have drawn for whole
-        (parallel/tensor.py)."""
-        place = f"dropout/{self.cfg.train.seed}/{step}/{self.mesh.coord('pp')}/{self.mesh.coord('dp_cp')}"
+        draws what an uninterrupted one draws. The ranks of a cp × tp group share it: they
+        hold the same activations, or slices of a tensor one device would have drawn for
+        whole (parallel/tensor.py, parallel/context/)."""
+        place = f"dropout/{self.cfg.train.seed}/{step}/{self.mesh.coord('pp')}/{self.mesh.coord('dp')}"
         torch.manual_seed(zlib.crc32(place.encode()))
 
     # -- data -----------------------------------------------------------------------
-    def local_batch(self, loader: BatchLoader, step: int):
-        """This rank's rows of the global batch of `step`, cut into micro-batches."""
-        t = self.cfg.train
-        per_rank = t.global_batch // self.mesh.dp_size
+    def rows(self, loader: BatchLoader, step: int) -> MicroBatch:
+        """This data-parallel rank's rows of the global batch of `step`, whole sequences."""
+        per_rank = self.cfg.train.global_batch // self.mesh.dp_size
         start = self.mesh.dp_rank * per_rank
         inputs, targets = loader.rows(step, start, start + per_rank)
-        rows = MicroBatch(inputs, targets).to(self.mesh.device)
-        return rows.split(t.micro_batch), count_targets(targets)
+        return MicroBatch(inputs, targets).to(self.mesh.device)
+
+    def local_batch(self, loader: BatchLoader, step: int):
+        """This rank's share of the global batch of `step`, cut into micro-batches, and the
+        number of targets in it. Under context parallelism each row is reduced to this CP
+        rank's tokens (the zigzag layout, parallel/context/layout.py): targets were shifted
+        before, so none is lost, and the counts of the CP ranks add up to the count of the
+        whole rows (they may differ between ranks: masked targets fall anywhere)."""
+        rows = self.rows(loader, step)
+        cp = self.mesh.group("cp")
+        if cp.active:
+            rows = context.shard(rows, cp.size, cp.rank)
+        return rows.split(self.cfg.train.micro_batch), count_targets(rows.targets)
 
     # -- one step -------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
@@ -120,7 +131,7 @@ class Trainer:
         mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.n_peak_units)
                if self.peak else None)
         comm = self.mesh.stats.as_metrics()
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": int(n_targets),
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "tokens": (step + 1) * t.global_batch * t.seq_len,
                   "comm_bytes": sum(comm.values()), "comm": comm, "memory": self.memory_per_rank()}
