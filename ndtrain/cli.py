@@ -33,6 +33,8 @@ examples:
   ndtrain train --nproc 2 model.init_from=hf:DIR data.path=my.jsonl   start from a Hugging Face Llama/Qwen model
   ndtrain convert --to-hf runs/x --out hf/x      export a run as a Hugging Face model folder
   ndtrain checkpoint inspect runs/x              steps, layout, tensors and bytes per rank of a run's checkpoints
+  ndtrain train --nproc 4 run.max_restarts=3 train.save_every=20   restart every rank (from the last good
+                                                 checkpoint) when one dies or hangs; Ctrl-C saves, then exits
   ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
   ndtrain trace --nproc 2 parallel.cp=2 train.seq_len=512      context-parallel ring steps and their overlap
   ndtrain bench dp                               our DP against torch DDP, side by side

@@ -26,6 +26,8 @@ PAIRS = {
                                                 "model.tie_embeddings=true"],
                                             2, ["parallel.zero=1", "model.tie_embeddings=true"]),
     "hsdp 2x2 -> tp2 x dp2": (4, ["parallel.zero=3", "parallel.dp_replicate=2"], 4, ["parallel.tp=2"]),
+    # ZeRO-3 shards over dp_shard × cp: the context-parallel ranks hold different slices
+    "cp2 zero3 -> dp2": (2, ["parallel.cp=2", "parallel.zero=3"], 2, ["parallel.dp=2"]),
     "1 process -> pp2 x tp2 x dp2": (1, [], 8, ["parallel.pp=2", "parallel.tp=2", "train.micro_batch=2"]),
 }
 
