@@ -69,6 +69,14 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def warn(lines: list[str | None]) -> None:
+    """Warnings before a start, one line each (None: nothing to say), from one process:
+    rank 0 under torchrun, where every rank runs the command line."""
+    if os.environ.get("RANK", "0") == "0":
+        for line in filter(None, lines):
+            print(f"ndtrain: warning: {line}", file=sys.stderr, flush=True)
+
+
 def oversubscribed(processes: int, device: str) -> str | None:
     """A warning line when more CPU processes than cores would run on this machine: they
     take turns on the cores, so a step gets slower, not faster, and every process holds its

@@ -28,14 +28,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ndtrain.bench.common import Contest, bench_config, report
+from ndtrain.bench.common import Bench, Contest, announce, bench_config, describe, report
 from ndtrain.checkpoint import layout, store
 from ndtrain.checkpoint.sources import CheckpointSource
-from ndtrain.config import ConfigError
 from ndtrain.launch import launch_local, shutdown
 
-CHECKPOINT_DEFAULTS = ["model.preset=125M", "model.vocab_size=32000", "train.seq_len=64", "train.global_batch=2",
-                       "run.progress=false"]
+# Data parallel only: DCP would need DTensors to describe our shards.
+BENCH = Bench("checkpoint", ("model.preset=125M", "model.vocab_size=32000"),
+              ("train.seq_len=64", "train.global_batch=2", "run.progress=false"),
+              ("model.", "train.precision", "train.seq_len", "train.global_batch", "train.seed", "parallel.dp",
+               "run.device", "run.threads"))
 
 
 def _dcp_state(par, optimizer, tie: bool) -> dict[str, torch.Tensor]:
@@ -107,16 +109,10 @@ def _worker(cfg_dict: dict, rounds: int, root: str) -> str:
 
 
 def run(args) -> int:
-    cfg = bench_config(args, CHECKPOINT_DEFAULTS)
-    p = cfg.parallel
-    if p.tp > 1 or p.pp > 1 or p.zero:
-        raise ConfigError("parallel", f"tp={p.tp} pp={p.pp} zero={p.zero}", "bench checkpoint compares "
-                          "data-parallel layouts only (DCP needs DTensors to describe shards)")
+    cfg = bench_config(args, BENCH)
     root = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="ndtrain-bench-checkpoint-"))
-    a = cfg.model_args()
-    print(f"bench checkpoint: {cfg.model.preset} model (dim={a.dim} layers={a.n_layers} vocab={a.vocab_size}) · "
-          f"{args.nproc} ranks, dp={p.dp} · {cfg.train.precision} · {args.rounds} rounds, alternating · {root}",
-          flush=True)
+    announce(args, cfg, f"bench checkpoint: {args.nproc} ranks, dp={cfg.parallel.dp} · {describe(cfg)} · "
+                        f"{args.rounds} rounds, alternating · {root}")
     try:
         print(launch_local(args.nproc, _worker, cfg.to_dict(), args.rounds, str(root))[0])
     finally:

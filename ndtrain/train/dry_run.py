@@ -86,8 +86,9 @@ def render(cfg: Config, result: dict) -> str:
         formula = sum(model_state_bytes(r["psi"], p.zero, result["n_shard"], c).values())
         cells = [r["params"], r["grads"], r["optimizer"], states, formula, r["activations"], r["peak"]]
         lines.append(f"{rank:>4}  {r['psi']:>12,}  " + "  ".join(f"{format_bytes(x):>12}" for x in cells))
-    lines += ["model states: counted after the optimizer step; ZeRO formula: c·Ψ + c·Ψ + K·Ψ, c bytes per value",
-              "  in the compute dtype, K = 12 (fp32 master + Adam moments) or 8 in fp32, sharded terms / shard group",
+    lines += ["model states: counted after the optimizer step; ZeRO formula: c·Ψ + g·Ψ + K·Ψ, c bytes per value",
+              "  in the compute dtype, g = 4 (fp32 gradient accumulator) or c, K = 12 (fp32 master + Adam moments)",
+              "  or 2c in fp32/fp64; sharded terms / shard group",
               "activations: the most that forward + backward held on top of what existed when they began",
               "peak: the most held in all at any moment of the two steps"]
     return "\n".join(lines)
