@@ -91,9 +91,6 @@ class ReplicatedStates:
     def local_state(self) -> dict[str, torch.Tensor]:
         return unique_state(self.model)
 
-    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
-        load_unique_state(self.model, state)
-
     def gathered_state(self) -> dict[str, torch.Tensor]:
         return self.local_state()
 
@@ -103,14 +100,6 @@ class ReplicatedStates:
         for name, p in self.model.named_parameters():
             out[name] = self.masters.master_of(p).grad if self.masters is not None else self.grad_sync.grad_of(p)
         return out
-
-    def extra_state(self) -> dict:
-        return {"masters": [m.detach() for m in self.masters.masters] if self.masters else []}
-
-    @torch.no_grad()
-    def load_extra_state(self, state: dict) -> None:
-        for m, saved in zip(self.masters.masters if self.masters else [], state["masters"], strict=True):
-            m.copy_(saved)
 
     # -- memory accounting ------------------------------------------------------
     def param_tensors(self) -> list[torch.Tensor]:
@@ -133,15 +122,3 @@ def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
         seen.add(key)
         out[name] = t
     return out
-
-
-def load_unique_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    expected = unique_state(model)
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    if missing or unexpected:
-        raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, "
-                         f"unexpected {unexpected[:5]}")
-    with torch.no_grad():
-        for name, t in expected.items():
-            t.copy_(state[name])
