@@ -37,6 +37,7 @@ from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.model.loss import token_loss_sum
 from ndtrain.parallel import context, tensor
+from ndtrain.parallel.construct import initializer, materialize
 from ndtrain.parallel.data import DataParallel
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
 from ndtrain.parallel.pipeline.stage import StageModel, TiedEmbedding, build_chunks, gather_stages
@@ -109,20 +110,30 @@ def build_model(args: ModelArgs, seed: int, device: torch.device, layer_ids=None
 
 
 def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
-    """`make(layer_ids, embed, head)`: this rank's share of (part of) the decoder, with the
-    weights every layout starts from; tensor-parallel modules when tp > 1, context-parallel
-    attention when cp > 1."""
+    """`make(layer_ids, embed, head)`: this rank's share of (part of) the decoder, laid out
+    on the meta device: tensor-parallel modules when tp > 1, context-parallel attention when
+    cp > 1; parallel/construct.py gives the parameters memory and the values every layout
+    starts from."""
     tp, cp = mesh.group("tp"), mesh.group("cp")
 
     def make(layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
         if tp.active:
-            model = tensor.build(args, cfg.train.seed, mesh.device, tp, cfg.parallel.sp, layer_ids, embed, head)
+            model = tensor.build(args, tp, cfg.parallel.sp, layer_ids, embed, head)
         else:
-            model = build_model(args, cfg.train.seed, mesh.device, layer_ids, embed, head)
+            with torch.device("meta"):
+                model = Transformer(args, layer_ids, embed, head)
         if cp.active:
             context.apply(model, cp, cfg.parallel.cp_impl, tp if tp.active and cfg.parallel.sp else None)
         return model
     return make
+
+
+def materialized(model: Transformer, args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Transformer:
+    """A model `decoder` laid out (a chunk, outside any layout: anchors for tests and
+    benchmarks), given memory and its initial values on the mesh's device."""
+    materialize(model, initializer(model, args, cfg.train.seed, mesh.group("tp")), mesh.device)
+    model.reset_rope(mesh.device)
+    return model
 
 
 def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
@@ -138,18 +149,23 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
     for chunk in chunks.values():
         apply_recompute(chunk, t.recompute)
     model = StageModel(chunks) if pipelined else chunks[0]
+    # Everything so far lives on the meta device; now each rank materialises what it keeps.
+    init = initializer(model, args, t.seed, tp)
     dtype, rdtype = compute_dtype(t.precision), reduce_dtype(t.precision, t.reduce_fp32)
     if p.zero:
         decoders = {f"chunk{c}": chunk for c, chunk in chunks.items()} if pipelined else None
-        states = grad_sync = ZeRO(model, mesh, p.zero, dtype, rdtype, p.reshard_after_forward, defer=pipelined,
-                                  decoders=decoders)
+        states = grad_sync = ZeRO(model, mesh, p.zero, dtype, rdtype, init, p.reshard_after_forward,
+                                  defer=pipelined, decoders=decoders)
     else:
+        materialize(model, init, mesh.device)
         masters = MasterWeights(list(model.parameters())) if has_masters(dtype) else None
         cast_parameters(list(model.parameters()), dtype)
         bucket_bytes = int(p.bucket_mb * 2**20)
         accum = torch.float32 if has_masters(dtype) else None  # gradients add up in fp32 under bf16/fp16
         grad_sync = DataParallel(list(model.parameters()), mesh.group("dp_cp"), bucket_bytes, rdtype, accum)
         states = ReplicatedStates(model, grad_sync, masters)
+    for chunk in chunks.values():
+        chunk.reset_rope(mesh.device)
     if pipelined:
         tied = TiedEmbedding(mesh, model, states.summed_grad) if args.tie_embeddings else None
         schedule = PipelineSchedule(chunks, mesh, p.pp_schedule, p.pp_virtual, loss_fn, tied)
