@@ -264,3 +264,30 @@ def test_ctrl_c_saves_at_the_step_boundary_and_one_run_holds_a_run_dir(tmp_path,
     meta = store.read_meta(store.latest(run))
     assert meta["step"] == done + 2 and meta["mesh"]["tp"] == 2
     assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(done + 2))
+
+
+def test_ctrl_c_in_a_single_process_run_saves_at_the_step_boundary(tiny_data, tmp_path, capsys):
+    """One process runs in the command's own process (as each rank does under torchrun): it
+    arms SIGINT itself; the first one stops the run after the step, with a checkpoint."""
+    from helpers import TINY
+    from ndtrain.checkpoint import store
+    from ndtrain.cli import main
+    from ndtrain.observe.metrics import read_metrics
+
+    run = tmp_path / "run"
+    metrics = run / "metrics.jsonl"
+
+    def press_ctrl_c():
+        wait_for(lambda: metrics.exists() and len(read_metrics(metrics)) >= 2, what="two steps")
+        os.kill(os.getpid(), signal.SIGINT)
+    presser = threading.Thread(target=press_ctrl_c, daemon=True)
+    previous = signal.signal(signal.SIGINT, lambda *_: None)  # no stray SIGINT may reach pytest
+    try:
+        presser.start()
+        code = main(["train", "--nproc", "1", *TINY, "train.steps=100000", f"data.path={tiny_data}",
+                     f"run.dir={run}"])
+        presser.join(timeout=30)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert code == 130 and "stopped by a signal after step" in capsys.readouterr().err
+    assert store.read_meta(store.latest(run))["step"] == read_metrics(metrics)[-1]["step"] + 1
