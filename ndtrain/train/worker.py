@@ -74,6 +74,7 @@ def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None, before_fit=
 
 
 def _train(cfg: config_mod.Config, run_dir: str, data_dir: str | None, before_fit, control) -> dict:
+    from ndtrain.train.tasks import Pretrain
     from ndtrain.train.trainer import Trainer
 
     env = init_process(cfg.run.device, cfg.run.threads, cfg.run.collective_timeout_s)
@@ -83,7 +84,8 @@ def _train(cfg: config_mod.Config, run_dir: str, data_dir: str | None, before_fi
         data = PreparedData.open(data_path)
         resolve_vocab(cfg, data)
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        trainer = Trainer(cfg, mesh, data, Path(run_dir), local_world=env.local_world, control=control)
+        trainer = Trainer(cfg, mesh, Pretrain(cfg, data), Path(run_dir), local_world=env.local_world,
+                          control=control)
         set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
         trainer.start()
         if env.rank == 0:
