@@ -122,3 +122,16 @@ def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
         seen.add(key)
         out[name] = t
     return out
+
+
+def load_unique_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a full state (one tensor per storage, as `unique_state` names them) into `model`."""
+    expected = unique_state(model)
+    missing = sorted(set(expected) - set(state))
+    unexpected = sorted(set(state) - set(expected))
+    if missing or unexpected:
+        raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]}")
+    with torch.no_grad():
+        for name, t in expected.items():
+            t.copy_(state[name])
