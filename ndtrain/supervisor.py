@@ -95,8 +95,10 @@ def stop_requested() -> bool:
 def stop_signals(signals=(signal.SIGINT, signal.SIGTERM)):
     """While inside: the first signal asks to stop at the next step boundary; another one
     (at least DEBOUNCE_S later) raises KeyboardInterrupt: exit at once. For a rank nobody
-    watches (torchrun, or one process run by the command itself)."""
+    watches (torchrun, or one process run by the command itself). A run entering it starts
+    unstopped, whatever stopped an earlier run in this process (the stop stays readable after)."""
     c = _CONTROL
+    c.stop, c.stop_signal = False, 0
 
     def handler(signum, frame):
         now = time.monotonic()
