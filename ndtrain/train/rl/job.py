@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 from ndtrain import config as config_mod
+from ndtrain import supervisor
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.verifiable import char_tokenizer, draw_problems, make_task
 from ndtrain.train.rl.task import RL, Environment
@@ -95,26 +97,35 @@ def check_reward(cfg: Config) -> None:
 
 
 def finished(run: Path) -> bool:
+    """The warm-up in `run` trained every step (not stopped by a signal) and saved."""
     from ndtrain.checkpoint import store
-    return (run / "summary.json").is_file() and store.latest(run) is not None
+    summary = run / "summary.json"
+    return summary.is_file() and not json.loads(summary.read_text()).get("stopped") and store.latest(run) is not None
 
 
 # ----------------------------------------------------------------------------- one rank
 
 def rl_worker(cfg_dict: dict, run_dir: str, template, evaluate_only: bool = False) -> dict:
-    """Entry point of one rank of `ndtrain rl`. Returns the summary on rank 0 ({} elsewhere)."""
-    from ndtrain.launch import init_process, shutdown
+    """Entry point of one rank of `ndtrain rl`. Returns the summary on rank 0 ({} elsewhere).
+    Stops and restarts like `train`'s ranks (supervisor.py)."""
+    control = supervisor.control()
+    with nullcontext() if control.watched else supervisor.stop_signals():
+        return _rl(config_mod.from_dict(cfg_dict), run_dir, template, evaluate_only, control)
+
+
+def _rl(cfg: Config, run_dir: str, template, evaluate_only: bool, control) -> dict:
+    from ndtrain.launch import init_process, set_collective_timeout, shutdown
     from ndtrain.mesh import ParallelMesh
     from ndtrain.train.trainer import Trainer
     from ndtrain.train.worker import from_rank_0, mesh_shape
 
-    cfg = config_mod.from_dict(cfg_dict)
-    env = init_process(cfg.run.device, cfg.run.threads)
+    env = init_process(cfg.run.device, cfg.run.threads, cfg.run.collective_timeout_s)
     try:
         run = Path(from_rank_0(run_dir)) if not evaluate_only else None
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
         task = RL(cfg, Environment(cfg, template))
-        trainer = Trainer(cfg, mesh, task, run, local_world=env.local_world)
+        trainer = Trainer(cfg, mesh, task, run, local_world=env.local_world, control=control)
+        set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
         trainer.start()  # resume run.dir's checkpoint, or load model.init_from
         if evaluate_only:
             result = task.evaluate(trainer)
