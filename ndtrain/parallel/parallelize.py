@@ -9,10 +9,12 @@ that dimension's module, never the trainer.
 
 Order of the transformations (each one is a no-op when its dimension has size 1):
 1. tensor/sequence parallel module swaps   (parallel/tensor.py)
-2. activation recomputation wrappers       (parallel/recompute.py)
-3. gradient synchronisation over dp × cp:  DP buckets (parallel/data.py) or ZeRO (parallel/zero.py),
-   each with the compute dtype and fp32 masters of parallel/precision.py
-4. the schedule: one stage, or a pipeline  (parallel/pipeline/)
+2. MoE blocks: token split, this rank's experts, all-to-all dispatch (parallel/expert.py)
+3. activation recomputation wrappers       (parallel/recompute.py)
+4. gradient synchronisation over dp × cp (expert weights: over edp): DP buckets
+   (parallel/data.py) or ZeRO (parallel/zero.py), each with the compute dtype and fp32
+   masters of parallel/precision.py
+5. the schedule: one stage, or a pipeline  (parallel/pipeline/)
 
 Who holds the model states is `Parallelized.states`: `states.ReplicatedStates` (zero = 0:
 the model's own parameters, plus fp32 masters under mixed precision) or `zero.ZeRO` (flat
@@ -35,8 +37,8 @@ from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.model.loss import token_loss_sum
-from ndtrain.parallel import tensor
-from ndtrain.parallel.data import DataParallel
+from ndtrain.parallel import expert, tensor
+from ndtrain.parallel.data import DataParallel, GradSyncs
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
 from ndtrain.parallel.pipeline.stage import StageModel, TiedEmbedding, build_chunks, gather_stages
 from ndtrain.parallel.precision import MasterWeights, cast_parameters, compute_dtype, has_masters, reduce_dtype
@@ -62,19 +64,35 @@ class Parallelized:
     # mesh dims over which model / optimizer states are identical copies (for checkpoints)
     model_replicated: tuple[str, ...] = REPLICATED_MODEL_DIMS
     optim_replicated: tuple[str, ...] = REPLICATED_MODEL_DIMS
+    # MoE models: the step's routing statistics and the routers' bias update
+    balance: expert.LoadBalance | None = None
 
     def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float,
                          unscale: float = 1.0) -> torch.Tensor:
         """Forward and backward of every micro-batch (each loss divided by `n_targets`, the
         step's global target count), gradients synchronised over every dimension and handed
         to the optimizer's tensors in fp32, times `unscale`. Returns this rank's share of the
-        loss."""
-        local = self.schedule.run(micro_batches, n_targets, self.grad_sync)
+        token loss. MoE models add their balance loss to the objective and leave the step's
+        routing statistics in `routing_stats` (collective)."""
+        routing = self.balance.log() if self.balance is not None else None
+        local = self.schedule.run(micro_batches, n_targets, self.grad_sync, routing)
         tp = self.mesh.group("tp")
         if tp.active:  # once per step: the sum of gradients each tp rank holds a part of
             tensor.sum_partial_grads(self.states.partial_grads("tp"), tp)
         self.states.grads_to_optimizer(unscale)
+        if self.balance is not None:
+            self.balance.reduce(routing, n_targets / unscale)
         return local
+
+    @property
+    def routing_stats(self) -> dict | None:
+        """Per MoE block, the last step's loads, max violation, dead experts, balance loss."""
+        return self.balance.stats if self.balance is not None else None
+
+    def after_step(self) -> None:
+        """After an applied optimizer step: the routers' bias update (MoE)."""
+        if self.balance is not None:
+            self.balance.update_bias()
 
     def evaluate(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         return self.schedule.evaluate(micro_batches)
@@ -89,7 +107,7 @@ class Parallelized:
         """The whole model's weights on rank 0 (None elsewhere). Collective: over the
         ZeRO-3 shards, then over tp on the first data-parallel replica, then over pp
         (every stage sends its weights to rank 0)."""
-        state = self.states.gathered_state()
+        state = expert.gather_experts(self.model, self.states.gathered_state(), self.mesh)
         if self.mesh.coord("dp_cp") != 0:
             return None
         state = tensor.full_state(self.model, state, self.mesh.group("tp"))
@@ -108,12 +126,15 @@ def build_model(args: ModelArgs, seed: int, device: torch.device, layer_ids=None
 def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
     """`make(layer_ids, embed, head)`: this rank's share of (part of) the decoder, with the
     weights every layout starts from; tensor-parallel modules when tp > 1."""
-    tp = mesh.group("tp")
+    tp, seed = mesh.group("tp"), cfg.train.seed
 
     def make(layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
         if tp.active:
-            return tensor.build(args, cfg.train.seed, mesh.device, tp, cfg.parallel.sp, layer_ids, embed, head)
-        return build_model(args, cfg.train.seed, mesh.device, layer_ids, embed, head)
+            model = tensor.build(args, seed, mesh.device, tp, cfg.parallel.sp, layer_ids, embed, head)
+        else:
+            model = build_model(args, seed, mesh.device, layer_ids, embed, head)
+        expert.parallelize(model, args, mesh, cfg.parallel.sp, seed)
+        return model
     return make
 
 
@@ -140,12 +161,19 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
         masters = MasterWeights(list(model.parameters())) if has_masters(dtype) else None
         cast_parameters(list(model.parameters()), dtype)
         bucket_bytes = int(p.bucket_mb * 2**20)
-        grad_sync = DataParallel(list(model.parameters()), mesh.group("dp_cp"), bucket_bytes, rdtype)
+        dense, experts = expert.expert_params(model.parameters())
+        grad_sync = DataParallel(dense, mesh.group("dp_cp"), bucket_bytes, rdtype)
+        if experts:  # summed over the ranks holding the same experts
+            grad_sync = GradSyncs([grad_sync, DataParallel(experts, mesh.group("edp"), bucket_bytes, rdtype)])
         states = ReplicatedStates(model, grad_sync, masters)
         model_replicated = optim_replicated = REPLICATED_MODEL_DIMS
+    if mesh.shape.ep > 1:  # ranks of dp_shard × cp hold different experts
+        model_replicated = optim_replicated = ("dp_replicate",)
     if pipelined:
         tied = TiedEmbedding(mesh, model) if args.tie_embeddings else None
         schedule = PipelineSchedule(chunks, mesh, p.pp_schedule, p.pp_virtual, loss_fn, tied)
     else:
         schedule = SingleStage(model, loss_fn)
-    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, model_replicated, optim_replicated)
+    balance = expert.LoadBalance(model, args, mesh, t.moe_aux_loss, t.moe_bias_rate) if args.is_moe else None
+    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, model_replicated, optim_replicated,
+                        balance)

@@ -20,6 +20,7 @@ import torch
 _SHARD_ATTR = "_ndtrain_shard_dims"
 _DUP_ATTR = "_ndtrain_duplicate"
 _PARTIAL_ATTR = "_ndtrain_partial_dims"
+_EXPERT_ATTR = "_ndtrain_experts"
 
 
 def mark_sharded(p: torch.Tensor, dims: tuple[str, ...] | list[str]) -> torch.Tensor:
@@ -47,3 +48,24 @@ def mark_partial(p: torch.Tensor, dims: tuple[str, ...] | list[str]) -> torch.Te
 
 def partial_dims(p: torch.Tensor) -> tuple[str, ...]:
     return getattr(p, _PARTIAL_ATTR, ())
+
+
+def mark_expert(p: torch.Tensor, first: int, total: int) -> torch.Tensor:
+    setattr(p, _EXPERT_ATTR, (first, total))
+    return p
+
+
+def expert_slice(p: torch.Tensor) -> tuple[int, int] | None:
+    return getattr(p, _EXPERT_ATTR, None)
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    return expert_slice(p) is not None
+
+
+def copy_placement(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """`dst` (a master copy, a replacement) placed like `src`."""
+    for attr in (_SHARD_ATTR, _DUP_ATTR, _PARTIAL_ATTR, _EXPERT_ATTR):
+        if hasattr(src, attr):
+            setattr(dst, attr, getattr(src, attr))
+    return dst

@@ -35,7 +35,9 @@ parameters, so they can share the sharding, and one reduce-scatter sums gradient
 With `parallel.dp_replicate > 1` (HSDP) every group of dp_shard ranks holds a full sharded
 copy: after the reduce-scatter, each rank all-reduces its slice with the ranks holding the
 same slice in the other replicas (`dp_replicate`). Together: a sum over dp × cp, as
-DESIGN.md asks of dense gradients.
+DESIGN.md asks of dense gradients. Routed experts' weights (placement `expert_slice`) go into
+flats of their own, sharded over `edp_shard` (the ranks of dp_shard × cp holding the same
+experts, mesh.py) and reduced over `edp_shard × dp_replicate`, each flat with its own group.
 
 Gradients are stored in the compute dtype and reduced in `reduce_dtype` (fp32 by default,
 parallel/precision.py). Stage 1 accumulates micro-batches locally and reduces once per step;
@@ -59,7 +61,7 @@ from torch.utils._pytree import tree_flatten
 
 from ndtrain.comm import ops
 from ndtrain.mesh import Group, ParallelMesh
-from ndtrain.parallel.placement import is_duplicate, mark_duplicate, mark_sharded, partial_dims, shard_dims
+from ndtrain.parallel.placement import copy_placement, is_duplicate, is_expert, mark_sharded, partial_dims, shard_dims
 from ndtrain.parallel.precision import has_masters
 from ndtrain.parallel.states import decay_groups, decays
 
@@ -95,8 +97,8 @@ class FlatParam:
     """
 
     def __init__(self, name: str, params: list[nn.Parameter], stage: int, group: Group,
-                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype):
-        self.name, self.params, self.stage = name, params, stage
+                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, group_dims: tuple[str, ...] = SHARD_DIMS):
+        self.name, self.params, self.stage, self.group = name, params, stage, group
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         self.decays = decays(params[0])
         self.slot: dict[int, tuple[int, int]] = {}  # id(param) -> (offset, numel) in `full`
@@ -117,8 +119,8 @@ class FlatParam:
             free_storage(self.full)
         # A separate master starts from the fp32 initial values, not from their rounding.
         self.master = nn.Parameter(initial[lo:hi].clone() if has_masters(compute_dtype) else self.shard)
-        mark_sharded(self.master, shard_dims(params[0]) + SHARD_DIMS)
-        mark_duplicate(self.master, is_duplicate(params[0]))
+        copy_placement(params[0], self.master)
+        mark_sharded(self.master, shard_dims(params[0]) + group_dims)
 
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -253,8 +255,11 @@ class ZeRO:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
         self.stage = stage
         self.group = mesh.group("dp_shard_cp")
+        self.expert_group = mesh.group("edp_shard")
+        self.expert_dims = ("edp_shard",) if mesh.shape.ep > 1 else SHARD_DIMS
         self.replicas = mesh.group("dp_replicate")
         self.reshard_after_forward = reshard_after_forward
+        self.model = model
         self.units: list[Unit] = []
         self.names: dict[int, str] = {}
         backward_order: list[Unit] = []
@@ -281,12 +286,14 @@ class ZeRO:
     def _flats(self, unit_name, named, compute_dtype, reduce_dtype) -> list[FlatParam]:
         by_key: dict[tuple, list[nn.Parameter]] = {}
         for _, p in named:
-            key = (shard_dims(p), is_duplicate(p), decays(p), p.dtype, p.device)
+            key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device)
             by_key.setdefault(key, []).append(p)
         flats = []
-        for (dims, dup, decay, _, _), params in by_key.items():
-            name = ".".join([unit_name, "decay" if decay else "no_decay", *dims] + (["duplicate"] if dup else []))
-            flats.append(FlatParam(name, params, self.stage, self.group, compute_dtype, reduce_dtype))
+        for (dims, dup, experts, decay, _, _), params in by_key.items():
+            name = ".".join([unit_name, "decay" if decay else "no_decay", *dims] + (["duplicate"] if dup else [])
+                            + (["experts"] if experts else []))
+            group, group_dims = (self.expert_group, self.expert_dims) if experts else (self.group, SHARD_DIMS)
+            flats.append(FlatParam(name, params, self.stage, group, compute_dtype, reduce_dtype, group_dims))
         return flats
 
     # -- the optimizer's view ---------------------------------------------------
@@ -315,7 +322,7 @@ class ZeRO:
             if f.separate_master:
                 f.shard.copy_(f.master)
         if self.stage < 3:
-            works = [ops.all_gather(f.full, f.shard, self.group, async_op=True) for f in self.flats]
+            works = [ops.all_gather(f.full, f.shard, f.group, async_op=True) for f in self.flats]
             for w in works:
                 w.wait()
 
@@ -329,7 +336,7 @@ class ZeRO:
         the same flats and the same slice of each, so the lists line up."""
         out = []
         for f in self.flats:
-            lo, hi = self.group.rank * f.shard_numel, (self.group.rank + 1) * f.shard_numel
+            lo, hi = f.group.rank * f.shard_numel, (f.group.rank + 1) * f.shard_numel
             spans = [(max(s.start, lo) - lo, min(s.stop, hi) - lo)
                      for s in (f.range(p) for p in f.params if dim in partial_dims(p))]
             spans = [(a, b) for a, b in spans if a < b]
@@ -373,10 +380,10 @@ class ZeRO:
             self._launch(self.flats[self._next_launch])
 
     def _launch(self, flat: FlatParam) -> None:
-        """Reduce-scatter a flat buffer's gradients over the shard group (asynchronous)."""
+        """Reduce-scatter a flat buffer's gradients over its shard group (asynchronous)."""
         grads = flat.reduce_input()
         out = torch.empty(flat.shard_numel, dtype=grads.dtype, device=grads.device)
-        work = ops.reduce_scatter(out, grads, self.group, async_op=True)
+        work = ops.reduce_scatter(out, grads, flat.group, async_op=True)
         flat.pending = (work, out, grads)
         self._next_launch += 1
 
@@ -440,7 +447,7 @@ class ZeRO:
             return
         for f in unit.flats:
             self.gathered_bytes += allocate_storage(f.full)
-            unit.works.append(ops.all_gather(f.full, f.shard, self.group, async_op=True))
+            unit.works.append(ops.all_gather(f.full, f.shard, f.group, async_op=True))
         unit.state = "gathering"
 
     def _wait(self, unit: Unit) -> None:
@@ -481,10 +488,17 @@ class ZeRO:
     # -- state for checkpoints ----------------------------------------------------
     def local_state(self) -> dict[str, torch.Tensor]:
         """Stage 3: this rank's slices by flat-buffer name; stages 1-2: the (replicated)
-        parameters by name, copied out of the flat buffers."""
+        parameters by name, copied out of the flat buffers. And the model's buffers (an MoE
+        router's bias), by name."""
         if self.stage == 3:
-            return {f.name: f.shard for f in self.flats}
-        return {self.names[id(p)]: p.detach().clone() for f in self.flats for p in f.params}
+            state = {f.name: f.shard for f in self.flats}
+        else:
+            state = {self.names[id(p)]: p.detach().clone() for f in self.flats for p in f.params}
+        return {**state, **self.buffers()}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        params = {name for name, _ in self.model.named_parameters()}
+        return {k: v for k, v in self.model.state_dict().items() if k not in params}
 
     @torch.no_grad()
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
@@ -500,20 +514,24 @@ class ZeRO:
             for f in self.flats:
                 for p in f.params:
                     p.copy_(state[self.names[id(p)]])
+        for name, b in self.buffers().items():
+            b.copy_(state[name])
 
     @torch.no_grad()
     def gathered_state(self) -> dict[str, torch.Tensor] | None:
-        """The local model's parameters, whole over the shard group, on its rank 0 (None
-        elsewhere). Collective over the shard group under stage 3."""
+        """The local model's parameters (and buffers), whole over each flat's shard group,
+        on that group's rank 0 (None where a rank is rank 0 of no group; expert flats have
+        a group of their own). Collective over the shard groups under stage 3."""
+        first = self.group.rank == 0 or self.expert_group.rank == 0
         if self.stage < 3:
-            return self.local_state() if self.group.rank == 0 else None
+            return self.local_state() if first else None
         out = {}
         for f in self.flats:
             full = torch.empty(f.full.numel(), dtype=f.shard.dtype, device=f.shard.device)
-            ops.all_gather(full, f.shard, self.group)
-            if self.group.rank == 0:
+            ops.all_gather(full, f.shard, f.group)
+            if f.group.rank == 0:
                 out.update({self.names[id(p)]: f.view_of(full, p).clone() for p in f.params})
-        return out if self.group.rank == 0 else None
+        return {**out, **self.buffers()} if first else None
 
     def extra_state(self) -> dict:
         """What a checkpoint needs besides the parameters and the optimizer's moments."""

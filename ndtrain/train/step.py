@@ -67,6 +67,7 @@ class TrainStep:
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         par.states.after_step()
+        par.after_step()
         # Right after the step, while the gradients still exist: the moment model states peak.
         self.memory.params, self.memory.grads, self.memory.optimizer = model_state_bytes(par.states, self.optimizer)
         par.grad_sync.zero_grad()

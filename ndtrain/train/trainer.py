@@ -22,7 +22,7 @@ from ndtrain.model.args import flops_per_token
 from ndtrain.observe.memory import per_rank
 from ndtrain.observe.metrics import MetricsLog
 from ndtrain.observe.mfu import peak_flops
-from ndtrain.observe.plots import plot_loss
+from ndtrain.observe.plots import plot_loss, plot_moe_load
 from ndtrain.observe.progress import TrainProgress
 from ndtrain.model.loss import count_targets
 from ndtrain.parallel.parallelize import Parallelized, build
@@ -103,6 +103,8 @@ class Trainer:
                   "comm_bytes": sum(comm.values()), "comm": comm, "memory": self.memory_per_rank()}
         if scale is not None:
             record.update(loss_scale=scale, skipped=not stepped)
+        if self.par.routing_stats is not None:
+            record["moe"] = self.par.routing_stats
         return record
 
     def memory_per_rank(self) -> dict[str, list[int]]:
@@ -193,6 +195,8 @@ class Trainer:
             png = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
                             baseline=data.unigram_val_loss, title=f"{self.cfg.model.preset} · {self.mesh.describe()}")
             summary["plot"] = str(png)
+            if self.args.is_moe:
+                summary["moe_plot"] = str(plot_moe_load(self.run_dir / "metrics.jsonl", self.run_dir / "moe_load.png"))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 
