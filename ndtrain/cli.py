@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import math
 import os
 import sys
 from pathlib import Path
@@ -93,6 +94,21 @@ def fail(message: str, code: int = 2) -> int:
     return code
 
 
+def warn(lines: list[str | None]) -> None:
+    """Warnings before a start, one line each, from one process (rank 0 under torchrun)."""
+    if os.environ.get("RANK", "0") == "0":
+        for line in filter(None, lines):
+            print(f"ndtrain: warning: {line}", file=sys.stderr, flush=True)
+
+
+def warn_before_start(cfg, world: int | None) -> None:
+    """Keys that do nothing in this layout, and more CPU processes than cores."""
+    from ndtrain.idle_keys import idle_keys
+    from ndtrain.launch import oversubscribed
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world)) if world else cfg.parallel.world
+    warn(idle_keys(cfg, world) + [oversubscribed(local, cfg.run.device)])
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     """Like parse_args, but KEY=VALUE overrides may stand anywhere, also after options."""
     parser = _parser()
@@ -142,19 +158,32 @@ def _data_kwargs(cfg) -> dict:
                 val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key)
 
 
+def open_data(cfg, progress: bool):
+    """The prepared data of `cfg` (prepared now if the cache lacks it), its ids checked
+    against its vocabulary."""
+    from ndtrain.data.prepare import PreparedData, prepare_data
+    data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=progress))
+    data.check_token_ids()
+    return data
+
+
 def _run_dir(cfg, task: str) -> Path:
+    """run.dir, or a new folder under runs/ (validate() checked a given run.dir)."""
+    from ndtrain.config import check_writable_dir
     from ndtrain.launch import external_run_id
     if cfg.run.dir:
         return Path(cfg.run.dir).expanduser()
     run_id = external_run_id()
     if run_id:
-        return Path("runs") / f"{task}-{run_id}"
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    path = Path("runs") / f"{task}-{stamp}"
-    n = 1
-    while path.exists():
-        n += 1
-        path = Path("runs") / f"{task}-{stamp}-{n}"
+        path = Path("runs") / f"{task}-{run_id}"
+    else:
+        stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+        path = Path("runs") / f"{task}-{stamp}"
+        n = 1
+        while path.exists():
+            n += 1
+            path = Path("runs") / f"{task}-{stamp}-{n}"
+    check_writable_dir("run.dir", str(path))
     return path
 
 
@@ -182,15 +211,16 @@ def check_resume(cfg, run_dir: Path) -> Path | None:
 
 def cmd_train(args) -> int:
     from ndtrain.config import load_config, validate
-    from ndtrain.data.prepare import PreparedData, prepare_data
     from ndtrain.launch import external_world, launch_local
     from ndtrain.train.worker import resolve_vocab, train_worker
 
     cfg = load_config(args.config, args.overrides)
     if args.nproc is not None:
         cfg.run.nproc = args.nproc
+        cfg.explicit |= {"run.nproc"}
     world = external_world()
     validate(cfg, world=world)
+    warn_before_start(cfg, world)
     if args.dry_run:
         return dry_run(cfg, world)
     run_dir = _run_dir(cfg, "train")
@@ -202,7 +232,7 @@ def cmd_train(args) -> int:
             print_summary(summary)
         return 0
 
-    data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=cfg.run.progress))
+    data = open_data(cfg, cfg.run.progress)
     resolve_vocab(cfg, data)  # fails here, before any process starts or file is written
     p = cfg.parallel
     print(f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
@@ -217,22 +247,27 @@ def cmd_train(args) -> int:
 
 
 def cmd_trace(args) -> int:
-    from ndtrain.config import ConfigError, load_config, validate
-    from ndtrain.data.prepare import PreparedData, prepare_data
+    from ndtrain.config import ConfigError, check_writable_dir, load_config, validate
     from ndtrain.launch import launch_local
     from ndtrain.train.trace import trace_worker
     from ndtrain.train.worker import resolve_vocab
 
+    if args.steps <= 0:
+        raise ConfigError("--steps", args.steps, "must be > 0")
     cfg = load_config(args.config, list(args.overrides) + [f"train.steps={args.steps}", "train.eval_batches=1",
                                                            "run.progress=false"])
     if args.nproc is not None:
         cfg.run.nproc = args.nproc
+        cfg.explicit |= {"run.nproc"}
     validate(cfg)
     p, t = cfg.parallel, cfg.train
     if p.pp == 1:
         raise ConfigError("parallel.pp", 1, "ndtrain trace draws a pipeline schedule; set parallel.pp > 1")
+    if args.out:
+        check_writable_dir("--out", args.out)
+    warn_before_start(cfg, None)
     out = Path(args.out) if args.out else _run_dir(cfg, "trace")
-    data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=False))
+    data = open_data(cfg, False)
     resolve_vocab(cfg, data)
     m = t.accumulation(p.dp)
     print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} tp={p.tp}, schedule {p.pp_schedule}"
@@ -285,10 +320,9 @@ def print_summary(s: dict) -> None:
 
 def cmd_prepare(args) -> int:
     from ndtrain.config import load_config, validate
-    from ndtrain.data.prepare import PreparedData, prepare_data
     cfg = load_config(args.config, args.overrides)
     validate(cfg)
-    data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=cfg.run.progress))
+    data = open_data(cfg, cfg.run.progress)
     m = data.meta
     print(f"prepared {data.path}\n  vocabulary {data.vocab_size} · train {m['train_tokens']:,} tokens · "
           f"validation {m['val_tokens']:,} tokens · unigram validation loss {data.unigram_val_loss:.4f}")
@@ -309,16 +343,18 @@ def cmd_generate(args) -> int:
     from ndtrain.model.llama import Transformer
     from ndtrain.parallel.states import load_unique_state
 
+    if args.max_new_tokens <= 0:
+        raise ConfigError("--max-new-tokens", args.max_new_tokens, "must be > 0")
+    if not 0 <= args.temperature < math.inf:  # also refuses nan
+        raise ConfigError("--temperature", args.temperature, "must be a finite number >= 0 (0 = greedy)")
+    if args.top_k < 0:
+        raise ConfigError("--top-k", args.top_k, "must be >= 0 (0 = the whole vocabulary)")
     run = Path(args.run)
     if not run.is_dir():
         raise ConfigError("--run", args.run, "directory does not exist")
     last = store.latest(run)
     if last is None or not (last / "model.safetensors").is_file():
         raise ConfigError("--run", args.run, "holds no checkpoint with model.safetensors (did training finish?)")
-    if args.max_new_tokens <= 0:
-        raise ConfigError("--max-new-tokens", args.max_new_tokens, "must be > 0")
-    if args.temperature < 0:
-        raise ConfigError("--temperature", args.temperature, "must be >= 0")
     meta = store.read_meta(last)
     model = Transformer(ModelArgs(**meta["model_args"]))
     load_unique_state(model, load_file(str(last / "model.safetensors")))
@@ -338,6 +374,12 @@ def cmd_generate(args) -> int:
 # --------------------------------------------------------------------------- bench
 
 def cmd_bench(args) -> int:
+    from ndtrain.config import ConfigError, check_writable_dir
+    for flag, value in (("--nproc", args.nproc), ("--rounds", args.rounds), ("--steps", args.steps)):
+        if value <= 0:
+            raise ConfigError(flag, value, "must be > 0")
+    if args.out:
+        check_writable_dir("--out", args.out)
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)

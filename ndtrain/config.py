@@ -13,6 +13,7 @@ import difflib
 import math
 import os
 import re
+import tempfile
 import tomllib
 import types
 import typing
@@ -147,11 +148,17 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
+    # The dotted keys the user set (in the file or on the command line), filled by
+    # `load_config`; not a field, so it stays out of `to_dict` and config.toml.
+    explicit = frozenset()
+
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def copy(self) -> "Config":
-        return from_dict(self.to_dict())
+        out = from_dict(self.to_dict())
+        out.explicit = self.explicit
+        return out
 
     def model_args(self, vocab_size: int | None = None) -> ModelArgs:
         """The model shape: the preset with this config's overrides applied."""
@@ -244,6 +251,8 @@ def _coerce_value(key: str, value: Any, tp) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(key, value, "expected a number")
         value = float(value)
+        if not math.isfinite(value):  # TOML has nan and inf; no key means either
+            raise ConfigError(key, value, "expected a finite number")
     if base is str:
         if isinstance(value, bool):  # resume = true in a file means the word "true"
             return "true" if value else "false"
@@ -281,23 +290,35 @@ def from_dict(data: dict) -> Config:
     return cfg
 
 
+def _read_toml(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError("--config", str(path), "file does not exist")
+    try:
+        return tomllib.loads(p.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise ConfigError("--config", str(path), f"cannot be read ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError("--config", str(path), "is not a UTF-8 text file (a TOML config is text)") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("--config", str(path), f"not valid TOML ({e})") from None
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Defaults, then the TOML file, then KEY=VALUE overrides. Raises ConfigError."""
-    cfg = Config()
+    """Defaults, then the TOML file, then KEY=VALUE overrides. Raises ConfigError.
+    `cfg.explicit` holds the keys the file and the overrides set."""
+    cfg, explicit = Config(), set()
     if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError("--config", str(path), "file does not exist")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError("--config", str(path), f"not valid TOML ({e})") from None
+        data = _read_toml(path)
         cfg = from_dict(data)
+        explicit = {f"{s}.{k}" for s, values in data.items() for k, v in values.items() if v is not None}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(item, item, "expected KEY=VALUE, e.g. train.steps=100")
         key, value = item.split("=", 1)
         _set(cfg, key.strip(), value, from_text=True)
+        explicit.add(key.strip())
+    cfg.explicit = frozenset(explicit)
     return cfg
 
 
@@ -415,6 +436,9 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     for key in ("warmup", "eval_every", "save_every", "eval_batches", "grad_clip", "weight_decay"):
         _positive(f"train.{key}", getattr(t, key), zero_ok=True)
     _positive("train.log_every", t.log_every)
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError("train.seed", t.seed, "must be in [0, 2**32)")
+    _positive("train.eps", t.eps)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError("train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
     for key in ("beta1", "beta2"):
@@ -453,6 +477,9 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
         raise ConfigError("run.resume", r.resume, "choose auto, true or false")
     _positive("run.nproc", r.nproc, zero_ok=True)
     _positive("run.threads", r.threads, zero_ok=True)
+    cores = os.cpu_count() or 1
+    if r.threads > cores:
+        raise ConfigError("run.threads", r.threads, f"must be at most this machine's {cores} CPU cores")
     _positive("run.stop_after", r.stop_after, zero_ok=True)
 
     # The layout: process count, batch split, head split.
@@ -491,6 +518,9 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
                           f"must divide or be divisible by parallel.tp = {p.tp}")
     if a.ffn_dim % p.tp:
         raise ConfigError("model.ffn_dim", a.ffn_dim, f"must be divisible by parallel.tp = {p.tp}")
+    if a.max_seq_len < t.seq_len:
+        raise ConfigError("model.max_seq_len", a.max_seq_len, f"must be at least train.seq_len = {t.seq_len} "
+                          "(the rotary tables cover max_seq_len positions)")
     if p.sp and p.tp > 1 and t.seq_len % p.tp:
         raise ConfigError("train.seq_len", t.seq_len,
                           f"must be divisible by parallel.tp = {p.tp} with sequence parallelism (parallel.sp) on")
@@ -501,6 +531,10 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
             raise ConfigError("data.path", d.path, "path does not exist (use \"stdlib\" for the embedded corpus)")
         if d.tokenizer and not Path(os.path.expanduser(d.tokenizer)).is_file():
             raise ConfigError("data.tokenizer", d.tokenizer, "file does not exist")
+        if r.dir:  # the default, runs/<task>-<time>, is checked where the CLI names it
+            check_writable_dir("run.dir", r.dir)
+        if not is_prepared_folder(d.path):
+            check_writable_dir("data.cache_dir", d.cache_dir)
     _positive("data.vocab_size", d.vocab_size)
     if d.vocab_size < 257:
         raise ConfigError("data.vocab_size", d.vocab_size, "must be at least 257 (256 bytes + end of text)")
@@ -548,6 +582,30 @@ def _check_moe(cfg: Config, a: ModelArgs) -> None:
     if a.moe_capacity and (p.tp > 1 or p.cp > 1):
         raise ConfigError("model.moe_capacity", a.moe_capacity, "dropping tokens would depend on how tp and cp "
                           "split the sequence (the capacity is per rank); use 0 (dropless) with tp or cp > 1")
+
+
+def is_prepared_folder(path: str) -> bool:
+    """A folder `ndtrain prepare` wrote (read as is: no tokenizer training, no cache)."""
+    return path != "stdlib" and (Path(path).expanduser() / "meta.json").is_file()
+
+
+def check_writable_dir(key: str, value: str, path: str | Path | None = None) -> None:
+    """Raise ConfigError unless a directory can be created or written at `path` (default:
+    `value`). Permission bits cannot tell (root, read-only mounts), so the nearest existing
+    directory is probed with a temporary directory, removed at once."""
+    target = Path(os.path.expanduser(str(path if path is not None else value)))
+    if target.exists() and not target.is_dir():
+        raise ConfigError(key, value, "exists and is not a directory")
+    parent = target
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(key, value, f"cannot be created: {parent} is a file")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".ndtrain-probe-", dir=parent))
+    except OSError as e:
+        raise ConfigError(key, value, f"cannot be written: creating a directory in {parent} fails "
+                          f"({e.strerror})") from None
 
 
 def _check_pipeline(cfg: Config, a: ModelArgs) -> None:

@@ -66,6 +66,17 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def oversubscribed(processes: int, device: str) -> str | None:
+    """A warning line when more CPU processes than cores would run on this machine: they
+    take turns on the cores, so a step gets slower, not faster, and every process holds its
+    own copy of what it needs in memory."""
+    cores = os.cpu_count() or 1
+    if processes <= cores or pick_device(device, 0).type == "cuda":
+        return None
+    return (f"{processes} processes on {cores} CPU cores: they take turns on the cores, so each step is slower "
+            f"than with {cores}, and each process takes its own memory")
+
+
 def init_process(device_kind: str = "auto", threads: int = 0, timeout_s: float = 600.0) -> ProcessEnv:
     """Join the process group this process was started for (none when alone)."""
     _adopt_slurm_env()

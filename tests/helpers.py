@@ -64,6 +64,16 @@ def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_
     return losses, state, trainer
 
 
+def unwritable_dir(tmp_path: Path) -> Path:
+    """A directory nobody here can write to: read-only by mode, or /proc when we are root
+    (root ignores modes; /proc takes no new entries)."""
+    import os
+    d = tmp_path / "read-only"
+    d.mkdir(exist_ok=True)
+    d.chmod(0o555)
+    return d if os.geteuid() != 0 else Path("/proc")
+
+
 def assert_states_close(a: dict, b: dict, rtol: float = 1e-5) -> None:
     assert a.keys() == b.keys()
     for k in a:

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from helpers import make_tiny_corpus
+from helpers import make_tiny_corpus, unwritable_dir
 from ndtrain.cli import main
 
 
@@ -58,9 +58,13 @@ def test_dry_run_prints_memory_per_rank_and_writes_nothing(tmp_path, capsys, mon
     monkeypatch.chdir(tmp_path)
     code = main(["train", "--dry-run", "--nproc", "1", "model.preset=tiny", "train.precision=bf16",
                  "train.recompute=full", "train.seq_len=32", "train.global_batch=2", "data.vocab_size=512",
-                 "run.device=cpu"])
-    out = capsys.readouterr().out.splitlines()
+                 "run.device=cpu", "parallel.reshard_after_forward=false"])
+    captured = capsys.readouterr()
+    out = captured.out.splitlines()
     assert code == 0
+    # a key that does nothing in this layout (no ZeRO-3) is named, once, and the run goes on
+    assert captured.err == ("ndtrain: warning: parallel.reshard_after_forward = False has no effect here: "
+                            "only ZeRO-3 (parallel.zero=3) frees gathered parameters\n")
     assert out[0].startswith("dry run: tiny model, single process, zero=0, bf16, recompute=full")
     assert out[1].split()[:4] == ["rank", "parameters", "params", "grads"]
     row = out[2].split()  # rank, parameters, then "value unit" cells
@@ -113,3 +117,129 @@ def test_under_torchrun_ndtrain_is_one_rank(tmp_path):
     for name in ("config.toml", "tokenizer.json", "metrics.jsonl", "checkpoints/latest"):
         assert (run / name).is_file(), name
     assert "dp = 2" in (run / "config.toml").read_text()
+
+
+# --------------------------------------------------------------------------- bad input (issue 9)
+
+def _refused(argv, tmp_path, capsys, monkeypatch, fragment):
+    """`ndtrain argv` exits 2 with one line holding `fragment`, no traceback, nothing written."""
+    monkeypatch.chdir(tmp_path)
+    before = sorted(tmp_path.rglob("*"))
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert err.count("\n") == 1 and err.startswith("ndtrain: error: ") and "Traceback" not in err, err
+    assert fragment in err, err
+    assert sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["bench", "dp", "--nproc", "0"], "--nproc = 0: must be > 0"),
+    (["bench", "zero", "--rounds", "0"], "--rounds = 0: must be > 0"),
+    (["bench", "tp", "--rounds", "-3"], "--rounds = -3: must be > 0"),
+    (["bench", "pp", "--steps", "0"], "--steps = 0: must be > 0"),
+    (["trace", "--steps", "0", "parallel.pp=2"], "--steps = 0: must be > 0"),
+    (["generate", "--run", "x", "--prompt", "def", "--temperature", "nan"], "--temperature = nan: must be a finite"),
+    (["generate", "--run", "x", "--prompt", "def", "--temperature", "inf"], "--temperature = inf: must be a finite"),
+    (["generate", "--run", "x", "--prompt", "def", "--top-k", "-5"], "--top-k = -5: must be >= 0"),
+    (["train", "train.seed=-1"], "train.seed = -1"),
+    (["train", "train.eps=-1"], "train.eps = -1.0"),
+    (["train", "run.threads=100000"], "run.threads = 100000"),
+    (["train", "model.max_seq_len=64", "train.seq_len=128"], "model.max_seq_len = 64"),
+])
+def test_bad_input_is_one_line_exit_2(argv, fragment, tmp_path, capsys, monkeypatch):
+    _refused(argv + (["run.device=cpu"] if argv[0] in ("train", "trace") else []), tmp_path, capsys,
+             monkeypatch, fragment)
+
+
+def test_bad_files_and_output_dirs_are_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    garbage = tmp_path / "garbage.toml"
+    garbage.write_bytes(bytes(range(256)) * 16)
+    _refused(["train", "--config", str(garbage)], tmp_path, capsys, monkeypatch, "is not a UTF-8 text file")
+    nan_file = tmp_path / "nan.toml"
+    nan_file.write_text("[train]\nlr = nan\n")
+    _refused(["train", "--config", str(nan_file)], tmp_path, capsys, monkeypatch, "train.lr = nan: expected a finite")
+    for key in ("run.dir", "data.cache_dir"):
+        _refused(["train", f"{key}={garbage}"], tmp_path, capsys, monkeypatch, "exists and is not a directory")
+        _refused(["train", f"{key}={unwritable_dir(tmp_path) / 'x'}"], tmp_path, capsys, monkeypatch,
+                 "cannot be written")
+    out = unwritable_dir(tmp_path) / "out"
+    _refused(["trace", "--out", str(out), "parallel.pp=2", "run.device=cpu"], tmp_path, capsys, monkeypatch,
+             f"--out = '{out}': cannot be written")
+    _refused(["bench", "pp", "--out", str(out)], tmp_path, capsys, monkeypatch, f"--out = '{out}': cannot be written")
+    _refused(["bench", "pp", "--out", str(garbage)], tmp_path, capsys, monkeypatch, "exists and is not a directory")
+
+
+def test_token_ids_outside_the_vocabulary_are_refused_before_launch(tiny_data, tmp_path, capsys, monkeypatch):
+    """A shard whose ids the model cannot embed is named before any process starts (it used
+    to be an IndexError on a rank, mid-run)."""
+    import json
+    import shutil
+
+    import numpy as np
+
+    from ndtrain.data.shards import read_shard, write_shard
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    meta = json.loads((data / "meta.json").read_text())
+    shard = data / meta["val_shards"][0]
+    tokens = np.array(read_shard(shard))
+    tokens[len(tokens) // 2] = meta["vocab_size"]  # one id past the end
+    write_shard(shard, tokens)
+    _refused(["train", f"data.path={data}", "model.preset=tiny", "run.device=cpu", f"run.dir={tmp_path / 'run'}"],
+             tmp_path, capsys, monkeypatch, f"shard {shard}: holds token id {meta['vocab_size']}, outside the vocabulary")
+
+
+def test_more_cpu_processes_than_cores_is_one_warning(monkeypatch):
+    import os
+
+    from ndtrain.launch import oversubscribed
+    cores = os.cpu_count()
+    assert oversubscribed(cores, "cpu") is None
+    line = oversubscribed(64 * cores, "cpu")
+    assert line.startswith(f"{64 * cores} processes on {cores} CPU cores") and "\n" not in line
+
+
+def _train_with_own_clock(cfg_dict: dict, root: str, data_dir: str) -> list[str]:
+    """Every rank enters train_worker with a run directory of its own, as ranks under torchrun
+    whose clocks tick apart derive them; rank 0's must win."""
+    import os
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from ndtrain.train.worker import train_worker
+    rank = dist.get_rank()
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2")
+    train_worker(cfg_dict, str(Path(root) / f"train-clock-of-rank-{rank}"), data_dir)
+    return sorted(p.name for p in Path(root).iterdir())
+
+
+def test_ranks_agree_on_rank_0s_run_directory(tiny_data, tmp_path):
+    from helpers import TINY
+
+    from ndtrain.config import load_config, validate
+    from ndtrain.testing import run_ranks
+    cfg = validate(load_config(None, TINY + ["train.steps=1"]), world=2)
+    listings = run_ranks(_train_with_own_clock, 2, cfg.to_dict(), str(tmp_path), tiny_data)
+    assert listings == [["train-clock-of-rank-0"]] * 2
+    assert (tmp_path / "train-clock-of-rank-0" / "checkpoints" / "latest").is_file()
+
+
+def test_eval_batches_0_skips_evaluation(tiny_data, tmp_path):
+    """No validation loss at all, rather than a validation loss of 0.0."""
+    import json
+
+    from helpers import train_in_rank
+    _, _, trainer = train_in_rank(["train.steps=2", "train.eval_every=1", "train.eval_batches=0"], tiny_data,
+                                  run_dir=str(tmp_path / "run"))
+    assert all("val_loss" not in r for r in trainer.history)
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["val_loss"] is None
+
+
+def test_default_run_dir_in_an_unwritable_folder_is_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    folder = unwritable_dir(tmp_path)
+    monkeypatch.chdir(folder)
+    code = main(["train", "run.device=cpu", "model.preset=tiny"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("ndtrain: error: run.dir = 'runs/train-") and "cannot be written" in err

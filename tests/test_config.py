@@ -1,7 +1,10 @@
 """Configuration: parsing, types, validation errors (one line, exit 2, nothing written)."""
 
+from pathlib import Path
+
 import pytest
 
+from helpers import unwritable_dir
 from ndtrain.cli import main
 from ndtrain.config import Config, ConfigError, load_config, to_toml, validate
 
@@ -150,3 +153,114 @@ def test_default_toml_lists_every_key_with_its_default():
         elif m := re.match(r"^#?\s*(\w+)\s*=", line):
             documented.add(f"{section}.{m.group(1)}")
     assert set(all_keys()) <= documented, set(all_keys()) - documented
+
+
+# --------------------------------------------------------------------------- bad input (issue 9)
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["train.seed=-1"], "train.seed = -1: must be in [0, 2**32)"),
+    (["train.eps=-1"], "train.eps = -1.0: must be > 0"),
+    (["train.eps=0"], "train.eps = 0.0: must be > 0"),
+    (["run.threads=100000"], "run.threads = 100000: must be at most this machine's"),
+    (["model.max_seq_len=64", "train.seq_len=128"], "model.max_seq_len = 64: must be at least train.seq_len = 128"),
+])
+def test_bad_values_that_used_to_reach_a_rank(overrides, fragment):
+    msg = error_of(overrides + ["run.device=cpu"])
+    assert fragment in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("key", ["train.lr", "parallel.bucket_mb", "train.grad_clip", "train.weight_decay"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_non_finite_numbers_in_a_file_are_refused(key, value, tmp_path):
+    section, name = key.split(".")
+    f = tmp_path / "c.toml"
+    f.write_text(f"[{section}]\n{name} = {value}\n")
+    with pytest.raises(ConfigError, match=f"{key} = .*: expected a finite number"):
+        load_config(f)
+
+
+def test_binary_config_file_is_refused(tmp_path):
+    f = tmp_path / "c.toml"
+    f.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ConfigError, match="--config = .*: is not a UTF-8 text file"):
+        load_config(f)
+
+
+@pytest.mark.parametrize("key", ["run.dir", "data.cache_dir"])
+def test_output_dirs_must_be_writable_directories(key, tmp_path):
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    assert "exists and is not a directory" in error_of([f"{key}={a_file}", "run.device=cpu"])
+    assert f"cannot be created: {a_file} is a file" in error_of([f"{key}={a_file / 'sub'}", "run.device=cpu"])
+    assert "cannot be written" in error_of([f"{key}={unwritable_dir(tmp_path) / 'run'}", "run.device=cpu"])
+    assert {p.name for p in tmp_path.iterdir()} == {"a-file", "read-only"}  # the probe left nothing
+
+
+def test_pyproject_asks_for_the_python_that_has_tomllib():
+    import tomllib  # new in Python 3.11; config.py reads TOML with it
+    text = (Path(__file__).parent.parent / "pyproject.toml").read_text()
+    assert tomllib.loads(text)["project"]["requires-python"] == ">=3.11"
+
+
+# --------------------------------------------------------------------------- keys that do nothing
+
+def idle(overrides, file_text=None, tmp_path=None, world=None):
+    from ndtrain.idle_keys import idle_keys
+    path = None
+    if file_text is not None:
+        path = tmp_path / "c.toml"
+        path.write_text(file_text)
+    cfg = validate(load_config(path, overrides + ["run.device=cpu"]), world=world)
+    return idle_keys(cfg, world)
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["parallel.reshard_after_forward=false"], "parallel.reshard_after_forward"),
+    (["parallel.reshard_after_forward=false", "parallel.zero=2"], "parallel.reshard_after_forward"),
+    (["parallel.sp=true"], "parallel.sp"),
+    (["parallel.pp_schedule=zb"], "parallel.pp_schedule"),
+    (["parallel.bucket_mb=4", "parallel.zero=1"], "parallel.bucket_mb"),
+    (["parallel.bucket_mb=4", "run.nproc=1"], "parallel.bucket_mb"),
+    (["parallel.dp_replicate=2", "run.nproc=4"], "parallel.dp_replicate"),
+    (["train.loss_scale_init=1024"], "train.loss_scale_init"),
+    (["train.loss_scale_window=10", "train.precision=bf16"], "train.loss_scale_window"),
+    (["train.loss_scaler=false"], "train.loss_scaler"),
+    (["train.allow_unscaled_fp16=true", "train.precision=fp16"], "train.allow_unscaled_fp16"),
+    (["train.reduce_fp32=false"], "train.reduce_fp32"),
+    (["train.reduce_fp32=false", "train.precision=fp64"], "train.reduce_fp32"),
+    (["train.eval_every=5", "train.eval_batches=0"], "train.eval_every"),
+    (["data.vocab_size=1000", "data.tokenizer=" + __file__], "data.vocab_size"),
+])
+def test_an_idle_key_gets_one_line_naming_it(overrides, key):
+    lines = idle(overrides)
+    assert len(lines) == 1 and lines[0].startswith(f"{key} = ") and "has no effect" in lines[0], lines
+
+
+def test_an_idle_key_in_a_file_is_named_too(tmp_path):
+    lines = idle([], "[parallel]\nsp = false\n[train]\nloss_scale_min = 2.0\n", tmp_path)
+    assert [line.split(" = ")[0] for line in lines] == ["parallel.sp", "train.loss_scale_min"]
+
+
+def test_run_nproc_is_idle_under_a_launcher():
+    assert idle(["run.nproc=4"], world=2)[0].startswith("run.nproc = 2 has no effect here: the launcher")
+
+
+@pytest.mark.parametrize("overrides", [
+    [],  # defaults
+    ["parallel.reshard_after_forward=false", "parallel.zero=3"],
+    ["parallel.sp=false", "parallel.tp=2"],
+    ["parallel.bucket_mb=4"],
+    ["parallel.dp_replicate=2", "run.nproc=4", "parallel.zero=1"],
+    ["train.loss_scale_init=1024", "train.precision=fp16"],
+    ["train.reduce_fp32=false", "train.precision=bf16"],
+    ["train.reduce_fp32=true", "parallel.pp_schedule=1f1b"],  # explicit, but the default value
+])
+def test_keys_that_act_or_keep_their_default_stay_silent(overrides):
+    assert idle(overrides) == []
+
+
+def test_default_toml_warns_about_nothing():
+    path = Path(__file__).parent.parent / "configs" / "default.toml"
+    from ndtrain.idle_keys import idle_keys
+    cfg = validate(load_config(path, ["run.device=cpu"]))
+    assert len(cfg.explicit) > 40 and idle_keys(cfg) == []

@@ -1,4 +1,10 @@
-"""Byte accounting for every collective, per mesh dimension and per kind.
+"""Byte accounting for every collective, per mesh group and per kind.
+
+The group is a dimension (`tp`, `pp`, `dp_replicate`) or a composite of them (`dp_cp`,
+`dp_shard_cp`), by the name the collective was called with; the kind is `all_reduce`,
+`all_gather`, `reduce_scatter`, `all_to_all`, `broadcast`, `send` or `recv`. Each line of
+metrics.jsonl carries `comm`, `{"<group>.<kind>": wire bytes}` (`as_metrics`), and
+`comm_bytes`, their sum.
 
 Two figures per call:
 - payload: the bytes of the tensor the caller handed in (for all-gather, the gathered output);
@@ -65,5 +71,5 @@ class CommStats:
                    if (dim is None or d == dim) and (kind is None or k == kind))
 
     def as_metrics(self) -> dict[str, float]:
-        """Flat `comm/<dim>/<kind>` → wire bytes, for metrics.jsonl."""
-        return {f"comm/{d}/{k}": t.wire for (d, k), t in sorted(self.tallies.items())}
+        """`"<group>.<kind>"` → wire bytes: the `comm` entry of a metrics.jsonl line."""
+        return {f"{d}.{k}": t.wire for (d, k), t in sorted(self.tallies.items())}

@@ -32,7 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ndtrain.data.corpus import STDLIB, is_validation, iter_documents, source_files
 from ndtrain.data.loader import TokenStream
-from ndtrain.data.shards import DataError, write_shard
+from ndtrain.data.shards import DataError, read_shard, write_shard
 from ndtrain.data.tokenizer import TextTokenizer
 
 FORMAT = "ndtrain-tokens"
@@ -76,6 +76,17 @@ class PreparedData:
                 f"but meta.json says {self.eot_id}"
             )
         return tok
+
+    def check_token_ids(self) -> None:
+        """Every id in every shard lies below the vocabulary size, or a DataError names the
+        first shard that breaks it (a model would fail on it with an index error, on a rank,
+        in the middle of a run). One pass over the shards' pages."""
+        for name in self.meta["train_shards"] + self.meta["val_shards"]:
+            tokens = read_shard(self.path / name)
+            top = int(tokens.max()) if len(tokens) else -1
+            if top >= self.vocab_size:
+                raise DataError(f"shard {self.path / name}: holds token id {top}, outside the vocabulary "
+                                f"of {self.vocab_size} ids that meta.json and tokenizer.json give")
 
     def stream(self, split: str) -> TokenStream:
         if split not in SPLITS:

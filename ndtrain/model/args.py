@@ -60,7 +60,8 @@ class ModelArgs:
 
 
 # vocab_size in a preset is the size the shape was published with. A run on our own data
-# replaces it with the tokenizer's size (model.vocab_size = 0 means "from the tokenizer").
+# replaces it with the tokenizer's size unless model.vocab_size is set (left out, the
+# default, means "from the tokenizer"; a value must be at least the tokenizer's).
 PRESETS: dict[str, ModelArgs] = {
     # For tests: every later layout (tp 2/4, pp 2/4, GQA with kv_heads < tp) can split it.
     "tiny": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512,

@@ -96,7 +96,7 @@ class Trainer:
         tokens_per_s = t.global_batch * t.seq_len / dt
         mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.n_peak_units)
                if self.peak else None)
-        comm = {f"{d}.{k}": tally.wire for (d, k), tally in sorted(self.mesh.stats.tallies.items())}
+        comm = self.mesh.stats.as_metrics()
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "tokens": (step + 1) * t.global_batch * t.seq_len,
@@ -150,7 +150,8 @@ class Trainer:
                 if record.get("skipped"):
                     progress.print(f"step {step}: fp16 gradients overflowed; step skipped, loss scale "
                                    f"{record['loss_scale']:g} → {self.stepper.scaler.scale:g}")
-                if (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps:
+                due = (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
+                if due and t.eval_batches:  # eval_batches = 0: no evaluation, no val_loss
                     record["val_loss"] = self.evaluate()
                 self.history.append(record)
                 if metrics:

@@ -24,7 +24,10 @@ def prepare_on_each_node(cfg: config_mod.Config, local_rank: int) -> Path:
     d = cfg.data
     kwargs = dict(source=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
                   val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key)
-    path = prepare_data(**kwargs, progress=True) if local_rank == 0 else None
+    path = None
+    if local_rank == 0:  # a failure here ends the job: torchrun stops the waiting ranks
+        path = prepare_data(**kwargs, progress=True)
+        PreparedData.open(path).check_token_ids()
     if dist.is_initialized():
         dist.barrier()
     return path or prepare_data(**kwargs, progress=False)
@@ -46,6 +49,16 @@ def write_run_files(cfg: config_mod.Config, data: PreparedData, run_dir: Path) -
     shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")
 
 
+def from_rank_0(value: str) -> str:
+    """Rank 0's `value` on every rank. Under torchrun each process chose its run directory
+    itself, and a default one comes from that process's clock: rank 0's choice wins."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None) -> dict:
     """Entry point of one rank. Returns the run summary on rank 0 ({} elsewhere)."""
     from ndtrain.train.trainer import Trainer
@@ -53,6 +66,7 @@ def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None) -> dict:
     cfg = config_mod.from_dict(cfg_dict)
     env = init_process(cfg.run.device, cfg.run.threads)
     try:
+        run_dir = from_rank_0(run_dir)
         data_path = Path(data_dir) if data_dir else prepare_on_each_node(cfg, env.local_rank)
         data = PreparedData.open(data_path)
         resolve_vocab(cfg, data)

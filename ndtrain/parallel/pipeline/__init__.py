@@ -11,5 +11,6 @@ point-to-point messages. Reading order:
 - executor.py    PipelineSchedule, the one executor of any list (`run`, `evaluate`)
 - timeline.py    every action's start and end, the measured bubble
 
-Kept free of imports here: the config validator imports partition.py without torch.
+Kept free of imports here, so the config validator importing partition.py loads no
+executor, schedule or messages.
 """

@@ -12,7 +12,9 @@ several blocks. Among the contiguous splits with at least one block per chunk, w
 whose most expensive chunk is cheapest, since that chunk sets the pace of the whole pipeline.
 `parallel.pp_split` ("3,5,5,3": blocks per chunk) replaces the balanced split by hand.
 
-This file is arithmetic only: the config validator and the planner use it without torch.
+This file is arithmetic only (it builds no tensor), so the config validator and the planner
+can split models far larger than this machine. Importing it still loads torch: the
+`ndtrain.model` package it reads `ModelArgs` from imports the model itself.
 """
 
 from __future__ import annotations

@@ -1,0 +1,82 @@
+"""Keys that do nothing in the chosen layout.
+
+A key the user set, in the config file or on the command line, that the chosen layout never
+reads is almost always a mistake: its author believes a setting is active that is not
+(`parallel.reshard_after_forward=false` without ZeRO-3, `parallel.sp=true` without tensor
+parallelism). Each such key gets one warning line that names it and says what it would
+need. The run goes on: the configuration is valid, only one key of it is idle.
+
+Keys left at their default stay silent, and so does a key set explicitly to its default
+value: it changes nothing either way, and a file that lists every key (configs/default.toml)
+must not warn about half of them.
+"""
+
+from __future__ import annotations
+
+from ndtrain.config import Config, is_prepared_folder
+
+_DEFAULTS = Config()
+
+
+def _is_default(cfg: Config, key: str) -> bool:
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name) == getattr(getattr(_DEFAULTS, section), name)
+
+
+def _is_moe(cfg: Config) -> bool:
+    from ndtrain.model.args import PRESETS
+    return cfg.model.preset in PRESETS and PRESETS[cfg.model.preset].is_moe
+
+
+def _on_gpu(device: str) -> bool:
+    if device == "cpu":
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
+def _rules(cfg: Config, world: int | None) -> list[tuple[str, bool, str]]:
+    """(key, idle in this configuration, why): every key that some layout ignores."""
+    p, t, d, r = cfg.parallel, cfg.train, cfg.data, cfg.run
+    fp16, prepared = t.precision == "fp16", is_prepared_folder(d.path)
+    scaling = ("loss_scale_init", "loss_scale_window", "loss_scale_min")
+    rules = [
+        ("parallel.reshard_after_forward", p.zero != 3, "only ZeRO-3 (parallel.zero=3) frees gathered parameters"),
+        ("parallel.sp", p.tp == 1, "sequence parallelism needs tensor parallelism (parallel.tp > 1)"),
+        ("parallel.bucket_mb", p.zero > 0, "ZeRO communicates per unit (a block, the root), not per bucket"),
+        ("parallel.bucket_mb", p.zero == 0 and p.dp * p.cp == 1,
+         "there is no data parallelism (parallel.dp = 1) whose gradients it would bucket"),
+        ("parallel.dp_replicate", p.zero == 0,
+         "without ZeRO every data-parallel rank holds everything; replicas only matter to HSDP (parallel.zero > 0)"),
+        ("train.reduce_fp32", t.precision not in ("bf16", "fp16"),
+         f"gradients are reduced in the compute dtype, which is {t.precision} here, not bf16 or fp16"),
+        ("train.loss_scaler", not fp16, "loss scaling is for train.precision = fp16 only"),
+        ("train.allow_unscaled_fp16", not fp16 or t.loss_scaler,
+         "it only permits train.precision = fp16 with train.loss_scaler = false"),
+        *((f"train.{k}", not fp16 or not t.loss_scaler,
+           "loss scaling is for train.precision = fp16 with train.loss_scaler = true only") for k in scaling),
+        ("train.eval_every", t.eval_batches == 0, "train.eval_batches = 0 turns evaluation off"),
+        ("train.moe_aux_loss", not _is_moe(cfg), f"model.preset = {cfg.model.preset!r} has no experts to balance"),
+        ("data.vocab_size", bool(d.tokenizer) or prepared,
+         "it sizes the BPE trained when there is no data.tokenizer and data.path is not a prepared folder"),
+        *((f"data.{k}", prepared, "data.path is a prepared folder, read as it is")
+          for k in ("tokenizer", "val_fraction", "jsonl_key", "cache_dir")),
+        ("run.threads", _on_gpu(r.device), "it sets CPU threads; this run computes on the GPU"),
+        ("run.nproc", world is not None, "the launcher (torchrun or SLURM) decides the process count"),
+    ]
+    for key in ("pp_schedule", "pp_virtual", "pp_split"):
+        rules.append((f"parallel.{key}", p.pp == 1, "needs pipeline parallelism (parallel.pp > 1)"))
+    return rules
+
+
+def idle_keys(cfg: Config, world: int | None = None) -> list[str]:
+    """One line per key set explicitly (`cfg.explicit`), not to its default, that has no
+    effect on this validated configuration. `world`: the launcher's process count, if any."""
+    lines, seen = [], set()
+    for key, idle, why in _rules(cfg, world):
+        if idle and key in cfg.explicit and key not in seen and not _is_default(cfg, key):
+            seen.add(key)
+            section, name = key.split(".")
+            value = getattr(getattr(cfg, section), name)
+            lines.append(f"{key} = {value!r} has no effect here: {why}")
+    return lines
