@@ -64,6 +64,8 @@ class MeshShape:
         return math.prod(self.sizes)
 
     def size(self, name: str) -> int:
+        if name in ("edp_shard", "edp"):
+            return self.size("dp_shard_cp" if name == "edp_shard" else "dp_cp") // self.ep
         return math.prod(getattr(self, d) for d in COMPOSITES.get(name, (name,)))
 
     def coords(self, rank: int) -> dict[str, int]:

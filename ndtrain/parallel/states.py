@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ndtrain.parallel.placement import partial_dims
+from ndtrain.parallel.placement import is_expert, partial_dims
 from ndtrain.parallel.precision import MasterWeights
 
 
@@ -91,18 +91,18 @@ class ReplicatedStates:
         for m, saved in zip(self.masters.masters if self.masters else [], state["masters"], strict=True):
             m.copy_(saved)
 
-    # -- memory accounting ------------------------------------------------------
-    def param_tensors(self) -> list[torch.Tensor]:
-        return list(self.model.parameters())
+    # -- memory accounting (experts=True: only the routed experts' states) --------
+    def param_tensors(self, experts: bool = False) -> list[torch.Tensor]:
+        return [p for p in self.model.parameters() if is_expert(p) or not experts]
 
-    def grad_tensors(self) -> list[torch.Tensor]:
+    def grad_tensors(self, experts: bool = False) -> list[torch.Tensor]:
         buckets = getattr(self.grad_sync, "buckets", None)
         if buckets is not None:
-            return [b.buffer for b in buckets]
-        return [p.grad for p in self.model.parameters() if p.grad is not None]
+            return [b.buffer for b in buckets if is_expert(b.params[0]) or not experts]
+        return [p.grad for p in self.param_tensors(experts) if p.grad is not None]
 
-    def master_tensors(self) -> list[torch.Tensor]:
-        return list(self.masters.masters) if self.masters else []
+    def master_tensors(self, experts: bool = False) -> list[torch.Tensor]:
+        return [m for m in (self.masters.masters if self.masters else []) if is_expert(m) or not experts]
 
 
 def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -544,14 +544,17 @@ class ZeRO:
             m.copy_(saved)
 
     # -- memory accounting ---------------------------------------------------------
-    def param_tensors(self) -> list[torch.Tensor]:
-        return [t for f in self.flats for t in (f.full, f.shard)]
+    def _flats_of(self, experts: bool) -> list[FlatParam]:
+        return [f for f in self.flats if is_expert(f.params[0]) or not experts]
 
-    def grad_tensors(self) -> list[torch.Tensor]:
-        return [t for f in self.flats for t in (f.grad_full, f.grad_shard) if t is not None]
+    def param_tensors(self, experts: bool = False) -> list[torch.Tensor]:
+        return [t for f in self._flats_of(experts) for t in (f.full, f.shard)]
 
-    def master_tensors(self) -> list[torch.Tensor]:
-        return [f.master for f in self.flats]
+    def grad_tensors(self, experts: bool = False) -> list[torch.Tensor]:
+        return [t for f in self._flats_of(experts) for t in (f.grad_full, f.grad_shard) if t is not None]
+
+    def master_tensors(self, experts: bool = False) -> list[torch.Tensor]:
+        return [f.master for f in self._flats_of(experts)]
 
     def remove(self) -> None:
         for h in self._hooks:

@@ -18,10 +18,12 @@ import torch
 from ndtrain.config import Config, from_dict
 from ndtrain.mesh import ParallelMesh
 from ndtrain.observe.memory import format_bytes, per_rank
+from ndtrain.parallel.placement import is_expert
 from ndtrain.parallel.precision import compute_dtype
 from ndtrain.parallel.zero import model_state_bytes
 
 COLUMNS = ("params", "grads", "optimizer", "activations", "peak")
+EXPERT_COLUMNS = ("expert_params", "expert_grads", "expert_optimizer")
 
 
 def vocab_size(cfg: Config) -> int:
@@ -51,11 +53,16 @@ def measure(cfg: Config, mesh: ParallelMesh) -> dict:
         step.forward_backward(micro, float(t.global_batch * t.seq_len), measure_memory=True)
         step.clip_grad_norm(t.grad_clip)
         step.optimizer_step(t.lr)
-    psi = sum(p.numel() for p in {id(p): p for p in par.model.parameters()}.values())
-    mine = [psi] + [getattr(step.memory, c) for c in COLUMNS]
+    unique = {id(p): p for p in par.model.parameters()}.values()
+    psi = sum(p.numel() for p in unique)
+    psi_experts = sum(p.numel() for p in unique if is_expert(p))
+    memory = step.memory
+    experts = [memory.expert_params or 0, memory.expert_grads or 0, memory.expert_optimizer or 0]
+    mine = [psi, psi_experts] + [getattr(memory, c) for c in COLUMNS] + experts
     table = per_rank(mine, mesh.device)
-    return {"ranks": [dict(zip(("psi",) + COLUMNS, map(int, row))) for row in table],
-            "layout": mesh.describe(), "n_shard": mesh.size("dp_shard_cp")}
+    keys = ("psi", "psi_experts") + COLUMNS + EXPERT_COLUMNS
+    return {"ranks": [dict(zip(keys, map(int, row))) for row in table], "layout": mesh.describe(),
+            "n_shard": mesh.size("dp_shard_cp"), "n_expert_shard": mesh.size("edp_shard"), "moe": args.is_moe}
 
 
 def dry_run_worker(cfg_dict: dict) -> dict:
@@ -77,13 +84,37 @@ def render(cfg: Config, result: dict) -> str:
             f"recompute={t.recompute}, micro-batch {t.micro_batch}×{t.seq_len}")
     lines = [head, f"{'rank':>4}  {'parameters':>12}  {'params':>12}  {'grads':>12}  {'optimizer':>12}  "
                    f"{'model states':>12}  {'ZeRO formula':>12}  {'activations':>12}  {'peak':>12}"]
+    moe = result.get("moe", False)
     for rank, r in enumerate(result["ranks"]):
         states = r["params"] + r["grads"] + r["optimizer"]
-        formula = sum(model_state_bytes(r["psi"], p.zero, result["n_shard"], c).values())
+        formula = state_formula(r, p.zero, result, c)
         cells = [r["params"], r["grads"], r["optimizer"], states, formula, r["activations"], r["peak"]]
         lines.append(f"{rank:>4}  {r['psi']:>12,}  " + "  ".join(f"{format_bytes(x):>12}" for x in cells))
+    if moe:  # the same model states, dense and routed experts apart
+        lines += ["", f"{'rank':>4}  {'dense params':>14}  {'dense states':>14}  {'dense formula':>14}  "
+                      f"{'expert params':>14}  {'expert states':>14}  {'expert formula':>14}"]
+        for rank, r in enumerate(result["ranks"]):
+            dense, experts = split_formula(r, p.zero, result, c)
+            e_states = r["expert_params"] + r["expert_grads"] + r["expert_optimizer"]
+            d_states = r["params"] + r["grads"] + r["optimizer"] - e_states
+            lines.append(f"{rank:>4}  {r['psi'] - r['psi_experts']:>14,}  {format_bytes(d_states):>14}  "
+                         f"{format_bytes(dense):>14}  {r['psi_experts']:>14,}  {format_bytes(e_states):>14}  "
+                         f"{format_bytes(experts):>14}")
     lines += ["model states: counted after the optimizer step; ZeRO formula: c·Ψ + c·Ψ + K·Ψ, c bytes per value",
-              "  in the compute dtype, K = 12 (fp32 master + Adam moments) or 8 in fp32, sharded terms / shard group",
+              "  in the compute dtype, K = 12 (fp32 master + Adam moments) or 8 in fp32, sharded terms / shard group"
+              + (" (experts: / the ranks holding the same experts, dp_shard·cp/ep)" if moe else ""),
               "activations: the most that forward + backward held on top of what existed when they began",
               "peak: the most held in all at any moment of the two steps"]
     return "\n".join(lines)
+
+
+def split_formula(r: dict, zero: int, result: dict, c: int) -> tuple[float, float]:
+    """The ZeRO formula for a rank's dense parameters (sharded over dp_shard × cp) and for
+    its experts (sharded over the ranks of dp_shard × cp holding the same experts)."""
+    dense = sum(model_state_bytes(r["psi"] - r.get("psi_experts", 0), zero, result["n_shard"], c).values())
+    experts = sum(model_state_bytes(r.get("psi_experts", 0), zero, result.get("n_expert_shard", 1), c).values())
+    return dense, experts
+
+
+def state_formula(r: dict, zero: int, result: dict, c: int) -> float:
+    return sum(split_formula(r, zero, result, c))
