@@ -1,0 +1,265 @@
+"""Expert parallelism (parallel/expert.py) against one device, in fp64.
+
+- The MoE block at ep = 1, 2 and 4 on 4 ranks equals the single-device block on all ranks'
+  tokens: outputs, input gradients, router and expert gradients (summed over the ranks
+  holding the same experts), routed counts and the balance loss. The router has a clear
+  top-k margin (checked), one expert gets no token anywhere and, at ep = 4, one rank
+  receives no token at all.
+- The all-to-all bytes of a block equal the formula of parallel/expert.py, exactly from the
+  routed counts, and 4·T·k·D·(ep−1)/ep values (plus the counts) under uniform routing.
+- Whole-model layouts with experts (the MoE rows of the 5-D matrix): losses, gradient norms,
+  routing statistics and final weights (router biases included) equal one process's.
+"""
+
+import pytest
+import torch
+
+from helpers import train_in_rank
+from ndtrain.testing import run_ranks
+
+E, K, D, F_, ROWS, SEQ = 8, 2, 16, 8, 2, 6  # experts, top-k, model dim, expert dim, rows and positions per rank
+
+
+def _block_args():
+    from ndtrain.model.args import PRESETS
+    return PRESETS["tiny-moe"].with_(dim=D, n_heads=2, n_kv_heads=2, moe_experts=E, moe_top_k=K, moe_ffn_dim=F_,
+                                     moe_router="softmax_topk", moe_norm_topk=True)
+
+
+def _reference_block(args):
+    """The full block, the same on every rank; experts 6 and 7 are never chosen."""
+    from ndtrain.model.moe import MoE
+    torch.manual_seed(0)
+    block = MoE(args).double()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+        block.router.expert_bias[6:] = -10.0  # selection only: the weights never see it
+    return block
+
+
+def _all_tokens(world):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(world, ROWS, SEQ, D, dtype=torch.float64, generator=g)
+    grad = torch.randn(world, ROWS, SEQ, D, dtype=torch.float64, generator=g)
+    return x, grad
+
+
+def _run_block(block, x, grad, log):
+    x = x.clone().requires_grad_()
+    out = block(x, log, "0")
+    objective = (out * grad).sum()
+    extra = log.take_loss()
+    (objective if extra is None else objective + extra).backward()
+    return out.detach(), x.grad
+
+
+def _as_layer_0(block, args, mesh):
+    """`block` as layer 0 of a model, parallelised for `mesh` (its experts: this rank's)."""
+    from ndtrain.parallel import expert
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
+    model.layers["0"].feed_forward = block
+    full = {n: p.detach().clone() for n, p in block.experts.named_parameters()}
+    expert.parallelize(model, args, mesh, sp=False, seed=0)
+    ep = mesh.group("ep")
+    with torch.no_grad():  # the test's own weights, sliced, in place of the model's initial values
+        for n, p in block.experts.named_parameters():
+            p.copy_(full[n].narrow(0, ep.rank * p.shape[0], p.shape[0]))
+
+
+def _block_at(ep):
+    """This rank's outputs and gradients with experts over `ep` of 4 ranks, next to the
+    single-device block's on every rank's tokens."""
+    import copy
+
+    import torch.distributed as dist
+
+    from ndtrain.comm import ops
+    from ndtrain.mesh import MeshShape, ParallelMesh
+    from ndtrain.model.moe import RoutingLog
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    args = _block_args()
+    ref = _reference_block(args)
+    x, grad = _all_tokens(world)
+    with torch.no_grad():
+        choice = (x.reshape(-1, D) @ ref.router.weight.t()).softmax(-1) + ref.router.expert_bias
+    ranked = torch.sort(choice, descending=True).values
+    margin = float((ranked[:, K - 1] - ranked[:, K]).min())
+    ref_log = RoutingLog(aux_coef=0.1)
+    ref_out, ref_xgrad = _run_block(ref, x.reshape(world * ROWS, SEQ, D), grad.reshape(world * ROWS, SEQ, D), ref_log)
+
+    mesh = ParallelMesh.build(MeshShape(dp_shard=world, ep=ep))
+    block = copy.deepcopy(ref)
+    for p in block.parameters():
+        p.grad = None
+    _as_layer_0(block, args, mesh)
+    log = RoutingLog(aux_coef=0.1)
+    out, xgrad = _run_block(block, x[rank], grad[rank], log)
+    for p in block.experts.parameters():  # the data-parallel sum over ranks holding these experts
+        ops.all_reduce(p.grad, mesh.group("edp"))
+    ops.all_reduce(block.router.weight.grad, mesh.group("dp_cp"))
+    counts, balance = log.counts["0"].clone(), log.balance["0"].clone()
+    for t in (counts, balance):
+        ops.all_reduce(t, mesh.group("dp_cp"))
+    lo = mesh.coord("ep") * (E // ep)
+    received = block.dispatch.meter.wire if ep > 1 else 0.0
+    return {"margin": margin, "out": (out, ref_out.view(world, ROWS, SEQ, D)[rank]),
+            "x_grad": (xgrad, ref_xgrad.view(world, ROWS, SEQ, D)[rank]),
+            "router_grad": (block.router.weight.grad, ref.router.weight.grad),
+            **{f"{n}_grad": (p.grad, getattr(ref.experts, n).grad[lo:lo + E // ep])
+               for n, p in block.experts.named_parameters()},
+            "counts": (counts, ref_log.counts["0"]), "balance": (balance, ref_log.balance["0"]),
+            "local_counts": log.counts["0"], "a2a": received, "ep_rank": mesh.coord("ep")}
+
+
+def _blocks():
+    return {ep: _block_at(ep) for ep in (1, 2, 4)}
+
+
+def test_moe_block_at_every_ep_equals_one_device():
+    results = run_ranks(_blocks, 4)
+    for rank, by_ep in enumerate(results):
+        for ep, r in by_ep.items():
+            assert r["margin"] > 1e-3, "inputs too close to a top-k tie for a fair test"
+            for key, value in r.items():
+                if isinstance(value, tuple):
+                    ours, ref = value
+                    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-12, msg=f"ep={ep} rank {rank}: {key}")
+            assert r["counts"][0][6:].sum() == 0  # experts 6 and 7: no token anywhere
+    # at ep = 4 rank 3 holds experts 6 and 7: it received nothing, yet sent its tokens out
+    assert results[3][4]["ep_rank"] == 3 and results[3][4]["local_counts"].sum() == ROWS * SEQ * K
+
+
+# -- all-to-all bytes ------------------------------------------------------------------------
+
+def _a2a_bytes(ep, uniform):
+    """One forward and backward of a block with experts over `ep` ranks: the bytes its
+    all-to-alls sent (the block's meter and the mesh's tally) and the slot matrix s[i][j]."""
+    import torch.distributed as dist
+
+    from ndtrain.comm import ops
+    from ndtrain.mesh import MeshShape, ParallelMesh
+    from ndtrain.model.moe import MoE, RoutingLog
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    args = _block_args()
+    torch.manual_seed(0)
+    block = MoE(args).double()
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.5)
+    x = torch.randn(ROWS, SEQ, D, dtype=torch.float64, generator=torch.Generator().manual_seed(rank))
+    if uniform:  # token t of this rank picks experts (t + rank) % E and (t + rank + E/2) % E
+        with torch.no_grad():
+            block.router.weight.zero_()
+            block.router.weight[:, :E] = torch.eye(E)
+        t = torch.arange(ROWS * SEQ)
+        x = 0.01 * x.reshape(-1, D)
+        x[t, (t + rank) % E] = 5.0
+        x[t, (t + rank + E // 2) % E] = 4.0
+        x = x.view(ROWS, SEQ, D)
+    mesh = ParallelMesh.build(MeshShape(dp_shard=world, ep=ep))
+    _as_layer_0(block, args, mesh)
+    mesh.stats.reset()
+    log = RoutingLog()
+    _run_block(block, x, torch.ones_like(x), log)
+    matrix = torch.zeros(world, ep, dtype=torch.float64)
+    matrix[rank] = log.counts["0"].view(ep, E // ep).sum(1)  # slots this rank sends to each ep rank
+    ops.all_reduce(matrix, mesh.group("dp_cp"))
+    return block.dispatch.meter.wire, mesh.stats.wire("ep", "all_to_all"), matrix, mesh.coord("ep")
+
+
+def _a2a_cases():
+    return {(ep, uniform): _a2a_bytes(ep, uniform) for ep in (2, 4) for uniform in (False, True)}
+
+
+def test_all_to_all_bytes_follow_the_formula():
+    """Per block and step, rank i sends 2·b·D·(Σ_{j≠i} s_ij + Σ_{j≠i} s_ji) + 8·(E − E/ep)
+    bytes (dispatch and combine, forward and backward, and the int64 counts); uniform
+    routing makes that 4·T·k·D·(ep−1)/ep values plus the counts. Measured: the block's own
+    meter and the mesh's byte tally (comm/ops.py), which must agree."""
+    results = run_ranks(_a2a_cases, 4)
+    b, T = 8, ROWS * SEQ
+    for rank, cases in enumerate(results):
+        for (ep, uniform), (meter, tally, matrix, i) in cases.items():
+            group = [r for r in range(4) if r // ep == rank // ep]  # this rank's ep group
+            s = matrix[group]  # s[i][j]: slots ep rank i sends to ep rank j
+            sent, received = float(s[i].sum() - s[i, i]), float(s[:, i].sum() - s[i, i])
+            counts = 8 * (E - E // ep)
+            assert meter == 2 * b * D * (sent + received) + counts, (ep, uniform, rank)
+            assert tally == meter
+            if uniform:
+                assert meter == 4 * T * K * D * (ep - 1) / ep * b + counts
+            else:
+                assert sent != received or s.std() > 0  # the uneven case is uneven
+
+
+# -- whole-model layouts ----------------------------------------------------------------------
+
+FP64 = ["model.preset=tiny-moe", "train.precision=fp64", "train.steps=3", "train.eps=1e-8",
+        "train.moe_aux_loss=0.01", "train.moe_bias_rate=0.001"]
+CAPACITY = ["model.moe_capacity=1.0", "train.micro_batch=2"]
+
+ROWS_BY_WORLD = {
+    2: [("ep2", ["parallel.ep=2"]),
+        ("ep2-zero3-recompute-full-accumulation", ["parallel.ep=2", "parallel.zero=3", "train.recompute=full",
+                                                   "train.micro_batch=2"]),
+        ("tp2-sp", ["parallel.tp=2"]),
+        ("tp2-no-sp", ["parallel.tp=2", "parallel.sp=false"]),
+        ("pp2-zb", ["parallel.pp=2", "parallel.pp_schedule=zb", "train.micro_batch=2"]),
+        ("ep2-capacity", CAPACITY + ["parallel.ep=2"])],
+    4: [("ep4", ["parallel.ep=4"]),
+        ("hsdp2x2-zero2-ep2", ["parallel.dp_replicate=2", "parallel.zero=2", "parallel.ep=2"]),
+        ("tp2-dp2-ep2-zero1", ["parallel.tp=2", "parallel.ep=2", "parallel.zero=1"]),
+        ("pp2-dp2-ep2-zero1-interleaved", ["parallel.pp=2", "parallel.ep=2", "parallel.zero=1",
+                                           "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2",
+                                           "train.micro_batch=2"])],
+    8: [("pp2-dp2-tp2-ep2", ["parallel.pp=2", "parallel.tp=2", "parallel.ep=2", "train.micro_batch=2"])],
+}
+
+
+def _trained(overrides, data_dir):
+    _, _, trainer = train_in_rank(FP64 + overrides, data_dir)
+    state = trainer.par.full_model_state()  # in fp64, not rounded
+    history = [(r["loss"], r["grad_norm"], r["moe"]) for r in trainer.history]
+    return history, state
+
+
+def _layouts(data_dir, rows):
+    return {name: _trained(overrides, data_dir) for name, overrides in rows}
+
+
+def _references(data_dir):
+    return {"plain": _trained([], data_dir), "capacity": _trained(CAPACITY, data_dir)}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_data):
+    return run_ranks(_references, 1, tiny_data)[0]
+
+
+def _assert_same_training(name, ours, ref):
+    (history, state), (ref_history, ref_state) = ours, ref
+    for step, ((loss, norm, moe), (r_loss, r_norm, r_moe)) in enumerate(zip(history, ref_history, strict=True)):
+        assert loss == pytest.approx(r_loss, rel=1e-10), (name, step)
+        assert norm == pytest.approx(r_norm, rel=1e-10), (name, step)
+        assert moe["tokens_per_expert"] == r_moe["tokens_per_expert"], (name, step)
+        assert moe["aux_loss"] == pytest.approx(r_moe["aux_loss"], rel=1e-10), (name, step)
+    assert state.keys() == ref_state.keys(), name
+    for k in ref_state:
+        scale = ref_state[k].abs().max().clamp_min(1e-30)
+        assert float((state[k] - ref_state[k]).abs().max() / scale) <= 1e-9, (name, k)
+
+
+@pytest.mark.parametrize("world", sorted(ROWS_BY_WORLD))
+def test_moe_layouts_train_like_one_process(world, tiny_data, references):
+    results = run_ranks(_layouts, world, tiny_data, ROWS_BY_WORLD[world], timeout=600)
+    for name, _ in ROWS_BY_WORLD[world]:
+        ref = references["capacity" if "capacity" in name else "plain"]
+        _assert_same_training(name, results[0][name], ref)
+        moe = results[0][name][0][-1][2]
+        assert moe["dead_fraction"] == ref[0][-1][2]["dead_fraction"]
+        if "ep" in name:
+            assert "a2a_bytes" in moe and min(moe["a2a_bytes"]) > 0, name
