@@ -236,7 +236,7 @@ def cmd_train(args) -> int:
     resolve_vocab(cfg, data)  # fails here, before any process starts or file is written
     p = cfg.parallel
     print(f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
-          f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} steps → {run_dir}"
+          f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}" + (f" ep={p.ep}" if p.ep > 1 else "") + f"), {cfg.train.steps} steps → {run_dir}"
           + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
     if p.world == 1:
         summary = train_worker(cfg.to_dict(), str(run_dir), str(data.path))

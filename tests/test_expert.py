@@ -114,12 +114,20 @@ def _block_at(ep):
             "local_counts": log.counts["0"], "a2a": received, "ep_rank": mesh.coord("ep")}
 
 
-def _blocks():
-    return {ep: _block_at(ep) for ep in (1, 2, 4)}
+def _four_rank_checks():
+    """One launch for the block, byte and memory checks below."""
+    return {"blocks": {ep: _block_at(ep) for ep in (1, 2, 4)},
+            "a2a": {(ep, uniform): _a2a_bytes(ep, uniform) for ep in (2, 4) for uniform in (False, True)},
+            "memory": _measured_states()}
 
 
-def test_moe_block_at_every_ep_equals_one_device():
-    results = run_ranks(_blocks, 4)
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_ranks(_four_rank_checks, 4)
+
+
+def test_moe_block_at_every_ep_equals_one_device(four_ranks):
+    results = [r["blocks"] for r in four_ranks]
     for rank, by_ep in enumerate(results):
         for ep, r in by_ep.items():
             assert r["margin"] > 1e-3, "inputs too close to a top-k tie for a fair test"
@@ -171,18 +179,13 @@ def _a2a_bytes(ep, uniform):
     return block.dispatch.meter.wire, mesh.stats.wire("ep", "all_to_all"), matrix, mesh.coord("ep")
 
 
-def _a2a_cases():
-    return {(ep, uniform): _a2a_bytes(ep, uniform) for ep in (2, 4) for uniform in (False, True)}
-
-
-def test_all_to_all_bytes_follow_the_formula():
+def test_all_to_all_bytes_follow_the_formula(four_ranks):
     """Per block and step, rank i sends 2·b·D·(Σ_{j≠i} s_ij + Σ_{j≠i} s_ji) + 8·(E − E/ep)
     bytes (dispatch and combine, forward and backward, and the int64 counts); uniform
     routing makes that 4·T·k·D·(ep−1)/ep values plus the counts. Measured: the block's own
     meter and the mesh's byte tally (comm/ops.py), which must agree."""
-    results = run_ranks(_a2a_cases, 4)
     b, T = 8, ROWS * SEQ
-    for rank, cases in enumerate(results):
+    for rank, cases in enumerate(r["a2a"] for r in four_ranks):
         for (ep, uniform), (meter, tally, matrix, i) in cases.items():
             group = [r for r in range(4) if r // ep == rank // ep]  # this rank's ep group
             s = matrix[group]  # s[i][j]: slots ep rank i sends to ep rank j
@@ -194,6 +197,46 @@ def test_all_to_all_bytes_follow_the_formula():
                 assert meter == 4 * T * K * D * (ep - 1) / ep * b + counts
             else:
                 assert sent != received or s.std() > 0  # the uneven case is uneven
+
+
+# -- memory ---------------------------------------------------------------------------------
+
+MEMORY_MODEL = ["model.preset=tiny-moe", "model.dim=128", "model.n_heads=4", "model.ffn_dim=256",
+                "model.moe_ffn_dim=256", "model.vocab_size=2048", "train.global_batch=4", "train.seq_len=8",
+                "train.precision=bf16", "run.device=cpu", "parallel.ep=2"]
+
+
+def _measured_states():
+    import torch.distributed as dist
+
+    from ndtrain.config import load_config, validate
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.dry_run import measure
+    from ndtrain.train.worker import mesh_shape
+
+    out = {}
+    for stage in (2,):  # parameters whole, gradients and optimizer state sharded
+        cfg = validate(load_config(None, MEMORY_MODEL + [f"parallel.zero={stage}"]), world=dist.get_world_size())
+        out[stage] = measure(cfg, ParallelMesh.build(mesh_shape(cfg)))
+    return out
+
+
+def test_memory_report_separates_expert_and_dense_states(four_ranks):
+    """bf16, experts over ep = 2 of 4 ranks: a rank holds half the experts, sharded (ZeRO)
+    over the 2 ranks that hold the same ones, and the dense weights sharded over all 4. Each
+    part follows the ZeRO formula with its own Ψ and shard group, within 2%."""
+    from ndtrain.parallel.zero import model_state_bytes
+
+    for stage, result in four_ranks[0]["memory"].items():
+        assert result["n_shard"] == 4 and result["n_expert_shard"] == 2
+        for rank, r in enumerate(result["ranks"]):
+            psi_e, psi_d = r["psi_experts"], r["psi"] - r["psi_experts"]
+            assert psi_e == 4 * 8 // 2 * 3 * 128 * 256  # blocks × experts here × 3 matrices
+            experts = model_state_bytes(psi_e, stage, 2, 2)
+            dense = model_state_bytes(psi_d, stage, 4, 2)
+            for key in ("params", "grads", "optimizer"):
+                assert r[f"expert_{key}"] == pytest.approx(experts[key], rel=0.02), (stage, rank, key)
+                assert r[key] - r[f"expert_{key}"] == pytest.approx(dense[key], rel=0.02), (stage, rank, key)
 
 
 # -- whole-model layouts ----------------------------------------------------------------------
@@ -220,19 +263,51 @@ ROWS_BY_WORLD = {
 }
 
 
-def _trained(overrides, data_dir):
-    _, _, trainer = train_in_rank(FP64 + overrides, data_dir)
+def _trained(overrides, data_dir, run_dir=None):
+    plot = ["run.plot=true"] if run_dir else []
+    _, _, trainer = train_in_rank(FP64 + overrides + plot, data_dir, run_dir=run_dir)
     state = trainer.par.full_model_state()  # in fp64, not rounded
     history = [(r["loss"], r["grad_norm"], r["moe"]) for r in trainer.history]
-    return history, state
+    return history, state, trainer
 
 
-def _layouts(data_dir, rows):
-    return {name: _trained(overrides, data_dir) for name, overrides in rows}
+def _layouts(data_dir, rows, run_dir):
+    """Every row; the first also writes a run directory, which a fresh trainer resumes."""
+    out = {}
+    for i, (name, overrides) in enumerate(rows):
+        history, state, trainer = _trained(overrides, data_dir, run_dir if i == 0 else None)
+        out[name] = (history, state)
+    out["resumed"] = _resumes_exactly(trainer.cfg, rows[0][1], data_dir, run_dir) if run_dir else None
+    return out
+
+
+def _resumes_exactly(cfg, overrides, data_dir, run_dir):
+    """A fresh trainer on the same layout loads the run's last checkpoint: the same full
+    model (router biases included) and the same optimizer state on every rank."""
+    from pathlib import Path
+
+    from ndtrain.checkpoint import store
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.prepare import PreparedData
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.trainer import Trainer
+    from ndtrain.train.worker import mesh_shape
+    import torch.distributed as dist
+
+    from helpers import TINY
+    cfg = validate(load_config(None, TINY + FP64 + overrides), world=dist.get_world_size())
+    first = Trainer(cfg, ParallelMesh.build(mesh_shape(cfg)), PreparedData.open(data_dir), None)
+    untrained = first.par.full_model_state()  # on rank 0; live tensors under zero = 0: copied
+    untrained = {k: v.clone() for k, v in untrained.items()} if untrained is not None else None
+    first.resume(store.latest(Path(run_dir)))
+    loaded = first.par.full_model_state()
+    optim = first.stepper.state_dict()["optimizer"]["state"]
+    return {"step": first.step, "loaded": loaded, "untrained": untrained,
+            "moments": sum(float(v["exp_avg"].abs().sum()) for v in optim.values())}
 
 
 def _references(data_dir):
-    return {"plain": _trained([], data_dir), "capacity": _trained(CAPACITY, data_dir)}
+    return {"plain": _trained([], data_dir)[:2], "capacity": _trained(CAPACITY, data_dir)[:2]}
 
 
 @pytest.fixture(scope="module")
@@ -241,7 +316,7 @@ def references(tiny_data):
 
 
 def _assert_same_training(name, ours, ref):
-    (history, state), (ref_history, ref_state) = ours, ref
+    (history, state), (ref_history, ref_state) = ours[:2], ref[:2]
     for step, ((loss, norm, moe), (r_loss, r_norm, r_moe)) in enumerate(zip(history, ref_history, strict=True)):
         assert loss == pytest.approx(r_loss, rel=1e-10), (name, step)
         assert norm == pytest.approx(r_norm, rel=1e-10), (name, step)
@@ -254,8 +329,11 @@ def _assert_same_training(name, ours, ref):
 
 
 @pytest.mark.parametrize("world", sorted(ROWS_BY_WORLD))
-def test_moe_layouts_train_like_one_process(world, tiny_data, references):
-    results = run_ranks(_layouts, world, tiny_data, ROWS_BY_WORLD[world], timeout=600)
+def test_moe_layouts_train_like_one_process(world, tiny_data, references, tmp_path):
+    """And on 2 ranks (ep=2), the run directory: load statistics in metrics.jsonl, the
+    load plot, expert and dense memory, a checkpoint that a fresh trainer resumes exactly."""
+    run_dir = str(tmp_path / "run") if world == 2 else None
+    results = run_ranks(_layouts, world, tiny_data, ROWS_BY_WORLD[world], run_dir, timeout=600)
     for name, _ in ROWS_BY_WORLD[world]:
         ref = references["capacity" if "capacity" in name else "plain"]
         _assert_same_training(name, results[0][name], ref)
@@ -263,3 +341,28 @@ def test_moe_layouts_train_like_one_process(world, tiny_data, references):
         assert moe["dead_fraction"] == ref[0][-1][2]["dead_fraction"]
         if "ep" in name:
             assert "a2a_bytes" in moe and min(moe["a2a_bytes"]) > 0, name
+    if run_dir is not None:
+        _check_run_dir(tmp_path / "run", results)
+
+
+def _check_run_dir(run, results):
+    import json
+
+    from ndtrain.observe.progress import _fmt
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 3 and (run / "moe_load.png").stat().st_size > 10_000
+    for r in records:
+        moe = r["moe"]
+        assert moe["layers"] == [0, 1, 2, 3] and all(len(row) == 8 for row in moe["tokens_per_expert"])
+        assert {"max_violation", "dead_fraction", "aux_loss", "a2a_bytes"} <= moe.keys()
+        assert all(sum(row) == 8 * 32 * 2 for row in moe["tokens_per_expert"])  # every slot of the batch
+        memory = r["memory"]  # the experts' share of each state, per rank: half the experts each
+        assert 0 < memory["expert_params"][0] < memory["params"][0]
+        assert memory["expert_optimizer"][0] == pytest.approx(2 * memory["expert_params"][0], rel=1e-3)
+    assert "MoE maxvio" in _fmt(records[-1]) and "dead" in _fmt(records[-1])
+    resumed = results[0]["resumed"]
+    assert resumed["step"] == 3 and resumed["moments"] > 0
+    trained = results[0]["ep2"][1]
+    for k, v in trained.items():
+        assert torch.equal(resumed["loaded"][k], v), k
+    assert any(not torch.equal(resumed["untrained"][k], v) for k, v in trained.items() if "expert_bias" in k)

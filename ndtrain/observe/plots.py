@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ndtrain.observe.metrics import read_metrics  # noqa: E402
 
@@ -53,7 +54,8 @@ def plot_moe_load(metrics_path: Path, out: Path) -> Path:
     n = max(len(layers), 1)
     cols = min(n, 4)
     rows = -(-n // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols, 2.6 * rows), dpi=120, squeeze=False)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1.2, 2.6 * rows + 0.4), dpi=120, squeeze=False,
+                             layout="constrained")
     image = None
     for i, layer in enumerate(layers):
         ax = axes[i // cols][i % cols]
@@ -63,6 +65,7 @@ def plot_moe_load(metrics_path: Path, out: Path) -> Path:
                           vmin=0.0, vmax=min(1.0, 3.0 / experts),
                           extent=(records[0]["step"] + 0.5, records[-1]["step"] + 1.5, -0.5, experts - 0.5))
         ax.set_title(f"block {layer}", fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("step", fontsize=8)
         ax.set_ylabel("expert", fontsize=8)
         ax.tick_params(labelsize=7)
