@@ -32,7 +32,10 @@ examples:
   ndtrain bench zero                             our ZeRO-3 against torch FSDP2, side by side
   ndtrain bench tp                               our TP+SP against DTensor TP+SP on 2 ranks, side by side
   ndtrain bench pp                               our 1F1B against torch.distributed.pipelining, and each schedule's bubble
+  ndtrain bench ep                               experts split over 2 ranks (ep=2) against replicated (ep=1)
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
+  ndtrain train --nproc 4 model.preset=tiny-moe parallel.ep=2 parallel.dp=4
+                                                 mixture of experts, experts split over 2 of the 4 data-parallel ranks
 """
 
 
@@ -79,8 +82,9 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
-                                     "pp (our 1F1B vs torch.distributed.pipelining, bubbles)")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp"])
+                                     "pp (our 1F1B vs torch.distributed.pipelining, bubbles), "
+                                     "ep (experts split over --nproc ranks vs replicated)")
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "ep"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
@@ -311,6 +315,8 @@ def print_summary(s: dict) -> None:
               f"metrics        {run / 'metrics.jsonl'}"]
     if s.get("plot"):
         lines.append(f"loss plot      {s['plot']}")
+    if s.get("moe_plot"):
+        lines.append(f"MoE load plot  {s['moe_plot']}")
     lines += [f"checkpoint     {s['checkpoint']}",
               f"sample with    ndtrain generate --run {run} --prompt \"def \""]
     print("\n".join(lines), flush=True)
@@ -383,8 +389,8 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import dp, pp, tp, zero
-    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp}[args.what].run(args)
+    from ndtrain.bench import dp, ep, pp, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "ep": ep}[args.what].run(args)
 
 
 if __name__ == "__main__":

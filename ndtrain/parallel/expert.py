@@ -295,7 +295,7 @@ def gather_experts(model: nn.Module, state: dict[str, Tensor] | None, mesh: Para
 class LoadBalance:
     """The routing statistics of a step, reduced over every rank, and the aux-loss-free
     bias update. One table row per MoE block of the model (all stages), columns: slots per
-    expert, the balance term's token sum, slots dropped, all-to-all bytes."""
+    expert, the balance term's token sum, slots dropped, all-to-all bytes and seconds."""
 
     def __init__(self, model: nn.Module, args: ModelArgs, mesh: ParallelMesh, aux_coef: float, bias_rate: float):
         self.mesh, self.args, self.aux_coef, self.rate = mesh, args, aux_coef, bias_rate
@@ -310,7 +310,7 @@ class LoadBalance:
     def reduce(self, routing: RoutingLog, n_targets: float) -> dict:
         """Sum this step's statistics over every rank (collective) and keep them."""
         e = self.args.moe_experts
-        table = torch.zeros(len(self.rows), e + 3, dtype=torch.float64, device=self.mesh.device)
+        table = torch.zeros(len(self.rows), e + 4, dtype=torch.float64, device=self.mesh.device)
         for key, counts in routing.counts.items():
             row = self.rows[int(key)]
             table[row, :e] = counts
@@ -319,7 +319,7 @@ class LoadBalance:
         for layer, moe in self.blocks.items():
             meter = getattr(moe.dispatch, "meter", None)
             if meter is not None:
-                table[self.rows[layer], e + 2] = meter.wire
+                table[self.rows[layer], e + 2: e + 4] = torch.tensor([meter.wire, meter.seconds])
                 meter.reset()
         for name in ("dp_cp", "tp", "pp"):  # counts are partial over dp, cp and tp; stages disjoint
             ops.all_reduce(table, self.mesh.group(name))
@@ -338,9 +338,10 @@ class LoadBalance:
                "aux_loss": (table[:, e] / n_targets).tolist()}
         if self.args.moe_capacity > 0:
             out["dropped_fraction"] = (table[:, e + 1] / counts.sum(1).clamp_min(1)).tolist()
-        if self.mesh.shape.ep > 1:
-            ranks = self.mesh.world // self.mesh.shape.pp  # the ranks holding each block
+        if self.mesh.shape.ep > 1:  # per rank: the mean over the ranks holding each block
+            ranks = self.mesh.world // self.mesh.shape.pp
             out["a2a_bytes"] = (table[:, e + 2] / ranks).tolist()
+            out["a2a_seconds"] = (table[:, e + 3] / ranks).tolist()
         return out
 
     @torch.no_grad()
