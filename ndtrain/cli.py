@@ -204,9 +204,11 @@ def check_resume(cfg, run_dir: Path) -> Path | None:
     if cfg.run.resume == "false":
         raise ConfigError("run.dir", str(run_dir), "already holds checkpoints; set run.resume=true to continue "
                           "it or choose another run.dir")
-    saved = store.read_meta(last).get("mesh")
-    shape = mesh_shape(cfg)
+    meta = store.read_meta(last)
+    saved, shape = meta.get("mesh"), mesh_shape(cfg)
     here = {d: getattr(shape, d) for d in saved} if saved else None
+    if saved is not None and shape.ep != meta.get("ep", 1):  # experts split another way
+        saved, here = {**saved, "ep": meta.get("ep", 1)}, {**here, "ep": shape.ep}
     if saved != here:
         raise ConfigError("parallel", str(here), f"differs from the layout of checkpoint {last} ({saved}); "
                           "resuming needs the same layout")

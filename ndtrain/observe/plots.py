@@ -62,6 +62,7 @@ def plot_moe_load(metrics_path: Path, out: Path) -> Path:
         load = [[c / max(sum(row), 1) for c in row] for row in (r["moe"]["tokens_per_expert"][i] for r in records)]
         experts = len(load[0])
         image = ax.imshow([list(col) for col in zip(*load)], aspect="auto", origin="lower", cmap="viridis",
+                          interpolation="nearest",
                           vmin=0.0, vmax=min(1.0, 3.0 / experts),
                           extent=(records[0]["step"] + 0.5, records[-1]["step"] + 1.5, -0.5, experts - 0.5))
         ax.set_title(f"block {layer}", fontsize=9)

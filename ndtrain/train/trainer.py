@@ -217,16 +217,16 @@ class Trainer:
             parts["model"] = (par.full_model_state(), DIMS)
             parts["model_shard"] = (par.states.local_state(), par.model_replicated)
         meta = {"model_args": self.args.to_dict(), "tokens": self.step * self.cfg.train.global_batch * self.cfg.train.seq_len,
-                "model_sharded": not model_is_full}
+                "model_sharded": not model_is_full, "ep": mesh.shape.ep}
         return store.save(self.run_dir, self.step, mesh, parts, meta)
 
     def resume(self, path: Path) -> None:
         mesh, par = self.mesh, self.par
         meta = store.read_meta(path)
         here = dict(zip(DIMS, mesh.shape.sizes))
-        if meta.get("mesh") != here:
-            raise TrainingError(f"checkpoint {path} was written with layout {meta.get('mesh')}, "
-                                f"this run has {here}; resuming needs the same layout")
+        if meta.get("mesh") != here or meta.get("ep", 1) != mesh.shape.ep:
+            raise TrainingError(f"checkpoint {path} was written with layout {meta.get('mesh')}, ep = {meta.get('ep', 1)}; "
+                                f"this run has {here}, ep = {mesh.shape.ep}; resuming needs the same layout")
         if meta.get("model_sharded"):
             state = store.load_part(path, "model_shard", mesh, par.model_replicated, mesh.device)
         else:
