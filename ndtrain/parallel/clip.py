@@ -9,7 +9,8 @@ that dimension only the partial sums whose set contains it. Pipeline stages hold
 parameters, so every set contains "pp"; duplicates (a tied head on the last stage) are
 skipped. Routed experts add the two factors of dp_shard × cp that expert parallelism uses
 (mesh.EXPERT_DIMS): "ep" (different experts) and "edp_shard" (ZeRO slices of the same
-experts), so each expert is counted once, whatever holds copies of it.
+experts), so each expert is counted once, whatever holds copies of it. Without expert
+parallelism they are not in use, and the vector of partial sums stays 2^5 long.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from ndtrain.parallel.placement import is_duplicate, shard_dims
 def grad_norm(params, mesh: ParallelMesh) -> torch.Tensor:
     """The global L2 norm of the gradients of `params` (this rank's local tensors)."""
     device = mesh.device
-    dims = DIMS + EXPERT_DIMS
+    dims = DIMS + (EXPERT_DIMS if mesh.shape.ep > 1 else ())  # no expert dims in use without EP
     partial = torch.zeros(2 ** len(dims), dtype=torch.float64, device=device)
     by_mask: dict[int, list[torch.Tensor]] = {}
     for p in params:

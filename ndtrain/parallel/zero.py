@@ -497,8 +497,10 @@ class ZeRO:
         return {**state, **self.buffers()}
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        params = {name for name, _ in self.model.named_parameters()}
-        return {k: v for k, v in self.model.state_dict().items() if k not in params}
+        """The model's persistent buffers by name (never a parameter: under stage 3 those
+        are views into freed storage, a tied one under each of its names)."""
+        params = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
+        return {k: v for k, v in self.model.state_dict(keep_vars=True).items() if k not in params}
 
     @torch.no_grad()
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
