@@ -1,4 +1,4 @@
-"""The `ndtrain` command: train, prepare, generate, trace, bench.
+"""The `ndtrain` command: train, prepare, generate, trace, bench, convert, checkpoint.
 
 Bad input is refused before anything starts or is written: one line naming the key, the
 value and the rule, exit status 2. A fault during a run names the rank and exits 1.
@@ -27,7 +27,12 @@ examples:
   ndtrain train --dry-run --nproc 4 parallel.zero=2 model.preset=125M
                                                  memory per rank of a step, then exit (writes nothing)
   ndtrain generate --run runs/train-... --prompt "def main("
+  ndtrain train --nproc 4 parallel.tp=2 run.dir=runs/x   resume runs/x on another layout (any layout reads any checkpoint)
+  ndtrain train --nproc 2 model.init_from=hf:DIR data.path=my.jsonl   start from a Hugging Face Llama/Qwen model
+  ndtrain convert --to-hf runs/x --out hf/x      export a run as a Hugging Face model folder
+  ndtrain checkpoint inspect runs/x              steps, layout, tensors and bytes per rank of a run's checkpoints
   ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
+  ndtrain trace --nproc 2 parallel.cp=2 train.seq_len=512      context-parallel ring steps and their overlap
   ndtrain bench dp                               our DP against torch DDP, side by side
   ndtrain bench zero                             our ZeRO-3 against torch FSDP2, side by side
   ndtrain bench tp                               our TP+SP against DTensor TP+SP on 2 ranks, side by side
@@ -71,14 +76,36 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
 
-    p = sub.add_parser("trace", help="run a few pipelined steps; write the schedule as a Chrome trace and a picture",
+    p = sub.add_parser("trace", help="run a few pipelined or context-parallel steps; write the last one as a Chrome "
+                                     "trace and a picture",
                        description="Train a few steps of a pipelined layout (parallel.pp > 1), then write the last "
                                    "step's per-rank timeline as trace.json (chrome://tracing, ui.perfetto.dev) and "
-                                   "timeline.png, and print the measured bubble next to the theory. Writes no checkpoint.")
+                                   "timeline.png, and print the measured bubble next to the theory. With context "
+                                   "parallelism and no pipeline (parallel.cp > 1, parallel.pp = 1): every ring step of "
+                                   "every layer and every message of the last step, and the share of message time "
+                                   "hidden behind attention compute. Writes no checkpoint.")
     p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
     p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>)")
     p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default 3)")
     with_config(p)
+
+    p = sub.add_parser("convert", help="Hugging Face models in and out (Llama, Qwen2, Qwen3)",
+                       description="--from-hf DIR --to RUN_DIR: a run directory with a step-0 checkpoint of the HF "
+                                   "weights and its tokenizer (train from it with model.init_from=run:RUN_DIR). "
+                                   "--to-hf RUN_DIR --out DIR: the run's newest good checkpoint as a HF model folder "
+                                   "(model.safetensors, config.json, tokenizer.json).")
+    p.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model folder (config.json, *.safetensors)")
+    p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
+    p.add_argument("--to-hf", metavar="RUN_DIR", help="an ndtrain run directory (or one checkpoint folder)")
+    p.add_argument("--out", metavar="DIR", help="with --to-hf: the HF model folder to write")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="--to-hf: the exported dtype (default: as stored)")
+
+    p = sub.add_parser("checkpoint", help="inspect a run's checkpoints",
+                       description="inspect DIR: the checkpoints of a run (or one checkpoint folder): steps, the "
+                                   "layout that wrote them, the model, every tensor with its pieces, bytes per rank.")
+    p.add_argument("action", choices=["inspect"])
+    p.add_argument("dir", metavar="DIR")
+    p.add_argument("--verify", action="store_true", help="also check every file against its SHA-256")
 
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
@@ -136,8 +163,8 @@ def main(argv: list[str] | None = None) -> int:
     from ndtrain.launch import RankFailure
 
     try:
-        return {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate,
-                "bench": cmd_bench, "trace": cmd_trace}[args.command](args)
+        return {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "bench": cmd_bench,
+                "trace": cmd_trace, "convert": cmd_convert, "checkpoint": cmd_checkpoint}[args.command](args)
     except (ConfigError, DataError) as e:
         return fail(str(e))
     except CheckpointError as e:
@@ -192,30 +219,31 @@ def _run_dir(cfg, task: str) -> Path:
 
 
 def check_resume(cfg, run_dir: Path) -> Path | None:
-    """Decide, before anything is written, whether this run continues a checkpoint."""
+    """Decide, before anything is written, whether this run continues a checkpoint, and
+    refuse a config the checkpoint cannot continue (another model, other data or their
+    order), naming the key. The ranks verify checksums and fall back to older checkpoints
+    themselves; here only the cheap checks run."""
     from ndtrain.checkpoint import store
+    from ndtrain.checkpoint.resume import check_resume_config
+    from ndtrain.checkpoint.sources import newest_readable
     from ndtrain.config import ConfigError
-    from ndtrain.train.worker import mesh_shape
-    last = store.latest(run_dir)
-    if last is None:
+    if not store.steps_of(run_dir):
         if cfg.run.resume == "true":
             raise ConfigError("run.resume", "true", f"run.dir {str(run_dir)!r} holds no checkpoint to resume")
         return None
     if cfg.run.resume == "false":
         raise ConfigError("run.dir", str(run_dir), "already holds checkpoints; set run.resume=true to continue "
                           "it or choose another run.dir")
-    meta = store.read_meta(last)
-    saved, shape = meta.get("mesh"), mesh_shape(cfg)
-    here = {d: getattr(shape, d) for d in saved} if saved else None
-    if saved is not None and shape.ep != meta.get("ep", 1):  # experts split another way
-        saved, here = {**saved, "ep": meta.get("ep", 1)}, {**here, "ep": shape.ep}
-    if saved != here:
-        raise ConfigError("parallel", str(here), f"differs from the layout of checkpoint {last} ({saved}); "
-                          "resuming needs the same layout")
+    last = newest_readable(run_dir)
+    if last is None:
+        raise store.CheckpointError(f"run.dir {run_dir}: none of its checkpoints is complete; move them away "
+                                    "(or choose another run.dir) to start afresh")
+    check_resume_config(cfg, store.read_meta(last))
     return last
 
 
 def cmd_train(args) -> int:
+    from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import load_config, validate
     from ndtrain.launch import external_world, launch_local
     from ndtrain.train.worker import resolve_vocab, train_worker
@@ -225,6 +253,7 @@ def cmd_train(args) -> int:
         cfg.run.nproc = args.nproc
         cfg.explicit |= {"run.nproc"}
     world = external_world()
+    resolve_init_from(cfg)  # the model (and tokenizer) of model.init_from, before validating it
     validate(cfg, world=world)
     warn_before_start(cfg, world)
     if args.dry_run:
@@ -267,8 +296,9 @@ def cmd_trace(args) -> int:
         cfg.explicit |= {"run.nproc"}
     validate(cfg)
     p, t = cfg.parallel, cfg.train
-    if p.pp == 1:
-        raise ConfigError("parallel.pp", 1, "ndtrain trace draws a pipeline schedule; set parallel.pp > 1")
+    if p.pp == 1 and p.cp == 1:
+        raise ConfigError("parallel.pp", 1, "ndtrain trace draws a pipeline schedule (parallel.pp > 1) or "
+                          "context-parallel attention (parallel.cp > 1); set one of them")
     if args.out:
         check_writable_dir("--out", args.out)
     warn_before_start(cfg, None)
@@ -276,6 +306,16 @@ def cmd_trace(args) -> int:
     data = open_data(cfg, False)
     resolve_vocab(cfg, data)
     m = t.accumulation(p.dp)
+    if p.pp == 1:
+        print(f"ndtrain trace: {cfg.model.preset} model, cp={p.cp} ({p.cp_impl}) dp={p.dp} tp={p.tp}, "
+              f"{t.steps} steps, the last one recorded → {out}", flush=True)
+        r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
+        print(f"messages  {1e3 * r['in_flight']:.1f} ms in flight per rank, {1e3 * r['waited']:.1f} ms waited: "
+              f"{100 * r['hidden']:.0f}% hidden behind {1e3 * r['compute']:.1f} ms of attention compute "
+              f"({r['messages']:.0f} messages, {r['layers']} layers, forward and backward)\n"
+              f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
+              f"timeline  {r['timeline']}", flush=True)
+        return 0
     print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} tp={p.tp}, schedule {p.pp_schedule}"
           + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "") + f", {m} micro-batches, {t.steps} steps → {out}",
           flush=True)
@@ -341,15 +381,15 @@ def cmd_prepare(args) -> int:
 
 def cmd_generate(args) -> int:
     import torch
-    from safetensors.torch import load_file
 
     from ndtrain.checkpoint import store
+    from ndtrain.checkpoint.layout import load_model
+    from ndtrain.checkpoint.sources import CheckpointSource
     from ndtrain.config import ConfigError
     from ndtrain.data.tokenizer import TextTokenizer
     from ndtrain.generate.sampler import sample
     from ndtrain.model.args import ModelArgs
     from ndtrain.model.llama import Transformer
-    from ndtrain.parallel.states import load_unique_state
 
     if args.max_new_tokens <= 0:
         raise ConfigError("--max-new-tokens", args.max_new_tokens, "must be > 0")
@@ -360,12 +400,14 @@ def cmd_generate(args) -> int:
     run = Path(args.run)
     if not run.is_dir():
         raise ConfigError("--run", args.run, "directory does not exist")
-    last = store.latest(run)
-    if last is None or not (last / "model.safetensors").is_file():
-        raise ConfigError("--run", args.run, "holds no checkpoint with model.safetensors (did training finish?)")
+    if not store.steps_of(run):
+        raise ConfigError("--run", args.run, "holds no checkpoint (did training save one?)")
+    last = store.select(run, report=lambda m: print(f"ndtrain: {m}", file=sys.stderr))
+    if last is None:
+        raise store.CheckpointError(f"run {run}: none of its checkpoints passes its checks")
     meta = store.read_meta(last)
     model = Transformer(ModelArgs(**meta["model_args"]))
-    load_unique_state(model, load_file(str(last / "model.safetensors")))
+    load_model(CheckpointSource(last, meta), model)
     tok = TextTokenizer.from_file(run / "tokenizer.json")
     ids = tok.encode(args.prompt)
     if not ids:
@@ -376,6 +418,41 @@ def cmd_generate(args) -> int:
     if out and out[-1] == tok.eot_id:
         out = out[:-1]
     print(args.prompt + tok.decode(out))
+    return 0
+
+
+# --------------------------------------------------------------------------- convert, checkpoint
+
+def cmd_convert(args) -> int:
+    from ndtrain.checkpoint.convert import from_hf, to_hf
+    from ndtrain.config import ConfigError
+    if bool(args.from_hf) == bool(args.to_hf):
+        raise ConfigError("convert", "--from-hf / --to-hf", "give exactly one of --from-hf DIR --to RUN_DIR "
+                          "and --to-hf RUN_DIR --out DIR")
+    if args.from_hf:
+        if not args.to:
+            raise ConfigError("--to", None, "--from-hf needs --to RUN_DIR, the run directory to create")
+        if not Path(args.from_hf).is_dir():
+            raise ConfigError("--from-hf", args.from_hf, "directory does not exist")
+        path = from_hf(Path(args.from_hf), Path(args.to))
+        print(f"converted {args.from_hf} → {path}\ntrain from it with  ndtrain train model.init_from=run:{args.to}")
+        return 0
+    if not args.out:
+        raise ConfigError("--out", None, "--to-hf needs --out DIR, the Hugging Face folder to write")
+    if not Path(args.to_hf).is_dir():
+        raise ConfigError("--to-hf", args.to_hf, "directory does not exist")
+    out = to_hf(Path(args.to_hf), Path(args.out), args.dtype,
+                report=lambda m: print(f"ndtrain: {m}", file=sys.stderr))
+    print(f"exported {args.to_hf} → {out} (transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
+
+
+def cmd_checkpoint(args) -> int:
+    from ndtrain.checkpoint.inspect import describe
+    from ndtrain.config import ConfigError
+    if not Path(args.dir).is_dir():
+        raise ConfigError("DIR", args.dir, "directory does not exist")
+    print(describe(Path(args.dir), verify=args.verify))
     return 0
 
 

@@ -46,6 +46,10 @@ class ModelConfig:
     max_seq_len: int | None = None
     rope_theta: float | None = None
     tie_embeddings: bool | None = None
+    head_dim: int | None = None  # None = dim / n_heads
+    norm_eps: float | None = None
+    qkv_bias: bool | None = None  # biases on q, k, v (Qwen2)
+    qk_norm: bool | None = None  # RMSNorm of each query and key head (Qwen3)
     dropout: float = 0.0
     # Mixture of experts (model/moe.py): only on an MoE preset (tiny-moe, olmoe-1b-7b).
     moe_experts: int | None = None
@@ -57,6 +61,7 @@ class ModelConfig:
     moe_norm_topk: bool | None = None
     moe_route_scale: float | None = None
     moe_capacity: float | None = None  # capacity factor; 0 = dropless
+    init_from: str = ""  # "" = random init; run:DIR (an ndtrain run or checkpoint) or hf:DIR (a HF model folder)
 
 
 @dataclass
@@ -70,6 +75,7 @@ class ParallelConfig:
     pp_virtual: int = 1
     pp_split: str = ""  # blocks per pipeline chunk, e.g. "3,5,5,3"; "" = balanced by cost
     cp: int = 1
+    cp_impl: str = "ring"  # context-parallel attention: ring | allgather | ulysses
     ep: int = 1  # experts split over ep ranks of dp_shard × cp
     zero: int = 0  # ZeRO stage over dp_shard: 0 (plain DP), 1 (optimizer), 2 (+ gradients), 3 (+ parameters)
     reshard_after_forward: bool = True  # zero=3: free each block after its forward (false: keep until backward)
@@ -112,6 +118,7 @@ class TrainConfig:
     eval_every: int = 100  # 0 = evaluate only at the end
     eval_batches: int = 8
     save_every: int = 0  # 0 = save only at the end
+    keep_checkpoints: int = 0  # keep the newest N checkpoints (the one just written always); 0 = keep all
     log_every: int = 10
 
     def accumulation(self, dp: int) -> int:
@@ -165,7 +172,7 @@ class Config:
         m = self.model
         base = PRESETS[m.preset]
         changes = {f.name: getattr(m, f.name) for f in fields(m)
-                   if f.name not in ("preset",) and getattr(m, f.name) is not None}
+                   if f.name not in ("preset", "init_from") and getattr(m, f.name) is not None}
         if vocab_size is not None and m.vocab_size is None:
             changes["vocab_size"] = vocab_size
         if "max_seq_len" not in changes:
@@ -350,8 +357,9 @@ PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
 
 # Dimensions whose implementation has not landed yet: refused up front, never half-run.
-NOT_YET = {"parallel.cp": "context parallelism"}
+NOT_YET: dict[str, str] = {}  # every dimension has landed
 MOE_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name.startswith("moe_"))
+CP_IMPLS = ("ring", "allgather", "ulysses")
 
 
 def _positive(key: str, value, *, zero_ok: bool = False) -> None:
@@ -408,10 +416,18 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
 
     if m.preset not in PRESETS:
         raise ConfigError("model.preset", m.preset, f"unknown preset; choose one of {', '.join(PRESETS)}")
-    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len"):
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "head_dim"):
         _positive(f"model.{key}", getattr(m, key))
-    if m.rope_theta is not None:
-        _positive("model.rope_theta", m.rope_theta)
+    for key in ("rope_theta", "norm_eps"):
+        if getattr(m, key) is not None:
+            _positive(f"model.{key}", getattr(m, key))
+    if m.init_from:
+        kind, _, path = m.init_from.partition(":")
+        if kind not in ("run", "hf") or not path:
+            raise ConfigError("model.init_from", m.init_from, "expected run:DIR (an ndtrain run or checkpoint) "
+                              "or hf:DIR (a Hugging Face model folder)")
+        if check_paths and not Path(os.path.expanduser(path)).is_dir():
+            raise ConfigError("model.init_from", m.init_from, "no such directory")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
 
@@ -424,6 +440,8 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
             raise ConfigError(key, value, f"{what} is not implemented yet; use 1")
     if p.zero not in (0, 1, 2, 3):
         raise ConfigError("parallel.zero", p.zero, "choose a ZeRO stage: 0, 1, 2 or 3")
+    if p.cp_impl not in CP_IMPLS:
+        raise ConfigError("parallel.cp_impl", p.cp_impl, f"choose one of {', '.join(CP_IMPLS)}")
     if p.pp_schedule not in PP_SCHEDULES:
         raise ConfigError("parallel.pp_schedule", p.pp_schedule, f"unknown schedule; choose one of {', '.join(PP_SCHEDULES)}")
     _positive("parallel.bucket_mb", p.bucket_mb)
@@ -481,6 +499,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     if r.threads > cores:
         raise ConfigError("run.threads", r.threads, f"must be at most this machine's {cores} CPU cores")
     _positive("run.stop_after", r.stop_after, zero_ok=True)
+    _positive("train.keep_checkpoints", t.keep_checkpoints, zero_ok=True)
 
     # The layout: process count, batch split, head split.
     if p.dp and p.dp % p.dp_replicate:
@@ -497,15 +516,19 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
                           f"must be divisible by dp × micro_batch = {p.dp} × {t.micro_batch} = {p.dp * t.micro_batch}")
     if p.sp is None:
         p.sp = p.tp > 1
-    if p.zero and p.dp_shard == 1:
-        raise ConfigError("parallel.zero", p.zero, "ZeRO shards over parallel.dp_shard = dp / dp_replicate "
-                          f"= {p.dp} / {p.dp_replicate} = 1: nothing to shard; use zero=0 or more data-parallel ranks")
+    if p.zero and p.dp_shard * p.cp == 1:
+        raise ConfigError("parallel.zero", p.zero, "ZeRO shards over dp_shard × cp = (dp / dp_replicate) × cp "
+                          f"= ({p.dp} / {p.dp_replicate}) × {p.cp} = 1: nothing to shard; use zero=0 or more "
+                          "data-parallel ranks")
 
     a = cfg.model_args(vocab_size=m.vocab_size or PRESETS[m.preset].vocab_size)
-    if a.dim % a.n_heads:
-        raise ConfigError("model.n_heads", a.n_heads, f"must divide model.dim = {a.dim}")
+    if m.head_dim is None and a.dim % a.n_heads:
+        raise ConfigError("model.n_heads", a.n_heads, f"must divide model.dim = {a.dim} (or set model.head_dim)")
     if a.head_dim % 2:
-        raise ConfigError("model.n_heads", a.n_heads, f"head dim {a.dim}/{a.n_heads} = {a.head_dim} must be even for RoPE")
+        key, value = ("model.head_dim", a.head_dim) if m.head_dim else ("model.n_heads", a.n_heads)
+        raise ConfigError(key, value, f"head dim {a.head_dim} must be even for RoPE")
+    if a.qkv_bias and a.qk_norm:
+        raise ConfigError("model.qk_norm", True, "with model.qkv_bias as well is no known model family; choose one")
     if a.n_kv_heads > a.n_heads or a.n_heads % a.n_kv_heads:
         raise ConfigError("model.n_kv_heads", a.n_kv_heads, f"must divide model.n_heads = {a.n_heads}")
     _check_pipeline(cfg, a)
@@ -525,6 +548,8 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
         raise ConfigError("train.seq_len", t.seq_len,
                           f"must be divisible by parallel.tp = {p.tp} with sequence parallelism (parallel.sp) on")
     _check_moe(cfg, a)
+
+    _check_context(cfg, a)
 
     if check_paths:
         if d.path != "stdlib" and not Path(os.path.expanduser(d.path)).exists():
@@ -546,7 +571,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
 def _check_moe(cfg: Config, a: ModelArgs) -> None:
     """Mixture-of-experts keys and expert parallelism."""
     m, p, t = cfg.model, cfg.parallel, cfg.train
-    if not PRESETS[m.preset].is_moe:
+    if not PRESETS[m.preset].is_moe and not m.init_from:  # (an MoE source sets them: checkpoint/sources.py)
         for key in MOE_KEYS:
             if getattr(m, key) is not None:
                 moe = ", ".join(n for n, pa in PRESETS.items() if pa.is_moe)
@@ -639,6 +664,30 @@ def _check_pipeline(cfg: Config, a: ModelArgs) -> None:
         raise ConfigError("parallel.pp_schedule", p.pp_schedule,
                           f"needs the micro-batch count global_batch / (dp × micro_batch) = {t.global_batch} / "
                           f"({p.dp} × {t.micro_batch}) = {m} to be a multiple of parallel.pp = {p.pp}")
+
+
+def _check_context(cfg: Config, a: ModelArgs) -> None:
+    """Context parallelism: the zigzag layout's chunks, sequence parallelism inside a CP
+    rank's tokens, and Ulysses' head split (on the heads each tp rank holds)."""
+    p, t = cfg.parallel, cfg.train
+    if p.cp == 1:
+        return
+    if t.seq_len % (2 * p.cp):
+        raise ConfigError("train.seq_len", t.seq_len, f"must be divisible by 2 × parallel.cp = {2 * p.cp}: "
+                          "context parallelism cuts each sequence into 2·cp equal chunks")
+    local = t.seq_len // p.cp
+    if p.sp and p.tp > 1 and local % p.tp:
+        raise ConfigError("train.seq_len", t.seq_len, f"must be divisible by cp × tp = {p.cp} × {p.tp}: sequence "
+                          f"parallelism splits each CP rank's {local} tokens over parallel.tp = {p.tp}")
+    if p.cp_impl == "ulysses":
+        heads = a.n_heads // p.tp
+        kv = a.n_kv_heads // p.tp if a.n_kv_heads % p.tp == 0 else 1
+        if heads % p.cp:
+            raise ConfigError("parallel.cp", p.cp, f"cp_impl = ulysses splits the query heads per tp rank, "
+                              f"n_heads / tp = {a.n_heads} / {p.tp} = {heads}, over cp: they must be divisible by it")
+        if kv % p.cp and p.cp % kv:
+            raise ConfigError("parallel.cp", p.cp, f"cp_impl = ulysses needs the KV heads per tp rank ({kv}, of "
+                              f"n_kv_heads = {a.n_kv_heads}) to divide cp or be divisible by it")
 
 
 def parse_split(text: str) -> list[int]:

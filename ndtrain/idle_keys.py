@@ -46,6 +46,7 @@ def _rules(cfg: Config, world: int | None) -> list[tuple[str, bool, str]]:
         ("parallel.bucket_mb", p.zero > 0, "ZeRO communicates per unit (a block, the root), not per bucket"),
         ("parallel.bucket_mb", p.zero == 0 and p.dp * p.cp == 1,
          "there is no data parallelism (parallel.dp = 1) whose gradients it would bucket"),
+        ("parallel.cp_impl", p.cp == 1, "it chooses context-parallel attention, which needs parallel.cp > 1"),
         ("parallel.dp_replicate", p.zero == 0,
          "without ZeRO every data-parallel rank holds everything; replicas only matter to HSDP (parallel.zero > 0)"),
         ("train.reduce_fp32", t.precision not in ("bf16", "fp16"),

@@ -1,4 +1,5 @@
-"""Checkpoints: 10 steps straight equal 5 steps, a resume, and 5 more, bit for bit."""
+"""Checkpoints: 10 steps straight equal 5 steps, a resume, and 5 more, bit for bit. (Other
+layouts: tests/test_reshard.py; corrupt checkpoints: tests/test_checkpoint.py.)"""
 
 import pytest
 import torch
@@ -41,31 +42,3 @@ def test_resume_is_bit_exact(world, extra, tiny_data, tmp_path):
     assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(10))
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
     assert [r.get("val_loss") for r in a] == [r.get("val_loss") for r in b]
-
-
-def _resume_other_layout(data_dir, root):
-    train_in_rank(["train.steps=2"], data_dir, run_dir=root)
-    return True
-
-
-def test_corrupt_and_mismatched_checkpoints_are_named(tiny_data, tmp_path):
-    from pathlib import Path
-
-    from ndtrain.checkpoint import store
-    from ndtrain.train.trainer import TrainingError
-    run_ranks(_resume_other_layout, 2, tiny_data, str(tmp_path))
-    last = store.latest(tmp_path)
-    assert last.name == "step_0000002" and (last / "model.safetensors").is_file()
-    assert not list(Path(tmp_path, "checkpoints").glob("*.tmp"))
-    # a single process may not resume a 2-rank checkpoint
-    with pytest.raises(TrainingError, match="layout"):
-        train_in_rank(["train.steps=4"], tiny_data, run_dir=str(tmp_path), resume=True)
-    # a truncated optimizer file is reported by name
-    (last / "optim.pt").write_bytes(b"garbage")
-    cp = tmp_path / "copy"
-    import shutil
-    shutil.copytree(tmp_path, cp, ignore=shutil.ignore_patterns("copy"))
-    meta = (cp / "checkpoints" / last.name / "meta.json")
-    meta.write_text(meta.read_text().replace('"dp_shard": 2', '"dp_shard": 1'))
-    with pytest.raises(store.CheckpointError, match="optim.pt is corrupt"):
-        train_in_rank(["train.steps=4"], tiny_data, run_dir=str(cp), resume=True)

@@ -1,140 +1,208 @@
-"""Checkpoints: every rank's state, written atomically, read back on the same layout.
+"""Checkpoints on disk: one folder per step, written atomically, checked before it is used.
 
-A checkpoint is a folder `checkpoints/step_NNNNNNN/` of *parts*. A part (model, optimizer,
-rng, ...) is identical on the ranks of its replicated dimensions, so only the rank whose
-coordinates on those dimensions are all 0 writes it, under a name that carries the other
-coordinates: `model-pp1-tp0.safetensors`, `optim-dp_shard3.pt`, `rng-rank5.pt`. A purely
-data-parallel run therefore writes one `model.safetensors`, which is also the full model.
+    checkpoints/step_0000008/
+      meta.json               the step, the model, the config, the layout that wrote it,
+                              each file's size and SHA-256, and each global tensor: its shape,
+                              dtype and the pieces that hold it (file, key, box, flat range)
+      rank-00003.safetensors  the pieces rank 3 wrote, each a 1-D tensor
+    checkpoints/latest        the newest checkpoint's name (for people and tools)
 
-Atomicity: every rank writes into `step_N.tmp/`; after a barrier rank 0 writes
-`meta.json`, renames the folder to `step_N/` and then replaces the `latest` file. A crash at
-any point leaves either the previous checkpoint as `latest` or the new one, complete.
+Every tensor is stored under its global name ("weight/layers.0.attention.wq.weight",
+"exp_avg/…", "exp_avg_sq/…") with the global shape and the piece of it each file holds
+(checkpoint/slices.py), so any layout reads any checkpoint (checkpoint/layout.py).
+
+Writing: every rank writes its share into `step_N.tmp/`, hashing the bytes as they go; rank
+0 gathers the index, writes meta.json, renames the folder to `step_N/`, then replaces
+`latest`. A crash at any moment leaves the previous checkpoints complete and at most a
+`.tmp` folder, which the next save removes.
+
+Checking (`problem`): meta.json must parse and be of this format, every file must exist
+with its recorded size (cheap, before anything heavier), and its SHA-256 must match (each
+file hashed by one rank). `select` walks the checkpoints from the newest and takes the
+first that passes, naming the file that disqualified each one it skips.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
-from ndtrain.mesh import COMPOSITES, DIMS, ParallelMesh
+from ndtrain.checkpoint.files import DTYPES, sha256_of, write_safetensors
+from ndtrain.checkpoint.slices import Piece
+
+FORMAT, VERSION = "ndtrain-checkpoint", 2
+_STEP = re.compile(r"step_(\d+)")
 
 
 class CheckpointError(RuntimeError):
-    pass
+    """A checkpoint that cannot be used; the message names the file."""
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
     return Path(run_dir) / "checkpoints" / f"step_{step:07d}"
 
 
-PER_RANK = None  # `replicated` value of a part every rank keeps its own copy of (RNG state)
+def step_of(path: Path) -> int:
+    return int(_STEP.fullmatch(Path(path).name).group(1))
 
 
-def file_name(name: str, mesh: ParallelMesh, replicated: tuple[str, ...] | None, tensors: bool) -> str:
-    """The part's file name: the coordinates on every live dimension it is *not* replicated
-    over, e.g. `optim-pp1-dp_shard0.pt`."""
-    ext = "safetensors" if tensors else "pt"
-    if replicated is PER_RANK:
-        return f"{name}-rank{mesh.rank}.{ext}"
-    reps = set(expand_dims(replicated))
-    tag = "".join(f"-{d}{mesh.coords[d]}" for d in DIMS
-                  if d not in reps and getattr(mesh.shape, d) > 1)
-    return f"{name}{tag}.{ext}"
+def steps_of(run_dir: Path) -> list[Path]:
+    """The run's checkpoint folders (complete or not), newest first."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and _STEP.fullmatch(p.name)]
+    return sorted(found, key=step_of, reverse=True)
 
 
-def writes_part(mesh: ParallelMesh, replicated: tuple[str, ...] | None) -> bool:
-    """Whether this rank writes the part: only the first copy of identical copies does."""
-    return replicated is PER_RANK or all(mesh.coords[d] == 0 for d in expand_dims(replicated))
+def latest(run_dir: Path) -> Path | None:
+    """The checkpoint `latest` names (the newest one written), or None."""
+    pointer = Path(run_dir) / "checkpoints" / "latest"
+    if not pointer.is_file():
+        return None
+    return pointer.parent / pointer.read_text().strip()
 
 
-def expand_dims(dims: tuple[str, ...]) -> tuple[str, ...]:
-    return tuple(d for name in dims for d in COMPOSITES.get(name, (name,)))
+def read_meta(path: Path) -> dict:
+    file = Path(path) / "meta.json"
+    try:
+        meta = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path}: meta.json is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path}: meta.json is unreadable ({type(e).__name__}: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"checkpoint {path}: meta.json is not an {FORMAT} file")
+    if meta.get("version") != VERSION:
+        raise CheckpointError(f"checkpoint {path}: format version {meta.get('version')}, this ndtrain reads {VERSION}")
+    return meta
 
 
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + ".partial")
-    write(tmp)
-    os.replace(tmp, path)
+def size_problem(path: Path, meta: dict) -> str | None:
+    """What is missing or of the wrong size, checked with `stat` only."""
+    for name, info in sorted(meta["files"].items()):
+        file = Path(path) / name
+        if not file.is_file():
+            return f"{file} is missing"
+        size = file.stat().st_size
+        if size != info["bytes"]:
+            return f"{file} is {size} bytes, meta.json says {info['bytes']} (truncated or overwritten)"
+    return None
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be used, or None. Collective when distributed:
+    every rank checks sizes, each file's SHA-256 is computed by one rank, and every rank
+    returns the same answer."""
+    rank, world = _world()
+    try:
+        meta = read_meta(path)
+        reason = size_problem(path, meta)
+        if reason is None:
+            names = sorted(meta["files"])
+            for name in names[rank::world]:
+                if sha256_of(Path(path) / name) != meta["files"][name]["sha256"]:
+                    reason = f"{Path(path) / name} does not match its SHA-256 in meta.json (corrupted bytes)"
+                    break
+    except CheckpointError as e:
+        reason = str(e)
+    except OSError as e:
+        reason = f"{path}: {e}"
+    if world > 1:
+        reasons = [None] * world
+        dist.all_gather_object(reasons, reason)
+        reason = next((r for r in reasons if r), None)
+    return reason
+
+
+def select(run_dir: Path, report=print) -> Path | None:
+    """The newest checkpoint of the run that passes `problem`; `report(message)` is told
+    about each newer one refused (on rank 0). Collective when distributed."""
+    for path in steps_of(run_dir):
+        reason = problem(path)
+        if reason is None:
+            return path
+        if _world()[0] == 0:
+            report(f"checkpoint {path.name} refused: {reason}; trying the previous one")
+    return None
+
+
+def save(run_dir: Path, step: int, entries: list[tuple[str, Piece, torch.Tensor]], meta: dict,
+         keep: int = 0) -> Path:
+    """Write a checkpoint: `entries` are this rank's share, (global tensor key, piece,
+    1-D data). Collective. `keep` > 0 prunes all but the newest `keep` checkpoints."""
+    rank, world = _world()
+    final = step_dir(run_dir, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if rank == 0 and tmp.exists():
+        shutil.rmtree(tmp)
+    _barrier()
+    tmp.mkdir(parents=True, exist_ok=True)
+    index, files = [], {}
+    if entries:
+        name = f"rank-{rank:05d}.safetensors"
+        plan = [(key, data.dtype, (data.numel(),), lambda d=data: d) for key, _, data in entries]
+        size, digest = write_safetensors(tmp / name, plan, {"format": FORMAT})
+        files[name] = {"bytes": size, "sha256": digest}
+        index = [(key, name, piece, DTYPES[data.dtype]) for key, piece, data in entries]
+    gathered = [None] * world
+    if world > 1:
+        dist.all_gather_object(gathered, (index, files))
+    else:
+        gathered = [(index, files)]
+    if rank == 0:
+        tensors: dict[str, dict] = {}
+        for part_index, part_files in gathered:
+            files.update(part_files)
+            for key, file, piece, dtype in part_index:
+                t = tensors.setdefault(key, {"shape": list(piece.shape), "dtype": dtype, "pieces": []})
+                t["pieces"].append({"file": file, "key": key, **piece.to_json()})
+        meta = {"format": FORMAT, "version": VERSION, "step": step, "saved_at": time.time(), **meta,
+                "files": files, "tensors": dict(sorted(tensors.items()))}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        pointer = final.parent / "latest.partial"
+        pointer.write_text(final.name + "\n")
+        os.replace(pointer, final.parent / "latest")
+        prune(run_dir, step, keep)
+    _barrier()
+    return final
+
+
+def prune(run_dir: Path, current: int, keep: int) -> None:
+    """After saving step `current`: drop checkpoints newer than it (a future abandoned when
+    an earlier one was resumed), leftover `.tmp` folders, and, with `keep` > 0, all but the
+    `keep` newest. The one just written is always kept."""
+    root = Path(run_dir) / "checkpoints"
+    for tmp in root.glob("step_*.tmp"):
+        shutil.rmtree(tmp, ignore_errors=True)
+    older = []
+    for path in steps_of(run_dir):
+        step = step_of(path)
+        if step > current:
+            shutil.rmtree(path, ignore_errors=True)
+        elif step < current:
+            older.append(path)
+    if keep > 0:
+        for path in older[keep - 1:]:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
-
-
-def save(run_dir: Path, step: int, mesh: ParallelMesh, parts: dict, meta: dict) -> Path:
-    """Write a checkpoint. `parts`: name → (object, replicated dims or PER_RANK); an object that is a
-    dict of tensors goes to safetensors, anything else to torch.save. Collective."""
-    final = step_dir(run_dir, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if mesh.rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    _barrier()
-    tmp.mkdir(parents=True, exist_ok=True)
-    for name, (obj, replicated) in parts.items():
-        if not writes_part(mesh, replicated):
-            continue
-        tensors = _is_tensor_dict(obj)
-        fname = file_name(name, mesh, replicated, tensors)
-        if tensors:
-            flat = {k: v.detach().contiguous().cpu() for k, v in obj.items()}
-            _atomic_write(tmp / fname, lambda p: save_file(flat, str(p)))
-        else:
-            _atomic_write(tmp / fname, lambda p: torch.save(obj, p))
-    _barrier()
-    if mesh.rank == 0:
-        meta = {**meta, "step": step, "mesh": dict(zip(DIMS, mesh.shape.sizes))}
-        _atomic_write(tmp / "meta.json", lambda p: p.write_text(json.dumps(meta, indent=1)))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _atomic_write(final.parent / "latest", lambda p: p.write_text(final.name + "\n"))
-    _barrier()
-    return final
-
-
-def _is_tensor_dict(obj) -> bool:
-    return isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values())
-
-
-def latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint of a run, or None."""
-    pointer = Path(run_dir) / "checkpoints" / "latest"
-    if not pointer.is_file():
-        return None
-    path = pointer.parent / pointer.read_text().strip()
-    if not (path / "meta.json").is_file():
-        raise CheckpointError(f"checkpoint {path}: `latest` points to a folder without meta.json")
-    return path
-
-
-def read_meta(path: Path) -> dict:
-    try:
-        return json.loads((Path(path) / "meta.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"checkpoint {path}: meta.json unreadable ({e})") from None
-
-
-def load_part(path: Path, name: str, mesh: ParallelMesh, replicated: tuple[str, ...] | None,
-              device: torch.device | str = "cpu"):
-    """Read this rank's copy of a part written by `save` on the same layout."""
-    tensors = True
-    file = Path(path) / file_name(name, mesh, replicated, tensors)
-    if not file.is_file():
-        tensors = False
-        file = Path(path) / file_name(name, mesh, replicated, tensors)
-    if not file.is_file():
-        raise CheckpointError(f"checkpoint {path}: part file {file.name} is missing "
-                              f"(was it written with a different layout?)")
-    try:
-        if tensors:
-            return load_file(str(file), device=str(device))
-        return torch.load(file, map_location=device, weights_only=False)
-    except Exception as e:  # a truncated or corrupt file: say which
-        raise CheckpointError(f"checkpoint {path}: part file {file.name} is corrupt ({type(e).__name__}: {e})") from None

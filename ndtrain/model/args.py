@@ -22,6 +22,10 @@ class ModelArgs:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     dropout: float = 0.0
+    # None: dim // n_heads. Qwen3 sets it explicitly (n_heads · head_dim need not be dim).
+    head_dim: int | None = None
+    qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
+    qk_norm: bool = False  # RMSNorm of each query and key head before the rotary (Qwen3)
     # Mixture of experts (model/moe.py); moe_experts = 0: every block is dense.
     moe_experts: int = 0  # routed experts per MoE block
     moe_top_k: int = 2  # experts each token is routed to
@@ -33,9 +37,9 @@ class ModelArgs:
     moe_route_scale: float = 1.0  # multiplies the k weights
     moe_capacity: float = 0.0  # capacity factor; 0 = dropless
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
     @property
     def is_moe(self) -> bool:
@@ -53,6 +57,11 @@ class ModelArgs:
         return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
 
     def with_(self, **changes) -> "ModelArgs":
+        """A copy with `changes`. A head_dim that was derived from dim / n_heads is derived
+        again when those change."""
+        derived = self.head_dim == self.dim // self.n_heads
+        if "head_dim" not in changes and derived and ({"dim", "n_heads"} & set(changes)):
+            changes["head_dim"] = None
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
@@ -90,11 +99,16 @@ ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")
 
 
 def block_params(a: ModelArgs, layer: int = 0, *, active: bool = False) -> int:
-    """Parameters of decoder block `layer`: attention, two RMSNorm weights, and a SwiGLU MLP
-    or an MoE feed-forward (router, routed and shared experts). `active=True` counts what one
-    token uses: the router, its top-k experts and the shared ones."""
-    kv_dim = a.n_kv_heads * a.head_dim
-    attention = a.dim * a.dim * 2 + a.dim * kv_dim * 2  # wq, wo, wk, wv
+    """Parameters of decoder block `layer`: attention (with q/k/v biases and q/k norms where
+    the family has them), two RMSNorm weights, and a SwiGLU MLP or an MoE feed-forward
+    (router, routed and shared experts). `active=True` counts what one token uses: the
+    router, its top-k experts and the shared ones."""
+    q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    attention = a.dim * q_dim * 2 + a.dim * kv_dim * 2  # wq, wo, wk, wv
+    if a.qkv_bias:
+        attention += q_dim + 2 * kv_dim
+    if a.qk_norm:
+        attention += 2 * a.head_dim
     if a.is_moe_layer(layer):
         experts = (a.moe_top_k if active else a.moe_experts) + a.moe_shared_experts
         mlp = a.dim * a.moe_experts + experts * 3 * a.dim * a.expert_dim  # router + experts
@@ -136,4 +150,4 @@ def flops_per_token(a: ModelArgs, seq_len: int) -> float:
     FLOPs.
     """
     n = param_count(a, embedding=False, active=True)
-    return 6.0 * n + 6.0 * a.n_layers * seq_len * a.dim
+    return 6.0 * n + 6.0 * a.n_layers * seq_len * a.n_heads * a.head_dim  # n_heads·head_dim = d

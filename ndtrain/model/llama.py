@@ -160,14 +160,20 @@ def document_mask(doc_ids: Tensor) -> Tensor:
 
 
 class Attention(nn.Module):
+    """Grouped-query attention. Families differ only in two optional pieces: biases on the
+    q, k, v projections (Qwen2) and an RMSNorm of each query and key head, shared by all
+    heads, before the rotary (Qwen3)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.head_dim = args.head_dim
         kv_dim = args.n_kv_heads * args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, kv_dim, bias=False)
-        self.wv = nn.Linear(args.dim, kv_dim, bias=False)
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
+        self.wv = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
         self.core = AttentionCore()
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
@@ -177,6 +183,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         return self.wo(self.core(q, k, v, cos, sin, cache, layer_key, doc_ids=doc_ids))
 
 
@@ -239,6 +247,8 @@ def initial_value(name: str, shape: Sequence[int], args: ModelArgs, seed: int) -
     tensor and keeps its slice."""
     if name.endswith("norm.weight"):
         return torch.ones(shape)
+    if name.endswith(".bias"):
+        return torch.zeros(shape)
     if args.tie_embeddings and name == "output.weight":
         name = "tok_embeddings.weight"  # a separate head of a tied model mirrors the embedding
     g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))

@@ -1,7 +1,8 @@
 """metrics.jsonl: one JSON object per step, written by rank 0 only.
 
 On resume, records at or after the resumed step are dropped first, so a resumed run's file
-reads exactly like an uninterrupted one.
+reads exactly like an uninterrupted one. A line that does not parse (the last one, torn by
+a crash in the middle of writing it) is dropped too, rather than failing the resume.
 """
 
 from __future__ import annotations
@@ -21,8 +22,7 @@ class MetricsLog:
     def __init__(self, path: Path, resume_step: int = 0):
         self.path = Path(path)
         if resume_step and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) < resume_step]
+            kept = [json.dumps(r) for r in read_metrics(self.path) if r.get("step", 0) < resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
         elif not resume_step:
             self.path.write_text("")
@@ -36,4 +36,13 @@ class MetricsLog:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics file, skipping lines that do not parse (a torn last line)."""
+    out = []
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out

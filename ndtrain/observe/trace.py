@@ -19,12 +19,14 @@ COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
 THEORY = {"afab": "(p−1)/m", "1f1b": "(p−1)/m", "interleaved": "(p−1)/(v·m)", "zb": "(p−1)(F+B−W)/(m(F+B+W))"}
 
 
-def chrome_trace(ranks: list[list[Event]], path: Path, labels: list[str]) -> Path:
+def chrome_trace(ranks: list[list[Event]], path: Path, labels: list[str], name=None) -> Path:
+    """`name(event)`: its label (default "F3 c1": kind, micro-batch, chunk)."""
+    name = name or (lambda e: f"{e.kind}{e.micro} c{e.chunk}")
     events = []
     for r, rank in enumerate(ranks):
         events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": r, "args": {"name": labels[r]}})
         for e in rank:
-            events.append({"ph": "X", "name": f"{e.kind}{e.micro} c{e.chunk}", "cat": e.kind, "pid": 0, "tid": r,
+            events.append({"ph": "X", "name": name(e), "cat": e.kind, "pid": 0, "tid": r,
                            "ts": e.start * 1e6, "dur": max(e.end - e.start, 0.0) * 1e6,
                            "args": {"chunk": e.chunk, "micro": e.micro}})
     Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))

@@ -57,7 +57,7 @@ from ndtrain.mesh import Group, ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import initial_value
 from ndtrain.model.moe import Experts, LocalDispatch, LocalTokens, MoE, RoutingLog
-from ndtrain.parallel.placement import copy_placement, expert_slice, mark_expert, mark_sharded
+from ndtrain.parallel.placement import copy_placement, expert_slice, mark_expert, mark_region, mark_sharded
 from ndtrain.parallel.tensor import ReduceFromTP, gather_sequence
 
 
@@ -247,8 +247,9 @@ def parallelize(model: nn.Module, args: ModelArgs, mesh: ParallelMesh, sp: bool,
             moe.dispatch = AllToAllDispatch(ep, n)
         for p in moe.experts.parameters():
             mark_expert(p, first, n)
-            if ep.active:
+            if ep.active:  # a slice of the stack of all experts, for the gradient norm and checkpoints
                 mark_sharded(p, ("ep",))
+                mark_region(p, (n, *p.shape[1:]), (first,) + (0,) * (p.ndim - 1))
 
 
 @torch.no_grad()

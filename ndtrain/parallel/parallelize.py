@@ -9,12 +9,13 @@ that dimension's module, never the trainer.
 
 Order of the transformations (each one is a no-op when its dimension has size 1):
 1. tensor/sequence parallel module swaps   (parallel/tensor.py)
-2. MoE blocks: token split, this rank's experts, all-to-all dispatch (parallel/expert.py)
-3. activation recomputation wrappers       (parallel/recompute.py)
-4. gradient synchronisation over dp × cp (expert weights: over edp): DP buckets
+2. context-parallel attention cores        (parallel/context/)
+3. MoE blocks: token split, this rank's experts, all-to-all dispatch (parallel/expert.py)
+4. activation recomputation wrappers       (parallel/recompute.py)
+5. gradient synchronisation over dp × cp (expert weights: over edp): DP buckets
    (parallel/data.py) or ZeRO (parallel/zero.py), each with the compute dtype and fp32
    masters of parallel/precision.py
-5. the schedule: one stage, or a pipeline  (parallel/pipeline/)
+6. the schedule: one stage, or a pipeline  (parallel/pipeline/)
 
 Who holds the model states is `Parallelized.states`: `states.ReplicatedStates` (zero = 0:
 the model's own parameters, plus fp32 masters under mixed precision) or `zero.ZeRO` (flat
@@ -37,7 +38,7 @@ from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.model.loss import token_loss_sum
-from ndtrain.parallel import expert, tensor
+from ndtrain.parallel import context, expert, tensor
 from ndtrain.parallel.data import DataParallel, GradSyncs
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
 from ndtrain.parallel.pipeline.stage import StageModel, TiedEmbedding, build_chunks, gather_stages
@@ -125,14 +126,17 @@ def build_model(args: ModelArgs, seed: int, device: torch.device, layer_ids=None
 
 def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
     """`make(layer_ids, embed, head)`: this rank's share of (part of) the decoder, with the
-    weights every layout starts from; tensor-parallel modules when tp > 1."""
-    tp, seed = mesh.group("tp"), cfg.train.seed
+    weights every layout starts from; tensor-parallel modules when tp > 1, context-parallel
+    attention when cp > 1, MoE blocks placed and split (parallel/expert.py)."""
+    tp, cp, seed = mesh.group("tp"), mesh.group("cp"), cfg.train.seed
 
     def make(layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
         if tp.active:
             model = tensor.build(args, seed, mesh.device, tp, cfg.parallel.sp, layer_ids, embed, head)
         else:
             model = build_model(args, seed, mesh.device, layer_ids, embed, head)
+        if cp.active:
+            context.apply(model, cp, cfg.parallel.cp_impl, tp if tp.active and cfg.parallel.sp else None)
         expert.parallelize(model, args, mesh, cfg.parallel.sp, seed)
         return model
     return make

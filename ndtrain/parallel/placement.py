@@ -11,9 +11,23 @@ gradient norm and by checkpoint resharding.
   gradient is only part of the whole (a norm weight under sequence parallelism sees this
   rank's positions only). The step sums those gradients over the dimension once, after its
   last backward (`Parallelized.forward_backward`), instead of once per micro-batch.
+- `region_of(p)`: where the local tensor sits in the whole one: the global shape and the
+  offset of its first element along each dimension (a tensor-parallel chunk of rows starts
+  at row r·n/t). A dimension that splits parameters marks them with `mark_region`; that is
+  all checkpoints need to read and write any layout (checkpoint/layout.py).
+- `OptimSlice`: what a tensor the optimizer updates holds of a parameter (the parameter
+  itself, its fp32 master, or a ZeRO flat shard's part of it); `states.optim_slices()`
+  lists them.
+- `expert_slice(p)`: for the stacked weights of routed experts, which of the model's
+  experts `p` holds along dim 0, (first, total); None for every other parameter. Expert
+  states are reduced and sharded over the expert-data-parallel groups (mesh.py), and under
+  expert parallelism `p` is sharded over "ep" (one of the EXPERT_DIMS of mesh.py) and
+  marked with its region of the whole stack.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -50,6 +64,42 @@ def partial_dims(p: torch.Tensor) -> tuple[str, ...]:
     return getattr(p, _PARTIAL_ATTR, ())
 
 
+_REGION_ATTR = "_ndtrain_region"
+
+
+@dataclass(frozen=True)
+class Region:
+    """The local tensor is the box of the global tensor (`shape`) that starts at `offsets`
+    and has the local tensor's shape. It may reach past `shape` (tensor-parallel padding):
+    only the overlap holds values."""
+
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+
+
+def mark_region(p: torch.Tensor, shape, offsets) -> torch.Tensor:
+    setattr(p, _REGION_ATTR, Region(tuple(shape), tuple(offsets)))
+    return p
+
+
+def region_of(p: torch.Tensor) -> Region:
+    """The global tensor `p` is part of; a parameter no dimension split is its own whole."""
+    return getattr(p, _REGION_ATTR, None) or Region(tuple(p.shape), (0,) * p.ndim)
+
+
+@dataclass
+class OptimSlice:
+    """`holder.view(-1)[at : at + stop - start]` holds elements [start, stop) of the
+    flattened local parameter `param` (named `name`, a global name)."""
+
+    name: str
+    param: torch.Tensor
+    holder: torch.Tensor
+    at: int
+    start: int
+    stop: int
+
+
 def mark_expert(p: torch.Tensor, first: int, total: int) -> torch.Tensor:
     setattr(p, _EXPERT_ATTR, (first, total))
     return p
@@ -65,7 +115,7 @@ def is_expert(p: torch.Tensor) -> bool:
 
 def copy_placement(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
     """`dst` (a master copy, a replacement) placed like `src`."""
-    for attr in (_SHARD_ATTR, _DUP_ATTR, _PARTIAL_ATTR, _EXPERT_ATTR):
+    for attr in (_SHARD_ATTR, _DUP_ATTR, _PARTIAL_ATTR, _EXPERT_ATTR, _REGION_ATTR):
         if hasattr(src, attr):
             setattr(dst, attr, getattr(src, attr))
     return dst

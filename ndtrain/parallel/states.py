@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ndtrain.parallel.placement import is_expert, partial_dims
+from ndtrain.parallel.placement import OptimSlice, is_expert, partial_dims
 from ndtrain.parallel.precision import MasterWeights
 
 
@@ -74,6 +74,19 @@ class ReplicatedStates:
         if self.masters is not None:
             self.masters.drop_grads()
 
+    def optim_slices(self) -> list[OptimSlice]:
+        """What the optimizer updates, parameter by parameter: the parameter itself or its
+        fp32 master, whole (checkpoint/layout.py reads and writes through this)."""
+        out = []
+        for name, p in self.model.named_parameters():  # a tied parameter once
+            if p.requires_grad:
+                holder = self.masters.master_of(p) if self.masters is not None else p
+                out.append(OptimSlice(name, p, holder, 0, 0, p.numel()))
+        return out
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return persistent_buffers(self.model)
+
     def local_state(self) -> dict[str, torch.Tensor]:
         return unique_state(self.model)
 
@@ -103,6 +116,14 @@ class ReplicatedStates:
 
     def master_tensors(self, experts: bool = False) -> list[torch.Tensor]:
         return [m for m in (self.masters.masters if self.masters else []) if is_expert(m) or not experts]
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers (an MoE router's bias) by name: state that is not a
+    parameter, never a parameter (under ZeRO-3 those are views into freed storage, and a
+    tied one has two names)."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in params}
 
 
 def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -44,8 +44,12 @@ Where each piece sits:
 - Random numbers: ranks of one TP group share one random stream (the trainer seeds by the
   rank without its tp coordinate). A random op on a split tensor draws the numbers of the
   full tensor and keeps its slice (`SequenceShardedDropout`), so dropout equals one device.
-- Split parameters carry `mark_sharded(p, ("tp",))` for the global gradient norm, and
-  their split (`split_of`) for `full_state`, which gathers the whole model.
+- Biases and q/k norms (Qwen2, Qwen3): a column-parallel bias is split with the rows it
+  adds to; a q/k norm weight is shared by all heads, so every rank keeps it whole and its
+  gradient is partial over tp (marked like a sequence-parallel norm weight).
+- Split parameters carry `mark_sharded(p, ("tp",))` for the global gradient norm, their
+  split (`split_of`) for `full_state`, which gathers the whole model, and their place in
+  the whole tensor (`mark_region`) for checkpoints, which read and write any layout.
 - Mixture-of-experts blocks: the experts are *not* split by TP. Every tp rank keeps the whole
   router, experts and shared experts and routes its own 1/tp of the positions (under SP
   the ones it holds; parallel/expert.py sets that up), so their gradients are partial sums
@@ -70,7 +74,7 @@ from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import MoE, RMSNorm, Transformer, initial_value, rms_norm, widened
 from ndtrain.model.loss import IGNORE
-from ndtrain.parallel.placement import mark_partial, mark_sharded
+from ndtrain.parallel.placement import mark_partial, mark_region, mark_sharded
 
 # ---------------------------------------------------------------------------------------
 # The conjugate operators. The residual stream is [b, s, h]; SP splits dimension 1.
@@ -212,18 +216,19 @@ def local_slice(full: Tensor, split: Split, group: Group) -> Tensor:
 
 
 class ColumnParallelLinear(nn.Module):
-    """Y_r = X·A_rᵀ, A split by rows (output features): this rank's features of Y.
+    """Y_r = X·A_rᵀ + b_r, A split by rows (output features), a bias with them: this
+    rank's features of Y.
 
     The input must already be inside the region (the same full X on every rank); the
     output stays split for the row-parallel layer that ends the region.
     """
 
-    def __init__(self, weight: nn.Parameter):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
         super().__init__()
-        self.weight = weight
+        self.weight, self.bias = weight, bias
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight)
+        return F.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
@@ -247,14 +252,16 @@ class ReplicatedHeadsLinear(nn.Module):
     micro-batch (`sum_partial_grads`), and every copy stays equal.
     """
 
-    def __init__(self, weight: nn.Parameter, head_dim: int, n_kv_heads: int, group: Group):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, head_dim: int, n_kv_heads: int,
+                 group: Group):
         super().__init__()
         self.weight, self.group = mark_partial(weight, ("tp",)), group
+        self.bias = mark_partial(bias, ("tp",)) if bias is not None else None
         head = group.rank // (group.size // n_kv_heads)  # query heads are split contiguously
         self.rows = slice(head * head_dim, (head + 1) * head_dim)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight[self.rows])
+        return F.linear(x, self.weight[self.rows], self.bias[self.rows] if self.bias is not None else None)
 
 
 class RegionEntryNorm(nn.Module):
@@ -371,6 +378,9 @@ class Context:
             if split_dim is not None:
                 setattr(p, _SPLIT_ATTR, Split(split_dim, plain.shape[split_dim]))
                 mark_sharded(p, ("tp",))
+                offsets = [0] * len(shape)
+                offsets[split_dim] = self.group.rank * shape[split_dim]
+                mark_region(p, plain.shape, offsets)
             self.made[id(plain)] = p
         return self.made[id(plain)]
 
@@ -388,7 +398,8 @@ def _entry_norm(m: RMSNorm, c: Context) -> nn.Module:
 
 
 def _column(m: nn.Linear, c: Context) -> nn.Module:
-    return ColumnParallelLinear(c.param(m.weight, 0))
+    bias = c.param(m.bias, 0) if m.bias is not None else None  # split with the rows it adds to
+    return ColumnParallelLinear(c.param(m.weight, 0), bias)
 
 
 def _row(m: nn.Linear, c: Context) -> nn.Module:
@@ -398,7 +409,15 @@ def _row(m: nn.Linear, c: Context) -> nn.Module:
 def _kv(m: nn.Linear, c: Context) -> nn.Module:
     if c.args.n_kv_heads % c.group.size == 0:
         return _column(m, c)
-    return ReplicatedHeadsLinear(c.param(m.weight), c.args.head_dim, c.args.n_kv_heads, c.group)
+    bias = c.param(m.bias) if m.bias is not None else None
+    return ReplicatedHeadsLinear(c.param(m.weight), bias, c.args.head_dim, c.args.n_kv_heads, c.group)
+
+
+def _head_norm(m: RMSNorm, c: Context) -> nn.Module:
+    """A q/k norm weight is shared by every head, and each rank normalises only its own
+    heads: the whole weight on every rank, its gradient partial over tp."""
+    m.weight = mark_partial(c.param(m.weight), ("tp",))
+    return m
 
 
 def _dropout(m: nn.Dropout, c: Context) -> nn.Module:
@@ -414,11 +433,10 @@ def _ffn_norm(m: RMSNorm, c: Context) -> nn.Module:
     (under SP on this rank's positions: a partial gradient)."""
     if not _moe_layer(c):
         return _entry_norm(m, c)
-    norm = RMSNorm(m.weight.shape[0], m.eps)
-    norm.weight = c.param(m.weight)
+    m.weight = c.param(m.weight)
     if c.sp:
-        mark_partial(norm.weight, ("tp",))
-    return norm
+        mark_partial(m.weight, ("tp",))
+    return m
 
 
 def _feed_forward(m: nn.Module, c: Context) -> nn.Module:
@@ -443,6 +461,8 @@ PLAN: dict[str, Swap] = {
     "layers.*.attention.wk": _kv,
     "layers.*.attention.wv": _kv,
     "layers.*.attention.wo": _row,
+    "layers.*.attention.q_norm": _head_norm,
+    "layers.*.attention.k_norm": _head_norm,
     "layers.*.dropout": _dropout,
     "layers.*.ffn_norm": _ffn_norm,
     "layers.*.feed_forward": _feed_forward,

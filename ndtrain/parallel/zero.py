@@ -61,9 +61,10 @@ from torch.utils._pytree import tree_flatten
 
 from ndtrain.comm import ops
 from ndtrain.mesh import Group, ParallelMesh
-from ndtrain.parallel.placement import copy_placement, is_duplicate, is_expert, mark_sharded, partial_dims, shard_dims
+from ndtrain.parallel.placement import (OptimSlice, copy_placement, is_duplicate, is_expert, mark_sharded,
+                                        partial_dims, shard_dims)
 from ndtrain.parallel.precision import has_masters
-from ndtrain.parallel.states import decay_groups, decays
+from ndtrain.parallel.states import decay_groups, decays, persistent_buffers
 
 SHARD_DIMS = ("dp_shard", "cp")
 
@@ -486,6 +487,19 @@ class ZeRO:
             self._gather(unit.prev)  # prefetch: overlaps this unit's backward
 
     # -- state for checkpoints ----------------------------------------------------
+    def optim_slices(self) -> list[OptimSlice]:
+        """What this rank's masters hold: for each parameter overlapping the rank's slice
+        [lo, hi) of a flat buffer, the part of it there (checkpoint/layout.py)."""
+        out = []
+        for f in self.flats:
+            lo, hi = f.group.rank * f.shard_numel, (f.group.rank + 1) * f.shard_numel
+            for p in f.params:
+                start, n = f.slot[id(p)]
+                a, b = max(start, lo), min(start + n, hi)
+                if a < b:
+                    out.append(OptimSlice(self.names[id(p)], p, f.master, a - lo, a - start, b - start))
+        return out
+
     def local_state(self) -> dict[str, torch.Tensor]:
         """Stage 3: this rank's slices by flat-buffer name; stages 1-2: the (replicated)
         parameters by name, copied out of the flat buffers. And the model's buffers (an MoE
@@ -497,10 +511,7 @@ class ZeRO:
         return {**state, **self.buffers()}
 
     def buffers(self) -> dict[str, torch.Tensor]:
-        """The model's persistent buffers by name (never a parameter: under stage 3 those
-        are views into freed storage, a tied one under each of its names)."""
-        params = {name for name, _ in self.model.named_parameters(remove_duplicate=False)}
-        return {k: v for k, v in self.model.state_dict(keep_vars=True).items() if k not in params}
+        return persistent_buffers(self.model)
 
     @torch.no_grad()
     def load_local_state(self, state: dict[str, torch.Tensor]) -> None:

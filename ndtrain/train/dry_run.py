@@ -38,6 +38,7 @@ def vocab_size(cfg: Config) -> int:
 def measure(cfg: Config, mesh: ParallelMesh) -> dict:
     """Two steps on random tokens; every rank's figures (collective)."""
     from ndtrain.data.batch import MicroBatch
+    from ndtrain.parallel import context
     from ndtrain.parallel.parallelize import build
     from ndtrain.train.step import TrainStep
 
@@ -48,7 +49,10 @@ def measure(cfg: Config, mesh: ParallelMesh) -> dict:
     rows = t.global_batch // mesh.dp_size
     g = torch.Generator().manual_seed(t.seed + mesh.rank)
     tokens = torch.randint(0, args.vocab_size, (rows, t.seq_len + 1), generator=g).to(mesh.device)
-    micro = MicroBatch(tokens[:, :-1], tokens[:, 1:]).split(t.micro_batch)
+    rows = MicroBatch(tokens[:, :-1], tokens[:, 1:])
+    if mesh.shape.cp > 1:  # this CP rank's tokens of each sequence, as the trainer gives them
+        rows = context.shard(rows, mesh.shape.cp, mesh.coord("cp"))
+    micro = rows.split(t.micro_batch)
     for _ in range(2):  # the second step is the steady one: the optimizer state exists
         step.forward_backward(micro, float(t.global_batch * t.seq_len), measure_memory=True)
         step.clip_grad_norm(t.grad_clip)

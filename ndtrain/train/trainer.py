@@ -6,14 +6,18 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import sys
 import time
+import zlib
 from pathlib import Path
 
 import torch
 
-from ndtrain.checkpoint import store
+from ndtrain.checkpoint import layout, sources, store
+from ndtrain.checkpoint.resume import check_resume_config
+from ndtrain.checkpoint.store import CheckpointError
 from ndtrain.comm.ops import all_reduce_scalars
-from ndtrain.config import Config
+from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
 from ndtrain.data.loader import BatchLoader
 from ndtrain.data.prepare import PreparedData
@@ -25,6 +29,7 @@ from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss, plot_moe_load
 from ndtrain.observe.progress import TrainProgress
 from ndtrain.model.loss import count_targets
+from ndtrain.parallel import context
 from ndtrain.parallel.parallelize import Parallelized, build
 from ndtrain.parallel.precision import LossScaleExhausted
 from ndtrain.train.optim import lr_at
@@ -46,11 +51,6 @@ class Trainer:
         self.args = cfg.model_args(vocab_size=data.vocab_size)
         self.par: Parallelized = build(self.args, mesh, cfg)
         self.stepper = TrainStep(self.par, cfg)
-        # The random stream for dropout (weights come from per-name generators), seeded after
-        # the build so no layout's construction shifts it. The ranks of a tp group share it:
-        # they hold the same activations, or slices of a tensor one device would have drawn
-        # for whole (parallel/tensor.py); tp is the innermost mesh dimension.
-        torch.manual_seed(t.seed * 100_003 + mesh.rank // mesh.shape.tp)
         self.train_loader = BatchLoader(data.stream("train"), t.seq_len, t.global_batch, t.seed)
         self.val_loader = BatchLoader(data.stream("val"), t.seq_len, t.global_batch, t.seed, shuffle=False)
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
@@ -61,22 +61,49 @@ class Trainer:
         self._measured_steps = 0
         self.is_logger = mesh.rank == 0
         self.history: list[dict] = []
+        self.refused: list[str] = []  # checkpoints `start` skipped, and why
+
+    def report(self, message: str) -> None:
+        """A line for the person running the job (rank 0, stderr)."""
+        if self.is_logger:
+            print(f"ndtrain: {message}", file=sys.stderr, flush=True)
+
+    def seed_dropout(self, step: int) -> None:
+        """The random stream of dropout (weights come from per-name generators) is a function
+        of the seed, the step and the rank's place in the computation (its pipeline stage
+        and data-parallel slot), never of its rank number: a resumed run, on any layout,
+        draws what an uninterrupted one draws. The ranks of a cp × tp group share it: they
+        hold the same activations, or slices of a tensor one device would have drawn for
+        whole (parallel/tensor.py, parallel/context/)."""
+        place = f"dropout/{self.cfg.train.seed}/{step}/{self.mesh.coord('pp')}/{self.mesh.coord('dp')}"
+        torch.manual_seed(zlib.crc32(place.encode()))
 
     # -- data -----------------------------------------------------------------------
-    def local_batch(self, loader: BatchLoader, step: int):
-        """This rank's rows of the global batch of `step`, cut into micro-batches."""
-        t = self.cfg.train
-        per_rank = t.global_batch // self.mesh.dp_size
+    def rows(self, loader: BatchLoader, step: int) -> MicroBatch:
+        """This data-parallel rank's rows of the global batch of `step`, whole sequences."""
+        per_rank = self.cfg.train.global_batch // self.mesh.dp_size
         start = self.mesh.dp_rank * per_rank
         inputs, targets = loader.rows(step, start, start + per_rank)
-        rows = MicroBatch(inputs, targets).to(self.mesh.device)
-        return rows.split(t.micro_batch), count_targets(targets)
+        return MicroBatch(inputs, targets).to(self.mesh.device)
+
+    def local_batch(self, loader: BatchLoader, step: int):
+        """This rank's share of the global batch of `step`, cut into micro-batches, and the
+        number of targets in it. Under context parallelism each row is reduced to this CP
+        rank's tokens (the zigzag layout, parallel/context/layout.py): targets were shifted
+        before, so none is lost, and the counts of the CP ranks add up to the count of the
+        whole rows (they may differ between ranks: masked targets fall anywhere)."""
+        rows = self.rows(loader, step)
+        cp = self.mesh.group("cp")
+        if cp.active:
+            rows = context.shard(rows, cp.size, cp.rank)
+        return rows.split(self.cfg.train.micro_batch), count_targets(rows.targets)
 
     # -- one step -------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
         t = self.cfg.train
         t0 = time.perf_counter()
         self.mesh.stats.reset()
+        self.seed_dropout(step)
         micro, local_targets = self.local_batch(self.train_loader, step)
         n_targets = all_reduce_scalars([local_targets], self.mesh.group("dp_cp"))[0]
         # The activation peak: every step from the allocator on a GPU; on the CPU, where
@@ -97,7 +124,7 @@ class Trainer:
         mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.n_peak_units)
                if self.peak else None)
         comm = self.mesh.stats.as_metrics()
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": int(n_targets),
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "tokens": (step + 1) * t.global_batch * t.seq_len,
                   "comm_bytes": sum(comm.values()), "comm": comm, "memory": self.memory_per_rank()}
@@ -168,6 +195,7 @@ class Trainer:
         return self.finish() if log else {}
 
     def _last_checkpoint(self) -> str:
+        # Every checkpoint written passed the finiteness check, so the newest is good.
         last = store.latest(self.run_dir) if self.run_dir else None
         return f"last good checkpoint: {last}" if last else "no checkpoint was saved before it"
 
@@ -202,39 +230,50 @@ class Trainer:
         return summary
 
     # -- checkpoints ----------------------------------------------------------------
+    def start(self) -> Path | None:
+        """Before `fit`: continue the run's newest good checkpoint (on this layout, whatever
+        layout wrote it), or else start from `model.init_from`'s weights. Returns the
+        checkpoint resumed. Collective."""
+        run = self.cfg.run
+        if self.run_dir is not None and run.resume != "false":
+            path = store.select(self.run_dir, self._refused)
+            if path is not None:
+                self.resume(path)
+                return path
+            if run.resume == "true":
+                raise TrainingError(f"run.dir {self.run_dir} holds no usable checkpoint to resume")
+        if self.cfg.model.init_from:
+            source = sources.open_init_source(self.cfg.model.init_from, self._refused)
+            layout.load(source, self.par, self.args.tie_embeddings)
+        return None
+
+    def _refused(self, message: str) -> None:
+        self.refused.append(message)
+        self.report(message)
+
     def save(self) -> Path:
-        par, mesh = self.par, self.mesh
-        live = {d for d in DIMS if getattr(mesh.shape, d) > 1}
-        model_is_full = live <= set(store.expand_dims(par.model_replicated))
-        rng = {"cpu": torch.get_rng_state()}
-        if mesh.device.type == "cuda":
-            rng["cuda"] = torch.cuda.get_rng_state(mesh.device)
-        parts = {"optim": (self.stepper.state_dict(), par.optim_replicated),
-                 "rng": (rng, store.PER_RANK)}
-        if model_is_full:
-            parts["model"] = (par.states.local_state(), DIMS)
-        else:
-            parts["model"] = (par.full_model_state(), DIMS)
-            parts["model_shard"] = (par.states.local_state(), par.model_replicated)
-        meta = {"model_args": self.args.to_dict(), "tokens": self.step * self.cfg.train.global_batch * self.cfg.train.seq_len,
-                "model_sharded": not model_is_full, "ep": mesh.shape.ep}
-        return store.save(self.run_dir, self.step, mesh, parts, meta)
+        t, p = self.cfg.train, self.cfg.parallel
+        scaler = self.stepper.scaler
+        meta = {"model_args": self.args.to_dict(), "tokens": self.step * t.global_batch * t.seq_len,
+                "config": self.cfg.to_dict(), "precision": t.precision, "zero": p.zero,
+                "scaler": scaler.state_dict() if scaler else None}
+        try:
+            return layout.save(self.run_dir, self.step, self.par, self.stepper.optimizer, self.args.tie_embeddings,
+                               meta, keep=t.keep_checkpoints)
+        except CheckpointError as e:
+            raise TrainingError(f"{e} ({self._last_checkpoint()}). Try a lower train.lr or train.grad_clip.") from None
 
     def resume(self, path: Path) -> None:
-        mesh, par = self.mesh, self.par
+        """Load a checkpoint written by any layout: weights, AdamW's moments, the step, the
+        fp16 loss scale. The data order and dropout are functions of the step."""
         meta = store.read_meta(path)
-        here = dict(zip(DIMS, mesh.shape.sizes))
-        if meta.get("mesh") != here or meta.get("ep", 1) != mesh.shape.ep:
-            raise TrainingError(f"checkpoint {path} was written with layout {meta.get('mesh')}, ep = {meta.get('ep', 1)}; "
-                                f"this run has {here}, ep = {mesh.shape.ep}; resuming needs the same layout")
-        if meta.get("model_sharded"):
-            state = store.load_part(path, "model_shard", mesh, par.model_replicated, mesh.device)
-        else:
-            state = store.load_part(path, "model", mesh, DIMS, mesh.device)
-        par.states.load_local_state(state)
-        self.stepper.load_state_dict(store.load_part(path, "optim", mesh, par.optim_replicated, mesh.device))
-        rng = store.load_part(path, "rng", mesh, store.PER_RANK)
-        torch.set_rng_state(rng["cpu"])
-        if "cuda" in rng and mesh.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"], mesh.device)
+        try:
+            check_resume_config(self.cfg, meta, self.args)
+        except ConfigError as e:
+            raise TrainingError(f"cannot resume {path}: {e}") from None
+        source = sources.CheckpointSource(path, meta)
+        layout.load(source, self.par, self.args.tie_embeddings, self.stepper.optimizer, meta.get("optimizer_step", 0))
+        scaler = self.stepper.scaler
+        if scaler is not None and meta.get("scaler"):
+            scaler.load_state_dict(meta["scaler"])
         self.step = int(meta["step"])

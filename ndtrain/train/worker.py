@@ -8,7 +8,6 @@ from pathlib import Path
 import torch.distributed as dist
 
 from ndtrain import config as config_mod
-from ndtrain.checkpoint import store
 from ndtrain.data.prepare import PreparedData, prepare_data
 from ndtrain.launch import init_process, shutdown
 from ndtrain.mesh import MeshShape, ParallelMesh
@@ -43,10 +42,13 @@ def resolve_vocab(cfg: config_mod.Config, data: PreparedData) -> None:
 
 
 def write_run_files(cfg: config_mod.Config, data: PreparedData, run_dir: Path) -> None:
-    """The resolved config and the tokenizer, so the run directory is self-contained."""
+    """The resolved config and the tokenizer, so the run directory is self-contained. Called
+    once the run has started (or resumed) successfully: a resume never changes the
+    tokenizer (resume.py refuses other data), and the config then records the new layout."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
-    shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")
+    if not (run_dir / "tokenizer.json").is_file():
+        shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")
 
 
 def from_rank_0(value: str) -> str:
@@ -59,8 +61,9 @@ def from_rank_0(value: str) -> str:
     return box[0]
 
 
-def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None) -> dict:
-    """Entry point of one rank. Returns the run summary on rank 0 ({} elsewhere)."""
+def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None, before_fit=None) -> dict:
+    """Entry point of one rank. Returns the run summary on rank 0 ({} elsewhere).
+    `before_fit(trainer)` runs after the start (tests install faults with it)."""
     from ndtrain.train.trainer import Trainer
 
     cfg = config_mod.from_dict(cfg_dict)
@@ -70,13 +73,13 @@ def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None) -> dict:
         data_path = Path(data_dir) if data_dir else prepare_on_each_node(cfg, env.local_rank)
         data = PreparedData.open(data_path)
         resolve_vocab(cfg, data)
-        if env.rank == 0:
-            write_run_files(cfg, data, Path(run_dir))
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
         trainer = Trainer(cfg, mesh, data, Path(run_dir), local_world=env.local_world)
-        last = store.latest(Path(run_dir)) if cfg.run.resume != "false" else None
-        if last is not None:
-            trainer.resume(last)
+        trainer.start()
+        if env.rank == 0:
+            write_run_files(cfg, data, Path(run_dir))
+        if before_fit is not None:
+            before_fit(trainer)
         return trainer.fit(stop_after=cfg.run.stop_after)
     finally:
         shutdown()

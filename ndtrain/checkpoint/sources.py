@@ -1,0 +1,215 @@
+"""Where weights come from: a checkpoint of ours or a Hugging Face model folder, both seen as
+global tensors made of pieces (checkpoint/slices.py), and `model.init_from`.
+
+A `Source` answers one question, `fill(key, piece, data)`: copy into `data` the elements of
+global tensor `key` ("weight/layers.0.attention.wq.weight") that `piece` covers, reading
+only the rows they fall in. A checkpoint's pieces come from its meta.json; a Hugging Face
+model's tensors are whole pieces found in the safetensors headers, renamed by
+model/hf.py's tables.
+
+`model.init_from = run:DIR | hf:DIR` starts a run from those weights on any layout (with a
+fresh optimizer). `resolve_init_from(cfg)`, called before `validate`, makes the config's
+model the source's (a model key that disagrees is an error naming it) and takes the source's
+tokenizer unless `data.tokenizer` is set; each rank then reads only its slices.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import partial
+from pathlib import Path
+
+from ndtrain.checkpoint import store
+from ndtrain.checkpoint.files import Reader, header_of
+from ndtrain.checkpoint.slices import Piece, copy_overlap, real_numel
+from ndtrain.checkpoint.store import CheckpointError
+from ndtrain.config import Config, ConfigError
+from ndtrain.model import hf
+from ndtrain.model.args import ModelArgs
+
+
+class Source:
+    """Global tensors, each made of pieces that can be read a few rows at a time."""
+
+    where = "source"
+
+    def __init__(self):
+        self.reader = Reader()
+        self.index: dict[str, tuple[tuple[int, ...], list[tuple[Piece, object]]]] = {}
+
+    def has(self, kind: str) -> bool:
+        return any(key.startswith(kind + "/") for key in self.index)
+
+    def holds(self, key: str) -> bool:
+        return key in self.index
+
+    def fill(self, key: str, piece: Piece, data) -> None:
+        if key not in self.index:
+            raise CheckpointError(f"{self.where} holds no tensor {key}")
+        shape, parts = self.index[key]
+        if tuple(shape) != tuple(piece.shape):
+            raise CheckpointError(f"{self.where}: {key} has shape {list(shape)}, this model's is {list(piece.shape)}")
+        copied = sum(copy_overlap(piece, data, src, read) for src, read in parts)
+        needed = real_numel(piece)
+        if copied != needed:
+            raise CheckpointError(f"{self.where}: the stored pieces of {key} cover {copied} of the {needed} "
+                                  "elements this rank needs (a part is missing)")
+
+
+class CheckpointSource(Source):
+    def __init__(self, path: Path, meta: dict | None = None):
+        super().__init__()
+        self.path = Path(path)
+        self.meta = meta if meta is not None else store.read_meta(self.path)
+        self.where = f"checkpoint {self.path}"
+        for key, t in self.meta["tensors"].items():
+            parts = [(Piece.from_json(t["shape"], p), partial(self.reader.read, self.path / p["file"], p["key"]))
+                     for p in t["pieces"]]
+            self.index[key] = (tuple(t["shape"]), parts)
+
+
+class HFSource(Source):
+    """A Hugging Face causal-LM folder: config.json and safetensors weights (one file, or
+    shards listed by model.safetensors.index.json)."""
+
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder = Path(folder)
+        self.where = f"Hugging Face model {self.folder}"
+        self.args = hf_args(self.folder)
+        for file in weight_files(self.folder):
+            for name, info in header_of(file).items():
+                if name == "__metadata__":
+                    continue
+                found = hf.our_piece(name)
+                if found is None or (found[0] == "output.weight" and self.args.tie_embeddings):
+                    continue
+                (ours, expert), stored = found, tuple(info["shape"])
+                read = partial(self.reader.read, file, name)
+                if expert is None:
+                    self.index[f"weight/{ours}"] = (stored, [(Piece.whole(stored), read)])
+                else:  # one expert of our stack [E, ...]: the piece [expert]
+                    shape = (self.args.moe_experts, *stored)
+                    piece = Piece(shape, (expert,) + (0,) * len(stored), (1, *stored))
+                    self.index.setdefault(f"weight/{ours}", (shape, []))[1].append((piece, read))
+
+
+def hf_args(folder: Path) -> ModelArgs:
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"Hugging Face model {folder}: config.json unreadable ({e})") from None
+    try:
+        return hf.args_from_hf_config(config)
+    except (ValueError, KeyError) as e:
+        raise CheckpointError(f"Hugging Face model {folder}: {e}") from None
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = Path(folder) / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [Path(folder) / n for n in names]
+    else:
+        files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"Hugging Face model {folder}: no .safetensors weights (only safetensors are read)")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(f"Hugging Face model {folder}: {missing[0]} is missing")
+    return files
+
+
+# --------------------------------------------------------------------------- model.init_from
+
+KINDS = ("run", "hf")
+# ModelArgs fields that are config keys of the same name and fix the parameters' shapes.
+SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "head_dim", "qkv_bias",
+              "qk_norm", "tie_embeddings", "rope_theta", "norm_eps")
+# ... and those of a mixture-of-experts model (set only from an MoE source).
+MOE_KEYS = ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_ffn_dim", "moe_every", "moe_router",
+            "moe_norm_topk", "moe_route_scale", "moe_capacity")
+
+
+def parse_init_from(value: str) -> tuple[str, Path]:
+    kind, sep, path = value.partition(":")
+    if not sep or kind not in KINDS or not path:
+        raise ConfigError("model.init_from", value, "expected run:DIR (an ndtrain run or checkpoint) or hf:DIR "
+                          "(a Hugging Face model folder)")
+    return kind, Path(path).expanduser()
+
+
+def newest_readable(run_dir: Path) -> Path | None:
+    """The newest checkpoint whose meta.json parses and whose files have their sizes (the
+    cheap checks; the ranks verify the checksums before reading)."""
+    for path in store.steps_of(run_dir):
+        try:
+            if store.size_problem(path, store.read_meta(path)) is None:
+                return path
+        except CheckpointError:
+            continue
+    return None
+
+
+def init_checkpoint(path: Path) -> Path | None:
+    """A run's newest readable checkpoint, or `path` itself when it is a checkpoint folder."""
+    return path if (path / "meta.json").is_file() else newest_readable(path)
+
+
+def source_args(value: str) -> tuple[ModelArgs, Path | None]:
+    """The model of `model.init_from` and its tokenizer.json (None if it has none).
+    Raises ConfigError naming model.init_from."""
+    kind, path = parse_init_from(value)
+    if not path.is_dir():
+        raise ConfigError("model.init_from", value, "no such directory")
+    try:
+        if kind == "hf":
+            weight_files(path)
+            tokenizer = path / "tokenizer.json"
+            return hf_args(path), tokenizer if tokenizer.is_file() else None
+        checkpoint = init_checkpoint(path)
+        if checkpoint is None:
+            raise CheckpointError(f"{path} holds no usable checkpoint")
+        run_dir = path if checkpoint != path else path.parent.parent
+        tokenizer = run_dir / "tokenizer.json"
+        return ModelArgs(**store.read_meta(checkpoint)["model_args"]), tokenizer if tokenizer.is_file() else None
+    except CheckpointError as e:
+        raise ConfigError("model.init_from", value, str(e)) from None
+
+
+def resolve_init_from(cfg: Config) -> None:
+    """Make `cfg`'s model the one `model.init_from` holds, and its tokenizer the source's
+    unless data.tokenizer is set. A model key set to another value is an error naming it."""
+    if not cfg.model.init_from:
+        return
+    args, tokenizer = source_args(cfg.model.init_from)
+    for key in SHAPE_KEYS + (MOE_KEYS if args.is_moe else ()):
+        mine, theirs = getattr(cfg.model, key), getattr(args, key)
+        if mine is not None and mine != theirs:
+            raise ConfigError(f"model.{key}", mine, f"differs from the model of model.init_from ({theirs}); "
+                              "leave it out to take the source's")
+        setattr(cfg.model, key, theirs)
+    if cfg.model.max_seq_len is None:
+        cfg.model.max_seq_len = args.max_seq_len
+    if not cfg.data.tokenizer:
+        if tokenizer is None:
+            raise ConfigError("model.init_from", cfg.model.init_from, "has no tokenizer.json; set data.tokenizer "
+                              "to the tokenizer the model was trained with")
+        cfg.data.tokenizer = str(tokenizer)
+
+
+def open_init_source(value: str, report=print) -> Source:
+    """The source of `model.init_from`, in the ranks: a run's newest checkpoint that passes
+    its checks (collective), or the Hugging Face folder."""
+    kind, path = parse_init_from(value)
+    if kind == "hf":
+        return HFSource(path)
+    if (path / "meta.json").is_file():
+        reason = store.problem(path)
+        if reason:
+            raise CheckpointError(f"model.init_from: {reason}")
+        return CheckpointSource(path)
+    checkpoint = store.select(path, report)
+    if checkpoint is None:
+        raise CheckpointError(f"model.init_from: {path} holds no usable checkpoint")
+    return CheckpointSource(checkpoint)

@@ -1,0 +1,21 @@
+"""Context parallelism: each sequence split over the `cp` ranks, attention computed across them.
+
+Reading order:
+- `layout.py`: the zigzag layout (data side): chunks r and 2·cp−1−r of 2·cp on rank r; one
+  permutation of tokens, targets, positions, document ids and weights (`shard`).
+- `visibility.py`: which query sees which key, by global token index and document, and
+  which block of the layout a ring step computes.
+- `kernels.py`: blockwise attention with log-sum-exp, its explicit backward, the merge.
+- `ring.py`, `allgather.py`, `ulysses.py`: the three back ends (`parallel.cp_impl`).
+- `attention.py`: the module that replaces `AttentionCore`, `apply`, the dropout that stays
+  equal to one device's, and the bytes each back end sends (`wire_bytes`).
+
+Everything else composes unchanged: parameters are replicated over cp, so gradients are
+reduced over dp × cp (DP buckets over `dp_cp`, ZeRO over `dp_shard_cp`), and every token's
+loss is summed and divided by the step's global target count.
+"""
+
+from ndtrain.parallel.context.attention import IMPLS, ContextParallelAttention, apply, set_recorder, wire_bytes
+from ndtrain.parallel.context.layout import shard, zigzag_index
+
+__all__ = ["IMPLS", "ContextParallelAttention", "apply", "set_recorder", "shard", "wire_bytes", "zigzag_index"]

@@ -1,0 +1,108 @@
+"""Ulysses (DeepSpeed-Ulysses, Jacobs et al. 2023): trade the sequence split for a head split
+around attention.
+
+An all-to-all turns [b, S/cp, H, d] (this rank's tokens, every head) into [b, S, H/cp, d]
+(every token, this rank's heads); attention runs over the whole sequence on H/cp heads;
+a second all-to-all turns the output back. The gathered sequence arrives in rank order
+(each rank's zigzag chunks); it is put in natural order before attention, so plain causal
+(or document-masked) attention applies, and back after.
+
+Heads: query heads per TP rank must be divisible by cp. Key/value heads are split the same
+way when cp divides their number; when their number divides cp they are repeated first
+(each rank then receives the one head its query heads read). config.validate refuses the
+rest.
+
+Messages per rank and layer (autograd's backward of an all-to-all is the inverse one):
+q, k, v in and the output back, twice: 2·(cp−1)/cp·(T/cp)·(2H + 2G')·d elements, with G'
+the KV heads after repetition (max(G, cp)).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ndtrain.comm import ops
+from ndtrain.mesh import Group
+from ndtrain.parallel.context.visibility import Visibility
+
+
+def _all_to_all(x: Tensor, group: Group) -> Tensor:
+    out = torch.empty_like(x)
+    ops.all_to_all(out, x, group)
+    return out
+
+
+def sequence_to_heads(x: Tensor, group: Group) -> Tensor:
+    """[b, s, n, d] → [b, cp·s, n/cp, d]: every rank's tokens (rank order), this rank's
+    n/cp heads."""
+    b, s, n, d = x.shape
+    cp = group.size
+    parts = x.view(b, s, cp, n // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp (dest), b, s, n/cp, d]
+    got = _all_to_all(parts, group)  # [cp (source), b, s, n/cp, d]
+    return got.permute(1, 0, 2, 3, 4).reshape(b, cp * s, n // cp, d)
+
+
+def heads_to_sequence(x: Tensor, group: Group) -> Tensor:
+    """The inverse: [b, cp·s, n/cp, d] → [b, s, n, d]."""
+    b, total, n_local, d = x.shape
+    cp = group.size
+    parts = x.view(b, cp, total // cp, n_local, d).transpose(0, 1).contiguous()  # [cp (dest), b, s, n/cp, d]
+    got = _all_to_all(parts, group)  # [cp (source: its heads), b, s, n/cp, d]
+    return got.permute(1, 2, 0, 3, 4).reshape(b, total // cp, cp * n_local, d)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group
+        return sequence_to_heads(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return heads_to_sequence(grad.contiguous(), ctx.group), None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: Group) -> Tensor:
+        ctx.group = group
+        return heads_to_sequence(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return sequence_to_heads(grad.contiguous(), ctx.group), None
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibility, recorder=None,
+                      layer: str = "") -> Tensor:
+    """q [b, s, H, d], k and v [b, s, G, d] (after rotary) → [b, s, H·d]."""
+    cp, n_kv = group.size, k.shape[2]
+    if n_kv % cp:  # fewer KV heads than ranks: each rank gets a copy of the one it reads
+        k, v = k.repeat_interleave(cp // n_kv, dim=2), v.repeat_interleave(cp // n_kv, dim=2)
+    start = recorder.now() if recorder else 0.0
+    q, k, v = (_SequenceToHeads.apply(t, group) for t in (q, k, v))
+    if recorder:
+        recorder.message("qkv", layer, 0, start, start)
+    start = recorder.now() if recorder else 0.0
+    order = torch.cat(vis.index)  # global position of each gathered token
+    natural = torch.argsort(order)
+    q, k, v = (t[:, natural].transpose(1, 2) for t in (q, k, v))  # [b, heads, S, d]
+    gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    if vis.docs is not None:
+        docs = vis.docs.permute(1, 0, 2).reshape(vis.docs.shape[1], -1)[:, natural]
+        mask = (docs[:, :, None] == docs[:, None, :])[:, None]
+        if vis.causal:
+            mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=vis.causal, **gqa)
+    out = out.transpose(1, 2)[:, order]  # back to rank order
+    if recorder:
+        recorder.compute("attn F", layer, 0, start)
+    start = recorder.now() if recorder else 0.0
+    out = _HeadsToSequence.apply(out.contiguous(), group)
+    if recorder:
+        recorder.message("out", layer, 0, start, start)
+    return out.flatten(2)

@@ -1,0 +1,89 @@
+"""Which query may see which key, in global token indices, for one micro-batch on one CP
+rank: the causal rule (a key at or before the query), documents (both in one document),
+and which blocks of the zigzag layout a ring step must compute at all."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ndtrain.parallel.context.layout import chunks_of, zigzag_index
+
+
+@dataclass
+class Block:
+    """The part of (local queries × one rank's keys) that has visible pairs: query rows
+    `rows`, key columns `cols` of the source's local order, and the mask there (None:
+    every pair visible). Shape of the mask: [b or 1, 1, 1, rows, cols]."""
+
+    rows: slice
+    cols: slice
+    mask: Tensor | None
+
+
+@dataclass
+class Visibility:
+    seq_len: int  # S, the whole sequence
+    cp: int
+    rank: int
+    causal: bool = True
+    docs: Tensor | None = None  # [cp, b, S/cp] every rank's document ids, None = one per row
+    device: torch.device | str = "cpu"
+
+    def __post_init__(self):
+        self.local = self.seq_len // self.cp
+        self.chunk = self.seq_len // (2 * self.cp)
+        self.index = [zigzag_index(self.seq_len, self.cp, r, self.device) for r in range(self.cp)]
+        self._blocks: dict[int, Block | None] = {}  # every layer asks the same, forward and backward
+        self._gathered: tuple[Tensor | None] | None = None
+
+    def mask(self, rows: slice, key_index: Tensor, key_docs: Tensor | None) -> Tensor | None:
+        """Visibility of this rank's query rows against keys at `key_index` (global) with
+        documents `key_docs` [b, keys]; None when everything is visible."""
+        q = self.index[self.rank][rows]
+        mask = q[:, None] >= key_index[None, :] if self.causal else None
+        if self.docs is not None:
+            same = self.docs[self.rank][:, rows, None] == key_docs[:, None, :]
+            mask = same if mask is None else same & mask
+        if mask is None:
+            return None
+        return mask.view(-1 if mask.dim() == 3 else 1, 1, 1, *mask.shape[-2:])
+
+    def ring_block(self, src: int) -> Block | None:
+        if src not in self._blocks:
+            self._blocks[src] = self._ring_block(src)
+        return self._blocks[src]
+
+    def gathered_mask(self) -> Tensor | None:
+        """Local queries × every rank's keys in rank order (all-gather back end)."""
+        if self._gathered is None:
+            docs = self.docs.permute(1, 0, 2).reshape(self.docs.shape[1], -1) if self.docs is not None else None
+            self._gathered = (self.mask(slice(None), torch.cat(self.index), docs),)
+        return self._gathered[0]
+
+    def _ring_block(self, src: int) -> Block | None:
+        """What this rank computes against the keys of CP rank `src` (None: nothing).
+
+        In chunks: query chunk i sees key chunk j fully when j < i, causally when j = i, not
+        at all when j > i. For the zigzag layout that gives (own keys) the local causal
+        square; (src < rank) all queries × the first half of the keys; (src > rank) the
+        second half of the queries × all keys: 2c² pairs every off-diagonal step, so the
+        ring is balanced.
+        """
+        q_chunks, k_chunks = chunks_of(self.rank, self.cp), chunks_of(src, self.cp)
+        pairs = {(qh, kh): "full" if not self.causal or kc < qc else ("diag" if kc == qc else "none")
+                 for qh, qc in enumerate(q_chunks) for kh, kc in enumerate(k_chunks)}
+        live = [pair for pair, kind in pairs.items() if kind != "none"]
+        if not live:
+            return None
+        q_halves = range(min(p[0] for p in live), max(p[0] for p in live) + 1)
+        k_halves = range(min(p[1] for p in live), max(p[1] for p in live) + 1)
+        c = self.chunk
+        rows, cols = slice(q_halves[0] * c, (q_halves[-1] + 1) * c), slice(k_halves[0] * c, (k_halves[-1] + 1) * c)
+        all_full = all(pairs[(qh, kh)] == "full" for qh in q_halves for kh in k_halves)
+        if all_full and self.docs is None:
+            return Block(rows, cols, None)
+        key_docs = self.docs[src][:, cols] if self.docs is not None else None
+        return Block(rows, cols, self.mask(rows, self.index[src][cols], key_docs))

@@ -1,0 +1,446 @@
+"""Context parallelism (issue 10): the layout, the attention kernels against full attention,
+and end-to-end training equal to one process.
+
+Kernel rows run every back end on cp ∈ {2, 3, 4} ranks in fp64 against full attention
+computed on one device: output, log-sum-exp (ring, allgather; Ulysses runs plain attention
+between its all-to-alls and has no merged lse) and dq, dk, dv of every rank's tokens within
+1e-10 of the reference's largest element, causal and full, MHA and GQA, with and without
+packed documents (including documents that leave whole ring blocks masked).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ndtrain.testing import run_ranks
+
+KERNEL_TOL = 1e-10
+IMPLS = ("ring", "allgather", "ulysses")
+
+
+# --------------------------------------------------------------------------- the layout
+
+def test_zigzag_layout_covers_every_token_once_and_balances_causal_work():
+    from ndtrain.parallel.context.layout import gathered_index, zigzag_index
+    from ndtrain.parallel.context.visibility import Visibility
+
+    assert zigzag_index(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_index(8, 2, 1).tolist() == [2, 3, 4, 5]
+    for cp in (1, 2, 3, 4):
+        s = 2 * cp * 5
+        assert sorted(gathered_index(s, cp).tolist()) == list(range(s))
+        # visible (query, key) pairs computed per rank, summed over the ring's steps
+        work = []
+        for r in range(cp):
+            vis = Visibility(s, cp, r)
+            pairs = 0
+            for src in range(cp):
+                block = vis.ring_block(src)
+                if block is not None:
+                    n = (block.rows.stop - block.rows.start) * (block.cols.stop - block.cols.start)
+                    pairs += n if block.mask is None else int(block.mask.sum())
+                    if src != r:  # off-diagonal steps: 2c² pairs, no mask
+                        assert block.mask is None and n == 2 * (s // (2 * cp)) ** 2
+            work.append(pairs)
+        assert work == [work[0]] * cp and sum(work) == s * (s + 1) // 2
+
+
+def test_shard_permutes_every_field_together():
+    from ndtrain.data.batch import MicroBatch
+    from ndtrain.parallel.context.layout import shard
+
+    tokens = torch.arange(16).view(2, 8)
+    mb = MicroBatch(tokens, tokens + 100, doc_ids=tokens // 3, weights=tokens.double())
+    part = shard(mb, 2, 1)
+    assert part.tokens.tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
+    assert part.targets.tolist() == (part.tokens + 100).tolist()  # shifted before sharding
+    assert part.positions.tolist() == [[2, 3, 4, 5]] * 2  # true global positions
+    assert part.doc_ids.tolist() == (part.tokens // 3).tolist()
+    assert part.weights.tolist() == part.tokens.double().tolist()
+
+
+def test_kernels_handle_fully_masked_rows_and_blocks():
+    from ndtrain.parallel.context.kernels import attend, attend_backward, merge
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 1, 2, 3, 4, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(1, 1, 5, 4, generator=g, dtype=torch.float64) for _ in range(2))
+    mask = torch.ones(3, 5, dtype=torch.bool)
+    mask[1] = False  # a row that sees nothing
+    out, lse = attend(q, k, v, mask.view(1, 1, 1, 3, 5), 0.5)
+    assert torch.isneginf(lse[..., 1]).all() and (out[..., 1, :] == 0).all()
+    nothing = torch.zeros(1, 1, 1, 3, 5, dtype=torch.bool)  # a block that sees nothing
+    b_out, b_lse = attend(q, k, v, nothing, 0.5)
+    merged, merged_lse = merge(out, lse, b_out, b_lse)
+    assert torch.equal(merged, out) and torch.equal(merged_lse, lse)
+    dq, dk, dv = attend_backward(q, k, v, nothing, 0.5, lse, torch.zeros_like(lse), torch.ones_like(out))
+    assert all(torch.isfinite(t).all() and (t == 0).all() for t in (dq, dk, dv))
+
+
+# --------------------------------------------------------------------------- kernels on cp ranks
+
+def _reference(q, k, v, causal, docs):
+    """Full attention on one device: out [b, S, H, d], lse [b, S, H] (fp64, plain math)."""
+    b, s, h, d = q.shape
+    k, v = (t.repeat_interleave(h // k.shape[2], dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    mask = torch.ones(s, s, dtype=torch.bool)
+    if causal:
+        mask = mask.tril()
+    mask = mask.expand(b, s, s)
+    if docs is not None:
+        mask = mask & (docs[:, :, None] == docs[:, None, :])
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(scores - lse[..., None]), v)
+    return out, lse.transpose(1, 2)
+
+
+def _documents(b: int, s: int, cp: int, g) -> torch.Tensor:
+    """Row 0: one document per zigzag chunk (every off-diagonal ring block fully masked);
+    other rows: random document lengths."""
+    c = s // (2 * cp)
+    rows = [torch.arange(s) // c]
+    for _ in range(b - 1):
+        cuts = torch.zeros(s, dtype=torch.long)
+        cuts[torch.randperm(s - 1, generator=g)[: max(1, s // 5)] + 1] = 1
+        rows.append(cuts.cumsum(0))
+    return torch.stack(rows)
+
+
+def _kernel_cases(cp: int):
+    gqa = {2: 2, 3: 3, 4: 2}[cp]  # KV heads that Ulysses can split (cp=2, 3) or repeat (cp=4)
+    for impl in ("ring", "allgather", "ulysses"):
+        for causal in (True, False):
+            for heads, kv in ((12, 12), (12, gqa)):
+                for docs in (False, True):
+                    yield impl, causal, heads, kv, docs
+
+
+def _kernels_on_ranks(cp: int) -> list[dict]:
+    from ndtrain.mesh import MeshShape, ParallelMesh
+    from ndtrain.parallel.context.allgather import AllGatherAttention, allgather_forward
+    from ndtrain.parallel.context.kernels import from_heads
+    from ndtrain.parallel.context.layout import zigzag_index
+    from ndtrain.parallel.context.ring import RingAttention, ring_forward
+    from ndtrain.parallel.context.ulysses import ulysses_attention
+    from ndtrain.parallel.context.visibility import Visibility
+
+    mesh = ParallelMesh.build(MeshShape(cp=cp))
+    group = mesh.group("cp")
+    results = []
+    for impl, causal, heads, kv, with_docs in _kernel_cases(cp):
+        g = torch.Generator().manual_seed(7)
+        b, s, d = 3, 2 * cp * 3, 8
+        q = torch.randn(b, s, heads, d, generator=g, dtype=torch.float64)
+        k, v = (torch.randn(b, s, kv, d, generator=g, dtype=torch.float64) for _ in range(2))
+        w = torch.randn(b, s, heads * d, generator=g, dtype=torch.float64)
+        docs = _documents(b, s, cp, g) if with_docs else None
+        # reference: every rank computes it, on the whole sequence
+        ref = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref_out, ref_lse = _reference(*ref, causal, docs)
+        (ref_out.flatten(2) * w).sum().backward()
+        # this rank's tokens
+        idx = zigzag_index(s, cp, group.rank)
+        mine = [t[:, idx].clone().requires_grad_() for t in (q, k, v)]
+        gathered_docs = torch.stack([docs[:, zigzag_index(s, cp, r)] for r in range(cp)]) if with_docs else None
+        vis = Visibility(s, cp, group.rank, causal=causal, docs=gathered_docs)
+        fn = {"ring": RingAttention.apply, "allgather": AllGatherAttention.apply, "ulysses": ulysses_attention}[impl]
+        out = fn(*mine, group, vis)
+        (out * w[:, idx]).sum().backward()
+        errors = {"out": _relative(out, ref_out.flatten(2)[:, idx])}
+        if impl != "ulysses":
+            forward = ring_forward if impl == "ring" else allgather_forward
+            _, lse = forward(*[t.detach() for t in mine], group, vis)[:2]
+            # lse [b, G, r, s] → [b, s, H]
+            errors["lse"] = _relative(lse.permute(0, 3, 1, 2).reshape(b, -1, heads), ref_lse[:, idx])
+            assert torch.equal(from_heads(forward(*[t.detach() for t in mine], group, vis)[0]).to(q.dtype), out.detach())
+        for name, mine_t, ref_t in zip(("dq", "dk", "dv"), mine, ref):
+            errors[name] = _relative(mine_t.grad, ref_t.grad[:, idx])
+        results.append({"case": (impl, causal, heads, kv, with_docs), **errors})
+    return results
+
+
+def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
+    assert torch.isfinite(a).all()
+    return float((a.detach() - ref.detach()).abs().max() / ref.detach().abs().max())
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_attention_kernels_equal_full_attention_fp64(cp):
+    per_rank = run_ranks(_kernels_on_ranks, cp, cp)
+    worst = 0.0
+    for rank, results in enumerate(per_rank):
+        for r in results:
+            for key, err in r.items():
+                if key != "case":
+                    assert err <= KERNEL_TOL, f"rank {rank} {r['case']}: {key} differs by {err:.1e}"
+                    worst = max(worst, err)
+    assert len(per_rank[0]) == 24
+    print(f"cp={cp}: largest relative deviation {worst:.1e}")
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["parallel.cp=2", "train.seq_len=30"], "train.seq_len = 30: must be divisible by 2 × parallel.cp = 4"),
+    (["parallel.cp=3", "train.seq_len=32"], "train.seq_len = 32: must be divisible by 2 × parallel.cp = 6"),
+    (["parallel.cp=2", "parallel.tp=4", "train.seq_len=36"], "must be divisible by cp × tp = 2 × 4"),
+    (["parallel.cp=3", "parallel.cp_impl=ulysses", "train.seq_len=48"],
+     "parallel.cp = 3: cp_impl = ulysses splits the query heads per tp rank, n_heads / tp = 4 / 1 = 4"),
+    (["parallel.cp=2", "parallel.tp=4", "parallel.sp=false", "parallel.cp_impl=ulysses"],
+     "n_heads / tp = 4 / 4 = 1, over cp"),
+    (["parallel.cp=4", "parallel.cp_impl=ulysses", "model.n_heads=8", "model.n_kv_heads=8", "model.dim=64"],
+     None),  # 8 KV heads over 4 ranks: split, valid
+    (["parallel.cp=4", "parallel.cp_impl=ulysses", "model.n_heads=8", "model.n_kv_heads=2", "model.dim=64"],
+     None),  # 2 KV heads over 4 ranks: repeated, valid
+    (["parallel.cp=4", "parallel.cp_impl=ulysses", "model.n_heads=12", "model.n_kv_heads=6", "model.dim=96"],
+     "needs the KV heads per tp rank (6, of n_kv_heads = 6) to divide cp or be divisible by it"),
+    (["parallel.cp_impl=zigzag"], "parallel.cp_impl = 'zigzag': choose one of ring, allgather, ulysses"),
+])
+def test_bad_context_parallel_configs(overrides, fragment):
+    from ndtrain.config import ConfigError, load_config, validate
+    cfg = load_config(None, ["model.preset=tiny", "run.device=cpu", *overrides])
+    world = cfg.parallel.cp * cfg.parallel.tp
+    if fragment is None:
+        validate(cfg, world=world)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world=world)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_cp_refuses_a_model_whose_attention_takes_no_positions():
+    from torch import nn
+
+    from ndtrain.config import ConfigError
+    from ndtrain.mesh import Group
+    from ndtrain.parallel.context import apply
+
+    class LearnedPositions(nn.Module):  # attention without an AttentionCore: no rotary positions
+        def __init__(self):
+            super().__init__()
+            self.layers = nn.ModuleDict({"0": nn.Module()})
+            self.layers["0"].attention = nn.MultiheadAttention(8, 2)
+
+    group = Group("cp", [0, 1], 0, None)
+    with pytest.raises(ConfigError, match="parallel.cp = 2: layer 0 of LearnedPositions has no AttentionCore"):
+        apply(LearnedPositions(), group, "ring")
+
+
+def test_cli_refuses_seq_len_not_divisible(tmp_path, capsys):
+    from ndtrain.cli import main
+    assert main(["train", "--nproc", "2", "parallel.cp=2", "train.seq_len=30", f"run.dir={tmp_path / 'run'}"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.strip() == ("ndtrain: error: train.seq_len = 30: must be divisible by 2 × "
+                                                 "parallel.cp = 4: context parallelism cuts each sequence into "
+                                                 "2·cp equal chunks")
+    assert not (tmp_path / "run").exists()
+
+
+# --------------------------------------------------------------------------- end to end
+
+def packed_documents(trainer) -> None:
+    """Turn every row into packed documents, as SFT does, decided by the tokens alone (so
+    every layout packs alike): a document starts after each token ≡ 0 mod 5, positions
+    restart there, targets of each document's first 3 tokens and of the first 12 tokens of
+    every row are IGNORE (so the zigzag chunks of a row hold unequal numbers of targets: at
+    cp = 2 rank 0 holds 8 of its 16, rank 1 12), and tokens carry weights 1 + (id mod 3)/2."""
+    from dataclasses import replace
+
+    from ndtrain.model.loss import IGNORE
+    plain = trainer.rows
+
+    def rows(loader, step):
+        mb = plain(loader, step)
+        b, s = mb.tokens.shape
+        index = torch.arange(s).expand(b, s)
+        start = torch.zeros(b, s, dtype=torch.bool)
+        start[:, 1:] = mb.tokens[:, :-1] % 5 == 0
+        start[:, 0] = True
+        doc_ids = start.long().cumsum(1)
+        first = (index * start).cummax(1).values
+        positions = index - first
+        targets = mb.targets.masked_fill((positions < 3) | (index < 12), IGNORE)
+        return replace(mb, targets=targets, positions=positions, doc_ids=doc_ids,
+                       weights=1.0 + (mb.tokens % 3).double() / 2)
+    trainer.rows = rows
+
+
+def _pipeline(schedule: str, m: int, *extra: str) -> list[str]:
+    return ["parallel.pp=2", f"parallel.pp_schedule={schedule}", f"train.micro_batch={8 // m}", *extra]
+
+
+# name → (overrides, reference). References are single-process runs of the same data:
+# "plain"; "packed" (packed_documents); "dropout" (model.dropout=0.1); "bf16".
+E2E: dict[int, list[tuple[str, list[str], str]]] = {
+    2: [
+        *((f"cp2-{impl}", ["parallel.cp=2", f"parallel.cp_impl={impl}"], "plain") for impl in IMPLS),
+        *((f"cp2-{impl}-packed", ["parallel.cp=2", f"parallel.cp_impl={impl}"], "packed") for impl in IMPLS),
+        ("cp2-zero3-over-cp", ["parallel.cp=2", "parallel.zero=3"], "plain"),
+        ("cp2-recompute-selective", ["parallel.cp=2", "train.recompute=selective"], "plain"),  # reruns the ring
+        ("cp2-bf16", ["parallel.cp=2", "train.precision=bf16"], "bf16"),
+    ],
+    4: [
+        *((f"cp4-{impl}", ["parallel.cp=4", f"parallel.cp_impl={impl}"], "plain") for impl in IMPLS),
+        ("cp4-ring-packed", ["parallel.cp=4"], "packed"),
+        ("cp2-tp2-sp-recompute-full", ["parallel.cp=2", "parallel.tp=2", "train.recompute=full"], "plain"),
+        ("cp2-tp2-sp-ulysses-dropout", ["parallel.cp=2", "parallel.tp=2", "parallel.cp_impl=ulysses",
+                                        "model.dropout=0.1"], "dropout"),
+        ("cp2-tp2-allgather", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=false", "parallel.cp_impl=allgather"],
+         "plain"),
+        ("cp2-dp2-zero3", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=3"], "plain"),
+        ("cp2-hsdp2-zero2", ["parallel.cp=2", "parallel.dp=2", "parallel.dp_replicate=2", "parallel.zero=2"], "plain"),
+        ("cp2-dp2-zero1-accumulation-packed", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=1",
+                                               "train.micro_batch=2"], "packed"),
+        ("cp2-pp2-1f1b", _pipeline("1f1b", 4, "parallel.cp=2"), "plain"),
+        ("cp2-pp2-interleaved", _pipeline("interleaved", 4, "parallel.cp=2", "parallel.pp_virtual=2"), "plain"),
+        ("cp2-pp2-zb-allgather-packed", _pipeline("zb", 4, "parallel.cp=2", "parallel.cp_impl=allgather"), "packed"),
+        ("cp2-pp2-afab-ulysses", _pipeline("afab", 2, "parallel.cp=2", "parallel.cp_impl=ulysses"), "plain"),
+    ],
+    8: [
+        ("pp2-dp2-cp2", _pipeline("1f1b", 2, "parallel.cp=2", "parallel.dp=2"), "plain"),
+        ("pp2-cp2-tp2", _pipeline("1f1b", 4, "parallel.cp=2", "parallel.tp=2"), "plain"),
+    ],
+}
+REFERENCES = {"plain": [], "packed": [], "dropout": ["model.dropout=0.1"], "bf16": ["train.precision=bf16"]}
+STEPS = ["train.steps=3"]  # TINY's 5 steps cost the budget two more without testing anything new
+
+
+def _train(overrides: list[str], reference: str, data_dir: str):
+    from helpers import train_in_rank
+    hook = packed_documents if reference == "packed" else None
+    losses, state, trainer = train_in_rank(STEPS + REFERENCES[reference] + overrides, data_dir, before_fit=hook)
+    return {"losses": losses, "state": state, "targets": [r["targets"] for r in trainer.history],
+            "activations": max(trainer.history[1]["memory"]["activations"])}
+
+
+def _references(data_dir):
+    return {name: _train([], name, data_dir) for name in REFERENCES}
+
+
+def _rows(data_dir, rows):
+    return {name: _train(overrides, ref, data_dir) for name, overrides, ref in rows}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_data):
+    return run_ranks(_references, 1, tiny_data)[0]
+
+
+@pytest.mark.parametrize("world", sorted(E2E))
+def test_training_equals_one_process(world, tiny_data, references):
+    """fp32 at 1e-5 relative (losses, final weights); bf16 against bf16 on one process at
+    the precision suite's bf16 tolerance, 2e-3 of the loss. The logged target counts equal
+    one process's, packed documents included."""
+    from helpers import assert_losses_close, assert_states_close
+    results = run_ranks(_rows, world, tiny_data, E2E[world], timeout=600)
+    for name, _, ref_name in E2E[world]:
+        run, ref = results[0][name], references[ref_name]
+        try:
+            assert run["targets"] == ref["targets"]
+            if ref_name == "bf16":
+                assert_losses_close(run["losses"], ref["losses"], 2e-3)
+                assert run["losses"] != references["plain"]["losses"]
+            else:
+                assert_losses_close(run["losses"], ref["losses"], 1e-5)
+                assert_states_close(run["state"], ref["state"], 1e-5)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+        for rank, other in enumerate(results[1:], 1):
+            assert other[name]["losses"] == run["losses"], f"{name}: rank {rank} reports other losses"
+    assert references["packed"]["targets"][0] < references["plain"]["targets"][0]
+    # the memory report: activations per rank shrink with cp (same rows per rank here)
+    for name in (f"cp{world}-{impl}" for impl in IMPLS):
+        if name in results[0]:
+            ratio = results[0][name]["activations"] / references["plain"]["activations"]
+            print(f"{name}: activations per rank {ratio:.2f} of one process's")
+            assert ratio < 1.2 / world, f"{name}: activations {ratio:.2f} of one process's"
+
+
+# --------------------------------------------------------------------------- bytes per layer
+
+COMM_CASES = [  # on 4 ranks: (overrides, the collectives expected on the cp group)
+    *(([f"parallel.cp=4", f"parallel.cp_impl={impl}"], impl) for impl in IMPLS),
+    *((["parallel.cp=2", f"parallel.cp_impl={impl}"], impl) for impl in IMPLS),  # × dp 2
+    *((["parallel.cp=2", "parallel.tp=2", f"parallel.cp_impl={impl}", "train.precision=bf16"], impl) for impl in IMPLS),
+]
+KINDS = {"ring": {"send", "recv"}, "allgather": {"all_gather", "reduce_scatter"}, "ulysses": {"all_to_all"}}
+
+
+def _comm_on_ranks(cases):
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.batch import MicroBatch
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.parallel import context
+    from ndtrain.parallel.parallelize import build
+    from ndtrain.parallel.precision import compute_dtype
+    from ndtrain.train.worker import mesh_shape
+
+    out = []
+    for overrides, _ in cases:
+        cfg = validate(load_config(None, ["model.preset=tiny", "model.vocab_size=512", "run.device=cpu",
+                                          "train.seq_len=48", "train.global_batch=4", *overrides]), world=4)
+        mesh = ParallelMesh.build(mesh_shape(cfg))
+        args = cfg.model_args()
+        par = build(args, mesh, cfg)
+        rows = cfg.train.global_batch // mesh.dp_size
+        tokens = torch.randint(0, args.vocab_size, (rows, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        mb = context.shard(MicroBatch(tokens[:, :-1], tokens[:, 1:]), mesh.shape.cp, mesh.coord("cp"))
+        mesh.stats.reset()
+        par.forward_backward([mb], float(rows * cfg.train.seq_len))
+        tp = mesh.shape.tp
+        heads, kv = args.n_heads // tp, max(1, args.n_kv_heads // tp)
+        value = torch.finfo(compute_dtype(cfg.train.precision)).bits // 8
+        expected = args.n_layers * context.wire_bytes(cfg.parallel.cp_impl, rows * cfg.train.seq_len, heads, kv,
+                                                      args.head_dim, mesh.shape.cp, value, 4)
+        kinds = {k for (d, k) in mesh.stats.tallies if d == "cp"}
+        out.append((mesh.stats.wire("cp"), expected, kinds))
+    return out
+
+
+def test_bytes_per_layer_match_the_formulas():
+    """What each back end sends over the cp group in one forward and backward (no document
+    ids: they add one all-gather of b·S ids per micro-batch) equals n_layers × `wire_bytes`:
+    cp 4, cp 2 × dp 2, and cp 2 × tp 2 in bf16 (K/V in bf16, gradient accumulators in fp32;
+    heads per tp rank: 2 query, 1 KV head, repeated for Ulysses)."""
+    results = run_ranks(_comm_on_ranks, 4, COMM_CASES)
+    for rank, per_case in enumerate(results):
+        for (overrides, impl), (wire, expected, kinds) in zip(COMM_CASES, per_case):
+            assert kinds == KINDS[impl], (overrides, kinds)
+            assert wire == pytest.approx(expected, rel=1e-12), f"rank {rank} {overrides}: {wire} vs {expected}"
+
+
+# --------------------------------------------------------------------------- the trace
+
+def _ring_trace(data_dir, out):
+    import torch.distributed as dist
+
+    from helpers import TINY
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.prepare import PreparedData
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.trace import trace_run
+    from ndtrain.train.worker import mesh_shape
+    cfg = validate(load_config(None, TINY + ["parallel.cp=2", "train.steps=2"]), world=dist.get_world_size())
+    return trace_run(cfg, ParallelMesh.build(mesh_shape(cfg)), PreparedData.open(data_dir), out)
+
+
+def test_trace_shows_every_ring_step_and_message(tiny_data, tmp_path):
+    import json
+    report = run_ranks(_ring_trace, 2, tiny_data, tmp_path)[0]
+    layers, cp = report["layers"], 2
+    # per rank: forward cp−1 K/V exchanges per layer; backward as many plus cp dK/dV hops
+    assert report["messages"] == layers * (2 * (cp - 1) + cp)
+    assert 0.0 <= report["hidden"] <= 1.0 and report["in_flight"] >= report["waited"] >= 0
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    for rank in (0, 1):
+        mine = [e for e in events if e.get("tid") == rank and e.get("ph") == "X"]
+        steps = sorted((e["cat"], e["args"]["chunk"], e["args"]["micro"]) for e in mine if e["cat"].startswith("attn"))
+        assert steps == sorted((kind, layer, step) for kind in ("attn B", "attn F") for layer in range(layers)
+                               for step in range(cp))
+        assert sum(e["cat"] == "dkv" for e in mine) == layers * cp
+    assert (tmp_path / "timeline.png").stat().st_size > 10_000
