@@ -261,8 +261,10 @@ ROWS_BY_WORLD = {
         ("tp2-dp2-ep2-zero1", ["parallel.tp=2", "parallel.ep=2", "parallel.zero=1"]),
         ("pp2-dp2-ep2-zero1-interleaved", ["parallel.pp=2", "parallel.ep=2", "parallel.zero=1",
                                            "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2",
-                                           "train.micro_batch=2"])],
-    8: [("pp2-dp2-tp2-ep2", ["parallel.pp=2", "parallel.tp=2", "parallel.ep=2", "train.micro_batch=2"])],
+                                           "train.micro_batch=2"]),
+        ("pp2-cp2-ep2", ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "train.micro_batch=2"])],
+    8: [("pp2-dp2-tp2-ep2", ["parallel.pp=2", "parallel.tp=2", "parallel.ep=2", "train.micro_batch=2"]),
+        ("dp2-cp2-tp2-zero3-ep2", ["parallel.cp=2", "parallel.tp=2", "parallel.zero=3", "parallel.ep=2"])],
 }
 
 
