@@ -36,7 +36,10 @@ examples:
   ndtrain bench dp                               our DP against torch DDP, side by side
   ndtrain bench zero                             our ZeRO-3 against torch FSDP2, side by side
   ndtrain bench tp                               our TP+SP against DTensor TP+SP on 2 ranks, side by side
-  ndtrain bench pp                               our 1F1B against torch.distributed.pipelining, and each schedule's bubble
+  ndtrain bench pp                               our 1F1B, interleaved and zero bubble against torch.distributed.pipelining,
+                                                 and each schedule's bubble (real compute, paced, theory)
+  ndtrain bench zero model.preset=125M train.global_batch=8
+                                                 the same on a preset's shape (every benchmark takes model.preset)
   ndtrain bench ep                               experts split over 2 ranks (ep=2) against replicated (ep=1)
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
   ndtrain train --nproc 4 model.preset=tiny-moe parallel.ep=2 parallel.dp=4
@@ -109,8 +112,14 @@ def _parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
-                                     "pp (our 1F1B vs torch.distributed.pipelining, bubbles), "
-                                     "ep (experts split over --nproc ranks vs replicated)")
+                                     "pp (our 1F1B, interleaved, zero bubble vs torch.distributed.pipelining; "
+                                     "bubbles), ep (experts split over --nproc ranks vs replicated); KEY=VALUE reaches both sides "
+                                     "or is refused",
+                       description="Run ndtrain and its PyTorch-native anchor side by side, alternating rounds; "
+                                   "the last line is the ratio of their median throughputs. Every key a "
+                                   "benchmark accepts (model.*, train.precision, train.recompute, "
+                                   "train.micro_batch, ...) reaches both sides; others are refused. "
+                                   "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "ep"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
@@ -125,17 +134,10 @@ def fail(message: str, code: int = 2) -> int:
     return code
 
 
-def warn(lines: list[str | None]) -> None:
-    """Warnings before a start, one line each, from one process (rank 0 under torchrun)."""
-    if os.environ.get("RANK", "0") == "0":
-        for line in filter(None, lines):
-            print(f"ndtrain: warning: {line}", file=sys.stderr, flush=True)
-
-
 def warn_before_start(cfg, world: int | None) -> None:
     """Keys that do nothing in this layout, and more CPU processes than cores."""
     from ndtrain.idle_keys import idle_keys
-    from ndtrain.launch import oversubscribed
+    from ndtrain.launch import oversubscribed, warn
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world)) if world else cfg.parallel.world
     warn(idle_keys(cfg, world) + [oversubscribed(local, cfg.run.device)])
 

@@ -43,6 +43,7 @@ def _rules(cfg: Config, world: int | None) -> list[tuple[str, bool, str]]:
     rules = [
         ("parallel.reshard_after_forward", p.zero != 3, "only ZeRO-3 (parallel.zero=3) frees gathered parameters"),
         ("parallel.sp", p.tp == 1, "sequence parallelism needs tensor parallelism (parallel.tp > 1)"),
+        ("parallel.cp_impl", p.cp == 1, "it picks context-parallel attention, which needs parallel.cp > 1"),
         ("parallel.bucket_mb", p.zero > 0, "ZeRO communicates per unit (a block, the root), not per bucket"),
         ("parallel.bucket_mb", p.zero == 0 and p.dp * p.cp == 1,
          "there is no data parallelism (parallel.dp = 1) whose gradients it would bucket"),

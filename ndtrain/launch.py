@@ -16,6 +16,7 @@ import datetime
 import logging
 import os
 import re
+import sys
 import uuid
 from dataclasses import dataclass
 
@@ -64,6 +65,14 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     if kind in ("auto", "cuda") and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def warn(lines: list[str | None]) -> None:
+    """Warnings before a start, one line each (None: nothing to say), from one process:
+    rank 0 under torchrun, where every rank runs the command line."""
+    if os.environ.get("RANK", "0") == "0":
+        for line in filter(None, lines):
+            print(f"ndtrain: warning: {line}", file=sys.stderr, flush=True)
 
 
 def oversubscribed(processes: int, device: str) -> str | None:

@@ -238,6 +238,7 @@ def idle(overrides, file_text=None, tmp_path=None, world=None):
     (["parallel.reshard_after_forward=false", "parallel.zero=2"], "parallel.reshard_after_forward"),
     (["parallel.sp=true"], "parallel.sp"),
     (["parallel.pp_schedule=zb"], "parallel.pp_schedule"),
+    (["parallel.cp_impl=ulysses"], "parallel.cp_impl"),
     (["parallel.bucket_mb=4", "parallel.zero=1"], "parallel.bucket_mb"),
     (["parallel.bucket_mb=4", "run.nproc=1"], "parallel.bucket_mb"),
     (["parallel.dp_replicate=2", "run.nproc=4"], "parallel.dp_replicate"),

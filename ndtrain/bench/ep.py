@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import statistics
 
-from ndtrain.bench.common import Contest, alternate, bench_config, report
+from ndtrain.bench.common import TRAINING, Bench, Contest, alternate, announce, bench_config, describe, report
+from ndtrain.config import ConfigError
 from ndtrain.launch import launch_local, shutdown
 from ndtrain.model.args import expert_params, param_count
 from ndtrain.observe.memory import format_bytes, per_rank
 
-BENCH_DEFAULTS = ["model.preset=tiny-moe", "model.dim=256", "model.n_heads=4", "model.n_kv_heads=2",
-                  "model.ffn_dim=512", "model.moe_experts=16", "model.moe_top_k=2", "model.moe_ffn_dim=512",
-                  "model.vocab_size=4096", "train.seq_len=128", "train.global_batch=8",
-                  "train.moe_aux_loss=0.01", "run.progress=false"]
+MODEL = ("model.preset=tiny-moe", "model.dim=256", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_dim=512",
+         "model.moe_experts=16", "model.moe_top_k=2", "model.moe_ffn_dim=512", "model.vocab_size=4096")
+SETTINGS = ("train.seq_len=128", "train.global_batch=8", "run.progress=false")
+# Both sides are ours: every training key, the balancing, and the data-parallel layout reach both.
+BENCH = Bench("ep", MODEL, SETTINGS, TRAINING + ("train.moe_aux_loss", "train.moe_bias_rate", "parallel.dp",
+                                                 "parallel.zero", "parallel.bucket_mb", "train.reduce_fp32"))
 
 
 def _contender(cfg, env, ep: int):
@@ -40,18 +43,17 @@ def _contender(cfg, env, ep: int):
 
 
 def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
-    from ndtrain.data.batch import MicroBatch
-
     c = Contest.start(cfg_dict)  # ours: experts split (ep = nproc)
     try:
-        device, lr, n = c.env.device, c.cfg.train.lr, c.cfg.parallel.ep
+        t, device, n = c.cfg.train, c.env.device, c.cfg.parallel.ep
         replicated = _contender(c.cfg, c.env, 1)
-        batch = [MicroBatch(c.x, c.y)]
         a2a: list[float] = []
 
         def step(stepper, measure: bool = False):
-            stepper.forward_backward(batch, c.n_targets, measure_memory=measure)
-            stepper.optimizer_step(lr)
+            stepper.forward_backward(c.micro, c.n_targets, measure_memory=measure)
+            if t.grad_clip:
+                stepper.clip_grad_norm(t.grad_clip)
+            stepper.optimizer_step(t.lr)
             stats = stepper.par.routing_stats
             if "a2a_seconds" in stats and not measure:
                 a2a.append(sum(stats["a2a_seconds"]))
@@ -75,13 +77,19 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
 
 
 def run(args) -> int:
-    cfg = bench_config(args, BENCH_DEFAULTS + [f"parallel.ep={args.nproc}"])
-    a, t = cfg.model_args(), cfg.train
+    cfg = bench_config(args, BENCH)
+    a = cfg.model_args()
+    if not a.is_moe:
+        raise ConfigError("model.preset", cfg.model.preset, "bench ep needs a model with experts (tiny-moe, olmoe-1b-7b)")
+    if a.moe_experts % args.nproc:
+        raise ConfigError("--nproc", args.nproc, f"bench ep splits the experts over every rank: it must divide "
+                          f"model.moe_experts = {a.moe_experts}")
+    cfg.parallel.ep = args.nproc
     total = param_count(a)
-    print(f"bench ep: ep={cfg.parallel.ep} vs ep=1 · {args.nproc} ranks · model dim={a.dim} layers={a.n_layers} "
-          f"experts={a.moe_experts} top-{a.moe_top_k} expert dim={a.expert_dim} · {total / 1e6:.1f} M parameters, "
-          f"{100 * expert_params(a) / total:.0f}% in experts · batch {t.global_batch}×{t.seq_len} · {t.precision} · "
-          f"{args.rounds} rounds × {args.steps} steps, alternating", flush=True)
+    announce(args, cfg, f"bench ep: ep={cfg.parallel.ep} vs ep=1 · {args.nproc} ranks · {describe(cfg)} · "
+                        f"experts={a.moe_experts} top-{a.moe_top_k} expert dim={a.expert_dim}, "
+                        f"{100 * expert_params(a) / total:.0f}% of parameters in experts · "
+                        f"{args.rounds} rounds × {args.steps} steps, alternating")
     out = launch_local(args.nproc, _worker, cfg.to_dict(), args.rounds, args.steps)[0]
     print(out)
     return 0

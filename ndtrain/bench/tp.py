@@ -1,7 +1,9 @@
 """`ndtrain bench tp`: our tensor + sequence parallelism against PyTorch's DTensor TP + SP.
 
-Both run the same model (same initial weights) on the same batch over the same ranks, one
-training step each (forward, backward, AdamW), alternated round by round. The DTensor side
+Both run the same model (same initial weights) on the same batch and micro-batches over the
+same ranks, one training step each (forward, backward, clip, AdamW), alternated round by
+round, with the same recomputed regions (torch's `checkpoint` on the anchor) and, in bf16,
+autocast on the anchor (torchtitan's choice for TP without FSDP). The DTensor side
 is the torchtitan-style plan: ColwiseParallel / RowwiseParallel on the projections,
 SequenceParallel on the norms, the embedding row-wise into a sequence-split stream, and
 `loss_parallel` on vocab-split logits. The same plan is the anchor of tests/test_tp.py.
@@ -12,7 +14,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ndtrain.bench.common import Contest, alternate, bench_config, report
+from ndtrain.bench.common import (TRAINING, Bench, Contest, alternate, anchor_autocast, anchor_clip,
+                                  anchor_recompute, announce, bench_config, describe, report)
+from ndtrain.config import ConfigError
 from ndtrain.launch import launch_local, shutdown
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
@@ -21,10 +25,11 @@ from ndtrain.model.loss import IGNORE
 from ndtrain.parallel.states import param_groups
 from ndtrain.train.optim import build_optimizer
 
-BENCH_DEFAULTS = ["model.preset=small", "model.n_layers=8", "model.dim=256", "model.ffn_dim=768",
-                  "model.n_heads=8", "model.n_kv_heads=4", "model.vocab_size=4096",
-                  "model.tie_embeddings=false", "train.seq_len=128", "train.global_batch=8",
-                  "parallel.sp=true", "run.progress=false"]
+MODEL = ("model.preset=small", "model.n_layers=8", "model.dim=256", "model.ffn_dim=768", "model.n_heads=8",
+         "model.n_kv_heads=4", "model.vocab_size=4096")
+SETTINGS = ("model.tie_embeddings=false", "train.seq_len=128", "train.global_batch=8", "parallel.sp=true",
+            "run.progress=false")
+BENCH = Bench("tp", MODEL, SETTINGS, TRAINING + ("parallel.tp", "parallel.sp"))
 
 
 def dtensor_plan(n_layers: int, sp: bool) -> dict:
@@ -68,13 +73,17 @@ def dtensor_model(args: ModelArgs, seed: int, device: torch.device, tp_mesh, sp:
     return parallelize_module(model, tp_mesh, dtensor_plan(args.n_layers, sp))
 
 
-def dtensor_loss_backward(model, x, y, n_targets: float) -> torch.Tensor:
-    """Forward, loss from vocab-split logits with `loss_parallel`, backward (inside it too)."""
+def dtensor_loss_backward(model, x, y, n_targets: float, autocast=None) -> torch.Tensor:
+    """Forward, loss from vocab-split logits with `loss_parallel`, backward (inside it too).
+    `autocast`: a context for the forward and the loss (bf16)."""
+    from contextlib import nullcontext
+
     from torch.distributed.tensor.parallel import loss_parallel
     with loss_parallel():
-        logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=IGNORE,
-                               reduction="sum") / n_targets
+        with autocast or nullcontext():
+            logits = model(x)
+            loss = F.cross_entropy(logits.flatten(0, -2), y.flatten(), ignore_index=IGNORE,
+                                   reduction="sum") / n_targets
         loss.backward()
     return loss.full_tensor().detach() if hasattr(loss, "full_tensor") else loss.detach()
 
@@ -87,10 +96,13 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
         t, device = c.cfg.train, c.env.device
         tp_mesh = init_device_mesh(device.type, (c.cfg.parallel.tp,))
         ref = dtensor_model(c.args, t.seed, device, tp_mesh, c.cfg.parallel.sp)
+        anchor_recompute(ref, t.recompute)
         opt = build_optimizer(param_groups(ref.named_parameters(), t.weight_decay), t, device)
 
         def step_dtensor():
-            dtensor_loss_backward(ref, c.x, c.y, c.n_targets)
+            for mb in c.micro:
+                dtensor_loss_backward(ref, mb.tokens, mb.targets, c.n_targets, anchor_autocast(c.cfg, device))
+            anchor_clip(ref, t.grad_clip)
             opt.step()
             opt.zero_grad()  # to None: DTensor keeps SP norm gradients Partial, not zeroable in place
 
@@ -102,11 +114,18 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
 
 
 def run(args) -> int:
-    cfg = bench_config(args, BENCH_DEFAULTS + [f"parallel.tp={args.nproc}"])  # TP over every rank
+    if not any(o.startswith("parallel.tp=") for o in args.overrides):
+        args.overrides = [f"parallel.tp={args.nproc}"] + list(args.overrides)  # TP over every rank
+    cfg = bench_config(args, BENCH)
     a, p = cfg.model_args(), cfg.parallel
-    print(f"bench tp: tp={p.tp} sp={p.sp} · model dim={a.dim} layers={a.n_layers} heads={a.n_heads}/{a.n_kv_heads} "
-          f"vocab={a.vocab_size} · batch {cfg.train.global_batch}×{cfg.train.seq_len} · "
-          f"{args.rounds} rounds × {args.steps} steps, alternating", flush=True)
+    if a.tie_embeddings:
+        raise ConfigError("model.tie_embeddings", True, "DTensor's plan cannot shard one weight as both embedding "
+                          "and head; bench tp needs untied embeddings")
+    if a.n_kv_heads % p.tp:
+        raise ConfigError("model.n_kv_heads", a.n_kv_heads, f"DTensor's plan splits KV heads; they must be "
+                          f"divisible by parallel.tp = {p.tp}")
+    announce(args, cfg, f"bench tp: tp={p.tp} sp={p.sp} · {describe(cfg)} · "
+                        f"{args.rounds} rounds × {args.steps} steps, alternating")
     out = launch_local(args.nproc, _worker, cfg.to_dict(), args.rounds, args.steps)[0]
     print(out)
     return 0

@@ -104,12 +104,12 @@ def recompute_module(module: nn.Module) -> None:
     module.forward = functools.partial(run_recomputed, module.forward)
 
 
-def apply_recompute(model: nn.Module, spec: str) -> list[str]:
-    """Wrap the regions `spec` names in every decoder (a pipeline stage may hold several);
-    returns the names of the wrapped modules."""
+def regions(model: nn.Module, spec: str) -> dict[str, nn.Module]:
+    """The modules `spec` names, by name, in every decoder (a pipeline stage may hold several).
+    The benchmarks hand the same regions to torch's checkpointing (bench/common.py)."""
     if spec == "none":
-        return []
-    wrapped = []
+        return {}
+    found = {}
     every = recompute_every(spec)
     for name, module in model.named_modules():
         layers = getattr(module, "layers", None)
@@ -118,9 +118,15 @@ def apply_recompute(model: nn.Module, spec: str) -> list[str]:
         for key, block in layers.items():
             prefix = f"{name}.layers.{key}" if name else f"layers.{key}"
             if spec == "selective":
-                recompute_module(block.attention.core)
-                wrapped.append(f"{prefix}.attention.core")
+                found[f"{prefix}.attention.core"] = block.attention.core
             elif int(key) % every == 0:
-                recompute_module(block)
-                wrapped.append(prefix)
-    return wrapped
+                found[prefix] = block
+    return found
+
+
+def apply_recompute(model: nn.Module, spec: str) -> list[str]:
+    """Make the regions `spec` names recomputed; returns their names."""
+    wrapped = regions(model, spec)
+    for module in wrapped.values():
+        recompute_module(module)
+    return list(wrapped)
