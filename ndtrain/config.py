@@ -642,9 +642,6 @@ def _check_pipeline(cfg: Config, a: ModelArgs) -> None:
             if value != default:
                 raise ConfigError(f"parallel.{key}", value, "needs parallel.pp > 1")
         return
-    if p.zero >= 2:
-        raise ConfigError("parallel.zero", p.zero, "with pipeline parallelism only ZeRO-1 is supported (stages 2 and 3 "
-                          "reduce or gather at every backward pass, and a stage runs one per micro-batch and chunk)")
     if p.pp_virtual > 1 and p.pp_schedule != "interleaved":
         raise ConfigError("parallel.pp_virtual", p.pp_virtual,
                           f"needs parallel.pp_schedule = 'interleaved' (it is {p.pp_schedule!r})")

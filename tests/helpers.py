@@ -6,6 +6,8 @@ import shutil
 import sysconfig
 from pathlib import Path
 
+import torch
+
 
 # train.eps=1e-6: with Adam's default 1e-8, a weight whose gradient happens to sum to ~1e-9
 # (one in ~10^4 does) gets an update lr·g/(|g|+eps) that turns the summation-order round-off
@@ -35,6 +37,26 @@ def tiny_data_dir(root: Path) -> Path:
                         cache_dir=root / "cache", progress=False)
 
 
+# The layout proofs: fp64 on the CPU, AdamW's default eps (fp64 removes the round-off that
+# TINY's eps works around), tolerances from issue 9: first-step gradients at 1e-10 of each
+# tensor's largest element, every loss and the final weights at 1e-9, the gradient norm at 1e-12.
+FP64 = ["train.precision=fp64", "train.eps=1e-8"]
+GRAD_TOL, STATE_TOL, LOSS_TOL, NORM_TOL = 1e-10, 1e-9, 1e-9, 1e-12
+
+
+def capture_first_grads(trainer) -> None:
+    """Make the trainer keep, as `trainer.first_grads` (rank 0; None elsewhere), the whole
+    model's gradients of its first step as the optimizer receives them, before clipping."""
+    clip = trainer.stepper.clip_grad_norm
+
+    def clip_after_capture(max_norm):
+        if not hasattr(trainer, "first_grads"):
+            full = trainer.par.full_grad_state()  # collective
+            trainer.first_grads = {k: v.detach().double().cpu().clone() for k, v in full.items()} if full else None
+        return clip(max_norm)
+    trainer.stepper.clip_grad_norm = clip_after_capture
+
+
 def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_dir: str | None = None,
                   resume: bool = False, before_fit=None):
     """Build a Trainer on the current world with TINY + overrides and train; returns
@@ -60,8 +82,41 @@ def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_
     trainer.fit(stop_after=stop_after)
     losses = [r["loss"] for r in trainer.history]
     full = trainer.par.full_model_state()  # collective: the whole model, on rank 0
-    state = {k: v.detach().float().clone() for k, v in full.items()} if mesh.rank == 0 else None
+    dtype = torch.float64 if cfg.train.precision == "fp64" else torch.float32
+    state = {k: v.detach().to(dtype).clone() for k, v in full.items()} if mesh.rank == 0 else None
     return losses, state, trainer
+
+
+def proof_in_rank(overrides: list[str], data_dir: str) -> dict:
+    """One fp64 layout proof run: losses, gradient norms, first-step gradients and final
+    weights (the last two whole, on rank 0)."""
+    losses, state, trainer = train_in_rank(FP64 + overrides, data_dir, before_fit=capture_first_grads)
+    return {"losses": losses, "norms": [r["grad_norm"] for r in trainer.history],
+            "grads": trainer.first_grads, "state": state}
+
+
+def assert_tensors_close(a: dict, b: dict, tol: float, what: str) -> float:
+    """Element-wise: max |a − b| ≤ tol · max |b| for every tensor; returns the largest ratio."""
+    assert a.keys() == b.keys(), f"{what}: names differ: {sorted(set(a) ^ set(b))[:5]}"
+    worst = 0.0
+    for k in b:
+        scale = b[k].abs().max().clamp_min(1e-300)
+        ratio = float((a[k] - b[k]).abs().max() / scale)
+        assert ratio <= tol, f"{what} {k}: max difference {ratio:.2e} of its largest element > {tol:g}"
+        worst = max(worst, ratio)
+    return worst
+
+
+def assert_proof(run: dict, ref: dict) -> dict:
+    """Compare an fp64 proof run with the single-process one; returns the largest deviations."""
+    assert len(run["losses"]) == len(ref["losses"])
+    loss = max(abs(x - y) / abs(y) for x, y in zip(run["losses"], ref["losses"]))
+    assert loss <= LOSS_TOL, f"losses {run['losses']} vs {ref['losses']}: {loss:.2e} > {LOSS_TOL:g}"
+    norm = max(abs(x - y) / abs(y) for x, y in zip(run["norms"], ref["norms"]))
+    assert norm <= NORM_TOL, f"gradient norms {run['norms']} vs {ref['norms']}: {norm:.2e} > {NORM_TOL:g}"
+    return {"grads": assert_tensors_close(run["grads"], ref["grads"], GRAD_TOL, "first-step gradient"),
+            "state": assert_tensors_close(run["state"], ref["state"], STATE_TOL, "final weight"),
+            "loss": loss, "norm": norm}
 
 
 def unwritable_dir(tmp_path: Path) -> Path:

@@ -315,7 +315,7 @@ def _train(overrides: list[str], reference: str, data_dir: str):
     hook = packed_documents if reference == "packed" else None
     losses, state, trainer = train_in_rank(STEPS + REFERENCES[reference] + overrides, data_dir, before_fit=hook)
     return {"losses": losses, "state": state, "targets": [r["targets"] for r in trainer.history],
-            "activations": max(trainer.history[1]["memory"]["activations"])}
+            "activations": max(trainer.history[-1]["memory"]["activations"])}  # memory: on log steps (the last)
 
 
 def _references(data_dir):

@@ -115,3 +115,38 @@ def test_equivalence_check_catches_missing_all_reduce(tiny_data, reference):
     losses, state = run_ranks(_unsynced, 2, tiny_data)[0]
     with pytest.raises(AssertionError):
         assert_states_close(state, ref_state, 1e-3)
+
+
+def _launched_during_backward(data_dir):
+    """Pipeline stage 0 of pp2 × dp2 with small buckets: how many buckets each step had
+    launched when the schedule called finish(), and the stage's last bucket."""
+    from helpers import train_in_rank
+
+    launched = []
+
+    def probe(trainer):
+        sync = trainer.par.grad_sync
+        finish = sync.finish
+
+        def recording_finish():
+            launched.append(sync._next_launch)
+            finish()
+        sync.finish = recording_finish
+
+    _, _, trainer = train_in_rank(["parallel.pp=2", "parallel.dp=2", "train.micro_batch=2", "train.steps=3",
+                                   "parallel.bucket_mb=0.01"], data_dir, before_fit=probe)
+    sync = trainer.par.grad_sync
+    names = {id(p): n for n, p in trainer.par.model.named_parameters()}
+    return trainer.mesh.coords["pp"], launched, len(sync.buckets), [names[id(p)] for p in sync.buckets[-1].params]
+
+
+def test_buckets_follow_gradient_ready_order(tiny_data):
+    """Issue 9: a pipeline stage registers its embedding after its blocks. In registration
+    order the embedding's bucket came first, its gradient arrived last, and since buckets
+    launch in order, stage 0 launched nothing before its backward ended. After the first
+    step the buckets follow the order gradients became ready, and they overlap backward."""
+    for stage, launched, n_buckets, last in run_ranks(_launched_during_backward, 4, tiny_data):
+        assert n_buckets > 2
+        if stage == 0:
+            assert last == ["tok_embeddings.weight"]
+            assert launched[-1] >= n_buckets - 1, launched  # all but the embedding's, during backward

@@ -58,6 +58,41 @@ def test_operators_forward_and_backward():
         assert torch.equal(gx, torch.cat([ws[0][:, :2], ws[1][:, :2]], 1))
 
 
+def _vocab_parallel_loss_with_a_padding_shard():
+    """Vocabulary 5 over tp 4: two columns per rank, rank 2 holds id 4 and a padding column,
+    rank 3 only padding (logits −inf, as VocabParallelHead makes them)."""
+    import torch.distributed as dist
+
+    from ndtrain.mesh import MeshShape, ParallelMesh
+    from ndtrain.model.loss import IGNORE
+    from ndtrain.parallel.tensor import vocab_parallel_cross_entropy
+
+    group, r = ParallelMesh.build(MeshShape(tp=4)).group("tp"), dist.get_rank()
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(6, 5, generator=g, dtype=torch.float64)
+    targets = torch.tensor([0, 4, 2, IGNORE, 3, 1])
+    padded = torch.cat([full, torch.full((6, 3), float("-inf"), dtype=torch.float64)], 1)
+    local = padded[:, 2 * r:2 * r + 2].clone().requires_grad_()
+    loss = vocab_parallel_cross_entropy(local, targets, group)
+    loss.sum().backward()
+    return loss.detach(), local.grad
+
+
+def test_vocab_parallel_loss_survives_a_shard_of_padding_only():
+    """Issue 9: a rank whose vocabulary shard is all padding gathered its 'target logit' from
+    a −inf column and multiplied it by 0: NaN for every token."""
+    from ndtrain.model.loss import IGNORE
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(6, 5, generator=g, dtype=torch.float64).requires_grad_()
+    targets = torch.tensor([0, 4, 2, IGNORE, 3, 1])
+    ref = torch.nn.functional.cross_entropy(full, targets, ignore_index=IGNORE, reduction="none")
+    ref.sum().backward()
+    ref_grad = torch.cat([full.grad, torch.zeros(6, 3, dtype=torch.float64)], 1)
+    for r, (loss, grad) in enumerate(run_ranks(_vocab_parallel_loss_with_a_padding_shard, 4)):
+        assert torch.allclose(loss, ref.detach(), rtol=0, atol=1e-12), r
+        assert torch.allclose(grad, ref_grad[:, 2 * r:2 * r + 2], rtol=0, atol=1e-12), r
+
+
 # --- agreement with PyTorch's DTensor tensor parallelism --------------------------------
 
 

@@ -78,10 +78,10 @@ def _measured_model_states(precisions):
 
 def test_model_states_per_rank_follow_the_zero_formulas():
     """Ψ = 1.5 M, N = 4. Measured (storage bytes, after the optimizer step, with the
-    gradients still there) against the paper: bf16 params and grads, K = 12 (fp32 master,
-    Adam's two moments):
-        stage 0: 2Ψ + 2Ψ + 12Ψ   stage 1: 2Ψ + 2Ψ + 12Ψ/N
-        stage 2: 2Ψ + (2Ψ + 12Ψ)/N   stage 3: (2Ψ + 2Ψ + 12Ψ)/N
+    gradients still there) against the paper's terms with our fp32 gradient accumulator:
+    bf16 params, fp32 grads, K = 12 (fp32 master, Adam's two moments):
+        stage 0: 2Ψ + 4Ψ + 12Ψ   stage 1: 2Ψ + 4Ψ + 12Ψ/N
+        stage 2: 2Ψ + (4Ψ + 12Ψ)/N   stage 3: (2Ψ + 4Ψ + 12Ψ)/N
     and in fp32, where the parameters are the masters: 4Ψ + 4Ψ + 8Ψ, sharded the same way.
     Every category and the total must match within 2%; each stage's total is more than 2%
     away from every other stage's formula, so the check can tell the stages apart."""

@@ -131,3 +131,12 @@ def all_reduce_scalars(values: list[float], group: Group, dtype=torch.float64) -
     t = torch.tensor(values, dtype=dtype, device=group.device)
     dist.all_reduce(t, group=group.pg)
     return t.tolist()
+
+
+def broadcast_ints(values: list[int], group: Group, src: int = 0) -> list[int]:
+    """Group member `src`'s list of integers on every member (bookkeeping, not counted)."""
+    if not group.active:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.int64, device=group.device)
+    dist.broadcast(t, src=group.ranks[src], group=group.pg)
+    return t.tolist()

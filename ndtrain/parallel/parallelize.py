@@ -108,7 +108,18 @@ class Parallelized:
         """The whole model's weights on rank 0 (None elsewhere). Collective: over the
         ZeRO-3 shards, then over tp on the first data-parallel replica, then over pp
         (every stage sends its weights to rank 0)."""
-        state = expert.gather_experts(self.model, self.states.gathered_state(), self.mesh)
+        return self._whole(self.states.gathered_state())
+
+    def full_grad_state(self) -> dict[str, torch.Tensor] | None:
+        """The whole model's gradients as the optimizer receives them (summed over every
+        dimension, before clipping), by name, on rank 0; None elsewhere. Collective, like
+        `full_model_state`. What the layout proofs compare after the first step."""
+        return self._whole(self.states.gathered_grads())
+
+    def _whole(self, state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
+        """From the states gathered over dp_shard × cp (on its rank 0) to the whole model:
+        experts gathered over ep, tensor-parallel shards over tp, stages over pp."""
+        state = expert.gather_experts(self.model, state, self.mesh)
         if self.mesh.coord("dp_cp") != 0:
             return None
         state = tensor.full_state(self.model, state, self.mesh.group("tp"))
@@ -157,7 +168,9 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
     model = StageModel(chunks) if pipelined else chunks[0]
     dtype, rdtype = compute_dtype(t.precision), reduce_dtype(t.precision, t.reduce_fp32)
     if p.zero:
-        states = grad_sync = ZeRO(model, mesh, p.zero, dtype, rdtype, p.reshard_after_forward)
+        decoders = {f"chunk{c}": chunk for c, chunk in chunks.items()} if pipelined else None
+        states = grad_sync = ZeRO(model, mesh, p.zero, dtype, rdtype, p.reshard_after_forward, defer=pipelined,
+                                  decoders=decoders)
         # Optimizer slices differ across dp_shard × cp; stage 3 splits the parameters too.
         optim_replicated = ("dp_replicate",)
         model_replicated = optim_replicated if p.zero == 3 else REPLICATED_MODEL_DIMS
@@ -165,16 +178,17 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
         masters = MasterWeights(list(model.parameters())) if has_masters(dtype) else None
         cast_parameters(list(model.parameters()), dtype)
         bucket_bytes = int(p.bucket_mb * 2**20)
+        accum = torch.float32 if has_masters(dtype) else None  # gradients add up in fp32 under bf16/fp16
         dense, experts = expert.expert_params(model.parameters())
-        grad_sync = DataParallel(dense, mesh.group("dp_cp"), bucket_bytes, rdtype)
+        grad_sync = DataParallel(dense, mesh.group("dp_cp"), bucket_bytes, rdtype, accum)
         if experts:  # summed over the ranks holding the same experts
-            grad_sync = GradSyncs([grad_sync, DataParallel(experts, mesh.group("edp"), bucket_bytes, rdtype)])
+            grad_sync = GradSyncs([grad_sync, DataParallel(experts, mesh.group("edp"), bucket_bytes, rdtype, accum)])
         states = ReplicatedStates(model, grad_sync, masters)
         model_replicated = optim_replicated = REPLICATED_MODEL_DIMS
     if mesh.shape.ep > 1:  # ranks of dp_shard × cp hold different experts
         model_replicated = optim_replicated = ("dp_replicate",)
     if pipelined:
-        tied = TiedEmbedding(mesh, model) if args.tie_embeddings else None
+        tied = TiedEmbedding(mesh, model, states.summed_grad) if args.tie_embeddings else None
         schedule = PipelineSchedule(chunks, mesh, p.pp_schedule, p.pp_virtual, loss_fn, tied)
     else:
         schedule = SingleStage(model, loss_fn)

@@ -6,9 +6,11 @@ proofs run in it, so that round-off cannot hide a wrong result). Under bf16 or f
    the matmuls and the activations they save run at half the bytes.
 2. The optimizer never sees them. It updates fp32 *master* weights: one per parameter here
    (`MasterWeights`, for replicated parameters, zero = 0), or one flat shard per ZeRO
-   buffer (parallel/zero.py). Before the step, each master receives the synchronised
-   gradient cast to fp32; after it, the compute parameters receive the master rounded to
-   the compute dtype. Masters start from the fp32 initial values, so at every moment
+   buffer (parallel/zero.py). Gradients accumulate over micro-batches in fp32 (the DP
+   buckets, ZeRO's full or sharded gradient buffers: each micro-batch's bf16 gradient is
+   added into them as soon as autograd produces it), so 32 micro-batches never add up in
+   bf16; that accumulator is the master's gradient. After the step, the compute parameters
+   receive the master rounded to the compute dtype. Masters start from the fp32 initial values, so at every moment
    `param == master.to(compute dtype)`, which is why a checkpoint needs only both parts to
    resume bit for bit.
 3. Gradients are *reduced* in fp32 by default (`train.reduce_fp32`): a low-precision bucket
@@ -81,10 +83,11 @@ class MasterWeights:
         return self._master_of[id(p)]
 
     @torch.no_grad()
-    def grads_to_masters(self, unscale: float) -> None:
-        """Each master's gradient: its parameter's synchronised gradient in fp32, unscaled."""
-        for p, m in zip(self.params, self.masters):
-            m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
+    def grads_to_masters(self, grads: list[torch.Tensor], unscale: float) -> None:
+        """Each master's gradient: its parameter's synchronised gradient (`grads[i]`, the fp32
+        accumulator of parallel/data.py: taken as it is, no copy), unscaled."""
+        for m, g in zip(self.masters, grads, strict=True):
+            m.grad = g.float()
             if unscale != 1.0:
                 m.grad.mul_(unscale)
 

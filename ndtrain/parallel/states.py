@@ -59,12 +59,16 @@ class ReplicatedStates:
 
     def grads_to_optimizer(self, unscale: float) -> None:
         if self.masters is not None:
-            self.masters.grads_to_masters(unscale)
+            self.masters.grads_to_masters([self.grad_sync.grad_of(p) for p in self.masters.params], unscale)
 
     def partial_grads(self, dim: str) -> list[torch.Tensor]:
         """The synchronised gradients of the parameters marked partial over `dim`."""
-        params = {id(p): p for p in self.model.parameters() if dim in partial_dims(p)}.values()
-        return [p.grad for p in params if p.grad is not None]
+        params = {id(p): p for p in self.model.parameters() if p.requires_grad and dim in partial_dims(p)}
+        return [self.grad_sync.grad_of(p) for p in params.values()]
+
+    def summed_grad(self, p: torch.Tensor) -> torch.Tensor:
+        """Where `p`'s synchronised gradient is (for the pipeline's tied embedding)."""
+        return self.grad_sync.grad_of(p)
 
     def after_step(self) -> None:
         if self.masters is not None:
@@ -96,6 +100,13 @@ class ReplicatedStates:
     def gathered_state(self) -> dict[str, torch.Tensor]:
         return self.local_state()
 
+    def gathered_grads(self) -> dict[str, torch.Tensor]:
+        """The optimizer's gradients (synchronised, unclipped) by parameter name."""
+        out = {}
+        for name, p in self.model.named_parameters():
+            out[name] = self.masters.master_of(p).grad if self.masters is not None else self.grad_sync.grad_of(p)
+        return out
+
     def extra_state(self) -> dict:
         return {"masters": [m.detach() for m in self.masters.masters] if self.masters else []}
 
@@ -109,10 +120,7 @@ class ReplicatedStates:
         return [p for p in self.model.parameters() if is_expert(p) or not experts]
 
     def grad_tensors(self, experts: bool = False) -> list[torch.Tensor]:
-        buckets = getattr(self.grad_sync, "buckets", None)
-        if buckets is not None:
-            return [b.buffer for b in buckets if is_expert(b.params[0]) or not experts]
-        return [p.grad for p in self.param_tensors(experts) if p.grad is not None]
+        return [b.buffer for b in self.grad_sync.buckets if is_expert(b.params[0]) or not experts]
 
     def master_tensors(self, experts: bool = False) -> list[torch.Tensor]:
         return [m for m in (self.masters.masters if self.masters else []) if is_expert(m) or not experts]

@@ -556,7 +556,8 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
         local = targets - group.rank * n_local
         mine = (local >= 0) & (local < n_local)  # IGNORE (negative) is never anyone's
         local = local.masked_fill(~mine, 0)
-        target_logit = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine
+        # where, not × mine: a shard of padding only gathers −inf, and −inf × 0 is NaN
+        target_logit = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
         exp = shifted.exp_()
         sums = torch.stack([exp.sum(dim=-1), target_logit])
         ops.all_reduce(sums, group)

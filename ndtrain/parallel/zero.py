@@ -90,17 +90,22 @@ class FlatParam:
       its memory exists only while the unit is gathered).
     shard: this rank's slice of `full` (stage 3: a tensor of its own, always there).
     master: the fp32 slice the optimizer updates (`shard` itself when computing in fp32).
-    grad_full: stage 1, the persistent full gradient behind every param.grad, accumulated by
-      autograd over micro-batches; stages 2-3, a reduce_dtype buffer that lives from the
-      first gradient of a backward pass to its reduce-scatter.
-    grad_shard: this rank's slice of the summed gradient; stage 1, a view into grad_full;
-      stages 2-3, allocated by the step's first reduction, freed by zero_grad.
+    grad_full: the full local gradient, accumulated in `accum_dtype` (the compute dtype, or
+      fp32 under bf16/fp16). Stage 1: persistent; in the compute dtype it is the storage
+      behind every param.grad (autograd accumulates in place), else each micro-batch's
+      gradient is added into it and dropped. Stages 2-3: lives from the first gradient of a
+      backward pass to its reduce-scatter (under a pipeline, `defer`: of the step's first
+      backward pass to the chunk's last).
+    grad_shard: this rank's slice of the summed gradient, in accum_dtype (the master's
+      gradient); stage 1, a view into grad_full; stages 2-3, allocated by the step's first
+      reduction, freed by zero_grad.
     """
 
     def __init__(self, name: str, params: list[nn.Parameter], stage: int, group: Group,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, group_dims: tuple[str, ...] = SHARD_DIMS):
         self.name, self.params, self.stage, self.group = name, params, stage, group
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
+        self.accum_dtype = torch.float32 if has_masters(compute_dtype) else compute_dtype
         self.decays = decays(params[0])
         self.slot: dict[int, tuple[int, int]] = {}  # id(param) -> (offset, numel) in `full`
         offset = 0
@@ -126,9 +131,10 @@ class FlatParam:
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
         if stage == 1:
-            self.grad_full = torch.zeros_like(self.full)
-            for p in params:
-                p.grad = self.view_of(self.grad_full, p)
+            self.grad_full = self._zeros(self.full.numel())
+            if self.accum_dtype == compute_dtype:
+                for p in params:
+                    p.grad = self.view_of(self.grad_full, p)
             self.grad_shard = self.grad_full[lo:hi]
         self.ready = 0  # parameters whose gradient arrived in this backward pass
         self.pending: tuple | None = None  # (work, output, input) of a reduce-scatter in flight
@@ -155,29 +161,37 @@ class FlatParam:
     def complete(self) -> bool:
         return self.ready == len(self.params)
 
+    def _zeros(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=self.accum_dtype, device=self.shard.device)
+
+    @torch.no_grad()
     def take_grad(self, p: nn.Parameter) -> None:
-        """Stages 2-3: move a fresh gradient from param.grad into the reduce buffer."""
+        """Add a fresh gradient from param.grad into the accumulator, and drop it (unless
+        param.grad is the accumulator's own view: stage 1 in the compute dtype)."""
+        if self.stage == 1 and self.accum_dtype == self.compute_dtype:
+            return  # param.grad is a view into grad_full: autograd accumulated in place
         if self.grad_full is None:
-            self.grad_full = torch.zeros(self.full.numel(), dtype=self.reduce_dtype, device=self.shard.device)
-        self.grad_full[self.range(p)].copy_(p.grad.reshape(-1))
+            self.grad_full = self._zeros(self.full.numel())
+        self.view_of(self.grad_full, p).add_(p.grad)
         p.grad = None
 
     def reduce_input(self) -> torch.Tensor:
-        """The full local gradient, in reduce_dtype, to reduce-scatter."""
-        if self.stage == 1:
-            g = self.grad_full
-            return g if g.dtype == self.reduce_dtype else g.to(self.reduce_dtype)
+        """The full local gradient, in reduce_dtype, to reduce-scatter (stages 2-3 hand
+        their accumulator over)."""
         if self.grad_full is None:  # no gradient arrived on this rank: contribute zeros
-            self.grad_full = torch.zeros(self.full.numel(), dtype=self.reduce_dtype, device=self.shard.device)
-        g, self.grad_full = self.grad_full, None
-        return g
+            self.grad_full = self._zeros(self.full.numel())
+        g = self.grad_full
+        if self.stage >= 2:
+            self.grad_full = None
+        return g if g.dtype == self.reduce_dtype else g.to(self.reduce_dtype)
 
     def accumulate(self, reduced: torch.Tensor) -> None:
-        """Keep this rank's slice of a reduced gradient (stage 1: the step's only one)."""
+        """Keep this rank's slice of a reduced gradient (stage 1: the step's only one), in
+        accum_dtype."""
         if self.stage == 1:
             self.grad_shard.copy_(reduced)
         elif self.grad_shard is None:
-            self.grad_shard = reduced.to(self.compute_dtype)  # no copy when the dtypes agree
+            self.grad_shard = reduced.to(self.accum_dtype)  # no copy when the dtypes agree
         else:
             self.grad_shard.add_(reduced)
 
@@ -195,11 +209,13 @@ class Unit:
     works: list = field(default_factory=list)
 
 
-def decoder_units(model: nn.Module) -> list[list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]]:
-    """The units of every decoder found in `model` (a pipeline stage may hold several):
-    [(name, module, [(param name, param)])], the root first, then the blocks in order.
-    A tied parameter belongs to the first unit that holds it; a unit without parameters is
-    left out; parameters outside any decoder form a last unit, "rest"."""
+def decoder_units(model: nn.Module, decoders: dict[str, nn.Module] | None = None,
+                  ) -> list[list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]]:
+    """The units of every decoder found in `model`, or of the `decoders` given by name (a
+    pipeline stage's chunks: the modules its schedule actually calls, whose parameters
+    `model` names): [(name, module, [(param name, param)])], the root first, then the
+    blocks in order. A tied parameter belongs to the first unit that holds it; a unit
+    without parameters is left out; parameters outside any decoder form a last unit, "rest"."""
     named = {id(p): n for n, p in model.named_parameters()}  # a tied parameter: first name
     claimed: set[int] = set()
 
@@ -211,20 +227,20 @@ def decoder_units(model: nn.Module) -> list[list[tuple[str, nn.Module, list[tupl
                 out.append((named[id(p)], p))
         return out
 
-    decoders = []
-    for name, module in model.named_modules():
-        layers = getattr(module, "layers", None)
-        if not isinstance(layers, nn.ModuleDict):
-            continue
+    if decoders is None:
+        decoders = {name: module for name, module in model.named_modules()
+                    if isinstance(getattr(module, "layers", None), nn.ModuleDict)}
+    found = []
+    for name, module in decoders.items():
         prefix = f"{name}." if name else ""
-        in_blocks = {id(p) for p in layers.parameters()}
+        in_blocks = {id(p) for p in module.layers.parameters()}
         units = [(f"{prefix}root", module, claim(p for p in module.parameters() if id(p) not in in_blocks))]
-        units += [(f"{prefix}layers.{key}", block, claim(block.parameters())) for key, block in layers.items()]
-        decoders.append([u for u in units if u[2]])
+        units += [(f"{prefix}layers.{key}", block, claim(block.parameters())) for key, block in module.layers.items()]
+        found.append([u for u in units if u[2]])
     rest = claim(model.parameters())
     if rest:
-        decoders.append([("rest", model, rest)])
-    return [d for d in decoders if d]
+        found.append([("rest", model, rest)])
+    return [d for d in found if d]
 
 
 def link_units(units: list[Unit]) -> list[Unit]:
@@ -248,23 +264,30 @@ class ZeRO:
 
     The gradient synchroniser of every schedule (`set_sync`, `finish`, `zero_grad`) and the
     owner of what the optimizer updates (`param_groups`, `grads_to_optimizer`, `after_step`).
+
+    `defer` (a pipeline stage, whose chunks run many backward passes per step): stages 2
+    and 3 accumulate a chunk's gradient locally until its last backward pass of the step
+    (the schedule's `set_sync(True)`) and reduce-scatter it once, as stage 1 does; stage 3
+    keeps each unit gathered from its first forward to that last backward (see "With ZeRO"
+    in docs/architecture.md for the memory this costs).
     """
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int, compute_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, reshard_after_forward: bool = True):
+                 reduce_dtype: torch.dtype, reshard_after_forward: bool = True, defer: bool = False,
+                 decoders: dict[str, nn.Module] | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
-        self.stage = stage
+        self.stage, self.defer = stage, defer
         self.group = mesh.group("dp_shard_cp")
         self.expert_group = mesh.group("edp_shard")
         self.expert_dims = ("edp_shard",) if mesh.shape.ep > 1 else SHARD_DIMS
         self.replicas = mesh.group("dp_replicate")
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward and not defer
         self.model = model
         self.units: list[Unit] = []
         self.names: dict[int, str] = {}
         backward_order: list[Unit] = []
-        for decoder in decoder_units(model):
+        for decoder in decoder_units(model, decoders):
             units = [Unit(unit_name, module, self._flats(unit_name, named, compute_dtype, reduce_dtype))
                      for unit_name, module, named in decoder]
             self.names.update({id(p): n for _, _, named in decoder for n, p in named})
@@ -307,9 +330,9 @@ class ZeRO:
 
     @torch.no_grad()
     def grads_to_optimizer(self, unscale: float) -> None:
-        """Each master's gradient: the summed slice, in fp32, unscaled (fp16)."""
+        """Each master's gradient: the summed slice (fp32 under bf16/fp16: no copy), unscaled (fp16)."""
         for f in self.flats:
-            g = f.grad_shard if f.grad_shard is not None else torch.zeros_like(f.shard)
+            g = f.grad_shard if f.grad_shard is not None else f._zeros(f.shard_numel)
             f.master.grad = g.float() if f.separate_master else g
             if unscale != 1.0:
                 f.master.grad.mul_(unscale)
@@ -342,18 +365,29 @@ class ZeRO:
                      for s in (f.range(p) for p in f.params if dim in partial_dims(p))]
             spans = [(a, b) for a, b in spans if a < b]
             if spans and f.grad_shard is None:  # no gradient arrived here: zeros take part
-                f.grad_shard = torch.zeros_like(f.shard)
+                f.grad_shard = f._zeros(f.shard_numel)
             out += [f.grad_shard[a:b] for a, b in spans]
         return out
 
+    def summed_grad(self, p: nn.Parameter) -> torch.Tensor:
+        """This rank's slice of `p`'s summed gradient, for a parameter alone in its flat
+        buffer (the pipeline's tied embedding and head)."""
+        flat = self._flat_of[id(p)]
+        assert flat.params == [p], f"{flat.name} holds more than one parameter"
+        return flat.grad_shard
+
     # -- GradSync: called by the schedule ---------------------------------------
     def set_sync(self, enabled: bool) -> None:
-        """Stage 1: True on the last micro-batch, whose backward communicates. Stages 2-3
-        reduce every micro-batch regardless."""
+        """Stage 1 (and every stage under `defer`): True on the last micro-batch, whose
+        backward communicates. Stages 2-3 otherwise reduce every micro-batch regardless."""
         self.sync = enabled
 
     def _reduces_now(self) -> bool:
-        return self.stage >= 2 or self.sync
+        return self.sync or (self.stage >= 2 and not self.defer)
+
+    def _accumulates_locally(self) -> bool:
+        """Gradients wait in the full local buffer until `finish` (stage 1, or deferred)."""
+        return self.stage == 1 or self.defer
 
     def _note_backward(self) -> None:
         """At the first hook of a backward pass, ask autograd to call us when it ends."""
@@ -362,12 +396,11 @@ class ZeRO:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _on_grad_ready(self, p: nn.Parameter) -> None:
+        flat = self._flat_of[id(p)]
+        flat.take_grad(p)
         if not self._reduces_now():
             return
         self._note_backward()
-        flat = self._flat_of[id(p)]
-        if self.stage >= 2:
-            flat.take_grad(p)
         flat.ready += 1
         if flat.complete:
             self._launch_ready_prefix()
@@ -402,7 +435,7 @@ class ZeRO:
         a pipeline stage runs several backward passes whose last ones touch different
         chunks (a flat still incomplete here has its last gradients still to come)."""
         self._in_backward = False
-        if self.stage == 1:
+        if self._accumulates_locally():
             return
         self._flush()
         if self.stage == 3:
@@ -419,9 +452,13 @@ class ZeRO:
 
     def finish(self) -> None:
         """Wait for every reduce-scatter; HSDP: all-reduce each slice across the replicas.
-        Stage 1 first launches the flats its backward passes left incomplete."""
-        if self.stage == 1:
+        Stage 1 (and a deferred stage) first launches the flats its backward passes left
+        incomplete; a deferred stage 3 then frees what its chunks kept gathered."""
+        if self._accumulates_locally():
             self._flush()
+            if self.stage == 3:
+                for unit in self.units:
+                    self._reshard(unit)
         for f in self.flats:
             self._resolve(f)
         if self.replicas.active:
@@ -538,13 +575,26 @@ class ZeRO:
         first = self.group.rank == 0 or self.expert_group.rank == 0
         if self.stage < 3:
             return self.local_state() if first else None
+        out = self._gather_flats(lambda f: f.shard)
+        return {**out, **self.buffers()} if first else None
+
+    @torch.no_grad()
+    def gathered_grads(self) -> dict[str, torch.Tensor] | None:
+        """The optimizer's gradients (summed, unclipped), whole over each flat's shard
+        group, by parameter name, on that group's rank 0 (None elsewhere). Collective over
+        the shard groups."""
+        out = self._gather_flats(lambda f: f.master.grad if f.master.grad is not None else torch.zeros_like(f.master))
+        return out if self.group.rank == 0 or self.expert_group.rank == 0 else None
+
+    def _gather_flats(self, slice_of) -> dict[str, torch.Tensor]:
         out = {}
         for f in self.flats:
-            full = torch.empty(f.full.numel(), dtype=f.shard.dtype, device=f.shard.device)
-            ops.all_gather(full, f.shard, f.group)
+            part = slice_of(f)
+            full = torch.empty(f.full.numel(), dtype=part.dtype, device=part.device)
+            ops.all_gather(full, part.contiguous(), f.group)
             if f.group.rank == 0:
                 out.update({self.names[id(p)]: f.view_of(full, p).clone() for p in f.params})
-        return {**out, **self.buffers()} if first else None
+        return out
 
     def extra_state(self) -> dict:
         """What a checkpoint needs besides the parameters and the optimizer's moments."""
@@ -575,12 +625,15 @@ class ZeRO:
 
 
 def model_state_bytes(psi: int, stage: int, n: int, compute_bytes: int) -> dict[str, float]:
-    """The ZeRO paper's model-state bytes per rank for Ψ parameters over n ranks, with
-    parameters and gradients in `compute_bytes` each and K bytes of optimizer state per
-    parameter: the fp32 master (unless the compute dtype is fp32 already) and Adam's two
-    fp32 moments. bf16/fp16: K = 12 (the paper's 2Ψ + 2Ψ + 12Ψ); fp32: K = 8."""
-    k = 8 + (4 if compute_bytes != 4 else 0)
-    params, grads, optim = compute_bytes * psi, compute_bytes * psi, k * psi
+    """Model-state bytes per rank for Ψ parameters over n ranks (the ZeRO paper's terms, with
+    our gradient accumulator): parameters in `compute_bytes` (c) each; gradients accumulated
+    in fp32 under bf16/fp16 (4 bytes: the paper counts 2, but adding many micro-batches in
+    bf16 loses precision), else in the compute dtype; K bytes of optimizer state per
+    parameter: the fp32 master (unless the compute dtype is fp32 or wider) and Adam's two
+    moments in that dtype. bf16/fp16: 2Ψ + 4Ψ + 12Ψ; fp32: 4Ψ + 4Ψ + 8Ψ; fp64: 8Ψ + 8Ψ + 16Ψ."""
+    low = compute_bytes < 4
+    k = 12 if low else 2 * compute_bytes
+    params, grads, optim = compute_bytes * psi, (4 if low else compute_bytes) * psi, k * psi
     if stage >= 1:
         optim /= n
     if stage >= 2:

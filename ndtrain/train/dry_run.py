@@ -104,8 +104,9 @@ def render(cfg: Config, result: dict) -> str:
             lines.append(f"{rank:>4}  {r['psi'] - r['psi_experts']:>14,}  {format_bytes(d_states):>14}  "
                          f"{format_bytes(dense):>14}  {r['psi_experts']:>14,}  {format_bytes(e_states):>14}  "
                          f"{format_bytes(experts):>14}")
-    lines += ["model states: counted after the optimizer step; ZeRO formula: c·Ψ + c·Ψ + K·Ψ, c bytes per value",
-              "  in the compute dtype, K = 12 (fp32 master + Adam moments) or 8 in fp32, sharded terms / shard group"
+    lines += ["model states: counted after the optimizer step; ZeRO formula: c·Ψ + g·Ψ + K·Ψ, c bytes per value",
+              "  in the compute dtype, g = 4 (fp32 gradient accumulator) or c, K = 12 (fp32 master + Adam moments)",
+              "  or 2c in fp32/fp64; sharded terms / shard group"
               + (" (experts: / the ranks holding the same experts, dp_shard·cp/ep)" if moe else ""),
               "activations: the most that forward + backward held on top of what existed when they began",
               "peak: the most held in all at any moment of the two steps"]

@@ -127,7 +127,9 @@ class Trainer:
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": int(n_targets),
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "tokens": (step + 1) * t.global_batch * t.seq_len,
-                  "comm_bytes": sum(comm.values()), "comm": comm, "memory": self.memory_per_rank()}
+                  "comm_bytes": sum(comm.values()), "comm": comm}
+        if step % t.log_every == 0 or step == t.steps - 1:  # a collective: kept off the other steps
+            record["memory"] = self.memory_per_rank()
         if scale is not None:
             record.update(loss_scale=scale, skipped=not stepped)
         if self.par.routing_stats is not None:

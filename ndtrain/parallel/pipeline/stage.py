@@ -66,9 +66,12 @@ class StageModel(nn.Module):
 class TiedEmbedding:
     """Input embedding (first stage) and output head (last stage) are one weight held twice:
     after the backward pass their gradients are summed over the two, so both copies take the
-    same optimizer step and stay equal."""
+    same optimizer step and stay equal. `grad_of(weight)` is where the layout keeps the
+    weight's synchronised gradient (its fp32 accumulator, or its ZeRO slice: the two ends
+    hold the weight alone in a flat buffer of the same size, so their slices line up)."""
 
-    def __init__(self, mesh: ParallelMesh, model: nn.Module):
+    def __init__(self, mesh: ParallelMesh, model: nn.Module, grad_of: Callable[[torch.Tensor], torch.Tensor]):
+        self.grad_of = grad_of
         pp_groups = mesh.shape.group_ranks(("pp",))
         self.group: Group | None = None
         for ranks in pp_groups:  # every rank creates every group, in the same order
@@ -82,7 +85,7 @@ class TiedEmbedding:
 
     def sync(self) -> None:
         if self.weight is not None:
-            ops.all_reduce(self.weight.grad, self.group)
+            ops.all_reduce(self.grad_of(self.weight), self.group)
 
 
 def stage_is_gathered_here(mesh: ParallelMesh) -> bool:

@@ -1,0 +1,77 @@
+"""Meta-device construction: every layout is laid out without memory, then each rank
+materialises and initialises only what it keeps.
+
+`parallelize.build` creates the model (or this rank's pipeline chunks) on the meta device,
+where a parameter has a shape and carries its placement marks but holds no memory; tensor
+parallelism swaps modules there too (its parameters are this rank's chunk, still on meta).
+Then exactly one owner gives each parameter its memory and its value:
+- ZeRO (parallel/zero.py) packs a unit's parameters into a flat buffer, allocates and fills
+  only this rank's slice (and its fp32 master); under ZeRO-3 the full buffer gets memory
+  only while a unit is gathered. The parameters become views into the buffer.
+- otherwise `materialize` allocates each parameter whole (it is replicated over dp × cp).
+
+Values come from `initial_value(name, full shape)` (model/llama.py), a function of the seed
+and the global parameter name, drawn one parameter at a time and cut to what the rank
+keeps, so every layout starts from the weights one process starts from, bit for bit, and no
+rank ever holds more than what it keeps plus one whole parameter in fp32 (the embedding, the
+largest). `ndtrain train --dry-run` prints that construction peak per rank.
+
+A meta parameter cannot become a real one in place, so each is replaced by a new
+`nn.Parameter` in every module that holds it: a parameter held twice (a tied embedding and
+head) stays one object, and the placement marks (shard dims, regions, tensor-parallel
+splits) move to the new object.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ndtrain.mesh import Group
+from ndtrain.model.args import ModelArgs
+from ndtrain.model.llama import initial_value
+from ndtrain.parallel.tensor import local_slice, split_of
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    """Global name of every parameter by identity (a tied parameter: its first name)."""
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+def initializer(model: nn.Module, args: ModelArgs, seed: int, tp: Group) -> Callable[[nn.Parameter], torch.Tensor]:
+    """`init(p)`: the fp32 initial value of what parameter `p` of `model` holds (this rank's
+    tensor-parallel chunk of the full initial value, or all of it), on the CPU."""
+    names = parameter_names(model)
+
+    def init(p: nn.Parameter) -> torch.Tensor:
+        name, split = names[id(p)], split_of(p)
+        if split is None:
+            return initial_value(name, p.shape, args, seed)
+        shape = list(p.shape)
+        shape[split.dim] = split.full
+        return local_slice(initial_value(name, shape, args, seed), split, tp)
+    return init
+
+
+def replace_parameters(model: nn.Module, make: Callable[[nn.Parameter], torch.Tensor]) -> dict[int, nn.Parameter]:
+    """Put `nn.Parameter(make(p))` in place of every parameter `p` of `model`, in every module
+    holding it, with p's marks; returns {id(old): new}."""
+    new: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in new:
+                q = nn.Parameter(make(p), requires_grad=p.requires_grad)
+                q.__dict__.update(p.__dict__)  # placement marks live in the instance dict
+                new[id(p)] = q
+            module._parameters[key] = new[id(p)]
+    return new
+
+
+@torch.no_grad()
+def materialize(model: nn.Module, init: Callable[[nn.Parameter], torch.Tensor], device: torch.device) -> None:
+    """Every parameter allocated whole on `device` with its initial value (fp32)."""
+    replace_parameters(model, lambda p: init(p).to(device))
