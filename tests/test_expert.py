@@ -61,7 +61,7 @@ def _as_layer_0(block, args, mesh):
     model.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
     model.layers["0"].feed_forward = block
     full = {n: p.detach().clone() for n, p in block.experts.named_parameters()}
-    expert.parallelize(model, args, mesh, sp=False, seed=0)
+    expert.parallelize(model, mesh, sp=False)
     ep = mesh.group("ep")
     with torch.no_grad():  # the test's own weights, sliced, in place of the model's initial values
         for n, p in block.experts.named_parameters():

@@ -113,7 +113,7 @@ def _one_schedule_vs_torch(data_dir, schedule, virtual):
     from ndtrain.data.loader import BatchLoader
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
-    from ndtrain.parallel.parallelize import build, decoder
+    from ndtrain.parallel.parallelize import build, decoder, materialized
     from ndtrain.parallel.pipeline.stage import build_chunks
     from ndtrain.model.loss import token_loss_sum
     from ndtrain.train.worker import mesh_shape
@@ -133,6 +133,7 @@ def _one_schedule_vs_torch(data_dir, schedule, virtual):
     mine = {k: p.grad.clone() for k, p in ours.model.named_parameters()}
 
     chunks = build_chunks(args, mesh, cfg, decoder(args, mesh, cfg))  # fresh copies, same initial weights
+    chunks = {c: materialized(chunk, args, mesh, cfg) for c, chunk in chunks.items()}
     stages = [PipelineStage(chunk, c, 2 * virtual, torch.device("cpu")) for c, chunk in chunks.items()]
     kwargs = {"scale_grads": False} if "scale_grads" in inspect.signature(Schedule1F1B).parameters else {}
     loss_fn = lambda out, target: token_loss_sum(out, target) / n  # noqa: E731

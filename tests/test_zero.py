@@ -245,3 +245,42 @@ def test_equivalence_check_catches_a_missing_all_gather(tiny_data):
     losses, state = run_ranks(_zero1_without_all_gather, 2, tiny_data)[0]
     with pytest.raises(AssertionError):
         assert_states_close(state, ref_state, 1e-3)
+
+
+# -- construction on the meta device --------------------------------------------------------------
+
+EIGHT_BLOCKS = ["model.preset=tiny", "model.n_layers=8", "model.dim=128", "model.ffn_dim=256", "model.vocab_size=512",
+                "run.device=cpu"]
+
+
+def _construction_peaks():
+    import torch.distributed as dist
+
+    from ndtrain.config import load_config, validate
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.dry_run import build_measured, construction_bounds
+    from ndtrain.train.worker import mesh_shape
+
+    out = {}
+    for name, extra in (("zero3", ["parallel.zero=3"]), ("zero3-bf16", ["parallel.zero=3", "train.precision=bf16"]),
+                        ("tp4", ["parallel.tp=4"]), ("pp4", ["parallel.pp=4", "train.micro_batch=1"])):
+        cfg = validate(load_config(None, EIGHT_BLOCKS + extra), world=dist.get_world_size())
+        args = cfg.model_args()
+        _, peak, kept = build_measured(args, ParallelMesh.build(mesh_shape(cfg)), cfg)
+        b = construction_bounds(args)
+        out[name] = (peak, kept, b["largest_param_bytes"], b["largest_unit_bytes"], b["model_fp32_bytes"])
+    return out
+
+
+def test_each_rank_builds_only_what_it_keeps():
+    """Issue 9: every layout is built on the meta device and each rank materialises only its
+    ZeRO-3 slices (and their fp32 masters), tensor-parallel chunks or pipeline stage. While
+    `build` runs a rank holds at most what it keeps plus one of: a parameter's fp32 initial
+    value (drawn whole, then cut) or, under ZeRO-3, one unit's full buffer (its parameters
+    become views into it before its memory goes). Far below the whole model, which the code
+    before built on every rank first."""
+    for rank, peaks in enumerate(run_ranks(_construction_peaks, 4)):
+        for name, (peak, kept, largest_param, largest_unit, whole) in peaks.items():
+            # kept: parameters, masters and gradient buffers; 64 KiB: the rotary tables
+            assert peak <= kept + max(largest_param, largest_unit) + 64 * 1024, (rank, name, peak, kept)
+            assert peak < 0.7 * whole, (rank, name, peak, whole)  # the old code: at least `whole`

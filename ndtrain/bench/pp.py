@@ -26,7 +26,7 @@ from ndtrain.data.batch import MicroBatch
 from ndtrain.launch import init_process, launch_local, shutdown
 from ndtrain.mesh import ParallelMesh
 from ndtrain.model.loss import token_loss_sum
-from ndtrain.parallel.parallelize import build, decoder
+from ndtrain.parallel.parallelize import build, decoder, materialized
 from ndtrain.parallel.pipeline.stage import build_chunks
 from ndtrain.parallel.precision import compute_dtype
 from ndtrain.train.worker import mesh_shape
@@ -65,6 +65,7 @@ def _anchor(cfg, args, mesh, cls_name: str, x, y, n_targets: float, m: int):
     chunks = build_chunks(args, mesh, cfg, decoder(args, mesh, cfg))
     stages = []
     for c, chunk in chunks.items():
+        materialized(chunk, args, mesh, cfg)
         chunk.to(compute_dtype(cfg.train.precision))
         anchor_recompute(chunk, cfg.train.recompute)
         stages.append(pipelining.PipelineStage(chunk, c, p.pp * p.pp_virtual, mesh.device, group=mesh.group("pp").pg))

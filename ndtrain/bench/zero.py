@@ -74,14 +74,11 @@ def _fsdp2_held(model, optimizer) -> int:
     return storage_bytes(tensors + [_local(v) for v in optimizer_tensors(optimizer)])
 
 
-def _fsdp2_gathered(model) -> int:
-    """Bytes of FSDP2's unsharded parameters right now: while a module is unsharded, its
-    registered parameters are plain tensors, otherwise DTensors."""
-    return storage_bytes(p for p in model.parameters() if not hasattr(p, "to_local"))
-
-
-def _peak(step, device, held: int, extra) -> int:
-    with measure_peak(device, extra) as peak:
+def _peak(step, device, held: int) -> int:
+    """The step's peak on this rank: the CUDA allocator's, or on the CPU what existed when it
+    began plus the most it allocated on top (observe/memory.py; both sides free and regather
+    their blocks with storage resizes, which the meter counts)."""
+    with measure_peak(device) as peak:
         step()
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -104,8 +101,7 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
 
         times = alternate({"ndtrain": c.step_ours, "torch-fsdp2": step_fsdp2}, rounds, steps, device)
         ours = c.ours
-        peaks = [_peak(c.step_ours, device, ours.held_bytes(), lambda: ours.par.states.gathered_bytes),
-                 _peak(step_fsdp2, device, _fsdp2_held(ref, opt), lambda: _fsdp2_gathered(ref))]
+        peaks = [_peak(c.step_ours, device, ours.held_bytes()), _peak(step_fsdp2, device, _fsdp2_held(ref, opt))]
         memory = "\n".join(f"peak memory rank {r}: ndtrain {format_bytes(a)} · torch-fsdp2 {format_bytes(b)}"
                            for r, (a, b) in enumerate(per_rank(peaks, device)))
         return memory + "\n" + report(times, c.tokens, "tok/s", "ndtrain/torch-fsdp2",

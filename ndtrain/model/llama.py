@@ -252,7 +252,7 @@ def initial_value(name: str, shape: Sequence[int], args: ModelArgs, seed: int) -
     if args.tie_embeddings and name == "output.weight":
         name = "tok_embeddings.weight"  # a separate head of a tied model mirrors the embedding
     g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-    return torch.randn(tuple(shape), generator=g) * init_std(name, args)
+    return torch.randn(tuple(shape), generator=g).mul_(init_std(name, args))  # in place: one tensor
 
 
 class Transformer(nn.Module):

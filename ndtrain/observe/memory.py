@@ -10,9 +10,9 @@ peak of what a step's forward and backward allocate on top of them.
   reduction buffers) comes from the CUDA caching allocator's statistics on a GPU. On the
   CPU there are no allocator statistics, so `CpuPeak` watches every tensor operation while
   the step runs: each storage an operation creates counts from its creation until Python
-  frees it (a weak reference's finalizer), and the highest sum is the peak. Storages grown
-  outside any operation (ZeRO-3 regathers a freed buffer with `storage.resize_`) are added
-  through `extra`, a function the caller supplies.
+  frees it (a weak reference's finalizer), and the highest sum is the peak. Storages resized
+  outside any operation (ZeRO-3 frees and regathers a unit's buffer with `storage.resize_`,
+  and so does FSDP2) count too: the meter wraps `UntypedStorage.resize_` while it runs.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import weakref
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 import torch.distributed as dist
@@ -95,31 +95,48 @@ def model_state_bytes(states, optimizer: torch.optim.Optimizer, experts: bool = 
 
 
 class CpuPeak(TorchDispatchMode):
-    """Peak bytes of the storages created while active (see module docstring)."""
+    """Peak bytes of the storages created while active, and of storages resized outside
+    any operation (ZeRO-3 frees a unit's buffer and regathers it with
+    `UntypedStorage.resize_`; so does FSDP2): while the meter runs, `resize_` is wrapped so
+    every size change counts, including a storage made before the meter started."""
 
-    def __init__(self, extra: Callable[[], int] | None = None):
+    def __init__(self):
         super().__init__()
-        self.extra = extra or (lambda: 0)
-        self.base_extra = 0
         self.live = 0
         self.peak = 0
         self._sizes: dict[int, int] = {}
+        self._resize = None
 
     def __enter__(self):
-        self.base_extra = self.extra()
+        self._resize = original = torch.UntypedStorage.resize_
+        meter = self
+
+        def resize_(storage, size):
+            before = storage.nbytes()
+            out = original(storage, size)
+            meter.live += storage.nbytes() - before
+            if id(storage) in meter._sizes:
+                meter._sizes[id(storage)] = storage.nbytes()  # what its finalizer will take back
+            meter.peak = max(meter.peak, meter.live)
+            return out
+        torch.UntypedStorage.resize_ = resize_
         return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {id(st) for st in _storages(tree_flatten((args, kwargs))[0])}
         for st in _storages(tree_flatten(out)[0]):
             key = id(st)
-            if key in inputs or key in self._sizes:
-                continue  # a view or an in-place result: no new memory
+            if key in inputs or key in self._sizes or st.device.type == "meta":
+                continue  # a view or an in-place result, or a meta tensor: no new memory
             self._sizes[key] = st.nbytes()
             self.live += st.nbytes()
             weakref.finalize(st, self._free, key)
-        self.peak = max(self.peak, self.live + self.extra() - self.base_extra)
+        self.peak = max(self.peak, self.live)
         return out
 
     def _free(self, key: int) -> None:
@@ -127,7 +144,7 @@ class CpuPeak(TorchDispatchMode):
 
 
 @contextmanager
-def measure_peak(device: torch.device, extra: Callable[[], int] | None = None):
+def measure_peak(device: torch.device):
     """`with measure_peak(dev) as result:` ... then `result["bytes"]` is the peak allocated
     inside the block above what was allocated when it started."""
     result = {"bytes": 0}
@@ -139,7 +156,7 @@ def measure_peak(device: torch.device, extra: Callable[[], int] | None = None):
         torch.cuda.synchronize(device)
         result["bytes"] = torch.cuda.max_memory_allocated(device) - base
         return
-    tracker = CpuPeak(extra)
+    tracker = CpuPeak()
     with tracker:
         yield result
     result["bytes"] = tracker.peak

@@ -32,6 +32,7 @@ from torch import nn
 from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import initial_value
+from ndtrain.parallel.placement import expert_slice
 from ndtrain.parallel.tensor import local_slice, split_of
 
 
@@ -42,11 +43,15 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
 
 def initializer(model: nn.Module, args: ModelArgs, seed: int, tp: Group) -> Callable[[nn.Parameter], torch.Tensor]:
     """`init(p)`: the fp32 initial value of what parameter `p` of `model` holds (this rank's
-    tensor-parallel chunk of the full initial value, or all of it), on the CPU."""
+    tensor-parallel chunk of the full initial value, its experts of a stack split by expert
+    parallelism, or all of it), on the CPU."""
     names = parameter_names(model)
 
     def init(p: nn.Parameter) -> torch.Tensor:
-        name, split = names[id(p)], split_of(p)
+        name, split, experts = names[id(p)], split_of(p), expert_slice(p)
+        if experts is not None and experts[1] != p.shape[0]:  # this rank's experts of the stack
+            first, total = experts
+            return initial_value(name, (total, *p.shape[1:]), args, seed)[first:first + p.shape[0]]
         if split is None:
             return initial_value(name, p.shape, args, seed)
         shape = list(p.shape)
@@ -55,23 +60,34 @@ def initializer(model: nn.Module, args: ModelArgs, seed: int, tp: Group) -> Call
     return init
 
 
-def replace_parameters(model: nn.Module, make: Callable[[nn.Parameter], torch.Tensor]) -> dict[int, nn.Parameter]:
-    """Put `nn.Parameter(make(p))` in place of every parameter `p` of `model`, in every module
-    holding it, with p's marks; returns {id(old): new}."""
-    new: dict[int, nn.Parameter] = {}
+def new_parameter(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
+    """A parameter holding `data` with `old`'s marks. Made empty and given its data after:
+    one made from a view of a ZeRO buffer directly would share the buffer's version counter,
+    and every regather would look like an in-place change to autograd."""
+    q = nn.Parameter(torch.empty(0, dtype=data.dtype, device=data.device), requires_grad=old.requires_grad)
+    q.data = data
+    q.__dict__.update(old.__dict__)  # placement marks live in the instance dict
+    return q
+
+
+def swap_parameters(model: nn.Module, new: dict[int, nn.Parameter]) -> None:
+    """Put `new[id(p)]` in place of every parameter p of `model`, in every module holding it."""
     for module in model.modules():
         for key, p in list(module._parameters.items()):
-            if p is None:
-                continue
-            if id(p) not in new:
-                q = nn.Parameter(make(p), requires_grad=p.requires_grad)
-                q.__dict__.update(p.__dict__)  # placement marks live in the instance dict
-                new[id(p)] = q
-            module._parameters[key] = new[id(p)]
+            if p is not None:
+                module._parameters[key] = new[id(p)]
+
+
+def replace_parameters(model: nn.Module, make: Callable[[nn.Parameter], torch.Tensor]) -> dict[int, nn.Parameter]:
+    """Put a parameter holding `make(p)` in place of every parameter p of `model`; returns
+    {id(old): new}."""
+    new = {id(p): new_parameter(p, make(p)) for p in {id(p): p for p in model.parameters()}.values()}
+    swap_parameters(model, new)
     return new
 
 
 @torch.no_grad()
 def materialize(model: nn.Module, init: Callable[[nn.Parameter], torch.Tensor], device: torch.device) -> None:
-    """Every parameter allocated whole on `device` with its initial value (fp32)."""
-    replace_parameters(model, lambda p: init(p).to(device))
+    """Every parameter allocated on `device` with its initial value (fp32). A copy, never the
+    drawn tensor itself: a tensor-parallel chunk is a view of the whole initial value."""
+    replace_parameters(model, lambda p: torch.empty(p.shape, device=device).copy_(init(p)))

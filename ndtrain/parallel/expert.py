@@ -55,7 +55,6 @@ from torch import Tensor, nn
 from ndtrain.comm import ops
 from ndtrain.mesh import Group, ParallelMesh
 from ndtrain.model.args import ModelArgs
-from ndtrain.model.llama import initial_value
 from ndtrain.model.moe import Experts, LocalDispatch, LocalTokens, MoE, RoutingLog
 from ndtrain.parallel.placement import copy_placement, expert_slice, mark_expert, mark_region, mark_sharded
 from ndtrain.parallel.tensor import ReduceFromTP, gather_sequence
@@ -232,10 +231,11 @@ class AllToAllDispatch(LocalDispatch):
 # Building a layout's MoE blocks
 
 
-def parallelize(model: nn.Module, args: ModelArgs, mesh: ParallelMesh, sp: bool, seed: int) -> None:
+def parallelize(model: nn.Module, mesh: ParallelMesh, sp: bool) -> None:
     """In place, for every MoE block of `model` (a decoder or a pipeline chunk, after tensor
-    parallelism's swaps): the token split over tp and cp, the experts this rank holds, the
-    all-to-all dispatch, and the placement marks of the expert weights."""
+    parallelism's swaps, usually on the meta device): the token split over tp and cp, the
+    experts this rank holds, the all-to-all dispatch, and the placement marks of the expert
+    weights."""
     tp, cp, ep = mesh.group("tp"), mesh.group("cp"), mesh.group("ep")
     for layer, moe in moe_blocks(model):
         if tp.active or cp.active:
@@ -243,7 +243,7 @@ def parallelize(model: nn.Module, args: ModelArgs, mesh: ParallelMesh, sp: bool,
         n = moe.n_experts
         first = ep.rank * (n // ep.size)
         if ep.active:
-            _keep_local_experts(moe, f"layers.{layer}.feed_forward.experts", args, seed, ep, mesh.device)
+            _keep_local_experts(moe, ep)
             moe.dispatch = AllToAllDispatch(ep, n)
         for p in moe.experts.parameters():
             mark_expert(p, first, n)
@@ -253,16 +253,23 @@ def parallelize(model: nn.Module, args: ModelArgs, mesh: ParallelMesh, sp: bool,
 
 
 @torch.no_grad()
-def _keep_local_experts(moe: MoE, prefix: str, args: ModelArgs, seed: int, ep: Group,
-                        device: torch.device) -> None:
-    """Replace the stacked expert weights by this rank's E/ep experts, initialised as their
-    slice of the full initial value (so every layout starts from the same weights)."""
+def _keep_local_experts(moe: MoE, ep: Group) -> None:
+    """Replace the stacked expert weights by this rank's E/ep experts: on the meta device
+    (parallel/construct.py then gives them their slice of the full initial value), or the
+    slice of the weights the block holds."""
     per = moe.n_experts // ep.size
     lo = ep.rank * per
     for name, old in list(moe.experts.named_parameters()):
-        value = initial_value(f"{prefix}.{name}", old.shape, args, seed)[lo:lo + per]
-        new = nn.Parameter(value.to(device=device, dtype=old.dtype).contiguous())
-        setattr(moe.experts, name, copy_placement(old, new))
+        data = old.new_empty((per, *old.shape[1:])) if old.is_meta else old.detach()[lo:lo + per].clone()
+        setattr(moe.experts, name, copy_placement(old, nn.Parameter(data)))
+
+
+def materialize_buffers(model: nn.Module, device: torch.device) -> None:
+    """The routers' biases of a model built on the meta device: zeros on `device`."""
+    for _, moe in moe_blocks(model):
+        bias = moe.router.expert_bias
+        if bias.is_meta:
+            moe.router.expert_bias = torch.zeros(bias.shape, dtype=bias.dtype, device=device)
 
 
 def expert_params(params) -> tuple[list[nn.Parameter], list[nn.Parameter]]:

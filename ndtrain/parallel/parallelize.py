@@ -39,6 +39,7 @@ from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.model.loss import token_loss_sum
 from ndtrain.parallel import context, expert, tensor
+from ndtrain.parallel.construct import initializer, materialize
 from ndtrain.parallel.data import DataParallel, GradSyncs
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
 from ndtrain.parallel.pipeline.stage import StageModel, TiedEmbedding, build_chunks, gather_stages
@@ -136,21 +137,32 @@ def build_model(args: ModelArgs, seed: int, device: torch.device, layer_ids=None
 
 
 def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
-    """`make(layer_ids, embed, head)`: this rank's share of (part of) the decoder, with the
-    weights every layout starts from; tensor-parallel modules when tp > 1, context-parallel
-    attention when cp > 1, MoE blocks placed and split (parallel/expert.py)."""
-    tp, cp, seed = mesh.group("tp"), mesh.group("cp"), cfg.train.seed
+    """`make(layer_ids, embed, head)`: this rank's share of (part of) the decoder, laid out
+    on the meta device: tensor-parallel modules when tp > 1, context-parallel attention when
+    cp > 1, MoE blocks placed and split (parallel/expert.py); parallel/construct.py gives
+    the parameters memory and the values every layout starts from."""
+    tp, cp = mesh.group("tp"), mesh.group("cp")
 
     def make(layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
         if tp.active:
-            model = tensor.build(args, seed, mesh.device, tp, cfg.parallel.sp, layer_ids, embed, head)
+            model = tensor.build(args, tp, cfg.parallel.sp, layer_ids, embed, head)
         else:
-            model = build_model(args, seed, mesh.device, layer_ids, embed, head)
+            with torch.device("meta"):
+                model = Transformer(args, layer_ids, embed, head)
         if cp.active:
             context.apply(model, cp, cfg.parallel.cp_impl, tp if tp.active and cfg.parallel.sp else None)
-        expert.parallelize(model, args, mesh, cfg.parallel.sp, seed)
+        expert.parallelize(model, mesh, cfg.parallel.sp)
         return model
     return make
+
+
+def materialized(model: Transformer, args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Transformer:
+    """A model `decoder` laid out (a chunk, outside any layout: anchors for tests and
+    benchmarks), given memory and its initial values on the mesh's device."""
+    materialize(model, initializer(model, args, cfg.train.seed, mesh.group("tp")), mesh.device)
+    model.reset_rope(mesh.device)
+    expert.materialize_buffers(model, mesh.device)
+    return model
 
 
 def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
@@ -166,15 +178,18 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
     for chunk in chunks.values():
         apply_recompute(chunk, t.recompute)
     model = StageModel(chunks) if pipelined else chunks[0]
+    # Everything so far lives on the meta device; now each rank materialises what it keeps.
+    init = initializer(model, args, t.seed, tp)
     dtype, rdtype = compute_dtype(t.precision), reduce_dtype(t.precision, t.reduce_fp32)
     if p.zero:
         decoders = {f"chunk{c}": chunk for c, chunk in chunks.items()} if pipelined else None
-        states = grad_sync = ZeRO(model, mesh, p.zero, dtype, rdtype, p.reshard_after_forward, defer=pipelined,
-                                  decoders=decoders)
+        states = grad_sync = ZeRO(model, mesh, p.zero, dtype, rdtype, init, p.reshard_after_forward,
+                                  defer=pipelined, decoders=decoders)
         # Optimizer slices differ across dp_shard × cp; stage 3 splits the parameters too.
         optim_replicated = ("dp_replicate",)
         model_replicated = optim_replicated if p.zero == 3 else REPLICATED_MODEL_DIMS
     else:
+        materialize(model, init, mesh.device)
         masters = MasterWeights(list(model.parameters())) if has_masters(dtype) else None
         cast_parameters(list(model.parameters()), dtype)
         bucket_bytes = int(p.bucket_mb * 2**20)
@@ -185,8 +200,9 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
             grad_sync = GradSyncs([grad_sync, DataParallel(experts, mesh.group("edp"), bucket_bytes, rdtype, accum)])
         states = ReplicatedStates(model, grad_sync, masters)
         model_replicated = optim_replicated = REPLICATED_MODEL_DIMS
-    if mesh.shape.ep > 1:  # ranks of dp_shard × cp hold different experts
-        model_replicated = optim_replicated = ("dp_replicate",)
+    for chunk in chunks.values():
+        chunk.reset_rope(mesh.device)
+        expert.materialize_buffers(chunk, mesh.device)
     if pipelined:
         tied = TiedEmbedding(mesh, model, states.summed_grad) if args.tie_embeddings else None
         schedule = PipelineSchedule(chunks, mesh, p.pp_schedule, p.pp_virtual, loss_fn, tied)

@@ -38,9 +38,9 @@ Where each piece sits:
   number; otherwise every rank keeps the whole (small) K and V projections, uses the head
   its query heads read, and the step sums the gradients of the ranks sharing it (the
   weight is marked partial, as a sequence-parallel norm weight is).
-- Initialisation: `build` creates the swapped model on the meta device, then every rank
-  fills its parameters with its slice of the full initial value (`initial_value` in the
-  model), so every layout starts from the same full weights.
+- Initialisation: `build` creates the swapped model on the meta device; parallel/construct.py
+  then fills every rank's parameters with its slice of the full initial value
+  (`initial_value` in the model), so every layout starts from the same full weights.
 - Random numbers: ranks of one TP group share one random stream (the trainer seeds by the
   rank without its tp coordinate). A random op on a split tensor draws the numbers of the
   full tensor and keeps its slice (`SequenceShardedDropout`), so dropout equals one device.
@@ -362,19 +362,19 @@ class Context:
     args: ModelArgs
     group: Group
     sp: bool
-    device: torch.device
     # plain parameter → its replacement, so a tied head shares the embedding's
     made: dict[int, nn.Parameter] = field(default_factory=dict)
     name: str = ""  # the module being swapped, e.g. "layers.3.ffn_norm"
 
     def param(self, plain: nn.Parameter, split_dim: int | None = None) -> nn.Parameter:
-        """The local parameter standing for `plain` (uninitialised, on the device): whole,
-        or this rank's chunk along `split_dim`, marked as split over tp."""
+        """The local parameter standing for `plain` (on the meta device, like the plain
+        model: parallel/construct.py gives it memory and its value): whole, or this rank's
+        chunk along `split_dim`, marked as split over tp."""
         if id(plain) not in self.made:
             shape = list(plain.shape)
             if split_dim is not None:
                 shape[split_dim] = math.ceil(shape[split_dim] / self.group.size)
-            p = nn.Parameter(torch.empty(shape, device=self.device))
+            p = nn.Parameter(torch.empty(shape, device="meta"))
             if split_dim is not None:
                 setattr(p, _SPLIT_ATTR, Split(split_dim, plain.shape[split_dim]))
                 mark_sharded(p, ("tp",))
@@ -441,14 +441,12 @@ def _ffn_norm(m: RMSNorm, c: Context) -> nn.Module:
 
 def _feed_forward(m: nn.Module, c: Context) -> nn.Module:
     """A dense MLP is swapped weight by weight (below). An MoE keeps every weight whole on
-    every tp rank, a partial gradient; its buffers (the router's bias) start at zero."""
+    every tp rank, a partial gradient."""
     if not isinstance(m, MoE):
         return m
     for module in m.modules():
         for name, p in list(module.named_parameters(recurse=False)):
             setattr(module, name, mark_partial(c.param(p), ("tp",)))
-        for name, b in list(module.named_buffers(recurse=False)):
-            setattr(module, name, torch.zeros(b.shape, dtype=b.dtype, device=c.device))
     return m
 
 
@@ -474,10 +472,10 @@ PLAN: dict[str, Swap] = {
 }
 
 
-def parallelize(model: Transformer, group: Group, sp: bool, device: torch.device) -> Transformer:
+def parallelize(model: Transformer, group: Group, sp: bool) -> Transformer:
     """Swap the modules named in PLAN for their tensor-parallel versions, in place. The
-    new parameters live on `device`, uninitialised (see `init_weights`)."""
-    c = Context(model.args, group, sp, torch.device(device))
+    new parameters are this rank's chunks, on the meta device."""
+    c = Context(model.args, group, sp)
     for name, module in list(model.named_modules()):
         swap = next((fn for pattern, fn in PLAN.items() if fnmatchcase(name, pattern)), None)
         if swap is not None:
@@ -489,30 +487,15 @@ def parallelize(model: Transformer, group: Group, sp: bool, device: torch.device
     return model
 
 
-@torch.no_grad()
-def init_weights(model: Transformer, seed: int, group: Group) -> None:
-    """Every parameter = this rank's slice of the full initial value, as on one device."""
-    for name, p in model.named_parameters():
-        split = split_of(p)
-        if split is None:
-            p.copy_(initial_value(name, p.shape, model.args, seed))
-            continue
-        shape = list(p.shape)
-        shape[split.dim] = split.full
-        p.copy_(local_slice(initial_value(name, shape, model.args, seed), split, group))
-
-
-def build(args: ModelArgs, seed: int, device: torch.device, group: Group, sp: bool,
-          layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
+def build(args: ModelArgs, group: Group, sp: bool, layer_ids=None, embed: bool = True,
+          head: bool = True) -> Transformer:
     """This rank's tensor-parallel model (or pipeline chunk: `layer_ids`, `embed`, `head` as
-    in `Transformer`): the plain model is laid out on the meta device (no memory), its
-    modules swapped, and only the local slices are made and filled."""
+    in `Transformer`), laid out on the meta device with its modules swapped: no memory yet
+    (parallel/construct.py materialises this rank's chunks with their slices of the full
+    initial values)."""
     with torch.device("meta"):
         model = Transformer(args, layer_ids, embed, head)
-    parallelize(model, group, sp, device)
-    init_weights(model, seed, group)
-    model.reset_rope(device)
-    return model
+    return parallelize(model, group, sp)
 
 
 def full_state(model: nn.Module, state: dict[str, Tensor], group: Group) -> dict[str, Tensor]:

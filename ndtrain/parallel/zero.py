@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -61,6 +62,7 @@ from torch.utils._pytree import tree_flatten
 
 from ndtrain.comm import ops
 from ndtrain.mesh import Group, ParallelMesh
+from ndtrain.parallel.construct import new_parameter, swap_parameters
 from ndtrain.parallel.placement import (OptimSlice, copy_placement, is_duplicate, is_expert, mark_sharded,
                                         partial_dims, shard_dims)
 from ndtrain.parallel.precision import has_masters
@@ -102,7 +104,12 @@ class FlatParam:
     """
 
     def __init__(self, name: str, params: list[nn.Parameter], stage: int, group: Group,
-                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, group_dims: tuple[str, ...] = SHARD_DIMS):
+                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, init: Callable, device: torch.device,
+                 group_dims: tuple[str, ...] = SHARD_DIMS):
+        """`params` may live on the meta device (parallel/construct.py): only this rank's
+        slice is allocated and filled with `init(p)`, the fp32 initial value of what p holds
+        (stages 1-2 also the whole buffer, which every rank keeps); `adopt` then swaps in
+        the parameters that view the buffer."""
         self.name, self.params, self.stage, self.group = name, params, stage, group
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         self.accum_dtype = torch.float32 if has_masters(compute_dtype) else compute_dtype
@@ -116,15 +123,24 @@ class FlatParam:
         self.shard_numel = -(-offset // group.size)  # padded to a multiple of the group
         lo, hi = group.rank * self.shard_numel, (group.rank + 1) * self.shard_numel
 
-        initial = self._pack_fp32(self.shard_numel * group.size)
-        self.full = initial.to(compute_dtype)  # no copy in fp32
-        for p in params:
-            p.data = self.view_of(self.full, p)
-        self.shard = self.full[lo:hi].clone() if stage == 3 else self.full[lo:hi]
+        padded = self.shard_numel * group.size
+        if stage == 3:
+            initial = self._initial(init, lo, hi, device)
+            self.full = torch.empty(padded, dtype=compute_dtype, device=device)
+            self.shard = initial.to(compute_dtype)  # no copy in fp32
+        else:
+            initial = self._initial(init, 0, padded, device)
+            self.full = initial.to(compute_dtype)  # no copy in fp32
+            self.shard = self.full[lo:hi]
+            initial = initial[lo:hi]
+        # The parameters become views into `full` (new objects: parallel/construct.py); under
+        # stage 3 its memory then goes, and comes back only while the unit is gathered.
+        self.replacements = {id(p): new_parameter(p, self.view_of(self.full, p)) for p in params}
         if stage == 3:
             free_storage(self.full)
         # A separate master starts from the fp32 initial values, not from their rounding.
-        self.master = nn.Parameter(initial[lo:hi].clone() if has_masters(compute_dtype) else self.shard)
+        master = initial if stage == 3 else initial.clone()
+        self.master = nn.Parameter(master if has_masters(compute_dtype) else self.shard)
         copy_placement(params[0], self.master)
         mark_sharded(self.master, shard_dims(params[0]) + group_dims)
 
@@ -132,19 +148,31 @@ class FlatParam:
         self.grad_shard: torch.Tensor | None = None
         if stage == 1:
             self.grad_full = self._zeros(self.full.numel())
-            if self.accum_dtype == compute_dtype:
-                for p in params:
-                    p.grad = self.view_of(self.grad_full, p)
             self.grad_shard = self.grad_full[lo:hi]
         self.ready = 0  # parameters whose gradient arrived in this backward pass
         self.pending: tuple | None = None  # (work, output, input) of a reduce-scatter in flight
 
     @torch.no_grad()
-    def _pack_fp32(self, padded: int) -> torch.Tensor:
-        values = torch.zeros(padded, dtype=torch.float32, device=self.params[0].device)
+    def _initial(self, init: Callable, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """Elements [lo, hi) of the flat buffer's fp32 initial values, one parameter's
+        initial value at a time (padding: zeros)."""
+        values = torch.zeros(hi - lo, dtype=torch.float32, device=device)
         for p in self.params:
-            values[self.range(p)].copy_(p.detach().reshape(-1))
+            start, n = self.slot[id(p)]
+            a, b = max(start, lo), min(start + n, hi)
+            if a < b:
+                values[a - lo:b - lo].copy_(init(p).reshape(-1)[a - start:b - start])
         return values
+
+    def adopt(self) -> None:
+        """Hold the parameters that replaced the meta ones; in the compute dtype, stage 1's
+        param.grad are views into its accumulator."""
+        self.params = [self.replacements[id(p)] for p in self.params]
+        self.slot = {id(q): self.slot[old] for q, old in zip(self.params, list(self.slot))}
+        del self.replacements
+        if self.stage == 1 and self.accum_dtype == self.compute_dtype:
+            for p in self.params:
+                p.grad = self.view_of(self.grad_full, p)
 
     def range(self, p: nn.Parameter) -> slice:
         start, n = self.slot[id(p)]
@@ -273,8 +301,8 @@ class ZeRO:
     """
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int, compute_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, reshard_after_forward: bool = True, defer: bool = False,
-                 decoders: dict[str, nn.Module] | None = None):
+                 reduce_dtype: torch.dtype, init: Callable, reshard_after_forward: bool = True,
+                 defer: bool = False, decoders: dict[str, nn.Module] | None = None):
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
         self.stage, self.defer = stage, defer
@@ -285,15 +313,22 @@ class ZeRO:
         self.reshard_after_forward = reshard_after_forward and not defer
         self.model = model
         self.units: list[Unit] = []
-        self.names: dict[int, str] = {}
+        names: dict[int, str] = {}
         backward_order: list[Unit] = []
+        make = functools.partial(self._flats, compute_dtype=compute_dtype, reduce_dtype=reduce_dtype, init=init,
+                                 device=mesh.device)
         for decoder in decoder_units(model, decoders):
-            units = [Unit(unit_name, module, self._flats(unit_name, named, compute_dtype, reduce_dtype))
-                     for unit_name, module, named in decoder]
-            self.names.update({id(p): n for _, _, named in decoder for n, p in named})
+            units = [Unit(unit_name, module, make(unit_name, named)) for unit_name, module, named in decoder]
+            names.update({id(p): n for _, _, named in decoder for n, p in named})
             self.units += units
             backward_order = link_units(units) + backward_order  # later decoders run backward first
         self.flats = [f for u in backward_order for f in u.flats]
+        # Every parameter becomes a view into its flat buffer (construct.py: new objects).
+        new = {old: q for f in self.flats for old, q in f.replacements.items()}
+        swap_parameters(model, new)
+        for f in self.flats:
+            f.adopt()
+        self.names = {id(new[old]): n for old, n in names.items()}
         self._flat_of = {id(p): f for f in self.flats for p in f.params}
         self._unit_of = {id(f): u for u in self.units for f in u.flats}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -307,7 +342,7 @@ class ZeRO:
         self._in_backward = False
         self.gathered_bytes = 0  # stage 3: bytes of units gathered right now (memory accounting)
 
-    def _flats(self, unit_name, named, compute_dtype, reduce_dtype) -> list[FlatParam]:
+    def _flats(self, unit_name, named, compute_dtype, reduce_dtype, init, device) -> list[FlatParam]:
         by_key: dict[tuple, list[nn.Parameter]] = {}
         for _, p in named:
             key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device)
@@ -317,7 +352,8 @@ class ZeRO:
             name = ".".join([unit_name, "decay" if decay else "no_decay", *dims] + (["duplicate"] if dup else [])
                             + (["experts"] if experts else []))
             group, group_dims = (self.expert_group, self.expert_dims) if experts else (self.group, SHARD_DIMS)
-            flats.append(FlatParam(name, params, self.stage, group, compute_dtype, reduce_dtype, group_dims))
+            flats.append(FlatParam(name, params, self.stage, group, compute_dtype, reduce_dtype, init, device,
+                                   group_dims))
         return flats
 
     # -- the optimizer's view ---------------------------------------------------

@@ -17,7 +17,8 @@ import torch
 
 from ndtrain.config import Config, from_dict
 from ndtrain.mesh import ParallelMesh
-from ndtrain.observe.memory import format_bytes, per_rank
+from ndtrain.model.llama import Transformer
+from ndtrain.observe.memory import format_bytes, measure_peak, per_rank, storage_bytes
 from ndtrain.parallel.placement import is_expert
 from ndtrain.parallel.precision import compute_dtype
 from ndtrain.parallel.zero import model_state_bytes
@@ -35,16 +36,26 @@ def vocab_size(cfg: Config) -> int:
     return cfg.data.vocab_size
 
 
+def build_measured(args, mesh: ParallelMesh, cfg: Config):
+    """`build` under the memory meter: (the layout, the most its construction allocated at
+    once, the bytes of the model states it keeps: parameters, gradient buffers, masters)."""
+    from ndtrain.parallel.parallelize import build
+
+    with measure_peak(mesh.device) as built:  # meta construction, then only what this rank keeps
+        par = build(args, mesh, cfg)
+    states = par.states
+    return par, built["bytes"], storage_bytes(states.param_tensors() + states.grad_tensors() + states.master_tensors())
+
+
 def measure(cfg: Config, mesh: ParallelMesh) -> dict:
     """Two steps on random tokens; every rank's figures (collective)."""
     from ndtrain.data.batch import MicroBatch
     from ndtrain.parallel import context
-    from ndtrain.parallel.parallelize import build
     from ndtrain.train.step import TrainStep
 
     t = cfg.train
     args = cfg.model_args(vocab_size=vocab_size(cfg))
-    par = build(args, mesh, cfg)
+    par, construction, kept = build_measured(args, mesh, cfg)
     step = TrainStep(par, cfg)
     rows = t.global_batch // mesh.dp_size
     g = torch.Generator().manual_seed(t.seed + mesh.rank)
@@ -62,11 +73,25 @@ def measure(cfg: Config, mesh: ParallelMesh) -> dict:
     psi_experts = sum(p.numel() for p in unique if is_expert(p))
     memory = step.memory
     experts = [memory.expert_params or 0, memory.expert_grads or 0, memory.expert_optimizer or 0]
-    mine = [psi, psi_experts] + [getattr(memory, c) for c in COLUMNS] + experts
+    mine = [psi, psi_experts, construction, kept] + [getattr(memory, c) for c in COLUMNS] + experts
     table = per_rank(mine, mesh.device)
-    keys = ("psi", "psi_experts") + COLUMNS + EXPERT_COLUMNS
+    keys = ("psi", "psi_experts", "construction", "kept") + COLUMNS + EXPERT_COLUMNS
     return {"ranks": [dict(zip(keys, map(int, row))) for row in table], "layout": mesh.describe(),
-            "n_shard": mesh.size("dp_shard_cp"), "n_expert_shard": mesh.size("edp_shard"), "moe": args.is_moe}
+            "n_shard": mesh.size("dp_shard_cp"), "n_expert_shard": mesh.size("edp_shard"), "moe": args.is_moe,
+            **construction_bounds(args)}
+
+
+def construction_bounds(args) -> dict:
+    """Bytes of the largest parameter and the largest unit (a block, or the embedding, norm
+    and head) in fp32, and of the whole model in fp32: what a rank may hold on top of what it
+    keeps while the layout is built (parallel/construct.py), and what it would hold if it
+    built the whole model first."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    params = [p.numel() for p in model.parameters()]
+    blocks = [sum(p.numel() for p in block.parameters()) for block in model.layers.values()]
+    return {"largest_param_bytes": 4 * max(params), "model_fp32_bytes": 4 * sum(params),
+            "largest_unit_bytes": 4 * max(blocks + [sum(params) - sum(blocks)])}
 
 
 def dry_run_worker(cfg_dict: dict) -> dict:
@@ -104,6 +129,15 @@ def render(cfg: Config, result: dict) -> str:
             lines.append(f"{rank:>4}  {r['psi'] - r['psi_experts']:>14,}  {format_bytes(d_states):>14}  "
                          f"{format_bytes(dense):>14}  {r['psi_experts']:>14,}  {format_bytes(e_states):>14}  "
                          f"{format_bytes(experts):>14}")
+    extra = max(result["largest_param_bytes"], result["largest_unit_bytes"])
+    lines.append("construction peak: the layout is built on the meta device, then each rank allocates only what it "
+                 "keeps (model states), drawing one parameter's fp32 initial value at a time (ZeRO-3: one unit's "
+                 f"buffer at a time); the whole model in fp32 is {format_bytes(result['model_fp32_bytes'])}")
+    for rank, r in enumerate(result["ranks"]):
+        bound = r["kept"] + extra
+        lines.append(f"{rank:>4}  construction peak {format_bytes(r['construction'])} (keeps {format_bytes(r['kept'])} "
+                     f"+ largest unit {format_bytes(extra)} = {format_bytes(bound)}: "
+                     f"{'within' if r['construction'] <= bound else 'ABOVE'})")
     lines += ["model states: counted after the optimizer step; ZeRO formula: c·Ψ + g·Ψ + K·Ψ, c bytes per value",
               "  in the compute dtype, g = 4 (fp32 gradient accumulator) or c, K = 12 (fp32 master + Adam moments)",
               "  or 2c in fp32/fp64; sharded terms / shard group"

@@ -38,10 +38,8 @@ class TrainStep:
         """The layout's forward and backward of every micro-batch, under the fp16 loss scale
         (a power of two: exact). `measure_memory` records the peak the passes allocate."""
         scale = self.scaler.scale if self.scaler else 1.0
-        states = self.par.states
         held = self.held_bytes() if measure_memory else 0
-        working = lambda: getattr(states, "gathered_bytes", 0)  # noqa: E731 - ZeRO-3's regathers
-        meter = measure_peak(self.mesh.device, working) if measure_memory else nullcontext()
+        meter = measure_peak(self.mesh.device) if measure_memory else nullcontext()
         with meter as peak:
             local = self.par.forward_backward(micro_batches, n_targets / scale, 1.0 / scale)
         if measure_memory:
