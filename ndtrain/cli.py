@@ -26,6 +26,10 @@ examples:
                                                  2 pipeline stages (zero bubble) × 2 data-parallel
   ndtrain train --dry-run --nproc 4 parallel.zero=2 model.preset=125M
                                                  memory per rank of a step, then exit (writes nothing)
+  ndtrain sft                                    fine-tune the default run's model on stdlib functions (signature → body)
+  ndtrain sft --show-example                     one training example, the trained (answer) tokens highlighted
+  ndtrain sft data.path=chat.jsonl model.init_from=hf:./my-llama
+                                                 fine-tune a Hugging Face model on your chats with its chat template
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain train --nproc 4 parallel.tp=2 run.dir=runs/x   resume runs/x on another layout (any layout reads any checkpoint)
   ndtrain train --nproc 2 model.init_from=hf:DIR data.path=my.jsonl   start from a Hugging Face Llama/Qwen model
@@ -40,10 +44,17 @@ examples:
                                                  and each schedule's bubble (real compute, paced, theory)
   ndtrain bench zero model.preset=125M train.global_batch=8
                                                  the same on a preset's shape (every benchmark takes model.preset)
+  ndtrain bench sft                              fine-tuning on packed against padded rows, answer tokens/s
+  ndtrain bench cp                               context parallelism: ring vs allgather vs ulysses vs one process
   ndtrain bench ep                               experts split over 2 ranks (ep=2) against replicated (ep=1)
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
   ndtrain train --nproc 4 model.preset=tiny-moe parallel.ep=2 parallel.dp=4
                                                  mixture of experts, experts split over 2 of the 4 data-parallel ranks
+  ndtrain bench comm                             every collective's bus bandwidth; our ring all-reduce vs the backend's
+  ndtrain plan --cluster H100-SXM --gpus 64 model.preset=8B train.precision=bf16 parallel.tp=8 parallel.zero=1
+                                                 memory per rank, step time, MFU of a layout too large for this machine
+  ndtrain plan --cluster H100-SXM --gpus 64 --search model.preset=8B train.precision=bf16
+                                                 the fastest layouts that fit
 """
 
 
@@ -66,6 +77,16 @@ def _parser() -> argparse.ArgumentParser:
                         "(parameters, gradients, optimizer state, activations, peak) and exit; writes nothing")
     with_config(p)
 
+    p = sub.add_parser("sft", help="supervised fine-tuning on chat or prompt/completion JSONL (no arguments: "
+                                   "the embedded default job)",
+                       description="Fine-tune a model on conversations: the loss counts answer tokens only. With no "
+                                   "arguments: the default pretraining run's model (trained first if there is none) "
+                                   "on functions of the Python standard library, asked for by signature and docstring.")
+    p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+    p.add_argument("--show-example", action="store_true",
+                   help="print one training example as the model sees it, the trained tokens highlighted, and exit")
+    with_config(p)
+
     p = sub.add_parser("prepare", help="tokenize a corpus into token shards (cached)",
                        description="Train or load the tokenizer and write memory-mapped token shards. "
                                    "`ndtrain train` does this itself when needed.")
@@ -84,12 +105,32 @@ def _parser() -> argparse.ArgumentParser:
                        description="Train a few steps of a pipelined layout (parallel.pp > 1), then write the last "
                                    "step's per-rank timeline as trace.json (chrome://tracing, ui.perfetto.dev) and "
                                    "timeline.png, and print the measured bubble next to the theory. With context "
-                                   "parallelism and no pipeline (parallel.cp > 1, parallel.pp = 1): every ring step of "
-                                   "every layer and every message of the last step, and the share of message time "
+                                   "parallelism (parallel.cp > 1): every ring step of every layer and every message "
+                                   "of the last step as ring-trace.json and ring.png, and the share of message time "
                                    "hidden behind attention compute. Writes no checkpoint.")
     p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
     p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>)")
     p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default 3)")
+    with_config(p)
+
+    p = sub.add_parser("plan", help="predict memory per rank, step time and days of a layout on a cluster; "
+                                    "--search for the best layouts that fit",
+                       description="Plan before you spend: memory per rank (parameters, gradients, optimizer "
+                                   "states, activations, communication buffers), step time (compute, TP/SP/CP/EP, "
+                                   "pipeline bubble, DP/ZeRO), tokens/s, MFU and days, for a layout on a cluster "
+                                   "too large for this machine. Checks the layout with the rules train enforces. "
+                                   "Formulas and sources: docs/plan.md.")
+    p.add_argument("--cluster", required=True, metavar="SPEC",
+                   help="A100-40GB, A100-80GB, H100-SXM, H200, B200, this-machine (calibrated by bench matmul "
+                        "and bench comm), or a TOML file")
+    p.add_argument("--gpus", type=int, metavar="N", help="GPUs (processes); default: the layout's product, or one node")
+    p.add_argument("--mfu", type=float, metavar="X", help="an achieved MFU (0-1) instead of the modelled step time")
+    p.add_argument("--tflops", type=float, metavar="X", help="an achieved TFLOP/s per GPU instead of the modelled step time")
+    p.add_argument("--tokens", metavar="N", help="tokens to train on (e.g. 15T, 300B, 2e12): prints the days")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--search", action="store_true", help="list the fastest layouts that fit (model, batch, "
+                                                          "sequence and precision as configured)")
+    p.add_argument("--top", type=int, default=10, metavar="K", help="--search: how many layouts (default 10)")
     with_config(p)
 
     p = sub.add_parser("convert", help="Hugging Face models in and out (Llama, Qwen2, Qwen3)",
@@ -113,18 +154,23 @@ def _parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", help="benchmarks: matmul (CPU peak), dp (ours vs torch DDP), "
                                      "tp (ours vs DTensor TP+SP over --nproc ranks), zero (our ZeRO-3 vs torch FSDP2), "
                                      "pp (our 1F1B, interleaved, zero bubble vs torch.distributed.pipelining; "
-                                     "bubbles), ep (experts split over --nproc ranks vs replicated); KEY=VALUE reaches both sides "
-                                     "or is refused",
-                       description="Run ndtrain and its PyTorch-native anchor side by side, alternating rounds; "
-                                   "the last line is the ratio of their median throughputs. Every key a "
-                                   "benchmark accepts (model.*, train.precision, train.recompute, "
-                                   "train.micro_batch, ...) reaches both sides; others are refused. "
+                                     "bubbles), cp (ring vs allgather vs ulysses vs 1 process at two sequence lengths), "
+                                     "comm (every collective's bus bandwidth, our ring all-reduce vs the backend's), "
+                                     "sft (packed vs padded fine-tuning rows), ep (experts split over --nproc ranks vs "
+                                     "replicated); KEY=VALUE reaches both sides or is refused",
+                       description="Run ndtrain and its PyTorch-native anchor side by side (sft: packed and padded "
+                                   "rows), alternating rounds; the last line is the ratio of their median "
+                                   "throughputs. Every key a benchmark accepts (model.*, train.precision, "
+                                   "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "ep"])
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "ep"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
-    p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR")
+    p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR; "
+                                               "comm: the picture and figures (default runs/bench-comm-<date>)")
+    p.add_argument("--sizes", nargs="+", metavar="SIZE", help="comm: message sizes, e.g. 1K 4M 64M "
+                                                              "(default 1 KB to 256 MB by powers of 4)")
     with_config(p)
     return ap
 
@@ -134,12 +180,12 @@ def fail(message: str, code: int = 2) -> int:
     return code
 
 
-def warn_before_start(cfg, world: int | None) -> None:
+def warn_before_start(cfg, world: int | None, command: str = "train") -> None:
     """Keys that do nothing in this layout, and more CPU processes than cores."""
     from ndtrain.idle_keys import idle_keys
     from ndtrain.launch import oversubscribed, warn
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world)) if world else cfg.parallel.world
-    warn(idle_keys(cfg, world) + [oversubscribed(local, cfg.run.device)])
+    warn(idle_keys(cfg, world, command) + [oversubscribed(local, cfg.run.device)])
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -165,8 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     from ndtrain.launch import RankFailure
 
     try:
-        return {"train": cmd_train, "prepare": cmd_prepare, "generate": cmd_generate, "bench": cmd_bench,
-                "trace": cmd_trace, "convert": cmd_convert, "checkpoint": cmd_checkpoint}[args.command](args)
+        return {"train": cmd_train, "sft": cmd_sft, "prepare": cmd_prepare, "generate": cmd_generate,
+                "bench": cmd_bench, "trace": cmd_trace, "convert": cmd_convert,
+                "checkpoint": cmd_checkpoint, "plan": cmd_plan}[args.command](args)
     except (ConfigError, DataError) as e:
         return fail(str(e))
     except CheckpointError as e:
@@ -257,6 +304,7 @@ def cmd_train(args) -> int:
     world = external_world()
     resolve_init_from(cfg)  # the model (and tokenizer) of model.init_from, before validating it
     validate(cfg, world=world)
+    _check_fits(cfg, world)
     warn_before_start(cfg, world)
     if args.dry_run:
         return dry_run(cfg, world)
@@ -281,6 +329,84 @@ def cmd_train(args) -> int:
         summary = launch_local(p.world, train_worker, cfg.to_dict(), str(run_dir), str(data.path))[0]
     print_summary(summary)
     return 0
+
+
+def cmd_sft(args) -> int:
+    from ndtrain.checkpoint.sources import resolve_init_from
+    from ndtrain.config import SFT_DEFAULTS, ConfigError, load_config, validate
+    from ndtrain.data.sft import ShortSequence, make_template, prepare_sft
+    from ndtrain.launch import external_world, launch_local
+    from ndtrain.train import sft
+
+    cfg = load_config(args.config, args.overrides, defaults=SFT_DEFAULTS)
+    if args.nproc is not None:
+        cfg.run.nproc = args.nproc
+        cfg.explicit |= {"run.nproc"}
+    world = external_world()
+    if cfg.model.init_from == "scratch":  # random weights; "" means the default pretraining run
+        cfg.model.init_from = ""
+    elif not cfg.model.init_from and not args.show_example:
+        validate(cfg, world=world)
+        cfg.model.init_from = f"run:{default_pretraining_run(cfg, world)}"
+    resolve_init_from(cfg)  # the model and tokenizer of model.init_from
+    validate(cfg, world=world)
+    _check_fits(cfg, world)
+    warn_before_start(cfg, world, "sft")
+    sft.load_score(cfg.sft.score)  # a bad scoring function fails here, not after training
+    d, t = cfg.data, cfg.train
+    template = make_template(cfg, progress=cfg.run.progress)
+    if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
+        cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
+    try:
+        data = prepare_sft(d.path, template, t.seq_len, d.truncate, d.val_fraction, d.on_bad_record, d.cache_dir)
+    except ShortSequence as e:
+        raise ConfigError("train.seq_len", t.seq_len, f"is smaller than the shortest example ({e.shortest} positions, "
+                          f"{e.key}): packing would have to cut or drop every example") from None
+    if args.show_example:
+        print(sft.show_example(data), flush=True)
+        return 0
+    run_dir = _run_dir(cfg, "sft")
+    resumed = check_resume(cfg, run_dir)
+    if world is not None:  # torchrun / SLURM started us: this process is one rank
+        summary = sft.sft_worker(cfg.to_dict(), str(run_dir), data)
+    else:
+        p = cfg.parallel
+        print(f"ndtrain sft: {cfg.model.preset} model from {cfg.model.init_from or 'random weights'}, {p.world} "
+              f"process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {t.steps} steps, "
+              f"packing {d.packing} → {run_dir}" + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
+        print(data.describe(), flush=True)
+        if p.world == 1:
+            summary = sft.sft_worker(cfg.to_dict(), str(run_dir), data)
+        else:
+            summary = launch_local(p.world, sft.sft_worker, cfg.to_dict(), str(run_dir), data)[0]
+    if summary:
+        print(sft.describe_summary(summary), flush=True)
+        print_summary(summary)
+    return 0
+
+
+def default_pretraining_run(cfg, world) -> Path:
+    """The newest finished run of the default `ndtrain train` under runs/, trained now if
+    there is none (with this command's process count)."""
+    from ndtrain.config import ConfigError
+    from ndtrain.train.sft import find_default_run
+    found = find_default_run(Path("runs"))
+    if found is not None:
+        return found
+    if world is not None:
+        raise ConfigError("model.init_from", "", "no default pretraining run under runs/; under torchrun, run "
+                          "`ndtrain train` first or set model.init_from=run:DIR")
+    print("ndtrain sft: no finished default pretraining run under runs/; running `ndtrain train` first", flush=True)
+    nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
+    if main(["train", *nproc, f"run.device={cfg.run.device}"]) != 0:
+        raise ConfigError("model.init_from", "", "the default pretraining run failed")
+    return find_default_run(Path("runs"))
+def _check_fits(cfg, world: int | None) -> None:
+    """Refuse, before any process starts, a model whose states alone overflow the device."""
+    from ndtrain.plan.fit import check_model_states_fit
+    from ndtrain.train.dry_run import vocab_size
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world)) if world else cfg.parallel.world
+    check_model_states_fit(cfg, vocab_size(cfg), local)
 
 
 def cmd_trace(args) -> int:
@@ -308,27 +434,27 @@ def cmd_trace(args) -> int:
     data = open_data(cfg, False)
     resolve_vocab(cfg, data)
     m = t.accumulation(p.dp)
-    if p.pp == 1:
-        print(f"ndtrain trace: {cfg.model.preset} model, cp={p.cp} ({p.cp_impl}) dp={p.dp} tp={p.tp}, "
-              f"{t.steps} steps, the last one recorded → {out}", flush=True)
-        r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
-        print(f"messages  {1e3 * r['in_flight']:.1f} ms in flight per rank, {1e3 * r['waited']:.1f} ms waited: "
-              f"{100 * r['hidden']:.0f}% hidden behind {1e3 * r['compute']:.1f} ms of attention compute "
-              f"({r['messages']:.0f} messages, {r['layers']} layers, forward and backward)\n"
+    watched = ([f"schedule {p.pp_schedule}" + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "")
+                + f", {m} micro-batches"] if p.pp > 1 else []) + ([f"attention {p.cp_impl}"] if p.cp > 1 else [])
+    print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}, {', '.join(watched)}, "
+          f"{t.steps} steps, the last one recorded → {out}", flush=True)
+    r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
+    if p.pp > 1:
+        ms = " ".join(f"{k} {v:.1f} ms" for k, v in r["mean_ms"].items())
+        print(f"bubble    {r['measured_bubble']:.3f} measured vs {r['theory_bubble']:.3f} theory {r['theory']} "
+              f"(idle / busy per rank; mean {ms})\n"
+              f"          {r['replayed_bubble']:.3f} with these action durations and free messages "
+              f"(measured − this = what messages and the executor cost)\n"
               f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
               f"timeline  {r['timeline']}", flush=True)
-        return 0
-    print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} tp={p.tp}, schedule {p.pp_schedule}"
-          + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "") + f", {m} micro-batches, {t.steps} steps → {out}",
-          flush=True)
-    r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
-    ms = " ".join(f"{k} {v:.1f} ms" for k, v in r["mean_ms"].items())
-    print(f"bubble    {r['measured_bubble']:.3f} measured vs {r['theory_bubble']:.3f} theory {r['theory']} "
-          f"(idle / busy per rank; mean {ms})\n"
-          f"          {r['replayed_bubble']:.3f} with these action durations and free messages "
-          f"(measured − this = what messages and the executor cost)\n"
-          f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
-          f"timeline  {r['timeline']}", flush=True)
+    if p.cp > 1:
+        c = r["ring"]
+        print(f"messages  {1e3 * c['in_flight']:.1f} ms in flight per rank, {1e3 * c['waited']:.1f} ms waited: "
+              f"{100 * c['hidden']:.0f}% hidden behind {1e3 * c['compute']:.1f} ms of attention compute "
+              f"({c['messages']:.0f} messages, {c['layers']} layers, forward and backward)\n"
+              f"trace     {c['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
+              f"ring      {c['timeline']}", flush=True)
+    return 0
 
 
 def dry_run(cfg, world: int | None) -> int:
@@ -349,8 +475,8 @@ def print_summary(s: dict) -> None:
     run = Path(s["run_dir"])
     lines = []
     if s.get("val_loss") is not None:
-        lines.append(f"validation loss {s['val_loss']:.4f} nats/token vs unigram baseline "
-                     f"{s['unigram_val_loss']:.4f} after {s['steps']} steps")
+        lines.append(f"validation loss {s['val_loss']:.4f} nats/token vs {s['baseline']} "
+                     f"{s['baseline_val_loss']:.4f} after {s['steps']} steps")
     mfu = f"MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "MFU n/a"
     if s.get("tokens_per_s"):
         lines.append(f"throughput {s['tokens_per_s']:,.0f} tokens/s · {mfu} ({s['mfu_peak_source']})")
@@ -423,6 +549,12 @@ def cmd_generate(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------- plan
+
+def cmd_plan(args) -> int:
+    from ndtrain.plan.command import run
+    return run(args)
+
 # --------------------------------------------------------------------------- convert, checkpoint
 
 def cmd_convert(args) -> int:
@@ -470,8 +602,8 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import dp, ep, pp, tp, zero
-    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "ep": ep}[args.what].run(args)
+    from ndtrain.bench import comm, cp, dp, ep, pp, sft, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft, "ep": ep}[args.what].run(args)
 
 
 if __name__ == "__main__":

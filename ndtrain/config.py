@@ -61,7 +61,9 @@ class ModelConfig:
     moe_norm_topk: bool | None = None
     moe_route_scale: float | None = None
     moe_capacity: float | None = None  # capacity factor; 0 = dropless
-    init_from: str = ""  # "" = random init; run:DIR (an ndtrain run or checkpoint) or hf:DIR (a HF model folder)
+    # "" = random init (ndtrain sft: the default pretraining run; "scratch" = random init);
+    # run:DIR (an ndtrain run or checkpoint) or hf:DIR (a HF model folder)
+    init_from: str = ""
 
 
 @dataclass
@@ -133,6 +135,18 @@ class DataConfig:
     val_fraction: float = 0.05
     jsonl_key: str = "text"
     cache_dir: str = "~/.cache/ndtrain"
+    # Supervised fine-tuning (ndtrain sft):
+    packing: str = "bfd"  # bfd: several examples per row (best-fit decreasing); none: one per row, padded
+    truncate: str = "keep_start"  # an example longer than train.seq_len: keep_start (cut its end) | drop
+    on_bad_record: str = "error"  # a malformed record: error (stop, naming file:line) | skip (count it)
+    template: str = "auto"  # builtin (our special tokens) | hf (the tokenizer's chat_template) | auto
+
+
+@dataclass
+class SFTConfig:
+    generate: int = 0  # held-out prompts answered greedily after training (0 = none)
+    max_new_tokens: int = 128
+    score: str = "exact"  # exact (answer == reference) | MODULE:FUNCTION(prompt, completion, reference) -> float
 
 
 @dataclass
@@ -153,6 +167,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     # The dotted keys the user set (in the file or on the command line), filled by
@@ -180,9 +195,14 @@ class Config:
         return base.with_(**changes)
 
 
+# `ndtrain sft`'s own defaults, applied before --config and KEY=VALUE (configs/sft.toml
+# lists them): the embedded instruction set, longer rows than pretraining, a lower rate.
+SFT_DEFAULTS = ["data.path=stdlib-functions", "train.seq_len=256", "train.steps=200", "train.lr=1e-3",
+                "train.warmup=10", "train.eval_every=50", "train.eval_batches=16", "sft.generate=4"]
+
 SECTIONS = {f.name: f.type for f in fields(Config)}
 _SECTION_CLASSES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-                    "data": DataConfig, "run": RunConfig}
+                    "data": DataConfig, "sft": SFTConfig, "run": RunConfig}
 
 
 def all_keys() -> list[str]:
@@ -281,8 +301,11 @@ def _set(cfg: Config, key: str, value: Any, *, from_text: bool) -> None:
     setattr(obj, name, value)
 
 
-def from_dict(data: dict) -> Config:
+def from_dict(data: dict, base: list[str] | tuple = ()) -> Config:
     cfg = Config()
+    for item in base:
+        key, value = item.split("=", 1)
+        _set(cfg, key, value, from_text=True)
     for section, values in data.items():
         if section not in _SECTION_CLASSES:
             near = difflib.get_close_matches(section, list(_SECTION_CLASSES), n=1)
@@ -311,14 +334,14 @@ def _read_toml(path: str | Path) -> dict:
         raise ConfigError("--config", str(path), f"not valid TOML ({e})") from None
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple = ()) -> Config:
-    """Defaults, then the TOML file, then KEY=VALUE overrides. Raises ConfigError.
-    `cfg.explicit` holds the keys the file and the overrides set."""
-    cfg, explicit = Config(), set()
-    if path is not None:
-        data = _read_toml(path)
-        cfg = from_dict(data)
-        explicit = {f"{s}.{k}" for s, values in data.items() for k, v in values.items() if v is not None}
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (),
+                defaults: list[str] | tuple = ()) -> Config:
+    """Defaults (the code's, then a command's own `defaults`, KEY=VALUE), then the TOML
+    file, then KEY=VALUE overrides. Raises ConfigError. `cfg.explicit` holds the keys the
+    file and the overrides set."""
+    data: dict = _read_toml(path) if path is not None else {}
+    cfg = from_dict(data, base=defaults)
+    explicit = {f"{s}.{k}" for s, values in data.items() for k, v in values.items() if v is not None}
     for item in overrides:
         if "=" not in item:
             raise ConfigError(item, item, "expected KEY=VALUE, e.g. train.steps=100")
@@ -353,6 +376,11 @@ def to_toml(cfg: Config) -> str:
 # --------------------------------------------------------------------------- validation
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+PACKINGS = ("bfd", "none")
+TRUNCATIONS = ("keep_start", "drop")
+BAD_RECORD_POLICIES = ("error", "skip")
+TEMPLATES = ("auto", "builtin", "hf")
+EMBEDDED_DATA = ("stdlib", "stdlib-functions")  # pretraining corpus, SFT instruction set
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
 
@@ -552,8 +580,9 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     _check_context(cfg, a)
 
     if check_paths:
-        if d.path != "stdlib" and not Path(os.path.expanduser(d.path)).exists():
-            raise ConfigError("data.path", d.path, "path does not exist (use \"stdlib\" for the embedded corpus)")
+        if d.path not in EMBEDDED_DATA and not Path(os.path.expanduser(d.path)).exists():
+            raise ConfigError("data.path", d.path, "path does not exist (use \"stdlib\" for the embedded corpus, "
+                              "\"stdlib-functions\" for the embedded instruction set)")
         if d.tokenizer and not Path(os.path.expanduser(d.tokenizer)).is_file():
             raise ConfigError("data.tokenizer", d.tokenizer, "file does not exist")
         if r.dir:  # the default, runs/<task>-<time>, is checked where the CLI names it
@@ -565,6 +594,11 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
         raise ConfigError("data.vocab_size", d.vocab_size, "must be at least 257 (256 bytes + end of text)")
     if not 0.0 < d.val_fraction <= 0.5:
         raise ConfigError("data.val_fraction", d.val_fraction, "must be in (0, 0.5]")
+    for key, choices in (("packing", PACKINGS), ("truncate", TRUNCATIONS), ("on_bad_record", BAD_RECORD_POLICIES),
+                         ("template", TEMPLATES)):
+        if getattr(d, key) not in choices:
+            raise ConfigError(f"data.{key}", getattr(d, key), f"choose one of {', '.join(choices)}")
+    _check_sft(cfg.sft)
     return cfg
 
 
@@ -607,6 +641,15 @@ def _check_moe(cfg: Config, a: ModelArgs) -> None:
     if a.moe_capacity and (p.tp > 1 or p.cp > 1):
         raise ConfigError("model.moe_capacity", a.moe_capacity, "dropping tokens would depend on how tp and cp "
                           "split the sequence (the capacity is per rank); use 0 (dropless) with tp or cp > 1")
+_SCORE = re.compile(r"^(exact|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+
+
+def _check_sft(s: SFTConfig) -> None:
+    _positive("sft.generate", s.generate, zero_ok=True)
+    _positive("sft.max_new_tokens", s.max_new_tokens)
+    if not _SCORE.match(s.score):
+        raise ConfigError("sft.score", s.score, "choose exact, or MODULE:FUNCTION (a function of prompt, "
+                          "completion and reference that returns a number)")
 
 
 def is_prepared_folder(path: str) -> bool:

@@ -35,8 +35,8 @@ def _on_gpu(device: str) -> bool:
     return torch.cuda.is_available()
 
 
-def _rules(cfg: Config, world: int | None) -> list[tuple[str, bool, str]]:
-    """(key, idle in this configuration, why): every key that some layout ignores."""
+def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool, str]]:
+    """(key, idle in this configuration, why): every key that some layout or command ignores."""
     p, t, d, r = cfg.parallel, cfg.train, cfg.data, cfg.run
     fp16, prepared = t.precision == "fp16", is_prepared_folder(d.path)
     scaling = ("loss_scale_init", "loss_scale_window", "loss_scale_min")
@@ -47,7 +47,6 @@ def _rules(cfg: Config, world: int | None) -> list[tuple[str, bool, str]]:
         ("parallel.bucket_mb", p.zero > 0, "ZeRO communicates per unit (a block, the root), not per bucket"),
         ("parallel.bucket_mb", p.zero == 0 and p.dp * p.cp == 1,
          "there is no data parallelism (parallel.dp = 1) whose gradients it would bucket"),
-        ("parallel.cp_impl", p.cp == 1, "it chooses context-parallel attention, which needs parallel.cp > 1"),
         ("parallel.dp_replicate", p.zero == 0,
          "without ZeRO every data-parallel rank holds everything; replicas only matter to HSDP (parallel.zero > 0)"),
         ("train.reduce_fp32", t.precision not in ("bf16", "fp16"),
@@ -68,14 +67,20 @@ def _rules(cfg: Config, world: int | None) -> list[tuple[str, bool, str]]:
     ]
     for key in ("pp_schedule", "pp_virtual", "pp_split"):
         rules.append((f"parallel.{key}", p.pp == 1, "needs pipeline parallelism (parallel.pp > 1)"))
+    sft_keys = ["data.packing", "data.truncate", "data.on_bad_record", "data.template", "sft.generate",
+                "sft.max_new_tokens", "sft.score"]
+    rules += [(key, command != "sft", "only ndtrain sft reads it") for key in sft_keys]
+    rules += [(f"sft.{k}", cfg.sft.generate == 0, "sft.generate = 0 generates nothing") for k in ("max_new_tokens", "score")]
+    rules.append(("data.jsonl_key", command == "sft", "SFT records are read whole (messages, or prompt and completion)"))
     return rules
 
 
-def idle_keys(cfg: Config, world: int | None = None) -> list[str]:
+def idle_keys(cfg: Config, world: int | None = None, command: str = "train") -> list[str]:
     """One line per key set explicitly (`cfg.explicit`), not to its default, that has no
-    effect on this validated configuration. `world`: the launcher's process count, if any."""
+    effect on this validated configuration of `command`. `world`: the launcher's process
+    count, if any."""
     lines, seen = [], set()
-    for key, idle, why in _rules(cfg, world):
+    for key, idle, why in _rules(cfg, world, command):
         if idle and key in cfg.explicit and key not in seen and not _is_default(cfg, key):
             seen.add(key)
             section, name = key.split(".")

@@ -16,6 +16,7 @@ def make_trainer(overrides: list[str], data_dir: str, run_dir: str | None):
     from ndtrain.config import load_config, validate
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.tasks import Pretrain
     from ndtrain.train.trainer import Trainer
     from ndtrain.train.worker import mesh_shape, resolve_vocab
 
@@ -26,7 +27,7 @@ def make_trainer(overrides: list[str], data_dir: str, run_dir: str | None):
     data = PreparedData.open(data_dir)
     resolve_vocab(cfg, data)
     mesh = ParallelMesh.build(mesh_shape(cfg))
-    return Trainer(cfg, mesh, data, Path(run_dir) if run_dir else None)
+    return Trainer(cfg, mesh, Pretrain(cfg, data), Path(run_dir) if run_dir else None)
 
 
 def full_state(trainer) -> dict | None:

@@ -58,23 +58,26 @@ def capture_first_grads(trainer) -> None:
 
 
 def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_dir: str | None = None,
-                  resume: bool = False, before_fit=None):
+                  resume: bool = False, before_fit=None, make_task=None):
     """Build a Trainer on the current world with TINY + overrides and train; returns
     (losses, the full model's weights on rank 0 or None, trainer). `before_fit(trainer)`
-    runs just before training (to install a probe or a fault)."""
+    runs just before training (to install a probe or a fault). `make_task(cfg)` gives the
+    task (default: pretraining on the prepared `data_dir`)."""
     import torch.distributed as dist
 
     from ndtrain.checkpoint import store
     from ndtrain.config import load_config, validate
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.tasks import Pretrain
     from ndtrain.train.trainer import Trainer
     from ndtrain.train.worker import mesh_shape
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = validate(load_config(None, TINY + overrides), world=world)
     mesh = ParallelMesh.build(mesh_shape(cfg))
-    trainer = Trainer(cfg, mesh, PreparedData.open(data_dir), Path(run_dir) if run_dir else None)
+    task = make_task(cfg) if make_task else Pretrain(cfg, PreparedData.open(data_dir))
+    trainer = Trainer(cfg, mesh, task, Path(run_dir) if run_dir else None)
     if resume:
         trainer.resume(store.latest(Path(run_dir)))
     if before_fit is not None:
@@ -87,10 +90,11 @@ def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_
     return losses, state, trainer
 
 
-def proof_in_rank(overrides: list[str], data_dir: str) -> dict:
+def proof_in_rank(overrides: list[str], data_dir: str, make_task=None) -> dict:
     """One fp64 layout proof run: losses, gradient norms, first-step gradients and final
-    weights (the last two whole, on rank 0)."""
-    losses, state, trainer = train_in_rank(FP64 + overrides, data_dir, before_fit=capture_first_grads)
+    weights (the last two whole, on rank 0). `make_task` as in train_in_rank."""
+    losses, state, trainer = train_in_rank(FP64 + overrides, data_dir, before_fit=capture_first_grads,
+                                           make_task=make_task)
     return {"losses": losses, "norms": [r["grad_norm"] for r in trainer.history],
             "grads": trainer.first_grads, "state": state}
 

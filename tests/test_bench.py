@@ -23,6 +23,7 @@ from ndtrain.testing import run_ranks
     (["zero", "parallel.zero=2"], "parallel.zero = 2: bench zero compares ZeRO-3 with FSDP2"),
     (["tp", "model.tie_embeddings=true"], "model.tie_embeddings = True: DTensor's plan cannot shard"),
     (["pp", "--nproc", "4"], "--nproc = 4: bench pp compares pipelines alone: use --nproc 2"),
+    (["sft", "data.packing=none"], "data.packing = 'none': bench sft cannot apply it"),
 ])
 def test_a_key_that_would_reach_one_side_only_is_refused(argv, fragment, capsys):
     assert main(["bench"] + argv + ["run.device=cpu"]) == 2

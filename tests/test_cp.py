@@ -11,10 +11,12 @@ packed documents (including documents that leave whole ring blocks masked).
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 
+from helpers import FP64
 from ndtrain.testing import run_ranks
 
 KERNEL_TOL = 1e-10
@@ -154,10 +156,10 @@ def _kernels_on_ranks(cp: int) -> list[dict]:
         errors = {"out": _relative(out, ref_out.flatten(2)[:, idx])}
         if impl != "ulysses":
             forward = ring_forward if impl == "ring" else allgather_forward
-            _, lse = forward(*[t.detach() for t in mine], group, vis)[:2]
+            plain_out, lse = forward(*[t.detach() for t in mine], group, vis)[:2]
             # lse [b, G, r, s] → [b, s, H]
             errors["lse"] = _relative(lse.permute(0, 3, 1, 2).reshape(b, -1, heads), ref_lse[:, idx])
-            assert torch.equal(from_heads(forward(*[t.detach() for t in mine], group, vis)[0]).to(q.dtype), out.detach())
+            assert torch.equal(from_heads(plain_out).to(q.dtype), out.detach())
         for name, mine_t, ref_t in zip(("dq", "dk", "dv"), mine, ref):
             errors[name] = _relative(mine_t.grad, ref_t.grad[:, idx])
         results.append({"case": (impl, causal, heads, kv, with_docs), **errors})
@@ -252,10 +254,10 @@ def packed_documents(trainer) -> None:
     from dataclasses import replace
 
     from ndtrain.model.loss import IGNORE
-    plain = trainer.rows
+    plain = trainer.task.rows
 
-    def rows(loader, step):
-        mb = plain(loader, step)
+    def rows(split, step, start, stop):
+        mb = plain(split, step, start, stop)
         b, s = mb.tokens.shape
         index = torch.arange(s).expand(b, s)
         start = torch.zeros(b, s, dtype=torch.bool)
@@ -267,22 +269,24 @@ def packed_documents(trainer) -> None:
         targets = mb.targets.masked_fill((positions < 3) | (index < 12), IGNORE)
         return replace(mb, targets=targets, positions=positions, doc_ids=doc_ids,
                        weights=1.0 + (mb.tokens % 3).double() / 2)
-    trainer.rows = rows
+    trainer.task.rows = rows
 
 
 def _pipeline(schedule: str, m: int, *extra: str) -> list[str]:
     return ["parallel.pp=2", f"parallel.pp_schedule={schedule}", f"train.micro_batch={8 // m}", *extra]
 
 
-# name → (overrides, reference). References are single-process runs of the same data:
-# "plain"; "packed" (packed_documents); "dropout" (model.dropout=0.1); "bf16".
+# name → (overrides, reference). References are single-process runs of the same data, in
+# fp64: "plain"; "packed" (packed_documents); "dropout" (model.dropout=0.1); and "fp32",
+# "bf16" in those dtypes.
 E2E: dict[int, list[tuple[str, list[str], str]]] = {
     2: [
         *((f"cp2-{impl}", ["parallel.cp=2", f"parallel.cp_impl={impl}"], "plain") for impl in IMPLS),
         *((f"cp2-{impl}-packed", ["parallel.cp=2", f"parallel.cp_impl={impl}"], "packed") for impl in IMPLS),
         ("cp2-zero3-over-cp", ["parallel.cp=2", "parallel.zero=3"], "plain"),
         ("cp2-recompute-selective", ["parallel.cp=2", "train.recompute=selective"], "plain"),  # reruns the ring
-        ("cp2-bf16", ["parallel.cp=2", "train.precision=bf16"], "bf16"),
+        ("cp2-bf16", ["parallel.cp=2"], "bf16"),
+        ("cp2-ring-fp32", ["parallel.cp=2"], "fp32"),
     ],
     4: [
         *((f"cp4-{impl}", ["parallel.cp=4", f"parallel.cp_impl={impl}"], "plain") for impl in IMPLS),
@@ -292,6 +296,7 @@ E2E: dict[int, list[tuple[str, list[str], str]]] = {
                                         "model.dropout=0.1"], "dropout"),
         ("cp2-tp2-allgather", ["parallel.cp=2", "parallel.tp=2", "parallel.sp=false", "parallel.cp_impl=allgather"],
          "plain"),
+        ("cp2-tp2-sp-fp32", ["parallel.cp=2", "parallel.tp=2"], "fp32"),
         ("cp2-dp2-zero3", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=3"], "plain"),
         ("cp2-hsdp2-zero2", ["parallel.cp=2", "parallel.dp=2", "parallel.dp_replicate=2", "parallel.zero=2"], "plain"),
         ("cp2-dp2-zero1-accumulation-packed", ["parallel.cp=2", "parallel.dp=2", "parallel.zero=1",
@@ -306,15 +311,24 @@ E2E: dict[int, list[tuple[str, list[str], str]]] = {
         ("pp2-cp2-tp2", _pipeline("1f1b", 4, "parallel.cp=2", "parallel.tp=2"), "plain"),
     ],
 }
-REFERENCES = {"plain": [], "packed": [], "dropout": ["model.dropout=0.1"], "bf16": ["train.precision=bf16"]}
+REFERENCES = {"plain": FP64, "packed": FP64, "dropout": FP64 + ["model.dropout=0.1"], "fp32": [],
+              "bf16": ["train.precision=bf16"]}
 STEPS = ["train.steps=3"]  # TINY's 5 steps cost the budget two more without testing anything new
 
 
 def _train(overrides: list[str], reference: str, data_dir: str):
-    from helpers import train_in_rank
-    hook = packed_documents if reference == "packed" else None
-    losses, state, trainer = train_in_rank(STEPS + REFERENCES[reference] + overrides, data_dir, before_fit=hook)
-    return {"losses": losses, "state": state, "targets": [r["targets"] for r in trainer.history],
+    """A run of `reference`'s dtype (and documents); fp64 runs are layout proofs
+    (tests/helpers.py): first-step gradients, norms, losses and final weights."""
+    from helpers import capture_first_grads, train_in_rank
+
+    def before_fit(trainer):
+        if reference == "packed":
+            packed_documents(trainer)
+        if REFERENCES[reference] and REFERENCES[reference][0] == FP64[0]:
+            capture_first_grads(trainer)
+    losses, state, trainer = train_in_rank(STEPS + REFERENCES[reference] + overrides, data_dir, before_fit=before_fit)
+    return {"losses": losses, "state": state, "norms": [r["grad_norm"] for r in trainer.history],
+            "grads": getattr(trainer, "first_grads", None), "targets": [r["targets"] for r in trainer.history],
             "activations": max(trainer.history[-1]["memory"]["activations"])}  # memory: on log steps (the last)
 
 
@@ -333,25 +347,33 @@ def references(tiny_data):
 
 @pytest.mark.parametrize("world", sorted(E2E))
 def test_training_equals_one_process(world, tiny_data, references):
-    """fp32 at 1e-5 relative (losses, final weights); bf16 against bf16 on one process at
-    the precision suite's bf16 tolerance, 2e-3 of the loss. The logged target counts equal
-    one process's, packed documents included."""
-    from helpers import assert_losses_close, assert_states_close
+    """fp64 layout proofs (tests/helpers.py: first-step gradients at 1e-10 of each tensor's
+    largest element, losses and final weights at 1e-9, gradient norms at 1e-12); two rows
+    again in fp32 at 1e-5 (losses, weights' norms); bf16
+    against bf16 on one process at the precision suite's bf16 tolerance, 2e-3 of the loss.
+    The logged target counts equal one process's, packed documents included."""
+    from helpers import assert_losses_close, assert_proof, assert_states_close
     results = run_ranks(_rows, world, tiny_data, E2E[world], timeout=600)
+    worst = {"grads": 0.0, "state": 0.0, "loss": 0.0, "norm": 0.0}
     for name, _, ref_name in E2E[world]:
         run, ref = results[0][name], references[ref_name]
         try:
             assert run["targets"] == ref["targets"]
             if ref_name == "bf16":
                 assert_losses_close(run["losses"], ref["losses"], 2e-3)
-                assert run["losses"] != references["plain"]["losses"]
-            else:
+                assert run["losses"] != references["fp32"]["losses"]
+            elif ref_name == "fp32":
                 assert_losses_close(run["losses"], ref["losses"], 1e-5)
                 assert_states_close(run["state"], ref["state"], 1e-5)
+            else:
+                for k, v in assert_proof(run, ref).items():
+                    worst[k] = max(worst[k], v)
         except AssertionError as e:
             raise AssertionError(f"{name}: {e}") from None
         for rank, other in enumerate(results[1:], 1):
             assert other[name]["losses"] == run["losses"], f"{name}: rank {rank} reports other losses"
+    print(f"world {world} fp64: gradients within {worst['grads']:.1e}, weights {worst['state']:.1e}, "
+          f"losses {worst['loss']:.1e}, norms {worst['norm']:.1e}")
     assert references["packed"]["targets"][0] < references["plain"]["targets"][0]
     # the memory report: activations per rank shrink with cp (same rows per rank here)
     for name in (f"cp{world}-{impl}" for impl in IMPLS):
@@ -365,7 +387,6 @@ def test_training_equals_one_process(world, tiny_data, references):
 
 COMM_CASES = [  # on 4 ranks: (overrides, the collectives expected on the cp group)
     *(([f"parallel.cp=4", f"parallel.cp_impl={impl}"], impl) for impl in IMPLS),
-    *((["parallel.cp=2", f"parallel.cp_impl={impl}"], impl) for impl in IMPLS),  # × dp 2
     *((["parallel.cp=2", "parallel.tp=2", f"parallel.cp_impl={impl}", "train.precision=bf16"], impl) for impl in IMPLS),
 ]
 KINDS = {"ring": {"send", "recv"}, "allgather": {"all_gather", "reduce_scatter"}, "ulysses": {"all_to_all"}}
@@ -388,7 +409,8 @@ def _comm_on_ranks(cases):
         args = cfg.model_args()
         par = build(args, mesh, cfg)
         rows = cfg.train.global_batch // mesh.dp_size
-        tokens = torch.randint(0, args.vocab_size, (rows, cfg.train.seq_len + 1), generator=torch.Generator().manual_seed(0))
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(0, args.vocab_size, (rows, cfg.train.seq_len + 1), generator=g)
         mb = context.shard(MicroBatch(tokens[:, :-1], tokens[:, 1:]), mesh.shape.cp, mesh.coord("cp"))
         mesh.stats.reset()
         par.forward_backward([mb], float(rows * cfg.train.seq_len))
@@ -405,7 +427,7 @@ def _comm_on_ranks(cases):
 def test_bytes_per_layer_match_the_formulas():
     """What each back end sends over the cp group in one forward and backward (no document
     ids: they add one all-gather of b·S ids per micro-batch) equals n_layers × `wire_bytes`:
-    cp 4, cp 2 × dp 2, and cp 2 × tp 2 in bf16 (K/V in bf16, gradient accumulators in fp32;
+    cp 4, and cp 2 × tp 2 in bf16 (K/V in bf16, gradient accumulators in fp32;
     heads per tp rank: 2 query, 1 KV head, repeated for Ulysses)."""
     results = run_ranks(_comm_on_ranks, 4, COMM_CASES)
     for rank, per_case in enumerate(results):
@@ -416,7 +438,7 @@ def test_bytes_per_layer_match_the_formulas():
 
 # --------------------------------------------------------------------------- the trace
 
-def _ring_trace(data_dir, out):
+def _ring_trace(data_dir, out, overrides):
     import torch.distributed as dist
 
     from helpers import TINY
@@ -425,22 +447,82 @@ def _ring_trace(data_dir, out):
     from ndtrain.mesh import ParallelMesh
     from ndtrain.train.trace import trace_run
     from ndtrain.train.worker import mesh_shape
-    cfg = validate(load_config(None, TINY + ["parallel.cp=2", "train.steps=2"]), world=dist.get_world_size())
+    cfg = validate(load_config(None, TINY + ["train.steps=2", "train.micro_batch=4", *overrides]),
+                   world=dist.get_world_size())
     return trace_run(cfg, ParallelMesh.build(mesh_shape(cfg)), PreparedData.open(data_dir), out)
 
 
-def test_trace_shows_every_ring_step_and_message(tiny_data, tmp_path):
+@pytest.mark.parametrize("world, overrides, layers", [(2, ["parallel.cp=2"], 4),
+                                                       (4, ["parallel.cp=2", "parallel.pp=2"], 2)],
+                         ids=["cp2", "pp2-cp2"])
+def test_trace_shows_every_ring_step_and_message(world, overrides, layers, tiny_data, tmp_path):
+    """Two micro-batches; with a pipeline, its schedule is drawn too and a rank holds half
+    the layers."""
     import json
-    report = run_ranks(_ring_trace, 2, tiny_data, tmp_path)[0]
-    layers, cp = report["layers"], 2
-    # per rank: forward cp−1 K/V exchanges per layer; backward as many plus cp dK/dV hops
-    assert report["messages"] == layers * (2 * (cp - 1) + cp)
-    assert 0.0 <= report["hidden"] <= 1.0 and report["in_flight"] >= report["waited"] >= 0
-    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
-    for rank in (0, 1):
+    report = run_ranks(_ring_trace, world, tiny_data, tmp_path, overrides)[0]
+    ring, cp, m = report["ring"], 2, 2
+    assert ring["layers"] == layers
+    # per rank and micro-batch: forward cp−1 K/V exchanges per layer; backward as many plus cp dK/dV hops
+    assert ring["messages"] == m * layers * (2 * (cp - 1) + cp)
+    assert 0.0 <= ring["hidden"] <= 1.0 and ring["in_flight"] >= ring["waited"] >= 0
+    events = json.loads((tmp_path / "ring-trace.json").read_text())["traceEvents"]
+    for rank in range(world):
         mine = [e for e in events if e.get("tid") == rank and e.get("ph") == "X"]
+        held = sorted({e["args"]["chunk"] for e in mine})
+        assert len(held) == layers
         steps = sorted((e["cat"], e["args"]["chunk"], e["args"]["micro"]) for e in mine if e["cat"].startswith("attn"))
-        assert steps == sorted((kind, layer, step) for kind in ("attn B", "attn F") for layer in range(layers)
-                               for step in range(cp))
-        assert sum(e["cat"] == "dkv" for e in mine) == layers * cp
-    assert (tmp_path / "timeline.png").stat().st_size > 10_000
+        assert steps == sorted((kind, layer, step) for kind in ("attn B", "attn F") for layer in held
+                               for step in range(cp) for _ in range(m))
+        assert sum(e["cat"] == "dkv" for e in mine) == m * layers * cp
+    assert (tmp_path / "ring.png").stat().st_size > 10_000
+    assert ("measured_bubble" in report) == ("parallel.pp=2" in overrides)
+
+
+# --------------------------------------------------------------------------- resume
+
+def _straight_vs_resumed(data_dir, root):
+    import torch.distributed as dist
+
+    from helpers import train_in_rank
+    steps = ["train.steps=4", "parallel.cp=2", "parallel.zero=3", "model.dropout=0.1"]
+    straight, s_state, _ = train_in_rank(steps, data_dir, run_dir=f"{root}/straight")
+    first, _, _ = train_in_rank(steps, data_dir, stop_after=2, run_dir=f"{root}/resumed")
+    dist.barrier()
+    second, r_state, _ = train_in_rank(steps, data_dir, run_dir=f"{root}/resumed", resume=True)
+    return straight, first + second, s_state, r_state
+
+
+def test_resume_under_cp_is_bit_exact(tiny_data, tmp_path):
+    """ZeRO-3 sharded over the cp ranks, dropout drawn for the whole sequence: 4 steps
+    straight equal 2, a resume and 2 more, bit for bit."""
+    straight, resumed, s_state, r_state = run_ranks(_straight_vs_resumed, 2, tiny_data, str(tmp_path))[0]
+    assert straight == resumed
+    assert all(torch.equal(s_state[k], r_state[k]) for k in s_state)
+
+
+# --------------------------------------------------------------------------- bench cp
+
+def test_bench_cp_refuses_what_it_cannot_apply(capsys):
+    from ndtrain.cli import main
+    assert main(["bench", "cp", "parallel.cp_impl=ulysses", "run.device=cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.cp_impl = 'ulysses': bench cp cannot apply it to both contenders" in err and err.count("\n") == 1
+
+
+def _bench_cp(cfg_dict):
+    from ndtrain.bench import cp
+    return cp.render(cp._worker(cfg_dict, 1, 1))
+
+
+def test_bench_cp_runs_every_contender():
+    from types import SimpleNamespace
+
+    from ndtrain.bench import cp
+    from ndtrain.bench.common import bench_config
+    args = SimpleNamespace(config=None, nproc=2, overrides=["model.preset=tiny", "train.seq_len=64", "run.device=cpu",
+                                                            "run.threads=1", "train.micro_batch=1"])
+    out = run_ranks(_bench_cp, 2, bench_config(args, cp.bench(2)).to_dict())[0]
+    for seq_len in (32, 64):
+        assert f"seq_len {seq_len} " in out
+    assert all(out.count(f"  {name} ") == 2 for name in ("ring", "allgather", "ulysses", "1 process"))
+    assert re.search(r"\nndtrain cp ring/allgather throughput ratio: \d+\.\d\d$", out), out

@@ -68,8 +68,8 @@ def test_recompute_lowers_the_activation_peak_and_leaks_nothing():
 
 def test_cpu_peak_counts_storage_bytes_exactly():
     keep = torch.zeros(10)  # allocated before: not counted
-    extra = [0]
-    meter = CpuPeak(extra=lambda: extra[0])
+    grown = torch.empty(0)  # made before, grown while the meter runs: counted
+    meter = CpuPeak()
     with meter:
         a = torch.empty(1000)  # 4000 bytes
         view = a[10:20].view(2, 5)  # no new memory
@@ -77,9 +77,11 @@ def test_cpu_peak_counts_storage_bytes_exactly():
         b = torch.ones(500, dtype=torch.float64)  # + 4000
         del a, view
         c = keep + 1  # + 40
-        extra[0] = 100  # a buffer grown outside any operation (ZeRO-3's storage.resize_)
-        d = c * 2  # + 40, with the extra 100
-    assert meter.peak == 8000
+        grown.untyped_storage().resize_(8000)  # + 8000, outside any operation (ZeRO-3's regather)
+        d = c * 2  # + 40
+        m = torch.empty(10**6, device="meta")  # meta tensors take no memory
+        grown.untyped_storage().resize_(0)  # freed again: - 8000
+    assert meter.peak == 4000 + 40 + 8000 + 40
     assert meter.live == 4000 + 40 + 40
-    del b, c, d
+    del b, c, d, m
     assert meter.live == 0

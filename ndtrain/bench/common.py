@@ -49,19 +49,22 @@ def alternate(contenders: dict[str, Callable[[], None]], rounds: int, steps: int
     return times
 
 
-def report(times: dict[str, list[float]], work_per_step: float, unit: str, ratio_label: str,
+def report(times: dict[str, list[float]], work_per_step: float | dict[str, float], unit: str, ratio_label: str,
            numerator: str, denominator: str) -> str:
     """A table of rounds, the medians, and the ratio line (always last): the throughput of
-    `numerator` over that of `denominator` (above 1.00: numerator is faster)."""
+    `numerator` over that of `denominator` (above 1.00: numerator is faster). `work_per_step`:
+    one figure for both, or one per contender."""
     names = list(times)
+    work = work_per_step if isinstance(work_per_step, dict) else dict.fromkeys(names, work_per_step)
     width = {n: max(18, len(n)) for n in names}
-    cell = lambda n, seconds: f"{f'{work_per_step / seconds:,.0f} {unit}':>{width[n]}}"  # noqa: E731
+    cell = lambda n, seconds: f"{f'{work[n] / seconds:,.0f} {unit}':>{width[n]}}"  # noqa: E731
     lines = ["round  " + "  ".join(f"{n:>{width[n]}}" for n in names)]
     for i in range(len(times[names[0]])):
         lines.append(f"{i + 1:>5}  " + "  ".join(cell(n, times[n][i]) for n in names))
     med = {n: statistics.median(v) for n, v in times.items()}
     lines.append("median " + "  ".join(cell(n, med[n]) for n in names))
-    lines.append(f"{ratio_label} throughput ratio: {med[denominator] / med[numerator]:.2f}")
+    rate = {n: work[n] / med[n] for n in names}
+    lines.append(f"{ratio_label} throughput ratio: {rate[numerator] / rate[denominator]:.2f}")
     return "\n".join(lines)
 
 

@@ -16,8 +16,12 @@ tokenizer unless `data.tokenizer` is set; each rank then reads only its slices.
 from __future__ import annotations
 
 import json
+import math
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
+
+import torch
 
 from ndtrain.checkpoint import store
 from ndtrain.checkpoint.files import Reader, header_of
@@ -118,6 +122,34 @@ def weight_files(folder: Path) -> list[Path]:
     if missing:
         raise CheckpointError(f"Hugging Face model {folder}: {missing[0]} is missing")
     return files
+
+
+VOCAB_KEYS = ("weight/tok_embeddings.weight", "weight/output.weight")
+
+
+def grow_vocab(source: Source, vocab_size: int) -> None:
+    """Let `source` fill a model whose vocabulary has `vocab_size` rows where the source's
+    embedding (and head) have fewer: tokens added since, such as a chat template's special
+    tokens. The source's rows are read as they are; every added row is the mean of the
+    source's rows, so an added token starts as an average one (what Hugging Face's
+    `resize_token_embeddings` does by default)."""
+    for key in VOCAB_KEYS:
+        if key not in source.index or source.index[key][0][0] >= vocab_size:
+            continue
+        shape, parts = source.index[key]
+        grown = (vocab_size, *shape[1:])
+        mean: list[torch.Tensor] = []
+
+        def added_rows(lo: int, hi: int, shape=shape, parts=parts, mean=mean) -> torch.Tensor:
+            if not mean:  # read once, by the ranks that hold an added row
+                whole = torch.empty(math.prod(shape), dtype=torch.float32)
+                for piece, read in parts:
+                    copy_overlap(Piece.whole(shape), whole, piece, read)
+                mean.append(whole.view(shape).mean(0).repeat(vocab_size - shape[0]))
+            return mean[0][lo:hi]
+
+        extra = Piece(grown, (shape[0],) + (0,) * (len(shape) - 1), (vocab_size - shape[0], *shape[1:]))
+        source.index[key] = (grown, [(replace(p, shape=grown), read) for p, read in parts] + [(extra, added_rows)])
 
 
 # --------------------------------------------------------------------------- model.init_from

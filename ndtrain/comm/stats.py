@@ -28,7 +28,7 @@ class Tally:
     wire: float = 0.0
 
 
-_RING_FACTOR = {
+RING_FACTOR = {
     "all_reduce": lambda n: 2 * (n - 1) / n,
     "all_gather": lambda n: (n - 1) / n,
     "reduce_scatter": lambda n: (n - 1) / n,
@@ -51,7 +51,7 @@ class CommStats:
         t = self.tallies[(dim, kind)]
         t.calls += 1
         t.payload += nbytes
-        t.wire += nbytes * _RING_FACTOR[kind](group_size) if wire is None else wire
+        t.wire += nbytes * RING_FACTOR[kind](group_size) if wire is None else wire
 
     def reset(self) -> None:
         self.tallies.clear()

@@ -59,6 +59,36 @@ class TokenStream:
         return np.concatenate(pieces) if pieces else np.empty(0, dtype=np.uint32)
 
 
+class EpochOrder:
+    """Which of `n` items global sample `k` reads: epoch k // n visits every item once, in an
+    order drawn from ``np.random.default_rng([seed, epoch])`` (or in order, unshuffled)."""
+
+    def __init__(self, n: int, seed: int, shuffle: bool = True):
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            self._perms[epoch] = perm
+            if len(self._perms) > PERMUTATIONS_CACHED:
+                self._perms.popitem(last=False)
+        return perm
+
+    def __getitem__(self, sample: int) -> int:
+        epoch, index = divmod(sample, self.n)
+        return int(self._permutation(epoch)[index]) if self.shuffle else index
+
+
+def check_rows(step: int, start: int, stop: int, global_batch: int) -> None:
+    if step < 0 or not 0 <= start <= stop <= global_batch:
+        raise DataError(
+            f"rows [{start}, {stop}) of step {step}: need step >= 0 and "
+            f"0 <= start <= stop <= global_batch ({global_batch})"
+        )
+
+
 class BatchLoader:
     """Cuts a stream into windows of ``seq_len + 1`` tokens and serves global batches by step."""
 
@@ -78,33 +108,19 @@ class BatchLoader:
                 f"token stream of {len(stream)} tokens is too short for seq_len {seq_len}: "
                 f"one window needs {seq_len + 1} tokens"
             )
-        self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.order = EpochOrder(self.windows, seed, shuffle)
 
     def epoch_of(self, step: int) -> int:
         """The epoch of the first row of ``step``'s global batch."""
         return step * self.global_batch // self.windows
 
-    def _permutation(self, epoch: int) -> np.ndarray:
-        perm = self._perms.get(epoch)
-        if perm is None:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.windows)
-            self._perms[epoch] = perm
-            if len(self._perms) > PERMUTATIONS_CACHED:
-                self._perms.popitem(last=False)
-        return perm
-
     def window_of(self, sample: int) -> int:
         """The window that global sample ``sample`` (counted from step 0, row 0) reads."""
-        epoch, index = divmod(sample, self.windows)
-        return int(self._permutation(epoch)[index]) if self.shuffle else index
+        return self.order[sample]
 
     def rows(self, step: int, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Inputs and targets, int64 ``[stop - start, seq_len]``, for rows ``start..stop-1`` of ``step``."""
-        if step < 0 or not 0 <= start <= stop <= self.global_batch:
-            raise DataError(
-                f"rows [{start}, {stop}) of step {step}: need step >= 0 and "
-                f"0 <= start <= stop <= global_batch ({self.global_batch})"
-            )
+        check_rows(step, start, stop, self.global_batch)
         first = step * self.global_batch
         batch = np.empty((stop - start, self.seq_len + 1), dtype=np.int64)
         for row, sample in enumerate(range(first + start, first + stop)):
@@ -113,3 +129,27 @@ class BatchLoader:
         inputs = torch.from_numpy(np.ascontiguousarray(batch[:, :-1]))
         targets = torch.from_numpy(np.ascontiguousarray(batch[:, 1:]))
         return inputs, targets
+
+
+class RowLoader:
+    """Global batches of prepared rows (data/packing.Rows), by step: the same pure function
+    of (seed, step) as BatchLoader. `wrap=False` serves the rows once, in order, and empty
+    rows after the last (an evaluation pass over every row, counted once)."""
+
+    def __init__(self, rows, global_batch: int, seed: int, shuffle: bool = True, wrap: bool = True):
+        if len(rows) == 0:
+            raise DataError("no rows to serve")
+        self.rows, self.global_batch, self.wrap = rows, global_batch, wrap
+        self.order = EpochOrder(len(rows), seed, shuffle)
+
+    @property
+    def batches_per_pass(self) -> int:
+        return -(-len(self.rows) // self.global_batch)
+
+    def batch(self, step: int, start: int, stop: int):
+        """Rows ``start..stop-1`` of ``step``'s global batch, as a MicroBatch."""
+        check_rows(step, start, stop, self.global_batch)
+        first = step * self.global_batch
+        samples = range(first + start, first + stop)
+        index = [self.order[k] if self.wrap else (k if k < len(self.rows) else -1) for k in samples]
+        return self.rows.batch(torch.tensor(index, dtype=torch.long))

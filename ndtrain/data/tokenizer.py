@@ -51,6 +51,19 @@ class TextTokenizer:
     def save(self, path: str | Path) -> None:
         self._tok.save(str(path))
 
+    def token_id(self, text: str) -> int:
+        found = self._tok.token_to_id(text)
+        if found is None:
+            raise DataError(f"tokenizer has no token {text!r}")
+        return found
+
+    def with_special_tokens(self, names: list[str]) -> TextTokenizer:
+        """A copy that also knows `names` as special tokens (new ids after the vocabulary,
+        unless it already has them). Text that spells one out still encodes as plain text."""
+        tok = Tokenizer.from_str(self._tok.to_str())
+        tok.add_special_tokens([n for n in names if tok.token_to_id(n) is None])
+        return TextTokenizer(tok, self.eot_id)
+
     @classmethod
     def from_file(cls, path: str | Path) -> TextTokenizer:
         """Load a ``tokenizer.json``; its end-of-text token must be one we recognise."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
 import torch
 from torch import Tensor
 
@@ -25,14 +27,15 @@ def next_token(logits: Tensor, temperature: float, top_k: int, generator: torch.
 @torch.no_grad()
 def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
            temperature: float = 0.8, top_k: int = 50, seed: int = 0,
-           eot_id: int | None = None) -> list[int]:
+           eot_id: int | None = None, stop_ids: Collection[int] = ()) -> list[int]:
     """Continue `prompt_ids` by up to `max_new_tokens` tokens and return only the new ones,
-    stopping after `eot_id` (which is included). The prompt is cut from the left so that
+    stopping after `eot_id` or any of `stop_ids` (which is included). The prompt is cut from the left so that
     prompt and continuation fit in the model's `max_seq_len`."""
     if not prompt_ids:
         raise ValueError("sample: prompt_ids is empty")
     if max_new_tokens <= 0:
         return []
+    stops = set(stop_ids) | ({eot_id} if eot_id is not None else set())
     max_len = model.args.max_seq_len
     max_new_tokens = min(max_new_tokens, max_len)
     # The last new token is never fed back, so the cache holds prompt + max_new - 1 positions.
@@ -50,7 +53,7 @@ def sample(model: Transformer, prompt_ids: list[int], max_new_tokens: int,
             logits = model(tokens, cache=cache)[0, -1]
             token = next_token(logits, temperature, top_k, generator)
             new.append(token)
-            if token == eot_id or len(new) == max_new_tokens:
+            if token in stops or len(new) == max_new_tokens:
                 return new
             tokens = torch.tensor([[token]], dtype=torch.long, device=device)
     finally:

@@ -22,8 +22,10 @@ def _smooth(values: list[float], weight: float = 0.9) -> list[float]:
     return out
 
 
-def plot_loss(metrics_path: Path, out: Path, baseline: float | None = None, title: str = "") -> Path:
-    """Training and validation loss against step, with the unigram baseline if given."""
+def plot_loss(metrics_path: Path, out: Path, baseline: float | None = None, title: str = "",
+              baseline_label: str = "unigram baseline") -> Path:
+    """Training and validation loss against step, with a baseline (the unigram loss, a base
+    model's) if given."""
     records = read_metrics(metrics_path)
     steps = [r["step"] + 1 for r in records if r.get("loss") is not None]
     loss = [r["loss"] for r in records if r.get("loss") is not None]
@@ -34,7 +36,7 @@ def plot_loss(metrics_path: Path, out: Path, baseline: float | None = None, titl
     if val:
         ax.plot(*zip(*val), "o-", ms=4, label="validation loss")
     if baseline is not None:
-        ax.axhline(baseline, color="grey", ls="--", lw=1, label=f"unigram baseline ({baseline:.2f})")
+        ax.axhline(baseline, color="grey", ls="--", lw=1, label=f"{baseline_label} ({baseline:.2f})")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title or "ndtrain loss")

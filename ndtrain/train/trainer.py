@@ -18,9 +18,6 @@ from ndtrain.checkpoint.resume import check_resume_config
 from ndtrain.checkpoint.store import CheckpointError
 from ndtrain.comm.ops import all_reduce_scalars
 from ndtrain.config import Config, ConfigError
-from ndtrain.data.batch import MicroBatch
-from ndtrain.data.loader import BatchLoader
-from ndtrain.data.prepare import PreparedData
 from ndtrain.mesh import DIMS, ParallelMesh
 from ndtrain.model.args import flops_per_token
 from ndtrain.observe.memory import per_rank
@@ -28,12 +25,12 @@ from ndtrain.observe.metrics import MetricsLog
 from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss, plot_moe_load
 from ndtrain.observe.progress import TrainProgress
-from ndtrain.model.loss import count_targets
 from ndtrain.parallel import context
 from ndtrain.parallel.parallelize import Parallelized, build
 from ndtrain.parallel.precision import LossScaleExhausted
 from ndtrain.train.optim import lr_at
 from ndtrain.train.step import TrainStep
+from ndtrain.train.tasks import StepData, Task
 
 
 class TrainingError(RuntimeError):
@@ -41,18 +38,16 @@ class TrainingError(RuntimeError):
 
 
 class Trainer:
-    def __init__(self, cfg: Config, mesh: ParallelMesh, data: PreparedData, run_dir: Path | None,
+    def __init__(self, cfg: Config, mesh: ParallelMesh, task: Task, run_dir: Path | None,
                  *, local_world: int = 1):
-        self.cfg, self.mesh, self.data = cfg, mesh, data
+        self.cfg, self.mesh, self.task = cfg, mesh, task
         self.run_dir = Path(run_dir) if run_dir is not None else None
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
-        self.args = cfg.model_args(vocab_size=data.vocab_size)
+        self.args = cfg.model_args(vocab_size=task.vocab_size)
         self.par: Parallelized = build(self.args, mesh, cfg)
         self.stepper = TrainStep(self.par, cfg)
-        self.train_loader = BatchLoader(data.stream("train"), t.seq_len, t.global_batch, t.seed)
-        self.val_loader = BatchLoader(data.stream("val"), t.seq_len, t.global_batch, t.seed, shuffle=False)
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
         self.peak, self.peak_source = peak_flops(mesh.device, t.precision, cfg.data.cache_dir)
         # A CPU peak is a whole machine's; a GPU peak is one device's.
@@ -79,24 +74,21 @@ class Trainer:
         torch.manual_seed(zlib.crc32(place.encode()))
 
     # -- data -----------------------------------------------------------------------
-    def rows(self, loader: BatchLoader, step: int) -> MicroBatch:
-        """This data-parallel rank's rows of the global batch of `step`, whole sequences."""
-        per_rank = self.cfg.train.global_batch // self.mesh.dp_size
+    def local_batch(self, split: str, step: int) -> StepData:
+        """This rank's share of the global batch of `step` (of validation batch `step`): its
+        data-parallel rows, from the task, and under context parallelism this CP rank's
+        tokens of each row (the zigzag layout, parallel/context/layout.py: targets were
+        shifted before, so none is lost); cut into micro-batches, with the loss targets the
+        task counts in them (the CP ranks' counts add up to the whole rows' and may differ
+        between ranks: masked targets fall anywhere)."""
+        t = self.cfg.train
+        per_rank = t.global_batch // self.mesh.dp_size
         start = self.mesh.dp_rank * per_rank
-        inputs, targets = loader.rows(step, start, start + per_rank)
-        return MicroBatch(inputs, targets).to(self.mesh.device)
-
-    def local_batch(self, loader: BatchLoader, step: int):
-        """This rank's share of the global batch of `step`, cut into micro-batches, and the
-        number of targets in it. Under context parallelism each row is reduced to this CP
-        rank's tokens (the zigzag layout, parallel/context/layout.py): targets were shifted
-        before, so none is lost, and the counts of the CP ranks add up to the count of the
-        whole rows (they may differ between ranks: masked targets fall anywhere)."""
-        rows = self.rows(loader, step)
+        rows = self.task.rows(split, step, start, start + per_rank).to(self.mesh.device)
         cp = self.mesh.group("cp")
         if cp.active:
             rows = context.shard(rows, cp.size, cp.rank)
-        return rows.split(self.cfg.train.micro_batch), count_targets(rows.targets)
+        return StepData(rows.split(t.micro_batch), self.task.targets(rows))
 
     # -- one step -------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
@@ -104,13 +96,14 @@ class Trainer:
         t0 = time.perf_counter()
         self.mesh.stats.reset()
         self.seed_dropout(step)
-        micro, local_targets = self.local_batch(self.train_loader, step)
-        n_targets = all_reduce_scalars([local_targets], self.mesh.group("dp_cp"))[0]
+        self.task.before_update(step, self)
+        batch = self.local_batch("train", step)
+        n_targets = all_reduce_scalars([batch.n_targets], self.mesh.group("dp_cp"))[0]
         # The activation peak: every step from the allocator on a GPU; on the CPU, where
         # watching every operation slows the step, on the first two steps of a run (the
         # first has no optimizer state yet; later steps repeat the second).
         measure = self.mesh.device.type == "cuda" or self._measured_steps < 2
-        local_loss = self.stepper.forward_backward(micro, n_targets, measure_memory=measure)
+        local_loss = self.stepper.forward_backward(batch.micro_batches, n_targets, measure_memory=measure)
         self._measured_steps += 1
         grad_norm = self.stepper.clip_grad_norm(t.grad_clip)
         lr = lr_at(step, t)
@@ -126,7 +119,7 @@ class Trainer:
         comm = self.mesh.stats.as_metrics()
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": int(n_targets),
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
-                  "tokens": (step + 1) * t.global_batch * t.seq_len,
+                  "tokens": (step + 1) * t.global_batch * t.seq_len, "targets_per_s": n_targets / dt,
                   "comm_bytes": sum(comm.values()), "comm": comm}
         if step % t.log_every == 0 or step == t.steps - 1:  # a collective: kept off the other steps
             record["memory"] = self.memory_per_rank()
@@ -145,13 +138,14 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean token loss over `eval_batches` fixed validation batches."""
+        """Mean loss per target over the task's fixed validation batches (`train.eval_batches`,
+        or fewer if the task has fewer)."""
         self.par.model.eval()
         total, count = 0.0, 0
-        for k in range(self.cfg.train.eval_batches):
-            micro, n = self.local_batch(self.val_loader, k)
-            total += float(self.par.evaluate(micro))
-            count += n
+        for k in range(self.task.eval_batches(self.cfg.train.eval_batches)):
+            batch = self.local_batch("val", k)
+            total += float(self.par.evaluate(batch.micro_batches))
+            count += batch.n_targets
         self.par.model.train()
         total, count = all_reduce_scalars([total, count], self.mesh.group("dp_cp"))
         return total / max(count, 1)
@@ -207,14 +201,15 @@ class Trainer:
 
     def finish(self) -> dict:
         """Rank 0: loss plot and summary.json."""
-        data = self.data
+        task = self.task
         val = next((r["val_loss"] for r in reversed(self.history) if "val_loss" in r), None)
         steady = self.history[len(self.history) // 5:] or self.history  # skip warm-up steps
         summary = {
             "steps": self.step,
             "final_loss": self.history[-1]["loss"] if self.history else None,
             "val_loss": val,
-            "unigram_val_loss": data.unigram_val_loss,
+            "baseline_val_loss": task.baseline,
+            "baseline": task.baseline_label,
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
             "mfu": (statistics.median(r["mfu"] for r in steady) if steady and steady[0]["mfu"] is not None else None),
             "mfu_peak_source": self.peak_source,
@@ -224,7 +219,7 @@ class Trainer:
         }
         if self.cfg.run.plot:
             png = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
-                            baseline=data.unigram_val_loss, title=f"{self.cfg.model.preset} · {self.mesh.describe()}")
+                            baseline=task.baseline, baseline_label=task.baseline_label, title=f"{self.cfg.model.preset} · {self.mesh.describe()}")
             summary["plot"] = str(png)
             if self.args.is_moe:
                 summary["moe_plot"] = str(plot_moe_load(self.run_dir / "metrics.jsonl", self.run_dir / "moe_load.png"))
@@ -246,6 +241,7 @@ class Trainer:
                 raise TrainingError(f"run.dir {self.run_dir} holds no usable checkpoint to resume")
         if self.cfg.model.init_from:
             source = sources.open_init_source(self.cfg.model.init_from, self._refused)
+            sources.grow_vocab(source, self.args.vocab_size)  # tokens added since (a chat template's)
             layout.load(source, self.par, self.args.tie_embeddings)
         return None
 

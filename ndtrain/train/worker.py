@@ -64,6 +64,7 @@ def from_rank_0(value: str) -> str:
 def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None, before_fit=None) -> dict:
     """Entry point of one rank. Returns the run summary on rank 0 ({} elsewhere).
     `before_fit(trainer)` runs after the start (tests install faults with it)."""
+    from ndtrain.train.tasks import Pretrain
     from ndtrain.train.trainer import Trainer
 
     cfg = config_mod.from_dict(cfg_dict)
@@ -74,7 +75,7 @@ def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None, before_fit=
         data = PreparedData.open(data_path)
         resolve_vocab(cfg, data)
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        trainer = Trainer(cfg, mesh, data, Path(run_dir), local_world=env.local_world)
+        trainer = Trainer(cfg, mesh, Pretrain(cfg, data), Path(run_dir), local_world=env.local_world)
         trainer.start()
         if env.rank == 0:
             write_run_files(cfg, data, Path(run_dir))

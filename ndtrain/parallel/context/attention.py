@@ -130,6 +130,9 @@ def apply(model: nn.Module, group: Group, impl: str, sp_group: Group | None = No
         dropout = getattr(block, "dropout", None)
         if dropout is not None and dropout.p > 0:
             block.dropout = SequenceDropout(dropout.p, group, sp_group)
+    if not swapped:
+        raise ConfigError("parallel.cp", group.size, f"{type(model).__name__} holds no decoder layers "
+                          "(`layers`) whose attention context parallelism could split")
     return swapped
 
 

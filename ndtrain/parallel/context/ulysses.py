@@ -53,26 +53,20 @@ def heads_to_sequence(x: Tensor, group: Group) -> Tensor:
     return got.permute(1, 2, 0, 3, 4).reshape(b, total // cp, cp * n_local, d)
 
 
-class _SequenceToHeads(torch.autograd.Function):
+class _Resplit(torch.autograd.Function):
+    """`sequence_to_heads` (or, with to_heads=False, `heads_to_sequence`) forward, its
+    inverse backward."""
+
     @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group
-        return sequence_to_heads(x, group)
+    def forward(ctx, x: Tensor, group: Group, to_heads: bool) -> Tensor:
+        ctx.group, ctx.to_heads = group, to_heads
+        return sequence_to_heads(x, group) if to_heads else heads_to_sequence(x, group)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return heads_to_sequence(grad.contiguous(), ctx.group), None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: Tensor, group: Group) -> Tensor:
-        ctx.group = group
-        return heads_to_sequence(x, group)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        return sequence_to_heads(grad.contiguous(), ctx.group), None
+        grad = grad.contiguous()
+        back = heads_to_sequence(grad, ctx.group) if ctx.to_heads else sequence_to_heads(grad, ctx.group)
+        return back, None, None
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibility, recorder=None,
@@ -82,7 +76,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibi
     if n_kv % cp:  # fewer KV heads than ranks: each rank gets a copy of the one it reads
         k, v = k.repeat_interleave(cp // n_kv, dim=2), v.repeat_interleave(cp // n_kv, dim=2)
     start = recorder.now() if recorder else 0.0
-    q, k, v = (_SequenceToHeads.apply(t, group) for t in (q, k, v))
+    q, k, v = (_Resplit.apply(t, group, True) for t in (q, k, v))
     if recorder:
         recorder.message("qkv", layer, 0, start, start)
     start = recorder.now() if recorder else 0.0
@@ -102,7 +96,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibi
     if recorder:
         recorder.compute("attn F", layer, 0, start)
     start = recorder.now() if recorder else 0.0
-    out = _HeadsToSequence.apply(out.contiguous(), group)
+    out = _Resplit.apply(out.contiguous(), group, False)
     if recorder:
         recorder.message("out", layer, 0, start, start)
     return out.flatten(2)

@@ -1,0 +1,170 @@
+"""Clusters the planner knows: GPU presets from datasheets, this machine from its own
+calibration, or a TOML file.
+
+A cluster is per device: dense peak FLOP/s by precision, memory, and two links, the one
+inside a node (NVLink) and the one between nodes (InfiniBand/RoCE), each as a bus
+bandwidth (bytes/s one way per GPU, the figure nccl-tests reports as busbw) and a latency.
+A collective of S bytes over n ranks then takes α + S·factor(n)/β (plan/calibration.py),
+on the slower link if its ranks span nodes. The datasheet bandwidths are ceilings: NCCL
+reaches about 80% of them on large messages.
+
+`efficiency` is the assumed fraction of the peak that the compute kernels reach (the
+"assumed MFU" of the compute alone; communication and the pipeline bubble come on top).
+`headroom` (10%) is the memory a layout must leave free to count as fitting: the CUDA
+context, NCCL's buffers and the allocator's fragmentation, which the plan does not count.
+
+"this machine" is the CPU in front of you: `ndtrain bench matmul` gives its peak (all
+cores), `ndtrain bench comm` the latency and bus bandwidth of each collective over gloo;
+its processes share the cores and the RAM, so a process gets its share of both.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from ndtrain.config import ConfigError
+from ndtrain.plan.calibration import LinkFit, load, nearest
+
+GB, TB = 1e9, 1e12
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Cluster:
+    name: str
+    peak: dict  # precision → dense FLOP/s of one device
+    memory: float  # bytes of one device
+    gpus_per_node: int
+    intra: LinkFit  # NVLink: latency (s), bus bandwidth (bytes/s)
+    inter: LinkFit  # between nodes
+    efficiency: float = 0.6  # assumed fraction of the peak the compute kernels reach
+    headroom: float = 0.1  # memory kept free for what the plan does not count (CUDA context, fragmentation)
+    shared_node: bool = False  # a CPU: the node's processes share its peak and its memory
+    fits: dict = field(default_factory=dict)  # measured {collective: {group size: LinkFit}} (this machine)
+    source: str = "datasheet"
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory * (1 - self.headroom)
+
+    def peak_flops(self, precision: str) -> float:
+        return self.peak.get(precision) or self.peak["fp32"]
+
+    def per_device(self, local: int) -> "Cluster":
+        """A shared node split among `local` processes (a CPU); a GPU cluster as it is."""
+        if not self.shared_node or local <= 1:
+            return self
+        return replace(self, peak={k: v / local for k, v in self.peak.items()}, memory=self.memory / local)
+
+    def link(self, kind: str, n: int, spans_nodes: bool) -> LinkFit:
+        """The latency and bus bandwidth a collective of `kind` over n ranks gets."""
+        if self.fits:
+            measured = self.fits.get(kind) or self.fits.get("all_reduce")
+            if measured:
+                return nearest(measured, n)
+        return self.inter if spans_nodes else self.intra
+
+
+def _gpu(name, bf16_tflops, fp32_tflops, memory_gb, nvlink_gbps, ib_gbps, gpus_per_node=8):
+    return Cluster(name, {"bf16": bf16_tflops * TB, "fp16": bf16_tflops * TB, "fp32": fp32_tflops * TB},
+                   memory_gb * GB, gpus_per_node, LinkFit(10e-6, nvlink_gbps * GB), LinkFit(20e-6, ib_gbps * GB))
+
+
+# Dense peaks (no sparsity) and links, per GPU, one direction. NVLink: A100 600 GB/s,
+# H100/H200 900 GB/s, B200 1.8 TB/s bidirectional. Between nodes: one NIC per GPU, A100
+# HDR 200 Gb/s, H100/H200/B200 NDR 400 Gb/s. fp32 is the non-tensor-core rate. Memory as sold (GB).
+PRESETS: dict[str, Cluster] = {c.name: c for c in (
+    _gpu("A100-40GB", 312, 19.5, 40, 300, 25),
+    _gpu("A100-80GB", 312, 19.5, 80, 300, 25),
+    _gpu("H100-SXM", 989, 67, 80, 450, 50),
+    _gpu("H200", 989, 67, 141, 450, 50),
+    _gpu("B200", 2250, 80, 180, 900, 50),
+)}
+THIS_MACHINE = "this-machine"
+_ALIASES = {"a100": "A100-80GB", "a100-40": "A100-40GB", "a100-80": "A100-80GB", "h100": "H100-SXM",
+            "h100-sxm": "H100-SXM", "h200": "H200", "b200": "B200", "cpu": THIS_MACHINE, "local": THIS_MACHINE}
+
+
+def physical_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def this_machine(cache_dir: str) -> Cluster:
+    """The CPU, calibrated by `bench matmul` (peak) and `bench comm` (links)."""
+    from ndtrain.observe.mfu import cpu_peak_file
+    import json
+
+    path = cpu_peak_file(cache_dir)
+    if not path.is_file():
+        raise ConfigError("--cluster", THIS_MACHINE, "this machine is not calibrated: run `ndtrain bench matmul` "
+                          "(its peak) and `ndtrain bench comm` (its links) first")
+    flops = float(json.loads(path.read_text())["flops"])
+    fits = load(cache_dir)
+    if not fits:
+        raise ConfigError("--cluster", THIS_MACHINE, "no interconnect calibration: run `ndtrain bench comm` first")
+    link = nearest(fits["all_reduce"], 2)
+    return Cluster(THIS_MACHINE, {"fp32": flops, "bf16": flops, "fp16": flops, "fp64": flops / 2},
+                   float(physical_memory()), os.cpu_count() or 1, link, link, shared_node=True, fits=fits,
+                   source="measured: bench matmul, bench comm")
+
+
+def _number(data: dict, key: str, where: str, positive: bool = True) -> float:
+    value = data.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
+        raise ConfigError(f"{where}{key}", value, "expected a positive number")
+    return float(value)
+
+
+def from_toml(path: Path) -> Cluster:
+    """A cluster file: name, gpus_per_node, memory_gb, [peak_tflops] bf16/fp16/fp32,
+    [links] intra_gbps, inter_gbps, intra_latency_us, inter_latency_us; efficiency."""
+    try:
+        data = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError("--cluster", str(path), f"not valid TOML ({e})") from None
+    known = {"name", "gpus_per_node", "memory_gb", "peak_tflops", "links", "efficiency", "headroom"}
+    for key in data:
+        if key not in known:
+            raise ConfigError(f"--cluster {path}: {key}", data[key], f"unknown key; expected {', '.join(sorted(known))}")
+    peaks = data.get("peak_tflops")
+    if not isinstance(peaks, dict) or "bf16" not in peaks:
+        raise ConfigError(f"--cluster {path}: peak_tflops", peaks, "expected a table with at least bf16 = TFLOP/s")
+    peak = {k: _number(peaks, k, "peak_tflops.") * TB for k in peaks}
+    peak.setdefault("fp16", peak["bf16"])
+    peak.setdefault("fp32", peak["bf16"])
+    links = data.get("links", {})
+    efficiency = _number(data, "efficiency", "") if "efficiency" in data else 0.6
+    if efficiency > 1:
+        raise ConfigError("efficiency", efficiency, "must be in (0, 1]")
+    headroom = _number(data, "headroom", "", positive=False) if "headroom" in data else 0.1
+    if not 0 <= headroom < 1:
+        raise ConfigError("headroom", headroom, "must be in [0, 1)")
+    gpn = _number(data, "gpus_per_node", "")
+    if gpn != int(gpn):
+        raise ConfigError("gpus_per_node", gpn, "expected an integer")
+    return Cluster(str(data.get("name", path.stem)), peak, _number(data, "memory_gb", "") * GB, int(gpn),
+                   LinkFit(_number(links, "intra_latency_us", "links.") * 1e-6 if "intra_latency_us" in links else 10e-6,
+                           _number(links, "intra_gbps", "links.") * GB),
+                   LinkFit(_number(links, "inter_latency_us", "links.") * 1e-6 if "inter_latency_us" in links else 20e-6,
+                           _number(links, "inter_gbps", "links.") * GB),
+                   efficiency, headroom, source=str(path))
+
+
+def resolve(spec: str, cache_dir: str) -> Cluster:
+    """A preset name (case-insensitive, aliases allowed), `this-machine`, or a TOML file."""
+    if spec.lower().endswith(".toml") or Path(spec).is_file():
+        path = Path(spec).expanduser()
+        if not path.is_file():
+            raise ConfigError("--cluster", spec, "file does not exist")
+        return from_toml(path)
+    name = _ALIASES.get(spec.lower(), spec)
+    for key in PRESETS:
+        if key.lower() == name.lower():
+            return PRESETS[key]
+    if name == THIS_MACHINE:
+        return this_machine(cache_dir)
+    raise ConfigError("--cluster", spec, f"unknown cluster; choose one of {', '.join([*PRESETS, THIS_MACHINE])} "
+                      "or give a TOML file")

@@ -1,0 +1,69 @@
+"""`ndtrain plan`: memory, step time and days of a layout on a cluster, or `--search` for the
+best layouts that fit. Nothing starts, nothing is written."""
+
+from __future__ import annotations
+
+import re
+
+from ndtrain.config import ConfigError, load_config
+
+_SCALE = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
+
+
+def parse_tokens(text: str) -> float:
+    """"15T", "300B", "2e12" → a number of tokens."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:[eE]\d+)?)\s*([KMBGT]?)\s*", text.upper())
+    if not m or float(m.group(1)) <= 0:
+        raise ConfigError("--tokens", text, "expected a positive number of tokens, e.g. 2e12, 300B or 15T")
+    return float(m.group(1)) * _SCALE[m.group(2)]
+
+
+def run(args) -> int:
+    from ndtrain.plan.cluster import resolve
+    from ndtrain.plan.planner import make_plan, plan_config
+    from ndtrain.plan.report import render, to_json
+
+    cfg = load_config(args.config, args.overrides)
+    cluster = resolve(args.cluster, cfg.data.cache_dir)
+    if args.mfu is not None and not 0 < args.mfu <= 1:
+        raise ConfigError("--mfu", args.mfu, "must be in (0, 1], a fraction of the peak")
+    if args.tflops is not None and args.tflops <= 0:
+        raise ConfigError("--tflops", args.tflops, "must be > 0 (TFLOP/s per GPU)")
+    if args.mfu is not None and args.tflops is not None:
+        raise ConfigError("--tflops", args.tflops, "give --mfu or --tflops, not both")
+    tokens = parse_tokens(args.tokens) if args.tokens else None
+    if args.search:
+        return _search(cfg, cluster, args, tokens)
+    cfg, device = plan_config(cfg, cluster, args.gpus)
+    plan = make_plan(cfg, cfg.model_args(), device, given_mfu=args.mfu, tflops=args.tflops, tokens=tokens)
+    print(to_json(plan) if args.json else render(plan), flush=True)
+    return 0
+
+
+def _search(cfg, cluster, args, tokens) -> int:
+    import json
+
+    from ndtrain.plan.planner import plan_config
+    from ndtrain.plan.search import render, search
+
+    gpus = args.gpus or cfg.run.nproc or cluster.gpus_per_node
+    probe = cfg.copy()  # the model, batch and precision must be valid on their own (one rank)
+    probe.parallel.dp = probe.parallel.dp_replicate = probe.parallel.pp = probe.parallel.tp = 1
+    probe.parallel.zero, probe.parallel.pp_virtual, probe.parallel.pp_split, probe.parallel.sp = 0, 1, "", None
+    probe.train.micro_batch = 0
+    plan_config(probe, cluster, 1)
+    device = cluster.per_device(gpus)
+    found, smallest, where = search(cfg, cfg.model_args(), device, gpus, args.top, tokens)
+    if not found:
+        key = next((f"model.{k}" for k in ("dim", "n_layers", "ffn_dim", "vocab_size")
+                    if getattr(cfg.model, k) is not None), "model.preset")
+        value = getattr(cfg.model, key.split(".")[1])
+        smallest_text = f"{smallest / 2**30:,.1f} GiB ({where})" if where else "none (no layout passes validation)"
+        raise ConfigError(key, value, f"does not fit on any layout of {gpus} × {cluster.name}: the smallest memory "
+                          f"per rank found is {smallest_text}, the device has {device.usable_memory / 2**30:,.1f} GiB "
+                          f"(less {device.headroom:.0%} headroom)")
+    if args.json:
+        print(json.dumps([{"overrides": f.overrides, **f.plan.as_json()} for f in found]))
+    else:
+        print(render(found, device, gpus))
+    return 0

@@ -1,0 +1,51 @@
+"""Before `ndtrain train` starts a process: can the model states fit at all?
+
+The planner's memory model gives the parameters, gradients and optimizer states of the
+fullest rank (parallel/zero.model_state_bytes on its tensor-parallel shards of its
+pipeline stage). If those alone exceed the device (a GPU's memory; on the CPU the physical
+RAM, which the local processes share), no run of this layout can succeed, so `train`
+refuses it in one line, naming the model key, the bytes needed and the bytes there are.
+"""
+
+from __future__ import annotations
+
+from ndtrain.config import Config, ConfigError
+from ndtrain.parallel.zero import model_state_bytes
+from ndtrain.plan.memory import BYTES, stage_chunks, stage_params
+
+MODEL_KEYS = ("dim", "n_layers", "ffn_dim", "vocab_size", "n_heads", "n_kv_heads")
+
+
+def device_memory(cfg: Config) -> tuple[float, str, bool]:
+    """(bytes, what they are, whether the local processes share them)."""
+    import torch
+
+    from ndtrain.plan.cluster import physical_memory
+    if cfg.run.device in ("auto", "cuda") and torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        return float(props.total_memory), f"{props.name}'s memory", False
+    return float(physical_memory()), "physical RAM", True
+
+
+def model_states_per_rank(cfg: Config, vocab_size: int) -> float:
+    """The fullest pipeline stage's model states, bytes per rank (cfg validated)."""
+    args = cfg.model_args(vocab_size=vocab_size)
+    p = cfg.parallel
+    return max(sum(model_state_bytes(stage_params(cfg, args, chunks), p.zero, p.dp_shard * p.cp,
+                                     BYTES[cfg.train.precision]).values())
+               for chunks in stage_chunks(cfg, args))
+
+
+def check_model_states_fit(cfg: Config, vocab_size: int, local_processes: int) -> None:
+    need = model_states_per_rank(cfg, vocab_size)
+    have, what, shared = device_memory(cfg)
+    total = need * (local_processes if shared else 1)
+    if total <= have:
+        return
+    key = next((f"model.{k}" for k in MODEL_KEYS if getattr(cfg.model, k) is not None), "model.preset")
+    value = getattr(cfg.model, key.split(".")[1])
+    gib = 2**30
+    share = f" × {local_processes} local processes = {total / gib:,.1f} GiB" if shared and local_processes > 1 else ""
+    raise ConfigError(key, value, f"the model states alone (parameters, gradients, optimizer) need "
+                      f"{need / gib:,.1f} GiB per rank{share}, more than the {have / gib:,.1f} GiB of {what} "
+                      "(see `ndtrain plan --search` for a layout that fits)")

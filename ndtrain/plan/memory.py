@@ -1,0 +1,548 @@
+"""Memory per rank: model states by the ZeRO formulas, activations by replaying one step.
+
+Model states (parameters, gradients, optimizer state) follow Rajbhandari et al. 2020
+through `parallel/zero.model_state_bytes`, applied to the parameters a rank holds: its
+tensor-parallel shards (vocabulary padded to a multiple of t, K/V weights replicated when t
+exceeds the KV heads) of its pipeline chunks (the cost-balanced split of
+`parallel/pipeline/partition.py`; a tied embedding has a copy on the last stage).
+
+Activations are not one formula: what is held at the worst moment depends on the schedule.
+So the planner replays one training step of each pipeline rank, action by action in the
+order its schedule runs them (`compute_orders`, the engine's own lists), adding and removing
+bytes where the engine allocates and frees them:
+- forward of a micro-batch on a chunk: each block's saved tensors (plan/activations.py, by
+  recompute mode), the head's, the loss's (logits, log-softmax; vocab-parallel under TP);
+- backward: the loss gradient (the largest moment for a large vocabulary), then block by
+  block from the last, each with its working tensors (the incoming gradient, the MLP's
+  gradients, one weight's gradient) and, when recomputed, its forward run again; the
+  block's saved tensors go when its backward ends (zero bubble: when its W ends, plus the
+  gradients kept at the split nodes until then);
+- communication buffers: ZeRO-3's gathered units (the current one, the prefetched one, the
+  chunk's root), ZeRO-2/3's full-size reduce buffers, which the engine keeps from a unit's
+  first gradient until the end of the backward pass, and the gradient shards they leave;
+  DP's and ZeRO-1's reduce-dtype staging copies under bf16/fp16; the pipeline's messages,
+  which the executor keeps until the end of the step.
+`activations` is the highest sum over the step of everything but the model states that
+exist when it begins, the quantity `train --dry-run` measures (observe/memory.py); `total`
+is that plus those states, the rank's peak.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from dataclasses import dataclass, field
+
+from ndtrain.config import Config
+from ndtrain.model.args import ModelArgs, block_params
+from ndtrain.parallel.pipeline.partition import Chunk, chunk_counts, local_chunks, make_chunks
+from ndtrain.parallel.pipeline.schedules import B, F, W, Action, compute_orders
+from ndtrain.parallel.zero import model_state_bytes
+from ndtrain.plan.activations import (block_bytes_per_token, head_bytes_per_token, kv_width,
+                                      llama_mlp_bytes_per_token, recomputed, wide)
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+SAVED = "saved activations"
+
+
+@dataclass
+class RankMemory:
+    """One pipeline rank's bytes (every dp, cp and tp rank of a stage holds the same)."""
+
+    stage: int
+    params_count: int
+    params: float
+    grads: float
+    optimizer: float
+    activations: float = 0.0  # the step's peak on top of the states held when it began
+    at_peak: dict = field(default_factory=dict)  # what made up `activations` at that moment
+    grads_held: bool = True  # whether gradients exist when the step begins (ZeRO-0/1)
+    in_flight: int = 0  # micro-batches whose activations were held at that moment
+    saved_by_mode: dict = field(default_factory=dict)  # one micro-batch's saved blocks per recompute mode
+
+    @property
+    def total(self) -> float:
+        return self.params + self.optimizer + (self.grads if self.grads_held else 0.0) + self.activations
+
+    def as_dict(self) -> dict:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "total": self.total}
+
+
+# --------------------------------------------------------------------------- parameters
+
+def padded_vocab(args: ModelArgs, tp: int) -> int:
+    return -(-args.vocab_size // tp) * tp
+
+
+def block_local(args: ModelArgs, tp: int) -> int:
+    """Parameters of one block on one tensor-parallel rank: heads and features split by t
+    (a q/k/v bias with its rows), K/V weights whole when t exceeds the KV heads, the norms
+    (and Qwen3's q/k norms) whole."""
+    if tp == 1:
+        return block_params(args)
+    h, q, kv = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    kv_local = kv // tp if args.n_kv_heads % tp == 0 else kv  # replicated K/V weights
+    n = 2 * h * q // tp + 2 * h * kv_local + 3 * h * args.ffn_dim // tp + 2 * h
+    if args.qkv_bias:
+        n += q // tp + 2 * kv_local
+    if args.qk_norm:
+        n += 2 * args.head_dim
+    return n
+
+
+def root_local(args: ModelArgs, chunk: Chunk, tp: int) -> int:
+    """Embedding, final norm and head held by a chunk, on one tensor-parallel rank."""
+    table = padded_vocab(args, tp) // tp * args.dim
+    n = table if chunk.embed else 0
+    if chunk.head:
+        n += args.dim
+        if not (args.tie_embeddings and chunk.embed):
+            n += table  # untied head, or a tied head's copy on the last stage
+    return n
+
+
+def stage_chunks(cfg: Config, args: ModelArgs) -> list[list[Chunk]]:
+    """Each pipeline rank's chunks, cut as the engine cuts them (partition.py)."""
+    p = cfg.parallel
+    return _stage_chunks(args, p.pp, p.pp_virtual, cfg.train.seq_len, p.pp_split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_chunks(args: ModelArgs, pp: int, v: int, seq_len: int, split: str) -> list[list[Chunk]]:
+    chunks = make_chunks(chunk_counts(args, pp * v, seq_len, split))
+    return [[chunks[c] for c in local_chunks(r, pp, v)] for r in range(pp)]
+
+
+def stage_params(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> int:
+    tp = cfg.parallel.tp
+    return sum(len(ch.layer_ids) * block_local(args, tp) + root_local(args, ch, tp) for ch in chunks)
+
+
+# --------------------------------------------------------------------------- the replay
+
+class Ledger:
+    """Live bytes by category; remembers the highest total and what it was made of."""
+
+    def __init__(self):
+        self.live: Counter = Counter()
+        self.peak = 0.0
+        self.at_peak: dict = {}
+        self.in_flight = 0  # micro-batches whose activations are held (set by the replay)
+        self.in_flight_at_peak = 0
+
+    def add(self, what: str, n: float) -> None:
+        self.live[what] += n
+
+    def moment(self, **transient: float) -> None:
+        """A point where the engine holds what is live plus `transient`."""
+        total = sum(self.live.values()) + sum(transient.values())
+        if total > self.peak:
+            parts = Counter(self.live)
+            for k, v in transient.items():
+                parts[k.replace("_", " ")] += v
+            self.peak = total
+            self.at_peak = {k: v for k, v in parts.items() if v > 0}
+            self.in_flight_at_peak = self.in_flight
+
+
+@dataclass
+class StepShape:
+    """The sizes the replay needs, for one pipeline rank."""
+
+    cfg: Config
+    args: ModelArgs
+    c: int  # compute bytes per value
+    r: int  # reduce bytes per value
+    g: int  # gradient accumulation bytes per value (fp32 under bf16/fp16, else the compute dtype)
+    n: int  # tokens of a micro-batch on one rank (after context parallelism)
+    n_res: float  # tokens of the residual stream on one rank (after sequence parallelism)
+    shard: int  # ZeRO's shard group, dp_shard × cp
+
+    @classmethod
+    def of(cls, cfg: Config, args: ModelArgs) -> "StepShape":
+        p, t = cfg.parallel, cfg.train
+        c = BYTES[t.precision]
+        r = 4 if (t.reduce_fp32 and c == 2) else c
+        n = t.micro_batch * t.seq_len // p.cp
+        return cls(cfg, args, c, r, wide(c), n, n / p.tp if p.sp else n, p.dp_shard * p.cp)
+
+    @property
+    def tp(self) -> int:
+        return self.cfg.parallel.tp
+
+    def saved_by_mode(self, mode: str) -> float:
+        """One block's saved bytes for one micro-batch under a recompute mode (none,
+        selective, full)."""
+        cache = self.__dict__.setdefault("_saved", {})
+        if mode not in cache:
+            p = self.cfg.parallel
+            cache[mode] = block_bytes_per_token(self.args, self.c, self.tp, p.sp, mode, p.cp, p.cp_impl) * self.n
+        return cache[mode]
+
+    def block_saved(self, layer: int) -> float:
+        return self.saved_by_mode(recomputed(self.cfg.train.recompute, layer))
+
+    def block_full(self) -> float:
+        return self.saved_by_mode("none")
+
+    def rerun_kept(self, layer: int) -> float:
+        """What a recomputed region's second run keeps until the region's backward is over:
+        a whole block's saved tensors but its input (full), or the attention core's (selective:
+        rotated q and k, the softmax statistics, the kernel's output; v is its input)."""
+        mode = recomputed(self.cfg.train.recompute, layer)
+        if mode == "full":
+            return self.block_full() - self.block_saved(layer)
+        if mode == "selective":
+            a, p = self.args, self.cfg.parallel
+            q, kv = a.n_heads * a.head_dim / p.tp, kv_width(a, p.tp)
+            return (self.c * (2 * q + kv) + wide(self.c) * a.n_heads / p.tp) * self.n
+        return 0.0
+
+    def weight_gradient(self) -> float:
+        """The largest weight gradient of a block, before it is accumulated."""
+        return self.c * self.args.dim * self.args.ffn_dim / self.tp
+
+    def block_working(self) -> float:
+        """A block's backward at its widest, beside the incoming gradient: the down
+        projection's backward (the gradient of SwiGLU's product and of its weight), or the
+        product's (that gradient and the two it makes, of silu(gate) and of up)."""
+        a, c, n, f = self.args, self.c, self.n, self.args.ffn_dim / self.tp
+        return c * a.dim * n + max(c * f * n + self.weight_gradient(), 3 * c * f * n)
+
+    def block_forward_working(self) -> float:
+        """The end of a block's forward: the attention branch's output (a local variable
+        until the block returns), the MLP's row-parallel output before it joins the residual
+        stream, under TP its copy for the all-reduce or reduce-scatter, under SP that one's
+        output."""
+        h = self.c * self.args.dim
+        sp = self.cfg.parallel.sp
+        return h * self.n_res + h * self.n * (2 if self.tp > 1 else 1) + (h * self.n_res if sp else 0.0)
+
+    def incoming_gradient(self) -> float:
+        """The gradient a block's backward starts from; under SP also its gather over the
+        sequence (the backward of the block's last reduce-scatter)."""
+        h = self.c * self.args.dim
+        return h * self.n_res + (h * self.n if self.cfg.parallel.sp else 0.0)
+
+    def attention_working(self, backward: bool) -> float:
+        """Context parallelism's attention at its widest (its kernels are explicit, not
+        fused): ring attention holds the widened queries, output and statistics, the K/V
+        it holds and the ones arriving, and the scores of its largest block (the local
+        causal square, b·H·(s/cp)² values), twice in backward (probabilities and their
+        gradient) with the K/V gradient accumulators travelling; all-gather attention
+        widens every rank's K/V and scores its queries against the whole sequence; Ulysses
+        (a fused kernel over the whole sequence for cp's heads) holds the all-to-all
+        buffers of q, k, v. 0 without context parallelism (the fused kernel keeps no s²)."""
+        p = self.cfg.parallel
+        if p.cp == 1:
+            return 0.0
+        a, c, w, n, cp = self.args, self.c, wide(self.c), self.n, p.cp
+        q, kv, heads = a.n_heads * a.head_dim / p.tp, kv_width(a, p.tp), a.n_heads / p.tp
+        rows = self.cfg.train.micro_batch
+        local = n / rows  # this rank's positions of each sequence
+        if p.cp_impl == "ulysses":
+            kv_heads = kv // a.head_dim
+            kv = (kv_heads if kv_heads % cp == 0 else cp) * a.head_dim
+            return 3 * c * (q + 2 * kv) * n
+        scores = w * rows * heads * local * local * (cp if p.cp_impl == "allgather" else 1)
+        if p.cp_impl == "allgather":
+            keys = 2 * w * kv * n * cp
+            return (2 * keys + 3 * w * q * n + 2 * scores) if backward else (keys + 3 * w * q * n + scores)
+        if backward:  # the diagonal step (full scores, one accumulator) or a later one (half, three in flight)
+            base = 3 * w * q * n + 4 * c * kv * n
+            return base + max(2 * w * kv * n + 2 * scores, 6 * w * kv * n + scores)
+        return 4 * w * q * n + 2 * w * heads * n + 4 * c * kv * n + scores
+
+    def mlp_saved(self, layer: int) -> float:
+        """The MLP's part of a block's saved bytes, freed when the MLP's backward ends (none
+        for a recomputed block: its rerun's tensors stay until the block's backward ends)."""
+        if recomputed(self.cfg.train.recompute, layer) == "full":
+            return 0.0
+        return llama_mlp_bytes_per_token(self.args, self.c, self.tp, self.cfg.parallel.sp) * self.n
+
+    def split_kept(self) -> float:
+        """Zero bubble: the gradients B leaves at the split nodes for W, per block: the
+        outputs' gradients of wq, wk, wv, wo, w1, w3, w2 and the two norm weights."""
+        a, tp = self.args, self.tp
+        return self.c * self.n * (a.dim / tp + 2 * kv_width(a, tp) + 2 * a.ffn_dim / tp + 2 * a.dim) + \
+            self.c * self.n_res * 2 * a.dim
+
+    def vocab_local(self) -> int:
+        return padded_vocab(self.args, self.tp) // self.tp
+
+
+def _loss_forward(s: StepShape) -> tuple[float, float]:
+    """(the most the loss holds while it runs forward, what it keeps for backward). The loss
+    works in fp32 (fp64 in fp64): w bytes per value."""
+    v, n, c, w = s.vocab_local(), s.n, s.c, wide(s.c)
+    copy = w * v * n if c != w else 0  # the widened copy of low-precision logits
+    if s.tp > 1:  # vocab-parallel: logits, (masked), widened shifted logits → softmax kept
+        masked = c * v * n if v * s.tp != s.args.vocab_size else 0
+        return c * v * n + masked + copy + w * v * n, w * v * n
+    return c * v * n + copy + w * v * n, w * v * n  # logits, log-softmax kept
+
+
+def _loss_backward(s: StepShape) -> float:
+    """On top of what the loss kept: cross-entropy's gradient and log-softmax's."""
+    v, n, c, w = s.vocab_local(), s.n, s.c, wide(s.c)
+    if s.tp > 1:  # in place on the kept softmax; cast back to the compute dtype
+        return c * v * n if c != w else 0.0
+    return 2 * w * v * n
+
+
+class Units:
+    """ZeRO's units on this rank: bytes of one gathered copy and of one reduce buffer."""
+
+    def __init__(self, s: StepShape, chunks: list[Chunk]):
+        n = s.shard
+        pad = lambda x: -(-x // n) * n  # noqa: E731 - flat buffers are padded to the shard group
+        self.block = pad(block_local(s.args, s.tp))
+        self.root = {ch.index: pad(root_local(s.args, ch, s.tp)) for ch in chunks}
+
+
+class Replay:
+    """One step of one pipeline rank, action by action (see the module docstring)."""
+
+    def __init__(self, cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]):
+        self.cfg, self.args = cfg, args
+        self.s = s = StepShape.of(cfg, args)
+        p, t = cfg.parallel, cfg.train
+        self.units = Units(s, chunks)
+        self.z3 = p.zero == 3
+        # ZeRO-2/3 under a pipeline defer: a chunk's gradients accumulate until its last
+        # backward pass of the step, and ZeRO-3 keeps its units gathered until the step ends
+        self.defer = p.zero >= 2 and p.pp > 1
+        self.keep_gathered = self.z3 and not p.reshard_after_forward and not self.defer
+        m = t.accumulation(p.dp)
+        self.chunks = {ch.index: ch for ch in chunks}
+        if p.pp > 1:
+            orders = compute_orders(p.pp_schedule, p.pp, p.pp_virtual, m)[rank]
+        else:  # micro-batches run one after another: the first, the second (ZeRO-2/3 shards
+            # exist by then) and the last (which reduces) are the ones that differ
+            orders = [[Action(kind, 0, i)] for i in sorted({0, min(1, m - 1), m - 1}) for kind in (F, B)]
+        self.actions = [a for tick in orders for a in tick]
+        self.split = any(a.kind == W for a in self.actions)  # zero bubble
+        self.last_backward = {a.chunk: k for k, a in enumerate(self.actions) if a.kind in (B, W)}
+        self.book = Ledger()
+        self.held: dict[tuple[int, int], float] = {}  # (chunk, micro) → saved bytes not yet freed
+        self.passes: Counter = Counter()  # backward passes per chunk (ZeRO-2/3 keep shards after the first)
+        self.gathered = 0.0  # ZeRO-3 units kept gathered from forward to backward
+        self.this_step: set = set()  # units whose step-long buffers exist (deferred ZeRO-2/3)
+        self.hidden = s.c * args.dim * s.n_res  # one hidden state of the residual stream
+
+    def run(self) -> Ledger:
+        for k, a in enumerate(self.actions):
+            self.book.in_flight = len(self.held) + (a.kind == F)
+            {F: self.forward, B: self.backward, W: self.weights}[a.kind](a, k)
+        return self.book
+
+    # -- sizes ----------------------------------------------------------------------------
+    def gathered_units(self, ch: Chunk) -> tuple[float, float]:
+        """ZeRO-3: bytes of one gathered block and of the chunk's gathered root (0 when they
+        stay gathered for the whole step: the ledger holds them then)."""
+        c = self.s.c
+        return (c * self.units.block, c * self.units.root[ch.index]) if self.z3 and not self.defer else (0.0, 0.0)
+
+    def gathered_in_backward(self, ch: Chunk, remaining: int) -> float:
+        """The root, the current block and the one before it (prefetched), or, kept gathered
+        since forward, the root and the blocks not yet done."""
+        block_g, root_g = self.gathered_units(ch)
+        return root_g + (remaining if self.keep_gathered else min(remaining, 2)) * block_g
+
+    def once_this_step(self, unit, what: str, nbytes: float) -> None:
+        """Allocate a buffer that then lives until the step ends, the first time only."""
+        if unit not in self.this_step:
+            self.this_step.add(unit)
+            self.book.add(what, nbytes)
+
+    def reduce_buffers(self, last: bool) -> tuple[float, float]:
+        """Bytes per parameter of the gradient buffers of a backward pass: (from a unit's first
+        gradient: ZeRO-2/3's full accumulator, in the accumulation dtype; from its completion,
+        on the pass that reduces: the reduce-scatter's output and, when the accumulation
+        and reduction dtypes differ, the converted copy; DP: that copy of the bucket)."""
+        zero, r, g, shard = self.cfg.parallel.zero, self.s.r, self.s.g, self.s.shard
+        convert = r if r != g else 0.0
+        if zero >= 2:
+            return g, (r / shard + convert - (g if convert else 0.0)) if (last or not self.defer) else 0.0
+        if not last:
+            return 0.0, 0.0
+        return 0.0, (r / shard if zero == 1 else 0.0) + convert
+
+    def _keep(self, key, n: float) -> None:
+        self.book.add(SAVED, n)
+        self.held[key] += n
+
+    # -- actions --------------------------------------------------------------------------
+    def forward(self, a: Action, k: int) -> None:
+        s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
+        block_g, root_g = self.gathered_units(ch)
+        if self.z3 and self.defer:  # gathered at the chunk's first forward, kept until the step ends
+            self.once_this_step(("gathered", ch.index), "gathered parameters",
+                                s.c * (self.units.block * len(ch.layer_ids) + self.units.root[ch.index]))
+        self.held[key] = 0.0
+        if not ch.embed and s.c != wide(s.c):  # the received input; widened, it is the first block's input
+            self._keep(key, self.hidden)
+        for i in ch.layer_ids:
+            book.moment(gathered_parameters=self.gathered + root_g + 2 * block_g,
+                        working=s.attention_working(backward=False))
+            self._keep(key, s.block_saved(i))
+            if self.keep_gathered:
+                self.gathered += block_g
+        if ch.head:
+            self._keep(key, head_bytes_per_token(self.args, s.c, s.tp, self.cfg.parallel.sp) * s.n)
+            running, kept = _loss_forward(s)
+            book.moment(gathered_parameters=self.gathered + root_g, loss=running)
+            book.add("loss", kept)
+        else:  # the output sent on: the executor keeps the send until the step ends
+            book.add("pipeline messages", self.hidden)
+        if self.keep_gathered:
+            self.gathered += root_g
+
+    def weights(self, a: Action, k: int) -> None:
+        """Zero bubble's W: autograd resumed at each split node, deepest first (the embedding,
+        then the blocks in forward order, then the head): the gradient buffers fill unit by
+        unit, each node's kept gradient goes when its weights are done, the graph (retained
+        until then) at the end."""
+        s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
+        first, launched = self.reduce_buffers(self.last_backward[a.chunk] == k)
+        root, staged = self.units.root[ch.index], 0.0
+        if ch.embed:
+            staged += self._first_gradient((ch.index, "root"), root, first)
+            book.moment(working=self.embedding_gradient(), gradient_buffers=staged)
+        for i in ch.layer_ids:
+            staged += self._first_gradient((ch.index, i), self.units.block, first)
+            book.moment(working=s.weight_gradient(), gradient_buffers=staged)
+            self._keep(key, -s.split_kept())
+            staged += self._launch(self.units.block, launched)
+        if ch.head and not ch.embed:
+            staged += self._first_gradient((ch.index, "root"), root, first)
+            book.moment(working=s.c * s.vocab_local() * self.args.dim, gradient_buffers=staged)
+        staged += self._launch(root, launched)
+        book.add(SAVED, -self.held.pop(key))
+        self._after_reduction(ch)
+
+    def _first_gradient(self, unit, n_params: int, first: float) -> float:
+        """A unit's first gradient of a pass: its accumulator (ZeRO-2/3). Returns the bytes
+        the pass frees when it ends; a deferred accumulator lives until the step ends."""
+        if not first:
+            return 0.0
+        if self.defer:
+            self.once_this_step(("accumulator", unit), "gradient buffers", first * n_params)
+            return 0.0
+        return first * n_params
+
+    def _launch(self, n_params: int, launched: float) -> float:
+        """A unit's reduction starts; returns the bytes freed when the pass ends (ZeRO-2/3);
+        DP's, ZeRO-1's and a deferred stage's wait for finish(), when the step ends."""
+        if self.cfg.parallel.zero <= 1 or self.defer:
+            self.book.add("gradient buffers", launched * n_params)
+            return 0.0
+        return launched * n_params
+
+    def _after_reduction(self, ch: Chunk) -> None:
+        """ZeRO-2/3: the first pass leaves each unit's reduced slice (in the accumulation dtype)."""
+        s = self.s
+        if self.cfg.parallel.zero >= 2 and not self.defer and not self.passes[ch.index]:
+            self.book.add("gradient shards", s.g * (self.units.block * len(ch.layer_ids) + self.units.root[ch.index])
+                          / s.shard)
+        self.passes[ch.index] += 1
+
+    def embedding_gradient(self) -> float:
+        """The embedding's weight gradient and the gradient arriving at it."""
+        s = self.s
+        return s.c * s.vocab_local() * self.args.dim + s.c * self.args.dim * s.n
+
+    def backward(self, a: Action, k: int) -> None:
+        """One backward pass of one micro-batch through one chunk (B; under zero bubble the
+        input gradients only: the weights' come in W)."""
+        s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
+        first, launched = self.reduce_buffers(self.last_backward[a.chunk] == k)
+        if self.split:
+            first = launched = 0.0
+        units, root = self.units, self.units.root[ch.index]
+        staged = 0.0  # gradient buffers this pass frees when it ends
+        if ch.head:
+            staged += self._first_gradient((ch.index, "root"), root, first)
+            self._head_backward(ch, key, staged)
+        for done, i in enumerate(reversed(ch.layer_ids)):
+            staged += self._first_gradient((ch.index, i), units.block, first)
+            now = self.gathered_in_backward(ch, len(ch.layer_ids) - done)
+            rerun = 0.0
+            mode = recomputed(self.cfg.train.recompute, i)
+            rerun = s.rerun_kept(i)
+            if mode == "full":  # the block's forward again, then its backward: the rerun stays throughout
+                book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun,
+                            working=max(s.block_forward_working(), s.attention_working(False)) + s.incoming_gradient())
+            book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun if mode == "full" else 0.0,
+                        working=s.block_working())
+            # attention's backward comes after the MLP's, whose saved tensors are gone by then (a
+            # recomputed block's rerun keeps them until it ends); selective reruns the core here
+            attention = s.incoming_gradient() - s.mlp_saved(i)
+            if mode == "selective":
+                book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun,
+                            working=s.attention_working(False) + attention)
+            if s.attention_working(True):
+                book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun,
+                            working=s.attention_working(True) + attention)
+            if not self.split:
+                self._keep(key, -s.block_saved(i))
+            staged += self._launch(units.block, launched)
+        if ch.embed:
+            if not ch.head:
+                staged += self._first_gradient((ch.index, "root"), root, first)
+            if not self.split:
+                book.moment(gathered_parameters=self.gathered_in_backward(ch, 0), gradient_buffers=staged,
+                            working=self.embedding_gradient())
+        staged += self._launch(root, launched)
+        book.moment(gathered_parameters=self.gathered_in_backward(ch, 0), gradient_buffers=staged)
+        if self.split:  # zero bubble: the graph stays for W, with the gradients kept at the split nodes
+            # and what recomputed regions ran again
+            self._keep(key, s.split_kept() * len(ch.layer_ids) + sum(s.rerun_kept(i) for i in ch.layer_ids))
+        else:
+            book.add(SAVED, -self.held.pop(key))
+            self._after_reduction(ch)
+        if ch.index > 0:
+            book.add("pipeline messages", self.hidden)  # the input's gradient, sent and kept
+        if self.keep_gathered:
+            self.gathered = 0.0  # the end of a backward pass reshards every unit
+
+    def _head_backward(self, ch: Chunk, key, root_buffer: float) -> None:
+        """The loss's gradient (before any hook gathers anything), then the head's, whose
+        weight gradient lands in `root_buffer` (this pass's gradient buffers so far)."""
+        s, book = self.s, self.book
+        c, v = s.c, s.vocab_local()
+        kept = _loss_forward(s)[1]
+        book.moment(gathered_parameters=self.gathered, loss=_loss_backward(s))
+        book.add("loss", -kept)
+        if self.split:  # W still needs the loss's kept tensors and the logits' gradient (under TP: the same)
+            self._keep(key, kept)
+        now = self.gathered_in_backward(ch, len(ch.layer_ids))
+        book.moment(gathered_parameters=now, working=c * v * s.n + c * v * self.args.dim)
+        book.moment(gathered_parameters=now, gradient_buffers=root_buffer, working=c * v * self.args.dim)
+        if self.split:
+            self._keep(key, c * v * s.n if (s.tp == 1 or c != wide(c)) else 0.0)
+        else:
+            self._keep(key, -head_bytes_per_token(self.args, c, s.tp, self.cfg.parallel.sp) * s.n)
+
+
+def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledger:
+    """The activation peak of pipeline rank `rank` over one step."""
+    return Replay(cfg, args, rank, chunks).run()
+
+
+def per_rank(cfg: Config, args: ModelArgs) -> list[RankMemory]:
+    """Memory of every pipeline stage (all ranks of a stage hold the same)."""
+    p = cfg.parallel
+    c = BYTES[cfg.train.precision]
+    out = []
+    for rank, chunks in enumerate(stage_chunks(cfg, args)):
+        psi = stage_params(cfg, args, chunks)
+        states = model_state_bytes(psi, p.zero, p.dp_shard * p.cp, c)
+        book = replay(cfg, args, rank, chunks)
+        s = StepShape.of(cfg, args)
+        layers = [i for ch in chunks for i in ch.layer_ids]
+        by_mode = {mode: s.saved_by_mode(mode) * len(layers) for mode in ("none", "selective", "full")}
+        out.append(RankMemory(rank, psi, states["params"], states["grads"], states["optimizer"],
+                              book.peak, book.at_peak, p.zero <= 1, book.in_flight_at_peak, by_mode))
+    return out

@@ -1,0 +1,142 @@
+"""One layout on one cluster: memory per rank, step time, throughput, days.
+
+`plan_config(cfg, cluster, gpus)` validates the layout with the rules `train` enforces
+(config.validate) for that many GPUs, then `make_plan` puts the memory model
+(plan/memory.py) and the time model (plan/steptime.py) together. Throughput follows from
+the step time: tokens/s = global batch × sequence / step time; MFU = the model FLOPs of the
+step (`flops_per_token`, no recomputation) over step time × GPUs × peak. With `mfu` or
+`tflops` given, that achieved rate replaces the model's estimate end to end (a published
+throughput already includes its communication and bubble), and the modelled breakdown is
+kept for comparison.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ndtrain.config import Config, ConfigError, validate
+from ndtrain.model.args import ModelArgs, param_count
+from ndtrain.plan.cluster import THIS_MACHINE, Cluster
+from ndtrain.plan.formulas import mfu
+from ndtrain.plan.memory import RankMemory, per_rank
+from ndtrain.plan.steptime import StepTime, model_flops_per_step, step_time
+
+SECONDS_PER_DAY = 86400.0
+
+
+@dataclass
+class Plan:
+    cfg: Config
+    args: ModelArgs
+    cluster: Cluster  # per device (a shared CPU node divided among its processes)
+    memory: list[RankMemory]  # per pipeline stage
+    step: StepTime  # the modelled step (busiest stage)
+    stages: list[StepTime]
+    step_time_s: float
+    rate_source: str
+    tokens: float | None = None
+
+    @property
+    def world(self) -> int:
+        return self.cfg.parallel.world
+
+    @property
+    def worst(self) -> RankMemory:
+        return max(self.memory, key=lambda m: m.total)
+
+    @property
+    def fits(self) -> bool:
+        return self.worst.total <= self.cluster.usable_memory
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.train.global_batch * self.cfg.train.seq_len
+
+    @property
+    def flops_per_step(self) -> float:
+        return model_flops_per_step(self.cfg, self.args)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_time_s
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.flops_per_step / self.step_time_s / self.world / 1e12
+
+    @property
+    def mfu(self) -> float:
+        return mfu(self.flops_per_step, self.step_time_s, self.world, self.cluster.peak_flops(self.cfg.train.precision))
+
+    @property
+    def days(self) -> float | None:
+        return None if self.tokens is None else self.tokens / self.tokens_per_s / SECONDS_PER_DAY
+
+    def as_json(self) -> dict:
+        """The object `ndtrain plan --json` prints; scripts depend on these keys."""
+        p, t = self.cfg.parallel, self.cfg.train
+        w = self.worst
+        out = {
+            "cluster": self.cluster.name, "gpus": self.world,
+            "layout": {"pp": p.pp, "dp": p.dp, "dp_replicate": p.dp_replicate, "cp": p.cp, "tp": p.tp,
+                       "sp": p.sp, "ep": p.ep, "zero": p.zero, "pp_schedule": p.pp_schedule,
+                       "pp_virtual": p.pp_virtual},
+            "model": {"preset": self.cfg.model.preset, "params": param_count(self.args), **self.args.to_dict()},
+            "train": {"global_batch": t.global_batch, "micro_batch": t.micro_batch, "seq_len": t.seq_len,
+                      "precision": t.precision, "recompute": t.recompute},
+            "memory_per_rank": {k: int(v) for k, v in w.as_dict().items()},
+            "memory_at_peak": {k: int(v) for k, v in w.at_peak.items()},
+            "memory_per_stage": [{"stage": m.stage, "params_count": m.params_count,
+                                  **{k: int(v) for k, v in m.as_dict().items()}} for m in self.memory],
+            "device_memory": int(self.cluster.memory),
+            "usable_memory": int(self.cluster.usable_memory),
+            "fits": self.fits,
+            "step_time_s": self.step_time_s,
+            "step_time_model_s": {k: v for k, v in self.step.as_dict().items()},
+            "bubble_fraction": self.step.detail.get("bubble_fraction", 0.0),
+            "rate": self.rate_source,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+        }
+        if self.tokens is not None:
+            out["tokens"] = self.tokens
+            out["days"] = self.days
+        return out
+
+
+def plan_config(cfg: Config, cluster: Cluster, gpus: int | None) -> tuple[Config, Cluster]:
+    """Validate `cfg` for `gpus` GPUs as `train` would (a copy), and the cluster per device."""
+    cfg = cfg.copy()
+    p = cfg.parallel
+    fixed = p.pp * p.cp * p.tp
+    if gpus is None:  # the layout's product, else one node (this machine: 2 processes), at least pp×cp×tp
+        node = 2 if cluster.name == THIS_MACHINE else cluster.gpus_per_node
+        gpus = cfg.run.nproc or (p.world if p.dp else max(node // fixed, 1) * fixed)
+    if gpus < 1:
+        raise ConfigError("--gpus", gpus, "must be > 0")
+    if p.dp and p.world != gpus:
+        raise ConfigError("parallel", f"pp×dp×cp×tp = {p.pp}×{p.dp}×{p.cp}×{p.tp} = {p.world}",
+                          f"must equal the GPU count, {gpus} (--gpus)")
+    if not p.dp and gpus % fixed:
+        raise ConfigError("--gpus", gpus, f"must be a multiple of pp×cp×tp = {p.pp}×{p.cp}×{p.tp} = {fixed}")
+    if cfg.train.precision == "fp64" and cluster.name != THIS_MACHINE:
+        raise ConfigError("train.precision", "fp64", "fp64 is for the CPU layout proofs; on GPUs use fp32, bf16 or fp16")
+    cfg.run.device, cfg.run.nproc = "cpu", 0  # the planner never touches a device
+    validate(cfg, world=gpus, check_paths=False)
+    return cfg, cluster.per_device(gpus)  # this machine: every process is local
+
+
+def make_plan(cfg: Config, args: ModelArgs, cluster: Cluster, *, given_mfu: float | None = None,
+              tflops: float | None = None, tokens: float | None = None) -> Plan:
+    """`cfg` validated, `cluster` per device (plan_config)."""
+    step, stages = step_time(cfg, args, cluster)
+    peak = cluster.peak_flops(cfg.train.precision)
+    if given_mfu is not None or tflops is not None:
+        rate = tflops * 1e12 if tflops is not None else given_mfu * peak
+        source = f"given: {rate / 1e12:,.4g} TFLOP/s per GPU" + (f" (MFU {given_mfu:.1%})" if given_mfu else "")
+        seconds = model_flops_per_step(cfg, args) / (rate * cfg.parallel.world)
+    else:
+        source = f"modelled: compute at {cluster.efficiency:.0%} of peak, plus communication and bubble"
+        seconds = step.total
+    return Plan(cfg, args, cluster, per_rank(cfg, args), step, stages, seconds, source, tokens)

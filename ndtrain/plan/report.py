@@ -1,0 +1,89 @@
+"""`ndtrain plan`'s output: a table for people, one JSON object for scripts."""
+
+from __future__ import annotations
+
+import json
+
+from ndtrain.model.args import param_count
+from ndtrain.plan.planner import Plan
+
+GiB = 2**30
+
+
+def gib(n: float) -> str:
+    return f"{n / GiB:,.2f} GiB" if n >= GiB / 4 else f"{n / 2**20:,.1f} MiB"
+
+
+def count(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
+        if n >= scale:
+            return f"{n / scale:,.3g}{unit}"
+    return f"{n:,.0f}"
+
+
+def rate(flops: float) -> str:
+    return f"{flops / 1e12:,.1f} TFLOP/s" if flops >= 1e12 else f"{flops / 1e9:,.1f} GFLOP/s"
+
+
+def seconds(s: float) -> str:
+    return f"{s * 1e3:,.1f} ms" if s < 1 else f"{s:,.2f} s"
+
+
+def _row(label: str, value: str, note: str = "") -> str:
+    return f"  {label:<38} {value:>14}" + (f"   {note}" if note else "")
+
+
+def render(plan: Plan) -> str:
+    cfg, a, c = plan.cfg, plan.args, plan.cluster
+    p, t = cfg.parallel, cfg.train
+    m = t.accumulation(p.dp)
+    w = plan.worst
+    lines = [f"ndtrain plan: {cfg.model.preset} model ({param_count(a) / 1e9:,.2f} B parameters: {a.n_layers} layers, "
+             f"dim {a.dim}, ffn {a.ffn_dim}, {a.n_heads}/{a.n_kv_heads} heads, vocab {a.vocab_size}) "
+             f"on {plan.world} × {c.name}",
+             f"layout pp={p.pp} dp={p.dp} (replicate {p.dp_replicate}) cp={p.cp} tp={p.tp}{' +sp' if p.sp else ''} "
+             f"ep={p.ep} zero={p.zero} · {p.pp_schedule if p.pp > 1 else 'one stage'}"
+             + (f" v={p.pp_virtual}" if p.pp_virtual > 1 else "")
+             + f" · {m} micro-batches of {t.micro_batch}×{t.seq_len} per rank, global batch {t.global_batch} · "
+               f"{t.precision} · recompute={t.recompute}",
+             "",
+             f"memory per rank (pipeline stage {w.stage} of {p.pp}, the fullest)" if p.pp > 1 else "memory per rank",
+             _row("parameters", gib(w.params), f"{w.params_count:,} on this rank"),
+             _row("gradients", gib(w.grads), "" if w.grads_held else "shards: none yet when the step begins"),
+             _row("optimizer states", gib(w.optimizer), "fp32 master + Adam moments" if t.precision in ("bf16", "fp16")
+                  else "Adam moments"),
+             _row("activations at the peak", gib(w.activations),
+                  f"{w.in_flight} micro-batch{'es' if w.in_flight != 1 else ''} in flight")]
+    for what, n in sorted(w.at_peak.items(), key=lambda kv: -kv[1]):
+        lines.append(_row(f"  {what}", gib(n)))
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    lines.append(_row("total (peak)", gib(w.total), f"{verdict} in {gib(c.usable_memory)} ({c.memory / 1e9:,.0f} GB "
+                                                   f"less {c.headroom:.0%} headroom)"))
+    if p.pp > 1:
+        lines.append("  by stage: " + " · ".join(f"{r.stage}: {gib(r.total)}" for r in plan.memory))
+    lines.append("  one micro-batch's saved blocks on this stage by recompute mode: " + " · ".join(
+        f"{mode} {gib(v)}" for mode, v in w.saved_by_mode.items()))
+    st = plan.step
+    lines += ["", f"step time ({'modelled; ' if plan.rate_source.startswith('given') else ''}busiest stage)",
+              _row(f"compute at {c.efficiency:.0%} of peak", seconds(st.compute),
+                   f"{rate(c.peak_flops(t.precision))} {t.precision} peak"),
+              _row("recomputation", seconds(st.recompute)),
+              _row("tensor/sequence parallel", seconds(st.tp)),
+              _row("context parallel", seconds(st.cp)),
+              _row("expert parallel", seconds(st.ep)),
+              _row("pipeline messages", seconds(st.pp_messages)),
+              _row(f"pipeline bubble ({p.pp_schedule if p.pp > 1 else 'none'})", seconds(st.bubble),
+                   f"{st.detail.get('bubble_fraction', 0.0):.3f} of the busy time" if p.pp > 1 else ""),
+              _row("data parallel / ZeRO (exposed)", seconds(st.dp)),
+              _row("step", seconds(st.total))]
+    if plan.rate_source.startswith("given"):
+        lines.append(_row("step at the given rate", seconds(plan.step_time_s), plan.rate_source))
+    lines += ["", f"throughput {plan.tokens_per_s:,.0f} tokens/s · {rate(plan.tflops_per_gpu * 1e12)} per GPU · "
+                  f"MFU {plan.mfu:.1%} ({plan.rate_source})"]
+    if plan.days is not None:
+        lines.append(f"days to train {count(plan.tokens)} tokens on {plan.world} GPUs: {plan.days:,.1f}")
+    return "\n".join(lines)
+
+
+def to_json(plan: Plan) -> str:
+    return json.dumps(plan.as_json())

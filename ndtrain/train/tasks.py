@@ -1,0 +1,73 @@
+"""Tasks: what a training job feeds the one trainer.
+
+Pretraining, supervised fine-tuning and RL differ only in the micro-batches they build
+(DESIGN.md, "Tasks"). A task hands the trainer, for step s and this rank, its
+`MicroBatch`es and its count of loss targets; the trainer sums the counts over dp × cp,
+divides every micro-batch's loss sum by that global count (the step owns the loss), and
+runs the layout's schedule. Nothing below the task (the trainer, the schedules, the
+parallel modules) branches on which task it is.
+
+The trainer decides which rows are this rank's (its data-parallel share; under context
+parallelism, its part of each sequence) and cuts them into micro-batches; the task decides
+what the rows hold. A task provides:
+- `vocab_size`: the ids its batches may hold (the model's embedding covers them);
+- `rows(split, step, start, stop)`: rows start..stop−1 of the global batch of `step`
+  ("train"), or of evaluation batch `step` ("val"), as one MicroBatch: a pure function of
+  its arguments and the seed, so every layout sees the same data and resume needs no state;
+- `eval_batches(requested)`: how many validation batches one evaluation reads;
+- `targets(mb)`: the loss targets it counts (default: targets that are not IGNORE);
+- `before_update(step, trainer)`: work before each update (RL's rollout phase, which
+  samples from the current policy and fills the batches `rows` serves, with per-token
+  `weights`); nothing for pretraining and SFT;
+- `baseline`, `baseline_label`: a reference loss for the summary and the plot.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ndtrain.config import Config
+from ndtrain.data.batch import MicroBatch
+from ndtrain.data.loader import BatchLoader
+from ndtrain.data.prepare import PreparedData
+from ndtrain.model.loss import count_targets
+
+
+@dataclass
+class StepData:
+    micro_batches: list[MicroBatch]
+    n_targets: int  # this rank's loss targets; the trainer sums them over dp × cp
+
+
+class Task:
+    vocab_size: int
+    baseline: float | None = None
+    baseline_label: str = "baseline"
+
+    def rows(self, split: str, step: int, start: int, stop: int) -> MicroBatch:
+        raise NotImplementedError
+
+    def eval_batches(self, requested: int) -> int:
+        return requested
+
+    def targets(self, mb: MicroBatch) -> int:
+        return count_targets(mb.targets)
+
+    def before_update(self, step: int, trainer) -> None:
+        """Called before the batch of `step` is read (RL: the rollout phase)."""
+
+
+class Pretrain(Task):
+    """Next-token prediction on windows of a token stream (data/loader.BatchLoader)."""
+
+    baseline_label = "unigram baseline"
+
+    def __init__(self, cfg: Config, data: PreparedData):
+        t = cfg.train
+        self.vocab_size = data.vocab_size
+        self.baseline = data.unigram_val_loss
+        self.loaders = {"train": BatchLoader(data.stream("train"), t.seq_len, t.global_batch, t.seed),
+                        "val": BatchLoader(data.stream("val"), t.seq_len, t.global_batch, t.seed, shuffle=False)}
+
+    def rows(self, split: str, step: int, start: int, stop: int) -> MicroBatch:
+        return MicroBatch(*self.loaders[split].rows(step, start, stop))

@@ -1,0 +1,82 @@
+"""The planner's memory per rank against what `ndtrain train --dry-run` measures, for every
+layout of the layout-invariance matrix (tests/test_layouts.py::LAYOUTS), and a few in
+bf16 and fp64, with Qwen3's block, and under context parallelism.
+
+One launch per world size runs `dry_run.measure` (two steps on random tokens, the second
+measured: observe/memory.py) on every row of that size; the planner (plan/memory.py) then
+predicts each rank from the configuration alone. Tolerance: 5% on each model state
+(parameters, gradients, optimizer) and on the rank's peak (the states held when the step
+begins plus the activation peak: `total` against the dry run's `peak`), and 15% on the
+activation peak alone (measured within 5.5% for the matrix and 8.5% for the rows beside it,
+full recomputation under CP being the least closely modelled; the CPU peak of a step also
+moves by a tensor or two from run to run with the timing of asynchronous collectives). The
+largest activation gap of each world size is printed (-s).
+"""
+
+import pytest
+
+from helpers import TINY
+from ndtrain.config import load_config, validate
+from ndtrain.plan.memory import per_rank
+from ndtrain.testing import run_ranks
+from test_layouts import LAYOUTS
+
+TOLERANCE = 0.05
+BASE = TINY + ["model.vocab_size=512"]
+# Beyond the matrix (fp32, Llama blocks): bf16 and fp64, Qwen3's block (q/k norms, head_dim ≠
+# dim / heads), and context parallelism (whose explicit attention kernels hold s²/cp² scores
+# while they run). A few rows: each one costs the suite a dry run.
+EXTRA = [("qwen3-bf16-zero3", ["model.qk_norm=true", "model.head_dim=32", "parallel.zero=3", "train.precision=bf16"]),
+         ("fp64-dp2", ["train.precision=fp64"]),
+         ("cp2-allgather", ["parallel.cp=2", "parallel.cp_impl=allgather"]),
+         ("cp2-ring-recompute-full-s256", ["parallel.cp=2", "train.recompute=full", "train.seq_len=256",
+                                           "train.global_batch=2"])]
+EXTRA_4 = [("cp2-tp2-ulysses", ["parallel.cp=2", "parallel.tp=2", "parallel.cp_impl=ulysses"]),
+           ("cp2-pp2-zb-allgather-bf16", ["parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=zb",
+                                          "train.micro_batch=2", "parallel.cp_impl=allgather", "train.precision=bf16"])]
+ROWS = {world: rows + {2: EXTRA, 4: EXTRA_4}.get(world, []) for world, rows in LAYOUTS.items()}
+
+
+def _config(overrides, world):
+    return validate(load_config(None, BASE + overrides), world=world, check_paths=False)
+
+
+def _measure_rows(rows):
+    import torch.distributed as dist
+
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.dry_run import measure
+    from ndtrain.train.worker import mesh_shape
+
+    world = dist.get_world_size()
+    out = {}
+    for name, overrides in rows:
+        cfg = _config(overrides, world)
+        out[name] = measure(cfg, ParallelMesh.build(mesh_shape(cfg)))["ranks"]
+    return out
+
+
+@pytest.mark.parametrize("world", sorted(ROWS))
+def test_planned_memory_matches_the_dry_run(world):
+    measured = run_ranks(_measure_rows, world, ROWS[world], timeout=600)[0]
+    failures, worst = [], (0.0, "")
+    for name, overrides in ROWS[world]:
+        cfg = _config(overrides, world)
+        stages = per_rank(cfg, cfg.model_args())
+        per_stage = world // cfg.parallel.pp  # ranks are laid out with pp outermost
+        for rank, m in enumerate(measured[name]):
+            plan = stages[rank // per_stage]
+            pairs = {"params": (plan.params, m["params"]), "grads": (plan.grads, m["grads"]),
+                     "optimizer": (plan.optimizer, m["optimizer"]), "peak": (plan.total, m["peak"])}
+            assert plan.params_count == m["psi"], f"{name} rank {rank}: parameters {plan.params_count} vs {m['psi']}"
+            for what, (ours, theirs) in pairs.items():
+                error = ours / theirs - 1
+                if abs(error) > TOLERANCE:
+                    failures.append(f"{name} rank {rank} {what}: planned {ours:,.0f} measured {theirs:,} ({error:+.1%})")
+            act = plan.activations / m["activations"] - 1
+            if abs(act) > 3 * TOLERANCE:
+                failures.append(f"{name} rank {rank} activations: planned {plan.activations:,.0f} "
+                                f"measured {m['activations']:,} ({act:+.1%})")
+            worst = max(worst, (abs(act), f"{name} rank {rank}: activations {act:+.1%}"))
+    print(f"\nworld {world}: largest activation-only gap {worst[1]}")
+    assert not failures, "\n".join(failures)

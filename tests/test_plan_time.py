@@ -1,0 +1,57 @@
+"""The step-time model moves the bytes the papers say each dimension moves (on an ideal link:
+no latency, 1 GB/s of bus bandwidth, no overlap), and stretches a pipeline by its
+schedule's bubble."""
+
+import pytest
+
+from ndtrain.config import load_config, validate
+from ndtrain.plan.calibration import LinkFit
+from ndtrain.plan.cluster import Cluster
+from ndtrain.plan.memory import stage_chunks, stage_params
+from ndtrain.plan.steptime import step_time
+
+BETA = 1e9
+IDEAL = Cluster("ideal", {"fp32": 1e15, "bf16": 1e15}, 1e12, 64, LinkFit(0.0, BETA), LinkFit(0.0, BETA),
+                shared_node=True)  # shared: nothing overlaps, every byte counts
+MODEL = ["model.preset=125M", "train.seq_len=512", "train.precision=fp32"]
+
+
+def _time(world, *overrides):
+    cfg = validate(load_config(None, MODEL + list(overrides)), world=world, check_paths=False)
+    step, _ = step_time(cfg, cfg.model_args(), IDEAL)
+    return cfg, step
+
+
+@pytest.mark.parametrize("sp", ["true", "false"])
+def test_tensor_parallel_moves_8bsh_per_layer(sp):
+    """Narayanan et al. 2021 (section 3.2): 8·b·s·h·(t−1)/t values per layer and micro-batch,
+    the same with sequence parallelism (Korthikanti et al. 2022, section 4.2.2); plus the
+    embedding's exit and the head's entry, 4·b·s·h·(t−1)/t (what tests/test_tp.py measures)."""
+    t, b = 4, 2
+    cfg, step = _time(t, f"parallel.tp={t}", f"parallel.sp={sp}", f"train.global_batch={b}")
+    a = cfg.model_args()
+    bsh = 4 * b * 512 * a.dim  # bytes, fp32
+    expected = (8 * a.n_layers + 4) * bsh * (t - 1) / t / BETA
+    assert step.tp == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("zero, ratio", [(1, 1.0), (2, 1.0), (3, 1.5)])
+def test_zero_moves_what_the_paper_says(zero, ratio):
+    """Rajbhandari et al. 2020 (section 7): DP all-reduces 2Ψ; ZeRO-1 and -2 reduce-scatter and
+    all-gather the same 2Ψ; ZeRO-3 gathers twice and reduce-scatters, 3Ψ: 1.5× DP."""
+    cfg, dp = _time(8, "train.global_batch=8")
+    _, zero_step = _time(8, f"parallel.zero={zero}", "train.global_batch=8")
+    assert zero_step.dp / dp.dp == pytest.approx(ratio)
+    psi = stage_params(cfg, cfg.model_args(), stage_chunks(cfg, cfg.model_args())[0])
+    assert dp.dp == pytest.approx(2 * 7 / 8 * 4 * psi / BETA)  # a ring all-reduce of the fp32 gradients
+
+
+@pytest.mark.parametrize("schedule, virtual, bubble", [("1f1b", 1, 3 / 8), ("afab", 1, 3 / 8),
+                                                      ("interleaved", 2, 3 / 16)])
+def test_pipeline_bubble_by_schedule(schedule, virtual, bubble):
+    """(p−1)/m for AFAB and 1F1B, (p−1)/(v·m) interleaved (Narayanan et al. 2021, section 2.2)."""
+    _, step = _time(4, "parallel.pp=4", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={virtual}",
+                    "train.global_batch=8", "train.micro_batch=1")
+    assert step.detail["bubble_fraction"] == pytest.approx(bubble)
+    busy = step.compute + step.recompute + step.tp + step.cp + step.pp_messages
+    assert step.bubble == pytest.approx(bubble * busy)
