@@ -264,7 +264,8 @@ ROWS_BY_WORLD = {
                                            "train.micro_batch=2"]),
         ("pp2-cp2-ep2", ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "train.micro_batch=2"])],
     8: [("pp2-dp2-tp2-ep2", ["parallel.pp=2", "parallel.tp=2", "parallel.ep=2", "train.micro_batch=2"]),
-        ("dp2-cp2-tp2-zero3-ep2", ["parallel.cp=2", "parallel.tp=2", "parallel.zero=3", "parallel.ep=2"])],
+        ("dp2-cp2-tp2-zero3-ep2", ["parallel.cp=2", "parallel.tp=2", "parallel.zero=3", "parallel.ep=2"]),
+        ("pp2-dp2-cp2-ep2", ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "train.micro_batch=2"])],
 }
 
 
