@@ -49,10 +49,6 @@ from ndtrain.parallel.schedule import GradSync, SingleStage
 from ndtrain.parallel.states import ReplicatedStates
 from ndtrain.parallel.zero import ZeRO
 
-# Which mesh dimensions hold identical copies of a checkpoint part (see checkpoint.store).
-REPLICATED_MODEL_DIMS = ("dp_replicate", "dp_shard", "cp")
-
-
 @dataclass
 class Parallelized:
     """This rank's model and the machinery of one forward and backward on it."""
@@ -63,9 +59,6 @@ class Parallelized:
     schedule: SingleStage | PipelineSchedule
     states: ReplicatedStates | ZeRO
     loss_fn: Callable = token_loss_sum
-    # mesh dims over which model / optimizer states are identical copies (for checkpoints)
-    model_replicated: tuple[str, ...] = REPLICATED_MODEL_DIMS
-    optim_replicated: tuple[str, ...] = REPLICATED_MODEL_DIMS
     # MoE models: the step's routing statistics and the routers' bias update
     balance: expert.LoadBalance | None = None
 
@@ -185,9 +178,6 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
         decoders = {f"chunk{c}": chunk for c, chunk in chunks.items()} if pipelined else None
         states = grad_sync = ZeRO(model, mesh, p.zero, dtype, rdtype, init, p.reshard_after_forward,
                                   defer=pipelined, decoders=decoders)
-        # Optimizer slices differ across dp_shard × cp; stage 3 splits the parameters too.
-        optim_replicated = ("dp_replicate",)
-        model_replicated = optim_replicated if p.zero == 3 else REPLICATED_MODEL_DIMS
     else:
         materialize(model, init, mesh.device)
         masters = MasterWeights(list(model.parameters())) if has_masters(dtype) else None
@@ -199,7 +189,6 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
         if experts:  # summed over the ranks holding the same experts
             grad_sync = GradSyncs([grad_sync, DataParallel(experts, mesh.group("edp"), bucket_bytes, rdtype, accum)])
         states = ReplicatedStates(model, grad_sync, masters)
-        model_replicated = optim_replicated = REPLICATED_MODEL_DIMS
     for chunk in chunks.values():
         chunk.reset_rope(mesh.device)
         expert.materialize_buffers(chunk, mesh.device)
@@ -209,5 +198,4 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
     else:
         schedule = SingleStage(model, loss_fn)
     balance = expert.LoadBalance(model, args, mesh, t.moe_aux_loss, t.moe_bias_rate) if args.is_moe else None
-    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, model_replicated, optim_replicated,
-                        balance)
+    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance)

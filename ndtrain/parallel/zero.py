@@ -587,23 +587,6 @@ class ZeRO:
         return persistent_buffers(self.model)
 
     @torch.no_grad()
-    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
-        expected = self.local_state()
-        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        if self.stage == 3:
-            for f in self.flats:
-                f.shard.copy_(state[f.name])
-        else:
-            for f in self.flats:
-                for p in f.params:
-                    p.copy_(state[self.names[id(p)]])
-        for name, b in self.buffers().items():
-            b.copy_(state[name])
-
-    @torch.no_grad()
     def gathered_state(self) -> dict[str, torch.Tensor] | None:
         """The local model's parameters (and buffers), whole over each flat's shard group,
         on that group's rank 0 (None where a rank is rank 0 of no group; expert flats have
@@ -631,16 +614,6 @@ class ZeRO:
             if f.group.rank == 0:
                 out.update({self.names[id(p)]: f.view_of(full, p).clone() for p in f.params})
         return out
-
-    def extra_state(self) -> dict:
-        """What a checkpoint needs besides the parameters and the optimizer's moments."""
-        return {"masters": [f.master.detach() for f in self.flats if f.separate_master]}
-
-    @torch.no_grad()
-    def load_extra_state(self, state: dict) -> None:
-        masters = [f.master for f in self.flats if f.separate_master]
-        for m, saved in zip(masters, state["masters"], strict=True):
-            m.copy_(saved)
 
     # -- memory accounting ---------------------------------------------------------
     def _flats_of(self, experts: bool) -> list[FlatParam]:
