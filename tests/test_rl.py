@@ -317,6 +317,7 @@ def broken_reward(prompt: str, completion: str, answer: str):
     (["rl.loss=reinforce", "rl.ppo_epochs=2"], "rl.ppo_epochs = 2: reinforce has no importance ratio"),
     (["rl.size=12"], "rl.size = 12: must be in [1, 9] for rl.task = addition"),
     (["train.seq_len=8"], "train.seq_len = 8: must hold the task's longest prompt"),
+    (["model.preset=tiny-moe"], "model.preset = 'tiny-moe': is a mixture-of-experts model: ndtrain rl does not"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(extra, expect, tmp_path, capsys, monkeypatch):
     from ndtrain.cli import main

@@ -20,6 +20,10 @@ def _fmt(record: dict) -> str:
         parts.append(f"val {record['val_loss']:.4f}")
     if record.get("pass@1") is not None:
         parts.append(f"held-out pass@1 {record['pass@1']:.3f}")
+    moe = record.get("moe")
+    if moe:  # the worst block: max load / mean − 1, dead experts, balance loss (1 = balanced)
+        parts.append(f"MoE maxvio {max(moe['max_violation']):.2f} · dead {max(moe['dead_fraction']):.0%} · "
+                     f"aux {max(moe['aux_loss']):.3f}")
     return " · ".join(parts)
 
 
