@@ -177,7 +177,7 @@ class RLConfig:
     eval_prompts: int = 200  # held-out prompts, answered greedily (pass@1) and pass_k times
     pass_k: int = 4  # samples per prompt for pass@k (0 = none)
     # The default job's warm-up (model.init_from empty): SFT on the task through the SFT task
-    warmup_steps: int = 250
+    warmup_steps: int = 350
     warmup_examples: int = 20000
 
 
@@ -239,7 +239,7 @@ SFT_DEFAULTS = ["data.path=stdlib-functions", "train.seq_len=256", "train.steps=
 # `ndtrain rl`'s own defaults (configs/rl.toml lists them): a batch of 8 prompts × 8
 # completions, a constant learning rate, held-out evaluation every 10 updates; the rows'
 # length (train.seq_len) follows from the task unless given.
-RL_DEFAULTS = ["train.steps=60", "train.global_batch=64", "train.lr=5e-4", "train.warmup=0", "train.min_lr_ratio=1.0",
+RL_DEFAULTS = ["train.steps=60", "train.global_batch=128", "train.lr=3e-5", "train.warmup=0", "train.min_lr_ratio=1.0",
                "train.weight_decay=0.0", "train.eval_every=10", "train.eval_batches=0", "train.log_every=5"]
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
