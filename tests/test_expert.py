@@ -305,11 +305,12 @@ def _loaded(overrides, data_dir, run_dir):
     from ndtrain.config import load_config, validate
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.tasks import Pretrain
     from ndtrain.train.trainer import Trainer
     from ndtrain.train.worker import mesh_shape
 
     cfg = validate(load_config(None, TINY + MOE + overrides), world=dist.get_world_size())
-    trainer = Trainer(cfg, ParallelMesh.build(mesh_shape(cfg)), PreparedData.open(data_dir), None)
+    trainer = Trainer(cfg, ParallelMesh.build(mesh_shape(cfg)), Pretrain(cfg, PreparedData.open(data_dir)), None)
     untrained = trainer.par.full_model_state()  # rank 0; live tensors under zero = 0: copied
     untrained = {k: v.clone() for k, v in untrained.items()} if untrained is not None else None
     trainer.resume(store.latest(Path(run_dir)))
