@@ -75,20 +75,27 @@ def padded_vocab(args: ModelArgs, tp: int) -> int:
     return -(-args.vocab_size // tp) * tp
 
 
+def block_weights(args: ModelArgs, tp: int) -> list[tuple[int, bool]]:
+    """One block's parameters on one tensor-parallel rank, in registration order, as
+    (elements, is a matrix): heads and features split by t (a q/k/v bias with its rows), K/V
+    weights whole when t exceeds the KV heads, the norms (and Qwen3's q/k norms) whole.
+    Matrices and vectors are ZeRO's two flat buffers per unit (weight decay or not)."""
+    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    kv_local = kv // tp if args.n_kv_heads % tp == 0 else kv  # replicated K/V weights
+    bias = args.qkv_bias
+    weights = [(h, False), (h * q // tp, True), *([(q // tp, False)] if bias else []),
+               (h * kv_local, True), *([(kv_local, False)] if bias else []),
+               (h * kv_local, True), *([(kv_local, False)] if bias else []), (q // tp * h, True)]
+    if args.qk_norm:
+        weights += [(args.head_dim, False), (args.head_dim, False)]
+    return weights + [(h, False), (h * f // tp, True), (h * f // tp, True), (f // tp * h, True)]
+
+
 def block_local(args: ModelArgs, tp: int) -> int:
-    """Parameters of one block on one tensor-parallel rank: heads and features split by t
-    (a q/k/v bias with its rows), K/V weights whole when t exceeds the KV heads, the norms
-    (and Qwen3's q/k norms) whole."""
+    """Parameters of one block on one tensor-parallel rank (`block_weights`)."""
     if tp == 1:
         return block_params(args)
-    h, q, kv = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    kv_local = kv // tp if args.n_kv_heads % tp == 0 else kv  # replicated K/V weights
-    n = 2 * h * q // tp + 2 * h * kv_local + 3 * h * args.ffn_dim // tp + 2 * h
-    if args.qkv_bias:
-        n += q // tp + 2 * kv_local
-    if args.qk_norm:
-        n += 2 * args.head_dim
-    return n
+    return sum(n for n, _ in block_weights(args, tp))
 
 
 def root_local(args: ModelArgs, chunk: Chunk, tp: int) -> int:
