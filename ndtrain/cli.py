@@ -10,7 +10,9 @@ import argparse
 import datetime
 import math
 import os
+import signal
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 from ndtrain import __version__
@@ -35,6 +37,8 @@ examples:
   ndtrain train --nproc 2 model.init_from=hf:DIR data.path=my.jsonl   start from a Hugging Face Llama/Qwen model
   ndtrain convert --to-hf runs/x --out hf/x      export a run as a Hugging Face model folder
   ndtrain checkpoint inspect runs/x              steps, layout, tensors and bytes per rank of a run's checkpoints
+  ndtrain train --nproc 4 run.max_restarts=3 train.save_every=20   restart every rank (from the last good
+                                                 checkpoint) when one dies or hangs; Ctrl-C saves, then exits
   ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
   ndtrain trace --nproc 2 parallel.cp=2 train.seq_len=512      context-parallel ring steps and their overlap
   ndtrain bench dp                               our DP against torch DDP, side by side
@@ -46,6 +50,7 @@ examples:
                                                  the same on a preset's shape (every benchmark takes model.preset)
   ndtrain bench sft                              fine-tuning on packed against padded rows, answer tokens/s
   ndtrain bench cp                               context parallelism: ring vs allgather vs ulysses vs one process
+  ndtrain bench checkpoint                       our checkpoint save/load against torch.distributed.checkpoint (125M, 2 ranks)
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
   ndtrain bench comm                             every collective's bus bandwidth; our ring all-reduce vs the backend's
   ndtrain plan --cluster H100-SXM --gpus 64 model.preset=8B train.precision=bf16 parallel.tp=8 parallel.zero=1
@@ -153,18 +158,20 @@ def _parser() -> argparse.ArgumentParser:
                                      "pp (our 1F1B, interleaved, zero bubble vs torch.distributed.pipelining; "
                                      "bubbles), cp (ring vs allgather vs ulysses vs 1 process at two sequence lengths), "
                                      "comm (every collective's bus bandwidth, our ring all-reduce vs the backend's), "
-                                     "sft (packed vs padded fine-tuning rows); KEY=VALUE reaches both sides or is refused",
+                                     "sft (packed vs padded fine-tuning rows), checkpoint (our save/load vs "
+                                     "torch.distributed.checkpoint, MB/s); KEY=VALUE reaches both sides or is refused",
                        description="Run ndtrain and its PyTorch-native anchor side by side (sft: packed and padded "
                                    "rows), alternating rounds; the last line is the ratio of their median "
                                    "throughputs. Every key a benchmark accepts (model.*, train.precision, "
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft"])
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "checkpoint"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
     p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR; "
-                                               "comm: the picture and figures (default runs/bench-comm-<date>)")
+                                               "comm: the picture and figures (default runs/bench-comm-<date>); "
+                                               "checkpoint: write the checkpoints there (default: a temporary folder)")
     p.add_argument("--sizes", nargs="+", metavar="SIZE", help="comm: message sizes, e.g. 1K 4M 64M "
                                                               "(default 1 KB to 256 MB by powers of 4)")
     with_config(p)
@@ -223,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _known_fault(summary: str) -> bool:
-    return summary.startswith(("TrainingError", "DataError", "ConfigError", "CheckpointError"))
+    return summary.startswith(("TrainingError", "DataError", "ConfigError", "CheckpointError", "CollectiveError"))
 
 
 # --------------------------------------------------------------------------- train
@@ -235,11 +242,11 @@ def _data_kwargs(cfg) -> dict:
 
 
 def open_data(cfg, progress: bool):
-    """The prepared data of `cfg` (prepared now if the cache lacks it), its ids checked
-    against its vocabulary."""
+    """The prepared data of `cfg` (prepared now if the cache lacks it), every shard checked
+    against its checksum and its ids against the vocabulary."""
     from ndtrain.data.prepare import PreparedData, prepare_data
     data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=progress))
-    data.check_token_ids()
+    data.verify()
     return data
 
 
@@ -288,9 +295,11 @@ def check_resume(cfg, run_dir: Path) -> Path | None:
 
 
 def cmd_train(args) -> int:
+    from ndtrain import supervisor
+    from ndtrain.checkpoint.lock import RunLock
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import load_config, validate
-    from ndtrain.launch import external_world, launch_local
+    from ndtrain.launch import external_world
     from ndtrain.train.worker import resolve_vocab, train_worker
 
     cfg = load_config(args.config, args.overrides)
@@ -306,32 +315,64 @@ def cmd_train(args) -> int:
         return dry_run(cfg, world)
     run_dir = _run_dir(cfg, "train")
     resumed = check_resume(cfg, run_dir)
+    if resumed and cfg.model.init_from:
+        warn([f"model.init_from = {cfg.model.init_from!r} has no effect here: run.dir holds a checkpoint, "
+              "which is resumed"])
 
     if world is not None:  # torchrun / SLURM started us: this process is one rank
-        summary = train_worker(cfg.to_dict(), str(run_dir), None)
+        with RunLock(run_dir) if os.environ.get("RANK", "0") == "0" else nullcontext():
+            summary = train_worker(cfg.to_dict(), str(run_dir), None)
         if summary:
             print_summary(summary)
+        # A clean stop exits 0 here: torchrun would take another status for a failure to restart.
+        _stopped(summary, supervisor.control().stop_signal)
         return 0
 
     data = open_data(cfg, cfg.run.progress)
     resolve_vocab(cfg, data)  # fails here, before any process starts or file is written
     p = cfg.parallel
-    print(f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
-          f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} steps → {run_dir}"
-          + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
-    if p.world == 1:
-        summary = train_worker(cfg.to_dict(), str(run_dir), str(data.path))
-    else:
-        summary = launch_local(p.world, train_worker, cfg.to_dict(), str(run_dir), str(data.path))[0]
+    with RunLock(run_dir):
+        print(f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
+              f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} steps → {run_dir}"
+              + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
+        summary, stop_signal = _run_ranks(cfg, train_worker, (cfg.to_dict(), str(run_dir), str(data.path)),
+                                          ("ndtrain.train.worker", "ndtrain.train.trainer"))
     print_summary(summary)
-    return 0
+    return _stopped(summary, stop_signal)
+
+
+def _run_ranks(cfg, worker, args: tuple, preload: tuple[str, ...]) -> tuple[dict, int]:
+    """`worker(*args)` on every rank: in this process when there is one and no restart to
+    watch for, else in watched processes (supervisor.py). Rank 0's result and the signal
+    that stopped the run, if one did."""
+    from ndtrain import supervisor
+    from ndtrain.launch import launch_local
+    p, run = cfg.parallel, cfg.run
+    if p.world == 1 and run.max_restarts == 0:
+        summary = worker(*args)
+        return summary, supervisor.control().stop_signal
+    results = launch_local(p.world, worker, *args, max_restarts=run.max_restarts, heartbeat_s=run.heartbeat_s,
+                           preload=preload)
+    return results[0], results.stop_signal
+
+
+def _stopped(summary: dict, stop_signal: int) -> int:
+    """Exit status 0, or 128 + the signal that stopped the run at a step boundary."""
+    if not summary.get("stopped"):
+        return 0
+    stop_signal = stop_signal or signal.SIGTERM
+    print(f"ndtrain: stopped by a signal after step {summary['steps']}, checkpoint saved; the same command "
+          "continues the run", file=sys.stderr, flush=True)
+    return 128 + int(stop_signal)
 
 
 def cmd_sft(args) -> int:
+    from ndtrain import supervisor
+    from ndtrain.checkpoint.lock import RunLock
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import SFT_DEFAULTS, ConfigError, load_config, validate
     from ndtrain.data.sft import ShortSequence, make_template, prepare_sft
-    from ndtrain.launch import external_world, launch_local
+    from ndtrain.launch import external_world
     from ndtrain.train import sft
 
     cfg = load_config(args.config, args.overrides, defaults=SFT_DEFAULTS)
@@ -364,21 +405,25 @@ def cmd_sft(args) -> int:
     run_dir = _run_dir(cfg, "sft")
     resumed = check_resume(cfg, run_dir)
     if world is not None:  # torchrun / SLURM started us: this process is one rank
-        summary = sft.sft_worker(cfg.to_dict(), str(run_dir), data)
+        with RunLock(run_dir) if os.environ.get("RANK", "0") == "0" else nullcontext():
+            summary = sft.sft_worker(cfg.to_dict(), str(run_dir), data)
+        stop_signal = supervisor.control().stop_signal
     else:
         p = cfg.parallel
-        print(f"ndtrain sft: {cfg.model.preset} model from {cfg.model.init_from or 'random weights'}, {p.world} "
-              f"process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {t.steps} steps, "
-              f"packing {d.packing} → {run_dir}" + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
-        print(data.describe(), flush=True)
-        if p.world == 1:
-            summary = sft.sft_worker(cfg.to_dict(), str(run_dir), data)
-        else:
-            summary = launch_local(p.world, sft.sft_worker, cfg.to_dict(), str(run_dir), data)[0]
-    if summary:
-        print(sft.describe_summary(summary), flush=True)
-        print_summary(summary)
-    return 0
+        with RunLock(run_dir):
+            print(f"ndtrain sft: {cfg.model.preset} model from {cfg.model.init_from or 'random weights'}, "
+                  f"{p.world} process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), "
+                  f"{t.steps} steps, packing {d.packing} → {run_dir}"
+                  + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
+            print(data.describe(), flush=True)
+            summary, stop_signal = _run_ranks(cfg, sft.sft_worker, (cfg.to_dict(), str(run_dir), data),
+                                              ("ndtrain.train.sft", "ndtrain.train.trainer"))
+    if not summary:
+        return 0
+    print(sft.describe_summary(summary), flush=True)
+    print_summary(summary)
+    code = _stopped(summary, stop_signal)
+    return 0 if world is not None else code  # torchrun takes another status for a failure to restart
 
 
 def default_pretraining_run(cfg, world) -> Path:
@@ -397,6 +442,8 @@ def default_pretraining_run(cfg, world) -> Path:
     if main(["train", *nproc, f"run.device={cfg.run.device}"]) != 0:
         raise ConfigError("model.init_from", "", "the default pretraining run failed")
     return find_default_run(Path("runs"))
+
+
 def _check_fits(cfg, world: int | None) -> None:
     """Refuse, before any process starts, a model whose states alone overflow the device."""
     from ndtrain.plan.fit import check_model_states_fit
@@ -596,8 +643,10 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import comm, cp, dp, pp, sft, tp, zero
-    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft}[args.what].run(args)
+    from ndtrain.bench import checkpoint, comm, cp, dp, pp, sft, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft,
+            "checkpoint": checkpoint}[args.what].run(args)
+
 
 if __name__ == "__main__":
     sys.exit(main())

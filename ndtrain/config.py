@@ -145,6 +145,9 @@ class RunConfig:
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch threads per rank on the CPU; 0 = cores / local ranks
     stop_after: int = 0  # stop (with a checkpoint) after this many steps in this invocation; 0 = never
+    max_restarts: int = 0  # local launcher: restart every rank this often after one dies or hangs (last good checkpoint)
+    heartbeat_s: float = 600.0  # local launcher: a rank that reports no progress for this long is hung; 0 = never
+    collective_timeout_s: float = 600.0  # a collective not complete after this fails, naming it, its group and the rank
     progress: bool = True
     plot: bool = True
 
@@ -514,6 +517,9 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     if r.threads > cores:
         raise ConfigError("run.threads", r.threads, f"must be at most this machine's {cores} CPU cores")
     _positive("run.stop_after", r.stop_after, zero_ok=True)
+    _positive("run.max_restarts", r.max_restarts, zero_ok=True)
+    _positive("run.heartbeat_s", r.heartbeat_s, zero_ok=True)
+    _positive("run.collective_timeout_s", r.collective_timeout_s)
     _positive("train.keep_checkpoints", t.keep_checkpoints, zero_ok=True)
 
     # The layout: process count, batch split, head split.

@@ -1,27 +1,29 @@
 """Starting processes, or joining the ones a launcher started.
 
-- Locally, `launch_local(n, fn, *args)` starts n processes through PyTorch's elastic
-  launcher (the engine behind torchrun) with a c10d rendezvous on a free local port.
+- Locally, `launch_local(n, fn, *args)` starts n processes and watches them
+  (ndtrain/supervisor.py): a rank that dies or hangs stops the others within a second, and
+  with `run.max_restarts` they all start again from the newest good checkpoint. They meet
+  through a TCPStore the parent hosts and torchrun's environment variables.
 - Under `torchrun` (RANK/WORLD_SIZE/MASTER_ADDR set) or SLURM (SLURM_PROCID, ...), ndtrain
   starts nothing: it reads the environment it was given, so multi-node runs work the standard
-  way. We invent no launcher protocol of our own.
-- The backend is NCCL on CUDA and gloo on the CPU.
-- If a rank dies, the elastic agent stops the others; we report the rank that failed first
-  (not a peer that merely lost its connection to it) with its exception.
+  way (torchrun's `--max-restarts` restarts them; they resume by themselves). We invent no
+  launcher protocol of our own.
+- The backend is NCCL on CUDA and gloo on the CPU; `run.collective_timeout_s` bounds every
+  collective (`set_collective_timeout`).
 """
 
 from __future__ import annotations
 
 import datetime
-import logging
 import os
-import re
 import sys
-import uuid
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from ndtrain import supervisor
+from ndtrain.supervisor import RankFailure, Results  # noqa: F401 - the launcher's errors live here too
 
 
 @dataclass
@@ -101,9 +103,21 @@ def init_process(device_kind: str = "auto", threads: int = 0, timeout_s: float =
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend, store=_store(rank, world, timeout), rank=rank, world_size=world,
+                                timeout=timeout, **kwargs)
     return ProcessEnv(rank, world, local_rank, local_world, device)
+
+
+def _store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """The rendezvous store of MASTER_ADDR:MASTER_PORT, as env:// would make it, under a
+    prefix of its own for each restart. torchrun's agent keeps one store across restarts
+    (TORCHELASTIC_USE_AGENT_STORE): without the prefix a restarted rank can read the
+    address a dead rank of the previous attempt published and fail to connect to it."""
+    agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ.get("MASTER_PORT", "29500")),
+                          world, is_master=not agent and rank == 0, timeout=timeout, multi_tenant=True)
+    return dist.PrefixStore(f"ndtrain/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def shutdown() -> None:
@@ -111,51 +125,26 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-class RankFailure(RuntimeError):
-    """A rank of a local launch failed. `rank`, `summary` (one line), `traceback`."""
-
-    def __init__(self, rank: int, summary: str, traceback: str = ""):
-        self.rank, self.summary, self.traceback = rank, summary, traceback
-        super().__init__(f"rank {rank} failed: {summary}")
-
-
-# Messages of ranks that only noticed a peer's death; never the root cause.
-_PEER_LOSS = re.compile(r"Connection closed by peer|Connection reset|Broken pipe|SIGTERM|Signal 15|"
-                        r"ProcessGroupGloo|NCCL communicator was aborted|recvBytes|socket", re.I)
+def launch_local(nproc: int, fn, *args, max_restarts: int = 0, heartbeat_s: float = 0.0,
+                 preload: tuple[str, ...] = ()) -> Results:
+    """Run `fn(*args)` in `nproc` local processes, watched (ndtrain/supervisor.py); returns
+    their results by rank. Raises RankFailure naming the rank that failed first for a reason
+    of its own."""
+    return supervisor.launch(nproc, fn, args, max_restarts=max_restarts, heartbeat_s=heartbeat_s,
+                             preload=preload, log=lambda m: print(f"ndtrain: {m}", file=sys.stderr, flush=True))
 
 
-def _root_cause(failures: dict) -> tuple[int, str, str]:
-    def info(rank, failure):
-        msg = failure.message
-        if isinstance(msg, dict):
-            tb = msg.get("extraInfo", {}).get("py_callstack", "")
-            msg = msg.get("message", "")
-        else:
-            tb = ""
-        return rank, str(msg).strip().splitlines()[-1] if msg else f"exit code {failure.exitcode}", tb
-
-    ordered = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    candidates = [info(r, f) for r, f in ordered]
-    for cand in candidates:
-        if not _PEER_LOSS.search(cand[1]):
-            return cand
-    return candidates[0]
-
-
-def launch_local(nproc: int, fn, *args):
-    """Run `fn(*args)` in `nproc` local processes; returns {rank: result}.
-    Raises RankFailure naming the rank that failed first."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    for name in ("torch.distributed.elastic", "torch.distributed.launcher"):
-        logging.getLogger(name).setLevel(logging.CRITICAL)
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn")
-    os.environ.setdefault("TORCHELASTIC_ERROR_FILE_PRINTING", "0")
-    try:
-        return elastic_launch(config, fn)(*args)
-    except ChildFailedError as e:
-        rank, summary, tb = _root_cause(e.failures)
-        raise RankFailure(rank, summary, tb) from None
+def set_collective_timeout(seconds: float) -> None:
+    """Give every process group made so far (the mesh's, the pipeline's) this timeout: a
+    collective that does not complete in time then fails (comm/ops.py names it) instead of
+    hanging. Groups made by `new_group` otherwise keep torch's default (30 min on gloo)."""
+    import torch.distributed.distributed_c10d as c10d
+    setter = getattr(c10d, "_set_pg_timeout", None)
+    if setter is None or not dist.is_initialized():
+        return
+    timeout = datetime.timedelta(seconds=seconds)
+    for pg in list(getattr(c10d, "_world").pg_map):
+        try:
+            setter(timeout, pg)
+        except (ValueError, RuntimeError, AssertionError):  # a group this rank is not in
+            continue

@@ -6,6 +6,8 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import torch
+
 from helpers import TINY
 
 
@@ -31,9 +33,11 @@ def make_trainer(overrides: list[str], data_dir: str, run_dir: str | None):
 
 
 def full_state(trainer) -> dict | None:
-    """The whole model's weights on rank 0 (fp32 copies), None elsewhere. Collective."""
+    """The whole model's weights on rank 0 (fp32 copies, fp64 in fp64 runs), None elsewhere.
+    Collective."""
     full = trainer.par.full_model_state()
-    return {k: v.detach().float().clone() for k, v in full.items()} if full is not None else None
+    dtype = torch.float64 if trainer.cfg.train.precision == "fp64" else torch.float32
+    return {k: v.detach().to(dtype).clone() for k, v in full.items()} if full is not None else None
 
 
 def train(overrides: list[str], data_dir: str, run_dir: str | None, before_fit=None):

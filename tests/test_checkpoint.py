@@ -6,7 +6,6 @@ One launch of 2 ranks (ZeRO-1: each rank writes its own file) runs every scenari
 read its results.
 """
 
-import json
 import shutil
 from pathlib import Path
 
@@ -130,57 +129,37 @@ def test_resume_may_change_zero_stage_and_precision(scenarios):
 
 # --------------------------------------------------------------------------- the command line
 
-def _cli(run: Path, corpus: Path, cache: Path, *extra: str) -> list[str]:
-    return ["train", "--nproc", "1", "model.preset=tiny", "train.steps=2", "train.global_batch=4",
-            "train.seq_len=32", "train.eval_batches=1", f"data.path={corpus}", "data.vocab_size=300",
-            f"data.cache_dir={cache}", f"run.dir={run}", "run.device=cpu", "run.plot=false", *extra]
-
-
 @pytest.mark.parametrize("change, key", [
     ("model.dim=128", "model.dim"),
     ("model.n_layers=2", "model.n_layers"),
     ("train.seq_len=16", "train.seq_len"),
-    ("train.global_batch=8", "train.global_batch"),
+    ("train.global_batch=16", "train.global_batch"),
     ("train.seed=1", "train.seed"),
     ("data.path=OTHER", "data.path"),
 ])
 def test_resume_refuses_another_model_or_other_data_and_writes_nothing(cli_run, change, key, capsys):
+    from helpers import TINY
     from ndtrain.cli import main
-    run, corpus, cache = cli_run
+    run, data = cli_run
     if change == "data.path=OTHER":
-        change = f"data.path={corpus.parent / 'other'}"
-        (corpus.parent / "other").mkdir(exist_ok=True)
-        (corpus.parent / "other" / "a.py").write_text("x = 1\n" * 100)
+        other = run.parent / "other"
+        other.mkdir(exist_ok=True)
+        (other / "a.py").write_text("x = 1\n" * 100)
+        change = f"data.path={other}"
     before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     capsys.readouterr()
-    assert main(_cli(run, corpus, cache, change)) == 2
+    assert main(["train", "--nproc", "1", *TINY, f"data.path={data}", f"run.dir={run}", change]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"ndtrain: error: {key} = ") and "differs from the" in err and "Traceback" not in err, err
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
 
 
 @pytest.fixture(scope="module")
-def cli_run(tmp_path_factory):
-    from helpers import make_tiny_corpus
-    from ndtrain.cli import main
-    root = tmp_path_factory.mktemp("cli_resume")
-    corpus, run = make_tiny_corpus(root), root / "run"
-    assert main(_cli(run, corpus, root / "cache")) == 0
-    return run, corpus, root / "cache"
-
-
-def test_resume_reads_a_run_written_on_another_layout(cli_run, capsys):
-    """The 1-process run continues on 2 ranks (tp=2) to step 4; meta.json records it."""
-    from ndtrain.checkpoint import store
-    from ndtrain.cli import main
-    run, corpus, cache = cli_run
-    args = _cli(run, corpus, cache, "train.steps=4", "parallel.tp=2")
-    args[2] = "2"  # --nproc
-    assert main(args) == 0
-    meta = store.read_meta(store.latest(run))
-    assert meta["step"] == 4 and meta["mesh"]["tp"] == 2
-    assert json.loads((run / "summary.json").read_text())["steps"] == 4
-    shutil.rmtree(run / "checkpoints" / "step_0000004")  # leave the fixture as it was
+def cli_run(tiny_data, tmp_path_factory):
+    """A run directory as the command line leaves it (2 steps on one process)."""
+    run = tmp_path_factory.mktemp("cli_resume") / "run"
+    train([f"data.path={tiny_data}", "train.steps=2"], tiny_data, str(run))
+    return run, tiny_data
 
 
 @pytest.mark.parametrize("overrides, fragment", [
@@ -191,6 +170,9 @@ def test_resume_reads_a_run_written_on_another_layout(cli_run, capsys):
     (["model.head_dim=15"], "model.head_dim = 15: head dim 15 must be even for RoPE"),
     (["model.qkv_bias=true", "model.qk_norm=true"], "model.qk_norm = True: with model.qkv_bias as well"),
     (["train.keep_checkpoints=-1"], "train.keep_checkpoints = -1: must be >= 0"),
+    (["run.max_restarts=-1"], "run.max_restarts = -1: must be >= 0"),
+    (["run.heartbeat_s=-5"], "run.heartbeat_s = -5.0: must be >= 0"),
+    (["run.collective_timeout_s=0"], "run.collective_timeout_s = 0.0: must be > 0"),
 ])
 def test_bad_checkpoint_keys_are_one_line_and_write_nothing(overrides, fragment, tmp_path, capsys, monkeypatch):
     from ndtrain.cli import main

@@ -102,25 +102,45 @@ def test_dead_rank_is_named_and_nothing_hangs():
     assert time.monotonic() - t0 < 120
 
 
-def test_under_torchrun_ndtrain_is_one_rank(tmp_path):
-    """torchrun starts the processes; ndtrain reads RANK/WORLD_SIZE and writes a full run dir."""
+def test_under_torchrun_ndtrain_is_one_rank_and_resumes_after_an_elastic_restart(tmp_path):
+    """torchrun starts the processes; ndtrain reads RANK/WORLD_SIZE and writes a full run dir.
+    A worker killed after the first checkpoint makes torchrun restart the group
+    (--max-restarts 1); the new ranks resume by themselves, log what the restart cost, and the
+    run ends complete."""
+    import os
+    import random
+    import signal
     import subprocess
     import sys
 
     from helpers import make_tiny_corpus
+    from ndtrain.observe.metrics import read_metrics
+    from test_faults import descendants, wait_for
     corpus = make_tiny_corpus(tmp_path)
     run = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", "127.0.0.1:0", "-m", "ndtrain.cli", "train", "model.preset=tiny",
-           "train.steps=2", "train.global_batch=4", "train.seq_len=32", "train.eval_batches=1",
-           f"data.path={corpus}", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}",
-           f"run.dir={run}", "run.device=cpu", "run.plot=false"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert "validation loss" in out.stdout
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1",
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "-m", "ndtrain.cli", "train",
+           "model.preset=tiny", "train.steps=60", "train.save_every=3", "train.global_batch=4", "train.seq_len=32",
+           "train.eval_batches=1", f"data.path={corpus}", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}",
+           f"run.dir={run}", "run.device=cpu", "run.plot=false", "run.progress=false"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: (run / "checkpoints" / "step_0000003").is_dir(), what="the first checkpoint")
+        workers = [p for p in descendants(proc.pid) if b"ndtrain.cli" in open(f"/proc/{p}/cmdline", "rb").read()]
+        os.kill(random.Random(0).choice(workers), signal.SIGKILL)
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err[-3000:]
+    assert "validation loss" in out and "restart 1: resumed step " in err, err[-3000:]
     for name in ("config.toml", "tokenizer.json", "metrics.jsonl", "checkpoints/latest"):
         assert (run / name).is_file(), name
     assert "dp = 2" in (run / "config.toml").read_text()
+    restart = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+    assert len(restart) == 1 and restart[0]["restart"] == 1 and restart[0]["resumed_step"] >= 3
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")] == list(range(60))
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_0000060"
 
 
 # --------------------------------------------------------------------------- bad input (issue 9)
@@ -192,6 +212,21 @@ def test_token_ids_outside_the_vocabulary_are_refused_before_launch(tiny_data, t
     write_shard(shard, tokens)
     _refused(["train", f"data.path={data}", "model.preset=tiny", "run.device=cpu", f"run.dir={tmp_path / 'run'}"],
              tmp_path, capsys, monkeypatch, f"shard {shard}: holds token id {meta['vocab_size']}, outside the vocabulary")
+
+
+def test_a_flipped_byte_in_a_token_shard_is_refused_before_launch(tiny_data, tmp_path, capsys, monkeypatch):
+    """A byte changed in place keeps the shard's size and its ids valid; its checksum names it."""
+    import json
+    import shutil
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_data, data)
+    shard = data / json.loads((data / "meta.json").read_text())["train_shards"][0]
+    raw = bytearray(shard.read_bytes())
+    raw[32 + 2 * 1000] ^= 0x01  # token 1000 is another valid id now
+    shard.write_bytes(bytes(raw))
+    _refused(["train", f"data.path={data}", "model.preset=tiny", "run.device=cpu", f"run.dir={tmp_path / 'run'}"],
+             tmp_path, capsys, monkeypatch, f"shard {shard}: its tokens do not match the checksum in its header")
 
 
 def test_more_cpu_processes_than_cores_is_one_warning(monkeypatch):

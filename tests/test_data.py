@@ -120,6 +120,22 @@ def test_shard_round_trip(tmp_path, high, code):
     assert [p.name for p in tmp_path.iterdir()] == ["s.bin"]  # no temp file left behind
 
 
+def test_a_flipped_byte_in_a_shard_fails_its_checksum(tmp_path):
+    """The size and the header cannot see a byte changed in place; the checksum does, when
+    asked (the command asks once per shard before a run)."""
+    path = tmp_path / "train-00000.bin"
+    write_shard(path, np.arange(100))
+    raw = bytearray(path.read_bytes())
+    raw[32 + 2 * 50] ^= 0x01  # token 50 becomes 51: a valid id, a different corpus
+    path.write_bytes(bytes(raw))
+    assert read_shard(path)[50] == 51  # the header alone cannot tell
+    with pytest.raises(DataError, match="do not match the checksum in its header") as err:
+        read_shard(path, verify=True)
+    assert str(path) in str(err.value) and "\n" not in str(err.value)
+    write_shard(path, np.arange(100))
+    assert np.array_equal(read_shard(path, verify=True), np.arange(100))
+
+
 def test_empty_shard_round_trip(tmp_path):
     write_shard(tmp_path / "e.bin", np.array([], dtype=np.int64))
     assert len(read_shard(tmp_path / "e.bin")) == 0

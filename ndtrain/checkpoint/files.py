@@ -4,8 +4,9 @@ The safetensors format is an 8-byte little-endian header length, a JSON header n
 tensor's dtype, shape and byte range, then the raw little-endian bytes. We write it
 ourselves so that each tensor goes from memory to the file without an intermediate copy of
 the whole file, and the SHA-256 of the file is computed over the same bytes on the way (no
-second read). Reading goes through `safetensors.safe_open`, whose `get_slice` reads only the
-rows asked for.
+second read; the hashing runs on a thread beside the writing). Reading maps a file into memory
+and views the elements asked for, so only their pages are read and the one copy is into the
+tensor being filled.
 """
 
 from __future__ import annotations
@@ -13,16 +14,19 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import queue
 import struct
+import threading
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
-from safetensors import safe_open
 
 DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
           torch.bool: "BOOL"}
+NAMES = {name: dtype for dtype, name in DTYPES.items()}
 CHUNK = 8 << 20
 
 
@@ -45,19 +49,31 @@ def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, C
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # aligns the tensors' bytes
     digest, size = hashlib.sha256(), 0
-    with open(path, "wb") as f:
-        def put(buf: memoryview) -> None:
-            nonlocal size
-            f.write(buf)
-            digest.update(buf)
-            size += buf.nbytes
+    pending: queue.Queue = queue.Queue(maxsize=4)
 
-        put(memoryview(struct.pack("<Q", len(raw)) + raw))
-        for key, dtype, shape, fetch in entries:
-            t = fetch()
-            if t.dtype != dtype or tuple(t.shape) != tuple(shape):
-                raise ValueError(f"{key}: announced {dtype} {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
-            put(_bytes(t))
+    def hash_in_order():  # hashlib and file writes release the GIL: the two overlap
+        while (buf := pending.get()) is not None:
+            digest.update(buf)
+
+    hasher = threading.Thread(target=hash_in_order, daemon=True)
+    hasher.start()
+    try:
+        with open(path, "wb") as f:
+            def put(buf: memoryview) -> None:
+                nonlocal size
+                pending.put(buf)
+                f.write(buf)
+                size += buf.nbytes
+
+            put(memoryview(struct.pack("<Q", len(raw)) + raw))
+            for key, dtype, shape, fetch in entries:
+                t = fetch()
+                if t.dtype != dtype or tuple(t.shape) != tuple(shape):
+                    raise ValueError(f"{key}: announced {dtype} {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
+                put(_bytes(t))
+    finally:
+        pending.put(None)
+        hasher.join()
     return size, digest.hexdigest()
 
 
@@ -79,27 +95,35 @@ def header_of(path: Path) -> dict:
 
 
 class Reader:
-    """Open safetensors files once each; read flat element ranges of their tensors."""
+    """safetensors files mapped into memory once each; a read is a view of the mapping, so the
+    only copy is the one into the tensor being filled, and only the pages it touches are read
+    from disk."""
 
     def __init__(self):
-        self._open: dict[Path, object] = {}
+        self._open: dict[Path, tuple[np.memmap, dict, int]] = {}
 
-    def handle(self, path: Path):
+    def _file(self, path: Path):
         if path not in self._open:
-            self._open[path] = safe_open(str(path), framework="pt", device="cpu")
+            with open(path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                header = json.loads(f.read(n))
+            size = path.stat().st_size
+            data = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + n, shape=(size - 8 - n,)) \
+                if size > 8 + n else np.zeros(0, np.uint8)
+            self._open[path] = (data, header, 8 + n)
         return self._open[path]
 
     def read(self, path: Path, key: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements [lo, hi) of tensor `key` in row-major order, reading only the rows they
-        fall in."""
-        part = self.handle(path).get_slice(key)
-        shape = part.get_shape()
-        if not shape:
-            return part[...].reshape(-1)[lo:hi]
-        inner = math.prod(shape[1:])
-        r0, r1 = lo // inner, -(-hi // inner)
-        rows = part[r0:r1].reshape(-1)
-        return rows[lo - r0 * inner:hi - r0 * inner]
+        """Elements [lo, hi) of tensor `key`, in row-major order (a view, no copy)."""
+        data, header, _ = self._file(path)
+        info = header[key]
+        dtype = NAMES[info["dtype"]]
+        size = torch.empty((), dtype=dtype).element_size()
+        begin = info["data_offsets"][0] + lo * size
+        raw = torch.from_numpy(data[begin:begin + (hi - lo) * size])
+        if begin % size:  # a tensor after one of an odd byte length: not aligned for a view
+            raw = raw.clone()
+        return raw.view(dtype)
 
     def close(self) -> None:
         self._open.clear()

@@ -95,9 +95,15 @@ def my_share(pieces: list[Held], mesh: ParallelMesh) -> list[Held]:
     return mine
 
 
+def finite(t: torch.Tensor) -> bool:
+    """Whether every element is finite: a NaN or inf anywhere makes the sum NaN or inf (one
+    pass, no temporary); a sum that overflows on finite values is checked element-wise."""
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
+
+
 def all_finite(pieces: list[Held], device: torch.device) -> bool:
     """Whether every element written is finite, agreed by every rank."""
-    ok = all(bool(torch.isfinite(h.data).all()) for h in pieces)
+    ok = all(finite(h.data) for h in pieces)
     if dist.is_initialized() and dist.get_world_size() > 1:
         flag = torch.tensor([0.0 if ok else 1.0], device=device)
         dist.all_reduce(flag)
@@ -131,9 +137,9 @@ def load(source, par, tie_embeddings: bool, optimizer: torch.optim.Optimizer | N
     whether moments were loaded. Collective (the ZeRO-1/2 all-gather after loading)."""
     with_moments = optimizer is not None and source.has("exp_avg")
     moments = {}
-    if with_moments:
+    if with_moments:  # filled in place where AdamW has them already, else new
         holders = {id(s.holder): s.holder for s in par.states.optim_slices()}.values()
-        moments = {t: {k: torch.zeros_like(t) for k in MOMENTS} for t in holders}
+        moments = {t: {k: _moment(optimizer.state.get(t, {}).get(k), t) for k in MOMENTS} for t in holders}
     kinds = ("weight",) + (MOMENTS if with_moments else ())
     for h in held(par.states, tie_embeddings, moments, kinds):
         source.fill(h.key, h.piece, h.data)
@@ -141,6 +147,11 @@ def load(source, par, tie_embeddings: bool, optimizer: torch.optim.Optimizer | N
         install_moments(optimizer, moments, optimizer_step)
     par.states.after_step()  # masters → compute parameters, as after a step
     return with_moments
+
+
+def _moment(current: torch.Tensor | None, holder: torch.Tensor) -> torch.Tensor:
+    fits = current is not None and current.shape == holder.shape and current.dtype == holder.dtype
+    return current if fits else torch.zeros_like(holder)
 
 
 def install_moments(optimizer: torch.optim.Optimizer, moments: dict, step: float) -> None:

@@ -17,6 +17,42 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+class CollectiveError(RuntimeError):
+    """A collective that failed or did not complete within the process group's timeout
+    (`run.collective_timeout_s`), named: the operation, the mesh group, this rank."""
+
+
+def _describe(op: str, group: Group, error: Exception) -> str:
+    text = str(error).strip()
+    reason = text.splitlines()[0] if text else type(error).__name__
+    late = "timed out" in text.lower() or "timeout" in text.lower()
+    what = "did not complete within the collective timeout (run.collective_timeout_s)" if late else "failed"
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return f"{op} over group {group.name} (ranks {group.ranks}) {what} on rank {rank}: {reason}"
+
+
+def _named(op: str, group: Group, call):
+    try:
+        return call()
+    except CollectiveError:
+        raise
+    except RuntimeError as e:  # DistBackendError and gloo's errors are RuntimeErrors
+        raise CollectiveError(_describe(op, group, e)) from None
+
+
+class Named:
+    """An asynchronous handle whose `wait` names the collective when it fails."""
+
+    def __init__(self, work, op: str, group: Group):
+        self.work, self.op, self.group = work, op, group
+
+    def wait(self, *args):
+        return _named(self.op, self.group, lambda: self.work.wait(*args))
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
 class Done:
     """The handle of an operation that completed synchronously."""
 
@@ -34,9 +70,9 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _finish(work, async_op: bool):
+def _finish(work, async_op: bool, op: str = "", group: Group | None = None):
     if async_op:
-        return work if work is not None else DONE
+        return Named(work, op, group) if work is not None else DONE
     return None
 
 
@@ -45,7 +81,8 @@ def all_reduce(t: torch.Tensor, group: Group, op=dist.ReduceOp.SUM, async_op: bo
     if not group.active:
         return _finish(None, async_op)
     group.stats.record(group.name, "all_reduce", _nbytes(t), group.size)
-    return _finish(dist.all_reduce(t, op=op, group=group.pg, async_op=async_op), async_op)
+    work = _named("all_reduce", group, lambda: dist.all_reduce(t, op=op, group=group.pg, async_op=async_op))
+    return _finish(work, async_op, "all_reduce", group)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
@@ -54,7 +91,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
         out.copy_(inp.view_as(out))
         return _finish(None, async_op)
     group.stats.record(group.name, "all_gather", _nbytes(out), group.size)
-    return _finish(_all_gather(out, inp, group=group.pg, async_op=async_op), async_op)
+    work = _named("all_gather", group, lambda: _all_gather(out, inp, group=group.pg, async_op=async_op))
+    return _finish(work, async_op, "all_gather", group)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group,
@@ -64,7 +102,9 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group,
         out.copy_(inp.view_as(out))
         return _finish(None, async_op)
     group.stats.record(group.name, "reduce_scatter", _nbytes(inp), group.size)
-    return _finish(_reduce_scatter(out, inp, op=op, group=group.pg, async_op=async_op), async_op)
+    work = _named("reduce_scatter", group,
+                  lambda: _reduce_scatter(out, inp, op=op, group=group.pg, async_op=async_op))
+    return _finish(work, async_op, "reduce_scatter", group)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group,
@@ -74,8 +114,9 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group,
         out.copy_(inp)
         return _finish(None, async_op)
     group.stats.record(group.name, "all_to_all", _nbytes(inp), group.size)
-    work = dist.all_to_all_single(out, inp, out_splits, in_splits, group=group.pg, async_op=async_op)
-    return _finish(work, async_op)
+    work = _named("all_to_all", group, lambda: dist.all_to_all_single(out, inp, out_splits, in_splits,
+                                                                       group=group.pg, async_op=async_op))
+    return _finish(work, async_op, "all_to_all", group)
 
 
 def broadcast(t: torch.Tensor, group: Group, src: int = 0, async_op: bool = False):
@@ -83,20 +124,21 @@ def broadcast(t: torch.Tensor, group: Group, src: int = 0, async_op: bool = Fals
     if not group.active:
         return _finish(None, async_op)
     group.stats.record(group.name, "broadcast", _nbytes(t), group.size)
-    work = dist.broadcast(t, src=group.ranks[src], group=group.pg, async_op=async_op)
-    return _finish(work, async_op)
+    work = _named("broadcast", group, lambda: dist.broadcast(t, src=group.ranks[src], group=group.pg,
+                                                             async_op=async_op))
+    return _finish(work, async_op, "broadcast", group)
 
 
 def send(t: torch.Tensor, group: Group, dst: int):
     """Point-to-point send to group member `dst`; returns a handle."""
     group.stats.record(group.name, "send", _nbytes(t), group.size)
-    return dist.isend(t, dst=group.ranks[dst], group=group.pg)
+    return Named(_named("send", group, lambda: dist.isend(t, dst=group.ranks[dst], group=group.pg)), "send", group)
 
 
 def recv(t: torch.Tensor, group: Group, src: int):
     """Point-to-point receive from group member `src` into `t`; returns a handle."""
     group.stats.record(group.name, "recv", _nbytes(t), group.size)
-    return dist.irecv(t, src=group.ranks[src], group=group.pg)
+    return Named(_named("recv", group, lambda: dist.irecv(t, src=group.ranks[src], group=group.pg)), "recv", group)
 
 
 def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group) -> list:
@@ -110,7 +152,8 @@ def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
     for t, src in recvs:
         group.stats.record(group.name, "recv", _nbytes(t), group.size)
         p2p.append(dist.P2POp(dist.irecv, t, group.ranks[src], group.pg))
-    return dist.batch_isend_irecv(p2p) if p2p else []
+    works = _named("send_recv", group, lambda: dist.batch_isend_irecv(p2p)) if p2p else []
+    return [Named(w, "send_recv", group) for w in works]
 
 
 def all_reduce_scalars(values: list[float], group: Group, dtype=torch.float64) -> list[float]:
@@ -119,7 +162,7 @@ def all_reduce_scalars(values: list[float], group: Group, dtype=torch.float64) -
     if not group.active:
         return list(values)
     t = torch.tensor(values, dtype=dtype, device=group.device)
-    dist.all_reduce(t, group=group.pg)
+    _named("all_reduce", group, lambda: dist.all_reduce(t, group=group.pg))
     return t.tolist()
 
 

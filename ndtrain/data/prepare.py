@@ -77,12 +77,13 @@ class PreparedData:
             )
         return tok
 
-    def check_token_ids(self) -> None:
-        """Every id in every shard lies below the vocabulary size, or a DataError names the
-        first shard that breaks it (a model would fail on it with an index error, on a rank,
-        in the middle of a run). One pass over the shards' pages."""
+    def verify(self) -> None:
+        """Every shard matches the checksum in its header and every id lies below the
+        vocabulary size, or a DataError names the first shard that breaks it (a flipped byte
+        would train silently; an id past the vocabulary would fail with an index error, on
+        a rank, in the middle of a run). One pass over the shards' pages."""
         for name in self.meta["train_shards"] + self.meta["val_shards"]:
-            tokens = read_shard(self.path / name)
+            tokens = read_shard(self.path / name, verify=True)
             top = int(tokens.max()) if len(tokens) else -1
             if top >= self.vocab_size:
                 raise DataError(f"shard {self.path / name}: holds token id {top}, outside the vocabulary "

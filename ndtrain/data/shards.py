@@ -7,16 +7,21 @@ Header layout (all little-endian):
     8       4     format version (uint32, currently 1)
     12      4     dtype code (uint32: 1 = uint16, 2 = uint32)
     16      8     token count (uint64)
-    24      8     reserved, zero
+    24      8     checksum: the first 8 bytes of the SHA-256 of the token bytes
+                  (zero: none, a shard written before checksums existed)
 
 The token count in the header lets a reader prove that a shard is complete: a file cut
 short by a crash or a copy has the wrong size and is refused instead of silently
-training on a truncated tail. Shards are read through ``np.memmap`` so a corpus larger
-than memory costs only the pages a batch touches.
+training on a truncated tail. The checksum catches what the size cannot, a byte changed in
+place; reading a whole shard to check it costs a pass over its pages, so it is checked when
+asked (`read_shard(path, verify=True)`: the command checks every shard once before a run
+starts, see `PreparedData.verify`). Shards are read through ``np.memmap`` so a corpus
+larger than memory costs only the pages a batch touches.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 import tempfile
@@ -53,7 +58,7 @@ def write_shard(path: str | Path, tokens: np.ndarray) -> None:
         raise DataError(f"shard {path}: token ids must lie in [0, 2**32)")
     code = 1 if tokens.size == 0 or int(tokens.max()) < 1 << 16 else 2
     body = tokens.astype(DTYPES[code], copy=False)
-    header = HEADER.pack(MAGIC, VERSION, code, body.size, bytes(8))
+    header = HEADER.pack(MAGIC, VERSION, code, body.size, checksum(body))
 
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
@@ -67,8 +72,15 @@ def write_shard(path: str | Path, tokens: np.ndarray) -> None:
         raise
 
 
-def read_shard(path: str | Path) -> np.ndarray:
-    """Return the tokens of a shard as a read-only memmap, after checking its header."""
+def checksum(body: np.ndarray) -> bytes:
+    """The header's checksum of a shard's tokens (never all zero, which means "none")."""
+    digest = hashlib.sha256(memoryview(np.ascontiguousarray(body)).cast("B")).digest()[:8]
+    return digest if any(digest) else b"\x01" + digest[1:]
+
+
+def read_shard(path: str | Path, verify: bool = False) -> np.ndarray:
+    """Return the tokens of a shard as a read-only memmap, after checking its header (and,
+    with `verify`, its tokens against the header's checksum: one pass over the file)."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -80,7 +92,7 @@ def read_shard(path: str | Path) -> np.ndarray:
         raise DataError(
             f"shard {path}: file is {size} bytes, shorter than the {HEADER_BYTES}-byte header"
         )
-    magic, version, code, count, _ = HEADER.unpack(raw)
+    magic, version, code, count, stored = HEADER.unpack(raw)
     if magic != MAGIC:
         raise DataError(f"shard {path}: magic is {magic!r}, expected {MAGIC!r}")
     if version != VERSION:
@@ -99,4 +111,8 @@ def read_shard(path: str | Path) -> np.ndarray:
         empty = np.empty(0, dtype=dtype)
         empty.flags.writeable = False
         return empty
-    return np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+    tokens = np.memmap(path, dtype=dtype, mode="r", offset=HEADER_BYTES, shape=(count,))
+    if verify and any(stored) and checksum(tokens) != stored:
+        raise DataError(f"shard {path}: its tokens do not match the checksum in its header "
+                        "(bytes changed on disk or in a copy); prepare the data again")
+    return tokens

@@ -47,10 +47,6 @@ from ndtrain.parallel.schedule import GradSync, SingleStage
 from ndtrain.parallel.states import ReplicatedStates
 from ndtrain.parallel.zero import ZeRO
 
-# Which mesh dimensions hold identical copies of a checkpoint part (see checkpoint.store).
-REPLICATED_MODEL_DIMS = ("dp_replicate", "dp_shard", "cp")
-
-
 @dataclass
 class Parallelized:
     """This rank's model and the machinery of one forward and backward on it."""
@@ -61,9 +57,6 @@ class Parallelized:
     schedule: SingleStage | PipelineSchedule
     states: ReplicatedStates | ZeRO
     loss_fn: Callable = token_loss_sum
-    # mesh dims over which model / optimizer states are identical copies (for checkpoints)
-    model_replicated: tuple[str, ...] = REPLICATED_MODEL_DIMS
-    optim_replicated: tuple[str, ...] = REPLICATED_MODEL_DIMS
 
     def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float,
                          unscale: float = 1.0) -> torch.Tensor:
@@ -163,9 +156,6 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
         decoders = {f"chunk{c}": chunk for c, chunk in chunks.items()} if pipelined else None
         states = grad_sync = ZeRO(model, mesh, p.zero, dtype, rdtype, init, p.reshard_after_forward,
                                   defer=pipelined, decoders=decoders)
-        # Optimizer slices differ across dp_shard × cp; stage 3 splits the parameters too.
-        optim_replicated = ("dp_replicate",)
-        model_replicated = optim_replicated if p.zero == 3 else REPLICATED_MODEL_DIMS
     else:
         materialize(model, init, mesh.device)
         masters = MasterWeights(list(model.parameters())) if has_masters(dtype) else None
@@ -174,7 +164,6 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
         accum = torch.float32 if has_masters(dtype) else None  # gradients add up in fp32 under bf16/fp16
         grad_sync = DataParallel(list(model.parameters()), mesh.group("dp_cp"), bucket_bytes, rdtype, accum)
         states = ReplicatedStates(model, grad_sync, masters)
-        model_replicated = optim_replicated = REPLICATED_MODEL_DIMS
     for chunk in chunks.values():
         chunk.reset_rope(mesh.device)
     if pipelined:
@@ -182,4 +171,4 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
         schedule = PipelineSchedule(chunks, mesh, p.pp_schedule, p.pp_virtual, loss_fn, tied)
     else:
         schedule = SingleStage(model, loss_fn)
-    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, model_replicated, optim_replicated)
+    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn)

@@ -91,9 +91,6 @@ class ReplicatedStates:
     def local_state(self) -> dict[str, torch.Tensor]:
         return unique_state(self.model)
 
-    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
-        load_unique_state(self.model, state)
-
     def gathered_state(self) -> dict[str, torch.Tensor]:
         return self.local_state()
 
@@ -103,14 +100,6 @@ class ReplicatedStates:
         for name, p in self.model.named_parameters():
             out[name] = self.masters.master_of(p).grad if self.masters is not None else self.grad_sync.grad_of(p)
         return out
-
-    def extra_state(self) -> dict:
-        return {"masters": [m.detach() for m in self.masters.masters] if self.masters else []}
-
-    @torch.no_grad()
-    def load_extra_state(self, state: dict) -> None:
-        for m, saved in zip(self.masters.masters if self.masters else [], state["masters"], strict=True):
-            m.copy_(saved)
 
     # -- memory accounting ------------------------------------------------------
     def param_tensors(self) -> list[torch.Tensor]:
@@ -136,6 +125,7 @@ def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_unique_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy a full state (one tensor per storage, as `unique_state` names them) into `model`."""
     expected = unique_state(model)
     missing = sorted(set(expected) - set(state))
     unexpected = sorted(set(state) - set(expected))

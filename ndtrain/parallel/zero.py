@@ -579,21 +579,6 @@ class ZeRO:
         return {self.names[id(p)]: p.detach().clone() for f in self.flats for p in f.params}
 
     @torch.no_grad()
-    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
-        expected = self.local_state()
-        missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-        if missing or unexpected:
-            raise ValueError(f"checkpoint does not fit the model: missing {missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        if self.stage == 3:
-            for f in self.flats:
-                f.shard.copy_(state[f.name])
-        else:
-            for f in self.flats:
-                for p in f.params:
-                    p.copy_(state[self.names[id(p)]])
-
-    @torch.no_grad()
     def gathered_state(self) -> dict[str, torch.Tensor] | None:
         """The local model's parameters, whole over the shard group, on its rank 0 (None
         elsewhere). Collective over the shard group under stage 3."""
@@ -616,16 +601,6 @@ class ZeRO:
             if self.group.rank == 0:
                 out.update({self.names[id(p)]: f.view_of(full, p).clone() for p in f.params})
         return out if self.group.rank == 0 else None
-
-    def extra_state(self) -> dict:
-        """What a checkpoint needs besides the parameters and the optimizer's moments."""
-        return {"masters": [f.master.detach() for f in self.flats if f.separate_master]}
-
-    @torch.no_grad()
-    def load_extra_state(self, state: dict) -> None:
-        masters = [f.master for f in self.flats if f.separate_master]
-        for m, saved in zip(masters, state["masters"], strict=True):
-            m.copy_(saved)
 
     # -- memory accounting ---------------------------------------------------------
     def param_tensors(self) -> list[torch.Tensor]:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import importlib
 import json
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from ndtrain import config as config_mod
+from ndtrain import supervisor
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
 from ndtrain.data.loader import RowLoader
@@ -103,19 +105,26 @@ def full_model(trainer) -> Transformer | None:
 # ----------------------------------------------------------------------------- one rank
 
 def sft_worker(cfg_dict: dict, run_dir: str, data: SFTData) -> dict:
-    """Entry point of one rank of `ndtrain sft`. Returns the summary on rank 0 ({} elsewhere)."""
-    from ndtrain.launch import init_process, shutdown
+    """Entry point of one rank of `ndtrain sft`. Returns the summary on rank 0 ({} elsewhere).
+    Stops and restarts like `train`'s ranks (supervisor.py)."""
+    control = supervisor.control()
+    with nullcontext() if control.watched else supervisor.stop_signals():
+        return _sft(config_mod.from_dict(cfg_dict), run_dir, data, control)
+
+
+def _sft(cfg: Config, run_dir: str, data: SFTData, control) -> dict:
+    from ndtrain.launch import init_process, set_collective_timeout, shutdown
     from ndtrain.mesh import ParallelMesh
     from ndtrain.train.trainer import Trainer
     from ndtrain.train.worker import from_rank_0, mesh_shape
 
-    cfg = config_mod.from_dict(cfg_dict)
-    env = init_process(cfg.run.device, cfg.run.threads)
+    env = init_process(cfg.run.device, cfg.run.threads, cfg.run.collective_timeout_s)
     try:
         run = Path(from_rank_0(run_dir))
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
         task = SFT(cfg, data)
-        trainer = Trainer(cfg, mesh, task, run, local_world=env.local_world)
+        trainer = Trainer(cfg, mesh, task, run, local_world=env.local_world, control=control)
+        set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
         trainer.start()  # resume run.dir's checkpoint, or load model.init_from
         if env.rank == 0:  # once started: a refused resume leaves the run's files as they were
             (run / "config.toml").write_text(config_mod.to_toml(cfg))
@@ -140,7 +149,7 @@ def fine_tune(trainer, task: SFT, data: SFTData, cfg: Config, run: Path | None) 
     elif base_file is not None and base_file.is_file():
         task.baseline = json.loads(base_file.read_text())["val_loss"]
     summary = trainer.fit(stop_after=cfg.run.stop_after)
-    model = full_model(trainer) if cfg.sft.generate else None
+    model = full_model(trainer) if cfg.sft.generate and not trainer.stopped else None
     if not trainer.is_logger:
         return {}
     summary = dict(summary)

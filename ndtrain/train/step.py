@@ -73,15 +73,3 @@ class TrainStep:
 
     def held_bytes(self) -> int:
         return sum(model_state_bytes(self.par.states, self.optimizer))
-
-    # -- checkpoints ------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """The optimizer's moments, plus fp32 masters and the loss scale where they exist."""
-        return {"optimizer": self.optimizer.state_dict(), **self.par.states.extra_state(),
-                "scaler": self.scaler.state_dict() if self.scaler else None}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.par.states.load_extra_state(state)
-        if self.scaler is not None:
-            self.scaler.load_state_dict(state["scaler"])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -12,7 +13,9 @@ import zlib
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from ndtrain import supervisor
 from ndtrain.checkpoint import layout, sources, store
 from ndtrain.checkpoint.resume import check_resume_config
 from ndtrain.checkpoint.store import CheckpointError
@@ -21,7 +24,7 @@ from ndtrain.config import Config, ConfigError
 from ndtrain.mesh import DIMS, ParallelMesh
 from ndtrain.model.args import flops_per_token
 from ndtrain.observe.memory import per_rank
-from ndtrain.observe.metrics import MetricsLog
+from ndtrain.observe.metrics import MetricsLog, read_metrics
 from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss
 from ndtrain.observe.progress import TrainProgress
@@ -39,8 +42,12 @@ class TrainingError(RuntimeError):
 
 class Trainer:
     def __init__(self, cfg: Config, mesh: ParallelMesh, task: Task, run_dir: Path | None,
-                 *, local_world: int = 1):
+                 *, local_world: int = 1, control: supervisor.RankControl | None = None):
         self.cfg, self.mesh, self.task = cfg, mesh, task
+        # Whoever started this rank (supervisor.py): heartbeats out, stop requests in. None
+        # (tests): nobody asks, and no step pays the agreement on stopping.
+        self.control = control
+        self.stopped = False
         self.run_dir = Path(run_dir) if run_dir is not None else None
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -141,6 +148,7 @@ class Trainer:
         self.par.model.eval()
         total, count = 0.0, 0
         for k in range(self.task.eval_batches(self.cfg.train.eval_batches)):
+            supervisor.heartbeat()
             batch = self.local_batch("val", k)
             total += float(self.par.evaluate(batch.micro_batches))
             count += batch.n_targets
@@ -159,8 +167,10 @@ class Trainer:
         progress = TrainProgress(t.steps, self.step, enabled=self.is_logger and run.progress,
                                  log_every=t.log_every)
         self.par.model.train()
+        saved = None
         try:
             for step in range(self.step, stop):
+                supervisor.heartbeat(step)
                 try:
                     record = self.train_step(step)
                 except LossScaleExhausted as e:
@@ -179,14 +189,27 @@ class Trainer:
                     metrics.write(record)
                 progress.update(record)
                 if t.save_every and self.step % t.save_every == 0 and self.step != stop:
-                    self.save()
+                    saved = self.save()
+                if self.stop_agreed():
+                    self.stopped = True
+                    break
         finally:
             progress.close()
             if metrics:
                 metrics.close()
-        if self.run_dir is not None:
+        if self.run_dir is not None and (saved is None or store.step_of(saved) != self.step):
             self.save()
         return self.finish() if log else {}
+
+    def stop_agreed(self) -> bool:
+        """Whether any rank was asked to stop (a signal, supervisor.py): every rank agrees at
+        the same step boundary, with one all-reduce, so all of them save and return."""
+        if self.control is None:
+            return False
+        flag = torch.tensor([1.0 if self.control.stop else 0.0], device=self.mesh.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
     def _last_checkpoint(self) -> str:
         # Every checkpoint written passed the finiteness check, so the newest is good.
@@ -214,6 +237,7 @@ class Trainer:
             "layout": self.mesh.describe(),
             "run_dir": str(self.run_dir),
             "checkpoint": str(store.latest(self.run_dir)),
+            "stopped": self.stopped,
         }
         if self.cfg.run.plot:
             png = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
@@ -228,11 +252,14 @@ class Trainer:
         layout wrote it), or else start from `model.init_from`'s weights. Returns the
         checkpoint resumed. Collective."""
         run = self.cfg.run
+        supervisor.heartbeat()
         if self.run_dir is not None and run.resume != "false":
             path = store.select(self.run_dir, self._refused)
             if path is not None:
                 self.resume(path)
+                self.log_restart(path)
                 return path
+            self.log_restart(None)
             if run.resume == "true":
                 raise TrainingError(f"run.dir {self.run_dir} holds no usable checkpoint to resume")
         if self.cfg.model.init_from:
@@ -240,6 +267,24 @@ class Trainer:
             sources.grow_vocab(source, self.args.vocab_size)  # tokens added since (a chat template's)
             layout.load(source, self.par, self.args.tie_embeddings)
         return None
+
+    def log_restart(self, path: Path | None) -> None:
+        """After a restart (torchrun's or supervisor.py's), rank 0 says what it cost: the
+        steps done since the checkpoint resumed and the time since it was written, in a line
+        and in restarts.jsonl."""
+        count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
+        if count == 0 or not self.is_logger:
+            return
+        records = read_metrics(self.run_dir / "metrics.jsonl") if (self.run_dir / "metrics.jsonl").exists() else []
+        reached = max((r.get("step", -1) for r in records), default=-1) + 1
+        lost_s = time.time() - store.read_meta(path)["saved_at"] if path else None
+        record = {"restart": count, "checkpoint": path.name if path else None, "resumed_step": self.step,
+                  "reached_step": reached, "steps_lost": max(0, reached - self.step), "time_lost_s": lost_s}
+        with open(self.run_dir / "restarts.jsonl", "a") as f:
+            f.write(json.dumps(record) + "\n")
+        lost = f"{record['steps_lost']} step{'s' if record['steps_lost'] != 1 else ''}"
+        self.report(f"restart {count}: " + (f"resumed step {self.step} from {path.name}; {lost} and "
+                                            f"{lost_s:.1f} s lost" if path else f"no checkpoint yet, starting over; {lost} lost"))
 
     def _refused(self, message: str) -> None:
         self.refused.append(message)
@@ -251,6 +296,7 @@ class Trainer:
         meta = {"model_args": self.args.to_dict(), "tokens": self.step * t.global_batch * t.seq_len,
                 "config": self.cfg.to_dict(), "precision": t.precision, "zero": p.zero,
                 "scaler": scaler.state_dict() if scaler else None}
+        supervisor.heartbeat()
         try:
             return layout.save(self.run_dir, self.step, self.par, self.stepper.optimizer, self.args.tie_embeddings,
                                meta, keep=t.keep_checkpoints)

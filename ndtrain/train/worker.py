@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch.distributed as dist
 
 from ndtrain import config as config_mod
+from ndtrain import supervisor
 from ndtrain.data.prepare import PreparedData, prepare_data
-from ndtrain.launch import init_process, shutdown
+from ndtrain.launch import init_process, set_collective_timeout, shutdown
 from ndtrain.mesh import MeshShape, ParallelMesh
 
 
@@ -26,7 +28,7 @@ def prepare_on_each_node(cfg: config_mod.Config, local_rank: int) -> Path:
     path = None
     if local_rank == 0:  # a failure here ends the job: torchrun stops the waiting ranks
         path = prepare_data(**kwargs, progress=True)
-        PreparedData.open(path).check_token_ids()
+        PreparedData.open(path).verify()
     if dist.is_initialized():
         dist.barrier()
     return path or prepare_data(**kwargs, progress=False)
@@ -64,18 +66,27 @@ def from_rank_0(value: str) -> str:
 def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None, before_fit=None) -> dict:
     """Entry point of one rank. Returns the run summary on rank 0 ({} elsewhere).
     `before_fit(trainer)` runs after the start (tests install faults with it)."""
+    control = supervisor.control()
+    # Watched by our launcher, a rank takes SIGTERM as "stop"; otherwise (torchrun, or one
+    # process in the command's own) it arms SIGINT and SIGTERM itself.
+    with nullcontext() if control.watched else supervisor.stop_signals():
+        return _train(config_mod.from_dict(cfg_dict), run_dir, data_dir, before_fit, control)
+
+
+def _train(cfg: config_mod.Config, run_dir: str, data_dir: str | None, before_fit, control) -> dict:
     from ndtrain.train.tasks import Pretrain
     from ndtrain.train.trainer import Trainer
 
-    cfg = config_mod.from_dict(cfg_dict)
-    env = init_process(cfg.run.device, cfg.run.threads)
+    env = init_process(cfg.run.device, cfg.run.threads, cfg.run.collective_timeout_s)
     try:
         run_dir = from_rank_0(run_dir)
         data_path = Path(data_dir) if data_dir else prepare_on_each_node(cfg, env.local_rank)
         data = PreparedData.open(data_path)
         resolve_vocab(cfg, data)
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        trainer = Trainer(cfg, mesh, Pretrain(cfg, data), Path(run_dir), local_world=env.local_world)
+        trainer = Trainer(cfg, mesh, Pretrain(cfg, data), Path(run_dir), local_world=env.local_world,
+                          control=control)
+        set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
         trainer.start()
         if env.rank == 0:
             write_run_files(cfg, data, Path(run_dir))
