@@ -50,8 +50,11 @@ examples:
                                                  the same on a preset's shape (every benchmark takes model.preset)
   ndtrain bench sft                              fine-tuning on packed against padded rows, answer tokens/s
   ndtrain bench cp                               context parallelism: ring vs allgather vs ulysses vs one process
+  ndtrain bench ep                               experts split over 2 ranks (ep=2) against replicated (ep=1)
   ndtrain bench checkpoint                       our checkpoint save/load against torch.distributed.checkpoint (125M, 2 ranks)
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
+  ndtrain train --nproc 4 model.preset=tiny-moe parallel.ep=2 parallel.dp=4
+                                                 mixture of experts, experts split over 2 of the 4 data-parallel ranks
   ndtrain bench comm                             every collective's bus bandwidth; our ring all-reduce vs the backend's
   ndtrain plan --cluster H100-SXM --gpus 64 model.preset=8B train.precision=bf16 parallel.tp=8 parallel.zero=1
                                                  memory per rank, step time, MFU of a layout too large for this machine
@@ -159,13 +162,14 @@ def _parser() -> argparse.ArgumentParser:
                                      "bubbles), cp (ring vs allgather vs ulysses vs 1 process at two sequence lengths), "
                                      "comm (every collective's bus bandwidth, our ring all-reduce vs the backend's), "
                                      "sft (packed vs padded fine-tuning rows), checkpoint (our save/load vs "
-                                     "torch.distributed.checkpoint, MB/s); KEY=VALUE reaches both sides or is refused",
+                                     "torch.distributed.checkpoint, MB/s), ep (experts split over --nproc ranks vs "
+                                     "replicated); KEY=VALUE reaches both sides or is refused",
                        description="Run ndtrain and its PyTorch-native anchor side by side (sft: packed and padded "
                                    "rows), alternating rounds; the last line is the ratio of their median "
                                    "throughputs. Every key a benchmark accepts (model.*, train.precision, "
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "checkpoint"])
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "checkpoint", "ep"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
     p.add_argument("--steps", type=int, default=3, help="timed steps per round")
@@ -333,7 +337,8 @@ def cmd_train(args) -> int:
     p = cfg.parallel
     with RunLock(run_dir):
         print(f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
-              f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} steps → {run_dir}"
+              f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}" + (f" ep={p.ep}" if p.ep > 1 else "")
+              + f"), {cfg.train.steps} steps → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
         summary, stop_signal = _run_ranks(cfg, train_worker, (cfg.to_dict(), str(run_dir), str(data.path)),
                                           ("ndtrain.train.worker", "ndtrain.train.trainer"))
@@ -528,6 +533,8 @@ def print_summary(s: dict) -> None:
               f"metrics        {run / 'metrics.jsonl'}"]
     if s.get("plot"):
         lines.append(f"loss plot      {s['plot']}")
+    if s.get("moe_plot"):
+        lines.append(f"MoE load plot  {s['moe_plot']}")
     lines += [f"checkpoint     {s['checkpoint']}",
               f"sample with    ndtrain generate --run {run} --prompt \"def \""]
     print("\n".join(lines), flush=True)
@@ -643,9 +650,9 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import checkpoint, comm, cp, dp, pp, sft, tp, zero
+    from ndtrain.bench import checkpoint, comm, cp, dp, ep, pp, sft, tp, zero
     return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft,
-            "checkpoint": checkpoint}[args.what].run(args)
+            "checkpoint": checkpoint, "ep": ep}[args.what].run(args)
 
 
 if __name__ == "__main__":

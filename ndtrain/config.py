@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from ndtrain.model.args import PRESETS, ModelArgs
+from ndtrain.model.args import PRESETS, ROUTERS, ModelArgs
 
 
 class ConfigError(ValueError):
@@ -51,6 +51,16 @@ class ModelConfig:
     qkv_bias: bool | None = None  # biases on q, k, v (Qwen2)
     qk_norm: bool | None = None  # RMSNorm of each query and key head (Qwen3)
     dropout: float = 0.0
+    # Mixture of experts (model/moe.py): only on an MoE preset (tiny-moe, olmoe-1b-7b).
+    moe_experts: int | None = None
+    moe_top_k: int | None = None
+    moe_shared_experts: int | None = None
+    moe_ffn_dim: int | None = None
+    moe_every: int | None = None  # block i is MoE when (i + 1) % moe_every == 0
+    moe_router: str | None = None  # softmax_topk | topk_softmax | sigmoid
+    moe_norm_topk: bool | None = None
+    moe_route_scale: float | None = None
+    moe_capacity: float | None = None  # capacity factor; 0 = dropless
     # "" = random init (ndtrain sft: the default pretraining run; "scratch" = random init);
     # run:DIR (an ndtrain run or checkpoint) or hf:DIR (a HF model folder)
     init_from: str = ""
@@ -68,7 +78,7 @@ class ParallelConfig:
     pp_split: str = ""  # blocks per pipeline chunk, e.g. "3,5,5,3"; "" = balanced by cost
     cp: int = 1
     cp_impl: str = "ring"  # context-parallel attention: ring | allgather | ulysses
-    ep: int = 1
+    ep: int = 1  # experts split over ep ranks of dp_shard × cp
     zero: int = 0  # ZeRO stage over dp_shard: 0 (plain DP), 1 (optimizer), 2 (+ gradients), 3 (+ parameters)
     reshard_after_forward: bool = True  # zero=3: free each block after its forward (false: keep until backward)
     bucket_mb: float = 25.0
@@ -105,6 +115,8 @@ class TrainConfig:
     loss_scale_window: int = 1000  # good steps before the loss scale doubles
     loss_scale_min: float = 1.0  # an overflow at this scale stops the run
     recompute: str = "none"  # none | full | selective (attention core) | every:K (blocks 0, K, 2K, ...)
+    moe_aux_loss: float = 0.01  # coefficient of the MoE load-balancing loss; 0 = none
+    moe_bias_rate: float = 0.0  # aux-loss-free balancing: router bias step per optimizer step; 0 = off
     eval_every: int = 100  # 0 = evaluate only at the end
     eval_batches: int = 8
     save_every: int = 0  # 0 = save only at the end
@@ -376,7 +388,8 @@ PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
 
 # Dimensions whose implementation has not landed yet: refused up front, never half-run.
-NOT_YET = {"parallel.ep": "expert parallelism"}
+NOT_YET: dict[str, str] = {}  # every dimension has landed
+MOE_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name.startswith("moe_"))
 CP_IMPLS = ("ring", "allgather", "ulysses")
 
 
@@ -568,6 +581,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     if p.sp and p.tp > 1 and t.seq_len % p.tp:
         raise ConfigError("train.seq_len", t.seq_len,
                           f"must be divisible by parallel.tp = {p.tp} with sequence parallelism (parallel.sp) on")
+    _check_moe(cfg, a)
 
     _check_context(cfg, a)
 
@@ -594,6 +608,45 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     return cfg
 
 
+def _check_moe(cfg: Config, a: ModelArgs) -> None:
+    """Mixture-of-experts keys and expert parallelism."""
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    if not PRESETS[m.preset].is_moe and not m.init_from:  # (an MoE source sets them: checkpoint/sources.py)
+        for key in MOE_KEYS:
+            if getattr(m, key) is not None:
+                moe = ", ".join(n for n, pa in PRESETS.items() if pa.is_moe)
+                raise ConfigError(f"model.{key}", getattr(m, key), f"model.preset = {m.preset!r} is a dense model "
+                                  f"(no experts); choose an MoE preset ({moe})")
+    for key in ("moe_aux_loss", "moe_bias_rate"):
+        _positive(f"train.{key}", getattr(t, key), zero_ok=True)
+    if not a.is_moe:
+        if p.ep != 1:
+            raise ConfigError("parallel.ep", p.ep, f"model.preset = {m.preset!r} has no experts to split; use 1")
+        if t.moe_bias_rate:
+            raise ConfigError("train.moe_bias_rate", t.moe_bias_rate, f"model.preset = {m.preset!r} has no routers")
+        return
+    for key in ("moe_experts", "moe_top_k", "moe_every", "moe_route_scale"):
+        _positive(f"model.{key}", getattr(a, key))
+    for key in ("moe_shared_experts", "moe_ffn_dim", "moe_capacity"):
+        _positive(f"model.{key}", getattr(a, key), zero_ok=True)
+    if a.moe_top_k > a.moe_experts:
+        raise ConfigError("model.moe_top_k", a.moe_top_k, f"must be at most model.moe_experts = {a.moe_experts}")
+    if a.moe_router not in ROUTERS:
+        raise ConfigError("model.moe_router", a.moe_router, f"choose one of {', '.join(ROUTERS)}")
+    if a.moe_router == "topk_softmax" and a.moe_norm_topk:
+        raise ConfigError("model.moe_norm_topk", True, "topk_softmax weights already sum to 1; leave it false")
+    if a.moe_experts % p.ep:
+        raise ConfigError("parallel.ep", p.ep, f"must divide model.moe_experts = {a.moe_experts} "
+                          "(every rank of an expert group holds as many experts)")
+    if (p.dp_shard * p.cp) % p.ep:
+        raise ConfigError("parallel.ep", p.ep, f"must divide dp_shard × cp = {p.dp_shard} × {p.cp} = "
+                          f"{p.dp_shard * p.cp}: expert parallelism splits the experts over those ranks")
+    if p.tp > 1 and t.seq_len % p.tp:
+        raise ConfigError("train.seq_len", t.seq_len, f"must be divisible by parallel.tp = {p.tp}: "
+                          "each tp rank routes 1/tp of the positions of an MoE block")
+    if a.moe_capacity and (p.tp > 1 or p.cp > 1):
+        raise ConfigError("model.moe_capacity", a.moe_capacity, "dropping tokens would depend on how tp and cp "
+                          "split the sequence (the capacity is per rank); use 0 (dropless) with tp or cp > 1")
 _SCORE = re.compile(r"^(exact|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
 
 

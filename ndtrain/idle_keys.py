@@ -23,6 +23,11 @@ def _is_default(cfg: Config, key: str) -> bool:
     return getattr(getattr(cfg, section), name) == getattr(getattr(_DEFAULTS, section), name)
 
 
+def _is_moe(cfg: Config) -> bool:
+    from ndtrain.model.args import PRESETS
+    return cfg.model.preset in PRESETS and PRESETS[cfg.model.preset].is_moe
+
+
 def _on_gpu(device: str) -> bool:
     if device == "cpu":
         return False
@@ -52,6 +57,7 @@ def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool
         *((f"train.{k}", not fp16 or not t.loss_scaler,
            "loss scaling is for train.precision = fp16 with train.loss_scaler = true only") for k in scaling),
         ("train.eval_every", t.eval_batches == 0, "train.eval_batches = 0 turns evaluation off"),
+        ("train.moe_aux_loss", not _is_moe(cfg), f"model.preset = {cfg.model.preset!r} has no experts to balance"),
         ("data.vocab_size", bool(d.tokenizer) or prepared,
          "it sizes the BPE trained when there is no data.tokenizer and data.path is not a prepared folder"),
         *((f"data.{k}", prepared, "data.path is a prepared folder, read as it is")

@@ -10,6 +10,16 @@ parallelism, once it exists, will split experts over an `ep` sub-mesh of these r
 The mesh is built once per process and passed to whatever needs it; nothing here is global.
 A dimension of size 1 creates no process group: its `Group` has `pg = None` and the
 collectives in `ndtrain.comm` return at once for it.
+
+Expert parallelism splits the ranks of `dp_shard × cp` (index i in that group, cp fastest)
+into `ep` consecutive ranks, which hold different experts (`ep` coordinate i % ep), times
+`dp_shard·cp / ep` that hold the same ones (`edp_shard` coordinate i // ep). Groups:
+- `ep`: the ranks that exchange tokens (all-to-all) and split the experts;
+- `edp_shard`: the ranks with the same experts inside one dp_shard × cp group, over which
+  ZeRO shards the expert states (what `dp_shard_cp` is for dense ones);
+- `edp`: `dp_replicate × edp_shard`, all the ranks with the same experts, over which expert
+  gradients are summed (what `dp_cp` is for dense ones).
+With ep = 1 there is no `ep` group, and `edp_shard` and `edp` are `dp_shard_cp` and `dp_cp`.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import torch.distributed as dist
 from ndtrain.comm.stats import CommStats
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+EXPERT_DIMS = ("ep", "edp_shard")  # the two factors of dp_shard × cp under expert parallelism
 COMPOSITES = {
     "dp": ("dp_replicate", "dp_shard"),
     "dp_cp": ("dp_replicate", "dp_shard", "cp"),
@@ -38,6 +49,11 @@ class MeshShape:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
+    ep: int = 1  # experts split over ep of the dp_shard × cp ranks (not a factor of the world)
+
+    def __post_init__(self):
+        if (self.dp_shard * self.cp) % self.ep:
+            raise ValueError(f"ep = {self.ep} must divide dp_shard × cp = {self.dp_shard * self.cp}")
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -48,6 +64,8 @@ class MeshShape:
         return math.prod(self.sizes)
 
     def size(self, name: str) -> int:
+        if name in ("edp_shard", "edp"):
+            return self.size("dp_shard_cp" if name == "edp_shard" else "dp_cp") // self.ep
         return math.prod(getattr(self, d) for d in COMPOSITES.get(name, (name,)))
 
     def coords(self, rank: int) -> dict[str, int]:
@@ -80,6 +98,25 @@ class MeshShape:
 
     def group_of(self, rank: int, dims: tuple[str, ...]) -> list[int]:
         return next(g for g in self.group_ranks(dims) if rank in g)
+
+    def expert_coords(self, rank: int) -> dict[str, int]:
+        """This rank's `ep` and `edp_shard` coordinates (see the module docstring)."""
+        c = self.coords(rank)
+        i = c["dp_shard"] * self.cp + c["cp"]
+        return {"ep": i % self.ep, "edp_shard": i // self.ep}
+
+    def expert_group_ranks(self, name: str) -> list[list[int]]:
+        """Every `ep`, `edp_shard` or `edp` group, each ordered by rank."""
+        def key(rank: int) -> tuple:
+            c, e = self.coords(rank), self.expert_coords(rank)
+            fixed = {"ep": ("pp", "dp_replicate", "tp"), "edp_shard": ("pp", "dp_replicate", "tp"),
+                     "edp": ("pp", "tp")}[name]
+            kept = {"ep": "edp_shard", "edp_shard": "ep", "edp": "ep"}[name]
+            return tuple(c[d] for d in fixed) + (e[kept],)
+        groups: dict[tuple, list[int]] = {}
+        for rank in range(self.world):
+            groups.setdefault(key(rank), []).append(rank)
+        return list(groups.values())
 
 
 @dataclass
@@ -150,6 +187,7 @@ class ParallelMesh:
                 pg = sub.get_group()
                 assert dist.get_process_group_ranks(pg) == members, (name, members)
             groups[name] = Group(name, members, members.index(rank), pg, stats, device)
+        groups.update(expert_groups(shape, rank, device, stats, groups))
         return cls(shape, rank, device, groups, stats)
 
     # -- queries ---------------------------------------------------------------
@@ -184,9 +222,27 @@ class ParallelMesh:
         return self.coords["pp"] == 0
 
     def describe(self) -> str:
-        """E.g. "pp=2 × dp=2 × tp=2"; "dp_replicate=2 × dp_shard=2" for hybrid sharding."""
+        """E.g. "pp=2 × dp=2 × tp=2"; "dp_replicate=2 × dp_shard=2" for hybrid sharding;
+        "dp=4 (ep=2)" when experts are split over 2 of the 4."""
         names = dict(zip(DIMS, DIMS))
         if self.shape.dp_replicate == 1:
             names["dp_shard"] = "dp"
         live = [f"{names[d]}={getattr(self.shape, d)}" for d in DIMS if getattr(self.shape, d) > 1]
-        return " × ".join(live) if live else "single process"
+        text = " × ".join(live) if live else "single process"
+        return text + (f" (ep={self.shape.ep})" if self.shape.ep > 1 else "")
+
+
+def expert_groups(shape: MeshShape, rank: int, device: torch.device, stats: CommStats,
+                  groups: dict[str, Group]) -> dict[str, Group]:
+    """The `ep`, `edp_shard` and `edp` groups of this rank (module docstring). Every rank
+    creates every group, in the same order, as `new_group` requires."""
+    if shape.ep == 1:
+        return {"ep": Group("ep", [rank], 0, None, stats, device),
+                "edp_shard": groups["dp_shard_cp"], "edp": groups["dp_cp"]}
+    out = {}
+    for name in ("ep", "edp_shard", "edp"):
+        for members in shape.expert_group_ranks(name):
+            pg = dist.new_group(members) if len(members) > 1 else None
+            if rank in members:
+                out[name] = Group(name, members, members.index(rank), pg, stats, device)
+    return out

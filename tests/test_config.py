@@ -71,6 +71,20 @@ def test_written_config_round_trips(tmp_path):
     (["train.recompute=every:-2"], "every:K needs K >= 1"),
     (["train.loss_scale_init=1000"], "train.loss_scale_init = 1000.0: must be a power of two"),
     (["train.loss_scale_init=2", "train.loss_scale_min=4"], "must be at least train.loss_scale_min = 4.0"),
+    # mixture of experts
+    (["model.preset=tiny-moe", "parallel.ep=3", "run.nproc=3", "train.global_batch=12"],
+     "parallel.ep = 3: must divide model.moe_experts = 8"),
+    (["model.preset=tiny-moe", "parallel.ep=4", "run.nproc=2"],
+     "parallel.ep = 4: must divide dp_shard × cp = 2 × 1 = 2: expert parallelism splits the experts over those ranks"),
+    (["model.preset=tiny-moe", "model.moe_top_k=9"], "model.moe_top_k = 9: must be at most model.moe_experts = 8"),
+    (["model.preset=tiny", "model.moe_top_k=2"],
+     "model.moe_top_k = 2: model.preset = 'tiny' is a dense model (no experts); choose an MoE preset (tiny-moe"),
+    (["model.preset=tiny", "parallel.ep=2"], "parallel.ep = 2: model.preset = 'tiny' has no experts to split"),
+    (["model.preset=tiny-moe", "model.moe_router=argmax"], "model.moe_router = 'argmax': choose one of softmax_topk"),
+    (["model.preset=tiny-moe", "model.moe_capacity=1.25", "parallel.tp=2", "run.nproc=2"],
+     "model.moe_capacity = 1.25: dropping tokens would depend on how tp and cp split the sequence"),
+    (["model.preset=tiny-moe", "train.moe_aux_loss=-1"], "train.moe_aux_loss = -1.0: must be >= 0"),
+    (["model.preset=tiny-moe", "model.moe_every=0"], "model.moe_every = 0: must be > 0"),
 ])
 def test_each_error_is_one_clear_line(overrides, fragment):
     if fragment.startswith("head dim"):
@@ -87,6 +101,10 @@ def test_implemented_options_validate():
     assert cfg.parallel.dp_shard == 2
     validate(load_config(None, ["run.device=cpu", "train.precision=fp16", "train.loss_scaler=false",
                                 "train.allow_unscaled_fp16=true"]))
+    # experts over the 2 ranks of dp_shard in each of 2 replicas; bias balancing
+    cfg = validate(load_config(None, ["run.device=cpu", "run.nproc=4", "model.preset=tiny-moe", "parallel.ep=2",
+                                      "parallel.dp_replicate=2", "parallel.zero=2", "train.moe_bias_rate=1e-3"]))
+    assert cfg.model_args().moe_experts == 8
 
 
 def test_world_from_launcher_must_match():
@@ -120,6 +138,7 @@ def test_wrong_type_in_file(tmp_path):
     ["train", "--config", "/missing.toml"],
     ["train", "--nproc", "1", "parallel.zero=3"],
     ["train", "--dry-run", "train.recompute=every:0"],
+    ["train", "--nproc", "4", "model.preset=tiny-moe", "parallel.ep=3"],
 ])
 def test_cli_exit_2_one_line_nothing_written(argv, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)

@@ -34,6 +34,21 @@ def test_explicit_maps():
     assert h.size("dp_cp") == 8 and h.size("dp") == 4
 
 
+def test_expert_groups_split_dp_shard_cp():
+    """ep takes consecutive ranks of dp_shard × cp (cp fastest); edp_shard the ranks of it
+    holding the same experts; edp adds dp_replicate."""
+    s = MeshShape(dp_replicate=2, dp_shard=2, cp=2, ep=2)
+    assert s.expert_group_ranks("ep") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert s.expert_group_ranks("edp_shard") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert s.expert_group_ranks("edp") == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    t = MeshShape(pp=2, dp_shard=4, tp=2, ep=4)  # tp fastest: an expert group skips the tp neighbour
+    assert t.expert_group_ranks("ep")[:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert t.expert_coords(6) == {"ep": 3, "edp_shard": 0}
+    assert t.size("edp_shard") == 1 and t.size("edp") == 1 and MeshShape(dp_shard=4, ep=2).size("edp") == 2
+    with pytest.raises(ValueError, match="ep = 3 must divide dp_shard × cp = 4"):
+        MeshShape(dp_shard=4, ep=3)
+
+
 def test_single_has_no_groups():
     mesh = ParallelMesh.single()
     assert all(not mesh.group(n).active for n in DIMS + ("dp", "dp_cp"))
@@ -47,6 +62,10 @@ def _build_and_check(shape):
     from ndtrain.comm import ops
     mesh = ParallelMesh.build(shape)
     out = {}
+    for name in ("ep", "edp_shard", "edp"):
+        t = torch.tensor([float(dist.get_rank())])
+        ops.all_reduce(t, mesh.group(name))
+        out[name] = t.item()
     for name in DIMS + ("dp", "dp_cp", "dp_shard_cp"):
         g = mesh.group(name)
         assert g.active == (g.size > 1), name
@@ -59,11 +78,15 @@ def _build_and_check(shape):
     return mesh.coords, out
 
 
-@pytest.mark.parametrize("shape", [MeshShape(pp=2, dp_shard=2, tp=2), MeshShape(dp_replicate=2, dp_shard=2, cp=2)])
+@pytest.mark.parametrize("shape", [MeshShape(pp=2, dp_shard=2, tp=2, ep=2),
+                                   MeshShape(dp_replicate=2, dp_shard=2, cp=2, ep=2)])
 def test_groups_on_eight_ranks(shape):
     results = run_ranks(_build_and_check, 8, shape)
     for rank, (coords, sums) in enumerate(results):
         assert coords == shape.coords(rank)
+        for name in ("ep", "edp_shard", "edp"):
+            group = next(g for g in shape.expert_group_ranks(name) if rank in g)
+            assert sums.pop(name) == sum(group), (name, rank)
         for name, total in sums.items():
             dims = {"dp": ("dp_replicate", "dp_shard"), "dp_cp": ("dp_replicate", "dp_shard", "cp"),
                     "dp_shard_cp": ("dp_shard", "cp")}.get(name, (name,))

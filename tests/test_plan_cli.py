@@ -66,6 +66,12 @@ def test_plan_bad_input(capsys, argv, key, rule):
     assert "\n" not in line and key in line and rule in line, line
 
 
+def test_plan_refuses_a_mixture_of_experts_model(capsys):
+    code, out, err = _plan(capsys, "--cluster", "H100", "--gpus", "8", "model.preset=olmoe-1b-7b", "parallel.ep=8")
+    assert code == 2 and out == "" and "\n" not in err.strip()
+    assert "model.preset = 'olmoe-1b-7b'" in err and "does not model yet" in err
+
+
 def test_a_model_that_fits_nowhere(capsys):
     code, _, err = _plan(capsys, "--cluster", "A100-40GB", "--gpus", "4", "--search", "model.preset=8B",
                          "model.n_layers=96", "model.dim=16384", "model.n_heads=128", "model.ffn_dim=53248",

@@ -35,9 +35,10 @@ def bench(nproc: int) -> Bench:
 def _alone(device: torch.device):
     """A one-process mesh inside a launched group (for the contender without CP)."""
     from ndtrain.comm.stats import CommStats
-    from ndtrain.mesh import COMPOSITES, DIMS, Group, MeshShape, ParallelMesh
+    from ndtrain.mesh import COMPOSITES, DIMS, Group, MeshShape, ParallelMesh, expert_groups
     stats = CommStats()
     groups = {name: Group(name, [0], 0, None, stats, device) for name in DIMS + tuple(COMPOSITES)}
+    groups.update(expert_groups(MeshShape(), 0, device, stats, groups))
     return ParallelMesh(MeshShape(), 0, device, groups, stats)
 
 

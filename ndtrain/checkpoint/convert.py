@@ -22,7 +22,7 @@ from ndtrain import config as config_mod
 from ndtrain.checkpoint import store
 from ndtrain.checkpoint.files import write_safetensors
 from ndtrain.checkpoint.slices import Piece
-from ndtrain.checkpoint.sources import SHAPE_KEYS, CheckpointSource, HFSource
+from ndtrain.checkpoint.sources import MOE_KEYS, SHAPE_KEYS, CheckpointSource, HFSource
 from ndtrain.checkpoint.store import CheckpointError
 from ndtrain.data.tokenizer import TextTokenizer
 from ndtrain.model import hf
@@ -51,21 +51,35 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print) -> Path:
     path = checkpoint_of(run, report)
     meta = store.read_meta(path)
     args = ModelArgs(**meta["model_args"])
+    try:
+        hf.family_of(args)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    if ((meta.get("config") or {}).get("train") or {}).get("moe_bias_rate"):
+        raise CheckpointError(f"{path}: the routers' selection bias (train.moe_bias_rate > 0) has no place in a "
+                              "Hugging Face Mixtral or Qwen3-MoE; exporting would change which experts tokens choose")
     source = CheckpointSource(path, meta)
     weights = {k[len("weight/"):]: t for k, t in meta["tensors"].items() if k.startswith("weight/")}
     stored = {torch.float64 if t["dtype"] == "F64" else torch.float32 for t in weights.values()}
     target = DTYPE_NAMES[dtype] if dtype else (torch.float32 if torch.float32 in stored else stored.pop())
 
-    def fetch(key: str, shape: tuple):
+    def fetch(key: str, shape: tuple, expert: int | None = None):
+        """The whole tensor, or one expert of a stack (the piece [expert])."""
+        piece = Piece.whole(shape) if expert is None else Piece(shape, (expert,) + (0,) * (len(shape) - 1),
+                                                                (1, *shape[1:]))
+
         def read():
-            data = torch.empty(int(torch.Size(shape).numel()), dtype=torch.float64)
-            source.fill(key, Piece.whole(shape), data)
-            return data.to(target).view(shape)
+            data = torch.empty(piece.numel, dtype=torch.float64)
+            source.fill(key, piece, data)
+            return data.to(target).view(piece.box if expert is None else piece.box[1:])
         return read
 
     entries = []
     for name, t in weights.items():
-        entries.append((hf.hf_name(name), target, tuple(t["shape"]), fetch(f"weight/{name}", tuple(t["shape"]))))
+        shape = tuple(t["shape"])
+        for hf_key, expert in hf.hf_names(name, args):
+            stored = shape if expert is None else shape[1:]
+            entries.append((hf_key, target, stored, fetch(f"weight/{name}", shape, expert)))
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / "model.safetensors", sorted(entries), {"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf.hf_config_json(args, HF_DTYPE[target]), indent=1))
@@ -92,7 +106,7 @@ def from_hf(folder: Path, run: Path) -> Path:
         tensors.append((key, Piece.whole(shape), data))
     args = source.args
     cfg = config_mod.Config()
-    for key in SHAPE_KEYS + ("max_seq_len",):
+    for key in SHAPE_KEYS + ("max_seq_len",) + (MOE_KEYS if args.is_moe else ()):
         setattr(cfg.model, key, getattr(args, key))
     run.mkdir(parents=True, exist_ok=True)
     if (Path(folder) / "tokenizer.json").is_file():

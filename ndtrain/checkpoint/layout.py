@@ -37,6 +37,7 @@ from ndtrain.checkpoint.slices import Piece
 from ndtrain.checkpoint.store import CheckpointError
 from ndtrain.mesh import DIMS, ParallelMesh
 from ndtrain.parallel.placement import is_duplicate, region_of, shard_dims
+from ndtrain.parallel.states import persistent_buffers
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # A tied head held apart from the embedding (on the last pipeline stage) is the embedding.
@@ -56,19 +57,34 @@ class Held:
 
 def held(states, tie_embeddings: bool, moments=None, kinds=("weight",)) -> list[Held]:
     """This rank's pieces of the global tensors of `kinds`. `moments` maps each optimizer
-    tensor to its state (`optimizer.state`); a tensor without state has no moments yet."""
+    tensor to its state (`optimizer.state`); a tensor without state has no moments yet.
+    With the weights come the model's persistent buffers (`buffer/NAME`: an MoE router's
+    bias), whole on every rank of a stage."""
     out = []
     for s in states.optim_slices():
         region = region_of(s.param)
         piece = Piece(region.shape, region.offsets, tuple(s.param.shape), s.start, s.stop)
         name = TIED.get(s.name, s.name) if tie_embeddings else s.name
-        replicated = tuple(d for d in DIMS if d != "pp" and d not in shard_dims(s.holder))
+        replicated = replicated_dims(s.holder)
         for kind in kinds:
             t = s.holder if kind == "weight" else (moments or {}).get(s.holder, {}).get(kind)
             if t is not None:
                 data = t.detach().view(-1)[s.at:s.at + s.stop - s.start]
                 out.append(Held(f"{kind}/{name}", piece, data, replicated, is_duplicate(s.holder)))
+    if "weight" in kinds:
+        everywhere = tuple(d for d in DIMS if d != "pp")
+        out += [Held(f"buffer/{name}", Piece.whole(b.shape), b.detach().view(-1), everywhere, False)
+                for name, b in states.buffers().items()]
     return out
+
+
+def replicated_dims(holder: torch.Tensor) -> tuple[str, ...]:
+    """The mesh dimensions holding equal copies of what `holder` holds. A routed expert's
+    shard (split over "ep", mesh.py) has its copies on the ranks with the same experts:
+    dp_replicate, edp_shard (unless ZeRO shards it there too) and tp."""
+    dims = shard_dims(holder)
+    candidates = ("dp_replicate", "edp_shard", "tp") if "ep" in dims else tuple(d for d in DIMS if d != "pp")
+    return tuple(d for d in candidates if d not in dims)
 
 
 def my_share(pieces: list[Held], mesh: ParallelMesh) -> list[Held]:
@@ -81,11 +97,11 @@ def my_share(pieces: list[Held], mesh: ParallelMesh) -> list[Held]:
             groups.setdefault(h.replicated, []).append(h)
     mine = []
     for dims, items in groups.items():
-        live = [d for d in dims if getattr(mesh.shape, d) > 1]
-        size = math.prod(getattr(mesh.shape, d) for d in live)
+        live = [d for d in dims if mesh.size(d) > 1]
+        size = math.prod(mesh.size(d) for d in live)
         index = 0
         for d in live:
-            index = index * getattr(mesh.shape, d) + mesh.coords[d]
+            index = index * mesh.size(d) + mesh.coord(d)
         loads = [0] * size
         for h in sorted(items, key=lambda h: h.key):
             j = loads.index(min(loads))
@@ -142,6 +158,8 @@ def load(source, par, tie_embeddings: bool, optimizer: torch.optim.Optimizer | N
         moments = {t: {k: _moment(optimizer.state.get(t, {}).get(k), t) for k in MOMENTS} for t in holders}
     kinds = ("weight",) + (MOMENTS if with_moments else ())
     for h in held(par.states, tie_embeddings, moments, kinds):
+        if h.key.startswith("buffer/") and not source.holds(h.key):
+            continue  # a source without the buffer (HF weights): it keeps its initial value
         source.fill(h.key, h.piece, h.data)
     if with_moments:
         install_moments(optimizer, moments, optimizer_step)
@@ -173,3 +191,6 @@ def load_model(source, model: torch.nn.Module) -> None:
         data = torch.empty(p.numel(), dtype=p.dtype)
         source.fill(f"weight/{name}", Piece.whole(p.shape), data)
         p.copy_(data.view(p.shape))
+    for name, b in persistent_buffers(model).items():  # an MoE router's bias steers its choices
+        if source.holds(f"buffer/{name}"):
+            source.fill(f"buffer/{name}", Piece.whole(b.shape), b.detach().view(-1))

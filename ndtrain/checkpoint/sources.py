@@ -44,6 +44,9 @@ class Source:
     def has(self, kind: str) -> bool:
         return any(key.startswith(kind + "/") for key in self.index)
 
+    def holds(self, key: str) -> bool:
+        return key in self.index
+
     def fill(self, key: str, piece: Piece, data) -> None:
         if key not in self.index:
             raise CheckpointError(f"{self.where} holds no tensor {key}")
@@ -82,11 +85,17 @@ class HFSource(Source):
             for name, info in header_of(file).items():
                 if name == "__metadata__":
                     continue
-                ours = hf.our_name(name)
-                if ours is None or (ours == "output.weight" and self.args.tie_embeddings):
+                found = hf.our_piece(name)
+                if found is None or (found[0] == "output.weight" and self.args.tie_embeddings):
                     continue
-                shape = tuple(info["shape"])
-                self.index[f"weight/{ours}"] = (shape, [(Piece.whole(shape), partial(self.reader.read, file, name))])
+                (ours, expert), stored = found, tuple(info["shape"])
+                read = partial(self.reader.read, file, name)
+                if expert is None:
+                    self.index[f"weight/{ours}"] = (stored, [(Piece.whole(stored), read)])
+                else:  # one expert of our stack [E, ...]: the piece [expert]
+                    shape = (self.args.moe_experts, *stored)
+                    piece = Piece(shape, (expert,) + (0,) * len(stored), (1, *stored))
+                    self.index.setdefault(f"weight/{ours}", (shape, []))[1].append((piece, read))
 
 
 def hf_args(folder: Path) -> ModelArgs:
@@ -149,6 +158,9 @@ KINDS = ("run", "hf")
 # ModelArgs fields that are config keys of the same name and fix the parameters' shapes.
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "head_dim", "qkv_bias",
               "qk_norm", "tie_embeddings", "rope_theta", "norm_eps")
+# ... and those of a mixture-of-experts model (set only from an MoE source).
+MOE_KEYS = ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_ffn_dim", "moe_every", "moe_router",
+            "moe_norm_topk", "moe_route_scale", "moe_capacity")
 
 
 def parse_init_from(value: str) -> tuple[str, Path]:
@@ -203,7 +215,7 @@ def resolve_init_from(cfg: Config) -> None:
     if not cfg.model.init_from:
         return
     args, tokenizer = source_args(cfg.model.init_from)
-    for key in SHAPE_KEYS:
+    for key in SHAPE_KEYS + (MOE_KEYS if args.is_moe else ()):
         mine, theirs = getattr(cfg.model, key), getattr(args, key)
         if mine is not None and mine != theirs:
             raise ConfigError(f"model.{key}", mine, f"differs from the model of model.init_from ({theirs}); "

@@ -110,13 +110,23 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group,
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group,
                out_splits: list[int] | None = None, in_splits: list[int] | None = None,
                async_op: bool = False):
+    """Rows of `inp` to every rank (in_splits[r] rows to group member r, equal parts if
+    None); `out` receives out_splits[r] rows from r, in group order."""
     if not group.active:
         out.copy_(inp)
         return _finish(None, async_op)
-    group.stats.record(group.name, "all_to_all", _nbytes(inp), group.size)
+    group.stats.record(group.name, "all_to_all", _nbytes(inp), group.size, wire=all_to_all_wire(inp, group, in_splits))
     work = _named("all_to_all", group, lambda: dist.all_to_all_single(out, inp, out_splits, in_splits,
                                                                        group=group.pg, async_op=async_op))
     return _finish(work, async_op, "all_to_all", group)
+
+
+def all_to_all_wire(inp: torch.Tensor, group: Group, in_splits: list[int] | None) -> float:
+    """Bytes this rank sends to the others: everything but the rows it keeps."""
+    if in_splits is None:
+        return _nbytes(inp) * (group.size - 1) / group.size
+    row = _nbytes(inp) // max(inp.shape[0], 1)
+    return float(row * (sum(in_splits) - in_splits[group.rank]))
 
 
 def broadcast(t: torch.Tensor, group: Group, src: int = 0, async_op: bool = False):

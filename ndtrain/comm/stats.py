@@ -10,7 +10,8 @@ Two figures per call:
 - payload: the bytes of the tensor the caller handed in (for all-gather, the gathered output);
 - wire: the bytes one rank sends under the bandwidth-optimal ring algorithm, the quantity
   the ZeRO and Megatron papers reason with: all-reduce 2(n-1)/n·S, all-gather and
-  reduce-scatter (n-1)/n·S of the full tensor, all-to-all (n-1)/n·S, send S, broadcast S.
+  reduce-scatter (n-1)/n·S of the full tensor, all-to-all (n-1)/n·S, send S, broadcast S;
+  an all-to-all with uneven splits counts exactly the rows it sends to other ranks.
 So "ZeRO-3 moves 1.5× the bytes of DP" and Megatron's 8·b·s·h·(t-1)/t are checks on `wire`.
 """
 
@@ -44,11 +45,13 @@ class CommStats:
     def __init__(self):
         self.tallies: dict[tuple[str, str], Tally] = defaultdict(Tally)
 
-    def record(self, dim: str, kind: str, nbytes: int, group_size: int) -> None:
+    def record(self, dim: str, kind: str, nbytes: int, group_size: int, wire: float | None = None) -> None:
+        """`wire`: the exact bytes sent, where the ring formula does not apply (an
+        all-to-all with uneven splits)."""
         t = self.tallies[(dim, kind)]
         t.calls += 1
         t.payload += nbytes
-        t.wire += nbytes * RING_FACTOR[kind](group_size)
+        t.wire += nbytes * RING_FACTOR[kind](group_size) if wire is None else wire
 
     def reset(self) -> None:
         self.tallies.clear()

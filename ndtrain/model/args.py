@@ -26,10 +26,35 @@ class ModelArgs:
     head_dim: int | None = None
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary (Qwen3)
+    # Mixture of experts (model/moe.py); moe_experts = 0: every block is dense.
+    moe_experts: int = 0  # routed experts per MoE block
+    moe_top_k: int = 2  # experts each token is routed to
+    moe_shared_experts: int = 0  # experts every token also runs through (DeepSeek, Qwen2-MoE)
+    moe_ffn_dim: int = 0  # hidden size of one expert; 0 = ffn_dim
+    moe_every: int = 1  # block i is MoE when (i + 1) % moe_every == 0 (1: all; 2: 1, 3, 5, ...)
+    moe_router: str = "softmax_topk"  # softmax_topk | topk_softmax | sigmoid
+    moe_norm_topk: bool = False  # renormalise the k chosen weights to sum to 1
+    moe_route_scale: float = 1.0  # multiplies the k weights
+    moe_capacity: float = 0.0  # capacity factor; 0 = dropless
 
     def __post_init__(self):
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.moe_experts > 0
+
+    @property
+    def expert_dim(self) -> int:
+        return self.moe_ffn_dim or self.ffn_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.is_moe and (layer + 1) % self.moe_every == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
 
     def with_(self, **changes) -> "ModelArgs":
         """A copy with `changes`. A head_dim that was derived from dim / n_heads is derived
@@ -59,26 +84,49 @@ PRESETS: dict[str, ModelArgs] = {
                     vocab_size=128256, max_seq_len=8192, rope_theta=500000.0, tie_embeddings=True),
     "8B": ModelArgs(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336,
                     vocab_size=128256, max_seq_len=8192, rope_theta=500000.0),
+    # For tests: tiny with 8 experts of half the MLP's width in every block, top-2.
+    "tiny-moe": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512,
+                          max_seq_len=256, moe_experts=8, moe_top_k=2, moe_ffn_dim=64),
+    # OLMoE-1B-7B's proportions (arXiv 2409.02060): 64 experts of 1024, 8 per token, softmax
+    # router without renormalisation; 6.9 B parameters, 1.3 B active. (OLMoE also normalises q
+    # and k, which this decoder does not.)
+    "olmoe-1b-7b": ModelArgs(dim=2048, n_layers=16, n_heads=16, n_kv_heads=16, ffn_dim=1024,
+                             vocab_size=50304, max_seq_len=4096, moe_experts=64, moe_top_k=8,
+                             moe_ffn_dim=1024),
 }
 
+ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")
 
-def block_params(a: ModelArgs) -> int:
-    """Parameters of one decoder block: attention (with q/k/v biases and q/k norms where the
-    family has them), SwiGLU MLP and two RMSNorm weights."""
+
+def block_params(a: ModelArgs, layer: int = 0, *, active: bool = False) -> int:
+    """Parameters of decoder block `layer`: attention (with q/k/v biases and q/k norms where
+    the family has them), two RMSNorm weights, and a SwiGLU MLP or an MoE feed-forward
+    (router, routed and shared experts). `active=True` counts what one token uses: the
+    router, its top-k experts and the shared ones."""
     q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
     attention = a.dim * q_dim * 2 + a.dim * kv_dim * 2  # wq, wo, wk, wv
     if a.qkv_bias:
         attention += q_dim + 2 * kv_dim
     if a.qk_norm:
         attention += 2 * a.head_dim
-    mlp = 3 * a.dim * a.ffn_dim  # gate, up, down
+    if a.is_moe_layer(layer):
+        experts = (a.moe_top_k if active else a.moe_experts) + a.moe_shared_experts
+        mlp = a.dim * a.moe_experts + experts * 3 * a.dim * a.expert_dim  # router + experts
+    else:
+        mlp = 3 * a.dim * a.ffn_dim  # gate, up, down
     return attention + mlp + 2 * a.dim
 
 
-def param_count(a: ModelArgs, *, embedding: bool = True) -> int:
+def expert_params(a: ModelArgs) -> int:
+    """Parameters of the routed experts (what expert parallelism splits)."""
+    return len(a.moe_layers) * a.moe_experts * 3 * a.dim * a.expert_dim
+
+
+def param_count(a: ModelArgs, *, embedding: bool = True, active: bool = False) -> int:
     """Number of parameters. `embedding=False` drops the input lookup table, which costs no
-    FLOPs; the output head stays (it is a matmul), tied or not."""
-    n = a.n_layers * block_params(a) + a.dim  # blocks + final norm
+    FLOPs; the output head stays (it is a matmul), tied or not. `active=True`: what one
+    token uses (an MoE block counts its router, top-k and shared experts only)."""
+    n = sum(block_params(a, i, active=active) for i in range(a.n_layers)) + a.dim  # blocks + final norm
     n += a.vocab_size * a.dim  # output head
     if embedding and not a.tie_embeddings:
         n += a.vocab_size * a.dim
@@ -96,6 +144,10 @@ def flops_per_token(a: ModelArgs, seq_len: int) -> float:
     skip it, so we count half: 6·L·s·d. This is the convention of the Llama-3 and
     FlashAttention papers; PaLM's 12·L·s·d counts the masked half too and gives MFU figures
     that are higher by that amount.
+
+    Mixture of experts: N counts the *active* parameters (router, top-k and shared experts),
+    the matmuls a token really goes through; the dispatch (permutations, all-to-all) does no
+    FLOPs.
     """
-    n = param_count(a, embedding=False)
+    n = param_count(a, embedding=False, active=True)
     return 6.0 * n + 6.0 * a.n_layers * seq_len * a.n_heads * a.head_dim  # n_heads·head_dim = d

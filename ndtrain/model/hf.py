@@ -5,8 +5,14 @@ permutation of wq/wk is needed. Partial state dicts (one pipeline stage's) conve
 
 Everything is a table. `NAMES` maps our parameter names to HF's (a family uses the rows its
 parameters need); `FAMILIES` says what a `model_type` adds to the Llama block (q/k/v biases
-for Qwen2, q/k norms and an explicit head_dim for Qwen3) and which config keys it refuses. A
-new family (the MoE ones) is a row in each table.
+for Qwen2, q/k norms and an explicit head_dim for Qwen3, routed experts for Mixtral and
+Qwen3-MoE) and which config keys it refuses.
+
+Mixture of experts: our experts are stacked, `feed_forward.experts.w1` [E, F, D] (w3 the
+same, w2 [E, D, F]); a HF checkpoint stores one tensor per expert
+(`block_sparse_moe.experts.{j}.w1.weight` in Mixtral, `mlp.experts.{j}.gate_proj.weight` in
+Qwen3-MoE), which is the piece [j] of ours: `our_piece` says which, and the slice reader
+(checkpoint/slices.py) assembles or cuts the stack like any other sharded tensor.
 
 Tied embeddings: HF checkpoints of tied models store the matrix once, as
 `model.embed_tokens.weight`, so `to_hf_state_dict` leaves `lm_head.weight` out when the
@@ -60,19 +66,38 @@ class Family:
     qk_norm: bool = False
     # config keys that must be false (or absent) for the weights to mean what ours do
     refused: tuple[str, ...] = ()
+    # MoE: the block's module name and the names of gate, up and down in one expert
+    moe: str = ""
+    expert_names: tuple[str, str, str] = ()
 
 
 FAMILIES = {
     "llama": Family("llama", "LlamaForCausalLM", refused=("attention_bias", "mlp_bias")),
     "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, refused=("use_sliding_window",)),
     "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, refused=("use_sliding_window", "attention_bias")),
+    "mixtral": Family("mixtral", "MixtralForCausalLM", refused=("sliding_window",), moe="block_sparse_moe",
+                      expert_names=("w1", "w3", "w2")),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True,
+                        refused=("use_sliding_window", "attention_bias", "mlp_only_layers"), moe="mlp",
+                        expert_names=("gate_proj", "up_proj", "down_proj")),
 }
+_EXPERT_STACKS = ("w1", "w3", "w2")  # ours, in the order of Family.expert_names
 
 
 def family_of(args: ModelArgs) -> Family:
     """The HF family that holds a model of this shape."""
     if args.qk_norm and args.qkv_bias:
         raise ValueError("no Hugging Face family has both q/k/v biases and q/k norms")
+    if args.is_moe:
+        family = FAMILIES["qwen3_moe" if args.qk_norm else "mixtral"]
+        plain = (args.moe_router == "softmax_topk" and args.moe_shared_experts == 0 and args.moe_capacity == 0
+                 and args.moe_route_scale == 1.0)
+        if args.qkv_bias or not plain or (family.moe == "block_sparse_moe" and (not args.moe_norm_topk
+                                                                              or args.moe_every != 1)):
+            raise ValueError("no Hugging Face family holds this mixture of experts (Mixtral: softmax router, "
+                             "renormalised top-k, every block; Qwen3-MoE: q/k norms; neither has shared experts, "
+                             "capacity or a route scale)")
+        return family
     return FAMILIES["qwen3" if args.qk_norm else "qwen2" if args.qkv_bias else "llama"]
 
 
@@ -84,6 +109,39 @@ def hf_name(name: str) -> str:
     if m and m.group(2) in BLOCK:
         return f"model.layers.{m.group(1)}.{BLOCK[m.group(2)]}"
     raise KeyError(f"no Hugging Face counterpart for parameter {name!r}")
+
+
+_HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
+_HF_ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight")
+_OURS_MOE = re.compile(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.(w1|w2|w3))")
+_EXPERT_OF = {hf: ours for f in FAMILIES.values() for hf, ours in zip(f.expert_names, _EXPERT_STACKS)}
+
+
+def our_piece(name: str) -> tuple[str, int | None] | None:
+    """The HF parameter name -> (ours, the expert it is in our stack, or None); None for
+    buffers HF saved that we rebuild."""
+    m = _HF_EXPERT.fullmatch(name)
+    if m and m.group(3) in _EXPERT_OF:
+        return f"layers.{m.group(1)}.feed_forward.experts.{_EXPERT_OF[m.group(3)]}", int(m.group(2))
+    m = _HF_ROUTER.fullmatch(name)
+    if m:
+        return f"layers.{m.group(1)}.feed_forward.router.weight", None
+    ours = our_name(name)
+    return None if ours is None else (ours, None)
+
+
+def hf_names(name: str, args: ModelArgs) -> list[tuple[str, int | None]]:
+    """Our parameter name -> the HF names holding it, with the expert each one is (an
+    expert stack is E HF tensors, anything else one)."""
+    m = _OURS_MOE.fullmatch(name)
+    if not m:
+        return [(hf_name(name), None)]
+    family = family_of(args)
+    block = f"model.layers.{m.group(1)}.{family.moe}"
+    if m.group(3) is None:
+        return [(f"{block}.gate.weight", None)]
+    expert = family.expert_names[_EXPERT_STACKS.index(m.group(3))]
+    return [(f"{block}.experts.{j}.{expert}.weight", j) for j in range(args.moe_experts)]
 
 
 def our_name(name: str) -> str | None:
@@ -139,6 +197,13 @@ def hf_config(args: ModelArgs) -> dict:
         tie_word_embeddings=args.tie_embeddings,
     )
     out.update({key: False for key in family.refused})
+    if family.model_type == "mixtral":
+        out.update(intermediate_size=args.expert_dim, num_local_experts=args.moe_experts,
+                   num_experts_per_tok=args.moe_top_k, sliding_window=None)
+    elif family.model_type == "qwen3_moe":
+        out.update(moe_intermediate_size=args.expert_dim, num_experts=args.moe_experts,
+                   num_experts_per_tok=args.moe_top_k, norm_topk_prob=args.moe_norm_topk,
+                   decoder_sparse_step=args.moe_every, mlp_only_layers=[])
     return out
 
 
@@ -179,4 +244,17 @@ def args_from_hf_config(config) -> ModelArgs:
         head_dim=c.get("head_dim") or None,
         qkv_bias=family.qkv_bias,
         qk_norm=family.qk_norm,
+        **_moe_args(family, c),
     )
+
+
+def _moe_args(family: Family, c: dict) -> dict:
+    """The MoE fields of `ModelArgs` from a Mixtral or Qwen3-MoE config."""
+    if family.model_type == "mixtral":
+        return dict(moe_experts=c["num_local_experts"], moe_top_k=c["num_experts_per_tok"],
+                    moe_ffn_dim=c["intermediate_size"], moe_norm_topk=True)
+    if family.model_type == "qwen3_moe":
+        return dict(moe_experts=c.get("num_experts") or c["num_local_experts"], moe_top_k=c["num_experts_per_tok"],
+                    moe_ffn_dim=c["moe_intermediate_size"], moe_norm_topk=bool(c.get("norm_topk_prob")),
+                    moe_every=c.get("decoder_sparse_step") or 1)
+    return {}

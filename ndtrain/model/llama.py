@@ -26,12 +26,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .args import ModelArgs
-
-
-def widened(x: Tensor) -> Tensor:
-    """`x` in fp32, or in fp64 if it is already (fp64 runs are the layout proofs: nothing
-    may round them to fp32 on the way)."""
-    return x if x.dtype == torch.float64 else x.float()
+from .dtypes import widened
+from .moe import MoE, RoutingLog
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -206,7 +202,10 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """Pre-norm residual block; its feed-forward is a SwiGLU MLP, or a mixture of experts
+    (model/moe.py) in the layers `args.is_moe_layer` names."""
+
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         # One module for both residual branches: it holds no state, and a layout that
         # splits the residual stream can swap it for a dropout that draws the same mask.
@@ -214,13 +213,18 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.attention = Attention(args)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args)
+        self.feed_forward = MoE(args) if args.is_moe_layer(layer) else FeedForward(args)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
-                layer_key: str | None = None, doc_ids: Tensor | None = None) -> Tensor:
+                layer_key: str | None = None, doc_ids: Tensor | None = None,
+                routing: RoutingLog | None = None) -> Tensor:
         a = self.attention(self.attention_norm(x), cos, sin, cache, layer_key, doc_ids=doc_ids)
         x = x + self.dropout(a)
-        m = self.feed_forward(self.ffn_norm(x))
+        h = self.ffn_norm(x)
+        if isinstance(self.feed_forward, MoE):
+            m = self.feed_forward(h, routing, layer_key)
+        else:
+            m = self.feed_forward(h)
         return x + self.dropout(m)
 
 
@@ -232,7 +236,7 @@ def init_std(name: str, args: ModelArgs) -> float:
     """Standard deviation of a weight's initial values (norm weights start at 1 instead).
     The projections that write into the residual stream are scaled down by depth, so the
     residual's variance does not grow with the number of layers (GPT-2)."""
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         return 0.02 / math.sqrt(2 * args.n_layers)
     return 0.02
 
@@ -269,7 +273,7 @@ class Transformer(nn.Module):
             raise ValueError(f"layer_ids {layer_ids} must be distinct and in 0..{args.n_layers - 1}")
 
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if embed else None
-        self.layers = nn.ModuleDict({str(i): Block(args) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(args, i) for i in layer_ids})
         self.norm = RMSNorm(args.dim, args.norm_eps) if head else None
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if head else None
         if args.tie_embeddings and embed and head:
@@ -295,10 +299,14 @@ class Transformer(nn.Module):
         self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
-                cache: KVCache | None = None, doc_ids: Tensor | None = None) -> Tensor:
+                cache: KVCache | None = None, doc_ids: Tensor | None = None,
+                routing: RoutingLog | None = None) -> Tensor:
         """x: tokens [b, s] (or hidden states without the embedding). positions: [s] or
         [b, s], the RoPE position of each token (default 0..s-1, after the cache);
-        a packed row restarts them at each document. doc_ids: [b, s], see AttentionCore."""
+        a packed row restarts them at each document. doc_ids: [b, s], see AttentionCore.
+        routing: a training step's log, which the MoE blocks fill with their load-balancing
+        loss and routing statistics (model/moe.py); None (evaluation, generation): nothing
+        is recorded."""
         s = x.shape[1]
         if positions is None:
             start = cache.pos if cache is not None else 0
@@ -307,7 +315,7 @@ class Transformer(nn.Module):
 
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for key, layer in self.layers.items():
-            h = layer(h, cos, sin, cache, key, doc_ids=doc_ids)
+            h = layer(h, cos, sin, cache, key, doc_ids=doc_ids, routing=routing)
         if cache is not None:
             cache.advance(s)
         if self.output is not None:
@@ -317,9 +325,13 @@ class Transformer(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
         """Deterministic initialisation, see `initial_value`. Also rebuilds the rotary
-        tables, so a model built on the meta device and materialised with `to_empty` works."""
+        tables and zeroes the routers' bias, so a model built on the meta device and
+        materialised with `to_empty` works."""
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, p.shape, self.args, seed))
+        for module in self.modules():
+            if isinstance(module, MoE):
+                module.router.expert_bias.zero_()
         self.reset_rope()
 
     def num_params(self) -> int:

@@ -13,6 +13,7 @@ peak of what a step's forward and backward allocate on top of them.
   frees it (a weak reference's finalizer), and the highest sum is the peak. Storages resized
   outside any operation (ZeRO-3 frees and regathers a unit's buffer with `storage.resize_`,
   and so does FSDP2) count too: the meter wraps `UntypedStorage.resize_` while it runs.
+  A DTensor (FSDP2's parameters, gradients and optimizer state) counts as its local shard.
 """
 
 from __future__ import annotations
@@ -24,8 +25,10 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
+
+from ndtrain.parallel.placement import is_expert
 
 
 @dataclass
@@ -43,19 +46,33 @@ class MemoryReport:
     optimizer: int = 0
     activations: int = 0
     peak: int = 0
+    # Of the model states, those of routed experts (MoE models only; None otherwise).
+    expert_params: int | None = None
+    expert_grads: int | None = None
+    expert_optimizer: int | None = None
 
     @property
     def model_states(self) -> int:
         return self.params + self.grads + self.optimizer
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
+def _plain(tensors: Iterable[torch.Tensor]):
+    """The tensors that own memory: a wrapper subclass (a DTensor) is replaced by the
+    tensors it wraps (its local shard), whose storages are the real ones; the wrapper's own
+    storage has the global size and no memory."""
+    for t in tensors:
+        if is_traceable_wrapper_subclass(t):
+            yield from _plain(getattr(t, name) for name in t.__tensor_flatten__()[0])
+        elif isinstance(t, torch.Tensor):
+            yield t
 
 
 def _storages(tensors: Iterable[torch.Tensor]):
-    for t in tensors:
-        if isinstance(t, torch.Tensor):
-            yield t.untyped_storage()
+    for t in _plain(tensors):
+        yield t.untyped_storage()
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], seen: set | None = None) -> int:
@@ -72,17 +89,19 @@ def storage_bytes(tensors: Iterable[torch.Tensor], seen: set | None = None) -> i
     return total
 
 
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+def optimizer_tensors(optimizer: torch.optim.Optimizer, experts: bool = False) -> list[torch.Tensor]:
+    return [v for p, state in optimizer.state.items() if is_expert(p) or not experts
+            for v in state.values() if isinstance(v, torch.Tensor)]
 
 
-def model_state_bytes(states, optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+def model_state_bytes(states, optimizer: torch.optim.Optimizer, experts: bool = False) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer state) bytes held now by a layout's `states`
-    (parallel/states.py or parallel/zero.py): the masters count as optimizer state."""
+    (parallel/states.py or parallel/zero.py): the masters count as optimizer state.
+    `experts=True`: only the routed experts' part."""
     seen: set = set()
-    params = storage_bytes(states.param_tensors(), seen)
-    grads = storage_bytes(states.grad_tensors(), seen)
-    optim = storage_bytes(states.master_tensors() + optimizer_tensors(optimizer), seen)
+    params = storage_bytes(states.param_tensors(experts), seen)
+    grads = storage_bytes(states.grad_tensors(experts), seen)
+    optim = storage_bytes(states.master_tensors(experts) + optimizer_tensors(optimizer, experts), seen)
     return params, grads, optim
 
 

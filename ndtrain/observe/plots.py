@@ -8,6 +8,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from ndtrain.observe.metrics import read_metrics  # noqa: E402
 
@@ -42,6 +43,40 @@ def plot_loss(metrics_path: Path, out: Path, baseline: float | None = None, titl
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return Path(out)
+
+
+def plot_moe_load(metrics_path: Path, out: Path) -> Path:
+    """MoE load per expert over steps, one panel per MoE block: each expert's share of the
+    block's routed slots (1/E is perfect balance), as a heat map of step × expert."""
+    records = [r for r in read_metrics(metrics_path) if r.get("moe")]
+    layers = records[0]["moe"]["layers"] if records else []
+    n = max(len(layers), 1)
+    cols = min(n, 4)
+    rows = -(-n // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1.2, 2.6 * rows + 0.4), dpi=120, squeeze=False,
+                             layout="constrained")
+    image = None
+    for i, layer in enumerate(layers):
+        ax = axes[i // cols][i % cols]
+        load = [[c / max(sum(row), 1) for c in row] for row in (r["moe"]["tokens_per_expert"][i] for r in records)]
+        experts = len(load[0])
+        image = ax.imshow([list(col) for col in zip(*load)], aspect="auto", origin="lower", cmap="viridis",
+                          interpolation="nearest",
+                          vmin=0.0, vmax=min(1.0, 3.0 / experts),
+                          extent=(records[0]["step"] + 0.5, records[-1]["step"] + 1.5, -0.5, experts - 0.5))
+        ax.set_title(f"block {layer}", fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("step", fontsize=8)
+        ax.set_ylabel("expert", fontsize=8)
+        ax.tick_params(labelsize=7)
+    for j in range(len(layers), rows * cols):
+        axes[j // cols][j % cols].axis("off")
+    if image is not None:
+        fig.colorbar(image, ax=axes, shrink=0.8, label="share of slots (1/E = balanced)")
+    fig.suptitle("MoE load per expert", fontsize=10)
     fig.savefig(out)
     plt.close(fig)
     return Path(out)

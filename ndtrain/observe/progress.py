@@ -14,6 +14,10 @@ def _fmt(record: dict) -> str:
              f"MFU {100 * mfu:.1f}%" if mfu is not None else "MFU n/a"]
     if record.get("val_loss") is not None:
         parts.append(f"val {record['val_loss']:.4f}")
+    moe = record.get("moe")
+    if moe:  # the worst block: max load / mean − 1, dead experts, balance loss (1 = balanced)
+        parts.append(f"MoE maxvio {max(moe['max_violation']):.2f} · dead {max(moe['dead_fraction']):.0%} · "
+                     f"aux {max(moe['aux_loss']):.3f}")
     return " · ".join(parts)
 
 

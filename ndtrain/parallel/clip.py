@@ -7,7 +7,10 @@ which must be counted once. We therefore keep one partial sum per set of shard d
 (a bitmask over the mesh dimensions) and, for each live dimension in a fixed order, sum over
 that dimension only the partial sums whose set contains it. Pipeline stages hold disjoint
 parameters, so every set contains "pp"; duplicates (a tied head on the last stage) are
-skipped.
+skipped. Routed experts add the two factors of dp_shard × cp that expert parallelism uses
+(mesh.EXPERT_DIMS): "ep" (different experts) and "edp_shard" (ZeRO slices of the same
+experts), so each expert is counted once, whatever holds copies of it. Without expert
+parallelism they are not in use, and the vector of partial sums stays 2^5 long.
 """
 
 from __future__ import annotations
@@ -17,20 +20,21 @@ import math
 import torch
 
 from ndtrain.comm import ops
-from ndtrain.mesh import DIMS, ParallelMesh
+from ndtrain.mesh import DIMS, EXPERT_DIMS, ParallelMesh
 from ndtrain.parallel.placement import is_duplicate, shard_dims
 
 
 def grad_norm(params, mesh: ParallelMesh) -> torch.Tensor:
     """The global L2 norm of the gradients of `params` (this rank's local tensors)."""
     device = mesh.device
-    partial = torch.zeros(2 ** len(DIMS), dtype=torch.float64, device=device)
+    dims = DIMS + (EXPERT_DIMS if mesh.shape.ep > 1 else ())  # no expert dims in use without EP
+    partial = torch.zeros(2 ** len(dims), dtype=torch.float64, device=device)
     by_mask: dict[int, list[torch.Tensor]] = {}
     for p in params:
         if p.grad is None or is_duplicate(p):
             continue
-        dims = set(shard_dims(p)) | {"pp"}
-        mask = sum(1 << i for i, d in enumerate(DIMS) if d in dims)
+        held = set(shard_dims(p)) | {"pp"}
+        mask = sum(1 << i for i, d in enumerate(dims) if d in held)
         by_mask.setdefault(mask, []).append(p.grad)
     for mask, grads in by_mask.items():
         norms = torch._foreach_norm(grads, 2.0)
@@ -38,7 +42,7 @@ def grad_norm(params, mesh: ParallelMesh) -> torch.Tensor:
     present = 0
     for mask in by_mask:
         present |= mask
-    for i, d in enumerate(DIMS):
+    for i, d in enumerate(dims):
         group = mesh.group(d)
         # Every rank of a group must agree on whether it reduces; they do, because the
         # parameters sharded over a dimension exist on every rank of that dimension.

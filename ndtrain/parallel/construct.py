@@ -32,6 +32,7 @@ from torch import nn
 from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import initial_value
+from ndtrain.parallel.placement import expert_slice
 from ndtrain.parallel.tensor import local_slice, split_of
 
 
@@ -42,11 +43,15 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
 
 def initializer(model: nn.Module, args: ModelArgs, seed: int, tp: Group) -> Callable[[nn.Parameter], torch.Tensor]:
     """`init(p)`: the fp32 initial value of what parameter `p` of `model` holds (this rank's
-    tensor-parallel chunk of the full initial value, or all of it), on the CPU."""
+    tensor-parallel chunk of the full initial value, its experts of a stack split by expert
+    parallelism, or all of it), on the CPU."""
     names = parameter_names(model)
 
     def init(p: nn.Parameter) -> torch.Tensor:
-        name, split = names[id(p)], split_of(p)
+        name, split, experts = names[id(p)], split_of(p), expert_slice(p)
+        if experts is not None and experts[1] != p.shape[0]:  # this rank's experts of the stack
+            first, total = experts
+            return initial_value(name, (total, *p.shape[1:]), args, seed)[first:first + p.shape[0]]
         if split is None:
             return initial_value(name, p.shape, args, seed)
         shape = list(p.shape)

@@ -177,3 +177,30 @@ class DataParallel:
     def remove(self) -> None:
         for h in self._hooks:
             h.remove()
+
+
+class GradSyncs:
+    """Several synchronisers run as one (dense gradients over `dp_cp`, expert gradients over
+    `edp`, parallel/expert.py): each is told and finishes in turn."""
+
+    def __init__(self, syncs: list[DataParallel]):
+        self.syncs = syncs
+
+    @property
+    def buckets(self) -> list[Bucket]:
+        return [b for s in self.syncs for b in s.buckets]
+
+    def grad_of(self, p: nn.Parameter) -> torch.Tensor:
+        return next(s for s in self.syncs if any(q is p for q in s.params)).grad_of(p)
+
+    def set_sync(self, enabled: bool) -> None:
+        for s in self.syncs:
+            s.set_sync(enabled)
+
+    def finish(self) -> None:
+        for s in self.syncs:
+            s.finish()
+
+    def zero_grad(self) -> None:
+        for s in self.syncs:
+            s.zero_grad()

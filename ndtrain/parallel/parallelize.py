@@ -10,10 +10,12 @@ that dimension's module, never the trainer.
 Order of the transformations (each one is a no-op when its dimension has size 1):
 1. tensor/sequence parallel module swaps   (parallel/tensor.py)
 2. context-parallel attention cores        (parallel/context/)
-3. activation recomputation wrappers       (parallel/recompute.py)
-4. gradient synchronisation over dp × cp:  DP buckets (parallel/data.py) or ZeRO (parallel/zero.py),
-   each with the compute dtype and fp32 masters of parallel/precision.py
-5. the schedule: one stage, or a pipeline  (parallel/pipeline/)
+3. MoE blocks: token split, this rank's experts, all-to-all dispatch (parallel/expert.py)
+4. activation recomputation wrappers       (parallel/recompute.py)
+5. gradient synchronisation over dp × cp (expert weights: over edp): DP buckets
+   (parallel/data.py) or ZeRO (parallel/zero.py), each with the compute dtype and fp32
+   masters of parallel/precision.py
+6. the schedule: one stage, or a pipeline  (parallel/pipeline/)
 
 Who holds the model states is `Parallelized.states`: `states.ReplicatedStates` (zero = 0:
 the model's own parameters, plus fp32 masters under mixed precision) or `zero.ZeRO` (flat
@@ -36,9 +38,9 @@ from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.model.loss import token_loss_sum
-from ndtrain.parallel import context, tensor
+from ndtrain.parallel import context, expert, tensor
 from ndtrain.parallel.construct import initializer, materialize
-from ndtrain.parallel.data import DataParallel
+from ndtrain.parallel.data import DataParallel, GradSyncs
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
 from ndtrain.parallel.pipeline.stage import StageModel, TiedEmbedding, build_chunks, gather_stages
 from ndtrain.parallel.precision import MasterWeights, cast_parameters, compute_dtype, has_masters, reduce_dtype
@@ -57,19 +59,35 @@ class Parallelized:
     schedule: SingleStage | PipelineSchedule
     states: ReplicatedStates | ZeRO
     loss_fn: Callable = token_loss_sum
+    # MoE models: the step's routing statistics and the routers' bias update
+    balance: expert.LoadBalance | None = None
 
     def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float,
                          unscale: float = 1.0) -> torch.Tensor:
         """Forward and backward of every micro-batch (each loss divided by `n_targets`, the
         step's global target count), gradients synchronised over every dimension and handed
         to the optimizer's tensors in fp32, times `unscale`. Returns this rank's share of the
-        loss."""
-        local = self.schedule.run(micro_batches, n_targets, self.grad_sync)
+        token loss. MoE models add their balance loss to the objective and leave the step's
+        routing statistics in `routing_stats` (collective)."""
+        routing = self.balance.log() if self.balance is not None else None
+        local = self.schedule.run(micro_batches, n_targets, self.grad_sync, routing)
         tp = self.mesh.group("tp")
         if tp.active:  # once per step: the sum of gradients each tp rank holds a part of
             tensor.sum_partial_grads(self.states.partial_grads("tp"), tp)
         self.states.grads_to_optimizer(unscale)
+        if self.balance is not None:
+            self.balance.reduce(routing, n_targets / unscale)
         return local
+
+    @property
+    def routing_stats(self) -> dict | None:
+        """Per MoE block, the last step's loads, max violation, dead experts, balance loss."""
+        return self.balance.stats if self.balance is not None else None
+
+    def after_step(self) -> None:
+        """After an applied optimizer step: the routers' bias update (MoE)."""
+        if self.balance is not None:
+            self.balance.update_bias()
 
     def evaluate(self, micro_batches: list[MicroBatch]) -> torch.Tensor:
         return self.schedule.evaluate(micro_batches)
@@ -93,7 +111,9 @@ class Parallelized:
         return self._whole(self.states.gathered_grads())
 
     def _whole(self, state: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor] | None:
-        """From the states gathered over dp_shard × cp (on its rank 0) to the whole model."""
+        """From the states gathered over dp_shard × cp (on its rank 0) to the whole model:
+        experts gathered over ep, tensor-parallel shards over tp, stages over pp."""
+        state = expert.gather_experts(self.model, state, self.mesh)
         if self.mesh.coord("dp_cp") != 0:
             return None
         state = tensor.full_state(self.model, state, self.mesh.group("tp"))
@@ -112,8 +132,8 @@ def build_model(args: ModelArgs, seed: int, device: torch.device, layer_ids=None
 def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
     """`make(layer_ids, embed, head)`: this rank's share of (part of) the decoder, laid out
     on the meta device: tensor-parallel modules when tp > 1, context-parallel attention when
-    cp > 1; parallel/construct.py gives the parameters memory and the values every layout
-    starts from."""
+    cp > 1, MoE blocks placed and split (parallel/expert.py); parallel/construct.py gives
+    the parameters memory and the values every layout starts from."""
     tp, cp = mesh.group("tp"), mesh.group("cp")
 
     def make(layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
@@ -124,6 +144,7 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
                 model = Transformer(args, layer_ids, embed, head)
         if cp.active:
             context.apply(model, cp, cfg.parallel.cp_impl, tp if tp.active and cfg.parallel.sp else None)
+        expert.parallelize(model, mesh, cfg.parallel.sp)
         return model
     return make
 
@@ -133,6 +154,7 @@ def materialized(model: Transformer, args: ModelArgs, mesh: ParallelMesh, cfg: C
     benchmarks), given memory and its initial values on the mesh's device."""
     materialize(model, initializer(model, args, cfg.train.seed, mesh.group("tp")), mesh.device)
     model.reset_rope(mesh.device)
+    expert.materialize_buffers(model, mesh.device)
     return model
 
 
@@ -162,13 +184,18 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Parallelized:
         cast_parameters(list(model.parameters()), dtype)
         bucket_bytes = int(p.bucket_mb * 2**20)
         accum = torch.float32 if has_masters(dtype) else None  # gradients add up in fp32 under bf16/fp16
-        grad_sync = DataParallel(list(model.parameters()), mesh.group("dp_cp"), bucket_bytes, rdtype, accum)
+        dense, experts = expert.expert_params(model.parameters())
+        grad_sync = DataParallel(dense, mesh.group("dp_cp"), bucket_bytes, rdtype, accum)
+        if experts:  # summed over the ranks holding the same experts
+            grad_sync = GradSyncs([grad_sync, DataParallel(experts, mesh.group("edp"), bucket_bytes, rdtype, accum)])
         states = ReplicatedStates(model, grad_sync, masters)
     for chunk in chunks.values():
         chunk.reset_rope(mesh.device)
+        expert.materialize_buffers(chunk, mesh.device)
     if pipelined:
         tied = TiedEmbedding(mesh, model, states.summed_grad) if args.tie_embeddings else None
         schedule = PipelineSchedule(chunks, mesh, p.pp_schedule, p.pp_virtual, loss_fn, tied)
     else:
         schedule = SingleStage(model, loss_fn)
-    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn)
+    balance = expert.LoadBalance(model, args, mesh, t.moe_aux_loss, t.moe_bias_rate) if args.is_moe else None
+    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance)

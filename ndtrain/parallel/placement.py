@@ -18,6 +18,11 @@ gradient norm and by checkpoint resharding.
 - `OptimSlice`: what a tensor the optimizer updates holds of a parameter (the parameter
   itself, its fp32 master, or a ZeRO flat shard's part of it); `states.optim_slices()`
   lists them.
+- `expert_slice(p)`: for the stacked weights of routed experts, which of the model's
+  experts `p` holds along dim 0, (first, total); None for every other parameter. Expert
+  states are reduced and sharded over the expert-data-parallel groups (mesh.py), and under
+  expert parallelism `p` is sharded over "ep" (one of the EXPERT_DIMS of mesh.py) and
+  marked with its region of the whole stack.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 _SHARD_ATTR = "_ndtrain_shard_dims"
 _DUP_ATTR = "_ndtrain_duplicate"
 _PARTIAL_ATTR = "_ndtrain_partial_dims"
+_EXPERT_ATTR = "_ndtrain_experts"
 
 
 def mark_sharded(p: torch.Tensor, dims: tuple[str, ...] | list[str]) -> torch.Tensor:
@@ -92,3 +98,24 @@ class OptimSlice:
     at: int
     start: int
     stop: int
+
+
+def mark_expert(p: torch.Tensor, first: int, total: int) -> torch.Tensor:
+    setattr(p, _EXPERT_ATTR, (first, total))
+    return p
+
+
+def expert_slice(p: torch.Tensor) -> tuple[int, int] | None:
+    return getattr(p, _EXPERT_ATTR, None)
+
+
+def is_expert(p: torch.Tensor) -> bool:
+    return expert_slice(p) is not None
+
+
+def copy_placement(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    """`dst` (a master copy, a replacement) placed like `src`."""
+    for attr in (_SHARD_ATTR, _DUP_ATTR, _PARTIAL_ATTR, _EXPERT_ATTR, _REGION_ATTR):
+        if hasattr(src, attr):
+            setattr(dst, attr, getattr(src, attr))
+    return dst

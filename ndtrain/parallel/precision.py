@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ndtrain.parallel.placement import is_duplicate, mark_duplicate, mark_sharded, shard_dims
+from ndtrain.parallel.placement import copy_placement
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
@@ -56,9 +56,7 @@ def master_like(values: torch.Tensor, placement_of: torch.Tensor) -> nn.Paramete
     """An fp32 master holding `values`, with the placement of the parameter it stands for
     (so the global gradient norm counts it exactly once)."""
     master = nn.Parameter(values.detach().to(torch.float32, copy=True))
-    mark_sharded(master, shard_dims(placement_of))
-    mark_duplicate(master, is_duplicate(placement_of))
-    return master
+    return copy_placement(placement_of, master)
 
 
 def cast_parameters(params: list[nn.Parameter], dtype: torch.dtype) -> None:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd.graph import saved_tensors_hooks
 
 from ndtrain.config import recompute_every
+from ndtrain.model.moe import RoutingLog
 
 
 class _Region:
@@ -63,8 +64,8 @@ class _Region:
             return None  # the second run's graph is never differentiated
 
         # Detached inputs: the second run builds a graph of its own, which is thrown away.
-        args = [_detached(a) for a in self.args]
-        kwargs = {k: _detached(v) for k, v in self.kwargs.items()}
+        args = [_for_rerun(a) for a in self.args]
+        kwargs = {k: _for_rerun(v) for k, v in self.kwargs.items()}
         with torch.random.fork_rng(devices=self.devices), torch.enable_grad(), \
                 saved_tensors_hooks(keep, _never):
             torch.set_rng_state(self.cpu_rng)
@@ -81,7 +82,11 @@ def _never(_):
     raise RuntimeError("the graph of a recomputation cannot be differentiated")
 
 
-def _detached(a):
+def _for_rerun(a):
+    """An argument of the second run: tensors detached; a routing log that records nothing
+    (the first run already reported the MoE statistics and loss terms)."""
+    if isinstance(a, RoutingLog):
+        return a.rerun()
     return a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
 
 

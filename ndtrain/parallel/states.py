@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ndtrain.parallel.placement import OptimSlice, partial_dims
+from ndtrain.parallel.placement import OptimSlice, is_expert, partial_dims
 from ndtrain.parallel.precision import MasterWeights
 
 
@@ -88,6 +88,9 @@ class ReplicatedStates:
                 out.append(OptimSlice(name, p, holder, 0, 0, p.numel()))
         return out
 
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return persistent_buffers(self.model)
+
     def local_state(self) -> dict[str, torch.Tensor]:
         return unique_state(self.model)
 
@@ -101,15 +104,23 @@ class ReplicatedStates:
             out[name] = self.masters.master_of(p).grad if self.masters is not None else self.grad_sync.grad_of(p)
         return out
 
-    # -- memory accounting ------------------------------------------------------
-    def param_tensors(self) -> list[torch.Tensor]:
-        return list(self.model.parameters())
+    # -- memory accounting (experts=True: only the routed experts' states) --------
+    def param_tensors(self, experts: bool = False) -> list[torch.Tensor]:
+        return [p for p in self.model.parameters() if is_expert(p) or not experts]
 
-    def grad_tensors(self) -> list[torch.Tensor]:
-        return [b.buffer for b in self.grad_sync.buckets]
+    def grad_tensors(self, experts: bool = False) -> list[torch.Tensor]:
+        return [b.buffer for b in self.grad_sync.buckets if is_expert(b.params[0]) or not experts]
 
-    def master_tensors(self) -> list[torch.Tensor]:
-        return list(self.masters.masters) if self.masters else []
+    def master_tensors(self, experts: bool = False) -> list[torch.Tensor]:
+        return [m for m in (self.masters.masters if self.masters else []) if is_expert(m) or not experts]
+
+
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers (an MoE router's bias) by name: state that is not a
+    parameter, never a parameter (under ZeRO-3 those are views into freed storage, and a
+    tied one has two names)."""
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in params}
 
 
 def unique_state(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -50,6 +50,11 @@ Where each piece sits:
 - Split parameters carry `mark_sharded(p, ("tp",))` for the global gradient norm, their
   split (`split_of`) for `full_state`, which gathers the whole model, and their place in
   the whole tensor (`mark_region`) for checkpoints, which read and write any layout.
+- Mixture-of-experts blocks: the experts are *not* split by TP. Every tp rank keeps the whole
+  router, experts and shared experts and routes its own 1/tp of the positions (under SP
+  the ones it holds; parallel/expert.py sets that up), so their gradients are partial sums
+  over tp, completed once per step like a sequence-parallel norm weight's. The block's
+  norm is then a plain norm outside any TP region.
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ from torch import Tensor, nn
 from ndtrain.comm import ops
 from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
-from ndtrain.model.llama import RMSNorm, Transformer, initial_value, rms_norm, widened
+from ndtrain.model.llama import MoE, RMSNorm, Transformer, initial_value, rms_norm, widened
 from ndtrain.model.loss import IGNORE
 from ndtrain.parallel.placement import mark_partial, mark_region, mark_sharded
 
@@ -359,6 +364,7 @@ class Context:
     sp: bool
     # plain parameter → its replacement, so a tied head shares the embedding's
     made: dict[int, nn.Parameter] = field(default_factory=dict)
+    name: str = ""  # the module being swapped, e.g. "layers.3.ffn_norm"
 
     def param(self, plain: nn.Parameter, split_dim: int | None = None) -> nn.Parameter:
         """The local parameter standing for `plain` (on the meta device, like the plain
@@ -418,6 +424,32 @@ def _dropout(m: nn.Dropout, c: Context) -> nn.Module:
     return SequenceShardedDropout(m.p, c.group) if c.sp else m
 
 
+def _moe_layer(c: Context) -> bool:
+    return c.args.is_moe_layer(int(c.name.split(".")[1]))
+
+
+def _ffn_norm(m: RMSNorm, c: Context) -> nn.Module:
+    """The norm before the MLP enters its TP region; before an MoE, it stays a plain norm
+    (under SP on this rank's positions: a partial gradient)."""
+    if not _moe_layer(c):
+        return _entry_norm(m, c)
+    m.weight = c.param(m.weight)
+    if c.sp:
+        mark_partial(m.weight, ("tp",))
+    return m
+
+
+def _feed_forward(m: nn.Module, c: Context) -> nn.Module:
+    """A dense MLP is swapped weight by weight (below). An MoE keeps every weight whole on
+    every tp rank, a partial gradient."""
+    if not isinstance(m, MoE):
+        return m
+    for module in m.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, mark_partial(c.param(p), ("tp",)))
+    return m
+
+
 Swap = Callable[[nn.Module, Context], nn.Module]
 
 PLAN: dict[str, Swap] = {
@@ -430,7 +462,8 @@ PLAN: dict[str, Swap] = {
     "layers.*.attention.q_norm": _head_norm,
     "layers.*.attention.k_norm": _head_norm,
     "layers.*.dropout": _dropout,
-    "layers.*.ffn_norm": _entry_norm,
+    "layers.*.ffn_norm": _ffn_norm,
+    "layers.*.feed_forward": _feed_forward,
     "layers.*.feed_forward.w1": _column,  # gate
     "layers.*.feed_forward.w3": _column,  # up
     "layers.*.feed_forward.w2": _row,  # down
@@ -446,6 +479,7 @@ def parallelize(model: Transformer, group: Group, sp: bool) -> Transformer:
     for name, module in list(model.named_modules()):
         swap = next((fn for pattern, fn in PLAN.items() if fnmatchcase(name, pattern)), None)
         if swap is not None:
+            c.name = name
             model.set_submodule(name, swap(module, c))
     left = [n for n, p in model.named_parameters() if id(p) not in {id(q) for q in c.made.values()}]
     if left:  # a plain weight left in place would be trained as a replica: wrong, silently

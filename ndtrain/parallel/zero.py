@@ -35,7 +35,9 @@ parameters, so they can share the sharding, and one reduce-scatter sums gradient
 With `parallel.dp_replicate > 1` (HSDP) every group of dp_shard ranks holds a full sharded
 copy: after the reduce-scatter, each rank all-reduces its slice with the ranks holding the
 same slice in the other replicas (`dp_replicate`). Together: a sum over dp × cp, as
-DESIGN.md asks of dense gradients.
+DESIGN.md asks of dense gradients. Routed experts' weights (placement `expert_slice`) go into
+flats of their own, sharded over `edp_shard` (the ranks of dp_shard × cp holding the same
+experts, mesh.py) and reduced over `edp_shard × dp_replicate`, each flat with its own group.
 
 Gradients are stored in the compute dtype and reduced in `reduce_dtype` (fp32 by default,
 parallel/precision.py). Stage 1 accumulates micro-batches locally and reduces once per step;
@@ -61,10 +63,10 @@ from torch.utils._pytree import tree_flatten
 from ndtrain.comm import ops
 from ndtrain.mesh import Group, ParallelMesh
 from ndtrain.parallel.construct import new_parameter, swap_parameters
-from ndtrain.parallel.placement import (OptimSlice, is_duplicate, mark_duplicate, mark_sharded, partial_dims,
-                                        shard_dims)
+from ndtrain.parallel.placement import (OptimSlice, copy_placement, is_duplicate, is_expert, mark_sharded,
+                                        partial_dims, shard_dims)
 from ndtrain.parallel.precision import has_masters
-from ndtrain.parallel.states import decay_groups, decays
+from ndtrain.parallel.states import decay_groups, decays, persistent_buffers
 
 SHARD_DIMS = ("dp_shard", "cp")
 
@@ -102,12 +104,13 @@ class FlatParam:
     """
 
     def __init__(self, name: str, params: list[nn.Parameter], stage: int, group: Group,
-                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, init: Callable, device: torch.device):
+                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, init: Callable, device: torch.device,
+                 group_dims: tuple[str, ...] = SHARD_DIMS):
         """`params` may live on the meta device (parallel/construct.py): only this rank's
         slice is allocated and filled with `init(p)`, the fp32 initial value of what p holds
         (stages 1-2 also the whole buffer, which every rank keeps); `adopt` then swaps in
         the parameters that view the buffer."""
-        self.name, self.params, self.stage = name, params, stage
+        self.name, self.params, self.stage, self.group = name, params, stage, group
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         self.accum_dtype = torch.float32 if has_masters(compute_dtype) else compute_dtype
         self.decays = decays(params[0])
@@ -138,8 +141,8 @@ class FlatParam:
         # A separate master starts from the fp32 initial values, not from their rounding.
         master = initial if stage == 3 else initial.clone()
         self.master = nn.Parameter(master if has_masters(compute_dtype) else self.shard)
-        mark_sharded(self.master, shard_dims(params[0]) + SHARD_DIMS)
-        mark_duplicate(self.master, is_duplicate(params[0]))
+        copy_placement(params[0], self.master)
+        mark_sharded(self.master, shard_dims(params[0]) + group_dims)
 
         self.grad_full: torch.Tensor | None = None
         self.grad_shard: torch.Tensor | None = None
@@ -304,8 +307,11 @@ class ZeRO:
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
         self.stage, self.defer = stage, defer
         self.group = mesh.group("dp_shard_cp")
+        self.expert_group = mesh.group("edp_shard")
+        self.expert_dims = ("edp_shard",) if mesh.shape.ep > 1 else SHARD_DIMS
         self.replicas = mesh.group("dp_replicate")
         self.reshard_after_forward = reshard_after_forward and not defer
+        self.model = model
         self.units: list[Unit] = []
         names: dict[int, str] = {}
         backward_order: list[Unit] = []
@@ -339,12 +345,15 @@ class ZeRO:
     def _flats(self, unit_name, named, compute_dtype, reduce_dtype, init, device) -> list[FlatParam]:
         by_key: dict[tuple, list[nn.Parameter]] = {}
         for _, p in named:
-            key = (shard_dims(p), is_duplicate(p), decays(p), p.dtype, p.device)
+            key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device)
             by_key.setdefault(key, []).append(p)
         flats = []
-        for (dims, dup, decay, _, _), params in by_key.items():
-            name = ".".join([unit_name, "decay" if decay else "no_decay", *dims] + (["duplicate"] if dup else []))
-            flats.append(FlatParam(name, params, self.stage, self.group, compute_dtype, reduce_dtype, init, device))
+        for (dims, dup, experts, decay, _, _), params in by_key.items():
+            name = ".".join([unit_name, "decay" if decay else "no_decay", *dims] + (["duplicate"] if dup else [])
+                            + (["experts"] if experts else []))
+            group, group_dims = (self.expert_group, self.expert_dims) if experts else (self.group, SHARD_DIMS)
+            flats.append(FlatParam(name, params, self.stage, group, compute_dtype, reduce_dtype, init, device,
+                                   group_dims))
         return flats
 
     # -- the optimizer's view ---------------------------------------------------
@@ -373,7 +382,7 @@ class ZeRO:
             if f.separate_master:
                 f.shard.copy_(f.master)
         if self.stage < 3:
-            works = [ops.all_gather(f.full, f.shard, self.group, async_op=True) for f in self.flats]
+            works = [ops.all_gather(f.full, f.shard, f.group, async_op=True) for f in self.flats]
             for w in works:
                 w.wait()
 
@@ -387,7 +396,7 @@ class ZeRO:
         the same flats and the same slice of each, so the lists line up."""
         out = []
         for f in self.flats:
-            lo, hi = self.group.rank * f.shard_numel, (self.group.rank + 1) * f.shard_numel
+            lo, hi = f.group.rank * f.shard_numel, (f.group.rank + 1) * f.shard_numel
             spans = [(max(s.start, lo) - lo, min(s.stop, hi) - lo)
                      for s in (f.range(p) for p in f.params if dim in partial_dims(p))]
             spans = [(a, b) for a, b in spans if a < b]
@@ -437,14 +446,21 @@ class ZeRO:
                     self._reshard(unit)  # its backward is over
 
     def _launch_ready_prefix(self) -> None:
+        """Launch the flats that complete the ordered prefix. Before a new batch goes out,
+        wait for the reduce-scatters still in flight and keep their slices: that frees their
+        full-size inputs, so one batch (about one unit's gradient) waits on the wire at a
+        time, as in FSDP2, instead of every unit's until the end of the backward pass."""
+        if self._next_launch < len(self.flats) and self.flats[self._next_launch].complete:
+            for f in self.flats[:self._next_launch]:
+                self._resolve(f)
         while self._next_launch < len(self.flats) and self.flats[self._next_launch].complete:
             self._launch(self.flats[self._next_launch])
 
     def _launch(self, flat: FlatParam) -> None:
-        """Reduce-scatter a flat buffer's gradients over the shard group (asynchronous)."""
+        """Reduce-scatter a flat buffer's gradients over its shard group (asynchronous)."""
         grads = flat.reduce_input()
         out = torch.empty(flat.shard_numel, dtype=grads.dtype, device=grads.device)
-        work = ops.reduce_scatter(out, grads, self.group, async_op=True)
+        work = ops.reduce_scatter(out, grads, flat.group, async_op=True)
         flat.pending = (work, out, grads)
         self._next_launch += 1
 
@@ -512,7 +528,7 @@ class ZeRO:
             return
         for f in unit.flats:
             self.gathered_bytes += allocate_storage(f.full)
-            unit.works.append(ops.all_gather(f.full, f.shard, self.group, async_op=True))
+            unit.works.append(ops.all_gather(f.full, f.shard, f.group, async_op=True))
         unit.state = "gathering"
 
     def _wait(self, unit: Unit) -> None:
@@ -556,7 +572,7 @@ class ZeRO:
         [lo, hi) of a flat buffer, the part of it there (checkpoint/layout.py)."""
         out = []
         for f in self.flats:
-            lo, hi = self.group.rank * f.shard_numel, (self.group.rank + 1) * f.shard_numel
+            lo, hi = f.group.rank * f.shard_numel, (f.group.rank + 1) * f.shard_numel
             for p in f.params:
                 start, n = f.slot[id(p)]
                 a, b = max(start, lo), min(start + n, hi)
@@ -566,44 +582,58 @@ class ZeRO:
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """Stage 3: this rank's slices by flat-buffer name; stages 1-2: the (replicated)
-        parameters by name, copied out of the flat buffers."""
+        parameters by name, copied out of the flat buffers. And the model's buffers (an MoE
+        router's bias), by name."""
         if self.stage == 3:
-            return {f.name: f.shard for f in self.flats}
-        return {self.names[id(p)]: p.detach().clone() for f in self.flats for p in f.params}
+            state = {f.name: f.shard for f in self.flats}
+        else:
+            state = {self.names[id(p)]: p.detach().clone() for f in self.flats for p in f.params}
+        return {**state, **self.buffers()}
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        return persistent_buffers(self.model)
 
     @torch.no_grad()
     def gathered_state(self) -> dict[str, torch.Tensor] | None:
-        """The local model's parameters, whole over the shard group, on its rank 0 (None
-        elsewhere). Collective over the shard group under stage 3."""
+        """The local model's parameters (and buffers), whole over each flat's shard group,
+        on that group's rank 0 (None where a rank is rank 0 of no group; expert flats have
+        a group of their own). Collective over the shard groups under stage 3."""
+        first = self.group.rank == 0 or self.expert_group.rank == 0
         if self.stage < 3:
-            return self.local_state() if self.group.rank == 0 else None
-        return self._gather_flats(lambda f: f.shard)
+            return self.local_state() if first else None
+        out = self._gather_flats(lambda f: f.shard)
+        return {**out, **self.buffers()} if first else None
 
     @torch.no_grad()
     def gathered_grads(self) -> dict[str, torch.Tensor] | None:
-        """The optimizer's gradients (summed, unclipped), whole over the shard group, by
-        parameter name, on its rank 0 (None elsewhere). Collective over the shard group."""
-        return self._gather_flats(lambda f: f.master.grad if f.master.grad is not None else torch.zeros_like(f.master))
+        """The optimizer's gradients (summed, unclipped), whole over each flat's shard
+        group, by parameter name, on that group's rank 0 (None elsewhere). Collective over
+        the shard groups."""
+        out = self._gather_flats(lambda f: f.master.grad if f.master.grad is not None else torch.zeros_like(f.master))
+        return out if self.group.rank == 0 or self.expert_group.rank == 0 else None
 
-    def _gather_flats(self, slice_of) -> dict[str, torch.Tensor] | None:
+    def _gather_flats(self, slice_of) -> dict[str, torch.Tensor]:
         out = {}
         for f in self.flats:
             part = slice_of(f)
             full = torch.empty(f.full.numel(), dtype=part.dtype, device=part.device)
-            ops.all_gather(full, part.contiguous(), self.group)
-            if self.group.rank == 0:
+            ops.all_gather(full, part.contiguous(), f.group)
+            if f.group.rank == 0:
                 out.update({self.names[id(p)]: f.view_of(full, p).clone() for p in f.params})
-        return out if self.group.rank == 0 else None
+        return out
 
     # -- memory accounting ---------------------------------------------------------
-    def param_tensors(self) -> list[torch.Tensor]:
-        return [t for f in self.flats for t in (f.full, f.shard)]
+    def _flats_of(self, experts: bool) -> list[FlatParam]:
+        return [f for f in self.flats if is_expert(f.params[0]) or not experts]
 
-    def grad_tensors(self) -> list[torch.Tensor]:
-        return [t for f in self.flats for t in (f.grad_full, f.grad_shard) if t is not None]
+    def param_tensors(self, experts: bool = False) -> list[torch.Tensor]:
+        return [t for f in self._flats_of(experts) for t in (f.full, f.shard)]
 
-    def master_tensors(self) -> list[torch.Tensor]:
-        return [f.master for f in self.flats]
+    def grad_tensors(self, experts: bool = False) -> list[torch.Tensor]:
+        return [t for f in self._flats_of(experts) for t in (f.grad_full, f.grad_shard) if t is not None]
+
+    def master_tensors(self, experts: bool = False) -> list[torch.Tensor]:
+        return [f.master for f in self._flats_of(experts)]
 
     def remove(self) -> None:
         for h in self._hooks:

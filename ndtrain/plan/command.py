@@ -32,6 +32,10 @@ def run(args) -> int:
     if args.mfu is not None and args.tflops is not None:
         raise ConfigError("--tflops", args.tflops, "give --mfu or --tflops, not both")
     tokens = parse_tokens(args.tokens) if args.tokens else None
+    if cfg.model_args().is_moe:  # its figures would count every expert on every rank, silently wrong
+        raise ConfigError("model.preset", cfg.model.preset, "has mixture-of-experts blocks, which the planner "
+                          "does not model yet (expert states split by parallel.ep, the all-to-all); plan a dense "
+                          "model, or measure with `ndtrain train --dry-run`")
     if args.search:
         return _search(cfg, cluster, args, tokens)
     cfg, device = plan_config(cfg, cluster, args.gpus)

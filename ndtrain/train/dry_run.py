@@ -19,10 +19,12 @@ from ndtrain.config import Config, from_dict
 from ndtrain.mesh import ParallelMesh
 from ndtrain.model.llama import Transformer
 from ndtrain.observe.memory import format_bytes, measure_peak, per_rank, storage_bytes
+from ndtrain.parallel.placement import is_expert
 from ndtrain.parallel.precision import compute_dtype
 from ndtrain.parallel.zero import model_state_bytes
 
 COLUMNS = ("params", "grads", "optimizer", "activations", "peak")
+EXPERT_COLUMNS = ("expert_params", "expert_grads", "expert_optimizer")
 
 
 def vocab_size(cfg: Config) -> int:
@@ -66,11 +68,17 @@ def measure(cfg: Config, mesh: ParallelMesh) -> dict:
         step.forward_backward(micro, float(t.global_batch * t.seq_len), measure_memory=True)
         step.clip_grad_norm(t.grad_clip)
         step.optimizer_step(t.lr)
-    psi = sum(p.numel() for p in {id(p): p for p in par.model.parameters()}.values())
-    mine = [psi, construction, kept] + [getattr(step.memory, c) for c in COLUMNS]
+    unique = {id(p): p for p in par.model.parameters()}.values()
+    psi = sum(p.numel() for p in unique)
+    psi_experts = sum(p.numel() for p in unique if is_expert(p))
+    memory = step.memory
+    experts = [memory.expert_params or 0, memory.expert_grads or 0, memory.expert_optimizer or 0]
+    mine = [psi, psi_experts, construction, kept] + [getattr(memory, c) for c in COLUMNS] + experts
     table = per_rank(mine, mesh.device)
-    return {"ranks": [dict(zip(("psi", "construction", "kept") + COLUMNS, map(int, row))) for row in table],
-            "layout": mesh.describe(), "n_shard": mesh.size("dp_shard_cp"), **construction_bounds(args)}
+    keys = ("psi", "psi_experts", "construction", "kept") + COLUMNS + EXPERT_COLUMNS
+    return {"ranks": [dict(zip(keys, map(int, row))) for row in table], "layout": mesh.describe(),
+            "n_shard": mesh.size("dp_shard_cp"), "n_expert_shard": mesh.size("edp_shard"), "moe": args.is_moe,
+            **construction_bounds(args)}
 
 
 def construction_bounds(args) -> dict:
@@ -105,11 +113,22 @@ def render(cfg: Config, result: dict) -> str:
             f"recompute={t.recompute}, micro-batch {t.micro_batch}×{t.seq_len}")
     lines = [head, f"{'rank':>4}  {'parameters':>12}  {'params':>12}  {'grads':>12}  {'optimizer':>12}  "
                    f"{'model states':>12}  {'ZeRO formula':>12}  {'activations':>12}  {'peak':>12}"]
+    moe = result.get("moe", False)
     for rank, r in enumerate(result["ranks"]):
         states = r["params"] + r["grads"] + r["optimizer"]
-        formula = sum(model_state_bytes(r["psi"], p.zero, result["n_shard"], c).values())
+        formula = state_formula(r, p.zero, result, c)
         cells = [r["params"], r["grads"], r["optimizer"], states, formula, r["activations"], r["peak"]]
         lines.append(f"{rank:>4}  {r['psi']:>12,}  " + "  ".join(f"{format_bytes(x):>12}" for x in cells))
+    if moe:  # the same model states, dense and routed experts apart
+        lines += ["", f"{'rank':>4}  {'dense params':>14}  {'dense states':>14}  {'dense formula':>14}  "
+                      f"{'expert params':>14}  {'expert states':>14}  {'expert formula':>14}"]
+        for rank, r in enumerate(result["ranks"]):
+            dense, experts = split_formula(r, p.zero, result, c)
+            e_states = r["expert_params"] + r["expert_grads"] + r["expert_optimizer"]
+            d_states = r["params"] + r["grads"] + r["optimizer"] - e_states
+            lines.append(f"{rank:>4}  {r['psi'] - r['psi_experts']:>14,}  {format_bytes(d_states):>14}  "
+                         f"{format_bytes(dense):>14}  {r['psi_experts']:>14,}  {format_bytes(e_states):>14}  "
+                         f"{format_bytes(experts):>14}")
     extra = max(result["largest_param_bytes"], result["largest_unit_bytes"])
     lines.append("construction peak: the layout is built on the meta device, then each rank allocates only what it "
                  "keeps (model states), drawing one parameter's fp32 initial value at a time (ZeRO-3: one unit's "
@@ -121,7 +140,20 @@ def render(cfg: Config, result: dict) -> str:
                      f"{'within' if r['construction'] <= bound else 'ABOVE'})")
     lines += ["model states: counted after the optimizer step; ZeRO formula: c·Ψ + g·Ψ + K·Ψ, c bytes per value",
               "  in the compute dtype, g = 4 (fp32 gradient accumulator) or c, K = 12 (fp32 master + Adam moments)",
-              "  or 2c in fp32/fp64; sharded terms / shard group",
+              "  or 2c in fp32/fp64; sharded terms / shard group"
+              + (" (experts: / the ranks holding the same experts, dp_shard·cp/ep)" if moe else ""),
               "activations: the most that forward + backward held on top of what existed when they began",
               "peak: the most held in all at any moment of the two steps"]
     return "\n".join(lines)
+
+
+def split_formula(r: dict, zero: int, result: dict, c: int) -> tuple[float, float]:
+    """The ZeRO formula for a rank's dense parameters (sharded over dp_shard × cp) and for
+    its experts (sharded over the ranks of dp_shard × cp holding the same experts)."""
+    dense = sum(model_state_bytes(r["psi"] - r.get("psi_experts", 0), zero, result["n_shard"], c).values())
+    experts = sum(model_state_bytes(r.get("psi_experts", 0), zero, result.get("n_expert_shard", 1), c).values())
+    return dense, experts
+
+
+def state_formula(r: dict, zero: int, result: dict, c: int) -> float:
+    return sum(split_formula(r, zero, result, c))

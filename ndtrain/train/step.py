@@ -65,8 +65,12 @@ class TrainStep:
         set_lr(self.optimizer, lr)
         self.optimizer.step()
         par.states.after_step()
+        par.after_step()
         # Right after the step, while the gradients still exist: the moment model states peak.
-        self.memory.params, self.memory.grads, self.memory.optimizer = model_state_bytes(par.states, self.optimizer)
+        m = self.memory
+        m.params, m.grads, m.optimizer = model_state_bytes(par.states, self.optimizer)
+        if par.balance is not None:  # an MoE model: the routed experts' share
+            m.expert_params, m.expert_grads, m.expert_optimizer = model_state_bytes(par.states, self.optimizer, True)
         par.grad_sync.zero_grad()
         self._grad_norm = None
         return True

@@ -26,7 +26,7 @@ from ndtrain.model.args import flops_per_token
 from ndtrain.observe.memory import per_rank
 from ndtrain.observe.metrics import MetricsLog, read_metrics
 from ndtrain.observe.mfu import peak_flops
-from ndtrain.observe.plots import plot_loss
+from ndtrain.observe.plots import plot_loss, plot_moe_load
 from ndtrain.observe.progress import TrainProgress
 from ndtrain.parallel import context
 from ndtrain.parallel.parallelize import Parallelized, build
@@ -132,6 +132,8 @@ class Trainer:
             record["memory"] = self.memory_per_rank()
         if scale is not None:
             record.update(loss_scale=scale, skipped=not stepped)
+        if self.par.routing_stats is not None:
+            record["moe"] = self.par.routing_stats
         return record
 
     def memory_per_rank(self) -> dict[str, list[int]]:
@@ -243,6 +245,8 @@ class Trainer:
             png = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
                             baseline=task.baseline, baseline_label=task.baseline_label, title=f"{self.cfg.model.preset} · {self.mesh.describe()}")
             summary["plot"] = str(png)
+            if self.args.is_moe:
+                summary["moe_plot"] = str(plot_moe_load(self.run_dir / "metrics.jsonl", self.run_dir / "moe_load.png"))
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
         return summary
 

@@ -17,7 +17,7 @@ from ndtrain.mesh import MeshShape, ParallelMesh
 
 def mesh_shape(cfg: config_mod.Config) -> MeshShape:
     p = cfg.parallel
-    return MeshShape(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp)
+    return MeshShape(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.ep)
 
 
 def prepare_on_each_node(cfg: config_mod.Config, local_rank: int) -> Path:

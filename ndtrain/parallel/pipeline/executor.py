@@ -6,7 +6,9 @@ A step walks this rank's action list (schedules.py) in order:
   that consumes it, then dropped;
 - F runs a chunk on a micro-batch: token ids on the first chunk, a received activation
   otherwise; the last chunk turns its logits into the loss, divided by the step's global
-  target count (the schedule owns the loss, so gradients equal one device's);
+  target count (the schedule owns the loss, so gradients equal one device's); loss terms
+  the model reports during a chunk's forward (MoE load balancing) join that chunk's
+  backward (`schedule.carry_loss`), or the loss on the last chunk;
 - B runs the backward of one micro-batch of one chunk, from the loss or from the received
   output gradient; under the zero-bubble schedule only the input gradient (weightgrad.py)
   and W the weight gradients later;
@@ -37,7 +39,8 @@ from ndtrain.parallel.pipeline.timeline import Timeline
 from ndtrain.parallel.pipeline.verify import groups, verify
 from ndtrain.parallel.pipeline.weightgrad import SplitBackward
 from ndtrain.data.batch import MicroBatch
-from ndtrain.parallel.schedule import GradSync
+from ndtrain.model.moe import RoutingLog
+from ndtrain.parallel.schedule import GradSync, carry_loss, with_model_loss
 
 
 class _Step:
@@ -106,9 +109,11 @@ class PipelineSchedule:
         self._probed = key
 
     # -- training ------------------------------------------------------------------------
-    def run(self, micro_batches: list[MicroBatch], n_targets: float, grad_sync: GradSync) -> torch.Tensor:
+    def run(self, micro_batches: list[MicroBatch], n_targets: float, grad_sync: GradSync,
+            routing: RoutingLog | None = None) -> torch.Tensor:
         """Forward and backward of every micro-batch through the pipeline; returns this
-        rank's share of the loss (the sum on the last stage, 0 elsewhere)."""
+        rank's share of the token loss (the sum on the last stage, 0 elsewhere).
+        `routing`: the step's log, handed to every chunk's forward."""
         self._check(micro_batches)
         self.agree_shapes(micro_batches[0])
         plan = self.plan(len(micro_batches), train=True)
@@ -130,7 +135,7 @@ class PipelineSchedule:
                 mb = micro_batches[a.micro]
                 x = mb.tokens if a.chunk == 0 else self._take(RECV_F, a, step).requires_grad_()
                 start = self.timeline.now()
-                loss = self._forward(a, x, mb, n_targets, step)
+                loss = self._forward(a, x, mb, n_targets, step, routing)
                 if loss is not None:
                     total += loss
             elif a.kind == B:
@@ -153,7 +158,7 @@ class PipelineSchedule:
         self.peak_held = step.peak
         return total
 
-    def _chunk(self, c: int, x: torch.Tensor, mb: MicroBatch) -> torch.Tensor:
+    def _chunk(self, c: int, x: torch.Tensor, mb: MicroBatch, routing: RoutingLog | None = None) -> torch.Tensor:
         """Chunk c on x. Positions come from the micro-batch, not from x: a received
         activation may hold only part of the sequence (sequence parallelism)."""
         positions = mb.positions
@@ -162,18 +167,21 @@ class PipelineSchedule:
             if self._positions is None or self._positions.numel() != s:
                 self._positions = torch.arange(s, device=mb.tokens.device)
             positions = self._positions
-        return self.chunks[c](x, positions=positions, doc_ids=mb.doc_ids)
+        return self.chunks[c](x, positions=positions, doc_ids=mb.doc_ids, routing=routing)
 
     def _forward(self, a: Action, x: torch.Tensor, mb: MicroBatch, n_targets: float,
-                 step: _Step) -> torch.Tensor | None:
-        """Returns the micro-batch's loss on the last chunk."""
-        out = self._chunk(a.chunk, x, mb)
+                 step: _Step, routing: RoutingLog | None) -> torch.Tensor | None:
+        """Returns the micro-batch's token loss on the last chunk."""
+        out = self._chunk(a.chunk, x, mb, routing)
         if a.chunk == 0:
             x, self._embedded = self._embedded, None
         loss = None
         if a.chunk == self.n_chunks - 1:
-            out = self.loss_fn(out, mb.targets, mb.weights) / n_targets
-            loss = out.detach()
+            token_loss = self.loss_fn(out, mb.targets, mb.weights)
+            out = with_model_loss(token_loss, routing) / n_targets
+            loss = token_loss.detach() / n_targets
+        else:
+            out = carry_loss(out, routing, n_targets)
         step.inputs[(a.chunk, a.micro)], step.outputs[(a.chunk, a.micro)] = x, out
         step.held += 1
         step.peak = max(step.peak, step.held)

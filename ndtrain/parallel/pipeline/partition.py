@@ -35,10 +35,11 @@ class Chunk:
 
 def layer_costs(args: ModelArgs, seq_len: int) -> tuple[float, list[float], float]:
     """(embedding, [each block], norm + head): forward FLOPs per token."""
-    block = 2.0 * block_params(args) + 2.0 * seq_len * args.dim  # matmuls + causal attention
+    attention = 2.0 * seq_len * args.dim  # causal attention scores
+    blocks = [2.0 * block_params(args, i, active=True) + attention for i in range(args.n_layers)]  # + matmuls
     embedding = 2.0 * args.dim
     head = 2.0 * args.dim * args.vocab_size + args.dim
-    return embedding, [block] * args.n_layers, head
+    return embedding, blocks, head
 
 
 def balanced_counts(costs: list[float], n_chunks: int, first_extra: float, last_extra: float) -> list[int]:
