@@ -77,7 +77,7 @@ def padded_vocab(args: ModelArgs, tp: int) -> int:
 
 
 def block_weights(args: ModelArgs, tp: int) -> list[tuple[int, bool]]:
-    """One block's parameters on one tensor-parallel rank, in registration order, as
+    """One dense block's parameters on one tensor-parallel rank, in registration order, as
     (elements, is a matrix): heads and features split by t (a q/k/v bias with its rows), K/V
     weights whole when t exceeds the KV heads, the norms (and Qwen3's q/k norms) whole.
     Matrices and vectors are ZeRO's two flat buffers per unit (weight decay or not)."""
