@@ -9,6 +9,7 @@ from ndtrain.plan.calibration import LinkFit
 from ndtrain.plan.cluster import Cluster
 from ndtrain.plan.memory import stage_chunks, stage_params
 from ndtrain.plan.steptime import step_time
+from ndtrain.testing import run_ranks
 
 BETA = 1e9
 IDEAL = Cluster("ideal", {"fp32": 1e15, "bf16": 1e15}, 1e12, 64, LinkFit(0.0, BETA), LinkFit(0.0, BETA),
@@ -55,3 +56,70 @@ def test_pipeline_bubble_by_schedule(schedule, virtual, bubble):
     assert step.detail["bubble_fraction"] == pytest.approx(bubble)
     busy = step.compute + step.recompute + step.tp + step.cp + step.pp_messages
     assert step.bubble == pytest.approx(bubble * busy)
+
+
+# -- the data-parallel messages, against the engine's own collectives ------------------------
+
+MESSAGE_LAYOUTS = {
+    "dp": ["parallel.dp=2", "parallel.bucket_mb=0.1"],  # 100 KiB buckets: blocks of 148 KB get cut (tied)
+    "dp-untied": ["parallel.dp=2", "parallel.bucket_mb=0.1", "model.tie_embeddings=false"],
+    "zero1": ["parallel.zero=1"],
+    "zero3": ["parallel.zero=3"],
+}
+
+
+def _messages_of_one_step(data_dir):
+    from helpers import train_in_rank
+
+    out = {}
+    for name, overrides in MESSAGE_LAYOUTS.items():
+        calls = []
+
+        def probe(trainer):  # the collectives of the training step (not the final gathering of the model)
+            record, train_step = trainer.mesh.stats.record, trainer.train_step
+
+            def logged(dim, kind, nbytes, group_size):
+                calls.append((dim, kind, nbytes))
+                return record(dim, kind, nbytes, group_size)
+
+            def step_logged(step):
+                trainer.mesh.stats.record = logged
+                try:
+                    return train_step(step)
+                finally:
+                    trainer.mesh.stats.record = record
+            trainer.train_step = step_logged
+        train_in_rank(["train.steps=1"] + overrides, data_dir, before_fit=probe)
+        out[name] = calls
+    return out
+
+
+def test_data_parallel_messages_are_the_engines(tiny_data):
+    """The planner prices data-parallel traffic message by message (gloo's time per byte grows
+    with the message; each message pays a latency): DP's buckets (parallel/data.py, packed
+    in backward order, a parameter never split), ZeRO's flat buffers unit by unit
+    (parallel/zero.py: each block, then the root, matrices and vectors apart). One fp32 step
+    of the tiny model on 2 ranks issues exactly those messages: the same sizes, the same
+    number of times (ZeRO-3 gathers each unit for forward and again for backward). The
+    scalars (token count, loss, gradient norm) are not gradient traffic."""
+    from helpers import TINY
+    from ndtrain.plan.steptime import dp_messages
+
+    measured = run_ranks(_messages_of_one_step, 2, tiny_data, timeout=300)[0]
+    for name, overrides in MESSAGE_LAYOUTS.items():
+        cfg = validate(load_config(None, TINY + ["train.steps=1", "model.vocab_size=512"] + overrides),
+                       world=2, check_paths=False)
+        args = cfg.model_args()
+        planned = sorted(4 * n for n in dp_messages(cfg, args, stage_chunks(cfg, args)[0]))
+        calls = measured[name]
+        if name.startswith("dp"):
+            assert len(planned) > args.n_layers, "the buckets must cut the blocks for this test to mean anything"
+            buckets = sorted(n for dim, kind, n in calls if n > 64)
+            assert {(dim, kind) for dim, kind, n in calls if n > 64} == {("dp_cp", "all_reduce")}
+            assert buckets == planned, name
+        else:
+            gathers = 2 if name == "zero3" else 1
+            assert sorted(n for _, kind, n in calls if kind == "reduce_scatter") == planned, name
+            assert sorted(n for _, kind, n in calls if kind == "all_gather") == sorted(planned * gathers), name
+            assert {dim for dim, kind, _ in calls if kind != "all_reduce"} == {"dp_shard_cp"}
+            assert all(n <= 256 for _, kind, n in calls if kind == "all_reduce")  # scalars, the norm

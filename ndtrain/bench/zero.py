@@ -11,7 +11,8 @@ reduction dtype; `parallel.dp_replicate > 1` is HSDP on both sides (FSDP2 on a 2
 Both reduce-scatter after every micro-batch (FSDP2's default). Then one more step of each,
 untimed, measures the peak memory per rank: the CUDA allocator's peak on a GPU; on the CPU,
 the model states held before the step plus the peak the step allocates
-(observe/memory.py), counting the blocks each gathers.
+(observe/memory.py), counting the blocks each gathers and FSDP2's DTensors as their
+local shards.
 """
 
 from __future__ import annotations
@@ -64,14 +65,10 @@ def _fsdp2(cfg, args, device):
     return model, optimizer
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 def _fsdp2_held(model, optimizer) -> int:
-    tensors = [_local(p) for p in model.parameters()]
-    tensors += [_local(p.grad) for p in model.parameters() if p.grad is not None]
-    return storage_bytes(tensors + [_local(v) for v in optimizer_tensors(optimizer)])
+    """Bytes of FSDP2's model states on this rank (its DTensors count as their local shards)."""
+    tensors = list(model.parameters()) + [p.grad for p in model.parameters() if p.grad is not None]
+    return storage_bytes(tensors + optimizer_tensors(optimizer))
 
 
 def _peak(step, device, held: int) -> int:

@@ -13,6 +13,7 @@ peak of what a step's forward and backward allocate on top of them.
   frees it (a weak reference's finalizer), and the highest sum is the peak. Storages resized
   outside any operation (ZeRO-3 frees and regathers a unit's buffer with `storage.resize_`,
   and so does FSDP2) count too: the meter wraps `UntypedStorage.resize_` while it runs.
+  A DTensor (FSDP2's parameters, gradients and optimizer state) counts as its local shard.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from ndtrain.parallel.placement import is_expert
@@ -58,10 +59,20 @@ class MemoryReport:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def _storages(tensors: Iterable[torch.Tensor]):
+def _plain(tensors: Iterable[torch.Tensor]):
+    """The tensors that own memory: a wrapper subclass (a DTensor) is replaced by the
+    tensors it wraps (its local shard), whose storages are the real ones; the wrapper's own
+    storage has the global size and no memory."""
     for t in tensors:
-        if isinstance(t, torch.Tensor):
-            yield t.untyped_storage()
+        if is_traceable_wrapper_subclass(t):
+            yield from _plain(getattr(t, name) for name in t.__tensor_flatten__()[0])
+        elif isinstance(t, torch.Tensor):
+            yield t
+
+
+def _storages(tensors: Iterable[torch.Tensor]):
+    for t in _plain(tensors):
+        yield t.untyped_storage()
 
 
 def storage_bytes(tensors: Iterable[torch.Tensor], seen: set | None = None) -> int:

@@ -446,6 +446,13 @@ class ZeRO:
                     self._reshard(unit)  # its backward is over
 
     def _launch_ready_prefix(self) -> None:
+        """Launch the flats that complete the ordered prefix. Before a new batch goes out,
+        wait for the reduce-scatters still in flight and keep their slices: that frees their
+        full-size inputs, so one batch (about one unit's gradient) waits on the wire at a
+        time, as in FSDP2, instead of every unit's until the end of the backward pass."""
+        if self._next_launch < len(self.flats) and self.flats[self._next_launch].complete:
+            for f in self.flats[:self._next_launch]:
+                self._resolve(f)
         while self._next_launch < len(self.flats) and self.flats[self._next_launch].complete:
             self._launch(self.flats[self._next_launch])
 

@@ -18,8 +18,9 @@ bytes where the engine allocates and frees them:
   block's saved tensors go when its backward ends (zero bubble: when its W ends, plus the
   gradients kept at the split nodes until then);
 - communication buffers: ZeRO-3's gathered units (the current one, the prefetched one, the
-  chunk's root), ZeRO-2/3's full-size reduce buffers, which the engine keeps from a unit's
-  first gradient until the end of the backward pass, and the gradient shards they leave;
+  chunk's root), ZeRO-2/3's full-size reduce buffers, each from a unit's first gradient
+  until the next unit's reduction starts (the engine waits for the one in flight then),
+  and the gradient shards they leave;
   DP's and ZeRO-1's reduce-dtype staging copies under bf16/fp16; the pipeline's messages,
   which the executor keeps until the end of the step.
 `activations` is the highest sum over the step of everything but the model states that
@@ -75,20 +76,27 @@ def padded_vocab(args: ModelArgs, tp: int) -> int:
     return -(-args.vocab_size // tp) * tp
 
 
+def block_weights(args: ModelArgs, tp: int) -> list[tuple[int, bool]]:
+    """One dense block's parameters on one tensor-parallel rank, in registration order, as
+    (elements, is a matrix): heads and features split by t (a q/k/v bias with its rows), K/V
+    weights whole when t exceeds the KV heads, the norms (and Qwen3's q/k norms) whole.
+    Matrices and vectors are ZeRO's two flat buffers per unit (weight decay or not)."""
+    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    kv_local = kv // tp if args.n_kv_heads % tp == 0 else kv  # replicated K/V weights
+    bias = args.qkv_bias
+    weights = [(h, False), (h * q // tp, True), *([(q // tp, False)] if bias else []),
+               (h * kv_local, True), *([(kv_local, False)] if bias else []),
+               (h * kv_local, True), *([(kv_local, False)] if bias else []), (q // tp * h, True)]
+    if args.qk_norm:
+        weights += [(args.head_dim, False), (args.head_dim, False)]
+    return weights + [(h, False), (h * f // tp, True), (h * f // tp, True), (f // tp * h, True)]
+
+
 def block_local(args: ModelArgs, tp: int) -> int:
-    """Parameters of one block on one tensor-parallel rank: heads and features split by t
-    (a q/k/v bias with its rows), K/V weights whole when t exceeds the KV heads, the norms
-    (and Qwen3's q/k norms) whole."""
+    """Parameters of one block on one tensor-parallel rank (`block_weights`)."""
     if tp == 1:
         return block_params(args)
-    h, q, kv = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
-    kv_local = kv // tp if args.n_kv_heads % tp == 0 else kv  # replicated K/V weights
-    n = 2 * h * q // tp + 2 * h * kv_local + 3 * h * args.ffn_dim // tp + 2 * h
-    if args.qkv_bias:
-        n += q // tp + 2 * kv_local
-    if args.qk_norm:
-        n += 2 * args.head_dim
-    return n
+    return sum(n for n, _ in block_weights(args, tp))
 
 
 def root_local(args: ModelArgs, chunk: Chunk, tp: int) -> int:
@@ -329,6 +337,7 @@ class Replay:
         self.passes: Counter = Counter()  # backward passes per chunk (ZeRO-2/3 keep shards after the first)
         self.gathered = 0.0  # ZeRO-3 units kept gathered from forward to backward
         self.this_step: set = set()  # units whose step-long buffers exist (deferred ZeRO-2/3)
+        self.unresolved = 0.0  # ZeRO-2/3: what the last reduction holds until the next one starts
         self.hidden = s.c * args.dim * s.n_res  # one hidden state of the residual stream
 
     def run(self) -> Ledger:
@@ -407,6 +416,7 @@ class Replay:
         s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
         first, launched = self.reduce_buffers(self.last_backward[a.chunk] == k)
         root, staged = self.units.root[ch.index], 0.0
+        self.unresolved = 0.0
         if ch.embed:
             staged += self._first_gradient((ch.index, "root"), root, first)
             book.moment(working=self.embedding_gradient(), gradient_buffers=staged)
@@ -414,11 +424,11 @@ class Replay:
             staged += self._first_gradient((ch.index, i), self.units.block, first)
             book.moment(working=s.weight_gradient(), gradient_buffers=staged)
             self._keep(key, -s.split_kept())
-            staged += self._launch(self.units.block, launched)
+            staged += self._launch(ch, self.units.block, first, launched)
         if ch.head and not ch.embed:
             staged += self._first_gradient((ch.index, "root"), root, first)
             book.moment(working=s.c * s.vocab_local() * self.args.dim, gradient_buffers=staged)
-        staged += self._launch(root, launched)
+        staged += self._launch(ch, root, first, launched)
         book.add(SAVED, -self.held.pop(key))
         self._after_reduction(ch)
 
@@ -432,13 +442,18 @@ class Replay:
             return 0.0
         return first * n_params
 
-    def _launch(self, n_params: int, launched: float) -> float:
-        """A unit's reduction starts; returns the bytes freed when the pass ends (ZeRO-2/3);
-        DP's, ZeRO-1's and a deferred stage's wait for finish(), when the step ends."""
+    def _launch(self, ch: Chunk, n_params: int, first: float, launched: float) -> float:
+        """A unit's reduction starts; returns the change in this pass's gradient buffers
+        (ZeRO-2/3): its reduction's output arrives, and the unit reduced before it is waited
+        for: its full-size input goes, its slice stays (the first pass; the shard it becomes,
+        counted when the pass ends) or is added into the shard and goes (a later pass). DP's,
+        ZeRO-1's and a deferred stage's buffers wait for finish(), when the step ends."""
         if self.cfg.parallel.zero <= 1 or self.defer:
             self.book.add("gradient buffers", launched * n_params)
             return 0.0
-        return launched * n_params
+        kept = self.s.g / self.s.shard if not self.passes[ch.index] else 0.0
+        freed, self.unresolved = self.unresolved, (first + launched - kept) * n_params
+        return launched * n_params - freed
 
     def _after_reduction(self, ch: Chunk) -> None:
         """ZeRO-2/3: the first pass leaves each unit's reduced slice (in the accumulation dtype)."""
@@ -462,6 +477,7 @@ class Replay:
             first = launched = 0.0
         units, root = self.units, self.units.root[ch.index]
         staged = 0.0  # gradient buffers this pass frees when it ends
+        self.unresolved = 0.0
         if ch.head:
             staged += self._first_gradient((ch.index, "root"), root, first)
             self._head_backward(ch, key, staged)
@@ -487,14 +503,14 @@ class Replay:
                             working=s.attention_working(True) + attention)
             if not self.split:
                 self._keep(key, -s.block_saved(i))
-            staged += self._launch(units.block, launched)
+            staged += self._launch(ch, units.block, first, launched)
         if ch.embed:
             if not ch.head:
                 staged += self._first_gradient((ch.index, "root"), root, first)
             if not self.split:
                 book.moment(gathered_parameters=self.gathered_in_backward(ch, 0), gradient_buffers=staged,
                             working=self.embedding_gradient())
-        staged += self._launch(root, launched)
+        staged += self._launch(ch, root, first, launched)
         book.moment(gathered_parameters=self.gathered_in_backward(ch, 0), gradient_buffers=staged)
         if self.split:  # zero bubble: the graph stays for W, with the gradients kept at the split nodes
             # and what recomputed regions ran again

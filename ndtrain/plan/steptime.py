@@ -26,7 +26,10 @@ Per pipeline stage (every rank of a stage does the same work):
   ZeRO-1 reduce-scatters them and all-gathers the parameters after the step; ZeRO-2
   reduce-scatters after every micro-batch; ZeRO-3 gathers the parameters in each
   micro-batch's forward and again in its backward (once without resharding) and
-  reduce-scatters after each; HSDP all-reduces the shards across replicas. The reductions
+  reduce-scatters after each; HSDP all-reduces the shards across replicas. Each is priced
+  message by message as the engine sends them (`dp_messages`: DP's buckets, ZeRO's units),
+  since a collective's time is not linear in its size (latency; gloo's time per byte grows
+  with the message). The reductions
   overlap the last backward (the gathers the compute they prefetch for) on a cluster whose
   collectives run beside the compute (GPUs); on this machine gloo's threads share the
   cores with the compute, so all of it counts.
@@ -43,7 +46,7 @@ from ndtrain.model.args import ModelArgs, block_params, flops_per_token
 from ndtrain.parallel.pipeline.partition import Chunk, chunk_costs
 from ndtrain.parallel.pipeline.schedules import theory_bubble
 from ndtrain.plan.cluster import Cluster
-from ndtrain.plan.memory import BYTES, stage_chunks, stage_params
+from ndtrain.plan.memory import BYTES, block_weights, padded_vocab, stage_chunks
 
 INNER_TO_OUTER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 
@@ -185,31 +188,78 @@ def _context_parallel(cfg: Config, args: ModelArgs, cluster: Cluster, c: int, ra
     return seconds
 
 
+def _root_weights(args: ModelArgs, ch: Chunk, tp: int) -> tuple[list, list]:
+    """A chunk's root parameters (`memory.root_local`) as (elements, is a matrix): those whose
+    gradients come first in backward (an untied or copied head, the final norm), and the
+    embedding, whose gradient comes last."""
+    table = padded_vocab(args, tp) // tp * args.dim
+    first = []
+    if ch.head:
+        first = ([] if args.tie_embeddings and ch.embed else [(table, True)]) + [(args.dim, False)]
+    return first, [(table, True)] if ch.embed else []
+
+
+def dp_messages(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> list[int]:
+    """The elements of each collective one data-parallel reduction of a rank's gradients
+    issues. ZeRO (parallel/zero.py) reduces (and ZeRO-1/3 gathers) unit by unit (each block,
+    then each chunk's root), one flat buffer per weight-decay group (matrices, vectors),
+    padded to the shard group. Plain DP (parallel/data.py) packs the gradients, in the order
+    backward produces them, into buckets of `parallel.bucket_mb` (in the parameters' dtype),
+    a parameter larger than a bucket alone. Gloo's time per byte grows with the message
+    (`bench comm`), and every message pays a latency, so the cut matters."""
+    p = cfg.parallel
+    block = list(reversed(block_weights(args, p.tp)))
+    if p.zero:
+        n = p.dp_shard * p.cp
+        pad = lambda x: -(-x // n) * n  # noqa: E731
+        units = []
+        for ch in chunks:
+            first, last = _root_weights(args, ch, p.tp)
+            units += [block] * len(ch.layer_ids) + [first + last]
+        return [pad(sum(k for k, matrix in u if matrix == group)) for u in units for group in (True, False)
+                if any(matrix == group for _, matrix in u)]
+    stream = []
+    for ch in chunks:
+        first, last = _root_weights(args, ch, p.tp)
+        stream += first + block * len(ch.layer_ids) + last
+    limit = p.bucket_mb * 2**20 / BYTES[cfg.train.precision]
+    buckets, size = [], 0
+    for k, _ in stream:
+        if size and size + k > limit:
+            buckets.append(size)
+            size = 0
+        size += k
+    return buckets + [size] if size else buckets
+
+
 def _data_parallel(cfg: Config, args: ModelArgs, cluster: Cluster, chunks: list[Chunk], c: int, r: int, m: int,
                    st: StepTime, rate: float) -> float:
-    """Seconds of data-parallel / ZeRO communication a rank waits for in one step."""
+    """Seconds of data-parallel / ZeRO communication a rank waits for in one step, message
+    by message (`dp_messages`)."""
     p = cfg.parallel
-    psi = stage_params(cfg, args, chunks)
-    grads, params = r * psi, c * psi
+    messages = dp_messages(cfg, args, chunks)
     shard_dims = ("dp_shard", "cp") if p.cp > 1 else ("dp_shard",)
     dp_dims = tuple(d for d in ("cp", "dp_shard", "dp_replicate") if sizes(cfg)[d] > 1) or ("dp_shard",)
     shard_dims = tuple(d for d in shard_dims if sizes(cfg)[d] > 1) or ("dp_shard",)
-    rs = lambda n: collective(cluster, cfg, "reduce_scatter", shard_dims, n)  # noqa: E731
-    ag = lambda n: collective(cluster, cfg, "all_gather", shard_dims, n)  # noqa: E731
-    replicas = collective(cluster, cfg, "all_reduce", ("dp_replicate",), grads / max(p.dp_shard * p.cp, 1))
+
+    def each(kind: str, dims: tuple[str, ...], nbytes: int, parts: int = 1) -> float:
+        return sum(collective(cluster, cfg, kind, dims, nbytes * k / parts) for k in messages)
+
+    rs, ag = each("reduce_scatter", shard_dims, r), each("all_gather", shard_dims, c)
+    replicas = each("all_reduce", ("dp_replicate",), r, max(p.dp_shard * p.cp, 1))
     backward_last = 2 * st.compute / (3 * m)  # the last micro-batch's backward, which the reductions overlap
     overlap = not cluster.shared_node
     if p.zero == 0:
-        reduce = collective(cluster, cfg, "all_reduce", dp_dims, grads)
+        reduce = each("all_reduce", dp_dims, r)
         return max(reduce - backward_last, 0.0) if overlap else reduce
     if p.zero == 1:
-        reduce = rs(grads) + replicas
-        return (max(reduce - backward_last, 0.0) if overlap else reduce) + ag(params)
+        reduce = rs + replicas
+        return (max(reduce - backward_last, 0.0) if overlap else reduce) + ag
     if p.zero == 2:
-        reduce = m * rs(grads) + replicas
-        return (max(reduce - m * backward_last, 0.0) if overlap else reduce) + ag(params)
-    gathers = m * (2 if p.reshard_after_forward else 1) * ag(params)
-    reduce = m * rs(grads) + replicas
+        reduce = m * rs + replicas
+        return (max(reduce - m * backward_last, 0.0) if overlap else reduce) + ag
+    gathers = m * (2 if p.reshard_after_forward else 1) * ag
+    reduce = m * rs + replicas
     hidden = st.compute + st.recompute
     return max(gathers + reduce - hidden, 0.0) if overlap else gathers + reduce
 
