@@ -47,6 +47,15 @@ def test_zero_moves_what_the_paper_says(zero, ratio):
     assert dp.dp == pytest.approx(2 * 7 / 8 * 4 * psi / BETA)  # a ring all-reduce of the fp32 gradients
 
 
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_under_a_pipeline_communicates_once_per_step(zero):
+    """Under a pipeline ZeRO-2/3 are deferred (parallel/zero.py): a chunk's units are
+    gathered once for the step and reduce-scattered once, however many micro-batches."""
+    steps = [_time(4, "parallel.pp=2", f"parallel.zero={zero}", "train.global_batch=8", f"train.micro_batch={mb}")[1]
+             for mb in (4, 1)]  # 2 and 8 micro-batches per rank
+    assert steps[0].dp == pytest.approx(steps[1].dp) and steps[0].dp > 0
+
+
 @pytest.mark.parametrize("schedule, virtual, bubble", [("1f1b", 1, 3 / 8), ("afab", 1, 3 / 8),
                                                       ("interleaved", 2, 3 / 16)])
 def test_pipeline_bubble_by_schedule(schedule, virtual, bubble):

@@ -26,7 +26,9 @@ Per pipeline stage (every rank of a stage does the same work):
   ZeRO-1 reduce-scatters them and all-gathers the parameters after the step; ZeRO-2
   reduce-scatters after every micro-batch; ZeRO-3 gathers the parameters in each
   micro-batch's forward and again in its backward (once without resharding) and
-  reduce-scatters after each; HSDP all-reduces the shards across replicas. Each is priced
+  reduce-scatters after each; under a pipeline ZeRO-2/3 are deferred (`parallel/zero.py`):
+  one reduce-scatter per step, and ZeRO-3 gathers each chunk once for the whole step;
+  HSDP all-reduces the shards across replicas. Each is priced
   message by message as the engine sends them (`dp_messages`: DP's buckets, ZeRO's units),
   since a collective's time is not linear in its size (latency; gloo's time per byte grows
   with the message). The reductions
@@ -255,6 +257,8 @@ def _data_parallel(cfg: Config, args: ModelArgs, cluster: Cluster, chunks: list[
     if p.zero == 1:
         reduce = rs + replicas
         return (max(reduce - backward_last, 0.0) if overlap else reduce) + ag
+    if p.pp > 1:  # ZeRO-2/3 deferred under a pipeline (parallel/zero.py `defer`): once per step
+        m = 1
     if p.zero == 2:
         reduce = m * rs + replicas
         return (max(reduce - m * backward_last, 0.0) if overlap else reduce) + ag
