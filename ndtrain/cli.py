@@ -642,6 +642,9 @@ def print_summary(s: dict) -> None:
     mfu = f"MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "MFU n/a"
     if s.get("tokens_per_s"):
         lines.append(f"throughput {s['tokens_per_s']:,.0f} tokens/s · {mfu} ({s['mfu_peak_source']})")
+        if (s.get("mfu") or 0) > 1:  # a CPU peak measured while other work shared the cores
+            lines.append("note: MFU above 100% means the measured peak is too low (taken while the machine was "
+                         "busy?): rerun `ndtrain bench matmul` on an idle machine")
     lines += [f"run directory  {run}",
               f"config         {run / 'config.toml'}",
               f"metrics        {run / 'metrics.jsonl'}"]

@@ -282,3 +282,15 @@ def test_default_run_dir_in_an_unwritable_folder_is_one_line_exit_2(tmp_path, ca
     code = main(["train", "run.device=cpu", "model.preset=tiny"])
     err = capsys.readouterr().err
     assert code == 2 and err.startswith("ndtrain: error: run.dir = 'runs/train-") and "cannot be written" in err
+
+
+@pytest.mark.parametrize("mfu, noted", [(0.42, False), (1.25, True)])
+def test_summary_flags_an_mfu_above_100_percent(mfu, noted, capsys):
+    """A CPU peak measured while other work shared the cores makes MFU read above 100%: the
+    summary says so and how to fix it, instead of printing the figure alone."""
+    from ndtrain.cli import print_summary
+    print_summary({"run_dir": "runs/x", "checkpoint": "runs/x/checkpoints/step_0000001", "tokens_per_s": 1000.0,
+                   "mfu": mfu, "mfu_peak_source": "peak = CPU matmul rate measured by `ndtrain bench matmul`"})
+    out = capsys.readouterr().out
+    assert f"MFU {100 * mfu:.1f}%" in out
+    assert ("rerun `ndtrain bench matmul` on an idle machine" in out) == noted
