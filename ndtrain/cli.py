@@ -319,17 +319,12 @@ def check_resume(cfg, run_dir: Path) -> Path | None:
 
 
 def cmd_train(args) -> int:
-    from ndtrain import supervisor
-    from ndtrain.checkpoint.lock import RunLock
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import load_config, validate
     from ndtrain.launch import external_world
     from ndtrain.train.worker import resolve_vocab, train_worker
 
-    cfg = load_config(args.config, args.overrides)
-    if args.nproc is not None:
-        cfg.run.nproc = args.nproc
-        cfg.explicit |= {"run.nproc"}
+    cfg = _with_nproc(load_config(args.config, args.overrides), args)
     world = external_world()
     resolve_init_from(cfg)  # the model (and tokenizer) of model.init_from, before validating it
     validate(cfg, world=world)
@@ -344,26 +339,50 @@ def cmd_train(args) -> int:
               "which is resumed"])
 
     if world is not None:  # torchrun / SLURM started us: this process is one rank
-        with RunLock(run_dir) if os.environ.get("RANK", "0") == "0" else nullcontext():
-            summary = train_worker(cfg.to_dict(), str(run_dir), None)
-        if summary:
-            print_summary(summary)
-        # A clean stop exits 0 here: torchrun would take another status for a failure to restart.
-        _stopped(summary, supervisor.control().stop_signal)
-        return 0
-
+        return _run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), None))
     data = open_data(cfg, cfg.run.progress)
     resolve_vocab(cfg, data)  # fails here, before any process starts or file is written
     p = cfg.parallel
-    with RunLock(run_dir):
-        print(f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
+    banner = (f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
               f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}" + (f" ep={p.ep}" if p.ep > 1 else "")
-              + f"), {cfg.train.steps} steps → {run_dir}"
-              + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
-        summary, stop_signal = _run_ranks(cfg, train_worker, (cfg.to_dict(), str(run_dir), str(data.path)),
-                                          ("ndtrain.train.worker", "ndtrain.train.trainer"))
+              + f"), {cfg.train.steps} steps → {run_dir}" + (f" (resuming {resumed.name})" if resumed else ""))
+    return _run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), str(data.path)),
+                     ("ndtrain.train.worker", "ndtrain.train.trainer"), [banner])
+
+
+def _with_nproc(cfg, args):
+    """`--nproc N` is `run.nproc = N`, set explicitly."""
+    if args.nproc is not None:
+        cfg.run.nproc = args.nproc
+        cfg.explicit |= {"run.nproc"}
+    return cfg
+
+
+def _run_task(cfg, world: int | None, run_dir: Path, worker, worker_args: tuple, preload: tuple[str, ...] = (),
+              banner: list[str] = (), describe=None) -> int:
+    """A task's ranks under the run directory's lock: this process as one rank (torchrun,
+    SLURM: rank 0 takes the lock), or ranks started here after printing `banner`. Then rank
+    0's summary (`describe(summary)` first), and the exit status: 128 + the signal that
+    stopped the run, or 0 (always 0 under torchrun, which would take another status for a
+    failure to restart)."""
+    from ndtrain import supervisor
+    from ndtrain.checkpoint.lock import RunLock
+    if world is not None:
+        with RunLock(run_dir) if os.environ.get("RANK", "0") == "0" else nullcontext():
+            summary = worker(*worker_args)
+        stop_signal = supervisor.control().stop_signal
+    else:
+        with RunLock(run_dir):
+            for line in banner:
+                print(line, flush=True)
+            summary, stop_signal = _run_ranks(cfg, worker, worker_args, preload)
+    if not summary:
+        return 0
+    if describe is not None:
+        print(describe(summary), flush=True)
     print_summary(summary)
-    return _stopped(summary, stop_signal)
+    code = _stopped(summary, stop_signal)
+    return 0 if world is not None else code
 
 
 def _run_ranks(cfg, worker, args: tuple, preload: tuple[str, ...]) -> tuple[dict, int]:
@@ -392,18 +411,13 @@ def _stopped(summary: dict, stop_signal: int) -> int:
 
 
 def cmd_sft(args) -> int:
-    from ndtrain import supervisor
-    from ndtrain.checkpoint.lock import RunLock
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import SFT_DEFAULTS, ConfigError, load_config, validate
     from ndtrain.data.sft import ShortSequence, make_template, prepare_sft
     from ndtrain.launch import external_world
     from ndtrain.train import sft
 
-    cfg = load_config(args.config, args.overrides, defaults=SFT_DEFAULTS)
-    if args.nproc is not None:
-        cfg.run.nproc = args.nproc
-        cfg.explicit |= {"run.nproc"}
+    cfg = _with_nproc(load_config(args.config, args.overrides, defaults=SFT_DEFAULTS), args)
     world = external_world()
     if cfg.model.init_from == "scratch":  # random weights; "" means the default pretraining run
         cfg.model.init_from = ""
@@ -429,41 +443,23 @@ def cmd_sft(args) -> int:
         return 0
     run_dir = _run_dir(cfg, "sft")
     resumed = check_resume(cfg, run_dir)
-    if world is not None:  # torchrun / SLURM started us: this process is one rank
-        with RunLock(run_dir) if os.environ.get("RANK", "0") == "0" else nullcontext():
-            summary = sft.sft_worker(cfg.to_dict(), str(run_dir), data)
-        stop_signal = supervisor.control().stop_signal
-    else:
-        p = cfg.parallel
-        with RunLock(run_dir):
-            print(f"ndtrain sft: {cfg.model.preset} model from {cfg.model.init_from or 'random weights'}, "
-                  f"{p.world} process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), "
-                  f"{t.steps} steps, packing {d.packing} → {run_dir}"
-                  + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
-            print(data.describe(), flush=True)
-            summary, stop_signal = _run_ranks(cfg, sft.sft_worker, (cfg.to_dict(), str(run_dir), data),
-                                              ("ndtrain.train.sft", "ndtrain.train.trainer"))
-    if not summary:
-        return 0
-    print(sft.describe_summary(summary), flush=True)
-    print_summary(summary)
-    code = _stopped(summary, stop_signal)
-    return 0 if world is not None else code  # torchrun takes another status for a failure to restart
+    p = cfg.parallel
+    banner = [f"ndtrain sft: {cfg.model.preset} model from {cfg.model.init_from or 'random weights'}, "
+              f"{p.world} process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), "
+              f"{t.steps} steps, packing {d.packing} → {run_dir}"
+              + (f" (resuming {resumed.name})" if resumed else ""), data.describe()]
+    return _run_task(cfg, world, run_dir, sft.sft_worker, (cfg.to_dict(), str(run_dir), data),
+                     ("ndtrain.train.sft", "ndtrain.train.trainer"), banner, sft.describe_summary)
 
 
 def cmd_rl(args) -> int:
-    from ndtrain import supervisor
-    from ndtrain.checkpoint.lock import RunLock
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import RL_DEFAULTS, ConfigError, check_rl_job, load_config, validate
     from ndtrain.data.sft import make_template
     from ndtrain.launch import external_world, launch_local
     from ndtrain.train.rl import job
 
-    cfg = load_config(args.config, args.overrides, defaults=RL_DEFAULTS)
-    if args.nproc is not None:
-        cfg.run.nproc = args.nproc
-        cfg.explicit |= {"run.nproc"}
+    cfg = _with_nproc(load_config(args.config, args.overrides, defaults=RL_DEFAULTS), args)
     world = external_world()
     scratch = cfg.model.init_from == "scratch"  # random weights, the task's character tokenizer
     if scratch:
@@ -499,25 +495,13 @@ def cmd_rl(args) -> int:
         return 0
     run_dir = _run_dir(cfg, "rl")
     resumed = check_resume(cfg, run_dir)
-    if world is not None:  # torchrun / SLURM started us: this process is one rank
-        with RunLock(run_dir) if os.environ.get("RANK", "0") == "0" else nullcontext():
-            summary = job.rl_worker(cfg.to_dict(), str(run_dir), template)
-        stop_signal = supervisor.control().stop_signal
-    else:
-        with RunLock(run_dir):
-            print(f"ndtrain rl: {r.loss} on {r.task} (size {r.size}), {cfg.model.preset} model from "
-                  f"{cfg.model.init_from or 'random weights'}, {p.world} process{'es' if p.world > 1 else ''} "
-                  f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} updates of "
-                  f"{cfg.train.global_batch // r.group_size} prompts × {r.group_size} completions → {run_dir}"
-                  + (f" (resuming {resumed.name})" if resumed else ""), flush=True)
-            summary, stop_signal = _run_ranks(cfg, job.rl_worker, (cfg.to_dict(), str(run_dir), template),
-                                              ("ndtrain.train.rl.job", "ndtrain.train.trainer"))
-    if not summary:
-        return 0
-    print(job.describe_summary(summary), flush=True)
-    print_summary(summary)
-    code = _stopped(summary, stop_signal)
-    return 0 if world is not None else code  # torchrun takes another status for a failure to restart
+    banner = (f"ndtrain rl: {r.loss} on {r.task} (size {r.size}), {cfg.model.preset} model from "
+              f"{cfg.model.init_from or 'random weights'}, {p.world} process{'es' if p.world > 1 else ''} "
+              f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} updates of "
+              f"{cfg.train.global_batch // r.group_size} prompts × {r.group_size} completions → {run_dir}"
+              + (f" (resuming {resumed.name})" if resumed else ""))
+    return _run_task(cfg, world, run_dir, job.rl_worker, (cfg.to_dict(), str(run_dir), template),
+                     ("ndtrain.train.rl.job", "ndtrain.train.trainer"), [banner], job.describe_summary)
 
 
 def default_warmup(cfg, world) -> Path:
@@ -579,11 +563,9 @@ def cmd_trace(args) -> int:
 
     if args.steps <= 0:
         raise ConfigError("--steps", args.steps, "must be > 0")
-    cfg = load_config(args.config, list(args.overrides) + [f"train.steps={args.steps}", "train.eval_batches=1",
-                                                           "run.progress=false"])
-    if args.nproc is not None:
-        cfg.run.nproc = args.nproc
-        cfg.explicit |= {"run.nproc"}
+    cfg = _with_nproc(load_config(args.config, list(args.overrides) + [f"train.steps={args.steps}",
+                                                                       "train.eval_batches=1", "run.progress=false"]),
+                      args)
     validate(cfg)
     p, t = cfg.parallel, cfg.train
     if p.pp == 1 and p.cp == 1:
