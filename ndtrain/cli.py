@@ -10,6 +10,7 @@ import argparse
 import datetime
 import math
 import os
+import shlex
 import signal
 import sys
 from contextlib import nullcontext
@@ -635,7 +636,8 @@ def print_summary(s: dict) -> None:
     if s.get("moe_plot"):
         lines.append(f"MoE load plot  {s['moe_plot']}")
     lines += [f"checkpoint     {s['checkpoint']}",
-              f"sample with    ndtrain generate --run {run} --prompt \"def \""]
+              f"sample with    ndtrain generate --run {shlex.quote(str(run))} "
+              + " ".join(shlex.quote(a) for a in s.get("sample", ["--prompt", "def "]))]
     print("\n".join(lines), flush=True)
 
 

@@ -8,6 +8,7 @@ import json
 import math
 import random
 import re
+import shlex
 
 import pytest
 import torch
@@ -359,6 +360,12 @@ def test_rl_command_end_to_end(tmp_path, capsys):
                 "groups_with_variance", "rollout_time_s", "step_time_s", "logprob_gap", "correct", "format"):
         assert all(key in r for r in records), key
     assert (run / "rl.png").is_file() and json.loads((run / "summary.json").read_text())["task"] == "rl"
+    # the closing hint samples a held-out problem of the task, and runs as printed
+    hint = [line for line in out.splitlines() if line.startswith("sample with")]  # the warm-up's (sft), then rl's
+    assert len(hint) == 2 and all("def " not in line for line in hint), hint
+    hint = shlex.split(hint[-1].split(maxsplit=2)[2])
+    assert hint[:2] == ["ndtrain", "generate"] and re.fullmatch(r"\d+\+\d+=", hint[hint.index("--prompt") + 1])
+    assert main(hint[1:]) == 0 and capsys.readouterr().out.strip()
     assert main(["rl", *tiny, "--evaluate"]) == 0
     out = capsys.readouterr().out
     assert "starting from the cached SFT warm-up" in out and "held-out pass@1" in out
