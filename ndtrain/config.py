@@ -189,6 +189,7 @@ class RunConfig:
     device: str = "auto"  # auto | cpu | cuda
     threads: int = 0  # torch threads per rank on the CPU; 0 = cores / local ranks
     stop_after: int = 0  # stop (with a checkpoint) after this many steps in this invocation; 0 = never
+    stop_after_s: float = 0.0  # stop (with a checkpoint) at the first step boundary after this many seconds of training in this invocation; 0 = never
     max_restarts: int = 0  # local launcher: restart every rank this often after one dies or hangs (last good checkpoint)
     heartbeat_s: float = 600.0  # local launcher: a rank that reports no progress for this long is hung; 0 = never
     collective_timeout_s: float = 600.0  # a collective not complete after this fails, naming it, its group and the rank
@@ -438,6 +439,8 @@ RL_SIZES = {"addition": (1, 9), "reverse": (2, 30), "sort": (2, 20), "countdown"
 def _positive(key: str, value, *, zero_ok: bool = False) -> None:
     if value is None:
         return
+    if value != value:  # nan
+        raise ConfigError(key, value, "must be a number")
     if value < 0 or (value == 0 and not zero_ok):
         raise ConfigError(key, value, "must be >= 0" if zero_ok else "must be > 0")
 
@@ -572,6 +575,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     if r.threads > cores:
         raise ConfigError("run.threads", r.threads, f"must be at most this machine's {cores} CPU cores")
     _positive("run.stop_after", r.stop_after, zero_ok=True)
+    _positive("run.stop_after_s", r.stop_after_s, zero_ok=True)
     _positive("run.max_restarts", r.max_restarts, zero_ok=True)
     _positive("run.heartbeat_s", r.heartbeat_s, zero_ok=True)
     _positive("run.collective_timeout_s", r.collective_timeout_s)

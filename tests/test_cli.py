@@ -294,3 +294,38 @@ def test_summary_flags_an_mfu_above_100_percent(mfu, noted, capsys):
     out = capsys.readouterr().out
     assert f"MFU {100 * mfu:.1f}%" in out
     assert ("rerun `ndtrain bench matmul` on an idle machine" in out) == noted
+
+
+def _train_until_one_clock_runs_out(run_dir: str, data_dir: str) -> tuple[int, bool, list[str]]:
+    """run.stop_after_s = 60 on 2 ranks; rank 1's clock jumps 100 s at each reading, so only
+    rank 1 runs out of time, at the end of the first step: both must stop there, save, and
+    not call it a stop by a signal."""
+    import itertools
+
+    import torch.distributed as dist
+
+    from helpers import train_in_rank
+    from ndtrain.train import trainer as trainer_mod
+    if dist.get_rank() == 1:
+        ticks = itertools.count()
+        trainer_mod.time.monotonic = lambda: 100.0 * next(ticks)
+    try:
+        _, _, trainer = train_in_rank(["train.steps=6", "run.stop_after_s=60"], data_dir, run_dir=run_dir)
+    finally:
+        import time
+        trainer_mod.time.monotonic = time.monotonic
+    return trainer.step, trainer.stopped, sorted(p.name for p in (trainer.run_dir / "checkpoints").iterdir())
+
+
+def test_stop_after_s_stops_every_rank_at_the_same_step_with_a_checkpoint(tiny_data, tmp_path):
+    from ndtrain.testing import run_ranks
+    results = run_ranks(_train_until_one_clock_runs_out, 2, str(tmp_path / "run"), tiny_data)
+    assert results[0] == results[1] and results[0][:2] == (1, False), results
+    assert "step_0000001" in results[0][2]
+
+
+def test_stop_after_s_must_be_a_nonnegative_number(tmp_path, capsys, monkeypatch):
+    _refused(["train", "run.stop_after_s=nan", "run.device=cpu"], tmp_path, capsys, monkeypatch,
+             "run.stop_after_s = 'nan': expected a number")
+    _refused(["train", "run.stop_after_s=-1", "run.device=cpu"], tmp_path, capsys, monkeypatch,
+             "run.stop_after_s = -1.0: must be >= 0")

@@ -36,6 +36,8 @@ from ndtrain.train.optim import lr_at
 from ndtrain.train.step import TrainStep
 from ndtrain.train.tasks import StepData, Task
 
+STOP_TIME, STOP_SIGNAL = 1, 2  # why the ranks agreed to stop early (Trainer.stop_agreed): the larger wins
+
 
 class TrainingError(RuntimeError):
     """A runtime fault of the run itself (divergence, bad resume): shown without traceback."""
@@ -188,6 +190,7 @@ class Trainer:
                                  log_every=t.log_every)
         self.par.model.train()
         saved = None
+        deadline = time.monotonic() + run.stop_after_s if run.stop_after_s else math.inf
         try:
             for step in range(self.step, stop):
                 supervisor.heartbeat(step)
@@ -210,8 +213,9 @@ class Trainer:
                 progress.update(record)
                 if t.save_every and self.step % t.save_every == 0 and self.step != stop:
                     saved = self.save()
-                if self.stop_agreed():
-                    self.stopped = True
+                asked = self.stop_agreed(out_of_time=time.monotonic() > deadline)
+                if asked:
+                    self.stopped = asked == STOP_SIGNAL
                     break
         finally:
             progress.close()
@@ -221,15 +225,18 @@ class Trainer:
             self.save()
         return self.finish() if log else {}
 
-    def stop_agreed(self) -> bool:
-        """Whether any rank was asked to stop (a signal, supervisor.py): every rank agrees at
-        the same step boundary, with one all-reduce, so all of them save and return."""
-        if self.control is None:
-            return False
-        flag = torch.tensor([1.0 if self.control.stop else 0.0], device=self.mesh.device)
+    def stop_agreed(self, out_of_time: bool = False) -> int:
+        """Whether any rank was asked to stop (STOP_SIGNAL: a signal, supervisor.py) or ran out
+        of `run.stop_after_s` (STOP_TIME); 0 if none. Every rank agrees at the same step
+        boundary, with one all-reduce, so all of them save and return."""
+        signal = self.control is not None and self.control.stop
+        if self.control is None and not self.cfg.run.stop_after_s:
+            return 0
+        flag = torch.tensor([STOP_SIGNAL if signal else STOP_TIME if out_of_time else 0], device=self.mesh.device,
+                            dtype=torch.float32)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        return int(flag.item())
 
     def _last_checkpoint(self) -> str:
         # Every checkpoint written passed the finiteness check, so the newest is good.
