@@ -237,11 +237,11 @@ class Config:
 SFT_DEFAULTS = ["data.path=stdlib-functions", "train.seq_len=256", "train.steps=200", "train.lr=1e-3",
                 "train.warmup=10", "train.eval_every=50", "train.eval_batches=16", "sft.generate=4"]
 
-# `ndtrain rl`'s own defaults (configs/rl.toml lists them): a batch of 8 prompts × 8
-# completions, a constant learning rate, held-out evaluation every 10 updates; the rows'
+# `ndtrain rl`'s own defaults (configs/rl.toml lists them): a batch of 64 prompts × 8
+# completions, a constant learning rate, held-out evaluation every 25 updates; the rows'
 # length (train.seq_len) follows from the task unless given.
-RL_DEFAULTS = ["train.steps=60", "train.global_batch=128", "train.lr=3e-5", "train.warmup=0", "train.min_lr_ratio=1.0",
-               "train.weight_decay=0.0", "train.eval_every=10", "train.eval_batches=0", "train.log_every=5"]
+RL_DEFAULTS = ["train.steps=150", "train.global_batch=512", "train.lr=1e-4", "train.warmup=0", "train.min_lr_ratio=1.0",
+               "train.weight_decay=0.0", "train.eval_every=25", "train.eval_batches=0", "train.log_every=5"]
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
 _SECTION_CLASSES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
