@@ -1,7 +1,9 @@
-"""The picture of docs/rl.md's study: python docs/rl_study_plot.py OUT docs/rl-study.png
-(OUT: the folder docs/rl-study.sh wrote)."""
+"""The picture and the table of docs/rl.md's study:
+python docs/rl_study_plot.py OUT docs/rl-study.png (OUT: the folder docs/rl-study.sh wrote);
+the markdown table goes to stdout."""
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -17,6 +19,24 @@ def series(run: Path, key: str, start: float | None = None):
     if start is not None:
         pts = [(0, start)] + pts
     return [p[0] for p in pts], [p[1] for p in pts]
+
+
+ARMS = [("grpo", "GRPO (the default job)"), ("shuffled", "GRPO, shuffled rewards"),
+        ("sft", "more SFT, constant lr 3e-4, for the GRPO run's training seconds")]
+
+
+def table(results: list[dict]) -> str:
+    """The study as a markdown table: each seed's start → end pass@1, the mean change,
+    the training seconds (and updates or steps) per run."""
+    lines = ["| arm | seed 0 | seed 1 | seed 2 | mean change | training s (steps) per run |", "|---|---|---|---|---|---|"]
+    for key, name in ARMS:
+        rs = sorted((r for r in results if r["arm"] == key), key=lambda r: r["seed"])
+        if rs:
+            change = statistics.mean(r["end"] - r["start"] for r in rs) * 100
+            lines.append(f"| {name} | " + " | ".join(f"{r['start']:.3f} → {r['end']:.3f}" for r in rs)
+                         + f" | {change:+.1f} points | "
+                         + " / ".join(f"{r['train_s']:.0f} ({r['steps']})" for r in rs) + " |")
+    return "\n".join(lines)
 
 
 def main(out: Path, picture: Path) -> None:
@@ -36,11 +56,12 @@ def main(out: Path, picture: Path) -> None:
         a.plot(s, smooth, color=colors[arm], lw=1.2, alpha=0.8, label=label)
         s, v = series(run, "pass@1", r["start"])
         b.plot(s, v, "o-", ms=3, color=colors[arm], lw=1.2, alpha=0.8, label=label)
-    sft_colors = ["C2", "C4", "C5"]
-    for i, arm in enumerate(sorted({r["arm"] for r in results if r["arm"].startswith("sft")})):
-        ends = [r["end"] for r in results if r["arm"] == arm]
-        b.scatter([61 + 1.5 * i] * len(ends), ends, marker="s", color=sft_colors[i % 3],
-                  label=f"more SFT ({arm[4:] or '3e-3'} lr), same wall-clock: end")
+    last = max((series(out / f"{r['arm']}-{r['seed']}", "pass@1")[0][-1] for r in results if r["arm"] in colors),
+               default=1)
+    ends = [r["end"] for r in results if r["arm"] == "sft"]
+    if ends:
+        b.scatter([last + 4] * len(ends), ends, marker="s", color="C2",
+                  label="more SFT for the same training seconds: end")
     a.set_title("training reward (rollout mean, 5-update average), 3 seeds")
     b.set_title("held-out greedy pass@1 (200 prompts), 3 seeds")
     for ax in (a, b):
@@ -50,6 +71,7 @@ def main(out: Path, picture: Path) -> None:
     b.set_ylim(-0.02, 1.02)
     fig.tight_layout()
     fig.savefig(picture)
+    print(table(results))
 
 
 if __name__ == "__main__":

@@ -354,6 +354,7 @@ def test_rl_command_end_to_end(tmp_path, capsys):
     assert main(["rl", *tiny, "train.steps=2", "train.eval_every=1", f"run.dir={run}"]) == 0
     out = capsys.readouterr().out
     assert "SFT warm-up on addition" in out and "starting policy: held-out pass@1" in out
+    assert re.search(r"training reward \(rollout mean\) \d\.\d{3} in updates 1–1 → \d\.\d{3} in updates 2–2", out)
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [0, 1] and all("pass@1" in r and "pass@2" in r for r in records)
     for key in ("reward_mean", "reward_std", "response_length", "entropy", "clip_fraction", "kl",

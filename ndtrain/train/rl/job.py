@@ -156,6 +156,11 @@ def reinforce(trainer, task: RL, cfg: Config, run: Path) -> dict:
     from ndtrain.observe.plots import plot_rl
     final = next((r for r in reversed(trainer.history) if "pass@1" in r), {})
     summary = dict(summary)
+    rewards = [r["reward_mean"] for r in trainer.history if "reward_mean" in r]
+    tenth = max(1, len(rewards) // 10)
+    if rewards:  # the rise (or not) of the training reward, in one line of the summary
+        summary["reward_trend"] = {"updates": tenth, "of": len(rewards), "first": sum(rewards[:tenth]) / tenth,
+                                   "last": sum(rewards[-tenth:]) / tenth}
     probe = draw_problems(make_task(cfg.rl.task, cfg.rl.size, cfg.rl.reverse_answer), 0, "probe", 1, "held_out")[0]
     summary.update(task="rl", rl_task=cfg.rl.task, loss=cfg.rl.loss, start=start,
                    final={k: v for k, v in final.items() if k.startswith(("pass@", "eval_"))},
@@ -178,6 +183,11 @@ def describe_summary(s: dict) -> str:
     if s.get("start") and s.get("final"):
         lines.append(describe_eval("start", s["start"]))
         lines.append(describe_eval(f"after {s['steps']} updates", s["final"]))
+    if s.get("reward_trend"):
+        t = s["reward_trend"]
+        n, last = t["updates"], t["of"]
+        lines.append(f"training reward (rollout mean) {t['first']:.3f} in updates 1–{n} → {t['last']:.3f} in "
+                     f"updates {last - n + 1}–{last}")
     if s.get("rl_plot"):
         lines.append(f"RL curves      {s['rl_plot']}")
     return "\n".join(lines)
