@@ -192,8 +192,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "checkpoint", "ep",
                                     "generate"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
-    p.add_argument("--rounds", type=int, default=10, help="alternating A/B rounds")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per round")
+    p.add_argument("--rounds", type=int, help="alternating A/B rounds (default 10; generate 5)")
+    p.add_argument("--steps", type=int, help="timed steps per round (default 3; generate 1: one whole generation)")
     p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR; "
                                                "comm: the picture and figures (default runs/bench-comm-<date>); "
                                                "checkpoint: write the checkpoints there (default: a temporary folder)")
@@ -741,8 +741,16 @@ def cmd_checkpoint(args) -> int:
 
 # --------------------------------------------------------------------------- bench
 
+# Benchmarks whose steps are long on a CPU take fewer rounds by default: one generation of
+# 256 new tokens without a cache is about 20 s there (docs/benchmarks.md).
+BENCH_ROUNDS_STEPS = {"generate": (5, 1)}
+
+
 def cmd_bench(args) -> int:
     from ndtrain.config import ConfigError, check_writable_dir
+    rounds, steps = BENCH_ROUNDS_STEPS.get(args.what, (10, 3))
+    args.rounds = rounds if args.rounds is None else args.rounds
+    args.steps = steps if args.steps is None else args.steps
     for flag, value in (("--nproc", args.nproc), ("--rounds", args.rounds), ("--steps", args.steps)):
         if value <= 0:
             raise ConfigError(flag, value, "must be > 0")
