@@ -439,8 +439,6 @@ RL_SIZES = {"addition": (1, 9), "reverse": (2, 30), "sort": (2, 20), "countdown"
 def _positive(key: str, value, *, zero_ok: bool = False) -> None:
     if value is None:
         return
-    if value != value:  # nan
-        raise ConfigError(key, value, "must be a number")
     if value < 0 or (value == 0 and not zero_ok):
         raise ConfigError(key, value, "must be >= 0" if zero_ok else "must be > 0")
 
