@@ -128,3 +128,16 @@ def test_pipeline_contests_run_each_pair():
                              "run.device=cpu", "train.recompute=full"), pp.BENCH)
     ran = run_ranks(_pipeline_contests, 2, cfg.to_dict(), timeout=300)
     assert ran[0] == ["ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "Schedule1F1B"]
+
+
+def test_bench_generate_takes_fewer_rounds_by_default(monkeypatch):
+    """bench generate defaults to 5 rounds of 1 generation (one 256-token generation without
+    a cache is ~20 s on a CPU); the others to 10 rounds of 3 steps; flags still win."""
+    from ndtrain.bench import dp, generate
+    from ndtrain.cli import main
+    seen = {}
+    for name, module in (("generate", generate), ("dp", dp)):
+        monkeypatch.setattr(module, "run", lambda args, name=name: seen.__setitem__(name, (args.rounds, args.steps)) or 0)
+    assert main(["bench", "generate"]) == 0 and main(["bench", "dp"]) == 0
+    assert seen == {"generate": (5, 1), "dp": (10, 3)}
+    assert main(["bench", "generate", "--rounds", "2", "--steps", "4"]) == 0 and seen["generate"] == (2, 4)
