@@ -635,9 +635,11 @@ def print_summary(s: dict) -> None:
         lines.append(f"loss plot      {s['plot']}")
     if s.get("moe_plot"):
         lines.append(f"MoE load plot  {s['moe_plot']}")
+    sample = s.get("sample")  # a prompt of the run's own task (sft, rl): greedy, its answer's length
+    hint = (f"--prompt {shlex.quote(sample['prompt'])} --temperature 0 --max-new-tokens {sample['max_new_tokens']}"
+            if sample else f"--prompt {shlex.quote('def ')}")
     lines += [f"checkpoint     {s['checkpoint']}",
-              f"sample with    ndtrain generate --run {shlex.quote(str(run))} "
-              + " ".join(shlex.quote(a) for a in s.get("sample", ["--prompt", "def "]))]
+              f"sample with    ndtrain generate --run {shlex.quote(str(run))} {hint}"]
     print("\n".join(lines), flush=True)
 
 

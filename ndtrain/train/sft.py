@@ -147,7 +147,7 @@ def fine_tune(trainer, task: SFT, data: SFTData, cfg: Config, run: Path | None) 
                    train_rows=len(task.train_rows), packing=cfg.data.packing)
     if data.held_out:  # the closing hint samples a held-out prompt of this data, as the template shows it
         prompt = data.template.decode(data.template.prompt_ids(data.held_out[0]))
-        summary["sample"] = ["--prompt", prompt, "--temperature", "0", "--max-new-tokens", str(cfg.sft.max_new_tokens)]
+        summary["sample"] = {"prompt": prompt, "max_new_tokens": cfg.sft.max_new_tokens}
     if model is not None:
         with torch.no_grad():
             summary.update(answer_held_out(model, data, cfg))

@@ -229,10 +229,10 @@ class Trainer:
         """Whether any rank was asked to stop (STOP_SIGNAL: a signal, supervisor.py) or ran out
         of `run.stop_after_s` (STOP_TIME); 0 if none. Every rank agrees at the same step
         boundary, with one all-reduce, so all of them save and return."""
-        signal = self.control is not None and self.control.stop
         if self.control is None and not self.cfg.run.stop_after_s:
             return 0
-        flag = torch.tensor([STOP_SIGNAL if signal else STOP_TIME if out_of_time else 0], device=self.mesh.device,
+        signalled = self.control is not None and self.control.stop
+        flag = torch.tensor([STOP_SIGNAL if signalled else STOP_TIME if out_of_time else 0], device=self.mesh.device,
                             dtype=torch.float32)
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -164,8 +164,7 @@ def reinforce(trainer, task: RL, cfg: Config, run: Path) -> dict:
     probe = draw_problems(make_task(cfg.rl.task, cfg.rl.size, cfg.rl.reverse_answer), 0, "probe", 1, "held_out")[0]
     summary.update(task="rl", rl_task=cfg.rl.task, loss=cfg.rl.loss, start=start,
                    final={k: v for k, v in final.items() if k.startswith(("pass@", "eval_"))},
-                   sample=["--prompt", probe.prompt, "--temperature", "0", "--max-new-tokens",
-                           str(cfg.rl.max_new_tokens)])
+                   sample={"prompt": probe.prompt, "max_new_tokens": cfg.rl.max_new_tokens})
     if cfg.run.plot:
         summary["rl_plot"] = str(plot_rl(run / "metrics.jsonl", run / "rl.png", start,
                                          title=f"{cfg.rl.loss} on {cfg.rl.task} · {trainer.mesh.describe()}"))
