@@ -269,12 +269,18 @@ ROWS_BY_WORLD = {
 }
 
 
-def _trained(overrides, data_dir, run_dir=None):
+def _trained(overrides, data_dir, run_dir=None, twin=False):
     """One fp64 proof run (tests/helpers.py: losses, gradient norms, first-step gradients,
     final weights and router biases) and every step's routing statistics."""
+    from helpers import perturb_gradients
     plot = ["run.plot=true"] if run_dir else []
+
+    def prepare(trainer):
+        if twin:
+            perturb_gradients(trainer)
+        capture_first_grads(trainer)
     losses, state, trainer = train_in_rank(MOE + overrides + plot, data_dir, run_dir=run_dir,
-                                           before_fit=capture_first_grads)
+                                           before_fit=prepare)
     proof = {"losses": losses, "norms": [r["grad_norm"] for r in trainer.history], "grads": trainer.first_grads,
              "state": state}
     return proof, [r["moe"] for r in trainer.history], trainer
@@ -320,7 +326,14 @@ def _loaded(overrides, data_dir, run_dir):
 
 
 def _references(data_dir):
-    return {"plain": _trained([], data_dir)[:2], "capacity": _trained(CAPACITY, data_dir)[:2]}
+    """Each reference with the tolerances its twin gives (tests/helpers.py: the rule)."""
+    from helpers import proof_tolerances
+    out = {}
+    for name, overrides in (("plain", []), ("capacity", CAPACITY)):
+        proof, stats, _ = _trained(overrides, data_dir)
+        proof["tol"] = proof_tolerances(proof, _trained(overrides, data_dir, twin=True)[0])
+        out[name] = (proof, stats)
+    return out
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,10 @@ Add a row for every new dimension and every composition it supports.
 """
 
 import pytest
+import torch
 
-from helpers import assert_losses_close, assert_proof, assert_states_close, proof_in_rank, train_in_rank
+from helpers import (assert_losses_close, assert_proof, assert_states_close, proof_in_rank, reference_in_rank,
+                     train_in_rank)
 from ndtrain.testing import run_ranks
 
 
@@ -114,9 +116,14 @@ FP32_ROWS: dict[int, list[str]] = {
 }
 
 
+# The control of the tolerance rule: a defect as small as a learning rate off by one part in
+# 10^6 leaves the first update exact but must fail a later step or the final weights.
+DEFECT = ["train.lr=0.003000003"]
+
+
 def _references(data_dir):
-    return {"tiny": proof_in_rank([], data_dir), "small": proof_in_rank(SMALL, data_dir),
-            "fp32": train_in_rank([], data_dir)[:2]}
+    return {"tiny": reference_in_rank([], data_dir), "small": reference_in_rank(SMALL, data_dir),
+            "fp32": train_in_rank([], data_dir)[:2], "defect": proof_in_rank(DEFECT, data_dir)}
 
 
 def _run_layouts(data_dir, rows, fp32_names):
@@ -135,6 +142,17 @@ def _family(name: str) -> str:
         if name.startswith(family) or f"-{family}" in name:
             return family
     return name
+
+
+def test_the_tolerance_rule_catches_a_small_defect(reference):
+    """The twin's tolerances are far below what a real defect moves: a learning rate one part
+    in 10^6 off passes the first update (it does not enter it) and fails the rest."""
+    defect, ref = reference["defect"], reference["tiny"]
+    assert defect["grads"].keys() == ref["grads"].keys()
+    assert all(torch.equal(defect["grads"][k], ref["grads"][k]) for k in ref["grads"])
+    with pytest.raises(AssertionError, match="loss|gradient norm|final weight"):
+        assert_proof(defect, ref)
+    print("tolerances:", {k: v for k, v in ref["tol"].items() if k != "grads"})
 
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
