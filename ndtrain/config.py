@@ -107,7 +107,10 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 0
-    precision: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs)
+    precision: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs) | fp8 (block matmuls in fp8, the rest in fp8_base)
+    fp8_recipe: str = "tensorwise"  # precision = fp8: tensorwise | rowwise | blockwise (DeepSeek-V3's 1×128 / 128×128)
+    fp8_all_gather: bool = False  # precision = fp8, tensorwise, zero = 3: gather weights in fp8 (half of bf16's bytes)
+    fp8_base: str = "bf16"  # precision = fp8: the dtype of everything not in fp8: bf16 | fp32 | fp64 (CPU proofs)
     reduce_fp32: bool = True  # reduce gradients in fp32; false: in train.precision, half the bytes
     loss_scaler: bool = True  # fp16: dynamic loss scaling
     allow_unscaled_fp16: bool = False  # permit fp16 with loss_scaler = false
@@ -418,7 +421,9 @@ def to_toml(cfg: Config) -> str:
 
 # --------------------------------------------------------------------------- validation
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
+FP8_BASES = ("bf16", "fp32", "fp64")
 PACKINGS = ("bfd", "none")
 TRUNCATIONS = ("keep_start", "drop")
 BAD_RECORD_POLICIES = ("error", "skip")
@@ -628,6 +633,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     _check_moe(cfg, a)
 
     _check_context(cfg, a)
+    _check_fp8(cfg, a)
 
     if check_paths:
         if d.path not in EMBEDDED_DATA and not Path(os.path.expanduser(d.path)).exists():
@@ -759,6 +765,33 @@ def _check_moe(cfg: Config, a: ModelArgs) -> None:
         raise ConfigError("model.moe_capacity", a.moe_capacity, "dropping tokens would depend on how tp and cp "
                           "split the sequence (the capacity is per rank); use 0 (dropless) with tp or cp > 1")
 _SCORE = re.compile(r"^(exact|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+
+
+def _check_fp8(cfg: Config, a: ModelArgs) -> None:
+    """train.fp8_*: valid values, set only with train.precision = fp8, and the layouts fp8
+    cannot make equal to one process (parallel/fp8.py says why)."""
+    t, p = cfg.train, cfg.parallel
+    if t.fp8_recipe not in FP8_RECIPES:
+        raise ConfigError("train.fp8_recipe", t.fp8_recipe, f"choose one of {', '.join(FP8_RECIPES)}")
+    if t.fp8_base not in FP8_BASES:
+        raise ConfigError("train.fp8_base", t.fp8_base, f"choose one of {', '.join(FP8_BASES)}")
+    if t.precision != "fp8":
+        for key, default in (("fp8_recipe", "tensorwise"), ("fp8_base", "bf16"), ("fp8_all_gather", False)):
+            if getattr(t, key) != default:
+                raise ConfigError(f"train.{key}", getattr(t, key), "applies only with train.precision=fp8")
+        return
+    if t.fp8_base == "fp64" and _uses_cuda(cfg.run.device):
+        raise ConfigError("train.fp8_base", "fp64", "fp64 is for the CPU layout proofs (run.device=cpu)")
+    if t.fp8_all_gather and (t.fp8_recipe != "tensorwise" or p.zero != 3):
+        raise ConfigError("train.fp8_all_gather", True, "gathers tensorwise fp8 weights under ZeRO-3: needs "
+                          f"train.fp8_recipe=tensorwise and parallel.zero=3 (got {t.fp8_recipe}, zero={p.zero})")
+    if p.tp > 1 and a.n_kv_heads % p.tp:
+        raise ConfigError("parallel.tp", p.tp, f"fp8 needs tp to divide the {a.n_kv_heads} KV heads: with fewer, "
+                          "ranks hold partial sums of a KV head's output gradient, which fp8 would quantize unsummed")
+    if a.is_moe and (p.tp > 1 or p.cp > 1):
+        key, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.cp", p.cp)
+        raise ConfigError(key, value, "fp8 with MoE blocks runs with tp = cp = 1: an expert's tokens of one "
+                          "micro-batch would be spread over ranks, and their fp8 scales with them (use ep, dp, pp)")
 
 
 def _check_sft(s: SFTConfig) -> None:

@@ -189,8 +189,12 @@ def _bounds(counts: list[int]):
 
 
 def expert_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    """x [N, in] grouped by expert (counts[g] rows for expert g) times w [G, out, in]ᵀ.
-    On CUDA in bf16, one grouped GEMM where torch has it; otherwise a loop over experts."""
+    """x [N, in] grouped by expert (counts[g] rows for expert g; or counts [G, S], the rows of
+    expert g in S consecutive groups, which this product does not tell apart) times
+    w [G, out, in]ᵀ. On CUDA in bf16, one grouped GEMM where torch has it; otherwise a loop
+    over experts."""
+    if counts.dim() == 2:
+        counts = counts.sum(1)
     aligned = x.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0  # 16-byte rows for the kernel
     if _GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16 and aligned:
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
@@ -199,18 +203,23 @@ def expert_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
 
 
 class Experts(nn.Module):
-    """n SwiGLU MLPs, weights stacked: w1, w3 [n, hidden, dim] (gate, up), w2 [n, dim, hidden]."""
+    """n SwiGLU MLPs, weights stacked: w1, w3 [n, hidden, dim] (gate, up), w2 [n, dim, hidden].
+    `matmuls` maps each weight's name to the grouped product it runs (`expert_matmul`; a
+    precision may put its own in: parallel/fp8.py)."""
 
     def __init__(self, n: int, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.matmuls: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = dict.fromkeys(("w1", "w2", "w3"), expert_matmul)
 
     def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """x [N, dim], the rows of expert 0, then expert 1, ...: counts[g] rows each."""
-        h = F.silu(expert_matmul(x, self.w1, counts)) * expert_matmul(x, self.w3, counts)
-        return expert_matmul(h, self.w2, counts)
+        """x [N, dim], the rows of expert 0, then expert 1, ...: counts[g] rows each (or
+        counts [n, S]: expert_matmul)."""
+        mm = self.matmuls
+        h = F.silu(mm["w1"](x, self.w1, counts)) * mm["w3"](x, self.w3, counts)
+        return mm["w2"](h, self.w2, counts)
 
 
 class SharedExperts(nn.Module):

@@ -222,7 +222,7 @@ class AllToAllDispatch(LocalDispatch):
         side = meanwhile() if meanwhile is not None else None  # overlaps the all-to-all
         received = _Exchange.apply(x, flight)
         order = expert_major(from_ranks)
-        y = experts(received[order], from_ranks.sum(0))
+        y = experts(received[order], from_ranks.t())  # rows of each expert, by source rank
         y = y.new_zeros(y.shape).index_copy(0, order, y)  # back to rank-major
         return exchange(y, g, self.meter, send, recv), side
 

@@ -108,7 +108,7 @@ def dry_run_worker(cfg_dict: dict) -> dict:
 
 def render(cfg: Config, result: dict) -> str:
     p, t = cfg.parallel, cfg.train
-    c = torch.finfo(compute_dtype(t.precision)).bits // 8
+    c = torch.finfo(compute_dtype(t.precision, t.fp8_base)).bits // 8
     head = (f"dry run: {cfg.model.preset} model, {result['layout']}, zero={p.zero}, {t.precision}, "
             f"recompute={t.recompute}, micro-batch {t.micro_batch}×{t.seq_len}")
     lines = [head, f"{'rank':>4}  {'parameters':>12}  {'params':>12}  {'grads':>12}  {'optimizer':>12}  "
