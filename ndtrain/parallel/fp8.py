@@ -52,13 +52,18 @@ from ndtrain.comm import ops
 from ndtrain.kernels.fp8 import BLOCK, Dim
 from ndtrain.kernels.fp8_linear import RECIPES, LinearPlan, Recipe, fp8_expert_matmul, fp8_linear
 from ndtrain.mesh import Group, ParallelMesh
+from ndtrain.model.args import ModelArgs
 from ndtrain.model.moe import Experts
 from ndtrain.parallel.context.layout import zigzag_index
 from ndtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 LINEARS = ("layers.*.attention.w[qkvo]", "layers.*.feed_forward.w[123]", "layers.*.feed_forward.shared.w[123]")
 EXPERTS = "layers.*.feed_forward.experts"
-STAY = "embedding, output head, norms, attention core (scores and softmax), router"
+STAY = ("embedding, output head, norms, attention core, router (norm statistics, softmax and routing "
+        "in fp32)")
+SCALES = {"tensorwise": "x and W in E4M3, gradients in E5M2, one scale per tensor",
+          "rowwise": "E4M3, one power-of-two scale per row along each matmul's reduction",
+          "blockwise": "E4M3, 1×128 tiles of activations and gradients, 128×128 weight blocks, fp32 every 128"}
 
 
 @dataclass(frozen=True)
@@ -193,3 +198,22 @@ def saved_fp8_bytes(model: nn.Module, reset: bool = False) -> int:
         if reset:
             plan.saved_fp8[0] = 0
     return total
+
+
+def describe(args: ModelArgs, recipe: str, base: str) -> dict:
+    """Which matmuls run in fp8 and which stay in the base dtype (the dry run and the run
+    summary print it)."""
+    moe = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
+    dense = args.n_layers - len(moe)
+    parts = [f"attention wq wk wv wo ({args.n_layers} blocks)"]
+    if dense:
+        parts.append(f"MLP w1 w2 w3 ({dense} blocks)")
+    if moe:
+        parts.append(f"routed experts w1 w2 w3 ({args.moe_experts} per block, {len(moe)} blocks)")
+        if args.moe_shared_experts:
+            parts.append("shared experts w1 w2 w3")
+    linears = 4 * args.n_layers + 3 * dense + 3 * len(moe) * (args.moe_experts + (1 if args.moe_shared_experts else 0))
+    return {"recipe": recipe, "scales": SCALES[recipe], "fp8": parts, "fp8_linears": linears, "base": base,
+            "stay": STAY,
+            "text": (f"fp8 {recipe} ({SCALES[recipe]}): forward, input- and weight-gradient matmuls of "
+                     f"{linears} linear layers: {'; '.join(parts)}. In {base}: {STAY}.")}
