@@ -72,12 +72,13 @@ class Dim:
     def global_index(self) -> Tensor:
         return self.index if self.index is not None else torch.arange(self.offset, self.offset + self.size)
 
-    def cells(self, block: int) -> tuple[Tensor, int]:
-        """(the cell of each local element, a CPU long tensor; the number of cells)."""
+    def cells(self, block: int) -> tuple[Tensor | None, int]:
+        """(the cell of each local element, a CPU long tensor, or None where cell i is element
+        i or the one cell is all of them; the number of cells)."""
         if block == WHOLE:
-            return torch.zeros(self.size, dtype=torch.long), 1
+            return None, 1
         if block == 1:
-            return torch.arange(self.size), self.size
+            return None, self.size
         return self.global_index() // block, -(-self.full // block)
 
     def spans_ranks(self, block: int) -> bool:
@@ -91,6 +92,8 @@ class Dim:
         if block == WHOLE or self.size == 0:
             return [(0, self.size, 0)]
         ids = self.cells(block)[0]
+        if ids is None:
+            return [(i, i + 1, i) for i in range(self.size)]
         cuts = (torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist()
         edges = [0, *cuts, self.size]
         return [(s, e, int(ids[s])) for s, e in zip(edges[:-1], edges[1:])]
@@ -99,19 +102,21 @@ class Dim:
 @dataclass
 class Quantized:
     """An operand in fp8: `data` [R, C], `scale` [cells along R, cells along C] (fp32), and
-    the cell of each row and column (`rows`, `cols`: long tensors on data's device)."""
+    the cell of each row and column (`rows`, `cols`: long tensors on data's device, or None
+    where the scale's row i is row i, or its one row serves all)."""
 
     data: Tensor
     scale: Tensor
-    rows: Tensor
-    cols: Tensor
+    rows: Tensor | None = None
+    cols: Tensor | None = None
 
     def t(self) -> "Quantized":
         return Quantized(self.data.t(), self.scale.t(), self.cols, self.rows)
 
     def scales(self) -> Tensor:
-        """The scale of every element, [R, C] (fp32)."""
-        return self.scale.index_select(0, self.rows).index_select(1, self.cols)
+        """The scale of every element, broadcastable to [R, C] (fp32)."""
+        s = self.scale if self.rows is None else self.scale.index_select(0, self.rows)
+        return s if self.cols is None else s.index_select(1, self.cols)
 
     def dequantized(self, dtype: torch.dtype = torch.float64) -> Tensor:
         return self.data.to(dtype) * self.scales().to(dtype)
@@ -120,11 +125,11 @@ class Quantized:
         return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
 
 
-def _cell_max(a: Tensor, ids: Tensor, n: int, dim: int) -> Tensor:
+def _cell_max(a: Tensor, ids: Tensor | None, n: int, dim: int) -> Tensor:
     """The maximum of `a` (≥ 0) over the elements of each cell along `dim`."""
     if n == 1:
         return a.amax(dim, keepdim=True)
-    if n == a.shape[dim] and torch.equal(ids, torch.arange(n)):
+    if ids is None:
         return a
     shape = list(a.shape)
     shape[dim] = n
@@ -156,7 +161,8 @@ def quantize(x: Tensor, dims: tuple[Dim, Dim], blocks: tuple[int, int], fmt: tor
     """x [R, C] in fp8 with one scale per cell (module docstring)."""
     amax, rows, cols = cell_amax(x, dims, blocks)
     scale = amax_to_scale(amax, fmt, pow2)
-    q = Quantized(x.new_empty(0, dtype=fmt), scale, rows.to(x.device), cols.to(x.device))
+    on = (lambda ids: None if ids is None else ids.to(x.device))  # noqa: E731
+    q = Quantized(x.new_empty(0, dtype=fmt), scale, on(rows), on(cols))
     wide = x if x.dtype == torch.float64 else x.float()
     fmax = FMAX[fmt]
     q.data = (wide / q.scales().to(wide.dtype)).clamp_(-fmax, fmax).to(fmt)
@@ -190,7 +196,10 @@ def choose_backend(device: torch.device, dtype: torch.dtype, runs: int) -> str:
 
 def _run_scales(q: Quantized, cell: int) -> Tensor:
     """The scales of a run (one cell along K) for every row of q, [R] fp32."""
-    return q.scale[:, cell].index_select(0, q.rows)
+    s = q.scale[:, cell]
+    if q.rows is not None:
+        return s.index_select(0, q.rows)
+    return s.expand(q.data.shape[0]) if s.numel() == 1 else s
 
 
 def _mm_fits(a: Tensor, b: Tensor) -> bool:
