@@ -141,7 +141,10 @@ def amax_to_scale(amax: Tensor, fmt: torch.dtype, pow2: bool = False) -> Tensor:
     """amax / fmax in fp32 (floored, so a zero cell divides by a tiny number, not zero);
     `pow2` rounds it up to a power of two, so scaling is exact and still never overflows."""
     scale = amax.float().clamp_min(AMAX_FLOOR) / FMAX[fmt]
-    return torch.exp2(torch.ceil(torch.log2(scale))) if pow2 else scale
+    if not pow2:
+        return scale
+    mantissa, exponent = torch.frexp(scale)  # scale = m·2^e, m in [0.5, 1): exact on every device
+    return torch.ldexp(torch.ones_like(scale), exponent - (mantissa == 0.5).to(exponent.dtype))
 
 
 def cell_amax(x: Tensor, dims: tuple[Dim, Dim], blocks: tuple[int, int]) -> tuple[Tensor, Tensor, Tensor]:
