@@ -311,6 +311,13 @@ E2E: dict[int, list[tuple[str, list[str], str]]] = {
         ("pp2-cp2-tp2", _pipeline("1f1b", 4, "parallel.cp=2", "parallel.tp=2"), "plain"),
     ],
 }
+# The default tier: every back end at cp 2 (plain and packed), ring at cp 4, and one row of
+# each composition kind at 4 ranks; the other rows run with `python -m pytest -m slow`.
+DEFAULT_TIER = {
+    2: {name for name, _, _ in E2E[2]},
+    4: {"cp4-ring", "cp2-tp2-sp-ulysses-dropout", "cp2-dp2-zero3", "cp2-pp2-1f1b"},
+    8: set(),
+}
 REFERENCES = {"plain": FP64, "packed": FP64, "dropout": FP64 + ["model.dropout=0.1"], "fp32": [],
               "bf16": ["train.precision=bf16"]}
 STEPS = ["train.steps=3"]  # TINY's 5 steps cost the budget two more without testing anything new
@@ -360,17 +367,27 @@ def references(tiny_data):
     return run_ranks(_references, 1, tiny_data)[0]
 
 
-@pytest.mark.parametrize("world", sorted(E2E))
+@pytest.mark.parametrize("world", [2, 4])
 def test_training_equals_one_process(world, tiny_data, references):
+    _check_e2e(world, [row for row in E2E[world] if row[0] in DEFAULT_TIER[world]], tiny_data, references)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(E2E))
+def test_training_equals_one_process_every_row(world, tiny_data, references):
+    _check_e2e(world, [row for row in E2E[world] if row[0] not in DEFAULT_TIER[world]], tiny_data, references)
+
+
+def _check_e2e(world, rows, tiny_data, references):
     """fp64 layout proofs (tests/helpers.py's tolerance rule: the first update at exact
     precision, later steps and the final weights within the twin's gaps); two rows
     again in fp32 at 1e-5 (losses, weights' norms); bf16
     against bf16 on one process at the precision suite's bf16 tolerance, 2e-3 of the loss.
     The logged target counts equal one process's, packed documents included."""
     from helpers import assert_losses_close, assert_proof, assert_states_close
-    results = run_ranks(_rows, world, tiny_data, E2E[world], timeout=600)
+    results = run_ranks(_rows, world, tiny_data, rows, timeout=600)
     worst = {"grads": 0.0, "state": 0.0, "loss": 0.0, "norm": 0.0}
-    for name, _, ref_name in E2E[world]:
+    for name, _, ref_name in rows:
         run, ref = results[0][name], references[ref_name]
         try:
             assert run["targets"] == ref["targets"]

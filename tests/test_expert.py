@@ -269,6 +269,11 @@ ROWS_BY_WORLD = {
 }
 
 
+# The default tier: every 2-rank row and two 4-rank compositions; the rest with -m slow.
+DEFAULT_TIER = {2: {name for name, _ in ROWS_BY_WORLD[2]},
+                4: {"hsdp2x2-zero2-ep2", "pp2-dp2-ep2-zero3-interleaved"}, 8: set()}
+
+
 def _trained(overrides, data_dir, run_dir=None, twin=False):
     """One fp64 proof run (tests/helpers.py: losses, gradient norms, first-step gradients,
     final weights and router biases) and every step's routing statistics."""
@@ -353,14 +358,26 @@ def _assert_same_training(name, ours, ref):
         assert moe["dead_fraction"] == r_moe["dead_fraction"], (name, step)
 
 
-@pytest.mark.parametrize("world", sorted(ROWS_BY_WORLD))
+@pytest.mark.parametrize("world", [2, 4])
 def test_moe_layouts_train_like_one_process(world, tiny_data, references, tmp_path):
     """And on 2 ranks (ep=2), the run directory: load statistics in metrics.jsonl, the
     load plot, expert and dense memory, a checkpoint that fresh trainers load exactly, on
     the same layout and with the experts replicated (ep=1, ZeRO-1)."""
+    rows = [row for row in ROWS_BY_WORLD[world] if row[0] in DEFAULT_TIER[world]]
+    _check_moe_layouts(world, rows, tiny_data, references, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [4, 8])
+def test_moe_layouts_train_like_one_process_every_row(world, tiny_data, references, tmp_path):
+    rows = [row for row in ROWS_BY_WORLD[world] if row[0] not in DEFAULT_TIER[world]]
+    _check_moe_layouts(world, rows, tiny_data, references, tmp_path)
+
+
+def _check_moe_layouts(world, rows, tiny_data, references, tmp_path):
     run_dir = str(tmp_path / "run") if world == 2 else None
-    results = run_ranks(_layouts, world, tiny_data, ROWS_BY_WORLD[world], run_dir, timeout=600)
-    for name, _ in ROWS_BY_WORLD[world]:
+    results = run_ranks(_layouts, world, tiny_data, rows, run_dir, timeout=600)
+    for name, _ in rows:
         if name.startswith("bf16"):
             continue
         ref = references["capacity" if "capacity" in name else "plain"]

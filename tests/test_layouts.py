@@ -107,6 +107,23 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
     ],
 }
 
+# The default tier (what `python -m pytest` runs): one proof of every family and of every
+# kind of composition; the other rows repeat them at other sizes, micro-batch counts and
+# combinations and run with `python -m pytest -m slow` (docs/architecture.md, "Tests").
+DEFAULT_TIER = {
+    2: {"dp2-accumulation", "dp2-small-tied", "pp2-afab-m2", "pp2-1f1b-m4", "pp2-zb-m4",
+        "pp2-interleaved-m4-pp_virtual=2", "pp2-1f1b-m2-recompute=full", "zero1", "zero2",
+        "zero3-accumulation-keep-gathered", "zero3-recompute-selective", "tp2-sp", "tp2", "tp2-sp-small-tied"},
+    4: {"hsdp2x2-zero3", "tp2-sp-dp2-zero3", "pp2-zb-m4-tp=2", "pp2-interleaved-m2-dp=2-zero=3-pp_virtual=2"},
+    8: {"pp2-1f1b-m2-tp=2-dp=2"},
+}
+
+
+def tier(world: int, slow: bool) -> list[tuple[str, list[str]]]:
+    """The rows of one world size in the default tier, or (slow) the others."""
+    return [(name, o) for name, o in LAYOUTS[world] if (name in DEFAULT_TIER[world]) != slow]
+
+
 # One row of each family, again in fp32 (TINY's eps), at 1e-5.
 FP32_ROWS: dict[int, list[str]] = {
     2: ["dp2-accumulation", "pp2-zb-m4", "pp2-interleaved-m2-pp_virtual=2", "zero3-recompute-full-accumulation",
@@ -157,10 +174,20 @@ def test_the_tolerance_rule_catches_a_small_defect(reference):
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_layout_invariance(world, tiny_data, reference):
-    results = run_ranks(_run_layouts, world, tiny_data, LAYOUTS[world], FP32_ROWS[world], timeout=900)
+    _check_layouts(world, tier(world, slow=False), tiny_data, reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(LAYOUTS))
+def test_layout_invariance_every_row(world, tiny_data, reference):
+    _check_layouts(world, tier(world, slow=True), tiny_data, reference)
+
+
+def _check_layouts(world, rows, tiny_data, reference):
+    results = run_ranks(_run_layouts, world, tiny_data, rows, FP32_ROWS[world], timeout=900)
     proofs, fp32 = results[0]
     worst: dict[str, dict[str, float]] = {}
-    for name, overrides in LAYOUTS[world]:
+    for name, overrides in rows:
         ref = reference["small" if SMALL[0] in overrides else "tiny"]
         try:
             deviations = assert_proof(proofs[name], ref)

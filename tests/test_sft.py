@@ -315,14 +315,22 @@ def test_sft_layouts_equal_one_process_in_fp64(sft_files, template):
     task = _sft_task(*sft_files, _config(SFT_TEST))
     counts = [[int((task.rows("train", s, r, r + 1).targets != IGNORE).sum()) for r in range(8)] for s in range(3)]
     assert max(max(c) / max(min(c), 1) for c in counts) >= 3, counts
+    _check_sft_layouts(sft_files, 2)
+
+
+@pytest.mark.slow
+def test_sft_layouts_equal_one_process_on_eight_ranks(sft_files):
+    _check_sft_layouts(sft_files, 8)
+
+
+def _check_sft_layouts(sft_files, world):
     ref = run_ranks(_sft_rows, 1, sft_files, SFT_LAYOUTS[1])[0]["single"]
-    for world in (2, 8):
-        results = run_ranks(_sft_rows, world, sft_files, SFT_LAYOUTS[world], timeout=600)[0]
-        for name, _ in SFT_LAYOUTS[world]:
-            try:
-                assert_proof(results[name], ref)
-            except AssertionError as e:
-                raise AssertionError(f"layout {name}: {e}") from None
+    results = run_ranks(_sft_rows, world, sft_files, SFT_LAYOUTS[world], timeout=600)[0]
+    for name, _ in SFT_LAYOUTS[world]:
+        try:
+            assert_proof(results[name], ref)
+        except AssertionError as e:
+            raise AssertionError(f"layout {name}: {e}") from None
 
 
 def _config(overrides):
