@@ -82,6 +82,24 @@ class LinearPlan:
     saved_fp8: list[int] = field(default_factory=lambda: [0])
 
 
+# A weight may carry its fp8 form, quantized and gathered elsewhere (ZeRO-3's fp8 all-gather,
+# parallel/fp8_gather.py): tensorwise values and their scale. The matmuls then use it as it is.
+PREQUANTIZED = "_ndtrain_fp8"
+
+
+@dataclass
+class Prequantized:
+    data: Tensor  # fp8, the weight's shape (a view into a gathered buffer)
+    scale: Tensor  # 0-d fp32
+
+
+def _weight_of(w: Tensor, plan: LinearPlan, blocks: tuple[int, int]) -> Quantized:
+    pre = getattr(w, PREQUANTIZED, None)
+    if pre is not None and blocks == (WHOLE, WHOLE):
+        return Quantized(pre.data, pre.scale.view(1, 1))
+    return _quantize_weight(w, plan, blocks)
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -98,14 +116,14 @@ def forward_matmul(x: Tensor, w: Tensor, plan: LinearPlan, tokens: Dim,
     """y = x·Wᵀ for x [T, K] and W [N, K]; returns y and x quantized."""
     r = plan.recipe
     xq = quantize(x, (tokens, plan.k), r.x, E4M3, r.pow2)
-    wq = wq if wq is not None else _quantize_weight(w, plan, r.w)
+    wq = wq if wq is not None else _weight_of(w, plan, r.w)
     return scaled_matmul(xq, wq, plan.k.runs(r.x[1]), x.dtype, plan.backend), xq
 
 
 def input_grad(dy: Tensor, w: Tensor, plan: LinearPlan, tokens: Dim, dyq: Quantized,
                wq: Quantized | None = None) -> Tensor:
     """dx = dy·W [T, K] from dy quantized for it."""
-    wq = wq if wq is not None else _quantize_weight(w, plan, plan.recipe.w_dgrad)
+    wq = wq if wq is not None else _weight_of(w, plan, plan.recipe.w_dgrad)
     return scaled_matmul(dyq, wq.t(), plan.n.runs(plan.recipe.dy[1]), dy.dtype, plan.backend)
 
 

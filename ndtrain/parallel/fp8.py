@@ -217,3 +217,13 @@ def describe(args: ModelArgs, recipe: str, base: str) -> dict:
             "stay": STAY,
             "text": (f"fp8 {recipe} ({SCALES[recipe]}): forward, input- and weight-gradient matmuls of "
                      f"{linears} linear layers: {'; '.join(parts)}. In {base}: {STAY}.")}
+
+
+def weights(model: nn.Module) -> set[int]:
+    """ids of the weights whose matmuls run in fp8 (not the routed experts'): what ZeRO-3's
+    fp8 all-gather may gather in fp8 (parallel/fp8_gather.py)."""
+    found = set()
+    for m in model.modules():
+        if isinstance(m, Float8Linear) or isinstance(getattr(m, "linear", None), _Product):
+            found.add(id(m.weight))
+    return found

@@ -61,8 +61,10 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from ndtrain.comm import ops
+from ndtrain.kernels.fp8 import E4M3
 from ndtrain.mesh import Group, ParallelMesh
 from ndtrain.parallel.construct import new_parameter, swap_parameters
+from ndtrain.parallel.fp8_gather import Fp8AllGather
 from ndtrain.parallel.placement import (OptimSlice, copy_placement, is_duplicate, is_expert, mark_sharded,
                                         partial_dims, shard_dims)
 from ndtrain.parallel.precision import has_masters
@@ -105,7 +107,7 @@ class FlatParam:
 
     def __init__(self, name: str, params: list[nn.Parameter], stage: int, group: Group,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, init: Callable, device: torch.device,
-                 group_dims: tuple[str, ...] = SHARD_DIMS):
+                 group_dims: tuple[str, ...] = SHARD_DIMS, fp8: bool = False):
         """`params` may live on the meta device (parallel/construct.py): only this rank's
         slice is allocated and filled with `init(p)`, the fp32 initial value of what p holds
         (stages 1-2 also the whole buffer, which every rank keeps); `adopt` then swaps in
@@ -124,6 +126,9 @@ class FlatParam:
         lo, hi = group.rank * self.shard_numel, (group.rank + 1) * self.shard_numel
 
         padded = self.shard_numel * group.size
+        # fp8 (stage 3, parallel/fp8_gather.py): `full` is gathered in fp8 from `shard_fp8`; the
+        # parameters are views of a compute-dtype buffer that never gets memory.
+        self.fp8 = fp8 and stage == 3
         if stage == 3:
             initial = self._initial(init, lo, hi, device)
             self.full = torch.empty(padded, dtype=compute_dtype, device=device)
@@ -137,6 +142,11 @@ class FlatParam:
         # stage 3 its memory then goes, and comes back only while the unit is gathered.
         self.replacements = {id(p): new_parameter(p, self.view_of(self.full, p)) for p in params}
         if stage == 3:
+            free_storage(self.full)
+        if self.fp8:
+            self.full = torch.empty(padded, dtype=E4M3, device=device)
+            self.shard_fp8 = torch.zeros(self.shard_numel, dtype=E4M3, device=device)
+            self.fp8_views = [self.view_of(self.full, p) for p in params]  # made while it has memory
             free_storage(self.full)
         # A separate master starts from the fp32 initial values, not from their rounding.
         master = initial if stage == 3 else initial.clone()
@@ -302,10 +312,12 @@ class ZeRO:
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int, compute_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, init: Callable, reshard_after_forward: bool = True,
-                 defer: bool = False, decoders: dict[str, nn.Module] | None = None):
+                 defer: bool = False, decoders: dict[str, nn.Module] | None = None,
+                 fp8_weights: set[int] = frozenset()):
+        """`fp8_weights`: ids of the parameters stage 3 gathers in fp8 (parallel/fp8_gather.py)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
-        self.stage, self.defer = stage, defer
+        self.stage, self.defer, self.fp8_weights = stage, defer, fp8_weights
         self.group = mesh.group("dp_shard_cp")
         self.expert_group = mesh.group("edp_shard")
         self.expert_dims = ("edp_shard",) if mesh.shape.ep > 1 else SHARD_DIMS
@@ -341,19 +353,22 @@ class ZeRO:
         self._next_launch = 0
         self._in_backward = False
         self.gathered_bytes = 0  # stage 3: bytes of units gathered right now (memory accounting)
+        self.fp8_gather = Fp8AllGather([f for f in self.flats if f.fp8], [mesh.group("tp")])
+        self.fp8_gather.refresh()
 
     def _flats(self, unit_name, named, compute_dtype, reduce_dtype, init, device) -> list[FlatParam]:
         by_key: dict[tuple, list[nn.Parameter]] = {}
         for _, p in named:
-            key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device)
+            fp8 = id(p) in self.fp8_weights and not is_expert(p)
+            key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device, fp8)
             by_key.setdefault(key, []).append(p)
         flats = []
-        for (dims, dup, experts, decay, _, _), params in by_key.items():
+        for (dims, dup, experts, decay, _, _, fp8), params in by_key.items():
             name = ".".join([unit_name, "decay" if decay else "no_decay", *dims] + (["duplicate"] if dup else [])
-                            + (["experts"] if experts else []))
+                            + (["experts"] if experts else []) + (["fp8"] if fp8 else []))
             group, group_dims = (self.expert_group, self.expert_dims) if experts else (self.group, SHARD_DIMS)
             flats.append(FlatParam(name, params, self.stage, group, compute_dtype, reduce_dtype, init, device,
-                                   group_dims))
+                                   group_dims, fp8))
         return flats
 
     # -- the optimizer's view ---------------------------------------------------
@@ -381,6 +396,7 @@ class ZeRO:
         for f in self.flats:
             if f.separate_master:
                 f.shard.copy_(f.master)
+        self.fp8_gather.refresh()
         if self.stage < 3:
             works = [ops.all_gather(f.full, f.shard, f.group, async_op=True) for f in self.flats]
             for w in works:
@@ -528,7 +544,8 @@ class ZeRO:
             return
         for f in unit.flats:
             self.gathered_bytes += allocate_storage(f.full)
-            unit.works.append(ops.all_gather(f.full, f.shard, f.group, async_op=True))
+            out, part = (f.full.view(torch.uint8), f.shard_fp8.view(torch.uint8)) if f.fp8 else (f.full, f.shard)
+            unit.works.append(ops.all_gather(out, part, f.group, async_op=True))
         unit.state = "gathering"
 
     def _wait(self, unit: Unit) -> None:
@@ -627,7 +644,8 @@ class ZeRO:
         return [f for f in self.flats if is_expert(f.params[0]) or not experts]
 
     def param_tensors(self, experts: bool = False) -> list[torch.Tensor]:
-        return [t for f in self._flats_of(experts) for t in (f.full, f.shard)]
+        """The parameters' buffers: gathered, this rank's slices, and their fp8 copies."""
+        return [t for f in self._flats_of(experts) for t in (f.full, f.shard) + ((f.shard_fp8,) if f.fp8 else ())]
 
     def grad_tensors(self, experts: bool = False) -> list[torch.Tensor]:
         return [t for f in self._flats_of(experts) for t in (f.grad_full, f.grad_shard) if t is not None]
