@@ -24,7 +24,7 @@ from ndtrain.comm import ops
 from ndtrain.mesh import Group
 from ndtrain.model.dtypes import wide_dtype
 from ndtrain.parallel.context import fused
-from ndtrain.parallel.context.kernels import NEG_INF, from_heads, merge, to_heads
+from ndtrain.parallel.context.kernels import Partial, from_heads, to_heads
 from ndtrain.parallel.context.visibility import Visibility
 
 
@@ -56,15 +56,14 @@ def allgather_forward(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibi
         recorder.message("kv", layer, 0, start, start)
     start = recorder.now() if recorder else 0.0
     kv, qh, scale = _natural(gathered), to_heads(q), 1.0 / math.sqrt(q.shape[-1])
-    out = torch.zeros(qh.shape, dtype=wide_dtype(qh.dtype), device=qh.device)
-    lse = torch.full(qh.shape[:-1], NEG_INF, dtype=out.dtype, device=qh.device)
+    partial = Partial(qh.shape, wide_dtype(qh.dtype), qh.device)
     for block in vis.gathered_blocks():
         rows = (slice(None), slice(None), block.rows)
-        b_out, b_lse = fused.forward(qh[rows], kv[0][:, :, block.cols], kv[1][:, :, block.cols], block, scale)
-        out[rows], lse[rows] = merge(out[rows], lse[rows], b_out, b_lse)
+        partial.add(block.rows, *fused.forward(qh[rows], kv[0][:, :, block.cols], kv[1][:, :, block.cols], block,
+                                               scale))
     if recorder:
         recorder.compute("attn F", layer, 0, start)
-    return out, lse, kv
+    return (*partial.result(), kv)
 
 
 class AllGatherAttention(torch.autograd.Function):

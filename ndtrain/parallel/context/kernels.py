@@ -94,3 +94,30 @@ def attend_backward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale:
     dq = (ds @ k.unsqueeze(2)).flatten(1, 2) * scale
     dk = (ds.reshape(b, g, r * sq, sk).transpose(-1, -2) @ q.reshape(b, g, r * sq, -1)) * scale
     return dq, dk, dv
+
+
+class Partial:
+    """The running output [b, H, s, d] and log-sum-exp [b, H, s] of a rank's query rows,
+    merged block by block; rows that no block reached keep out 0 and lse −inf."""
+
+    def __init__(self, shape: torch.Size, dtype: torch.dtype, device: torch.device):
+        self.shape, self.dtype, self.device = shape, dtype, device
+        self.out: Tensor | None = None
+        self.lse: Tensor | None = None
+
+    def add(self, rows: slice, out: Tensor, lse: Tensor) -> None:
+        if self.out is None and rows.start in (0, None) and rows.stop in (self.shape[2], None):
+            self.out, self.lse = out, lse  # the first block covers every row: nothing to merge yet
+            return
+        self._allocate()
+        at = (slice(None), slice(None), rows)
+        self.out[at], self.lse[at] = merge(self.out[at], self.lse[at], out, lse)
+
+    def result(self) -> tuple[Tensor, Tensor]:
+        self._allocate()
+        return self.out, self.lse
+
+    def _allocate(self) -> None:
+        if self.out is None:
+            self.out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+            self.lse = torch.full(self.shape[:-1], NEG_INF, dtype=self.dtype, device=self.device)

@@ -7,15 +7,16 @@ Forward, at step i = 0 … cp−1 rank r holds the keys and values of rank (r �
 2. it computes its block against what it holds (`Visibility.ring_block`: under the zigzag
    layout the diagonal step is the local causal square and every other step 2c² unmasked
    pairs) on a fused attention op (`fused.py`) and merges it into the running output and
-   log-sum-exp (kernels.merge), in fp32 (fp64 for fp64 runs);
+   log-sum-exp (kernels.Partial), in fp32 (fp64 for fp64 runs);
 3. it waits for the exchange. Compute and communication overlap.
 Only the local q, k, v, the output and the log-sum-exp are kept for backward: autograd
 through the ring would keep every step's block.
 
 Backward walks the same ring. At step i the rank computes, with the fused op's backward
-fed the merged output and log-sum-exp, the block's dq (accumulated locally) and its contribution to the dk, dv of the source's block, adds the partial sum
-that arrived from r−1 for that same block (sent there one step earlier), and passes the sum
-to r+1, which holds that block at step i+1. After step cp−1 each sum has collected all cp
+fed the merged output and log-sum-exp, the block's dq (accumulated locally) and its
+contribution to the dk, dv of the source's block, adds the partial sum that arrived from
+r−1 for that same block (sent there one step earlier), and passes the sum to r+1, which
+holds that block at step i+1. After step cp−1 each sum has collected all cp
 contributions and one last hop takes it to its owner. The accumulators travel in fp32.
 
 Messages per rank and layer (T tokens in the CP group, G KV heads per TP rank, head dim d):
@@ -34,7 +35,7 @@ from ndtrain.comm import ops
 from ndtrain.mesh import Group
 from ndtrain.model.dtypes import wide_dtype
 from ndtrain.parallel.context import fused
-from ndtrain.parallel.context.kernels import NEG_INF, from_heads, merge, to_heads
+from ndtrain.parallel.context.kernels import Partial, from_heads, to_heads
 from ndtrain.parallel.context.visibility import Visibility
 
 
@@ -63,8 +64,7 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibility,
     every rank's keys, in fp32 (fp64 for fp64 inputs)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     qh = to_heads(q)
-    out = torch.zeros(qh.shape, dtype=wide_dtype(qh.dtype), device=qh.device)
-    lse = torch.full(qh.shape[:-1], NEG_INF, dtype=out.dtype, device=qh.device)
+    partial = Partial(qh.shape, wide_dtype(qh.dtype), qh.device)
     kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)]).contiguous()  # one message: [2, b, G, s, d]
     for step in range(group.size):
         exchange = _Exchange(kv, group, recorder, "kv", layer, step) if step < group.size - 1 else None
@@ -72,13 +72,13 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibility,
         block = vis.ring_block((group.rank - step) % group.size)
         if block is not None:
             rows = (slice(None), slice(None), block.rows)
-            b_out, b_lse = fused.forward(qh[rows], kv[0][:, :, block.cols], kv[1][:, :, block.cols], block, scale)
-            out[rows], lse[rows] = merge(out[rows], lse[rows], b_out, b_lse)
+            partial.add(block.rows, *fused.forward(qh[rows], kv[0][:, :, block.cols], kv[1][:, :, block.cols],
+                                                   block, scale))
         if recorder:
             recorder.compute("attn F", layer, step, start)
         if exchange is not None:
             kv = exchange.wait()
-    return out, lse
+    return partial.result()
 
 
 class RingAttention(torch.autograd.Function):
