@@ -55,7 +55,9 @@ def allgather_forward(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibi
     if recorder:
         recorder.message("kv", layer, 0, start, start)
     start = recorder.now() if recorder else 0.0
+    del local
     kv, qh, scale = _natural(gathered), to_heads(q), 1.0 / math.sqrt(q.shape[-1])
+    del gathered  # the sequence-ordered copy is what backward keeps
     partial = Partial(qh.shape, wide_dtype(qh.dtype), qh.device)
     for block in vis.gathered_blocks():
         rows = (slice(None), slice(None), block.rows)
