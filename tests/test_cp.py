@@ -228,6 +228,58 @@ def test_attention_kernels_equal_full_attention_fp64(cp):
     print(f"cp={cp}: largest relative deviation {worst:.1e}")
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend, dtype", [("flash", torch.bfloat16), ("efficient", torch.bfloat16),
+                                            ("efficient", torch.float32), ("cudnn", torch.bfloat16)])
+def test_cuda_fused_blocks_merge_to_full_attention(backend, dtype):
+    """On a GPU, each CUDA op that returns the log-sum-exp (forced with sdpa_kernel): the
+    second half of a sequence's queries against a full block (the first half's keys) and a
+    causal square (its own), merged by lse, then each block's backward from the merged
+    output and lse; against attention over the whole sequence in fp32 on the same (rounded)
+    inputs. Tolerance: bf16 rounds each block's output and gradients to 8 bits (2⁻⁸ ≈ 4e-3
+    of a value), so 2e-2 of the largest element; fp32 1e-3 (the kernels may sum in another
+    order and use TF32-free fp32 math)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ndtrain.parallel.context import fused
+    from ndtrain.parallel.context.kernels import Partial
+    from ndtrain.parallel.context.visibility import Block
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    forced = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, kv, n, d = 2, 8, 2, 256, 64
+    q = torch.randn(b, h, n, d, generator=g, device="cuda").to(dtype)
+    k, v = (torch.randn(b, kv, 2 * n, d, generator=g, device="cuda").to(dtype) for _ in range(2))
+    dout = torch.randn(b, h, n, d, generator=g, device="cuda").to(dtype)
+    full, diag = Block(slice(0, n), slice(0, n), None), Block(slice(0, n), slice(n, 2 * n), None, causal=True)
+    scale = d ** -0.5
+    with sdpa_kernel([forced]):
+        assert {fused.kernel_for(q, k[:, :, :n], blk) for blk in (full, diag)} == {backend}
+        partial = Partial(q.shape, torch.float32, q.device)
+        for blk in (full, diag):
+            partial.add(blk.rows, *fused.forward(q, k[:, :, blk.cols], v[:, :, blk.cols], blk, scale))
+        out, lse = partial.result()
+        grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
+        for blk in (full, diag):
+            dq, dk, dv = fused.backward(dout, q, k[:, :, blk.cols], v[:, :, blk.cols], out.to(dtype), lse, blk, scale)
+            grads[0] += dq
+            grads[1][:, :, blk.cols] += dk
+            grads[2][:, :, blk.cols] += dv
+    ref = [t.float().requires_grad_() for t in (q, k, v)]
+    visible = torch.ones(n, 2 * n, dtype=torch.bool, device="cuda").tril(n)
+    keys, values = (t.repeat_interleave(h // kv, 1) for t in ref[1:])
+    scores = (ref[0] @ keys.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    ref_out = torch.softmax(scores, -1) @ values
+    ref_out.backward(dout.float())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
+    for name, mine, theirs in [("out", out, ref_out), ("lse", lse, torch.logsumexp(scores, -1)),
+                               *zip(("dq", "dk", "dv"), grads, (t.grad for t in ref))]:
+        err = float((mine - theirs.detach()).abs().max() / theirs.detach().abs().max())
+        assert err <= tol, f"{backend} {dtype}: {name} differs by {err:.1e}"
+
+
 # --------------------------------------------------------------------------- bad input
 
 @pytest.mark.parametrize("overrides, fragment", [

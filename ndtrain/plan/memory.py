@@ -257,7 +257,8 @@ class StepShape:
         if p.cp_impl == "allgather":
             if backward:
                 grads = 2 * w * kv * n * cp
-                return 3 * c * q * n + w * q * n + grads + max(c * q * n / 2 + 2 * c * kv * n * cp, grads + 2 * w * kv * n)
+                blocks, back = c * q * n / 2 + 2 * c * kv * n * cp, grads + 2 * w * kv * n  # to rank order
+                return 3 * c * q * n + w * q * n + grads + max(blocks, back)
             blocks = 2 * c * q * n + widen + w * heads * n + 4 * w * q * n
             return max(4 * c * kv * n * cp, blocks)
         held = (4 if cp > 2 else 2) * c * kv * n  # the K/V of a later step, and the next ones arriving

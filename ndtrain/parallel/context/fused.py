@@ -67,15 +67,18 @@ def forward(q: Tensor, k: Tensor, v: Tensor, block: Block, scale: float) -> tupl
         return widened(out), widened(lse)
     q, k, v = (t.contiguous() for t in (q, *_repeated(kind, q, k, v)))
     if kind == "flash":
-        out, lse = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, block.causal, False, scale=scale)[:2]
+        out, lse, *_, seed, offset, _ = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, block.causal, False,
+                                                                                 scale=scale)
     elif kind == "efficient":
-        out, lse = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, block.causal,
-                                                               scale=scale)[:2]
+        out, lse, seed, offset = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, block.causal,
+                                                                             scale=scale)
     else:
-        out, lse = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, block.causal, False,
-                                                           scale=scale)[:2]
+        out, lse, *_, seed, offset, _ = aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0,
+                                                                                 block.causal, False, scale=scale)
+    block.keep(kind, (seed, offset))  # the random state backward takes (unread without dropout)
     sq = q.shape[2]
-    return widened(out), widened(lse.reshape(*lse.shape[:2], -1)[..., :sq])  # efficient pads, cuDNN adds a dim
+    # [b, H, sq]; efficient pads sq to a multiple of 32 (on CUDA), cuDNN adds a last dim of 1
+    return widened(out), widened(lse.reshape(*lse.shape[:2], -1)[..., :sq])
 
 
 def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, block: Block,
@@ -96,13 +99,15 @@ def backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     n_kv = k.shape[1]
     dout, out, q, k, v = (t.contiguous() for t in (dout, out, q, *_repeated(kind, q, k, v)))
     sq, sk = q.shape[2], k.shape[2]
-    seed, offset = (torch.zeros((), dtype=torch.int64, device=q.device) for _ in range(2))  # no dropout: unread
+    seed, offset = block.kept(kind, q.device)
     if kind == "flash":
         dq, dk, dv = aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse, None, None, sq, sk, 0.0, block.causal, seed, offset, scale=scale)
     elif kind == "efficient":
-        padded = lse.new_zeros((*lse.shape[:2], -(-sq // 32) * 32))  # the layout its forward returns
-        padded[..., :sq] = lse
+        padded = lse
+        if torch.version.hip is None:  # the layout its forward returns on CUDA
+            padded = lse.new_zeros((*lse.shape[:2], -(-sq // 32) * 32))
+            padded[..., :sq] = lse
         dq, dk, dv = aten._scaled_dot_product_efficient_attention_backward(
             dout, q, k, v, None, out, padded, seed, offset, 0.0, [True, True, True, False], block.causal,
             scale=scale)[:3]

@@ -38,6 +38,15 @@ class Block:
             self._cache["seen"] = self.mask.any(dim=-1)
         return self._cache["seen"]
 
+    def keep(self, kind: str, rng: tuple[Tensor, Tensor]) -> None:
+        """What a CUDA op's forward returned for its backward (its random state)."""
+        self._cache[kind] = rng
+
+    def kept(self, kind: str, device) -> tuple[Tensor, Tensor]:
+        if kind not in self._cache:  # no forward ran this op here: without dropout it is unread
+            return tuple(torch.zeros((), dtype=torch.int64, device=device) for _ in range(2))
+        return self._cache[kind]
+
     def explicit(self, device) -> Tensor | None:
         """The mask for the plain kernel: `mask`, the causal square spelled out, or None."""
         if not self.causal:
@@ -120,9 +129,9 @@ class Visibility:
 
         In chunks: query chunk i sees key chunk j fully when j < i, causally when j = i, not
         at all when j > i. For the zigzag layout that gives (own keys) the local causal
-        square (the local order is increasing in global position); (src < rank) all queries × the first half of the keys; (src > rank) the
-        second half of the queries × all keys: 2c² pairs every off-diagonal step, so the
-        ring is balanced.
+        square (the local order is increasing in global position); (src < rank) all
+        queries × the first half of the keys; (src > rank) the second half of the queries ×
+        all keys: 2c² pairs every off-diagonal step, so the ring is balanced.
         """
         if src == self.rank and self.causal and self.docs is None:  # own keys, in the queries' order
             return Block(slice(0, self.local), slice(0, self.local), None, causal=True)
