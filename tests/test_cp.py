@@ -652,5 +652,7 @@ def test_bench_cp_runs_every_contender():
     for seq_len in (32, 64):
         assert f"seq_len {seq_len} " in out
     assert all(out.count(f"  {name} ") == 2 for name in ("ring", "allgather", "ulysses", "1 process"))
+    assert ("\nring and allgather attention: full and causal blocks on _scaled_dot_product_flash_attention_for_cpu; "
+            "document-masked blocks on the same op, the mask as its attn_mask\n") in out
     assert re.search(r"\nndtrain cp throughput vs 1 process at seq_len 64: ring \d+\.\d\d, allgather \d+\.\d\d, "
                      r"ulysses \d+\.\d\d$", out), out

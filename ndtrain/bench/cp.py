@@ -10,7 +10,10 @@ its busiest rank (process time, median), and that over one process's ("work vs 1
 is a perfect split over 2 ranks): on a host whose cores other jobs share, a contender
 that needs every core at once loses wall time that the CPU seconds do not show. Then one
 more step of each, untimed, measures the activation peak per rank (observe/memory.py).
-The last line is each back end's throughput over one process's at the longer sequence.
+A line names the attention op the ring and all-gather blocks run on (parallel/context/
+fused.py: full, causal and document-masked blocks; this benchmark's rows have no
+documents). The last line is each back end's throughput over one process's at the longer
+sequence.
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> list[dict]:
     from ndtrain.launch import init_process
     from ndtrain.mesh import ParallelMesh
     from ndtrain.parallel import context
+    from ndtrain.parallel.context import fused
     from ndtrain.parallel.parallelize import build
+    from ndtrain.parallel.precision import compute_dtype
     from ndtrain.train.step import TrainStep
     from ndtrain.train.worker import mesh_shape
 
@@ -101,7 +106,10 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> list[dict]:
                 contender(n)(measure=True)
             mine = [steppers[n].memory.activations if n in steppers else 0 for n in names]
             table = per_rank(mine, env.device)
-            results.append({"seq_len": seq_len, "tokens": t.global_batch * seq_len,
+            heads, kv_heads = args.n_heads // cfg.parallel.tp, max(1, args.n_kv_heads // cfg.parallel.tp)
+            kernels = fused.describe(env.device, compute_dtype(t.precision), heads, kv_heads, args.head_dim,
+                                     seq_len // cp.size)
+            results.append({"seq_len": seq_len, "tokens": t.global_batch * seq_len, "kernels": kernels,
                             "median_s": {n: statistics.median(times[n]) for n in names},
                             "cpu_s": {n: max(row[i] for row in busy) for i, n in enumerate(names)},
                             "activations": {n: [row[i] for row in table] for i, n in enumerate(names)}})
@@ -123,6 +131,7 @@ def render(results: list[dict]) -> str:
             lines.append(f"  {name:<10} {r['tokens'] / s:>10,.0f} {single / s:>12.2f}× {busy:>11.3f} "
                          f"{busy / single_cpu:>10.2f} {act:>22}")
     last = results[-1]
+    lines.append(f"ring and allgather attention: {last['kernels']}")
     ratios = ", ".join(f"{n} {last['median_s']['1 process'] / last['median_s'][n]:.2f}" for n in IMPLS)
     lines.append(f"ndtrain cp throughput vs 1 process at seq_len {last['seq_len']}: {ratios}")
     return "\n".join(lines)

@@ -127,3 +127,25 @@ def _repeated(kind: str, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tenso
     if kind == "flash" or r == 1:
         return k, v
     return k.repeat_interleave(r, dim=1), v.repeat_interleave(r, dim=1)
+
+
+
+NAMES = {"cpu": "_scaled_dot_product_flash_attention_for_cpu", "flash": "_scaled_dot_product_flash_attention",
+         "efficient": "_scaled_dot_product_efficient_attention", "cudnn": "_scaled_dot_product_cudnn_attention",
+         "plain": "the plain kernel (kernels.py)"}
+
+
+def describe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, tokens: int) -> str:
+    """Which op the ring and all-gather back ends run here for each kind of block, in
+    words (`bench cp` prints it)."""
+    q = torch.empty((1, heads, tokens, head_dim), dtype=dtype, device=device)
+    k = torch.empty((1, kv_heads, tokens, head_dim), dtype=dtype, device=device)
+    rows = slice(0, tokens)
+    full, causal = (kernel_for(q, k, Block(rows, rows, None, c)) for c in (False, True))
+    masked = kernel_for(q, k, Block(rows, rows, torch.ones((1, 1, tokens, tokens), dtype=torch.bool, device=device)))
+    plain = full if full == causal else f"{full} (full), {causal} (causal)"
+    text = f"full and causal blocks on {NAMES.get(plain, plain)}; document-masked blocks on "
+    if masked == "cpu":
+        return text + "the same op, the mask as its attn_mask"
+    why = " (the CUDA ops take no document mask here)" if masked == "plain" and device.type != "cpu" else ""
+    return text + NAMES[masked] + why
