@@ -57,8 +57,16 @@ def table(results: list[dict]) -> str:
 
 def main(out: Path, picture: Path) -> None:
     results = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines() if line.strip()]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=110)
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 4.5), dpi=110)
     labelled = set()
+    base = {r["seed"]: dict(zip(*curve(out / f"bf16-{r['seed']}", "val_loss"))) for r in results if r["arm"] == "bf16"}
+    for r in results:
+        if r["arm"] != "bf16" and r["seed"] in base:
+            steps, val = curve(out / f"{r['arm']}-{r['seed']}", "val_loss")
+            gap = [100 * (v - base[r["seed"]][st]) / base[r["seed"]][st] for st, v in zip(steps, val)]
+            c.plot(steps, gap, color=COLORS[r["arm"]], marker="o", ms=3, lw=1, label=f"{r['arm']} seed {r['seed']}")
+    c.axhspan(-0.25, 0.25, color="0.85", label="±0.25%")
+    c.set(xlabel="step", ylabel="validation loss gap to bf16 (%)", title="fp8 − bf16, same seed")
     for r in results:
         run = out / f"{r['arm']}-{r['seed']}"
         label = r["arm"] if r["arm"] not in labelled else None
@@ -69,9 +77,9 @@ def main(out: Path, picture: Path) -> None:
         b.plot(steps, val, color=COLORS[r["arm"]], marker="o", ms=3, lw=1, alpha=0.8, label=label)
     a.set(xlabel="step", ylabel="training loss (nats/token)", title="training loss, every seed")
     b.set(xlabel="step", ylabel="validation loss (nats/token)", title="validation loss, every seed")
-    for ax in (a, b):
+    for ax in (a, b, c):
         ax.grid(alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
     fig.suptitle("the default job in bf16 and in fp8 (tensorwise, rowwise, blockwise)")
     fig.tight_layout()
     fig.savefig(picture)
