@@ -333,3 +333,29 @@ def test_cuda_trains_in_fp8(tiny_data):
                                 "train.steps=3"], tiny_data)[0]
         assert all(math.isfinite(v) for v in losses)
         assert abs(losses[-1] - base[-1]) < 0.01 * base[-1], f"{recipe}: {losses} vs bf16 {base}"
+
+
+# -- visibility -----------------------------------------------------------------------------------
+
+
+def test_the_summary_names_what_runs_in_fp8():
+    from ndtrain.model.args import PRESETS
+    from ndtrain.parallel.fp8 import describe
+    dense = describe(PRESETS["tiny"], "blockwise", "bf16")
+    assert dense["fp8_linears"] == 4 * 4 + 4 * 3  # wq wk wv wo and w1 w2 w3 in 4 blocks
+    assert "In bf16: embedding, output head, norms, attention core, router" in dense["text"]
+    moe = describe(PRESETS["tiny-moe"], "tensorwise", "bf16")
+    assert moe["fp8_linears"] == 4 * 4 + 4 * 3 * 8 and "routed experts" in moe["text"]
+    assert "gradients in E5M2" in moe["text"]
+
+
+def test_the_memory_report_counts_fp8_copies(tiny_data):
+    """Tensorwise keeps each block linear's input in fp8 for backward: one byte per element and
+    a 4-byte scale. TINY (dim 64, MLP 128), 2×32 tokens: per block wq wk wv wo read 4·64
+    features, w1 and w3 2·64, w2 128; 28 linears."""
+    from helpers import train_in_rank
+    trainer = train_in_rank(["train.precision=fp8", "train.steps=1", "train.global_batch=2"], tiny_data, meter=True)[2]
+    saved = trainer.history[-1]["memory"]["fp8_saved"][0]
+    tokens = 2 * 32
+    inputs = 4 * (4 * 64 + 2 * 64 + 128)  # per block: wq wk wv wo read 64 features, w1 w3 64, w2 128
+    assert saved == tokens * inputs + 28 * 4
