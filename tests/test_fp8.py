@@ -359,3 +359,21 @@ def test_the_memory_report_counts_fp8_copies(tiny_data):
     tokens = 2 * 32
     inputs = 4 * (4 * 64 + 2 * 64 + 128)  # per block: wq wk wv wo read 64 features, w1 w3 64, w2 128
     assert saved == tokens * inputs + 28 * 4
+
+
+def test_an_input_gradient_alone_skips_the_weight_gradient(monkeypatch):
+    """The zero-bubble split asks for the input gradient first and the weights' later: the
+    fp8 linear computes each once, as a built-in matmul would."""
+    import ndtrain.kernels.fp8_linear as fp8_linear
+    calls = {"input": 0, "weight": 0}
+    for name, key in (("input_grad", "input"), ("weight_grad", "weight")):
+        real = getattr(fp8_linear, name)
+        monkeypatch.setattr(fp8_linear, name, lambda *a, real=real, key=key: calls.__setitem__(key, calls[key] + 1)
+                            or real(*a))
+    x0 = random_wide((16, 32), 30).requires_grad_(True)
+    w = random_wide((8, 32), 31).requires_grad_(True)
+    y = fp8_linear.fp8_linear(x0 * 2, w, None, LinearPlan(RECIPES["blockwise"], Dim.whole(32), Dim.whole(8)))
+    torch.autograd.grad(y.sum(), x0, retain_graph=True)
+    assert calls == {"input": 1, "weight": 0} and w.grad is None
+    torch.autograd.grad(y.sum(), w)
+    assert calls == {"input": 1, "weight": 1}

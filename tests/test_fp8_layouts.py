@@ -31,6 +31,7 @@ MOE = ["model.preset=tiny-moe", "train.moe_aux_loss=0.01", "train.moe_bias_rate=
 ROWS = [("tp2-sp", ["parallel.tp=2"]),
         ("zero3-dp2", ["parallel.zero=3"]),
         ("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+        ("pp2-zb", ["parallel.pp=2", "parallel.pp_schedule=zb"]),  # input and weight gradients apart
         ("cp2", ["parallel.cp=2"]),
         ("ep2", MOE + ["parallel.ep=2"])]
 ROWS_8 = [("dp2-zero3-tp2-cp2", ["parallel.dp=2", "parallel.zero=3", "parallel.tp=2", "parallel.cp=2"])]

@@ -142,6 +142,20 @@ def quantize_grad(dy: Tensor, plan: LinearPlan, tokens: Dim) -> Quantized:
     return quantize(dy, (tokens, plan.n), r.dy, r.grad_fmt, r.pow2)
 
 
+def wanted(ctx, i: int) -> bool:
+    """Whether backward must compute the gradient of input i: the input needs one and this
+    backward pass goes there. The zero-bubble split (parallel/pipeline/weightgrad.py) asks
+    first for the input gradient alone, then for the weights' alone; a built-in matmul then
+    computes only what is asked, and so does this."""
+    if not ctx.needs_input_grad[i]:
+        return False
+    node = ctx.next_functions[i][0]
+    try:
+        return node is not None and torch._C._will_engine_execute_node(node)
+    except (AttributeError, RuntimeError):  # not inside a backward pass the engine tracks
+        return True
+
+
 class Fp8Linear(torch.autograd.Function):
     """y = x·Wᵀ + b with the three matmuls in fp8 (module docstring). One autograd node, so
     the zero-bubble split (parallel/pipeline/weightgrad.py) sees the weight used once."""
@@ -169,11 +183,11 @@ class Fp8Linear(torch.autograd.Function):
             x, weight = ctx.saved_tensors
         dyq = quantize_grad(dy, plan, tokens)
         dx = dw = db = None
-        if ctx.needs_input_grad[0]:
+        if wanted(ctx, 0):
             dx = input_grad(dy, weight, plan, tokens, dyq)
-        if ctx.needs_input_grad[1]:
+        if wanted(ctx, 1):
             dw = weight_grad(dy, x, plan, tokens, dyq, weight.dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
+        if ctx.has_bias and wanted(ctx, 2):
             db = dy.sum(0)
         return dx, dw, db, None, None
 
@@ -220,7 +234,8 @@ class Fp8Experts(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         x, w = ctx.saved_tensors
         plan, grad = ctx.plan, grad.contiguous()
-        dx = x.new_zeros(x.shape) if ctx.needs_input_grad[0] else None
+        dx = x.new_zeros(x.shape) if wanted(ctx, 0) else None
+        need_dw = wanted(ctx, 1)
         dw = torch.zeros(w.shape, dtype=torch.float32 if w.dtype != torch.float64 else w.dtype, device=w.device)
         weights: dict[int, Quantized] = {}
         for g, a, b in ctx.segments:
@@ -232,8 +247,9 @@ class Fp8Experts(torch.autograd.Function):
                 if g not in weights:
                     weights[g] = _quantize_weight(w[g], plan, plan.recipe.w_dgrad)
                 dx[a:b] = input_grad(grad[a:b], w[g], plan, tokens, dyq, weights[g])
-            dw[g] += weight_grad(grad[a:b], x[a:b], plan, tokens, dyq, dw.dtype)
-        return dx, dw.to(w.dtype) if ctx.needs_input_grad[1] else None, None, None
+            if need_dw:
+                dw[g] += weight_grad(grad[a:b], x[a:b], plan, tokens, dyq, dw.dtype)
+        return dx, dw.to(w.dtype) if need_dw else None, None, None
 
 
 def fp8_expert_matmul(x: Tensor, w: Tensor, counts: Tensor, plan: LinearPlan) -> Tensor:
