@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The convergence study of docs/fp8.md: the default job (`ndtrain train`, 2 CPU processes or
-# every local GPU) in bf16 and in fp8 with each recipe, for each seed, one run after the other.
+# every local GPU) in bf16 and in fp8 with each recipe, for each seed, one run after the other;
+# and in fp32, a control: how far another precision's rounding alone moves a run from bf16's.
 # Every run evaluates every 50 steps (evaluation does not change training).
-# Usage: [STEPS=400] [ARMS="bf16 tensorwise rowwise blockwise"] bash docs/fp8-study.sh OUT [SEEDS...]
+# Usage: [STEPS=400] [ARMS="bf16 fp32 tensorwise rowwise blockwise"] bash docs/fp8-study.sh OUT [SEEDS...]
 #   (seeds default to 0 1 2; STEPS < 400 is a short version to check the script works)
 # Results: OUT/results.jsonl (one line per run: arm, seed, final validation loss, training
 # seconds); then python docs/fp8_study_plot.py OUT docs/fp8-study.png prints the table of
@@ -11,14 +12,14 @@
 set -euo pipefail
 out=${1:?usage: fp8-study.sh OUT [SEEDS...]}; shift
 seeds=${*:-0 1 2}
-arms=${ARMS:-bf16 tensorwise rowwise blockwise}
+arms=${ARMS:-bf16 fp32 tensorwise rowwise blockwise}
 steps=${STEPS:-400}
 mkdir -p "$out"
 touch "$out/results.jsonl"
 for s in $seeds; do
   for arm in $arms; do
     if grep -q "\"arm\": \"$arm\", \"seed\": $s," "$out/results.jsonl"; then continue; fi
-    if [ "$arm" = bf16 ]; then precision=(train.precision=bf16)
+    if [ "$arm" = bf16 ] || [ "$arm" = fp32 ]; then precision=(train.precision="$arm")
     else precision=(train.precision=fp8 train.fp8_recipe="$arm"); fi
     t0=$(date +%s.%N)
     python -m ndtrain.cli train "${precision[@]}" train.seed="$s" train.steps="$steps" train.eval_every=50 \
