@@ -414,7 +414,7 @@ def _stopped(summary: dict, stop_signal: int) -> int:
 def cmd_sft(args) -> int:
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import SFT_DEFAULTS, ConfigError, load_config, validate
-    from ndtrain.data.sft import ShortSequence, make_template, prepare_sft
+    from ndtrain.data.sft import ShortSequence, prepare_sft
     from ndtrain.launch import external_world
     from ndtrain.train import sft
 
@@ -431,7 +431,7 @@ def cmd_sft(args) -> int:
     warn_before_start(cfg, world, "sft")
     sft.load_score(cfg.sft.score)  # a bad scoring function fails here, not after training
     d, t = cfg.data, cfg.train
-    template = make_template(cfg, progress=cfg.run.progress)
+    template = sft.make_template(cfg, progress=cfg.run.progress)
     if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
         cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
     try:
@@ -456,7 +456,7 @@ def cmd_sft(args) -> int:
 def cmd_rl(args) -> int:
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import RL_DEFAULTS, ConfigError, check_rl_job, load_config, validate
-    from ndtrain.data.sft import make_template
+    from ndtrain.train.sft import make_template
     from ndtrain.launch import external_world, launch_local
     from ndtrain.train.rl import job
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ndtrain.data.chat import BAD_RECORD_POLICIES
+from ndtrain.data.packing import PACKINGS, TRUNCATIONS
 from ndtrain.model.args import PRESETS, ROUTERS, ModelArgs
 
 
@@ -419,9 +421,6 @@ def to_toml(cfg: Config) -> str:
 # --------------------------------------------------------------------------- validation
 
 PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
-PACKINGS = ("bfd", "none")
-TRUNCATIONS = ("keep_start", "drop")
-BAD_RECORD_POLICIES = ("error", "skip")
 TEMPLATES = ("auto", "builtin", "hf")
 EMBEDDED_DATA = ("stdlib", "stdlib-functions")  # pretraining corpus, SFT instruction set
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
