@@ -58,6 +58,10 @@ examples:
 """
 
 
+def _with_nproc(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+
+
 def _with_config(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", metavar="FILE", help="TOML file with [model], [parallel], [train], [data], [run] tables")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="dotted overrides, e.g. train.steps=50 parallel.dp=2")
@@ -67,7 +71,7 @@ def _add_train(sub) -> None:
     p = sub.add_parser("train", help="pretrain a model (with no arguments: the embedded default job)",
                        description="Pretrain a model. With no arguments: a small Llama-style model on the Python "
                                    "standard library's source, data parallel over 2 CPU processes (or every local GPU).")
-    p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+    _with_nproc(p)
     p.add_argument("--dry-run", action="store_true",
                    help="build the layout, run two steps on random tokens, print each rank's memory "
                         "(parameters, gradients, optimizer state, activations, peak) and exit; writes nothing")
@@ -80,7 +84,7 @@ def _add_sft(sub) -> None:
                        description="Fine-tune a model on conversations: the loss counts answer tokens only. With no "
                                    "arguments: the default pretraining run's model (trained first if there is none) "
                                    "on functions of the Python standard library, asked for by signature and docstring.")
-    p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+    _with_nproc(p)
     p.add_argument("--show-example", action="store_true",
                    help="print one training example as the model sees it, the trained tokens highlighted, and exit")
     _with_config(p)
@@ -95,7 +99,7 @@ def _add_rl(sub) -> None:
                                    "Starts from model.init_from; with no arguments, from a short SFT warm-up on "
                                    "multi-digit addition (run through `ndtrain sft` once, cached), then GRPO on 2 "
                                    "CPU processes (or every local GPU). model.init_from=scratch: random weights.")
-    p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+    _with_nproc(p)
     p.add_argument("--evaluate", action="store_true",
                    help="only evaluate model.init_from's policy on held-out prompts (pass@1, pass@k) and exit; "
                         "writes nothing")
@@ -128,7 +132,7 @@ def _add_trace(sub) -> None:
                                    "parallelism (parallel.cp > 1): every ring step of every layer and every message "
                                    "of the last step as ring-trace.json and ring.png, and the share of message time "
                                    "hidden behind attention compute. Writes no checkpoint.")
-    p.add_argument("--nproc", type=int, metavar="N", help="local processes to start (same as run.nproc=N)")
+    _with_nproc(p)
     p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>)")
     p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default 3)")
     _with_config(p)
