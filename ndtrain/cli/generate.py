@@ -61,8 +61,8 @@ def cmd_trace(args) -> int:
     if args.steps <= 0:
         raise ConfigError("--steps", args.steps, "must be > 0")
     cfg = with_nproc(load_config(args.config, list(args.overrides) + [f"train.steps={args.steps}",
-                                                                       "train.eval_batches=1", "run.progress=false"]),
-                      args)
+                                                                      "train.eval_batches=1", "run.progress=false"]),
+                     args)
     validate(cfg)
     p, t = cfg.parallel, cfg.train
     if p.pp == 1 and p.cp == 1:

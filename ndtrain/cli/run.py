@@ -89,7 +89,7 @@ def with_nproc(cfg, args):
 
 
 def run_task(cfg, world: int | None, run_dir: Path, worker, worker_args: tuple, preload: tuple[str, ...] = (),
-              banner: list[str] = (), describe=None) -> int:
+             banner: list[str] = (), describe=None) -> int:
     """A task's ranks under the run directory's lock: this process as one rank (torchrun,
     SLURM: rank 0 takes the lock), or ranks started here after printing `banner`. Then rank
     0's summary (`describe(summary)` first), and the exit status: 128 + the signal that

@@ -37,7 +37,7 @@ def cmd_train(args) -> int:
               f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}" + (f" ep={p.ep}" if p.ep > 1 else "")
               + f"), {cfg.train.steps} steps → {run_dir}" + (f" (resuming {resumed.name})" if resumed else ""))
     return run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), str(data.path)),
-                     ("ndtrain.train.worker", "ndtrain.train.trainer"), [banner])
+                    ("ndtrain.train.worker", "ndtrain.train.trainer"), [banner])
 
 
 def dry_run(cfg, world: int | None) -> int:
