@@ -54,9 +54,9 @@ def cmd_sft(args) -> int:
 def cmd_rl(args) -> int:
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import RL_DEFAULTS, ConfigError, check_rl_job, load_config, validate
-    from ndtrain.train.sft import make_template
     from ndtrain.launch import external_world, launch_local
     from ndtrain.train.rl import job
+    from ndtrain.train.sft import make_template
 
     cfg = with_nproc(load_config(args.config, args.overrides, defaults=RL_DEFAULTS), args)
     world = external_world()

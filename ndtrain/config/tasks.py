@@ -1,6 +1,5 @@
-"""Validation of the task sections: the sft and rl keys on their own (every command checks
-them: a config names one task's keys whichever command reads it), and `check_rl_job`, what
-`ndtrain rl` needs of a validated config."""
+"""Validation of the task sections: the sft and rl keys on their own (`validate` checks them
+for every command), and `check_rl_job`, what `ndtrain rl` needs of a validated config."""
 
 from __future__ import annotations
 
