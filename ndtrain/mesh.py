@@ -25,12 +25,13 @@ With ep = 1 there is no `ep` group, and `edp_shard` and `edp` are `dp_shard_cp` 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import product
 
 import torch
 import torch.distributed as dist
 
+from ndtrain.comm.group import Group
 from ndtrain.comm.stats import CommStats
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -117,26 +118,6 @@ class MeshShape:
         for rank in range(self.world):
             groups.setdefault(key(rank), []).append(rank)
         return list(groups.values())
-
-
-@dataclass
-class Group:
-    """One rank's view of one (possibly composite) mesh dimension."""
-
-    name: str
-    ranks: list[int]
-    rank: int  # this process's index inside the group
-    pg: dist.ProcessGroup | None
-    stats: CommStats = field(repr=False, default_factory=CommStats)
-    device: torch.device = field(default=torch.device("cpu"))  # where its messages live
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def active(self) -> bool:
-        return self.pg is not None
 
 
 class ParallelMesh:
