@@ -133,7 +133,8 @@ def render(cfg: Config, result: dict) -> str:
                          f"{format_bytes(experts):>14}")
     if t.precision == "fp8":
         lines += ["", fp8.describe(cfg.model_args(), t.fp8_recipe, t.fp8_base)["text"],
-                  "fp8 copies kept for backward in a step (inside activations): "
+                  "fp8 copies kept for backward in a step (inside activations; only tensorwise keeps x in fp8, "
+                  "the others keep it as it came and quantize again in backward): "
                   + ", ".join(f"rank {i} {format_bytes(r['fp8_saved'])}" for i, r in enumerate(result["ranks"]))]
     extra = max(result["largest_param_bytes"], result["largest_unit_bytes"])
     lines.append("construction peak: the layout is built on the meta device, then each rank allocates only what it "
