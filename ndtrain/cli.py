@@ -148,8 +148,14 @@ def _parser() -> argparse.ArgumentParser:
                    help="A100-40GB, A100-80GB, H100-SXM, H200, B200, this-machine (calibrated by bench matmul "
                         "and bench comm), or a TOML file")
     p.add_argument("--gpus", type=int, metavar="N", help="GPUs (processes); default: the layout's product, or one node")
-    p.add_argument("--mfu", type=float, metavar="X", help="an achieved MFU (0-1) instead of the modelled step time")
-    p.add_argument("--tflops", type=float, metavar="X", help="an achieved TFLOP/s per GPU instead of the modelled step time")
+    p.add_argument("--mfu", type=float, metavar="X", help="an achieved MFU (0-1: model FLOPs over the peak) instead "
+                                                          "of the modelled step time")
+    p.add_argument("--tflops", type=float, metavar="X", help="an achieved model TFLOP/s per GPU (the MFU convention: "
+                                                             "PaLM, Llama 3) instead of the modelled step time")
+    p.add_argument("--hfu", type=float, metavar="X", help="an achieved HFU (0-1: hardware FLOPs, recomputation "
+                                                          "included, over the peak)")
+    p.add_argument("--hfu-tflops", type=float, metavar="X", help="an achieved hardware TFLOP/s per GPU, recomputation "
+                                                                 "included (Megatron's published rates)")
     p.add_argument("--tokens", metavar="N", help="tokens to train on (e.g. 15T, 300B, 2e12): prints the days")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.add_argument("--search", action="store_true", help="list the fastest layouts that fit (model, batch, "

@@ -29,8 +29,11 @@ def test_plan_json_has_the_keys_scripts_use(capsys):
     assert set(memory) == {"params", "grads", "optimizer", "activations", "total"}
     assert all(isinstance(v, int) and v > 0 for v in memory.values())
     assert memory["total"] == memory["params"] + memory["grads"] + memory["optimizer"] + memory["activations"]
-    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "days"):
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "hfu_tflops_per_gpu", "mfu", "hfu", "days"):
         assert isinstance(plan[key], float) and plan[key] > 0, key
+    # selective recomputation reruns the attention scores: hardware FLOPs a little above the model's
+    assert 1 < plan["hfu"] / plan["mfu"] == pytest.approx(plan["hardware_flops_per_step"] / plan["model_flops_per_step"])
+    assert plan["hfu"] / plan["mfu"] < 1.05
     assert plan["tokens_per_s"] == pytest.approx(64 * 4096 / plan["step_time_s"])
     assert plan["days"] == pytest.approx(15e12 / plan["tokens_per_s"] / 86400)
     assert plan["layout"]["dp"] == 2 and len(plan["memory_per_stage"]) == 4
@@ -45,8 +48,37 @@ def test_plan_table_and_given_rate(capsys):
     for text in ("memory per rank", "activations at the peak", "total (peak)", "step time", "pipeline bubble",
                  "data parallel / ZeRO", "throughput", "days to train"):
         assert text in out, text
-    assert "400.0 TFLOP/s per GPU · MFU 40.4% (given" in out
+    assert out.startswith("ndtrain plan: 8B model (8.03 B parameters")
+    assert "MFU 40.4% · 400.0 TFLOP/s per GPU of model FLOPs" in out
+    assert "HFU 40.4% · 400.0 TFLOP/s per GPU of hardware FLOPs (recompute=none)" in out  # nothing recomputed
     assert "without --json" not in out
+
+
+def test_a_hardware_rate_counts_the_recomputed_forward(capsys):
+    """Megatron's rates count the recomputed forward (--hfu-tflops): under full recomputation
+    400 hardware TFLOP/s is less model work than 400 model TFLOP/s, so more days; the two
+    utilizations are printed side by side, each in its convention."""
+    days = {}
+    for flag in ("--tflops", "--hfu-tflops"):
+        code, out, _ = _plan(capsys, "--cluster", "h100", flag, "400", "--tokens", "1e12", "--json", *EIGHT_B,
+                             "parallel.tp=8", "train.recompute=full")
+        plan = json.loads(out)
+        days[flag] = plan["days"]
+        ratio = plan["hardware_flops_per_step"] / plan["model_flops_per_step"]
+        assert 1.3 < ratio < 1.34  # one more forward: about 8/6
+        assert plan["hfu"] == pytest.approx(plan["mfu"] * ratio)
+        given = plan["hfu_tflops_per_gpu"] if flag == "--hfu-tflops" else plan["tflops_per_gpu"]
+        assert given == pytest.approx(400)
+    assert days["--hfu-tflops"] / days["--tflops"] == pytest.approx(ratio)
+    code, out, _ = _plan(capsys, "--cluster", "h100", "--hfu", "0.5", *EIGHT_B, "parallel.tp=8", "train.recompute=full")
+    assert "HFU 50.0% · 494.5 TFLOP/s per GPU of hardware FLOPs (recompute=full)" in out
+
+
+def test_the_header_names_a_preset_only_with_its_shape(capsys):
+    code, out, _ = _plan(capsys, "--cluster", "h100", "--gpus", "8", *EIGHT_B, "model.dim=16384", "parallel.tp=8")
+    assert code == 0 and out.startswith("ndtrain plan: custom model (48.23 B parameters: 32 layers, dim 16384")
+    code, out, _ = _plan(capsys, "--cluster", "h100", "--gpus", "8", *EIGHT_B, "model.dim=4096", "parallel.tp=8")
+    assert out.startswith("ndtrain plan: 8B model (8.03 B parameters")  # a key that changes nothing
 
 
 @pytest.mark.parametrize("argv, key, rule", [
@@ -55,7 +87,10 @@ def test_plan_table_and_given_rate(capsys):
      "must equal the GPU count, 16"),
     (["--cluster", "H100", "--gpus", "12", "parallel.tp=8"], "--gpus = 12", "multiple of pp×cp×tp"),
     (["--cluster", "H100", "--mfu", "1.5"], "--mfu = 1.5", "must be in (0, 1]"),
-    (["--cluster", "H100", "--mfu", "0.4", "--tflops", "300"], "--tflops = 300", "not both"),
+    (["--cluster", "H100", "--mfu", "0.4", "--tflops", "300"], "--tflops = 300.0", "not both --mfu and --tflops"),
+    (["--cluster", "H100", "--hfu", "0"], "--hfu = 0.0", "must be in (0, 1]"),
+    (["--cluster", "H100", "--hfu-tflops", "-3"], "--hfu-tflops = -3.0", "must be > 0"),
+    (["--cluster", "H100", "--tflops", "300", "--hfu-tflops", "400"], "--hfu-tflops = 400.0", "give one achieved rate"),
     (["--cluster", "H100", "--tokens", "lots"], "--tokens = 'lots'", "number of tokens"),
     (["--cluster", "H100", "parallel.tp=3"], "model.n_heads = 32", "divisible by parallel.tp = 3"),
 ])

@@ -18,6 +18,24 @@ def parse_tokens(text: str) -> float:
     return float(m.group(1)) * _SCALE[m.group(2)]
 
 
+def given_rate(args):
+    """The achieved rate among --mfu, --tflops, --hfu, --hfu-tflops (at most one), or None."""
+    from ndtrain.plan.planner import Rate
+
+    given = [Rate(v, utilization, hardware) for v, utilization, hardware in
+             ((args.mfu, True, False), (args.tflops, False, False), (args.hfu, True, True),
+              (args.hfu_tflops, False, True)) if v is not None]
+    for r in given:
+        if r.utilization and not 0 < r.value <= 1:
+            raise ConfigError(r.flag, r.value, "must be in (0, 1], a fraction of the peak")
+        if not r.utilization and r.value <= 0:
+            raise ConfigError(r.flag, r.value, "must be > 0 (TFLOP/s per GPU)")
+    if len(given) > 1:
+        raise ConfigError(given[1].flag, given[1].value, f"give one achieved rate, not both {given[0].flag} "
+                          f"and {given[1].flag}")
+    return given[0] if given else None
+
+
 def run(args) -> int:
     from ndtrain.plan.cluster import resolve
     from ndtrain.plan.planner import make_plan, plan_config
@@ -25,12 +43,7 @@ def run(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     cluster = resolve(args.cluster, cfg.data.cache_dir)
-    if args.mfu is not None and not 0 < args.mfu <= 1:
-        raise ConfigError("--mfu", args.mfu, "must be in (0, 1], a fraction of the peak")
-    if args.tflops is not None and args.tflops <= 0:
-        raise ConfigError("--tflops", args.tflops, "must be > 0 (TFLOP/s per GPU)")
-    if args.mfu is not None and args.tflops is not None:
-        raise ConfigError("--tflops", args.tflops, "give --mfu or --tflops, not both")
+    rate = given_rate(args)
     tokens = parse_tokens(args.tokens) if args.tokens else None
     if cfg.model_args().is_moe:  # its figures would count every expert on every rank, silently wrong
         raise ConfigError("model.preset", cfg.model.preset, "has mixture-of-experts blocks, which the planner "
@@ -39,7 +52,7 @@ def run(args) -> int:
     if args.search:
         return _search(cfg, cluster, args, tokens)
     cfg, device = plan_config(cfg, cluster, args.gpus)
-    plan = make_plan(cfg, cfg.model_args(), device, given_mfu=args.mfu, tflops=args.tflops, tokens=tokens)
+    plan = make_plan(cfg, cfg.model_args(), device, rate=rate, tokens=tokens)
     print(to_json(plan) if args.json else render(plan), flush=True)
     return 0
 

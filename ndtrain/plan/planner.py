@@ -4,10 +4,12 @@
 (config.validate) for that many GPUs, then `make_plan` puts the memory model
 (plan/memory.py) and the time model (plan/steptime.py) together. Throughput follows from
 the step time: tokens/s = global batch × sequence / step time; MFU = the model FLOPs of the
-step (`flops_per_token`, no recomputation) over step time × GPUs × peak. With `mfu` or
-`tflops` given, that achieved rate replaces the model's estimate end to end (a published
-throughput already includes its communication and bubble), and the modelled breakdown is
-kept for comparison.
+step (`flops_per_token`, no recomputation) over step time × GPUs × peak; HFU = the hardware
+FLOPs (recomputation included, plan/flops.py) over the same. An achieved rate given in
+either convention (`Rate`: MFU or model TFLOP/s per GPU, as PaLM and Llama 3 publish; HFU or
+hardware TFLOP/s, as Megatron's papers publish) replaces the model's estimate end to end (a
+published throughput already includes its communication and bubble), and the modelled
+breakdown is kept for comparison.
 """
 
 from __future__ import annotations
@@ -17,11 +19,31 @@ from dataclasses import dataclass
 from ndtrain.config import Config, ConfigError, validate
 from ndtrain.model.args import ModelArgs, param_count
 from ndtrain.plan.cluster import THIS_MACHINE, Cluster
+from ndtrain.plan.flops import hardware_flops_per_step, model_flops_per_step
 from ndtrain.plan.formulas import mfu
 from ndtrain.plan.memory import RankMemory, per_rank
-from ndtrain.plan.steptime import StepTime, model_flops_per_step, step_time
+from ndtrain.plan.steptime import StepTime, step_time
 
 SECONDS_PER_DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class Rate:
+    """An achieved rate: `value` is a fraction of the peak (`utilization`) or TFLOP/s per GPU,
+    counting model FLOPs (`hardware=False`: MFU, `--tflops`) or hardware FLOPs (HFU,
+    `--hfu-tflops`)."""
+
+    value: float
+    utilization: bool
+    hardware: bool
+
+    @property
+    def flag(self) -> str:
+        return {(False, False): "--tflops", (True, False): "--mfu", (False, True): "--hfu-tflops",
+                (True, True): "--hfu"}[(self.utilization, self.hardware)]
+
+    def flops_per_s(self, peak: float) -> float:
+        return self.value * peak if self.utilization else self.value * 1e12
 
 
 @dataclass
@@ -61,12 +83,30 @@ class Plan:
         return self.tokens_per_step / self.step_time_s
 
     @property
+    def hardware_flops_per_step(self) -> float:
+        return hardware_flops_per_step(self.cfg, self.args)
+
+    @property
     def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU (the MFU convention)."""
         return self.flops_per_step / self.step_time_s / self.world / 1e12
 
     @property
+    def hfu_tflops_per_gpu(self) -> float:
+        """Hardware TFLOP/s per GPU, recomputation included (Megatron's convention)."""
+        return self.hardware_flops_per_step / self.step_time_s / self.world / 1e12
+
+    @property
+    def peak(self) -> float:
+        return self.cluster.peak_flops(self.cfg.train.precision)
+
+    @property
     def mfu(self) -> float:
-        return mfu(self.flops_per_step, self.step_time_s, self.world, self.cluster.peak_flops(self.cfg.train.precision))
+        return mfu(self.flops_per_step, self.step_time_s, self.world, self.peak)
+
+    @property
+    def hfu(self) -> float:
+        return mfu(self.hardware_flops_per_step, self.step_time_s, self.world, self.peak)
 
     @property
     def days(self) -> float | None:
@@ -97,7 +137,11 @@ class Plan:
             "rate": self.rate_source,
             "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu,
+            "hfu_tflops_per_gpu": self.hfu_tflops_per_gpu,
             "mfu": self.mfu,
+            "hfu": self.hfu,
+            "model_flops_per_step": self.flops_per_step,
+            "hardware_flops_per_step": self.hardware_flops_per_step,
         }
         if self.tokens is not None:
             out["tokens"] = self.tokens
@@ -127,15 +171,18 @@ def plan_config(cfg: Config, cluster: Cluster, gpus: int | None) -> tuple[Config
     return cfg, cluster.per_device(gpus)  # this machine: every process is local
 
 
-def make_plan(cfg: Config, args: ModelArgs, cluster: Cluster, *, given_mfu: float | None = None,
-              tflops: float | None = None, tokens: float | None = None) -> Plan:
+def make_plan(cfg: Config, args: ModelArgs, cluster: Cluster, *, rate: Rate | None = None,
+              tokens: float | None = None) -> Plan:
     """`cfg` validated, `cluster` per device (plan_config)."""
     step, stages = step_time(cfg, args, cluster)
     peak = cluster.peak_flops(cfg.train.precision)
-    if given_mfu is not None or tflops is not None:
-        rate = tflops * 1e12 if tflops is not None else given_mfu * peak
-        source = f"given: {rate / 1e12:,.4g} TFLOP/s per GPU" + (f" (MFU {given_mfu:.1%})" if given_mfu else "")
-        seconds = model_flops_per_step(cfg, args) / (rate * cfg.parallel.world)
+    if rate is not None:
+        flops = (hardware_flops_per_step if rate.hardware else model_flops_per_step)(cfg, args)
+        per_gpu = rate.flops_per_s(peak)
+        kind = "hardware" if rate.hardware else "model"
+        source = (f"given: {per_gpu / 1e12:,.4g} {kind} TFLOP/s per GPU"
+                  + (f" ({'HFU' if rate.hardware else 'MFU'} {rate.value:.1%})" if rate.utilization else ""))
+        seconds = flops / (per_gpu * cfg.parallel.world)
     else:
         source = f"modelled: compute at {cluster.efficiency:.0%} of peak, plus communication and bubble"
         seconds = step.total

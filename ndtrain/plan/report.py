@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from ndtrain.model.args import param_count
+from ndtrain.model.args import PRESETS, param_count
 from ndtrain.plan.planner import Plan
 
 GiB = 2**30
@@ -33,12 +33,20 @@ def _row(label: str, value: str, note: str = "") -> str:
     return f"  {label:<38} {value:>14}" + (f"   {note}" if note else "")
 
 
+def model_name(cfg, args) -> str:
+    """"8B model" when the shape is the preset's; a model key that changes it makes it "a custom
+    model", so the header never names a preset whose shape it is not."""
+    preset = PRESETS[cfg.model.preset]
+    same = args == preset.with_(max_seq_len=args.max_seq_len)
+    return f"{cfg.model.preset} model" if same else "custom model"
+
+
 def render(plan: Plan) -> str:
     cfg, a, c = plan.cfg, plan.args, plan.cluster
     p, t = cfg.parallel, cfg.train
     m = t.accumulation(p.dp)
     w = plan.worst
-    lines = [f"ndtrain plan: {cfg.model.preset} model ({param_count(a) / 1e9:,.2f} B parameters: {a.n_layers} layers, "
+    lines = [f"ndtrain plan: {model_name(cfg, a)} ({param_count(a) / 1e9:,.2f} B parameters: {a.n_layers} layers, "
              f"dim {a.dim}, ffn {a.ffn_dim}, {a.n_heads}/{a.n_kv_heads} heads, vocab {a.vocab_size}) "
              f"on {plan.world} × {c.name}",
              f"layout pp={p.pp} dp={p.dp} (replicate {p.dp_replicate}) cp={p.cp} tp={p.tp}{' +sp' if p.sp else ''} "
@@ -78,8 +86,10 @@ def render(plan: Plan) -> str:
               _row("step", seconds(st.total))]
     if plan.rate_source.startswith("given"):
         lines.append(_row("step at the given rate", seconds(plan.step_time_s), plan.rate_source))
-    lines += ["", f"throughput {plan.tokens_per_s:,.0f} tokens/s · {rate(plan.tflops_per_gpu * 1e12)} per GPU · "
-                  f"MFU {plan.mfu:.1%} ({plan.rate_source})"]
+    lines += ["", f"throughput {plan.tokens_per_s:,.0f} tokens/s ({plan.rate_source})",
+              f"  MFU {plan.mfu:.1%} · {rate(plan.tflops_per_gpu * 1e12)} per GPU of model FLOPs",
+              f"  HFU {plan.hfu:.1%} · {rate(plan.hfu_tflops_per_gpu * 1e12)} per GPU of hardware FLOPs "
+              f"(recompute={t.recompute})"]
     if plan.days is not None:
         lines.append(f"days to train {count(plan.tokens)} tokens on {plan.world} GPUs: {plan.days:,.1f}")
     return "\n".join(lines)
