@@ -157,6 +157,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hfu-tflops", type=float, metavar="X", help="an achieved hardware TFLOP/s per GPU, recomputation "
                                                                  "included (Megatron's published rates)")
     p.add_argument("--tokens", metavar="N", help="tokens to train on (e.g. 15T, 300B, 2e12): prints the days")
+    p.add_argument("--moe-imbalance", type=float, metavar="X", help="mixture of experts: the busiest rank's routed "
+                                                                    "slots over the average (default 1: balanced)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.add_argument("--search", action="store_true", help="list the fastest layouts that fit (model, batch, "
                                                           "sequence and precision as configured)")

@@ -37,8 +37,10 @@ def test_plan_json_has_the_keys_scripts_use(capsys):
     assert plan["tokens_per_s"] == pytest.approx(64 * 4096 / plan["step_time_s"])
     assert plan["days"] == pytest.approx(15e12 / plan["tokens_per_s"] / 86400)
     assert plan["layout"]["dp"] == 2 and len(plan["memory_per_stage"]) == 4
-    # 1F1B over 4 stages and 32 micro-batches per rank: (p − 1)/m
-    assert plan["bubble_fraction"] == pytest.approx(3 / 32)
+    # 1F1B over 4 stages and 32 micro-batches per rank, simulated: uneven stages (the head is
+    # heavy), so the busiest stage waits less than the (p − 1)/m of equal ones
+    assert 0.5 * 3 / 32 < plan["bubble_fraction"] < 3 / 32
+    assert set(plan["step_time_model_s"]) >= {"compute", "pp_bubble", "dp", "optimizer", "total"}
     assert plan["mfu"] == pytest.approx(plan["tflops_per_gpu"] / 989)
 
 
@@ -99,12 +101,6 @@ def test_plan_bad_input(capsys, argv, key, rule):
     assert code == 2 and out == ""
     line = err.strip()
     assert "\n" not in line and key in line and rule in line, line
-
-
-def test_plan_refuses_a_mixture_of_experts_model(capsys):
-    code, out, err = _plan(capsys, "--cluster", "H100", "--gpus", "8", "model.preset=olmoe-1b-7b", "parallel.ep=8")
-    assert code == 2 and out == "" and "\n" not in err.strip()
-    assert "model.preset = 'olmoe-1b-7b'" in err and "does not model yet" in err
 
 
 def test_a_model_that_fits_nowhere(capsys):

@@ -21,6 +21,7 @@ from ndtrain.model.args import ModelArgs, param_count
 from ndtrain.plan.cluster import THIS_MACHINE, Cluster
 from ndtrain.plan.flops import hardware_flops_per_step, model_flops_per_step
 from ndtrain.plan.formulas import mfu
+from ndtrain.plan.fp8 import Fp8
 from ndtrain.plan.memory import RankMemory, per_rank
 from ndtrain.plan.steptime import StepTime, step_time
 
@@ -57,6 +58,8 @@ class Plan:
     step_time_s: float
     rate_source: str
     tokens: float | None = None
+    fp8: Fp8 | None = None
+    imbalance: float = 1.0  # MoE: the busiest rank's routed slots over the average
 
     @property
     def world(self) -> int:
@@ -121,9 +124,14 @@ class Plan:
             "layout": {"pp": p.pp, "dp": p.dp, "dp_replicate": p.dp_replicate, "cp": p.cp, "tp": p.tp,
                        "sp": p.sp, "ep": p.ep, "zero": p.zero, "pp_schedule": p.pp_schedule,
                        "pp_virtual": p.pp_virtual},
-            "model": {"preset": self.cfg.model.preset, "params": param_count(self.args), **self.args.to_dict()},
+            "model": {"preset": self.cfg.model.preset, "params": param_count(self.args),
+                      "active_params": param_count(self.args, active=True), **self.args.to_dict()},
+            "params": param_count(self.args),
+            "active_params": param_count(self.args, active=True),
             "train": {"global_batch": t.global_batch, "micro_batch": t.micro_batch, "seq_len": t.seq_len,
-                      "precision": t.precision, "recompute": t.recompute},
+                      "precision": "fp8" if self.fp8 else t.precision, "recompute": t.recompute,
+                      **({"fp8_recipe": self.fp8.recipe, "fp8_all_gather": self.fp8.all_gather} if self.fp8 else {})},
+            "moe_imbalance": self.imbalance,
             "memory_per_rank": {k: int(v) for k, v in w.as_dict().items()},
             "memory_at_peak": {k: int(v) for k, v in w.at_peak.items()},
             "memory_per_stage": [{"stage": m.stage, "params_count": m.params_count,
@@ -172,9 +180,9 @@ def plan_config(cfg: Config, cluster: Cluster, gpus: int | None) -> tuple[Config
 
 
 def make_plan(cfg: Config, args: ModelArgs, cluster: Cluster, *, rate: Rate | None = None,
-              tokens: float | None = None) -> Plan:
-    """`cfg` validated, `cluster` per device (plan_config)."""
-    step, stages = step_time(cfg, args, cluster)
+              tokens: float | None = None, fp8: Fp8 | None = None, imbalance: float = 1.0) -> Plan:
+    """`cfg` validated (bf16 under fp8), `cluster` per device (plan_config)."""
+    step, stages = step_time(cfg, args, cluster, fp8, imbalance)
     peak = cluster.peak_flops(cfg.train.precision)
     if rate is not None:
         flops = (hardware_flops_per_step if rate.hardware else model_flops_per_step)(cfg, args)
@@ -184,6 +192,8 @@ def make_plan(cfg: Config, args: ModelArgs, cluster: Cluster, *, rate: Rate | No
                   + (f" ({'HFU' if rate.hardware else 'MFU'} {rate.value:.1%})" if rate.utilization else ""))
         seconds = flops / (per_gpu * cfg.parallel.world)
     else:
-        source = f"modelled: compute at {cluster.efficiency:.0%} of peak, plus communication and bubble"
+        how = ("measured kernel by kernel (bench plan)" if cluster.compute is not None
+               else f"at {cluster.efficiency:.0%} of peak")
+        source = f"modelled: compute {how}, plus communication and bubble"
         seconds = step.total
-    return Plan(cfg, args, cluster, per_rank(cfg, args), step, stages, seconds, source, tokens)
+    return Plan(cfg, args, cluster, per_rank(cfg, args, fp8), step, stages, seconds, source, tokens, fp8, imbalance)

@@ -1,0 +1,177 @@
+"""What one micro-batch asks of a rank, kernel by kernel: the matmuls (with their shapes),
+the memory-bound elementwise traffic and the number of operations, for each pass.
+
+A pipeline chunk's work for one micro-batch splits into the passes a schedule orders:
+- F, the forward;
+- B, the input gradients (and the recomputed forward of what `train.recompute` reruns,
+  counted apart as `recompute`);
+- W, the weight gradients (a separate pass only under zero bubble; otherwise part of B).
+A forward matmul X[m×k]·Wᵀ costs two backward ones: the input gradient (m×n by n×k) and the
+weight gradient (n×m by m×k). Attention's two batched matmuls (QKᵀ and AV, the causal half)
+have no weights: their backward is input gradients only, twice the forward.
+
+Shapes are what the rank computes: heads and features divided by t, the micro-batch's
+tokens by cp (all of them for the column-parallel matmuls under SP, which gather first); a
+mixture-of-experts block routes 1/t of the tokens on each tp rank (parallel/expert.py) and
+runs its E/ep experts on the slots it receives, k per routed token, `imbalance` times the
+average on the busiest rank. Under fp8 (`fp8=True`) the block's linear layers (attention
+projections, MLP, routed and shared experts) run in fp8; the router, the attention core,
+the embedding and the head do not.
+
+A GPU prices the matmuls' FLOPs at its peak (plan/compute.py) and nothing else; this
+machine's calibration prices every term.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ndtrain.model.args import ModelArgs
+from ndtrain.plan.activations import kv_width, recomputed, wide
+
+
+@dataclass(frozen=True)
+class Matmul:
+    m: int  # rows of the output (tokens)
+    k: int  # the reduction
+    n: int  # columns of the output
+    times: float = 1.0  # how many (batched heads, experts; 0.5 for the causal half)
+    fp8: bool = False
+    weight: bool = True  # a weight matmul (its backward has a weight gradient)
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.m * self.k * self.n * self.times
+
+
+@dataclass
+class Work:
+    matmuls: list[Matmul] = field(default_factory=list)
+    elementwise: float = 0.0  # bytes read and written by memory-bound operations
+    ops: float = 0.0  # operations dispatched (each costs a fixed overhead on a CPU)
+
+    def __add__(self, other: "Work") -> "Work":
+        return Work(self.matmuls + other.matmuls, self.elementwise + other.elementwise, self.ops + other.ops)
+
+    @property
+    def flops(self) -> float:
+        return sum(mm.flops for mm in self.matmuls)
+
+
+@dataclass(frozen=True)
+class Passes:
+    """One micro-batch through one chunk: forward, input gradients, weight gradients, and the
+    recomputed forward (part of B in time)."""
+
+    forward: Work
+    inputs: Work
+    weights: Work
+    recompute: Work
+
+
+def backward(forward: Work) -> tuple[Work, Work]:
+    """(input gradients, weight gradients) of a forward: each weight matmul gives one of each,
+    a weightless one (attention) two input gradients; elementwise work twice over."""
+    inputs, weights = [], []
+    for mm in forward.matmuls:
+        inputs.append(Matmul(mm.m, mm.n, mm.k, mm.times, mm.fp8, False))
+        if mm.weight:
+            weights.append(Matmul(mm.n, mm.m, mm.k, mm.times, mm.fp8, False))
+        else:
+            inputs.append(Matmul(mm.m, mm.n, mm.k, mm.times, mm.fp8, False))
+    return Work(inputs, 2 * forward.elementwise, 1.5 * forward.ops), Work(weights, 0.0, 0.5 * forward.ops)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """What the work of a micro-batch on one rank depends on."""
+
+    args: ModelArgs
+    tokens: int  # the micro-batch's tokens this rank computes (after cp)
+    rows: int  # sequences in the micro-batch
+    seq_len: int
+    tp: int
+    cp: int
+    ep: int
+    c: int  # bytes per value in the compute dtype
+    fp8: bool = False
+    imbalance: float = 1.0  # the busiest rank's routed slots over the average
+
+    def attention(self) -> Work:
+        """The scores QKᵀ and the weighted sum AV, causal half, batched over rows and heads."""
+        a = self.args
+        heads = a.n_heads // self.tp
+        q = self.seq_len // self.cp
+        times = 0.5 * self.rows * heads
+        return Work([Matmul(q, a.head_dim, self.seq_len, times, weight=False),
+                     Matmul(q, self.seq_len, a.head_dim, times, weight=False)], 0.0, 1.0)
+
+    def dense_block(self, layer: int) -> Work:
+        a, t, T, c = self.args, self.tp, self.tokens, self.c
+        q, kv, f = a.n_heads * a.head_dim // t, kv_width(a, t), a.ffn_dim // t
+        w, h = wide(c), a.dim
+        fp8 = self.fp8
+        attention = [Matmul(T, h, q, fp8=fp8), Matmul(T, h, kv, fp8=fp8), Matmul(T, h, kv, fp8=fp8),
+                     Matmul(T, q, h, fp8=fp8)]
+        # elementwise bytes per token: two RMSNorms in fp32 (about 6 passes of w·h each), the
+        # rotary embedding of q and k (about 8 passes), two residual additions (3 passes each)
+        norms_residual_rotary = 12 * w * h + 6 * c * h + 8 * c * (q + kv)
+        work = Work(attention, norms_residual_rotary * T, 40.0) + self.attention()
+        if a.is_moe_layer(layer):
+            return work + self.moe_mlp()
+        mlp = [Matmul(T, h, f, fp8=fp8), Matmul(T, h, f, fp8=fp8), Matmul(T, f, h, fp8=fp8)]
+        return work + Work(mlp, 5 * c * f * T, 6.0)  # silu and the product: 5 passes of f
+
+    def moe_mlp(self) -> Work:
+        """Router (fp32), the routed experts on this rank's received slots, shared experts."""
+        a, c, h, fe = self.args, self.c, self.args.dim, self.args.expert_dim
+        routed = self.tokens // self.tp  # each tp rank routes its share of the positions
+        local = a.moe_experts // self.ep
+        rows = routed * a.moe_top_k * self.imbalance / local  # per local expert, on the busiest rank
+        mm = [Matmul(routed, h, a.moe_experts),
+              Matmul(round(rows), h, fe, local, self.fp8), Matmul(round(rows), h, fe, local, self.fp8),
+              Matmul(round(rows), fe, h, local, self.fp8)]
+        if a.moe_shared_experts:
+            s = a.moe_shared_experts * fe
+            mm += [Matmul(routed, h, s, fp8=self.fp8), Matmul(routed, h, s, fp8=self.fp8),
+                   Matmul(routed, s, h, fp8=self.fp8)]
+        slots = routed * a.moe_top_k * self.imbalance
+        # softmax and top-k over E, the slots gathered, sorted, scattered back and weighted
+        elementwise = 12 * a.moe_experts * routed + slots * (6 * c * h + 5 * c * fe)
+        return Work(mm, elementwise, 30.0 + 3.0 * local)
+
+    def embedding(self) -> Work:
+        """The lookup forward; its backward (`embedding_backward`) fills a whole table."""
+        return Work([], 2 * self.c * self.args.dim * self.tokens, 2.0)
+
+    def embedding_backward(self) -> Work:
+        """A dense [V/t, h] gradient zeroed, scattered into and added to the table's."""
+        rows = -(-self.args.vocab_size // self.tp)
+        return Work([], 4 * self.c * rows * self.args.dim + 3 * self.c * self.args.dim * self.tokens, 4.0)
+
+    def head(self) -> Work:
+        """Final norm, the head's matmul and the loss (log-softmax over the vocabulary, fp32)."""
+        a, T, c = self.args, self.tokens, self.c
+        v = -(-a.vocab_size // self.tp)
+        w = wide(c)
+        return Work([Matmul(T, a.dim, v)], 6 * w * a.dim * T + 4 * w * v * T, 20.0)
+
+
+def chunk_passes(shape: Shape, layers, embed: bool, head: bool, recompute: str) -> Passes:
+    """One micro-batch through a chunk holding `layers` (global indices), the embedding
+    and/or the head."""
+    forward, rerun = Work(), Work()
+    for i in layers:
+        block = shape.dense_block(i)
+        forward = forward + block
+        mode = recomputed(recompute, i)
+        if mode == "full":
+            rerun = rerun + block
+        elif mode == "selective":
+            rerun = rerun + shape.attention()
+    if head:
+        forward = forward + shape.head()
+    inputs, weights = backward(forward)
+    if embed:  # no input gradient: the lookup's backward fills the table's gradient
+        forward, weights = shape.embedding() + forward, weights + shape.embedding_backward()
+    return Passes(forward, inputs, weights, rerun)
