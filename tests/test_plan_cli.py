@@ -162,13 +162,16 @@ def test_this_machine_needs_its_calibration(tmp_path, capsys):
     assert code == 2 and "bench matmul" in err
 
 
-@pytest.mark.parametrize("extra", [[], ["--dry-run"]])
-def test_train_refuses_a_model_whose_states_cannot_fit(tmp_path, capsys, monkeypatch, extra):
+@pytest.mark.parametrize("extra, model", [([], ["model.dim=10000000"]), (["--dry-run"], ["model.dim=10000000"]),
+                                          ([], ["model.preset=tiny-moe", "model.moe_ffn_dim=10000000",
+                                                "parallel.ep=2"])])
+def test_train_refuses_a_model_whose_states_cannot_fit(tmp_path, capsys, monkeypatch, extra, model):
+    """Mixtures of experts too: the expert states split over ep count as the planner counts them."""
     monkeypatch.chdir(tmp_path)
-    code = main(["train", *extra, "--nproc", "2", "model.dim=10000000", f"data.cache_dir={tmp_path / 'cache'}",
-                 "run.device=cpu"])
+    code = main(["train", *extra, "--nproc", "2", *model, f"data.cache_dir={tmp_path / 'cache'}", "run.device=cpu"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err
-    assert err.startswith("ndtrain: error: model.dim = 10000000: the model states alone")
+    key = model[0] if len(model) == 1 else "model.moe_ffn_dim=10000000"
+    assert err.startswith(f"ndtrain: error: {key.replace('=', ' = ')}: the model states alone")
     assert "GiB per rank × 2 local processes" in err and "of physical RAM" in err
     assert list(tmp_path.iterdir()) == []  # nothing written, no process started

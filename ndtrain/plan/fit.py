@@ -13,7 +13,7 @@ from __future__ import annotations
 from ndtrain.config import Config, ConfigError
 from ndtrain.plan.memory import stage_chunks, stage_states
 
-MODEL_KEYS = ("dim", "n_layers", "ffn_dim", "vocab_size", "n_heads", "n_kv_heads")
+MODEL_KEYS = ("dim", "n_layers", "ffn_dim", "vocab_size", "n_heads", "n_kv_heads", "moe_experts", "moe_ffn_dim")
 
 
 def device_memory(cfg: Config) -> tuple[float, str, bool]:
