@@ -326,11 +326,11 @@ class StepShape:
         outputs' gradients of wq, wk, wv, wo, w1, w3, w2 (an MoE block: the router's and the
         experts', over its slots) and the two norm weights."""
         a, tp = self.args, self.tp
-        if a.is_moe_layer(layer):
-            mlp = self.slots() / self.n * (2 * a.expert_dim + a.dim) + a.moe_experts / tp
+        if a.is_moe_layer(layer):  # the router's output, the experts' (w1, w3, w2) over the slots
+            mlp = a.moe_experts / tp + self.slots() / self.n * (2 * a.expert_dim + a.dim)
         else:
             mlp = 2 * a.ffn_dim / tp + a.dim
-        return self.c * self.n * (a.dim / tp + 2 * kv_width(a, tp) + mlp) + self.c * self.n_res * 2 * a.dim
+        return self.c * self.n * (a.dim / tp + 2 * kv_width(a, tp) + a.dim + mlp) + self.c * self.n_res * 2 * a.dim
 
     def vocab_local(self) -> int:
         return padded_vocab(self.args, self.tp) // self.tp

@@ -79,7 +79,8 @@ def backward(forward: Work) -> tuple[Work, Work]:
             weights.append(Matmul(mm.n, mm.m, mm.k, mm.times, mm.fp8, False))
         else:
             inputs.append(Matmul(mm.m, mm.n, mm.k, mm.times, mm.fp8, False))
-    return Work(inputs, 2 * forward.elementwise, 1.5 * forward.ops), Work(weights, 0.0, 0.5 * forward.ops)
+    # autograd runs about 1.8 operations per forward one (counted on the model, forward and backward)
+    return Work(inputs, 2 * forward.elementwise, 1.35 * forward.ops), Work(weights, 0.0, 0.45 * forward.ops)
 
 
 @dataclass(frozen=True)
@@ -116,11 +117,13 @@ class Shape:
         # elementwise bytes per token: two RMSNorms in fp32 (about 6 passes of w·h each), the
         # rotary embedding of q and k (about 8 passes), two residual additions (3 passes each)
         norms_residual_rotary = 12 * w * h + 6 * c * h + 8 * c * (q + kv)
-        work = Work(attention, norms_residual_rotary * T, 40.0) + self.attention()
+        # operations per block forward, counted on the model (aten ops): 60 for the attention
+        # half and the norms, 16 for a SwiGLU MLP
+        work = Work(attention, norms_residual_rotary * T, 59.0) + self.attention()
         if a.is_moe_layer(layer):
             return work + self.moe_mlp()
         mlp = [Matmul(T, h, f, fp8=fp8), Matmul(T, h, f, fp8=fp8), Matmul(T, f, h, fp8=fp8)]
-        return work + Work(mlp, 5 * c * f * T, 6.0)  # silu and the product: 5 passes of f
+        return work + Work(mlp, 5 * c * f * T, 16.0)  # silu and the product: 5 passes of f
 
     def moe_mlp(self) -> Work:
         """Router (fp32), the routed experts on this rank's received slots, shared experts."""
@@ -138,7 +141,7 @@ class Shape:
         slots = routed * a.moe_top_k * self.imbalance
         # softmax and top-k over E, the slots gathered, sorted, scattered back and weighted
         elementwise = 12 * a.moe_experts * routed + slots * (6 * c * h + 5 * c * fe)
-        return Work(mm, elementwise, 30.0 + 3.0 * local)
+        return Work(mm, elementwise, 30.0 + 12.0 * local)  # a loop over the local experts on a CPU
 
     def embedding(self) -> Work:
         """The lookup forward; its backward (`embedding_backward`) fills a whole table."""
@@ -154,7 +157,7 @@ class Shape:
         a, T, c = self.args, self.tokens, self.c
         v = -(-a.vocab_size // self.tp)
         w = wide(c)
-        return Work([Matmul(T, a.dim, v)], 6 * w * a.dim * T + 4 * w * v * T, 20.0)
+        return Work([Matmul(T, a.dim, v)], 6 * w * a.dim * T + 4 * w * v * T, 13.0)
 
 
 def chunk_passes(shape: Shape, layers, embed: bool, head: bool, recompute: str) -> Passes:

@@ -1,0 +1,144 @@
+"""This machine's compute, measured for the planner (plan/compute.Measured) on every local
+rank at once, each with its share of the cores, as in training:
+- matmul rates: a 1024³ matmul, then each dimension alone from 16 to 4096 (the others at
+  1024), as `F.linear` computes x·Wᵀ in the model;
+- the bandwidth of a large elementwise operation (an addition of 4M-element tensors: three
+  passes of 16 MB);
+- the cost of one operation recorded by autograd, forward, and of one node of its backward
+  (a chain of tiny multiplications);
+- the optimizer step per parameter: zeroing the gradients, the global-norm clip's norm and
+  scaling, AdamW as `train/optim.py` builds it, on 4M parameters in tensors of a model's
+  sizes.
+Every rank runs each measurement at the same moment (a barrier before each), and the
+slowest rank's figure is kept. None of it looks at a training step: the planner composes
+the step from these parts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ndtrain.plan.compute import BASE, DIMS, Measured
+
+SIZES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+TARGET_S = 0.02  # timed seconds per repeat
+OPTIMIZER_PARAMS = 4 * 2**20
+
+
+def _together() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _slowest(value: float, largest: bool = True) -> float:
+    """The largest (or smallest) of a figure over the ranks."""
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if largest else dist.ReduceOp.MIN)
+    return float(t)
+
+
+def seconds_per_call(fn, repeats: int = 3) -> float:
+    """The median over `repeats` of one call's time, each repeat at least TARGET_S long
+    (the slowest rank's)."""
+    fn()
+    _together()
+    t0 = time.perf_counter()
+    fn()
+    calls = max(1, int(TARGET_S / max(time.perf_counter() - t0, 1e-7)))
+    times = []
+    for _ in range(repeats):
+        _together()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls)
+    return _slowest(statistics.median(times))
+
+
+def matmul_rate(m: int, k: int, n: int) -> float:
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    return 2.0 * m * k * n / seconds_per_call(lambda: F.linear(x, w))
+
+
+def matmul_profiles() -> tuple[float, dict]:
+    """(the BASE³ rate, each dimension's rates relative to it)."""
+    base = matmul_rate(BASE, BASE, BASE)
+    profiles = {}
+    for d in DIMS:
+        points = []
+        for size in SIZES:
+            shape = {x: (size if x == d else BASE) for x in DIMS}
+            rate = base if size == BASE else matmul_rate(shape["m"], shape["k"], shape["n"])
+            points.append((size, rate / base))
+        profiles[d] = tuple(points)
+    return base, profiles
+
+
+def bandwidth() -> float:
+    a, b, c = torch.randn(4 * 2**20), torch.randn(4 * 2**20), torch.empty(4 * 2**20)
+    return 3 * a.numel() * 4 / seconds_per_call(lambda: torch.add(a, b, out=c))
+
+
+def op_costs(chain: int = 200) -> tuple[float, float]:
+    """(seconds per operation recorded by autograd, per node of its backward)."""
+    x = torch.ones(8, requires_grad=True)
+
+    def forward():
+        y = x
+        for _ in range(chain):
+            y = y * 1.0001
+        return y
+
+    def both():
+        forward().sum().backward()
+
+    f = seconds_per_call(forward)
+    fb = seconds_per_call(both)
+    return f / chain, max(fb - f, 0.0) / chain
+
+
+def optimizer_cost(train) -> float:
+    """Seconds per parameter of zero_grad, the clip (norm and scaling) and AdamW."""
+    from ndtrain.train.optim import build_optimizer
+
+    sizes = [1024 * 1024, 1024 * 1024, 1024 * 512, 1024 * 512, 1024] * 2
+    scale = OPTIMIZER_PARAMS / sum(sizes)
+    params = [torch.nn.Parameter(torch.randn(int(n * scale))) for n in sizes]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    optimizer = build_optimizer([{"params": params, "weight_decay": train.weight_decay}], train, torch.device("cpu"))
+    grads = [p.grad for p in params]
+
+    def step():
+        norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+        torch._foreach_mul_(grads, (1.0 / (norm + 1e-6)).clamp(max=1.0))
+        optimizer.step()
+        for g in grads:
+            g.zero_()
+
+    return seconds_per_call(step, repeats=2) / sum(p.numel() for p in params)
+
+
+def measure(train, ranks: int, threads: int) -> Measured:
+    """Every figure, on every rank at once (collective when distributed)."""
+    rate, profiles = matmul_profiles()
+    forward_op, backward_op = op_costs()
+    return Measured(rate, profiles, bandwidth(), forward_op, backward_op, optimizer_cost(train), ranks, threads)
+
+
+def median(models: list[Measured]) -> Measured:
+    """Figure by figure, the median of several measurements (rounds)."""
+    first = models[0]
+    mid = lambda xs: statistics.median(xs)  # noqa: E731
+    profiles = {d: tuple((size, mid([m.profiles[d][i][1] for m in models])) for i, (size, _) in enumerate(pts))
+                for d, pts in first.profiles.items()}
+    return Measured(mid([m.rate for m in models]), profiles, mid([m.bandwidth for m in models]),
+                    mid([m.forward_op_s for m in models]), mid([m.backward_op_s for m in models]),
+                    mid([m.optimizer_s for m in models]), first.ranks, first.threads)
