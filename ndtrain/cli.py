@@ -190,7 +190,9 @@ def _parser() -> argparse.ArgumentParser:
                                      "comm (every collective's bus bandwidth, our ring all-reduce vs the backend's), "
                                      "sft (packed vs padded fine-tuning rows), checkpoint (our save/load vs "
                                      "torch.distributed.checkpoint, MB/s), ep (experts split over --nproc ranks vs "
-                                     "replicated), generate (KV cache vs recomputing the prefix, one process); "
+                                     "replicated), generate (KV cache vs recomputing the prefix, one process), "
+                                     "plan (the planner's step time against the engine's, each layout on this "
+                                     "machine); "
                                      "KEY=VALUE reaches both sides or is refused",
                        description="Run ndtrain and its PyTorch-native anchor side by side (sft: packed and padded "
                                    "rows), alternating rounds; the last line is the ratio of their median "
@@ -198,7 +200,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "checkpoint", "ep",
-                                    "generate"])
+                                    "generate", "plan"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, help="alternating A/B rounds (default 10; generate 5)")
     p.add_argument("--steps", type=int, help="timed steps per round (default 3; generate 1: one whole generation)")
@@ -752,8 +754,9 @@ def cmd_checkpoint(args) -> int:
 # --------------------------------------------------------------------------- bench
 
 # Benchmarks whose steps are long on a CPU take fewer rounds by default: one generation of
-# 256 new tokens without a cache is about 20 s there (docs/benchmarks.md).
-BENCH_ROUNDS_STEPS = {"generate": (5, 1)}
+# 256 new tokens without a cache is about 20 s there (docs/benchmarks.md); bench plan times
+# nine layouts and calibrates the machine in every round.
+BENCH_ROUNDS_STEPS = {"generate": (5, 1), "plan": (3, 2)}
 
 
 def cmd_bench(args) -> int:
@@ -769,9 +772,9 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import checkpoint, comm, cp, dp, ep, generate, pp, sft, tp, zero
+    from ndtrain.bench import checkpoint, comm, cp, dp, ep, generate, plan, pp, sft, tp, zero
     return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft,
-            "checkpoint": checkpoint, "ep": ep, "generate": generate}[args.what].run(args)
+            "checkpoint": checkpoint, "ep": ep, "generate": generate, "plan": plan}[args.what].run(args)
 
 
 if __name__ == "__main__":
