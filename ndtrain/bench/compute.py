@@ -2,10 +2,12 @@
 rank at once, each with its share of the cores, as in training:
 - matmul rates: a 1024³ matmul, then each dimension alone from 16 to 4096 (the others at
   1024), as `F.linear` computes x·Wᵀ in the model;
+- the fused causal attention kernel (`F.scaled_dot_product_attention`), forward and
+  backward, at sequences of 64 to 1024 and head sizes of 32 to 128;
 - the bandwidth of a large elementwise operation (an addition of 4M-element tensors: three
   passes of 16 MB);
-- the cost of one operation recorded by autograd, forward, and of one node of its backward
-  (a chain of tiny multiplications);
+- the cost of one operation, forward and backward: a two-block decoder of width 32 on 8
+  tokens (its arithmetic negligible), timed, over the operations it dispatches;
 - the optimizer step per parameter: zeroing the gradients, the global-norm clip's norm and
   scaling, AdamW as `train/optim.py` builds it, on 4M parameters in tensors of a model's
   sizes.
@@ -22,6 +24,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ndtrain.plan.compute import BASE, DIMS, Measured
 
@@ -86,22 +89,68 @@ def bandwidth() -> float:
     return 3 * a.numel() * 4 / seconds_per_call(lambda: torch.add(a, b, out=c))
 
 
-def op_costs(chain: int = 200) -> tuple[float, float]:
-    """(seconds per operation recorded by autograd, per node of its backward)."""
-    x = torch.ones(8, requires_grad=True)
+ATTENTION_SEQ = (64, 256, 1024)
+ATTENTION_DIM = (32, 64, 128)
+
+
+def attention_rates() -> tuple:
+    """((sequence, head_dim, forward FLOP/s, backward FLOP/s), ...) of the causal fused kernel,
+    8 heads of one row (FLOPs: 2·s²·d per head forward, the causal half; twice that backward)."""
+    out = []
+    for s in ATTENTION_SEQ:
+        for d in ATTENTION_DIM:
+            q, k, v = (torch.randn(1, 8, s, d, requires_grad=True) for _ in range(3))
+            flops = 2.0 * s * s * d * 8
+
+            def forward():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+            out_grad = torch.randn(1, 8, s, d)
+
+            def both():
+                torch.autograd.backward(forward(), out_grad)
+
+            f = seconds_per_call(forward)
+            b = max(seconds_per_call(both) - f, 1e-9)
+            out.append((s, d, flops / f, 2 * flops / b))
+    return tuple(out)
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def op_costs() -> tuple[float, float]:
+    """(seconds per operation of a decoder's forward, of its backward): a two-block decoder of
+    width 32 on 8 tokens, whose arithmetic costs nothing next to its dispatch."""
+    from ndtrain.model.args import ModelArgs
+    from ndtrain.model.llama import Transformer
+    from ndtrain.model.loss import token_loss_sum
+
+    args = ModelArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=8)
+    torch.manual_seed(0)
+    model = Transformer(args)
+    x, y = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8))
 
     def forward():
-        y = x
-        for _ in range(chain):
-            y = y * 1.0001
-        return y
+        return token_loss_sum(model(x), y)
 
     def both():
-        forward().sum().backward()
+        forward().backward()
 
+    with _Count() as f_ops:
+        loss = forward()
+    with _Count() as b_ops:
+        loss.backward()
     f = seconds_per_call(forward)
     fb = seconds_per_call(both)
-    return f / chain, max(fb - f, 0.0) / chain
+    return f / f_ops.n, max(fb - f, 0.0) / b_ops.n
 
 
 def optimizer_cost(train) -> float:
@@ -130,7 +179,8 @@ def measure(train, ranks: int, threads: int) -> Measured:
     """Every figure, on every rank at once (collective when distributed)."""
     rate, profiles = matmul_profiles()
     forward_op, backward_op = op_costs()
-    return Measured(rate, profiles, bandwidth(), forward_op, backward_op, optimizer_cost(train), ranks, threads)
+    return Measured(rate, profiles, bandwidth(), attention_rates(), forward_op, backward_op, optimizer_cost(train),
+                    ranks, threads)
 
 
 def median(models: list[Measured]) -> Measured:
@@ -139,6 +189,8 @@ def median(models: list[Measured]) -> Measured:
     mid = lambda xs: statistics.median(xs)  # noqa: E731
     profiles = {d: tuple((size, mid([m.profiles[d][i][1] for m in models])) for i, (size, _) in enumerate(pts))
                 for d, pts in first.profiles.items()}
-    return Measured(mid([m.rate for m in models]), profiles, mid([m.bandwidth for m in models]),
+    attention = tuple((p[0], p[1], mid([m.attention[i][2] for m in models]), mid([m.attention[i][3] for m in models]))
+                      for i, p in enumerate(first.attention))
+    return Measured(mid([m.rate for m in models]), profiles, mid([m.bandwidth for m in models]), attention,
                     mid([m.forward_op_s for m in models]), mid([m.backward_op_s for m in models]),
                     mid([m.optimizer_s for m in models]), first.ranks, first.threads)

@@ -14,8 +14,11 @@ training):
   1024³ matmul, e_d the rate measured with only that dimension changed (16 … 4096), relative
   to R, interpolated in log size and held constant beyond the ends (the separable model of
   a GEMM's efficiency: each dimension too small to fill the kernel's tiles costs on its own);
+- the fused attention kernel (forward, and backward) at its rate measured by sequence and
+  head size;
 - elementwise bytes at the bandwidth of a large elementwise operation;
-- each dispatched operation a fixed time forward (recorded by autograd) and backward;
+- each operation a fixed time forward and backward: the time of a decoder too small for its
+  arithmetic to count (dispatch, autograd, the modules' Python), over its operations;
 - the optimizer step (zeroing the gradients, the global-norm clip, AdamW) a time per
   parameter of the rank's shard.
 """
@@ -41,8 +44,8 @@ class Peak:
     efficiency: float
 
     def seconds(self, work: Work, backward: bool = False) -> float:
-        return sum(mm.flops / (self.fp8_peak if mm.fp8 and self.fp8_peak else self.peak) for mm in work.matmuls) \
-            / self.efficiency
+        matmuls = sum(mm.flops / (self.fp8_peak if mm.fp8 and self.fp8_peak else self.peak) for mm in work.matmuls)
+        return (matmuls + sum(a.flops for a in work.attention) / self.peak) / self.efficiency
 
     def optimizer_seconds(self, params: float) -> float:
         return 0.0
@@ -53,8 +56,9 @@ class Measured:
     rate: float  # FLOP/s of a BASE³ matmul on one rank
     profiles: dict  # "m" | "k" | "n" → ((size, relative rate), ...), sizes ascending
     bandwidth: float  # bytes/s of elementwise operations
-    forward_op_s: float  # seconds to dispatch one operation under autograd
-    backward_op_s: float  # seconds per node of the backward pass
+    attention: tuple  # ((sequence, head_dim, forward FLOP/s, backward FLOP/s), ...) of the fused kernel
+    forward_op_s: float  # seconds per operation of a block's forward (dispatch, autograd, Python)
+    backward_op_s: float  # seconds per operation of its backward
     optimizer_s: float  # seconds per parameter: zero_grad, clip, AdamW
     ranks: int  # local processes it was measured with
     threads: int  # torch threads per rank
@@ -77,20 +81,43 @@ class Measured:
         e = self.efficiency("m", mm.m) * self.efficiency("k", mm.k) * self.efficiency("n", mm.n)
         return mm.flops / (self.rate * e)
 
+    def attention_seconds(self, a) -> float:
+        """The fused causal kernel's rate measured at (sequence, head_dim), interpolated in log
+        sizes between the nearest measured ones (the queries' and keys' geometric mean)."""
+        s, d = math.sqrt(a.s_q * a.s_k), a.d
+        seqs = sorted({p[0] for p in self.attention})
+        dims = sorted({p[1] for p in self.attention})
+        table = {(p[0], p[1]): p[2 if a.passes == 1 else 3] for p in self.attention}
+
+        def around(x, grid):
+            x = min(max(x, grid[0]), grid[-1])
+            i = min(bisect.bisect_right(grid, x), len(grid) - 1)
+            lo, hi = grid[max(i - 1, 0)], grid[i]
+            return lo, hi, (math.log(x / lo) / math.log(hi / lo) if hi > lo else 0.0)
+
+        s0, s1, ws = around(s, seqs)
+        d0, d1, wd = around(d, dims)
+        log_rate = sum(wa * wb * math.log(table[(sa, db)]) for sa, wa in ((s0, 1 - ws), (s1, ws))
+                       for db, wb in ((d0, 1 - wd), (d1, wd)))
+        return a.flops / math.exp(log_rate)
+
     def seconds(self, work: Work, backward: bool = False) -> float:
         op = self.backward_op_s if backward else self.forward_op_s
-        return sum(self.matmul_seconds(mm) for mm in work.matmuls) + work.elementwise / self.bandwidth + work.ops * op
+        return (sum(self.matmul_seconds(mm) for mm in work.matmuls) + sum(self.attention_seconds(a) for a in work.attention)
+                + work.elementwise / self.bandwidth + work.ops * op)
 
     def optimizer_seconds(self, params: float) -> float:
         return params * self.optimizer_s
 
     def to_json(self) -> dict:
-        return {**asdict(self), "profiles": {d: [list(p) for p in pts] for d, pts in self.profiles.items()}}
+        return {**asdict(self), "profiles": {d: [list(p) for p in pts] for d, pts in self.profiles.items()},
+                "attention": [list(p) for p in self.attention]}
 
     @classmethod
     def from_json(cls, data: dict) -> "Measured":
         data = dict(data)
         data["profiles"] = {d: tuple(tuple(p) for p in pts) for d, pts in data["profiles"].items()}
+        data["attention"] = tuple(tuple(p) for p in data["attention"])
         return cls(**data)
 
 

@@ -7,8 +7,8 @@ A pipeline chunk's work for one micro-batch splits into the passes a schedule or
   counted apart as `recompute`);
 - W, the weight gradients (a separate pass only under zero bubble; otherwise part of B).
 A forward matmul X[m×k]·Wᵀ costs two backward ones: the input gradient (m×n by n×k) and the
-weight gradient (n×m by m×k). Attention's two batched matmuls (QKᵀ and AV, the causal half)
-have no weights: their backward is input gradients only, twice the forward.
+weight gradient (n×m by m×k). The attention core (QKᵀ and AV, the causal half, one fused
+kernel) has no weights: its backward is input gradients only, twice the forward.
 
 Shapes are what the rank computes: heads and features divided by t, the micro-batch's
 tokens by cp (all of them for the column-parallel matmuls under SP, which gather first); a
@@ -37,11 +37,27 @@ class Matmul:
     n: int  # columns of the output
     times: float = 1.0  # how many (batched heads, experts; 0.5 for the causal half)
     fp8: bool = False
-    weight: bool = True  # a weight matmul (its backward has a weight gradient)
 
     @property
     def flops(self) -> float:
         return 2.0 * self.m * self.k * self.n * self.times
+
+
+@dataclass(frozen=True)
+class Attention:
+    """A fused causal attention kernel: `times` (rows × heads) of s_q queries against s_k keys,
+    head_dim d; `passes` 1 forward, 2 its backward (the flash backward)."""
+
+    times: float
+    s_q: int
+    s_k: int
+    d: int
+    passes: int = 1
+
+    @property
+    def flops(self) -> float:
+        """QKᵀ and AV, the causal half: 2 · 2·s_q·s_k·d / 2 per head and row, per pass."""
+        return 2.0 * self.s_q * self.s_k * self.d * self.times * self.passes
 
 
 @dataclass
@@ -49,13 +65,15 @@ class Work:
     matmuls: list[Matmul] = field(default_factory=list)
     elementwise: float = 0.0  # bytes read and written by memory-bound operations
     ops: float = 0.0  # operations dispatched (each costs a fixed overhead on a CPU)
+    attention: list[Attention] = field(default_factory=list)
 
     def __add__(self, other: "Work") -> "Work":
-        return Work(self.matmuls + other.matmuls, self.elementwise + other.elementwise, self.ops + other.ops)
+        return Work(self.matmuls + other.matmuls, self.elementwise + other.elementwise, self.ops + other.ops,
+                    self.attention + other.attention)
 
     @property
     def flops(self) -> float:
-        return sum(mm.flops for mm in self.matmuls)
+        return sum(mm.flops for mm in self.matmuls) + sum(a.flops for a in self.attention)
 
 
 @dataclass(frozen=True)
@@ -74,13 +92,12 @@ def backward(forward: Work) -> tuple[Work, Work]:
     a weightless one (attention) two input gradients; elementwise work twice over."""
     inputs, weights = [], []
     for mm in forward.matmuls:
-        inputs.append(Matmul(mm.m, mm.n, mm.k, mm.times, mm.fp8, False))
-        if mm.weight:
-            weights.append(Matmul(mm.n, mm.m, mm.k, mm.times, mm.fp8, False))
-        else:
-            inputs.append(Matmul(mm.m, mm.n, mm.k, mm.times, mm.fp8, False))
+        inputs.append(Matmul(mm.m, mm.n, mm.k, mm.times, mm.fp8))
+        weights.append(Matmul(mm.n, mm.m, mm.k, mm.times, mm.fp8))
+    attention = [Attention(a.times, a.s_q, a.s_k, a.d, 2) for a in forward.attention]
     # autograd runs about 1.8 operations per forward one (counted on the model, forward and backward)
-    return Work(inputs, 2 * forward.elementwise, 1.35 * forward.ops), Work(weights, 0.0, 0.45 * forward.ops)
+    return (Work(inputs, 2 * forward.elementwise, 1.35 * forward.ops, attention),
+            Work(weights, 0.0, 0.45 * forward.ops))
 
 
 @dataclass(frozen=True)
@@ -99,13 +116,11 @@ class Shape:
     imbalance: float = 1.0  # the busiest rank's routed slots over the average
 
     def attention(self) -> Work:
-        """The scores QKᵀ and the weighted sum AV, causal half, batched over rows and heads."""
+        """The scores QKᵀ and the weighted sum AV, causal half, over rows and heads: the queries
+        this rank holds against the whole sequence."""
         a = self.args
-        heads = a.n_heads // self.tp
-        q = self.seq_len // self.cp
-        times = 0.5 * self.rows * heads
-        return Work([Matmul(q, a.head_dim, self.seq_len, times, weight=False),
-                     Matmul(q, self.seq_len, a.head_dim, times, weight=False)], 0.0, 1.0)
+        return Work(ops=1.0, attention=[Attention(self.rows * (a.n_heads // self.tp), self.seq_len // self.cp,
+                                                  self.seq_len, a.head_dim)])
 
     def dense_block(self, layer: int) -> Work:
         a, t, T, c = self.args, self.tp, self.tokens, self.c
