@@ -756,7 +756,7 @@ def cmd_checkpoint(args) -> int:
 # Benchmarks whose steps are long on a CPU take fewer rounds by default: one generation of
 # 256 new tokens without a cache is about 20 s there (docs/benchmarks.md); bench plan times
 # nine layouts and calibrates the machine in every round.
-BENCH_ROUNDS_STEPS = {"generate": (5, 1), "plan": (3, 2)}
+BENCH_ROUNDS_STEPS = {"generate": (5, 1), "plan": (5, 2)}
 
 
 def cmd_bench(args) -> int:

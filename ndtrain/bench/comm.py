@@ -134,6 +134,36 @@ def measure(group, sizes: list[int], rounds: int, device: torch.device, kinds=KI
     return rows
 
 
+def measure_between(group, sizes: list[int], device: torch.device, kinds=KINDS, calls: int = 8) -> list[dict]:
+    """Each collective as a training step issues it: after some computation (a 128×1024 by
+    1024×1024 matmul, a few milliseconds on one CPU core), so the ranks arrive as they finish
+    it and gloo's threads wake from idle. The time of `calls` × (matmul, collective) less that
+    of `calls` matmuls, the two alternating, the median of three; the slowest rank's."""
+    import torch.nn.functional as F
+
+    x, w = torch.randn(128, 1024, device=device), torch.randn(1024, 1024, device=device)
+    rows = []
+    for size in sizes:
+        b = Buffers(size, group.size, device)
+        for kind, call in ((k, c) for k, c in _calls(group, b).items() if k in kinds):
+            call()
+            both, alone = [], []
+            for _ in range(3):
+                for out, with_call in ((both, True), (alone, False)):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        F.linear(x, w)
+                        if with_call:
+                            call()
+                    out.append(_agree((time.perf_counter() - t0) / calls, dist.ReduceOp.MAX, device))
+            t = max(statistics.median(both) - statistics.median(alone), 1e-6)
+            algbw, busbw = bus_bandwidth(kind, group.size, b.nbytes, t)
+            rows.append({"kind": kind, "size": size, "bytes": b.nbytes, "seconds": t, "algbw": algbw, "busbw": busbw})
+        del b
+    return rows
+
+
 def fits_of(rows: list[dict], n: int, sizes: list[int] | None = None) -> dict:
     """{collective: LinkFit} from measured rows (those of `sizes`, or all)."""
     fits = {}

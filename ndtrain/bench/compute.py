@@ -7,7 +7,9 @@ rank at once, each with its share of the cores, as in training:
 - the bandwidth of a large elementwise operation (an addition of 4M-element tensors: three
   passes of 16 MB);
 - the cost of one operation, forward and backward: a two-block decoder of width 32 on 8
-  tokens (its arithmetic negligible), timed, over the operations it dispatches;
+  tokens (its arithmetic negligible), timed, over the operations it dispatches; and the
+  fixed cost per block of zero bubble's split backward, the same decoder's split backward
+  (parallel/pipeline/weightgrad.py) against its plain one;
 - the optimizer step per parameter: zeroing the gradients, the global-norm clip's norm and
   scaling, AdamW as `train/optim.py` builds it, on 4M parameters in tensors of a model's
   sizes.
@@ -126,31 +128,37 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def op_costs() -> tuple[float, float]:
-    """(seconds per operation of a decoder's forward, of its backward): a two-block decoder of
-    width 32 on 8 tokens, whose arithmetic costs nothing next to its dispatch."""
+def op_costs() -> tuple[float, float, float]:
+    """(seconds per operation of a decoder's forward, of its backward, and per block of zero
+    bubble's split backward): a two-block decoder of width 32 on 8 tokens, whose arithmetic
+    costs nothing next to its dispatch; the split (parallel/pipeline/weightgrad.py: B, then
+    W) against its plain backward, over its blocks."""
     from ndtrain.model.args import ModelArgs
     from ndtrain.model.llama import Transformer
     from ndtrain.model.loss import token_loss_sum
+    from ndtrain.parallel.pipeline.weightgrad import SplitBackward
 
     args = ModelArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=8)
     torch.manual_seed(0)
-    model = Transformer(args)
-    x, y = torch.randint(0, 64, (1, 8)), torch.randint(0, 64, (1, 8))
+    model = Transformer(args, embed=False)
+    x, y = torch.randn(1, 8, 32), torch.randint(0, 64, (1, 8))
 
     def forward():
-        return token_loss_sum(model(x), y)
+        return token_loss_sum(model(x.requires_grad_()), y)
 
     def both():
         forward().backward()
+
+    def split():
+        inp = x.detach().requires_grad_()
+        SplitBackward(token_loss_sum(model(inp), y), inp, None).weights()
 
     with _Count() as f_ops:
         loss = forward()
     with _Count() as b_ops:
         loss.backward()
-    f = seconds_per_call(forward)
-    fb = seconds_per_call(both)
-    return f / f_ops.n, max(fb - f, 0.0) / b_ops.n
+    f, fb, fs = seconds_per_call(forward), seconds_per_call(both), seconds_per_call(split)
+    return f / f_ops.n, max(fb - f, 0.0) / b_ops.n, max(fs - fb, 0.0) / args.n_layers
 
 
 def optimizer_cost(train) -> float:
@@ -178,9 +186,9 @@ def optimizer_cost(train) -> float:
 def measure(train, ranks: int, threads: int) -> Measured:
     """Every figure, on every rank at once (collective when distributed)."""
     rate, profiles = matmul_profiles()
-    forward_op, backward_op = op_costs()
+    forward_op, backward_op, split = op_costs()
     return Measured(rate, profiles, bandwidth(), attention_rates(), forward_op, backward_op, optimizer_cost(train),
-                    ranks, threads)
+                    split, ranks, threads)
 
 
 def median(models: list[Measured]) -> Measured:
@@ -193,4 +201,4 @@ def median(models: list[Measured]) -> Measured:
                       for i, p in enumerate(first.attention))
     return Measured(mid([m.rate for m in models]), profiles, mid([m.bandwidth for m in models]), attention,
                     mid([m.forward_op_s for m in models]), mid([m.backward_op_s for m in models]),
-                    mid([m.optimizer_s for m in models]), first.ranks, first.threads)
+                    mid([m.optimizer_s for m in models]), mid([m.split_s for m in models]), first.ranks, first.threads)

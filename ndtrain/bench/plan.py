@@ -3,10 +3,12 @@
 For each layout of N ranks (dp, ZeRO-3 dp, tp, pp with every schedule, cp, and ep on a
 mixture of experts), the same processes build the engine's training step (train/step.py:
 forward and backward of every micro-batch, the clip, AdamW, the loss reduced) on random
-tokens, and `ndtrain plan --cluster this-machine` predicts its step time. Rounds alternate:
+tokens, and `ndtrain plan --cluster this-machine` predicts its step time (the ep layout with
+the routing imbalance the engine's own counts show for those steps, `--moe-imbalance`). Rounds alternate:
 each round first calibrates this machine as the planner reads it (bench/compute.py: matmul
 rates by size, elementwise bandwidth, the cost of an operation, the optimizer per
-parameter; bench/comm.py: every collective the layouts use, by size), then times every
+parameter; bench/comm.py: every collective the layouts use, by size, each issued after a
+computation as a step issues it), then times every
 layout in turn, so the load the machine carries falls on the calibration and on the steps
 alike. After warm-up steps, the median over rounds of each layout's step time (the slowest
 rank's) is compared with the plan made from the median calibration. Nothing is fitted to
@@ -14,7 +16,9 @@ the steps: the planner composes them from the calibration's parts.
 
 The last line: `ndtrain plan worst predicted/measured step time ratio: X`, X the largest of
 r and 1/r over the layouts (r = predicted / measured). The calibration is saved where
-`ndtrain plan --cluster this-machine` reads it (`cpu_compute.json` in `data.cache_dir`).
+`ndtrain plan --cluster this-machine` reads it (`cpu_compute.json` in `data.cache_dir`, and
+the collectives' fits for N ranks, measured between computations, in
+`comm_calibration.json`, replacing those `bench comm` measured back to back).
 """
 
 from __future__ import annotations
@@ -51,10 +55,12 @@ def layouts(n: int) -> list[tuple[str, list[str]]]:
 
 def configs(args) -> list[tuple[str, dict]]:
     """Each row's configuration, validated for --nproc ranks; the user's keys (model.*,
-    train.*) apply to every row."""
+    train.*) apply to every row (model.moe_* to the mixture of experts only)."""
     rows = []
     for name, overrides in layouts(args.nproc):
-        cfg = load_config(args.config, [*SETTINGS, *overrides, *args.overrides])
+        moe = "model.preset=olmoe-1b-7b" in overrides
+        mine = [o for o in args.overrides if moe or not o.strip().startswith("model.moe_")]
+        cfg = load_config(args.config, [*SETTINGS, *overrides, *mine])
         cfg.run.nproc = args.nproc
         rows.append((name, validate(cfg, check_paths=False).to_dict()))
     return rows
@@ -94,6 +100,21 @@ class Layout:
         self.step.optimizer_step(t.lr)
         self.step.par.reduce_loss(loss)
 
+    def imbalance(self) -> float:
+        """An MoE layout's routing imbalance in the last step (from the engine's own counts, not
+        its time): per block, the slots the busiest expert-parallel rank ran over the mean,
+        averaged over the blocks (every rank waits for the busiest at each all-to-all)."""
+        stats = self.step.par.routing_stats
+        ep = self.cfg.parallel.ep
+        if not stats or ep == 1:
+            return 1.0
+        ratios = []
+        for counts in stats["tokens_per_expert"]:
+            per = len(counts) // ep
+            ranks = [sum(counts[r * per:(r + 1) * per]) for r in range(ep)]
+            ratios.append(max(ranks) / (sum(ranks) / ep))
+        return statistics.fmean(ratios)
+
 
 def _timed(fn, steps: int) -> float:
     import torch.distributed as dist
@@ -124,13 +145,16 @@ def _worker(rows: list[tuple[str, dict]], rounds: int, steps: int) -> dict:
         for fn in built.values():
             _timed(fn, WARMUP_STEPS)
         times: dict[str, list[float]] = {name: [] for name in built}
+        imbalance: dict[str, list[float]] = {name: [] for name in built}
         calibrations, collectives = [], []
         for _ in range(rounds):
             calibrations.append(compute.measure(train, env.local_world, torch.get_num_threads()))
-            collectives += comm.measure(group, COMM_SIZES, 1, env.device, COMM_KINDS)
+            collectives += comm.measure_between(group, COMM_SIZES, env.device, COMM_KINDS)
             for name, fn in built.items():
                 times[name].append(_timed(fn, steps))
-        return {"times": times, "compute": compute.median(calibrations), "comm": collectives, "n": world}
+                imbalance[name].append(fn.imbalance())
+        return {"times": times, "compute": compute.median(calibrations), "comm": collectives, "n": world,
+                "imbalance": {name: statistics.median(v) for name, v in imbalance.items()}}
     finally:
         shutdown()
 
@@ -156,12 +180,12 @@ def _cluster(result: dict):
                    source="bench plan", measured={model.ranks: model})
 
 
-def predict(cfg_dict: dict, cluster, nproc: int):
+def predict(cfg_dict: dict, cluster, nproc: int, imbalance: float = 1.0):
     from ndtrain.config import from_dict
     from ndtrain.plan.planner import make_plan, plan_config
 
     cfg, device = plan_config(from_dict(cfg_dict), cluster, nproc)
-    return make_plan(cfg, cfg.model_args(), device)
+    return make_plan(cfg, cfg.model_args(), device, imbalance=imbalance)
 
 
 def _load() -> str:
@@ -176,24 +200,27 @@ def report(rows, result: dict, cluster, nproc: int) -> tuple[list[str], float]:
              f"×{e['n'][128]:.2f} at n=128; elementwise {model.bandwidth / 1e9:,.1f} GB/s; an operation "
              f"{model.forward_op_s * 1e6:,.1f} µs forward, {model.backward_op_s * 1e6:,.1f} µs backward; optimizer "
              f"{model.optimizer_s * 1e9:,.2f} ns per parameter",
-             f"{'layout':<18} {'predicted':>10} {'measured':>10} {'range':>15} {'pred/meas':>10}   "
+             f"{'layout':<22} {'predicted':>10} {'measured':>10} {'range':>15} {'pred/meas':>10}   "
              "predicted: compute + recompute / comm / bubble / optimizer"]
     worst = 1.0
     for name, cfg in rows:
-        plan = predict(cfg, cluster, nproc)
-        measured = statistics.median(result["times"][name])
-        low, high = min(result["times"][name]), max(result["times"][name])
+        imbalance, times = result["imbalance"][name], result["times"][name]
+        plan = predict(cfg, cluster, nproc, imbalance)
+        measured = statistics.median(times)
         r = plan.step_time_s / measured
         worst = max(worst, r, 1 / r)
         st = plan.step
         comm = st.tp + st.cp + st.ep + st.pp_messages + st.dp
-        lines.append(f"{name:<18} {plan.step_time_s:>9.3f}s {measured:>9.3f}s {low:>7.3f}–{high:.3f}s {r:>10.2f}   "
+        label = f"{name} (routing {imbalance:.2f})" if imbalance != 1.0 else name
+        low, high = min(times), max(times)
+        lines.append(f"{label:<22} {plan.step_time_s:>9.3f}s {measured:>9.3f}s {low:>7.3f}–{high:.3f}s {r:>10.2f}   "
                      f"{st.compute + st.recompute:.3f} / {comm:.3f} / {st.bubble:.3f} / {st.optimizer:.3f}")
     return lines, worst
 
 
 def run(args) -> int:
     from ndtrain.launch import launch_local, warn
+    from ndtrain.plan import calibration
     from ndtrain.plan.compute import save
 
     if args.nproc < 2:
@@ -215,9 +242,12 @@ def run(args) -> int:
     result = launch_local(args.nproc, _worker, rows, args.rounds, args.steps)[0]
     cluster = _cluster(result)
     path = save(cache_dir, result["compute"])
+    calibration.save(cache_dir, calibration.machine_key("cpu", "gloo"), result["n"],
+                     {kind: fits[result["n"]] for kind, fits in cluster.fits.items()})
     lines, worst = report(rows, result, cluster, args.nproc)
     print("\n".join(lines))
-    print(f"calibration saved to {path} (ndtrain plan --cluster this-machine uses it with {args.nproc} local "
-          f"processes) · {time.perf_counter() - start:,.0f} s · load {_load()}")
+    print(f"calibration saved to {path} and {calibration.calibration_file(cache_dir)} (ndtrain plan --cluster "
+          f"this-machine uses them with {args.nproc} local processes) · {time.perf_counter() - start:,.0f} s · "
+          f"load {_load()}")
     print(f"ndtrain plan worst predicted/measured step time ratio: {worst:.2f}", flush=True)
     return 0

@@ -20,7 +20,10 @@ training):
 - each operation a fixed time forward and backward: the time of a decoder too small for its
   arithmetic to count (dispatch, autograd, the modules' Python), over its operations;
 - the optimizer step (zeroing the gradients, the global-norm clip, AdamW) a time per
-  parameter of the rank's shard.
+  parameter of the rank's shard;
+- zero bubble's split of a block's backward (parallel/pipeline/weightgrad.py walks the
+  graph for the split nodes and resumes autograd at each) a fixed time per block, measured
+  on the same small decoder.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class Measured:
     forward_op_s: float  # seconds per operation of a block's forward (dispatch, autograd, Python)
     backward_op_s: float  # seconds per operation of its backward
     optimizer_s: float  # seconds per parameter: zero_grad, clip, AdamW
+    split_s: float  # seconds per block of zero bubble's B/W split (finding the split nodes, resuming at each)
     ranks: int  # local processes it was measured with
     threads: int  # torch threads per rank
 
@@ -104,7 +108,7 @@ class Measured:
     def seconds(self, work: Work, backward: bool = False) -> float:
         op = self.backward_op_s if backward else self.forward_op_s
         return (sum(self.matmul_seconds(mm) for mm in work.matmuls) + sum(self.attention_seconds(a) for a in work.attention)
-                + work.elementwise / self.bandwidth + work.ops * op)
+                + work.elementwise / self.bandwidth + work.ops * op + work.splits * self.split_s)
 
     def optimizer_seconds(self, params: float) -> float:
         return params * self.optimizer_s

@@ -108,15 +108,15 @@ class ChunkTime:
 def micro_shape(cfg: Config, args: ModelArgs, fp8: Fp8 | None, imbalance: float) -> Shape:
     p, t = cfg.parallel, cfg.train
     return Shape(args, t.micro_batch * t.seq_len // p.cp, t.micro_batch, t.seq_len, p.tp, p.cp, p.ep,
-                 BYTES[t.precision], fp8 is not None, imbalance)
+                 BYTES[t.precision], fp8 is not None, imbalance, p.cp_impl)
 
 
 def chunk_time(cfg: Config, args: ModelArgs, cluster: Cluster, ch: Chunk, n_chunks: int, shape: Shape,
                rate: float) -> ChunkTime:
     p, t = cfg.parallel, cfg.train
     model = cluster.compute_model(t.precision)
-    passes = chunk_passes(shape, ch.layer_ids, ch.embed, ch.head, t.recompute)
     split = p.pp_schedule == "zb" and p.pp > 1
+    passes = chunk_passes(shape, ch.layer_ids, ch.embed, ch.head, t.recompute, split)
     psi = stage_split(cfg, args, [ch])
     g = 4 if shape.c < 4 else shape.c  # the gradient accumulator's bytes (fp32 under bf16/fp16)
     accumulate = Work([], 3.0 * g * sum(psi), 0.0)  # each micro-batch's gradients added into the buffers

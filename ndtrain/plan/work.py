@@ -37,6 +37,7 @@ class Matmul:
     n: int  # columns of the output
     times: float = 1.0  # how many (batched heads, experts; 0.5 for the causal half)
     fp8: bool = False
+    weight: bool = True  # x·Wᵀ with a weight (its backward has a weight gradient); else two input gradients
 
     @property
     def flops(self) -> float:
@@ -66,10 +67,11 @@ class Work:
     elementwise: float = 0.0  # bytes read and written by memory-bound operations
     ops: float = 0.0  # operations dispatched (each costs a fixed overhead on a CPU)
     attention: list[Attention] = field(default_factory=list)
+    splits: float = 0.0  # blocks whose backward zero bubble splits into B and W (a fixed cost each)
 
     def __add__(self, other: "Work") -> "Work":
         return Work(self.matmuls + other.matmuls, self.elementwise + other.elementwise, self.ops + other.ops,
-                    self.attention + other.attention)
+                    self.attention + other.attention, self.splits + other.splits)
 
     @property
     def flops(self) -> float:
@@ -93,7 +95,7 @@ def backward(forward: Work) -> tuple[Work, Work]:
     inputs, weights = [], []
     for mm in forward.matmuls:
         inputs.append(Matmul(mm.m, mm.n, mm.k, mm.times, mm.fp8))
-        weights.append(Matmul(mm.n, mm.m, mm.k, mm.times, mm.fp8))
+        (weights if mm.weight else inputs).append(Matmul(mm.n, mm.m, mm.k, mm.times, mm.fp8))
     attention = [Attention(a.times, a.s_q, a.s_k, a.d, 2) for a in forward.attention]
     # autograd runs about 1.8 operations per forward one (counted on the model, forward and backward)
     return (Work(inputs, 2 * forward.elementwise, 1.35 * forward.ops, attention),
@@ -114,13 +116,25 @@ class Shape:
     c: int  # bytes per value in the compute dtype
     fp8: bool = False
     imbalance: float = 1.0  # the busiest rank's routed slots over the average
+    cp_impl: str = "ring"
 
     def attention(self) -> Work:
         """The scores QKᵀ and the weighted sum AV, causal half, over rows and heads: the queries
-        this rank holds against the whole sequence."""
+        this rank holds against the whole sequence; one fused kernel, or under ring and
+        all-gather context parallelism the engine's explicit blockwise kernels
+        (parallel/context/kernels.py): batched matmuls over the blocks a rank computes (the
+        causal half and the diagonal blocks whole), the scores' softmax and its backward in
+        fp32 (about 6 passes over each score forward, twice that backward), some 20 operations
+        per block and ring step."""
         a = self.args
-        return Work(ops=1.0, attention=[Attention(self.rows * (a.n_heads // self.tp), self.seq_len // self.cp,
-                                                  self.seq_len, a.head_dim)])
+        heads, q = self.rows * (a.n_heads // self.tp), self.seq_len // self.cp
+        if self.cp == 1 or self.cp_impl == "ulysses":
+            return Work(ops=1.0, attention=[Attention(heads, q, self.seq_len, a.head_dim)])
+        blocks = 0.5 + 0.5 / self.cp  # of the q × s score matrix
+        scores = heads * q * self.seq_len * blocks
+        mm = [Matmul(q, a.head_dim, self.seq_len, heads * blocks, weight=False),
+              Matmul(q, self.seq_len, a.head_dim, heads * blocks, weight=False)]
+        return Work(mm, 4 * 6 * scores, 20.0 * self.cp)
 
     def dense_block(self, layer: int) -> Work:
         a, t, T, c = self.args, self.tp, self.tokens, self.c
@@ -175,9 +189,9 @@ class Shape:
         return Work([Matmul(T, a.dim, v)], 6 * w * a.dim * T + 4 * w * v * T, 13.0)
 
 
-def chunk_passes(shape: Shape, layers, embed: bool, head: bool, recompute: str) -> Passes:
+def chunk_passes(shape: Shape, layers, embed: bool, head: bool, recompute: str, split: bool = False) -> Passes:
     """One micro-batch through a chunk holding `layers` (global indices), the embedding
-    and/or the head."""
+    and/or the head; `split`: zero bubble splits each block's backward (B, then W)."""
     forward, rerun = Work(), Work()
     for i in layers:
         block = shape.dense_block(i)
@@ -190,6 +204,7 @@ def chunk_passes(shape: Shape, layers, embed: bool, head: bool, recompute: str) 
     if head:
         forward = forward + shape.head()
     inputs, weights = backward(forward)
+    weights.splits = float(len(layers)) if split else 0.0
     if embed:  # no input gradient: the lookup's backward fills the table's gradient
         forward, weights = shape.embedding() + forward, weights + shape.embedding_backward()
     return Passes(forward, inputs, weights, rerun)
