@@ -126,7 +126,8 @@ def this_machine(cache_dir: str) -> Cluster:
     flops = float(json.loads(path.read_text())["flops"])
     fits = load(cache_dir)
     if not fits:
-        raise ConfigError("--cluster", THIS_MACHINE, "no interconnect calibration: run `ndtrain bench comm` first")
+        raise ConfigError("--cluster", THIS_MACHINE, "no interconnect calibration: run `ndtrain bench comm` "
+                          "(or `ndtrain bench plan`, which also measures the compute) first")
     link = nearest(fits["all_reduce"], 2)
     from ndtrain.plan.compute import compute_file
     measured = {}
