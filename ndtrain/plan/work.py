@@ -37,7 +37,6 @@ class Matmul:
     n: int  # columns of the output
     times: float = 1.0  # how many (batched heads, experts; 0.5 for the causal half)
     fp8: bool = False
-    weight: bool = True  # x·Wᵀ with a weight (its backward has a weight gradient); else two input gradients
 
     @property
     def flops(self) -> float:
@@ -95,7 +94,7 @@ def backward(forward: Work) -> tuple[Work, Work]:
     inputs, weights = [], []
     for mm in forward.matmuls:
         inputs.append(Matmul(mm.m, mm.n, mm.k, mm.times, mm.fp8))
-        (weights if mm.weight else inputs).append(Matmul(mm.n, mm.m, mm.k, mm.times, mm.fp8))
+        weights.append(Matmul(mm.n, mm.m, mm.k, mm.times, mm.fp8))
     attention = [Attention(a.times, a.s_q, a.s_k, a.d, 2) for a in forward.attention]
     # autograd runs about 1.8 operations per forward one (counted on the model, forward and backward)
     return (Work(inputs, 2 * forward.elementwise, 1.35 * forward.ops, attention),
@@ -120,21 +119,19 @@ class Shape:
 
     def attention(self) -> Work:
         """The scores QKᵀ and the weighted sum AV, causal half, over rows and heads: the queries
-        this rank holds against the whole sequence; one fused kernel, or under ring and
-        all-gather context parallelism the engine's explicit blockwise kernels
-        (parallel/context/kernels.py): batched matmuls over the blocks a rank computes (the
-        causal half and the diagonal blocks whole), the scores' softmax and its backward in
-        fp32 (about 6 passes over each score forward, twice that backward), some 20 operations
-        per block and ring step."""
+        this rank holds against the whole sequence, on fused attention kernels. Under ring and
+        all-gather context parallelism the engine runs them block by block
+        (parallel/context/fused.py) and merges the partial results in fp32: per step, the
+        queries copied to head layout, the running output and its log-sum-exp merged (about 6
+        passes over the rank's queries' outputs in fp32), some 15 operations."""
         a = self.args
         heads, q = self.rows * (a.n_heads // self.tp), self.seq_len // self.cp
+        kernel = Work(ops=1.0, attention=[Attention(heads, q, self.seq_len, a.head_dim)])
         if self.cp == 1 or self.cp_impl == "ulysses":
-            return Work(ops=1.0, attention=[Attention(heads, q, self.seq_len, a.head_dim)])
-        blocks = 0.5 + 0.5 / self.cp  # of the q × s score matrix
-        scores = heads * q * self.seq_len * blocks
-        mm = [Matmul(q, a.head_dim, self.seq_len, heads * blocks, weight=False),
-              Matmul(q, self.seq_len, a.head_dim, heads * blocks, weight=False)]
-        return Work(mm, 4 * 6 * scores, 20.0 * self.cp)
+            return kernel
+        steps = self.cp if self.cp_impl == "ring" else 1
+        width = heads * q * a.head_dim  # the rank's queries (and outputs) over all its heads
+        return kernel + Work([], steps * (2 * self.c + 6 * 4) * width, 15.0 * steps)
 
     def dense_block(self, layer: int) -> Work:
         a, t, T, c = self.args, self.tp, self.tokens, self.c
