@@ -18,7 +18,7 @@ PROFILES = {"m": ((16, 0.25), (1024, 1.0), (4096, 1.0)), "k": ((16, 0.5), (1024,
             "n": ((16, 1.0), (4096, 1.0))}
 ATTENTION = ((64, 32, 1e9, 0.5e9), (64, 128, 4e9, 2e9), (1024, 32, 4e9, 2e9), (1024, 128, 16e9, 8e9))
 MODEL = Measured(rate=100e9, profiles=PROFILES, bandwidth=10e9, attention=ATTENTION, forward_op_s=2e-6,
-                 backward_op_s=3e-6, optimizer_s=1e-9, split_s=1e-3, ranks=2, threads=1)
+                 backward_op_s=3e-6, optimizer_s=1e-9, split_s=1e-3, expert_s=(1e-4, 2e-4), ranks=2, threads=1)
 
 
 def test_a_matmul_runs_at_the_rate_of_its_sizes():
@@ -34,13 +34,14 @@ def test_a_matmul_runs_at_the_rate_of_its_sizes():
 def test_attention_ops_elementwise_and_splits_add_up():
     """The attention kernel at its measured rate (bilinear in log sequence and log head size:
     s = 256, d = 64 sits halfway in both, so the geometric mean of the four corners), bytes
-    at the bandwidth, operations at their cost (backward's in B and W), splits at theirs."""
+    at the bandwidth, operations at their cost (backward's in B and W), zero bubble's splits
+    and an MoE block's expert visits at theirs."""
     a = Attention(2, 256, 256, 64)
     rate = math.exp((math.log(1e9) + math.log(4e9) + math.log(4e9) + math.log(16e9)) / 4)
     assert MODEL.attention_seconds(a) == pytest.approx(a.flops / rate)
-    work = Work([], 5e9, 1000, [], 4)
-    assert MODEL.seconds(work) == pytest.approx(0.5 + 1000 * 2e-6 + 4e-3)
-    assert MODEL.seconds(work, backward=True) == pytest.approx(0.5 + 1000 * 3e-6 + 4e-3)
+    work = Work([], 5e9, 1000, [], 4, 8)
+    assert MODEL.seconds(work) == pytest.approx(0.5 + 1000 * 2e-6 + 4e-3 + 8e-4)
+    assert MODEL.seconds(work, backward=True) == pytest.approx(0.5 + 1000 * 3e-6 + 4e-3 + 16e-4)
     assert MODEL.optimizer_seconds(1e6) == pytest.approx(1e-3)
 
 

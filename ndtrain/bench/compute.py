@@ -9,7 +9,8 @@ rank at once, each with its share of the cores, as in training:
 - the cost of one operation, forward and backward: a two-block decoder of width 32 on 8
   tokens (its arithmetic negligible), timed, over the operations it dispatches; and the
   fixed cost per block of zero bubble's split backward, the same decoder's split backward
-  (parallel/pipeline/weightgrad.py) against its plain one;
+  (parallel/pipeline/weightgrad.py) against its plain one; and per expert an MoE block
+  visits, the same decoder with MoE blocks (8 experts, top-2) against the dense one;
 - the optimizer step per parameter: zeroing the gradients, the global-norm clip's norm and
   scaling, AdamW as `train/optim.py` builds it, on 4M parameters in tensors of a model's
   sizes.
@@ -128,37 +129,54 @@ class _Count(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def op_costs() -> tuple[float, float, float]:
-    """(seconds per operation of a decoder's forward, of its backward, and per block of zero
-    bubble's split backward): a two-block decoder of width 32 on 8 tokens, whose arithmetic
-    costs nothing next to its dispatch; the split (parallel/pipeline/weightgrad.py: B, then
-    W) against its plain backward, over its blocks."""
+def _decoder(moe: bool):
+    """A two-block decoder of width 32 without its embedding, and 8 tokens: its arithmetic costs
+    nothing next to its dispatch. `moe`: MoE blocks of 8 experts of 64, top-2."""
     from ndtrain.model.args import ModelArgs
     from ndtrain.model.llama import Transformer
+
+    args = ModelArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=8,
+                     moe_experts=8 if moe else 0, moe_top_k=2, moe_ffn_dim=64)
+    torch.manual_seed(0)
+    return Transformer(args, embed=False), args
+
+
+def op_costs() -> tuple[float, float, float, tuple[float, float]]:
+    """(seconds per operation of a decoder's forward, of its backward; per block of zero
+    bubble's split backward; per expert an MoE block's loop visits, forward and backward),
+    all from the small decoders of `_decoder`: the split (parallel/pipeline/weightgrad.py:
+    B, then W) against the plain backward, over the blocks; the MoE decoder against the
+    dense one, over the experts its blocks visit."""
     from ndtrain.model.loss import token_loss_sum
     from ndtrain.parallel.pipeline.weightgrad import SplitBackward
 
-    args = ModelArgs(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64, vocab_size=64, max_seq_len=8)
-    torch.manual_seed(0)
-    model = Transformer(args, embed=False)
     x, y = torch.randn(1, 8, 32), torch.randint(0, 64, (1, 8))
+    times = {}
+    for moe in (False, True):
+        model, args = _decoder(moe)
 
-    def forward():
-        return token_loss_sum(model(x.requires_grad_()), y)
+        def forward():
+            return token_loss_sum(model(x.requires_grad_()), y)
 
-    def both():
-        forward().backward()
+        def both():
+            forward().backward()
 
-    def split():
-        inp = x.detach().requires_grad_()
-        SplitBackward(token_loss_sum(model(inp), y), inp, None).weights()
+        times[moe] = (seconds_per_call(forward), seconds_per_call(both))
+        if not moe:
+            with _Count() as f_ops:
+                loss = forward()
+            with _Count() as b_ops:
+                loss.backward()
 
-    with _Count() as f_ops:
-        loss = forward()
-    with _Count() as b_ops:
-        loss.backward()
-    f, fb, fs = seconds_per_call(forward), seconds_per_call(both), seconds_per_call(split)
-    return f / f_ops.n, max(fb - f, 0.0) / b_ops.n, max(fs - fb, 0.0) / args.n_layers
+            def split():
+                inp = x.detach().requires_grad_()
+                SplitBackward(token_loss_sum(model(inp), y), inp, None).weights()
+
+            fs = seconds_per_call(split)
+    (f, fb), (mf, mfb) = times[False], times[True]
+    visits = 2 * 8  # blocks × experts
+    expert = (max(mf - f, 0.0) / visits, max((mfb - mf) - (fb - f), 0.0) / visits)
+    return f / f_ops.n, max(fb - f, 0.0) / b_ops.n, max(fs - fb, 0.0) / args.n_layers, expert
 
 
 def optimizer_cost(train) -> float:
@@ -186,9 +204,9 @@ def optimizer_cost(train) -> float:
 def measure(train, ranks: int, threads: int) -> Measured:
     """Every figure, on every rank at once (collective when distributed)."""
     rate, profiles = matmul_profiles()
-    forward_op, backward_op, split = op_costs()
+    forward_op, backward_op, split, expert = op_costs()
     return Measured(rate, profiles, bandwidth(), attention_rates(), forward_op, backward_op, optimizer_cost(train),
-                    split, ranks, threads)
+                    split, expert, ranks, threads)
 
 
 def median(models: list[Measured]) -> Measured:
@@ -201,4 +219,5 @@ def median(models: list[Measured]) -> Measured:
                       for i, p in enumerate(first.attention))
     return Measured(mid([m.rate for m in models]), profiles, mid([m.bandwidth for m in models]), attention,
                     mid([m.forward_op_s for m in models]), mid([m.backward_op_s for m in models]),
-                    mid([m.optimizer_s for m in models]), mid([m.split_s for m in models]), first.ranks, first.threads)
+                    mid([m.optimizer_s for m in models]), mid([m.split_s for m in models]),
+                    tuple(mid([m.expert_s[i] for m in models]) for i in (0, 1)), first.ranks, first.threads)

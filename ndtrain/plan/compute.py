@@ -23,7 +23,9 @@ training):
   parameter of the rank's shard;
 - zero bubble's split of a block's backward (parallel/pipeline/weightgrad.py walks the
   graph for the split nodes and resumes autograd at each) a fixed time per block, measured
-  on the same small decoder.
+  on the same small decoder; and an MoE block's routing and loop over its experts (on a CPU
+  one matmul per expert, `model/moe.py`) a fixed time per local expert, from the same
+  decoder with MoE blocks of 8 experts.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class Measured:
     backward_op_s: float  # seconds per operation of its backward
     optimizer_s: float  # seconds per parameter: zero_grad, clip, AdamW
     split_s: float  # seconds per block of zero bubble's B/W split (finding the split nodes, resuming at each)
+    expert_s: tuple  # (forward, backward) seconds per local expert an MoE block visits, beyond its arithmetic
     ranks: int  # local processes it was measured with
     threads: int  # torch threads per rank
 
@@ -108,7 +111,8 @@ class Measured:
     def seconds(self, work: Work, backward: bool = False) -> float:
         op = self.backward_op_s if backward else self.forward_op_s
         return (sum(self.matmul_seconds(mm) for mm in work.matmuls) + sum(self.attention_seconds(a) for a in work.attention)
-                + work.elementwise / self.bandwidth + work.ops * op + work.splits * self.split_s)
+                + work.elementwise / self.bandwidth + work.ops * op + work.splits * self.split_s
+                + work.experts * self.expert_s[1 if backward else 0])
 
     def optimizer_seconds(self, params: float) -> float:
         return params * self.optimizer_s
@@ -122,6 +126,7 @@ class Measured:
         data = dict(data)
         data["profiles"] = {d: tuple(tuple(p) for p in pts) for d, pts in data["profiles"].items()}
         data["attention"] = tuple(tuple(p) for p in data["attention"])
+        data["expert_s"] = tuple(data["expert_s"])
         return cls(**data)
 
 

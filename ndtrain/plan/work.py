@@ -67,10 +67,11 @@ class Work:
     ops: float = 0.0  # operations dispatched (each costs a fixed overhead on a CPU)
     attention: list[Attention] = field(default_factory=list)
     splits: float = 0.0  # blocks whose backward zero bubble splits into B and W (a fixed cost each)
+    experts: float = 0.0  # local experts an MoE block's loop visits (a fixed cost each on a CPU)
 
     def __add__(self, other: "Work") -> "Work":
         return Work(self.matmuls + other.matmuls, self.elementwise + other.elementwise, self.ops + other.ops,
-                    self.attention + other.attention, self.splits + other.splits)
+                    self.attention + other.attention, self.splits + other.splits, self.experts + other.experts)
 
     @property
     def flops(self) -> float:
@@ -97,7 +98,7 @@ def backward(forward: Work) -> tuple[Work, Work]:
         weights.append(Matmul(mm.n, mm.m, mm.k, mm.times, mm.fp8))
     attention = [Attention(a.times, a.s_q, a.s_k, a.d, 2) for a in forward.attention]
     # autograd runs about 1.8 operations per forward one (counted on the model, forward and backward)
-    return (Work(inputs, 2 * forward.elementwise, 1.35 * forward.ops, attention),
+    return (Work(inputs, 2 * forward.elementwise, 1.35 * forward.ops, attention, experts=forward.experts),
             Work(weights, 0.0, 0.45 * forward.ops))
 
 
@@ -167,7 +168,7 @@ class Shape:
         slots = routed * a.moe_top_k * self.imbalance
         # softmax and top-k over E, the slots gathered, sorted, scattered back and weighted
         elementwise = 12 * a.moe_experts * routed + slots * (6 * c * h + 5 * c * fe)
-        return Work(mm, elementwise, 30.0 + 12.0 * local)  # a loop over the local experts on a CPU
+        return Work(mm, elementwise, 30.0, experts=float(local))  # a loop over the local experts on a CPU
 
     def embedding(self) -> Work:
         """The lookup forward; its backward (`embedding_backward`) fills a whole table."""
