@@ -141,12 +141,15 @@ def _parser() -> argparse.ArgumentParser:
                                     "--search for the best layouts that fit",
                        description="Plan before you spend: memory per rank (parameters, gradients, optimizer "
                                    "states, activations, communication buffers), step time (compute, TP/SP/CP/EP, "
-                                   "pipeline bubble, DP/ZeRO), tokens/s, MFU and days, for a layout on a cluster "
-                                   "too large for this machine. Checks the layout with the rules train enforces. "
-                                   "Formulas and sources: docs/plan.md.")
+                                   "pipeline bubble of the schedule simulated, DP/ZeRO, optimizer), tokens/s, MFU "
+                                   "and HFU, and days, for a layout on a cluster too large for this machine; "
+                                   "mixtures of experts (expert parallelism) and fp8 (train.precision=fp8, "
+                                   "train.fp8_recipe, train.fp8_all_gather: planned from formulas) included. "
+                                   "Checks the layout with the rules train enforces. Formulas and sources: "
+                                   "docs/plan.md.")
     p.add_argument("--cluster", required=True, metavar="SPEC",
                    help="A100-40GB, A100-80GB, H100-SXM, H200, B200, this-machine (calibrated by bench matmul "
-                        "and bench comm), or a TOML file")
+                        "and bench comm; its compute by bench plan), or a TOML file")
     p.add_argument("--gpus", type=int, metavar="N", help="GPUs (processes); default: the layout's product, or one node")
     p.add_argument("--mfu", type=float, metavar="X", help="an achieved MFU (0-1: model FLOPs over the peak) instead "
                                                           "of the modelled step time")
