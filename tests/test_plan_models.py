@@ -12,8 +12,8 @@ from ndtrain.config import load_config, validate
 from ndtrain.plan.calibration import LinkFit
 from ndtrain.plan.cluster import PRESETS, Cluster
 from ndtrain.plan.fp8 import Fp8
-from ndtrain.plan.memory import stage_chunks
-from ndtrain.plan.search import search
+from ndtrain.plan.params import stage_chunks
+from ndtrain.plan.search import candidates, search
 from ndtrain.plan.steptime import step_time
 
 # Mixtral 8x7B (Jiang et al. 2024, arXiv 2401.04088; Mistral's release: 46.7B parameters, 12.9B
@@ -66,13 +66,17 @@ def test_experts_split_over_ep_and_their_all_to_all(capsys):
     assert skewed["moe_imbalance"] == 1.5
 
 
-def test_search_tries_expert_parallelism(capsys):
-    cfg = load_config(None, ["model.preset=tiny-moe", "train.seq_len=256", "train.global_batch=8"])
-    found, _, _ = search(cfg, cfg.model_args(), PRESETS["A100-40GB"], 4, top=1000)
-    eps = {f.plan.cfg.parallel.ep for f in found}
-    assert eps == {1, 2, 4}
+def test_search_tries_expert_parallelism():
+    """Candidates vary ep over the powers of two dividing the experts (a dense model: 1 only);
+    what the search proposes passes `validate` as train would."""
+    moe = load_config(None, ["model.preset=tiny-moe", "train.seq_len=64", "train.global_batch=4"])
+    dense = load_config(None, ["model.preset=tiny", "train.seq_len=64", "train.global_batch=4"])
+    eps = lambda cfg: {o for c in candidates(cfg, cfg.model_args(), 4, 8) for o in c if o.startswith("parallel.ep")}  # noqa: E731
+    assert eps(moe) == {"parallel.ep=1", "parallel.ep=2", "parallel.ep=4"} and eps(dense) == {"parallel.ep=1"}
+    found, _, _ = search(moe, moe.model_args(), PRESETS["A100-40GB"], 2, top=1000)
+    assert {f.plan.cfg.parallel.ep for f in found} == {1, 2}
     for f in found:
-        validate(f.plan.cfg.copy(), world=4, check_paths=False)
+        validate(f.plan.cfg.copy(), world=2, check_paths=False)
 
 
 # -- fp8 -----------------------------------------------------------------------------------

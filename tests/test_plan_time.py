@@ -10,7 +10,7 @@ from ndtrain.config import load_config, validate
 from ndtrain.plan.calibration import LinkFit
 from ndtrain.plan.cluster import Cluster
 from ndtrain.parallel.pipeline.schedules import theory_bubble
-from ndtrain.plan.memory import stage_chunks, stage_params
+from ndtrain.plan.params import stage_chunks, stage_params
 from ndtrain.plan.pipeline import _simulated, bubble_fraction, makespan
 from ndtrain.plan.steptime import step_time
 from ndtrain.testing import run_ranks

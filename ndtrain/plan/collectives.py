@@ -14,7 +14,7 @@ from ndtrain.model.args import ModelArgs
 from ndtrain.parallel.pipeline.partition import Chunk
 from ndtrain.plan.cluster import Cluster
 from ndtrain.plan.experts import expert_weights
-from ndtrain.plan.memory import BYTES, block_weight_groups, block_weights, padded_vocab
+from ndtrain.plan.params import BYTES, block_weight_groups, block_weights, padded_vocab
 
 INNER_TO_OUTER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
 

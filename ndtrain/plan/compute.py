@@ -110,8 +110,8 @@ class Measured:
 
     def seconds(self, work: Work, backward: bool = False) -> float:
         op = self.backward_op_s if backward else self.forward_op_s
-        return (sum(self.matmul_seconds(mm) for mm in work.matmuls) + sum(self.attention_seconds(a) for a in work.attention)
-                + work.elementwise / self.bandwidth + work.ops * op + work.splits * self.split_s
+        return (sum(self.matmul_seconds(mm) for mm in work.matmuls)
+                + sum(self.attention_seconds(a) for a in work.attention) + work.elementwise / self.bandwidth + work.ops * op + work.splits * self.split_s
                 + work.experts * self.expert_s[1 if backward else 0])
 
     def optimizer_seconds(self, params: float) -> float:

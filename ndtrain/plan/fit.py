@@ -11,7 +11,7 @@ refuses it in one line, naming the model key, the bytes needed and the bytes the
 from __future__ import annotations
 
 from ndtrain.config import Config, ConfigError
-from ndtrain.plan.memory import stage_chunks, stage_states
+from ndtrain.plan.params import stage_chunks, stage_states
 
 MODEL_KEYS = ("dim", "n_layers", "ffn_dim", "vocab_size", "n_heads", "n_kv_heads", "moe_experts", "moe_ffn_dim")
 

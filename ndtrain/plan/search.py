@@ -19,7 +19,7 @@ from itertools import product
 from ndtrain.config import Config, ConfigError, validate
 from ndtrain.model.args import ModelArgs
 from ndtrain.plan.cluster import Cluster
-from ndtrain.plan.memory import stage_chunks, stage_states
+from ndtrain.plan.params import stage_chunks, stage_states
 from ndtrain.plan.planner import Plan, make_plan
 
 RECOMPUTE = ("none", "selective", "full")
@@ -122,7 +122,8 @@ def render(found: list[Found], cluster: Cluster, gpus: int) -> str:
     for i, f in enumerate(found, 1):
         p, t = f.plan.cfg.parallel, f.plan.cfg.train
         schedule = (p.pp_schedule + (f" v{p.pp_virtual}" if p.pp_virtual > 1 else "")) if p.pp > 1 else "-"
-        lines.append(f"{i:>2}  {p.tp:>3} {p.cp:>3} {p.pp:>3} {p.dp:>4} {p.ep:>3} {p.dp_replicate:>3} {p.zero:>4} {schedule:>12} "
+        lines.append(f"{i:>2}  {p.tp:>3} {p.cp:>3} {p.pp:>3} {p.dp:>4} {p.ep:>3} {p.dp_replicate:>3} {p.zero:>4} "
+                     f"{schedule:>12} "
                      f"{t.micro_batch:>5} {t.recompute:>9}  {f.plan.worst.total / 2**30:>6,.1f} GiB  "
                      f"{f.plan.step_time_s:>7,.2f} s  {f.plan.tokens_per_s:>12,.0f}  {f.plan.mfu:>6.1%}")
     return "\n".join(lines)

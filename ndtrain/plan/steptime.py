@@ -57,7 +57,7 @@ from ndtrain.plan.cluster import Cluster
 from ndtrain.plan.collectives import collective, dp_group_seconds, group_seconds, spans_nodes
 from ndtrain.plan.experts import a2a_bytes, counts_bytes
 from ndtrain.plan.fp8 import Fp8
-from ndtrain.plan.memory import BYTES, stage_chunks, stage_split
+from ndtrain.plan.params import BYTES, stage_chunks, stage_split
 from ndtrain.plan.pipeline import bubble_fraction
 from ndtrain.plan.work import Shape, Work, chunk_passes
 
@@ -166,7 +166,8 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster, fp8: Fp8 | None = 
     shape = micro_shape(cfg, args, fp8, imbalance)
     per_stage = stage_chunks(cfg, args)
     n_chunks = p.pp * p.pp_virtual
-    times = {ch.index: chunk_time(cfg, args, cluster, ch, n_chunks, shape, rate) for chunks in per_stage for ch in chunks}
+    times = {ch.index: chunk_time(cfg, args, cluster, ch, n_chunks, shape, rate)
+             for chunks in per_stage for ch in chunks}
     stages = []
     for chunks in per_stage:
         st = StepTime()
