@@ -71,7 +71,9 @@ def test_search_tries_expert_parallelism():
     what the search proposes passes `validate` as train would."""
     moe = load_config(None, ["model.preset=tiny-moe", "train.seq_len=64", "train.global_batch=4"])
     dense = load_config(None, ["model.preset=tiny", "train.seq_len=64", "train.global_batch=4"])
-    eps = lambda cfg: {o for c in candidates(cfg, cfg.model_args(), 4, 8) for o in c if o.startswith("parallel.ep")}  # noqa: E731
+
+    def eps(cfg):
+        return {o for c in candidates(cfg, cfg.model_args(), 4, 8) for o in c if o.startswith("parallel.ep")}
     assert eps(moe) == {"parallel.ep=1", "parallel.ep=2", "parallel.ep=4"} and eps(dense) == {"parallel.ep=1"}
     found, _, _ = search(moe, moe.model_args(), PRESETS["A100-40GB"], 2, top=1000)
     assert {f.plan.cfg.parallel.ep for f in found} == {1, 2}
