@@ -37,7 +37,7 @@ Once per step, after the last backward:
   whose collectives run beside the compute (GPUs) the reductions overlap the last backward
   and the gathers the compute; on this machine gloo shares the cores, so all of it counts;
 - MoE weights' gradients, partial over tp (every tp rank routes its own positions), are
-  all-reduced over tp;
+  all-reduced over tp (counted with the data-parallel reductions);
 - the optimizer step (zeroing, clip, AdamW on the rank's shard), priced on this machine once
   `bench plan` measured it; left out on GPUs (memory-bound, about 1% of a step).
 A group's collectives use the link inside a node when its ranks fit in one (the mesh puts
@@ -173,8 +173,7 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster, fp8: Fp8 | None = 
         st = StepTime()
         for part in PARTS:
             setattr(st, part, m * sum(times[ch.index].parts[part] for ch in chunks))
-        st.dp = data_parallel(cfg, args, cluster, chunks, m, st, fp8)
-        st.tp += moe_tp_reduction(cfg, args, cluster, chunks)
+        st.dp = data_parallel(cfg, args, cluster, chunks, m, st, fp8) + moe_tp_reduction(cfg, args, cluster, chunks)
         st.optimizer = cluster.compute_model(t.precision).optimizer_seconds(optimizer_params(cfg, args, chunks))
         stages.append(st)
     if p.pp > 1:
@@ -186,7 +185,6 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster, fp8: Fp8 | None = 
     after = max(stages, key=lambda s: s.dp + s.optimizer)
     step = StepTime(**{k: getattr(busiest, k) for k in PARTS})
     step.bubble = max(span - busiest.busy, 0.0) if p.pp > 1 else 0.0
-    step.tp += after.tp - busiest.tp if p.pp > 1 else 0.0
     step.dp, step.optimizer = after.dp, after.optimizer
     step.detail["bubble_fraction"] = fraction
     return step, stages
