@@ -143,16 +143,27 @@ def _add_plan(sub) -> None:
                                     "--search for the best layouts that fit",
                        description="Plan before you spend: memory per rank (parameters, gradients, optimizer "
                                    "states, activations, communication buffers), step time (compute, TP/SP/CP/EP, "
-                                   "pipeline bubble, DP/ZeRO), tokens/s, MFU and days, for a layout on a cluster "
-                                   "too large for this machine. Checks the layout with the rules train enforces. "
-                                   "Formulas and sources: docs/plan.md.")
+                                   "pipeline bubble of the schedule simulated, DP/ZeRO, optimizer), tokens/s, MFU "
+                                   "and HFU, and days, for a layout on a cluster too large for this machine; "
+                                   "mixtures of experts (expert parallelism) and fp8 (train.precision=fp8, "
+                                   "train.fp8_recipe, train.fp8_all_gather: planned from formulas) included. "
+                                   "Checks the layout with the rules train enforces. Formulas and sources: "
+                                   "docs/plan.md.")
     p.add_argument("--cluster", required=True, metavar="SPEC",
                    help="A100-40GB, A100-80GB, H100-SXM, H200, B200, this-machine (calibrated by bench matmul "
-                        "and bench comm), or a TOML file")
+                        "and bench comm; its compute by bench plan), or a TOML file")
     p.add_argument("--gpus", type=int, metavar="N", help="GPUs (processes); default: the layout's product, or one node")
-    p.add_argument("--mfu", type=float, metavar="X", help="an achieved MFU (0-1) instead of the modelled step time")
-    p.add_argument("--tflops", type=float, metavar="X", help="an achieved TFLOP/s per GPU instead of the modelled step time")
+    p.add_argument("--mfu", type=float, metavar="X", help="an achieved MFU (0-1: model FLOPs over the peak) instead "
+                                                          "of the modelled step time")
+    p.add_argument("--tflops", type=float, metavar="X", help="an achieved model TFLOP/s per GPU (the MFU convention: "
+                                                             "PaLM, Llama 3) instead of the modelled step time")
+    p.add_argument("--hfu", type=float, metavar="X", help="an achieved HFU (0-1: hardware FLOPs, recomputation "
+                                                          "included, over the peak)")
+    p.add_argument("--hfu-tflops", type=float, metavar="X", help="an achieved hardware TFLOP/s per GPU, recomputation "
+                                                                 "included (Megatron's published rates)")
     p.add_argument("--tokens", metavar="N", help="tokens to train on (e.g. 15T, 300B, 2e12): prints the days")
+    p.add_argument("--moe-imbalance", type=float, metavar="X", help="mixture of experts: the busiest rank's routed "
+                                                                    "slots over the average (default 1: balanced)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.add_argument("--search", action="store_true", help="list the fastest layouts that fit (model, batch, "
                                                           "sequence and precision as configured)")
@@ -190,7 +201,9 @@ def _add_bench(sub) -> None:
                                      "comm (every collective's bus bandwidth, our ring all-reduce vs the backend's), "
                                      "sft (packed vs padded fine-tuning rows), checkpoint (our save/load vs "
                                      "torch.distributed.checkpoint, MB/s), ep (experts split over --nproc ranks vs "
-                                     "replicated), generate (KV cache vs recomputing the prefix, one process); "
+                                     "replicated), generate (KV cache vs recomputing the prefix, one process), "
+                                     "plan (the planner's step time against the engine's, each layout on this "
+                                     "machine); "
                                      "KEY=VALUE reaches both sides or is refused",
                        description="Run ndtrain and its PyTorch-native anchor side by side (sft: packed and padded "
                                    "rows), alternating rounds; the last line is the ratio of their median "
@@ -198,7 +211,7 @@ def _add_bench(sub) -> None:
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "checkpoint", "ep",
-                                    "generate"])
+                                    "generate", "plan"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, help="alternating A/B rounds (default 10; generate 5)")
     p.add_argument("--steps", type=int, help="timed steps per round (default 3; generate 1: one whole generation)")
