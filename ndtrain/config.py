@@ -61,6 +61,17 @@ class ModelConfig:
     moe_norm_topk: bool | None = None
     moe_route_scale: float | None = None
     moe_capacity: float | None = None  # capacity factor; 0 = dropless
+    # Features of Hugging Face families (model/args.py; set from model.init_from=hf:DIR).
+    rope_scaling: str | None = None  # JSON, e.g. {"rope_type": "linear", "factor": 2.0}; "" = none
+    sliding_window: int | None = None  # 0 = none
+    window_layers: str | None = None  # the layers with the window, e.g. "0,2,4"; none = every layer
+    norm_offset: float | None = None  # Gemma 2: norms scale by (1 + weight)
+    sandwich_norm: bool | None = None  # Gemma 2: a norm after attention and after the MLP too
+    mlp_act: str | None = None  # silu | gelu_tanh
+    embed_scale: float | None = None  # embeddings × this (Gemma 2: √dim)
+    query_pre_attn_scalar: float | None = None  # attention scale^-2 instead of head_dim; 0 = head_dim
+    attn_softcap: float | None = None  # Gemma 2: cap·tanh(score / cap); 0 = none
+    logit_softcap: float | None = None  # Gemma 2: cap·tanh(logit / cap); 0 = none
     # "" = random init (ndtrain sft: the default pretraining run; "scratch" = random init);
     # run:DIR (an ndtrain run or checkpoint) or hf:DIR (a HF model folder)
     init_from: str = ""
@@ -227,9 +238,28 @@ class Config:
                    if f.name not in ("preset", "init_from") and getattr(m, f.name) is not None}
         if vocab_size is not None and m.vocab_size is None:
             changes["vocab_size"] = vocab_size
+        if "window_layers" in changes:
+            changes["window_layers"] = window_layers_of(changes["window_layers"])
         if "max_seq_len" not in changes:
             changes["max_seq_len"] = max(base.max_seq_len, self.train.seq_len)
         return base.with_(**changes)
+
+
+FAMILY_KEYS = ("rope_scaling", "sliding_window", "window_layers", "norm_offset", "sandwich_norm", "mlp_act",
+               "embed_scale", "query_pre_attn_scalar", "attn_softcap", "logit_softcap")
+
+
+def window_layers_of(text: str) -> tuple[int, ...] | None:
+    """model.window_layers ("0,2,4") as ModelArgs holds it (None: every layer)."""
+    return tuple(int(x) for x in text.split(",")) if text.strip() else None
+
+
+def model_key_value(args: ModelArgs, key: str):
+    """The model.<key> config value that gives `args.<key>`."""
+    value = getattr(args, key)
+    if key == "window_layers":
+        return None if value is None else ",".join(str(i) for i in value)
+    return value
 
 
 # `ndtrain sft`'s own defaults, applied before --config and KEY=VALUE (configs/sft.toml
@@ -599,6 +629,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
                           f"= ({p.dp} / {p.dp_replicate}) × {p.cp} = 1: nothing to shard; use zero=0 or more "
                           "data-parallel ranks")
 
+    _check_family_keys(m)
     a = cfg.model_args(vocab_size=m.vocab_size or PRESETS[m.preset].vocab_size)
     if m.head_dim is None and a.dim % a.n_heads:
         raise ConfigError("model.n_heads", a.n_heads, f"must divide model.dim = {a.dim} (or set model.head_dim)")
@@ -628,6 +659,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     _check_moe(cfg, a)
 
     _check_context(cfg, a)
+    _check_family(cfg, a)
 
     if check_paths:
         if d.path not in EMBEDDED_DATA and not Path(os.path.expanduser(d.path)).exists():
@@ -651,6 +683,43 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     _check_sft(cfg.sft)
     _check_rl(cfg.rl)
     return cfg
+
+
+def _check_family_keys(m: ModelConfig) -> None:
+    """The keys of model/args.py's family features, each on its own."""
+    from ndtrain.model.llama import ACTIVATIONS
+    for key in ("sliding_window", "norm_offset", "embed_scale", "query_pre_attn_scalar", "attn_softcap",
+                "logit_softcap"):
+        _positive(f"model.{key}", getattr(m, key), zero_ok=key != "embed_scale")
+    if m.mlp_act is not None and m.mlp_act not in ACTIVATIONS:
+        raise ConfigError("model.mlp_act", m.mlp_act, f"choose one of {', '.join(ACTIVATIONS)}")
+    if m.window_layers is not None and not re.fullmatch(r"\s*(\d+\s*(,\s*\d+\s*)*)?", m.window_layers):
+        raise ConfigError("model.window_layers", m.window_layers, "expected layer indices separated by commas, "
+                          "e.g. 0,2,4 (none: every layer)")
+
+
+def _check_family(cfg: Config, a: ModelArgs) -> None:
+    """The family features against the model and the layout: a rotary scaling we can
+    compute, windowed layers that exist, and what context parallelism cannot do."""
+    from ndtrain.model.rope import LENGTH_DEPENDENT, scaling_of, scaling_problem
+    problem = scaling_problem(a.rope_scaling, a.head_dim)
+    if problem:
+        raise ConfigError("model.rope_scaling", a.rope_scaling, problem)
+    outside = [i for i in a.window_layers or () if i >= a.n_layers]
+    if outside:
+        raise ConfigError("model.window_layers", cfg.model.window_layers, f"layer {outside[0]} is not one of the "
+                          f"model's {a.n_layers}")
+    cp = cfg.parallel.cp
+    if cp > 1 and a.attn_softcap:
+        raise ConfigError("parallel.cp", cp, f"model.attn_softcap = {a.attn_softcap} (Gemma 2) caps attention "
+                          "scores inside the kernel; context parallelism's attention kernels have no soft-capping "
+                          "(use cp = 1)")
+    rope = scaling_of(a.rope_scaling)
+    if cp > 1 and rope["rope_type"] in LENGTH_DEPENDENT and cfg.train.seq_len > rope["original_max_position_embeddings"]:
+        raise ConfigError("parallel.cp", cp, f"{rope['rope_type']} rotary scaling picks its frequencies from the "
+                          "longest position of the whole sequence, which a context-parallel rank does not see; "
+                          f"train.seq_len = {cfg.train.seq_len} exceeds the original context "
+                          f"{rope['original_max_position_embeddings']} (use cp = 1 or a shorter train.seq_len)")
 
 
 def _check_rl(r: RLConfig) -> None:

@@ -107,7 +107,7 @@ def from_hf(folder: Path, run: Path) -> Path:
     args = source.args
     cfg = config_mod.Config()
     for key in SHAPE_KEYS + ("max_seq_len",) + (MOE_KEYS if args.is_moe else ()):
-        setattr(cfg.model, key, getattr(args, key))
+        setattr(cfg.model, key, config_mod.model_key_value(args, key))
     run.mkdir(parents=True, exist_ok=True)
     if (Path(folder) / "tokenizer.json").is_file():
         shutil.copyfile(Path(folder) / "tokenizer.json", run / "tokenizer.json")
