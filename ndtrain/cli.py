@@ -116,8 +116,13 @@ def _parser() -> argparse.ArgumentParser:
                                    "`ndtrain train` does this itself when needed.")
     with_config(p)
 
-    p = sub.add_parser("generate", help="sample text from a trained run")
-    p.add_argument("--run", required=True, metavar="DIR", help="a run directory written by `ndtrain train`")
+    p = sub.add_parser("generate", help="sample text from a trained run",
+                       description="Continue --prompt with the run's newest good checkpoint. The prompt is read as a "
+                                   "Hugging Face tokenizer reads it (special tokens written in it are those tokens; a "
+                                   "BOS the tokenizer adds is added); generation stops at every eos id of the run's "
+                                   "generation_config.json (else at the tokenizer's end of text).")
+    p.add_argument("--run", required=True, metavar="DIR", help="a run directory written by `ndtrain train`, `sft`, "
+                                                              "`rl` or `convert --from-hf`")
     p.add_argument("--prompt", required=True, metavar="TEXT")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -157,16 +162,23 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--top", type=int, default=10, metavar="K", help="--search: how many layouts (default 10)")
     with_config(p)
 
-    p = sub.add_parser("convert", help="Hugging Face models in and out (Llama, Qwen2, Qwen3)",
+    p = sub.add_parser("convert", help="Hugging Face models in and out (Llama, Mistral, Qwen2/3, Mixtral, "
+                                       "Qwen3-MoE, Phi-3, Gemma 2: docs/hf.md)",
                        description="--from-hf DIR --to RUN_DIR: a run directory with a step-0 checkpoint of the HF "
-                                   "weights and its tokenizer (train from it with model.init_from=run:RUN_DIR). "
-                                   "--to-hf RUN_DIR --out DIR: the run's newest good checkpoint as a HF model folder "
-                                   "(model.safetensors, config.json, tokenizer.json).")
+                                   "weights, its tokenizer files and generation config (train from it with "
+                                   "model.init_from=run:RUN_DIR). --to-hf RUN_DIR --out DIR: the run's newest good "
+                                   "checkpoint as a HF model folder (model.safetensors, config.json, the tokenizer "
+                                   "files with the chat template, generation_config.json), in the family and dtype "
+                                   "the model came from. Supported families and what is refused: docs/hf.md.")
     p.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model folder (config.json, *.safetensors)")
     p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
     p.add_argument("--to-hf", metavar="RUN_DIR", help="an ndtrain run directory (or one checkpoint folder)")
     p.add_argument("--out", metavar="DIR", help="with --to-hf: the HF model folder to write")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="--to-hf: the exported dtype (default: as stored)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="--to-hf: the exported dtype (default: the dtype of the HF model the run came from, else fp32)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--to-hf: write into a non-empty --out, removing its weights, config and tokenizer files "
+                        "first (without it a non-empty folder is refused)")
 
     p = sub.add_parser("checkpoint", help="inspect a run's checkpoints",
                        description="inspect DIR: the checkpoints of a run (or one checkpoint folder): steps, the "
@@ -662,6 +674,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from ndtrain.checkpoint import store
+    from ndtrain.checkpoint.hf_files import eos_ids
     from ndtrain.checkpoint.layout import load_model
     from ndtrain.checkpoint.sources import CheckpointSource
     from ndtrain.config import ConfigError
@@ -688,13 +701,14 @@ def cmd_generate(args) -> int:
     model = Transformer(ModelArgs(**meta["model_args"]))
     load_model(CheckpointSource(last, meta), model)
     tok = TextTokenizer.from_file(run / "tokenizer.json")
-    ids = tok.encode(args.prompt)
-    if not ids:
+    ids = tok.encode_prompt(args.prompt)
+    if not args.prompt or not ids:
         raise ConfigError("--prompt", args.prompt, "must not be empty")
+    stops = set(eos_ids(run) or [tok.eot_id])  # the generation config's, as HF generate stops
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = sample(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 seed=args.seed, eot_id=tok.eot_id)
-    if out and out[-1] == tok.eot_id:
+                 seed=args.seed, stop_ids=stops)
+    if out and out[-1] in stops:
         out = out[:-1]
     print(args.prompt + tok.decode(out))
     return 0
@@ -727,7 +741,7 @@ def cmd_convert(args) -> int:
     if not Path(args.to_hf).is_dir():
         raise ConfigError("--to-hf", args.to_hf, "directory does not exist")
     out = to_hf(Path(args.to_hf), Path(args.out), args.dtype,
-                report=lambda m: print(f"ndtrain: {m}", file=sys.stderr))
+                report=lambda m: print(f"ndtrain: {m}", file=sys.stderr), overwrite=args.overwrite)
     print(f"exported {args.to_hf} → {out} (transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
 
