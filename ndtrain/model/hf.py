@@ -281,7 +281,8 @@ def hf_config(args: ModelArgs, family: Family | None = None) -> dict:
     out.update(_window_config(args, family))
     if family.gemma:
         out.pop("hidden_act")
-        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=args.query_pre_attn_scalar or args.head_dim,
+        scalar = args.query_pre_attn_scalar or args.head_dim
+        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
                    attn_logit_softcapping=args.attn_softcap or None, final_logit_softcapping=args.logit_softcap or None)
     if family.model_type == "mixtral":
         out.update(intermediate_size=args.expert_dim, num_local_experts=args.moe_experts,
