@@ -238,10 +238,9 @@ def source_args(value: str) -> tuple[ModelArgs, Path | None]:
     if not path.is_dir():
         raise ConfigError("model.init_from", value, "no such directory")
     try:
-        if kind == "hf":
-            weight_files(path)
+        if kind == "hf":  # the tensor names too (headers only), so a stray file is refused before launch
             tokenizer = path / "tokenizer.json"
-            return hf_args(path), tokenizer if tokenizer.is_file() else None
+            return HFSource(path).args, tokenizer if tokenizer.is_file() else None
         checkpoint = init_checkpoint(path)
         if checkpoint is None:
             raise CheckpointError(f"{path} holds no usable checkpoint")
