@@ -9,7 +9,10 @@ For every family, in fp32:
 - greedy generation from a 300-token prompt picks the tokens HF's `generate` picks (our KV
   cache against theirs, decoding past the original context);
 - `convert --from-hf` then `--to-hf` gives back every tensor bit for bit, and a config
-  from which transformers builds the same model (its logits at 512 positions equal).
+  from which transformers builds the same model (its logits at 512 positions equal);
+- a short SFT from it (its own chat template, packed rows): the base model's validation
+  loss ndtrain reports equals the one transformers computes on the same answer tokens, two
+  steps train, and the fine-tuned checkpoint exports to a model transformers reads alike.
 Both spellings of a scaling (`rope_scaling` with `type`, `rope_parameters` with
 `rope_type`) read alike, and a Mistral without a window loads as a Llama would.
 """
@@ -20,6 +23,8 @@ import json
 
 import pytest
 import torch
+
+from hf_helpers import chat_tokenizer
 
 transformers = pytest.importorskip("transformers")
 
@@ -76,6 +81,7 @@ def make_hf_model(folder, name: str):
             elif "qkv_proj" in n:
                 p[:q_and_k].mul_(4)
     model.save_pretrained(folder)
+    chat_tokenizer().save_pretrained(folder)
     return model
 
 
@@ -189,3 +195,74 @@ def test_a_windowless_llama_shaped_model_exports_as_llama_and_mistral_stays_mist
     config = hf_config_json(args, "float32", base)
     assert config["model_type"] == "mistral" and config["sliding_window"] is None
     assert hf_config_json(ours_from(hf_models["mistral-window"][0]).args, "float32")["model_type"] == "mistral"
+
+
+SFT_FAMILIES = ("llama3", "mistral-window", "qwen2-max-window-layers", "phi3", "gemma2")
+
+
+def _sft_from(folders: dict, data_path: str, root: str) -> dict:
+    """Rank 0 of 1: for each family, 2 SFT steps from its HF folder with its chat template
+    (the sft command's path: `fine_tune`); the base model's validation loss and the losses."""
+    from pathlib import Path
+
+    from helpers import TINY
+    from ndtrain.checkpoint.sources import resolve_init_from
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.sft import prepare_sft
+    from ndtrain.data.template import HFTemplate
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.sft import SFT, fine_tune
+    from ndtrain.train.trainer import Trainer
+    from ndtrain.train.worker import mesh_shape
+
+    out = {}
+    for name, folder in folders.items():
+        cfg = load_config(None, TINY + ["train.steps=2", "train.seq_len=64", "train.global_batch=4",
+                                        "sft.generate=0", "train.eval_batches=100", f"model.init_from=hf:{folder}"])
+        resolve_init_from(cfg)
+        validate(cfg, world=1)
+        data = prepare_sft(data_path, HFTemplate.from_dir(folder), cfg.train.seq_len, "keep_start", 0.2)
+        task = SFT(cfg, data)
+        trainer = Trainer(cfg, ParallelMesh.build(mesh_shape(cfg)), task, Path(root) / name)
+        trainer.start()
+        summary = fine_tune(trainer, task, data, cfg, Path(root) / name)
+        out[name] = {"baseline": summary["baseline_val_loss"], "losses": [r["loss"] for r in trainer.history]}
+    return out
+
+
+def test_a_short_sft_from_each_family(hf_models, tmp_path, capsys):
+    import math
+
+    from test_sft import make_records
+
+    from ndtrain.cli import main
+    from ndtrain.data.sft import prepare_sft
+    from ndtrain.data.template import HFTemplate
+    from ndtrain.testing import run_ranks
+
+    data_path = tmp_path / "chat.jsonl"
+    data_path.write_text("".join(json.dumps(r) + "\n" for r in make_records()))
+    folders = {name: str(hf_models[name][0]) for name in SFT_FAMILIES}
+    results = run_ranks(_sft_from, 1, folders, str(data_path), str(tmp_path / "runs"), timeout=600)[0]
+    for name in SFT_FAMILIES:
+        folder, theirs = hf_models[name]
+        data = prepare_sft(str(data_path), HFTemplate.from_dir(folder), 64, "keep_start", 0.2)
+        total, count = 0.0, 0
+        with torch.no_grad():
+            for ex in data.val:
+                logits = theirs(torch.as_tensor(ex.tokens[None, :-1])).logits[0]
+                trained = torch.as_tensor(ex.trained[1:])
+                losses = torch.nn.functional.cross_entropy(logits, torch.as_tensor(ex.tokens[1:]), reduction="none")
+                total, count = total + float(losses[trained].sum()), count + int(trained.sum())
+        assert results[name]["baseline"] == pytest.approx(total / count, rel=1e-5), name
+        assert len(results[name]["losses"]) == 2 and all(math.isfinite(x) for x in results[name]["losses"])
+        run, out = tmp_path / "runs" / name, tmp_path / "out" / name
+        assert main(["convert", "--to-hf", str(run), "--out", str(out)]) == 0
+        capsys.readouterr()
+        tuned = ours_from(out)
+        again = transformers.AutoModelForCausalLM.from_pretrained(
+            out, attn_implementation="eager" if FAMILIES[name][0] == "gemma2" else "sdpa").float().eval()
+        x = tokens(64)
+        with torch.no_grad():
+            torch.testing.assert_close(tuned(x), again(input_ids=x).logits, atol=1e-5, rtol=1e-5)
+            assert not torch.equal(tuned(x), theirs(input_ids=x).logits)  # the steps trained it

@@ -246,3 +246,51 @@ def test_a_config_without_rms_norm_eps_loads_with_the_familys_default(tmp_path, 
     _tiny_llama(tmp_path / "hf", rms_norm_eps=None)
     assert hf_args(tmp_path / "hf").norm_eps == transformers.AutoConfig.from_pretrained(tmp_path / "hf").rms_norm_eps
     assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--to", str(tmp_path / "run")]) == 0
+
+
+# --------------------------------------------------------------------------- a fine-tuned model's template
+
+def _ids(encoded) -> list[int]:
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def test_the_builtin_template_exports_as_a_chat_template(tiny_data, tmp_path):
+    """An SFT run with the builtin template writes a Jinja chat template that renders a
+    conversation to the ids it trained on, and a generation config stopping at <|end|>."""
+    from ndtrain.checkpoint.hf_files import carry, eos_ids
+    from ndtrain.data.chat import Conversation, Turn
+    from ndtrain.data.template import BuiltinTemplate
+    from ndtrain.data.tokenizer import TextTokenizer
+
+    template = BuiltinTemplate(TextTokenizer.from_file(f"{tiny_data}/tokenizer.json"))
+    template.save(tmp_path)
+    carry("", tmp_path, template.stop_ids)
+    conv = Conversation("k", [Turn("system", "be brief"), Turn("user", "def f(x): return x"),
+                              Turn("assistant", "the value", True)])
+    hf = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    messages = [{"role": t.role, "content": t.content} for t in conv.turns[:2]]
+    assert _ids(hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)) == template.prompt_ids(conv)
+    assert set(eos_ids(tmp_path)) == template.stop_ids == {template.end, template.tok.eot_id}
+
+
+def test_an_sft_run_exports_its_chat_template_and_stop_ids(chat_model, tmp_path, capsys):
+    from test_sft import make_records
+
+    from ndtrain.checkpoint.hf_files import eos_ids
+    from ndtrain.cli import main
+
+    folder, tok, _ = chat_model
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in make_records(16)))
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert main(["sft", "--nproc", "1", f"model.init_from=hf:{folder}", f"data.path={data}", "train.seq_len=64",
+                 "train.global_batch=4", "train.steps=1", "train.eval_batches=1", "sft.generate=0",
+                 "run.device=cpu", "run.progress=false", f"run.dir={run}"]) == 0
+    assert main(["convert", "--to-hf", str(run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    exported = transformers.AutoTokenizer.from_pretrained(out)
+    messages = [{"role": "user", "content": "what is the key"}]
+    assert exported.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == PROMPT
+    assert tok.convert_tokens_to_ids("<|im_end|>") in eos_ids(out)
+    assert set(eos_ids(folder)) <= set(eos_ids(out))
+    assert json.loads((out / "config.json").read_text())["model_type"] == "llama"
