@@ -47,6 +47,8 @@ FAMILIES = {
     "mistral-no-window": ("mistral", dict(max_position_embeddings=1024, sliding_window=None)),
     "qwen2-max-window-layers": ("qwen2", dict(max_position_embeddings=1024, num_hidden_layers=3,
                                               use_sliding_window=True, sliding_window=100, max_window_layers=1)),
+    "qwen3-window": ("qwen3", dict(max_position_embeddings=1024, head_dim=24, use_sliding_window=True,
+                                   sliding_window=100, max_window_layers=1)),
     "phi3": ("phi3", dict(max_position_embeddings=1024, sliding_window=100)),
     "phi3-longrope": ("phi3", dict(max_position_embeddings=1024, original_max_position_embeddings=128,
                                    rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
@@ -114,6 +116,7 @@ def expected_args(name: str) -> dict:
         "mistral-window": dict(sliding_window=100, window_layers=None),
         "mistral-no-window": dict(sliding_window=0),
         "qwen2-max-window-layers": dict(sliding_window=100, window_layers=(1, 2)),
+        "qwen3-window": dict(sliding_window=100, window_layers=(1,), qk_norm=True, head_dim=24),
         "phi3": dict(sliding_window=100, norm_eps=1e-6),
         "gemma2": dict(sliding_window=100, window_layers=(0,), norm_offset=1.0, sandwich_norm=True,
                        mlp_act="gelu_tanh", embed_scale=8.0, query_pre_attn_scalar=24.0, attn_softcap=5.0,
@@ -266,3 +269,9 @@ def test_a_short_sft_from_each_family(hf_models, tmp_path, capsys):
         with torch.no_grad():
             torch.testing.assert_close(tuned(x), again(input_ids=x).logits, atol=1e-5, rtol=1e-5)
             assert not torch.equal(tuned(x), theirs(input_ids=x).logits)  # the steps trained it
+
+
+def test_param_count_counts_gemma_norms(hf_models):
+    from ndtrain.model.args import param_count
+    model = ours_from(hf_models["gemma2"][0])
+    assert model.num_params() == param_count(model.args) == sum(p.numel() for p in hf_models["gemma2"][1].parameters())

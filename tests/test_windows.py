@@ -163,3 +163,36 @@ def test_family_features_under_every_layout_equal_one_process(tiny_data):
             raise AssertionError(f"{name}: {e}") from None
     # the window and the packing change what is computed (else the proofs would prove less)
     assert refs["windowed"]["losses"][0] != refs["windowed-packed"]["losses"][0]
+
+
+# --------------------------------------------------------------------------- bad input
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model.rope_scaling={nope"], "model.rope_scaling = '{nope': is not JSON"),
+    (['model.rope_scaling={"rope_type": "ntk"}'], "rope_type 'ntk' is not supported; known: default, linear"),
+    (['model.rope_scaling={"rope_type": "llama3", "factor": 8}'],
+     "rope_type 'llama3' needs low_freq_factor, high_freq_factor, original_max_position_embeddings"),
+    (['model.rope_scaling={"rope_type": "linear", "factor": 0.5}'], "factor must be >= 1, not 0.5"),
+    (["model.sliding_window=-1"], "model.sliding_window = -1: must be >= 0"),
+    (["model.window_layers=1;2"], "model.window_layers = '1;2': expected layer indices separated by commas"),
+    (["model.sliding_window=8", "model.window_layers=1,7"], "model.window_layers = '1,7': layer 7 is not one of "
+                                                           "the model's 4"),
+    (["model.mlp_act=relu"], "model.mlp_act = 'relu': choose one of silu, gelu_tanh"),
+    (["model.embed_scale=0"], "model.embed_scale = 0.0: must be > 0"),
+    (["model.attn_softcap=50", "parallel.cp=2"], "parallel.cp = 2: model.attn_softcap = 50.0 (Gemma 2) caps "
+                                                 "attention scores inside the kernel"),
+    (['model.rope_scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}',
+      "parallel.cp=2"], "parallel.cp = 2: dynamic rotary scaling picks its frequencies from the longest position"),
+    (['model.rope_scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}',
+      "parallel.cp=2"], None),  # sequences within the original context: the default angles on every rank
+])
+def test_bad_family_keys(overrides, fragment):
+    from ndtrain.config import ConfigError, load_config, validate
+    cfg = load_config(None, ["model.preset=tiny", "run.device=cpu", "train.seq_len=32", *overrides])
+    world = cfg.parallel.cp
+    if fragment is None:
+        validate(cfg, world=world)
+        return
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world=world)
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
