@@ -44,6 +44,7 @@ def train(overrides: list[str], data_dir: str, run_dir: str | None, before_fit=N
     """Start (resume or init_from) and train; (losses of the steps run, full weights on rank 0,
     the trainer)."""
     trainer = make_trainer(overrides, data_dir, run_dir)
+    trainer.meter_steps = 0  # nothing here reads the activation peak
     trainer.start()
     if before_fit is not None:
         before_fit(trainer)

@@ -37,11 +37,20 @@ def tiny_data_dir(root: Path) -> Path:
                         cache_dir=root / "cache", progress=False)
 
 
-# The layout proofs: fp64 on the CPU, AdamW's default eps (fp64 removes the round-off that
-# TINY's eps works around), tolerances from issue 9: first-step gradients at 1e-10 of each
-# tensor's largest element, every loss and the final weights at 1e-9, the gradient norm at 1e-12.
-FP64 = ["train.precision=fp64", "train.eps=1e-8"]
-GRAD_TOL, STATE_TOL, LOSS_TOL, NORM_TOL = 1e-10, 1e-9, 1e-9, 1e-12
+# The layout proofs (docs/architecture.md, "Testing: the tolerance rule"): fp64 on the CPU with
+# Adam's eps at 1e-6, which removes the optimizer's amplifier (an element whose gradient is
+# ~0 turns a rounding δ into an update lr·δ/eps; at 1e-8 the RL proofs' gap grew 3-10× a step).
+FP64 = ["train.precision=fp64", "train.eps=1e-6"]
+# The first update is compared at exact precision: a layout only sums the same terms in
+# another order, whose worst-case error γ_n = n·u (u = 1.1e-16) stays below 1.1e-11 for any
+# reduction of n ≤ 10^5 terms; observed ≤ 2e-15.
+GRAD_TOL, LOSS_TOL, NORM_TOL, STATE_TOL = 1e-10, 1e-12, 1e-12, 1e-12
+# From the second update on, the gap is the problem's own amplification of that rounding. The
+# twin reference measures it: one process with every non-zero gradient element moved, at every
+# step, by up to ROUNDING of its tensor's largest element (uniform, seeded) — γ_n for sums of
+# n = 1024 terms, more than the longest reduction in the proof models and 50× what any layout
+# shows at the first update. Exact zeros (rows no token touched) stay zero in every layout.
+ROUNDING = 2.0 ** -43
 
 
 def capture_first_grads(trainer) -> None:
@@ -57,12 +66,31 @@ def capture_first_grads(trainer) -> None:
     trainer.stepper.clip_grad_norm = clip_after_capture
 
 
+def perturb_gradients(trainer, rho: float = ROUNDING, seed: int = 0) -> None:
+    """The twin: before every clip (after any capture), add uniform noise of up to rho × the
+    tensor's largest |gradient| to each non-zero gradient element the optimizer will use.
+    Single-process runs only (each tensor is whole there)."""
+    clip = trainer.stepper.clip_grad_norm
+    gen = torch.Generator().manual_seed(seed)
+
+    def clip_after_noise(max_norm):
+        with torch.no_grad():
+            for p in trainer.par.states.optim_params():
+                if p.grad is not None:
+                    g = p.grad
+                    noise = torch.rand(g.shape, generator=gen, dtype=g.dtype).mul_(2).sub_(1)
+                    g.add_(noise.mul_(g.abs().max() * rho).masked_fill_(g == 0, 0))
+        return clip(max_norm)
+    trainer.stepper.clip_grad_norm = clip_after_noise
+
+
 def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_dir: str | None = None,
-                  resume: bool = False, before_fit=None, make_task=None):
+                  resume: bool = False, before_fit=None, make_task=None, meter: bool = False):
     """Build a Trainer on the current world with TINY + overrides and train; returns
     (losses, the full model's weights on rank 0 or None, trainer). `before_fit(trainer)`
     runs just before training (to install a probe or a fault). `make_task(cfg)` gives the
-    task (default: pretraining on the prepared `data_dir`)."""
+    task (default: pretraining on the prepared `data_dir`). `meter`: run the CPU memory
+    meter on the first two steps (it slows them 2-3×; only memory tests read it)."""
     import torch.distributed as dist
 
     from ndtrain.checkpoint import store
@@ -78,6 +106,8 @@ def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_
     mesh = ParallelMesh.build(mesh_shape(cfg))
     task = make_task(cfg) if make_task else Pretrain(cfg, PreparedData.open(data_dir))
     trainer = Trainer(cfg, mesh, task, Path(run_dir) if run_dir else None)
+    if not meter:
+        trainer.meter_steps = 0
     if resume:
         trainer.resume(store.latest(Path(run_dir)))
     if before_fit is not None:
@@ -90,13 +120,60 @@ def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_
     return losses, state, trainer
 
 
-def proof_in_rank(overrides: list[str], data_dir: str, make_task=None) -> dict:
+def proof_in_rank(overrides: list[str], data_dir: str, make_task=None, before_fit=None, twin: bool = False,
+                  meter: bool = False) -> dict:
     """One fp64 layout proof run: losses, gradient norms, first-step gradients and final
-    weights (the last two whole, on rank 0). `make_task` as in train_in_rank."""
-    losses, state, trainer = train_in_rank(FP64 + overrides, data_dir, before_fit=capture_first_grads,
-                                           make_task=make_task)
+    weights (the last two whole, on rank 0). `make_task` as in train_in_rank; `twin`: the
+    perturbed reference (perturb_gradients)."""
+    def prepare(trainer):
+        if before_fit is not None:
+            before_fit(trainer)
+        if twin:  # wrapped first, so the capture (outside it) sees the gradients before the noise
+            perturb_gradients(trainer)
+        capture_first_grads(trainer)
+    losses, state, trainer = train_in_rank(FP64 + overrides, data_dir, before_fit=prepare, make_task=make_task,
+                                           meter=meter)
     return {"losses": losses, "norms": [r["grad_norm"] for r in trainer.history],
-            "grads": trainer.first_grads, "state": state}
+            "grads": trainer.first_grads, "state": state, "history": trainer.history}
+
+
+def _envelope(gaps: list[float]) -> list[float]:
+    out, worst = [], 0.0
+    for g in gaps:
+        worst = max(worst, g)
+        out.append(worst)
+    return out
+
+
+def tensor_gap(a: dict, b: dict) -> float:
+    """The largest, over tensors, of max |a − b| / max |b|."""
+    return max(float((a[k] - b[k]).abs().max() / b[k].abs().max().clamp_min(1e-300)) for k in b)
+
+
+def loss_scale(losses: list[float]) -> list[float]:
+    """What a loss gap is relative to: the loss, or 1e-3 where it is smaller (RL's losses
+    pass through zero)."""
+    return [max(abs(x), 1e-3) for x in losses]
+
+
+def proof_tolerances(ref: dict, twin: dict) -> dict:
+    """The tolerance rule: the first update at exact precision; step k ≥ 1 at the larger of
+    that and the twin's largest gap up to step k (losses and norms), and the final weights
+    at the larger of STATE_TOL and the twin's largest per-tensor gap."""
+    loss_gap = _envelope([abs(x - y) / s for x, y, s in zip(twin["losses"], ref["losses"], loss_scale(ref["losses"]))])
+    norm_gap = _envelope([abs(x - y) / abs(y) for x, y in zip(twin["norms"], ref["norms"])])
+    return {"loss": [LOSS_TOL] + [max(LOSS_TOL, g) for g in loss_gap[1:]],
+            "norm": [NORM_TOL] + [max(NORM_TOL, g) for g in norm_gap[1:]],
+            "grads": GRAD_TOL, "state": max(STATE_TOL, tensor_gap(twin["state"], ref["state"]))}
+
+
+def reference_in_rank(overrides: list[str], data_dir: str, make_task=None, before_fit=None) -> dict:
+    """A proof's single-process reference and its twin: the reference's proof dict, with
+    the tolerances that layouts are held to under `tol` (proof_tolerances)."""
+    ref = proof_in_rank(overrides, data_dir, make_task, before_fit)
+    twin = proof_in_rank(overrides, data_dir, make_task, before_fit, twin=True)
+    ref["tol"] = proof_tolerances(ref, twin)
+    return ref
 
 
 def assert_tensors_close(a: dict, b: dict, tol: float, what: str) -> float:
@@ -112,15 +189,21 @@ def assert_tensors_close(a: dict, b: dict, tol: float, what: str) -> float:
 
 
 def assert_proof(run: dict, ref: dict) -> dict:
-    """Compare an fp64 proof run with the single-process one; returns the largest deviations."""
+    """Compare an fp64 proof run with its reference (reference_in_rank) under the tolerance
+    rule; returns the largest deviations, each as a fraction of what was allowed."""
+    tol = ref["tol"]
     assert len(run["losses"]) == len(ref["losses"])
-    loss = max(abs(x - y) / abs(y) for x, y in zip(run["losses"], ref["losses"]))
-    assert loss <= LOSS_TOL, f"losses {run['losses']} vs {ref['losses']}: {loss:.2e} > {LOSS_TOL:g}"
-    norm = max(abs(x - y) / abs(y) for x, y in zip(run["norms"], ref["norms"]))
-    assert norm <= NORM_TOL, f"gradient norms {run['norms']} vs {ref['norms']}: {norm:.2e} > {NORM_TOL:g}"
-    return {"grads": assert_tensors_close(run["grads"], ref["grads"], GRAD_TOL, "first-step gradient"),
-            "state": assert_tensors_close(run["state"], ref["state"], STATE_TOL, "final weight"),
-            "loss": loss, "norm": norm}
+    worst = {"loss": 0.0, "norm": 0.0}
+    for i, (x, y, s) in enumerate(zip(run["losses"], ref["losses"], loss_scale(ref["losses"]))):
+        gap = abs(x - y) / s
+        assert gap <= tol["loss"][i], f"step {i} loss {x!r} vs {y!r}: {gap:.2e} > {tol['loss'][i]:.2e}"
+        worst["loss"] = max(worst["loss"], gap)
+    for i, (x, y) in enumerate(zip(run["norms"], ref["norms"])):
+        gap = abs(x - y) / abs(y)
+        assert gap <= tol["norm"][i], f"step {i} gradient norm {x!r} vs {y!r}: {gap:.2e} > {tol['norm'][i]:.2e}"
+        worst["norm"] = max(worst["norm"], gap)
+    return {"grads": assert_tensors_close(run["grads"], ref["grads"], tol["grads"], "first-step gradient"),
+            "state": assert_tensors_close(run["state"], ref["state"], tol["state"], "final weight"), **worst}
 
 
 def unwritable_dir(tmp_path: Path) -> Path:

@@ -202,3 +202,125 @@ def test_inspect_names_steps_layout_tensors_and_bytes_per_rank(scenarios, tmp_pa
     assert "weight/layers.0.attention.wq.weight" in out and "exp_avg_sq/norm.weight" in out
     assert "rank-00000.safetensors" in out and "rank-00001.safetensors" in out
     assert main(["checkpoint", "inspect", str(tmp_path / "nothing")]) == 2
+
+
+# --------------------------------------------------------------------------- durability
+
+KEEP_ONE = ["train.steps=8", "train.save_every=2", "train.keep_checkpoints=1"]
+
+
+class Crash(BaseException):
+    """The process dies here (nothing after this point of the save runs)."""
+
+
+def _crash_at(monkeypatch_target, attr, when):
+    """Replace `monkeypatch_target.attr` by a wrapper that raises Crash when `when(*args)`."""
+    original = getattr(monkeypatch_target, attr)
+
+    def wrapper(*args, **kwargs):
+        if when(*args):
+            raise Crash(attr)
+        return original(*args, **kwargs)
+    setattr(monkeypatch_target, attr, wrapper)
+    return lambda: setattr(monkeypatch_target, attr, original)
+
+
+def _crash_and_resume(data_dir, root):
+    """One process, a checkpoint every 2 of 8 steps and only the newest kept. The save of
+    step 6 dies (a) between writing and the rename, (b) right after the rename, before the
+    read-back and the pruning, with the new files then truncated (what a machine crash does to
+    bytes not yet on the disk). Each run is resumed by a fresh trainer, as the command line
+    does."""
+    import os
+
+    from ndtrain.checkpoint import store
+    root = Path(root)
+    out = {"straight": train(KEEP_ONE, data_dir, str(root / "straight"))[:2]}
+    crashes = {"before-rename": (os, "replace", lambda src, dst: Path(src).name == "step_0000006.tmp"),
+               "after-rename": (store, "problem", lambda path: Path(path).name == "step_0000006")}
+    for name, (target, attr, when) in crashes.items():
+        run = root / name
+        restore = _crash_at(target, attr, when)
+        try:
+            train(KEEP_ONE, data_dir, str(run))
+            raise AssertionError(f"{name}: the save of step 6 did not crash")
+        except Crash:
+            pass
+        finally:
+            restore()
+        left = sorted(p.name for p in (run / "checkpoints").iterdir())
+        if name == "after-rename":
+            victim = store.step_dir(run, 6) / "rank-00000.safetensors"
+            victim.write_bytes(victim.read_bytes()[:100])
+        losses, state, trainer = train(KEEP_ONE, data_dir, str(run))
+        out[name] = {"left": left, "losses": losses, "state": state, "refused": trainer.refused}
+    return out
+
+
+def test_a_crash_while_saving_resumes_from_the_previous_good_checkpoint(tiny_data, tmp_path):
+    """Issue 19: the previous checkpoint is pruned only once the new one is durable and reads
+    back. Whether the save dies before or after its rename, the newest good checkpoint (step
+    4) is still there, and the resumed run ends with the losses and weights of a run that
+    never crashed, bit for bit."""
+    out = run_ranks(_crash_and_resume, 1, tiny_data, str(tmp_path), timeout=300)[0]
+    straight_losses, straight_state = out["straight"]
+    assert out["before-rename"]["left"] == ["latest", "step_0000004", "step_0000006.tmp"]
+    assert out["after-rename"]["left"] == ["latest", "step_0000004", "step_0000006"]
+    assert out["before-rename"]["refused"] == []
+    assert out["after-rename"]["refused"][0].startswith("checkpoint step_0000006 refused"), out["after-rename"]
+    for name in ("before-rename", "after-rename"):
+        assert out[name]["losses"] == straight_losses[4:], name  # resumed at step 4
+        for k in straight_state:
+            assert torch.equal(out[name]["state"][k], straight_state[k]), (name, k)
+
+
+def test_a_save_fsyncs_every_file_and_folder_before_it_renames_or_points_at_them(tmp_path, monkeypatch):
+    """The order of a save on the disk: every file written and fsynced, then its folder, then
+    the rename and the fsync of `checkpoints/`, then `latest` (fsynced, renamed, its folder
+    fsynced), and only then the pruning."""
+    import os
+
+    from ndtrain.checkpoint import files, store
+    from ndtrain.checkpoint.slices import Piece
+    events = []
+    fsync, replace, rmtree = os.fsync, os.replace, store.shutil.rmtree
+
+    def record_fsync(fd):
+        events.append(("fsync", Path(os.readlink(f"/proc/self/fd/{fd}")).name))
+        fsync(fd)
+
+    def record_replace(src, dst):
+        events.append(("rename", Path(src).name, Path(dst).name))
+        replace(src, dst)
+
+    def record_rmtree(path, *a, **k):
+        events.append(("remove", Path(path).name))
+        rmtree(path, *a, **k)
+    monkeypatch.setattr(files.os, "fsync", record_fsync)
+    monkeypatch.setattr(store.os, "replace", record_replace)
+    monkeypatch.setattr(store.shutil, "rmtree", record_rmtree)
+    data = torch.arange(6.0)
+    entries = [("weight/w", Piece.whole((6,)), data)]
+    store.save(tmp_path, 1, entries, {})
+    events.clear()
+    store.save(tmp_path, 2, entries, {}, keep=1)
+    assert events == [("fsync", "rank-00000.safetensors"), ("fsync", "meta.json"), ("fsync", "step_0000002.tmp"),
+                      ("rename", "step_0000002.tmp", "step_0000002"), ("fsync", "checkpoints"),
+                      ("fsync", "latest.partial"), ("rename", "latest.partial", "latest"), ("fsync", "checkpoints"),
+                      ("remove", "step_0000001")], events
+
+
+def test_a_checkpoint_that_does_not_read_back_keeps_the_previous_ones(tmp_path, monkeypatch):
+    """A new checkpoint whose bytes on the disk are not what was written is refused by the
+    save itself: an error, `latest` unchanged, the previous checkpoint still good."""
+    from ndtrain.checkpoint import store
+    from ndtrain.checkpoint.slices import Piece
+    entries = [("weight/w", Piece.whole((6,)), torch.arange(6.0))]
+    store.save(tmp_path, 1, entries, {}, keep=1)
+    monkeypatch.setattr(store, "sha256_of", lambda path: "0" * 64)  # the disk returns other bytes
+    with pytest.raises(store.CheckpointError, match=r"step 2: the checkpoint just written does not read back .*"
+                                                    r"does not match its SHA-256.*; the previous checkpoints are kept"):
+        store.save(tmp_path, 2, entries, {}, keep=1)
+    monkeypatch.undo()
+    assert store.latest(tmp_path).name == "step_0000001"
+    assert store.problem(store.step_dir(tmp_path, 1)) is None

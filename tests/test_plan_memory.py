@@ -1,5 +1,6 @@
 """The planner's memory per rank against what `ndtrain train --dry-run` measures, for every
-layout of the layout-invariance matrix (tests/test_layouts.py::LAYOUTS), and a few in
+layout of the layout-invariance matrix (tests/test_layouts.py::LAYOUTS; its default tier
+here, the other rows under `-m slow`), and a few in
 bf16 and fp64, with Qwen3's block, and under context parallelism.
 
 One launch per world size runs `dry_run.measure` (two steps on random tokens, the second
@@ -19,7 +20,7 @@ from helpers import TINY
 from ndtrain.config import load_config, validate
 from ndtrain.plan.memory import per_rank
 from ndtrain.testing import run_ranks
-from test_layouts import LAYOUTS
+from test_layouts import LAYOUTS, tier
 
 TOLERANCE = 0.05
 BASE = TINY + ["model.vocab_size=512"]
@@ -34,7 +35,10 @@ EXTRA = [("qwen3-bf16-zero3", ["model.qk_norm=true", "model.head_dim=32", "paral
 EXTRA_4 = [("cp2-tp2-ulysses", ["parallel.cp=2", "parallel.tp=2", "parallel.cp_impl=ulysses"]),
            ("cp2-pp2-zb-allgather-bf16", ["parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=zb",
                                           "train.micro_batch=2", "parallel.cp_impl=allgather", "train.precision=bf16"])]
-ROWS = {world: rows + {2: EXTRA, 4: EXTRA_4}.get(world, []) for world, rows in LAYOUTS.items()}
+# The default tier measures the layout matrix's default rows and the extra ones; the slow tier
+# the rest of the matrix.
+ROWS = {world: tier(world, slow=False) + {2: EXTRA, 4: EXTRA_4}.get(world, []) for world in LAYOUTS}
+SLOW_ROWS = {world: tier(world, slow=True) for world in LAYOUTS}
 
 
 def _config(overrides, world):
@@ -58,9 +62,19 @@ def _measure_rows(rows):
 
 @pytest.mark.parametrize("world", sorted(ROWS))
 def test_planned_memory_matches_the_dry_run(world):
-    measured = run_ranks(_measure_rows, world, ROWS[world], timeout=600)[0]
+    _check_rows(world, ROWS[world])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", sorted(SLOW_ROWS))
+def test_planned_memory_matches_the_dry_run_every_row(world):
+    _check_rows(world, SLOW_ROWS[world])
+
+
+def _check_rows(world, rows):
+    measured = run_ranks(_measure_rows, world, rows, timeout=600)[0]
     failures, worst = [], (0.0, "")
-    for name, overrides in ROWS[world]:
+    for name, overrides in rows:
         cfg = _config(overrides, world)
         stages = per_rank(cfg, cfg.model_args())
         per_stage = world // cfg.parallel.pp  # ranks are laid out with pp outermost

@@ -13,7 +13,7 @@ import shlex
 import pytest
 import torch
 
-from helpers import TINY, assert_tensors_close
+from helpers import TINY
 from ndtrain.data.batch import MicroBatch
 from ndtrain.data.verifiable import (Addition, Countdown, Reverse, Score, Sort, arithmetic, char_tokenizer,
                                      draw_problems, held_out)
@@ -207,12 +207,15 @@ def length_reward(prompt: str, completion: str, answer: str) -> float:
 
 
 # Eight rows (2 prompts × 4 completions) of up to 6 new tokens; a KL to the reference; two
-# updates per rollout (the second with ratios ≠ 1); every rollout under another loss.
-RL_PROOF = ["train.precision=fp64", "train.eps=1e-8", "train.steps=8", "train.global_batch=8", "train.seq_len=16",
+# updates per rollout (the second with ratios ≠ 1); every rollout under another loss. FP64's
+# eps (1e-6): with 1e-8 the residues of advantages that cancel within a group made the
+# layouts' rounding grow 3-10× per update (docs/architecture.md, the tolerance rule).
+RL_PROOF = ["train.steps=8", "train.global_batch=8", "train.seq_len=16",
             "model.max_seq_len=64", "train.eval_every=0", "rl.group_size=4", "rl.max_new_tokens=6", "rl.size=2",
             "rl.reward=test_rl:length_reward", "rl.kl_coef=0.05", "rl.ppo_epochs=2", "rl.eval_prompts=0",
             "train.lr=3e-3", "rl.clip_low=0.02"]
 CYCLE = ("grpo", "dapo", "dr_grpo", "reinforce")
+METRICS = ("reward_mean", "logprob_gap", "kl", "clip_fraction", "reward_errors", "refills", "entropy")
 
 
 def _rl_task(cfg):
@@ -233,23 +236,27 @@ def _rl_task(cfg):
 
 
 def _rl_rows(rows):
-    from helpers import capture_first_grads, train_in_rank
-    out = {}
+    """Each row: (name, overrides, kind): "reference" (the single-process proof and its
+    twin, with the tolerances they give), "proof" (fp64), "fp32", or "strict" (a log-prob
+    tolerance below the fp32 gap: the first rollout stops the run, and the message is kept)."""
+    from helpers import proof_in_rank, reference_in_rank, train_in_rank
     from ndtrain.train.trainer import TrainingError
-    for name, overrides in rows:
-        fp64 = "train.precision=fp32" not in overrides
-        if name.endswith("strict"):  # a tolerance below the fp32 gap: the first rollout stops the run
+    out = {}
+    for name, overrides, kind in rows:
+        if kind == "strict":
             try:
                 train_in_rank(RL_PROOF + overrides, "", make_task=_rl_task)
             except TrainingError as e:
                 out[name] = str(e)
             continue
-        losses_, state, trainer = train_in_rank(RL_PROOF + overrides, "", make_task=_rl_task,
-                                                before_fit=capture_first_grads if fp64 else None)
-        keys = ("reward_mean", "logprob_gap", "kl", "clip_fraction", "reward_errors", "refills", "entropy")
-        out[name] = {"losses": losses_, "norms": [r["grad_norm"] for r in trainer.history],
-                     "grads": getattr(trainer, "first_grads", None), "state": state,
-                     "metrics": [{k: r.get(k) for k in keys} for r in trainer.history]}
+        if kind == "fp32":
+            trainer = train_in_rank(RL_PROOF + overrides, "", make_task=_rl_task)[2]
+            out[name] = {"metrics": [{k: r.get(k) for k in METRICS} for r in trainer.history]}
+            continue
+        run = (reference_in_rank if kind == "reference" else proof_in_rank)(RL_PROOF + overrides, "",
+                                                                            make_task=_rl_task)
+        run["metrics"] = [{k: r.get(k) for k in METRICS} for r in run.pop("history")]
+        out[name] = run
     return out
 
 
@@ -258,39 +265,38 @@ RL_LAYOUTS = [("dp2", ["parallel.dp=2", "train.micro_batch=2"]),
               ("tp2", ["parallel.tp=2"]),
               ("pp2", ["parallel.pp=2", "train.micro_batch=2"]),
               ("cp2", ["parallel.cp=2", "train.micro_batch=4"])]
-FP32_CONSISTENCY = [("dp2-fp32", ["parallel.dp=2", "train.precision=fp32", "train.steps=2"]),
-                    ("tp2-fp32", ["parallel.tp=2", "train.precision=fp32", "train.steps=2"]),
+FP32_CONSISTENCY = [("dp2-fp32", ["parallel.dp=2", "train.precision=fp32", "train.steps=2"], "fp32"),
+                    ("tp2-fp32", ["parallel.tp=2", "train.precision=fp32", "train.steps=2"], "fp32"),
                     ("dp2-fp32-strict", ["parallel.dp=2", "train.precision=fp32", "train.steps=2",
-                                         "rl.logprob_tol=1e-12"])]
+                                         "rl.logprob_tol=1e-12"], "strict")]
 
 
 def test_rl_update_under_every_layout_equals_one_process_in_fp64():
     """Seeded rollouts, generated under each layout's generation layout, and the updates on
     them (grpo, dapo, dr_grpo, reinforce, with KL and a second update per rollout) equal one
-    process's: the same rollouts (rewards), every loss and gradient norm at 1e-9 and 1e-12,
-    the first step's gradients at 1e-10 of each tensor's largest element, the final weights
-    at 1e-9. Rollout and training log-probabilities agree to 1e-10 in fp64 and to 1e-5 in
-    fp32 under dp2 and tp2."""
-    ref = run_ranks(_rl_rows, 1, [("single", [])], timeout=300)[0]["single"]
+    process's: the same rollouts (rewards), and every loss, gradient norm, first-step
+    gradient and final weight under the tolerance rule (tests/helpers.py: the first update
+    at exact precision, later ones within the twin's gaps). Rollout and training
+    log-probabilities agree to 1e-10 in fp64 and to 1e-5 in fp32 under dp2 and tp2."""
+    from helpers import assert_proof
+    ref = run_ranks(_rl_rows, 1, [("single", [], "reference")], timeout=300)[0]["single"]
     metrics = ref["metrics"]
     rollouts = metrics[::2]  # the updates that began with a rollout
     assert sum(m["reward_errors"] for m in rollouts) > 0  # the failing reward was counted and the run went on
     assert max(m["clip_fraction"] for m in metrics[1::2]) > 0  # a rollout's second update clips some ratios
     assert min(m["kl"] for m in rollouts[1:]) > 0
-    runs = run_ranks(_rl_rows, 2, RL_LAYOUTS + FP32_CONSISTENCY, timeout=600)[0]
+    runs = run_ranks(_rl_rows, 2, [(n, o, "proof") for n, o in RL_LAYOUTS] + FP32_CONSISTENCY, timeout=600)[0]
     for name, _ in RL_LAYOUTS:
         run = runs[name]
         assert [m["reward_mean"] for m in run["metrics"]] == [m["reward_mean"] for m in metrics], name
         assert max(m["logprob_gap"] for m in run["metrics"][::2]) < 1e-10, name
-        for i, (x, y) in enumerate(zip(run["losses"], ref["losses"])):
-            assert abs(x - y) <= 1e-9 * max(abs(y), 1e-3), f"{name} step {i}: loss {x} vs {y}"
-        for i, (x, y) in enumerate(zip(run["norms"], ref["norms"])):
-            assert abs(x - y) <= 1e-12 * abs(y), f"{name} step {i}: gradient norm {x} vs {y}"
-        assert_tensors_close(run["grads"], ref["grads"], 1e-10, f"{name} first-step gradient")
-        assert_tensors_close(run["state"], ref["state"], 1e-9, f"{name} final weight")
+        try:
+            assert_proof(run, ref)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
     assert re.match(r"log-probabilities of the sampled tokens differ by up to \S+ between the sampler and the "
                     r"training forward on the same weights \(rl.logprob_tol = 1e-12\)", runs["dp2-fp32-strict"])
-    for name, _ in FP32_CONSISTENCY[:2]:
+    for name, _, _ in FP32_CONSISTENCY[:2]:
         gaps = [m["logprob_gap"] for m in runs[name]["metrics"][::2]]
         assert max(gaps) <= 1e-5 and max(gaps) > 0, (name, gaps)
 

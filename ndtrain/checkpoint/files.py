@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import queue
 import struct
 import threading
@@ -37,8 +38,8 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, Callable[[], torch.Tensor]]],
                       metadata: dict[str, str] | None = None) -> tuple[int, str]:
-    """Write `entries` (key, dtype, shape, fetch), fetching one tensor at a time; returns the
-    file's size in bytes and its SHA-256."""
+    """Write `entries` (key, dtype, shape, fetch), fetching one tensor at a time, and fsync
+    the file; returns its size in bytes and its SHA-256."""
     header, offset = {}, 0
     for key, dtype, shape, _ in entries:
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
@@ -71,10 +72,29 @@ def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, C
                 if t.dtype != dtype or tuple(t.shape) != tuple(shape):
                     raise ValueError(f"{key}: announced {dtype} {tuple(shape)}, got {t.dtype} {tuple(t.shape)}")
                 put(_bytes(t))
+            f.flush()
+            os.fsync(f.fileno())  # on the disk before anyone renames the folder that holds it
     finally:
         pending.put(None)
         hasher.join()
     return size, digest.hexdigest()
+
+
+def write_durably(path: Path, text: str) -> None:
+    """Write a small text file and fsync it."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of a directory (files created or renamed in it) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def sha256_of(path: Path) -> str:

@@ -11,10 +11,13 @@ Every tensor is stored under its global name ("weight/layers.0.attention.wq.weig
 "exp_avg/…", "exp_avg_sq/…") with the global shape and the piece of it each file holds
 (checkpoint/slices.py), so any layout reads any checkpoint (checkpoint/layout.py).
 
-Writing: every rank writes its share into `step_N.tmp/`, hashing the bytes as they go; rank
-0 gathers the index, writes meta.json, renames the folder to `step_N/`, then replaces
-`latest`. A crash at any moment leaves the previous checkpoints complete and at most a
-`.tmp` folder, which the next save removes.
+Writing, durably: every rank writes its share into `step_N.tmp/`, hashing the bytes as they
+go, and fsyncs it; rank 0 gathers the index, writes and fsyncs meta.json, fsyncs the folder,
+renames it to `step_N/` and fsyncs `checkpoints/`. Then every rank checks the new checkpoint
+as a resume would (`problem`: sizes and SHA-256), and only then does rank 0 point `latest`
+at it and prune older ones. A crash at any moment (a machine's included: nothing is renamed
+before its bytes are on the disk) leaves the previous good checkpoints complete, and at most
+a `.tmp` folder, which the next save removes.
 
 Checking (`problem`): meta.json must parse and be of this format, every file must exist
 with its recorded size (cheap, before anything heavier), and its SHA-256 must match (each
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ndtrain.checkpoint.files import DTYPES, sha256_of, write_safetensors
+from ndtrain.checkpoint.files import DTYPES, fsync_dir, sha256_of, write_durably, write_safetensors
 from ndtrain.checkpoint.slices import Piece
 
 FORMAT, VERSION = "ndtrain-checkpoint", 2
@@ -50,16 +53,20 @@ def step_dir(run_dir: Path, step: int) -> Path:
 
 
 def step_of(path: Path) -> int:
-    return int(_STEP.fullmatch(Path(path).name).group(1))
+    return int(_STEP.fullmatch(Path(path).name.removesuffix(".replaced")).group(1))
 
 
 def steps_of(run_dir: Path) -> list[Path]:
-    """The run's checkpoint folders (complete or not), newest first."""
+    """The run's checkpoint folders (complete or not), newest first. A `step_N.replaced`
+    counts where `step_N` is missing: a save of the same step that stopped while swapping
+    the two (`_publish`)."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and _STEP.fullmatch(p.name)]
-    return sorted(found, key=step_of, reverse=True)
+    found = {p.name: p for p in root.iterdir() if p.is_dir() and _STEP.fullmatch(p.name)}
+    for aside in root.glob("step_*.replaced"):
+        found.setdefault(aside.name.removesuffix(".replaced"), aside)
+    return sorted(found.values(), key=step_of, reverse=True)
 
 
 def latest(run_dir: Path) -> Path | None:
@@ -143,7 +150,9 @@ def select(run_dir: Path, report=print) -> Path | None:
 def save(run_dir: Path, step: int, entries: list[tuple[str, Piece, torch.Tensor]], meta: dict,
          keep: int = 0) -> Path:
     """Write a checkpoint: `entries` are this rank's share, (global tensor key, piece,
-    1-D data). Collective. `keep` > 0 prunes all but the newest `keep` checkpoints."""
+    1-D data). Collective. `keep` > 0 prunes all but the newest `keep` checkpoints, once
+    the new one is durable and checked. Raises CheckpointError (older ones untouched) when
+    the new one does not read back."""
     rank, world = _world()
     final = step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
@@ -160,28 +169,54 @@ def save(run_dir: Path, step: int, entries: list[tuple[str, Piece, torch.Tensor]
         index = [(key, name, piece, DTYPES[data.dtype]) for key, piece, data in entries]
     gathered = [None] * world
     if world > 1:
-        dist.all_gather_object(gathered, (index, files))
+        dist.all_gather_object(gathered, (index, files))  # after it, every rank's file is on the disk
     else:
         gathered = [(index, files)]
     if rank == 0:
-        tensors: dict[str, dict] = {}
-        for part_index, part_files in gathered:
-            files.update(part_files)
-            for key, file, piece, dtype in part_index:
-                t = tensors.setdefault(key, {"shape": list(piece.shape), "dtype": dtype, "pieces": []})
-                t["pieces"].append({"file": file, "key": key, **piece.to_json()})
-        meta = {"format": FORMAT, "version": VERSION, "step": step, "saved_at": time.time(), **meta,
-                "files": files, "tensors": dict(sorted(tensors.items()))}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        write_durably(tmp / "meta.json", json.dumps(_meta(step, meta, gathered), indent=1))
+        fsync_dir(tmp)
+        _publish(tmp, final)
+    _barrier()
+    reason = problem(final)  # collective: what a resume would check, read back from the disk
+    if reason is not None:
+        raise CheckpointError(f"step {step}: the checkpoint just written does not read back ({reason}); "
+                              "the previous checkpoints are kept")
+    if rank == 0:
         pointer = final.parent / "latest.partial"
-        pointer.write_text(final.name + "\n")
+        write_durably(pointer, final.name + "\n")
         os.replace(pointer, final.parent / "latest")
+        fsync_dir(final.parent)
         prune(run_dir, step, keep)
     _barrier()
     return final
+
+
+def _meta(step: int, meta: dict, gathered: list) -> dict:
+    """meta.json: the caller's facts, every rank's files and where each global tensor's
+    pieces are."""
+    files: dict[str, dict] = {}
+    tensors: dict[str, dict] = {}
+    for part_index, part_files in gathered:
+        files.update(part_files)
+        for key, file, piece, dtype in part_index:
+            t = tensors.setdefault(key, {"shape": list(piece.shape), "dtype": dtype, "pieces": []})
+            t["pieces"].append({"file": file, "key": key, **piece.to_json()})
+    return {"format": FORMAT, "version": VERSION, "step": step, "saved_at": time.time(), **meta,
+            "files": files, "tensors": dict(sorted(tensors.items()))}
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Rename the finished folder to its step's name, durably. A checkpoint already there
+    (the same step saved again after a resume) is moved aside first and removed after."""
+    replaced = final.with_name(final.name + ".replaced")
+    if final.exists():
+        if replaced.exists():
+            shutil.rmtree(replaced)
+        os.replace(final, replaced)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    if replaced.exists():
+        shutil.rmtree(replaced)
 
 
 def prune(run_dir: Path, current: int, keep: int) -> None:
@@ -189,8 +224,8 @@ def prune(run_dir: Path, current: int, keep: int) -> None:
     an earlier one was resumed), leftover `.tmp` folders, and, with `keep` > 0, all but the
     `keep` newest. The one just written is always kept."""
     root = Path(run_dir) / "checkpoints"
-    for tmp in root.glob("step_*.tmp"):
-        shutil.rmtree(tmp, ignore_errors=True)
+    for leftover in (*root.glob("step_*.tmp"), *root.glob("step_*.replaced")):
+        shutil.rmtree(leftover, ignore_errors=True)
     older = []
     for path in steps_of(run_dir):
         step = step_of(path)

@@ -63,6 +63,10 @@ class Trainer:
         # A CPU peak is a whole machine's; a GPU peak is one device's.
         self.n_peak_units = mesh.world // local_world if mesh.device.type == "cpu" else mesh.world
         self.step = 0
+        # The CPU memory meter watches every operation of the first `meter_steps` steps (the
+        # first has no optimizer state yet; later steps repeat the second) and slows them
+        # 2-3×; a caller that does not read `memory` (the proofs) sets it to 0.
+        self.meter_steps = 2
         self._measured_steps = 0
         self.is_logger = mesh.rank == 0
         self.history: list[dict] = []
@@ -125,9 +129,8 @@ class Trainer:
         batch = self.local_batch("train", step)
         n_targets = all_reduce_scalars([batch.n_targets], self.mesh.group("dp_cp"))[0]
         # The activation peak: every step from the allocator on a GPU; on the CPU, where
-        # watching every operation slows the step, on the first two steps of a run (the
-        # first has no optimizer state yet; later steps repeat the second).
-        measure = self.mesh.device.type == "cuda" or self._measured_steps < 2
+        # watching every operation slows the step, on the first `meter_steps` steps.
+        measure = self.mesh.device.type == "cuda" or self._measured_steps < self.meter_steps
         local_loss = self.stepper.forward_backward(batch.micro_batches, n_targets, measure_memory=measure)
         self._measured_steps += 1
         grad_norm = self.stepper.clip_grad_norm(t.grad_clip)
