@@ -20,7 +20,6 @@ import math
 import pytest
 import torch
 
-from helpers import FP64
 from ndtrain.testing import run_ranks
 
 TOL = 1e-10
@@ -131,25 +130,22 @@ LAYOUTS = [  # (name, model, overrides, reference)
 REFERENCES = {"windowed": (WINDOWED, False), "windowed-packed": (WINDOWED, True), "gemma": (GEMMA, False)}
 
 
-def _proof(model: list[str], overrides: list[str], packed: bool, data_dir: str) -> dict:
-    from helpers import capture_first_grads, train_in_rank
+def _packing(packed: bool):
     from test_cp import packed_documents
-
-    def before_fit(trainer):
-        if packed:
-            packed_documents(trainer)
-        capture_first_grads(trainer)
-    losses, state, trainer = train_in_rank(STEPS + FP64 + model + overrides, data_dir, before_fit=before_fit)
-    return {"losses": losses, "norms": [r["grad_norm"] for r in trainer.history], "grads": trainer.first_grads,
-            "state": state}
+    return packed_documents if packed else None
 
 
 def _references(data_dir):
-    return {name: _proof(model, [], packed, data_dir) for name, (model, packed) in REFERENCES.items()}
+    """Each reference with its twin (tests/helpers.reference_in_rank: the tolerance rule)."""
+    from helpers import reference_in_rank
+    return {name: reference_in_rank(STEPS + model, data_dir, before_fit=_packing(packed))
+            for name, (model, packed) in REFERENCES.items()}
 
 
 def _layouts(data_dir):
-    return {name: _proof(model, overrides, REFERENCES[ref][1], data_dir) for name, model, overrides, ref in LAYOUTS}
+    from helpers import proof_in_rank
+    return {name: proof_in_rank(STEPS + model + overrides, data_dir, before_fit=_packing(REFERENCES[ref][1]))
+            for name, model, overrides, ref in LAYOUTS}
 
 
 def test_family_features_under_every_layout_equal_one_process(tiny_data):
