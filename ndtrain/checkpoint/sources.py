@@ -81,11 +81,13 @@ class HFSource(Source):
         super().__init__()
         self.folder = Path(folder)
         self.where = f"Hugging Face model {self.folder}"
+        refuse_adapter(self.folder)
+        files = weight_files(self.folder)
         self.config = hf_config_of(self.folder)
         self.args = hf_args(self.folder, self.config)
         self.family = hf.family_of_config(self.config)
         found: dict[str, Path] = {}
-        for file in weight_files(self.folder):
+        for file in files:
             for name, info in header_of(file).items():
                 if name == "__metadata__":
                     continue
@@ -127,13 +129,18 @@ def _shifted(read, offset: int):
     return lambda lo, hi: read(lo + offset, hi + offset)
 
 
-def hf_config_of(folder: Path) -> dict:
-    """config.json of a HF model folder, refusing a LoRA adapter's folder first."""
-    folder = Path(folder)
+def refuse_adapter(folder: Path) -> None:
+    """A LoRA adapter's folder is not a model (ConfigError)."""
     adapter = [p.name for p in (folder / "adapter_config.json", folder / "adapter_model.safetensors") if p.is_file()]
     if adapter:
         raise ConfigError(f"Hugging Face model {folder}", adapter[0], "is a LoRA adapter, not a model: merge it "
                           "into its base model first (peft: merge_and_unload(), then save_pretrained) and use that")
+
+
+def hf_config_of(folder: Path) -> dict:
+    """config.json of a HF model folder, refusing a LoRA adapter's folder first."""
+    folder = Path(folder)
+    refuse_adapter(folder)
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
