@@ -124,7 +124,11 @@ def expected_args(name: str) -> dict:
     }.get(name, {})
 
 
-@pytest.mark.parametrize("name", FAMILIES)
+# The acceptance's families in the default tier; the other scalings and spellings under -m slow.
+SLOW = ("llama-linear", "llama-dynamic", "mistral-no-window", "qwen3-window", "phi3-longrope")
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in FAMILIES])
 def test_family_logits_generation_and_round_trip(hf_models, name, tmp_path, capsys):
     from safetensors.torch import load_file
 
