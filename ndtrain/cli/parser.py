@@ -114,8 +114,13 @@ def _add_prepare(sub) -> None:
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="sample text from a trained run")
-    p.add_argument("--run", required=True, metavar="DIR", help="a run directory written by `ndtrain train`")
+    p = sub.add_parser("generate", help="sample text from a trained run",
+                       description="Continue --prompt with the run's newest good checkpoint. The prompt is read as a "
+                                   "Hugging Face tokenizer reads it (special tokens written in it are those tokens; a "
+                                   "BOS the tokenizer adds is added); generation stops at every eos id of the run's "
+                                   "generation_config.json (else at the tokenizer's end of text).")
+    p.add_argument("--run", required=True, metavar="DIR", help="a run directory written by `ndtrain train`, `sft`, "
+                                                              "`rl` or `convert --from-hf`")
     p.add_argument("--prompt", required=True, metavar="TEXT")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -172,16 +177,23 @@ def _add_plan(sub) -> None:
 
 
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="Hugging Face models in and out (Llama, Qwen2, Qwen3)",
+    p = sub.add_parser("convert", help="Hugging Face models in and out (Llama, Mistral, Qwen2/3, Mixtral, "
+                                       "Qwen3-MoE, Phi-3, Gemma 2: docs/hf.md)",
                        description="--from-hf DIR --to RUN_DIR: a run directory with a step-0 checkpoint of the HF "
-                                   "weights and its tokenizer (train from it with model.init_from=run:RUN_DIR). "
-                                   "--to-hf RUN_DIR --out DIR: the run's newest good checkpoint as a HF model folder "
-                                   "(model.safetensors, config.json, tokenizer.json).")
+                                   "weights, its tokenizer files and generation config (train from it with "
+                                   "model.init_from=run:RUN_DIR). --to-hf RUN_DIR --out DIR: the run's newest good "
+                                   "checkpoint as a HF model folder (model.safetensors, config.json, the tokenizer "
+                                   "files with the chat template, generation_config.json), in the family and dtype "
+                                   "the model came from. Supported families and what is refused: docs/hf.md.")
     p.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model folder (config.json, *.safetensors)")
     p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
     p.add_argument("--to-hf", metavar="RUN_DIR", help="an ndtrain run directory (or one checkpoint folder)")
     p.add_argument("--out", metavar="DIR", help="with --to-hf: the HF model folder to write")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="--to-hf: the exported dtype (default: as stored)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="--to-hf: the exported dtype (default: the dtype of the HF model the run came from, else fp32)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--to-hf: write into a non-empty --out, removing its weights, config and tokenizer files "
+                        "first (without it a non-empty folder is refused)")
 
 
 def _add_checkpoint(sub) -> None:
