@@ -4,8 +4,8 @@ Ranks are laid out row-major over `pp, dp_replicate, dp_shard, cp, tp`: tp varie
 (neighbouring ranks share the fastest links), pp slowest. A group of dimension X holds the
 ranks that differ only in their X coordinate. Composite groups hold the ranks that differ
 only in those coordinates: `dp` = dp_replicate × dp_shard, `dp_cp` = dp × cp (where dense
-gradients are reduced), `dp_shard_cp` = dp_shard × cp (where ZeRO shards; expert
-parallelism, once it exists, will split experts over an `ep` sub-mesh of these ranks).
+gradients are reduced), `dp_shard_cp` = dp_shard × cp (where ZeRO shards, and whose ranks
+expert parallelism splits into `ep` sub-meshes, below).
 
 The mesh is built once per process and passed to whatever needs it; nothing here is global.
 A dimension of size 1 creates no process group: its `Group` has `pg = None` and the

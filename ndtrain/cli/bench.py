@@ -5,8 +5,9 @@ from __future__ import annotations
 
 
 # Benchmarks whose steps are long on a CPU take fewer rounds by default: one generation of
-# 256 new tokens without a cache is about 20 s there (docs/benchmarks.md).
-BENCH_ROUNDS_STEPS = {"generate": (5, 1)}
+# 256 new tokens without a cache is about 20 s there (docs/benchmarks.md); bench plan times
+# nine layouts and calibrates the machine in every round.
+BENCH_ROUNDS_STEPS = {"generate": (5, 1), "plan": (5, 2)}
 
 
 def cmd_bench(args) -> int:
@@ -22,6 +23,6 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import checkpoint, comm, cp, dp, ep, fp8, generate, pp, sft, tp, zero
+    from ndtrain.bench import checkpoint, comm, cp, dp, ep, fp8, generate, plan, pp, sft, tp, zero
     return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft,
-            "checkpoint": checkpoint, "ep": ep, "generate": generate, "fp8": fp8}[args.what].run(args)
+            "checkpoint": checkpoint, "ep": ep, "generate": generate, "plan": plan, "fp8": fp8}[args.what].run(args)

@@ -25,7 +25,7 @@ def cmd_convert(args) -> int:
     if not Path(args.to_hf).is_dir():
         raise ConfigError("--to-hf", args.to_hf, "directory does not exist")
     out = to_hf(Path(args.to_hf), Path(args.out), args.dtype,
-                report=lambda m: print(f"ndtrain: {m}", file=sys.stderr))
+                report=lambda m: print(f"ndtrain: {m}", file=sys.stderr), overwrite=args.overwrite)
     print(f"exported {args.to_hf} → {out} (transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
 

@@ -14,6 +14,7 @@ def cmd_generate(args) -> int:
     import torch
 
     from ndtrain.checkpoint import store
+    from ndtrain.checkpoint.hf_files import eos_ids
     from ndtrain.checkpoint.layout import load_model
     from ndtrain.checkpoint.sources import CheckpointSource
     from ndtrain.config import ConfigError
@@ -40,13 +41,14 @@ def cmd_generate(args) -> int:
     model = Transformer(ModelArgs(**meta["model_args"]))
     load_model(CheckpointSource(last, meta), model)
     tok = TextTokenizer.from_file(run / "tokenizer.json")
-    ids = tok.encode(args.prompt)
-    if not ids:
+    ids = tok.encode_prompt(args.prompt)
+    if not args.prompt or not ids:
         raise ConfigError("--prompt", args.prompt, "must not be empty")
+    stops = set(eos_ids(run) or [tok.eot_id])  # the generation config's, as HF generate stops
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = sample(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 seed=args.seed, eot_id=tok.eot_id)
-    if out and out[-1] == tok.eot_id:
+                 seed=args.seed, stop_ids=stops)
+    if out and out[-1] in stops:
         out = out[:-1]
     print(args.prompt + tok.decode(out))
     return 0

@@ -115,8 +115,13 @@ def _add_prepare(sub) -> None:
 
 
 def _add_generate(sub) -> None:
-    p = sub.add_parser("generate", help="sample text from a trained run")
-    p.add_argument("--run", required=True, metavar="DIR", help="a run directory written by `ndtrain train`")
+    p = sub.add_parser("generate", help="sample text from a trained run",
+                       description="Continue --prompt with the run's newest good checkpoint. The prompt is read as a "
+                                   "Hugging Face tokenizer reads it (special tokens written in it are those tokens; a "
+                                   "BOS the tokenizer adds is added); generation stops at every eos id of the run's "
+                                   "generation_config.json (else at the tokenizer's end of text).")
+    p.add_argument("--run", required=True, metavar="DIR", help="a run directory written by `ndtrain train`, `sft`, "
+                                                              "`rl` or `convert --from-hf`")
     p.add_argument("--prompt", required=True, metavar="TEXT")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -144,16 +149,27 @@ def _add_plan(sub) -> None:
                                     "--search for the best layouts that fit",
                        description="Plan before you spend: memory per rank (parameters, gradients, optimizer "
                                    "states, activations, communication buffers), step time (compute, TP/SP/CP/EP, "
-                                   "pipeline bubble, DP/ZeRO), tokens/s, MFU and days, for a layout on a cluster "
-                                   "too large for this machine. Checks the layout with the rules train enforces. "
-                                   "Formulas and sources: docs/plan.md.")
+                                   "pipeline bubble of the schedule simulated, DP/ZeRO, optimizer), tokens/s, MFU "
+                                   "and HFU, and days, for a layout on a cluster too large for this machine; "
+                                   "mixtures of experts (expert parallelism) and fp8 (train.precision=fp8, "
+                                   "train.fp8_recipe, train.fp8_all_gather: planned from formulas) included. "
+                                   "Checks the layout with the rules train enforces. Formulas and sources: "
+                                   "docs/plan.md.")
     p.add_argument("--cluster", required=True, metavar="SPEC",
                    help="A100-40GB, A100-80GB, H100-SXM, H200, B200, this-machine (calibrated by bench matmul "
-                        "and bench comm), or a TOML file")
+                        "and bench comm; its compute by bench plan), or a TOML file")
     p.add_argument("--gpus", type=int, metavar="N", help="GPUs (processes); default: the layout's product, or one node")
-    p.add_argument("--mfu", type=float, metavar="X", help="an achieved MFU (0-1) instead of the modelled step time")
-    p.add_argument("--tflops", type=float, metavar="X", help="an achieved TFLOP/s per GPU instead of the modelled step time")
+    p.add_argument("--mfu", type=float, metavar="X", help="an achieved MFU (0-1: model FLOPs over the peak) instead "
+                                                          "of the modelled step time")
+    p.add_argument("--tflops", type=float, metavar="X", help="an achieved model TFLOP/s per GPU (the MFU convention: "
+                                                             "PaLM, Llama 3) instead of the modelled step time")
+    p.add_argument("--hfu", type=float, metavar="X", help="an achieved HFU (0-1: hardware FLOPs, recomputation "
+                                                          "included, over the peak)")
+    p.add_argument("--hfu-tflops", type=float, metavar="X", help="an achieved hardware TFLOP/s per GPU, recomputation "
+                                                                 "included (Megatron's published rates)")
     p.add_argument("--tokens", metavar="N", help="tokens to train on (e.g. 15T, 300B, 2e12): prints the days")
+    p.add_argument("--moe-imbalance", type=float, metavar="X", help="mixture of experts: the busiest rank's routed "
+                                                                    "slots over the average (default 1: balanced)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.add_argument("--search", action="store_true", help="list the fastest layouts that fit (model, batch, "
                                                           "sequence and precision as configured)")
@@ -162,16 +178,23 @@ def _add_plan(sub) -> None:
 
 
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="Hugging Face models in and out (Llama, Qwen2, Qwen3)",
+    p = sub.add_parser("convert", help="Hugging Face models in and out (Llama, Mistral, Qwen2/3, Mixtral, "
+                                       "Qwen3-MoE, Phi-3, Gemma 2: docs/hf.md)",
                        description="--from-hf DIR --to RUN_DIR: a run directory with a step-0 checkpoint of the HF "
-                                   "weights and its tokenizer (train from it with model.init_from=run:RUN_DIR). "
-                                   "--to-hf RUN_DIR --out DIR: the run's newest good checkpoint as a HF model folder "
-                                   "(model.safetensors, config.json, tokenizer.json).")
+                                   "weights, its tokenizer files and generation config (train from it with "
+                                   "model.init_from=run:RUN_DIR). --to-hf RUN_DIR --out DIR: the run's newest good "
+                                   "checkpoint as a HF model folder (model.safetensors, config.json, the tokenizer "
+                                   "files with the chat template, generation_config.json), in the family and dtype "
+                                   "the model came from. Supported families and what is refused: docs/hf.md.")
     p.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model folder (config.json, *.safetensors)")
     p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
     p.add_argument("--to-hf", metavar="RUN_DIR", help="an ndtrain run directory (or one checkpoint folder)")
     p.add_argument("--out", metavar="DIR", help="with --to-hf: the HF model folder to write")
-    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="--to-hf: the exported dtype (default: as stored)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
+                   help="--to-hf: the exported dtype (default: the dtype of the HF model the run came from, else fp32)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="--to-hf: write into a non-empty --out, removing its weights, config and tokenizer files "
+                        "first (without it a non-empty folder is refused)")
 
 
 def _add_checkpoint(sub) -> None:
@@ -192,7 +215,8 @@ def _add_bench(sub) -> None:
                                      "sft (packed vs padded fine-tuning rows), checkpoint (our save/load vs "
                                      "torch.distributed.checkpoint, MB/s), ep (experts split over --nproc ranks vs "
                                      "replicated), generate (KV cache vs recomputing the prefix, one process), "
-                                     "fp8 (bf16 vs each fp8 recipe; on a CPU, the emulation); "
+                                     "plan (the planner's step time against the engine's, each layout on this "
+                                     "machine), fp8 (bf16 vs each fp8 recipe; on a CPU, the emulation); "
                                      "KEY=VALUE reaches both sides or is refused",
                        description="Run ndtrain and its PyTorch-native anchor side by side (sft: packed and padded "
                                    "rows), alternating rounds; the last line is the ratio of their median "
@@ -200,7 +224,7 @@ def _add_bench(sub) -> None:
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "checkpoint", "ep",
-                                    "generate", "fp8"])
+                                    "generate", "plan", "fp8"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, help="alternating A/B rounds (default 10; generate 5)")
     p.add_argument("--steps", type=int, help="timed steps per round (default 3; generate 1: one whole generation)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ndtrain.launch import warn
 from ndtrain.cli.run import (check_fits, check_resume, choose_run_dir, open_data, run_task, warn_before_start,
                              with_nproc)
 

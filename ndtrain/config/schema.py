@@ -58,6 +58,17 @@ class ModelConfig:
     moe_norm_topk: bool | None = None
     moe_route_scale: float | None = None
     moe_capacity: float | None = None  # capacity factor; 0 = dropless
+    # Features of Hugging Face families (model/args.py; set from model.init_from=hf:DIR).
+    rope_scaling: str | None = None  # JSON, e.g. {"rope_type": "linear", "factor": 2.0}; "" = none
+    sliding_window: int | None = None  # 0 = none
+    window_layers: str | None = None  # the layers with the window, e.g. "0,2,4"; none = every layer
+    norm_offset: float | None = None  # Gemma 2: norms scale by (1 + weight)
+    sandwich_norm: bool | None = None  # Gemma 2: a norm after attention and after the MLP too
+    mlp_act: str | None = None  # silu | gelu_tanh
+    embed_scale: float | None = None  # embeddings × this (Gemma 2: √dim)
+    query_pre_attn_scalar: float | None = None  # attention scale^-2 instead of head_dim; 0 = head_dim
+    attn_softcap: float | None = None  # Gemma 2: cap·tanh(score / cap); 0 = none
+    logit_softcap: float | None = None  # Gemma 2: cap·tanh(logit / cap); 0 = none
     # "" = random init (ndtrain sft: the default pretraining run; "scratch" = random init);
     # run:DIR (an ndtrain run or checkpoint) or hf:DIR (a HF model folder)
     init_from: str = ""
@@ -227,9 +238,28 @@ class Config:
                    if f.name not in ("preset", "init_from") and getattr(m, f.name) is not None}
         if vocab_size is not None and m.vocab_size is None:
             changes["vocab_size"] = vocab_size
+        if "window_layers" in changes:
+            changes["window_layers"] = window_layers_of(changes["window_layers"])
         if "max_seq_len" not in changes:
             changes["max_seq_len"] = max(base.max_seq_len, self.train.seq_len)
         return base.with_(**changes)
+
+
+FAMILY_KEYS = ("rope_scaling", "sliding_window", "window_layers", "norm_offset", "sandwich_norm", "mlp_act",
+               "embed_scale", "query_pre_attn_scalar", "attn_softcap", "logit_softcap")
+
+
+def window_layers_of(text: str) -> tuple[int, ...] | None:
+    """model.window_layers ("0,2,4") as ModelArgs holds it (None: every layer)."""
+    return tuple(int(x) for x in text.split(",")) if text.strip() else None
+
+
+def model_key_value(args: ModelArgs, key: str):
+    """The model.<key> config value that gives `args.<key>`."""
+    value = getattr(args, key)
+    if key == "window_layers":
+        return None if value is None else ",".join(str(i) for i in value)
+    return value
 
 
 def rl_overlong_buffer(r: RLConfig) -> int:

@@ -21,6 +21,7 @@ import torch
 
 from ndtrain import config as config_mod
 from ndtrain import supervisor
+from ndtrain.checkpoint import hf_files
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
 from ndtrain.data.corpus import STDLIB
@@ -143,6 +144,7 @@ def _sft(cfg: Config, run_dir: str, data: SFTData, control) -> dict:
         if env.rank == 0:  # once started: a refused resume leaves the run's files as they were
             (run / "config.toml").write_text(config_mod.to_toml(cfg))
             data.template.save(run)
+            hf_files.carry(cfg.model.init_from, run, data.template.stop_ids)
             if data.skipped:
                 (run / "skipped_records.txt").write_text("".join(line + "\n" for line in data.skipped))
         return fine_tune(trainer, task, data, cfg, run)
