@@ -424,7 +424,8 @@ TRUNCATIONS = ("keep_start", "drop")
 BAD_RECORD_POLICIES = ("error", "skip")
 TEMPLATES = ("auto", "builtin", "hf")
 EMBEDDED_DATA = ("stdlib", "stdlib-functions")  # pretraining corpus, SFT instruction set
-PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
+PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank, placed in a V
 _RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
 
 # Dimensions whose implementation has not landed yet: refused up front, never half-run.
@@ -802,7 +803,10 @@ def _check_pipeline(cfg: Config, a: ModelArgs) -> None:
             if value != default:
                 raise ConfigError(f"parallel.{key}", value, "needs parallel.pp > 1")
         return
-    if p.pp_virtual > 1 and p.pp_schedule != "interleaved":
+    if p.pp_schedule in V_SCHEDULES and p.pp_virtual != 2:
+        raise ConfigError("parallel.pp_virtual", p.pp_virtual, f"parallel.pp_schedule = {p.pp_schedule!r} runs "
+                          "two chunks per rank (a V): set parallel.pp_virtual = 2")
+    if p.pp_virtual > 1 and p.pp_schedule not in ("interleaved", *V_SCHEDULES):
         raise ConfigError("parallel.pp_virtual", p.pp_virtual,
                           f"needs parallel.pp_schedule = 'interleaved' (it is {p.pp_schedule!r})")
     if p.pp_split:
@@ -817,6 +821,10 @@ def _check_pipeline(cfg: Config, a: ModelArgs) -> None:
         raise ConfigError("model.n_layers", a.n_layers, f"must be at least pp × pp_virtual = "
                           f"{p.pp} × {p.pp_virtual} = {n_chunks}: every pipeline chunk needs a layer")
     m = t.accumulation(p.dp)
+    if p.pp_schedule == "dualpipev" and m < 2 * p.pp:
+        raise ConfigError("parallel.pp_schedule", p.pp_schedule,
+                          f"needs at least 2 × parallel.pp = {2 * p.pp} micro-batches; global_batch / (dp × "
+                          f"micro_batch) = {t.global_batch} / ({p.dp} × {t.micro_batch}) = {m}")
     if p.pp_schedule == "interleaved" and m % p.pp:
         raise ConfigError("parallel.pp_schedule", p.pp_schedule,
                           f"needs the micro-batch count global_batch / (dp × micro_batch) = {t.global_batch} / "

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from ndtrain.config import Config
 from ndtrain.model.args import ModelArgs, block_params
 from ndtrain.parallel.pipeline.partition import Chunk, chunk_counts, local_chunks, make_chunks
-from ndtrain.parallel.pipeline.schedules import B, F, W, Action, compute_orders
+from ndtrain.parallel.pipeline.schedules import B, F, W, Action, compute_orders, vshape
 from ndtrain.parallel.zero import model_state_bytes
 from ndtrain.plan.activations import (block_bytes_per_token, head_bytes_per_token, kv_width,
                                       llama_mlp_bytes_per_token, recomputed, wide)
@@ -113,13 +113,13 @@ def root_local(args: ModelArgs, chunk: Chunk, tp: int) -> int:
 def stage_chunks(cfg: Config, args: ModelArgs) -> list[list[Chunk]]:
     """Each pipeline rank's chunks, cut as the engine cuts them (partition.py)."""
     p = cfg.parallel
-    return _stage_chunks(args, p.pp, p.pp_virtual, cfg.train.seq_len, p.pp_split)
+    return _stage_chunks(args, p.pp, p.pp_virtual, cfg.train.seq_len, p.pp_split, vshape(p.pp_schedule))
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_chunks(args: ModelArgs, pp: int, v: int, seq_len: int, split: str) -> list[list[Chunk]]:
+def _stage_chunks(args: ModelArgs, pp: int, v: int, seq_len: int, split: str, v_shape: bool) -> list[list[Chunk]]:
     chunks = make_chunks(chunk_counts(args, pp * v, seq_len, split))
-    return [[chunks[c] for c in local_chunks(r, pp, v)] for r in range(pp)]
+    return [[chunks[c] for c in local_chunks(r, pp, v, v_shape)] for r in range(pp)]
 
 
 def stage_params(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> int:
@@ -330,7 +330,10 @@ class Replay:
             # exist by then) and the last (which reduces) are the ones that differ
             orders = [[Action(kind, 0, i)] for i in sorted({0, min(1, m - 1), m - 1}) for kind in (F, B)]
         self.actions = [a for tick in orders for a in tick]
-        self.split = any(a.kind == W for a in self.actions)  # zero bubble
+        # zero bubble: the backwards split into B and W (DualPipeV splits only some); `split`
+        # says whether the backward being replayed is one of them
+        self.split_keys = {(a.chunk, a.micro) for a in self.actions if a.kind == W}
+        self.split = False
         self.last_backward = {a.chunk: k for k, a in enumerate(self.actions) if a.kind in (B, W)}
         self.book = Ledger()
         self.held: dict[tuple[int, int], float] = {}  # (chunk, micro) → saved bytes not yet freed
@@ -472,6 +475,7 @@ class Replay:
         """One backward pass of one micro-batch through one chunk (B; under zero bubble the
         input gradients only: the weights' come in W)."""
         s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
+        self.split = key in self.split_keys
         first, launched = self.reduce_buffers(self.last_backward[a.chunk] == k)
         if self.split:
             first = launched = 0.0
