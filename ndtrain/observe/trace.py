@@ -12,11 +12,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ndtrain.parallel.pipeline.schedules import theory_bubble
+from ndtrain.parallel.pipeline.schedules import build_schedule, parts, theory_bubble
+from ndtrain.parallel.pipeline.simulate import bubble, simulate, timeline
 from ndtrain.parallel.pipeline.timeline import COMPUTE_KINDS, Event, measured_bubble
 
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
-THEORY = {"afab": "(p−1)/m", "1f1b": "(p−1)/m", "interleaved": "(p−1)/(v·m)", "zb": "(p−1)(F+B−W)/(m(F+B+W))"}
+THEORY = {"afab": "(p−1)/m", "1f1b": "(p−1)/m", "interleaved": "(p−1)/(v·m)", "zb": "(p−1)(F+B−W)/(m(F+B+W))",
+          "zbv": "simulated; (p−1)/(6m) if F=B=W", "dualpipev": "(p−1)(F&B+B−3W)/(2m(F+B+W))"}
 
 
 def chrome_trace(ranks: list[list[Event]], path: Path, labels: list[str], name=None) -> Path:
@@ -77,19 +79,59 @@ def replayed_bubble(ranks: list[list[Event]], schedule: str, pp: int, v: int, m:
     but free messages. Against `measured`, it isolates what messages and the executor cost;
     against theory, what unequal or noisy action durations cost. `pipeline`: the ranks of
     one pipeline in stage order (default: the first pp ranks, a pure pipeline layout)."""
-    from ndtrain.parallel.pipeline.schedules import build_schedule
-    from ndtrain.parallel.pipeline.verify import bubble, simulate
     stages = [ranks[i] for i in (pipeline or range(pp))]
     took = {(r, e.kind, e.chunk, e.micro): e.end - e.start for r, events in enumerate(stages) for e in events}
     plan = build_schedule(schedule, pp, v, m)
-    return bubble(simulate(plan, pp, lambda r, a: took[(r, a.kind, a.chunk, a.micro)]))
+    return bubble(timeline(plan, lambda r, a: sum(took[(r, p.kind, p.chunk, p.micro)] for p in parts(a))))
+
+
+def chunk_costs(stages: list[list[Event]], n_chunks: int) -> tuple[list[float], list[float], list[float], float]:
+    """Per chunk, the mean seconds of a forward, an input-gradient backward (a whole one less
+    its W, where no backward of the chunk was split) and a weight-gradient backward; and the
+    mean seconds a rank spends posting one group of messages."""
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+    spans = {}
+    for events in stages:
+        for e in events:
+            spans.setdefault((e.kind, e.chunk), []).append(e.end - e.start)
+    split = {e.chunk for events in stages for e in events if e.kind == "W"}
+    f = [mean(spans.get(("F", c), [])) for c in range(n_chunks)]
+    w = [mean(spans.get(("W", c), [])) for c in range(n_chunks)]
+    b = []
+    for c in range(n_chunks):
+        backward = spans.get(("B", c), [])
+        if c in split:  # the split ones are the shorter: a mixed schedule (DualPipeV) also has whole ones
+            backward = sorted(backward)[:sum(1 for _ in spans.get(("W", c), []))]
+        b.append(mean(backward) - (0.0 if c in split else w[c]))
+    posts = [e.end - e.start for events in stages for e in events if e.kind == "post"]
+    return f, b, w, mean(posts)
+
+
+def simulated_step(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: int,
+                   pipeline: list[int] | None = None, p2p: float = 0.0) -> tuple[float, float]:
+    """(step seconds, bubble) the schedule simulator predicts from the step's mean F, B and W
+    per chunk and its mean message post, messages taking `p2p` each: what the planner does
+    with modelled costs."""
+    stages = [ranks[i] for i in (pipeline or range(pp))]
+    f, b, w, post = chunk_costs(stages, pp * v)
+    return simulate(build_schedule(schedule, pp, v, m), f, b, w, p2p, post=post)
+
+
+def measured_step(ranks: list[list[Event]], pipeline: list[int] | None = None) -> float:
+    """The step's span over one pipeline's ranks: first action's start to last action's end."""
+    stages = [ranks[i] for i in (pipeline or range(len(ranks)))]
+    return max(e.end for r in stages for e in r) - min(e.start for r in stages for e in r)
 
 
 def bubble_report(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: int,
                   pipeline: list[int] | None = None) -> dict:
     measured, means = measured_bubble(ranks)
     theory = theory_bubble(schedule, pp, v, m, means.get("F", 1.0), means.get("B", 1.0), means.get("W", 0.0))
+    step, simulated = simulated_step(ranks, schedule, pp, v, m, pipeline)
     return {"schedule": schedule, "pp": pp, "virtual": v, "micro_batches": m, "measured_bubble": measured,
             "replayed_bubble": replayed_bubble(ranks, schedule, pp, v, m, pipeline),
+            "simulated_bubble": simulated, "simulated_step_ms": 1e3 * step,
+            "measured_step_ms": 1e3 * measured_step(ranks, pipeline),
             "theory_bubble": theory, "theory": THEORY[schedule],
             "mean_ms": {k: 1e3 * t for k, t in means.items()}}

@@ -90,10 +90,11 @@ def _consumes(a: Action) -> list[tuple]:
     return ids
 
 
-def timeline(lists: list[list[Action]], cost, p2p: float | Callable[[Action], float] = 0.0
+def timeline(lists: list[list[Action]], cost, p2p: float | Callable[[Action], float] = 0.0, post: float = 0.0
              ) -> list[list[tuple[Action, float, float]]]:
     """[(compute action, start, end)] per rank; `cost(rank, action)` → seconds. A receive
-    is posted where the list has it; the action that reads the message waits for it."""
+    is posted where the list has it; the action that reads the message waits for it.
+    `post`: the seconds a rank spends posting one group of messages."""
     hop = p2p if callable(p2p) else (lambda a: float(p2p))
     received = [{message_id(a) for a in actions if a.kind in (RECV_F, RECV_B)} for actions in lists]
     arrives: dict[tuple, float] = {}
@@ -104,6 +105,8 @@ def timeline(lists: list[list[Action]], cost, p2p: float | Callable[[Action], fl
         for r, actions in enumerate(lists):
             while at[r] < len(actions):
                 a = actions[at[r]]
+                if post and a.kind in MESSAGES and (at[r] == 0 or actions[at[r] - 1].kind not in MESSAGES):
+                    clock[r] += post  # the first message of a group
                 if a.kind in (SEND_F, SEND_B):  # posted when the action before it ended
                     arrives[message_id(a)] = clock[r] + hop(a)
                 elif a.kind not in (RECV_F, RECV_B):
@@ -134,13 +137,14 @@ def bubble(ranks: list[list[tuple[object, float, float]]]) -> float:
 
 def simulate(lists: list[list[Action]], f: Cost, b: Cost, w: Cost = 0.0,
              p2p: float | Callable[[Action], float] = 0.0,
-             overlap: Callable[[float, float], float] | None = None) -> tuple[float, float]:
+             overlap: Callable[[float, float], float] | None = None, post: float = 0.0) -> tuple[float, float]:
     """(step time, bubble) of the schedule `lists` (one list per pipeline rank, as
     `build_schedule` gives them) with per-chunk costs f, b, w (seconds; a number, or a
-    sequence indexed by chunk) and `p2p` seconds per message."""
+    sequence indexed by chunk), `p2p` seconds per message and `post` seconds of a rank's
+    time per group of messages it posts."""
     rule = action_costs(f, b, w, overlap)
     per_rank = [rule(actions) for actions in lists]
-    ranks = timeline(lists, lambda r, a: per_rank[r](a), p2p)
+    ranks = timeline(lists, lambda r, a: per_rank[r](a), p2p, post)
     end = max(t[2] for rank in ranks for t in rank)
     return end, bubble(ranks)
 
