@@ -87,14 +87,21 @@ def replayed_bubble(ranks: list[list[Event]], schedule: str, pp: int, v: int, m:
 
 def chunk_costs(stages: list[list[Event]], n_chunks: int) -> tuple[list[float], list[float], list[float], float]:
     """Per chunk, the mean seconds of a forward, an input-gradient backward (a whole one less
-    its W, where no backward of the chunk was split) and a weight-gradient backward; and the
-    mean seconds a rank spends posting one group of messages."""
+    its W, where no backward of the chunk was split) and a weight-gradient backward, each
+    with the executor's own time between two recorded actions (its mean over the step); and
+    the mean seconds a rank spends posting one group of messages."""
     def mean(xs: list[float]) -> float:
         return sum(xs) / len(xs) if xs else 0.0
+    gaps, computed = 0.0, 0
+    for events in stages:
+        ordered = sorted(events, key=lambda e: e.start)
+        gaps += sum(max(b.start - a.end, 0.0) for a, b in zip(ordered, ordered[1:]))
+        computed += sum(e.kind in COMPUTE_KINDS for e in events)
+    between = gaps / max(computed, 1)
     spans = {}
     for events in stages:
         for e in events:
-            spans.setdefault((e.kind, e.chunk), []).append(e.end - e.start)
+            spans.setdefault((e.kind, e.chunk), []).append(e.end - e.start + (between if e.kind in COMPUTE_KINDS else 0.0))
     split = {e.chunk for events in stages for e in events if e.kind == "W"}
     f = [mean(spans.get(("F", c), [])) for c in range(n_chunks)]
     w = [mean(spans.get(("W", c), [])) for c in range(n_chunks)]
