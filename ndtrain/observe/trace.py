@@ -131,10 +131,24 @@ def measured_step(ranks: list[list[Event]], pipeline: list[int] | None = None) -
     return max(e.end for r in stages for e in r) - min(e.start for r in stages for e in r)
 
 
+def _theory_costs(ranks: list[list[Event]], means: dict[str, float]) -> tuple[float, float, float]:
+    """F, B, W for a theory of equal stages: the means, except that the first chunk's
+    backward is not split (its B does nothing, its W is whole), so B and W come from the
+    other chunks' split backwards."""
+    keys = {(e.chunk, e.micro) for rank in ranks for e in rank if e.kind == "W" and e.chunk > 0}
+    if not keys:
+        return means.get("F", 1.0), means.get("B", 1.0), 0.0
+    done = {}
+    for kind in ("B", "W"):  # DualPipeV: only the split backwards
+        spans = [e.end - e.start for rank in ranks for e in rank if e.kind == kind and (e.chunk, e.micro) in keys]
+        done[kind] = sum(spans) / len(spans)
+    return means.get("F", 1.0), done["B"], done["W"]
+
+
 def bubble_report(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: int,
                   pipeline: list[int] | None = None) -> dict:
     measured, means = measured_bubble(ranks)
-    theory = theory_bubble(schedule, pp, v, m, means.get("F", 1.0), means.get("B", 1.0), means.get("W", 0.0))
+    theory = theory_bubble(schedule, pp, v, m, *_theory_costs(ranks, means))
     step, simulated = simulated_step(ranks, schedule, pp, v, m, pipeline)
     return {"schedule": schedule, "pp": pp, "virtual": v, "micro_batches": m, "measured_bubble": measured,
             "replayed_bubble": replayed_bubble(ranks, schedule, pp, v, m, pipeline),

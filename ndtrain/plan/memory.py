@@ -346,6 +346,11 @@ class Replay:
     def run(self) -> Ledger:
         for k, a in enumerate(self.actions):
             self.book.in_flight = len(self.held) + (a.kind == F)
+            if a.kind != F and self.chunks[a.chunk].embed and (a.chunk, a.micro) in self.split_keys:
+                # the first chunk is not split (executor.py): its B does nothing, its W is whole
+                if a.kind == W:
+                    self.backward(a, k, whole=True)
+                continue
             {F: self.forward, B: self.backward, W: self.weights}[a.kind](a, k)
         return self.book
 
@@ -471,11 +476,12 @@ class Replay:
         s = self.s
         return s.c * s.vocab_local() * self.args.dim + s.c * self.args.dim * s.n
 
-    def backward(self, a: Action, k: int) -> None:
+    def backward(self, a: Action, k: int, whole: bool = False) -> None:
         """One backward pass of one micro-batch through one chunk (B; under zero bubble the
-        input gradients only: the weights' come in W)."""
+        input gradients only: the weights' come in W; `whole`: the whole one, whatever the
+        list says)."""
         s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
-        self.split = key in self.split_keys
+        self.split = key in self.split_keys and not whole
         first, launched = self.reduce_buffers(self.last_backward[a.chunk] == k)
         if self.split:
             first = launched = 0.0

@@ -160,7 +160,7 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster) -> tuple[StepTime,
     if p.pp > 1:
         work = busiest.compute + busiest.recompute + busiest.tp + busiest.cp + busiest.pp_messages
         f = work / (3 * m * p.pp_virtual)  # one micro-batch's forward on one chunk (backward = 2 f)
-        fwd, bwd, wgt = (f, f, f) if p.pp_schedule == "zb" else (f, 2 * f, 0.0)
+        fwd, bwd, wgt = (f, f, f) if p.pp_schedule in ("zb", "zbv", "dualpipev") else (f, 2 * f, 0.0)
         bubble = theory_bubble(p.pp_schedule, p.pp, p.pp_virtual, m, fwd, bwd, wgt)
         step.bubble = bubble * work
         step.detail["bubble_fraction"] = bubble

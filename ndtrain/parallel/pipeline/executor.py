@@ -12,7 +12,9 @@ A step walks this rank's action list (schedules.py) in order:
   last chunk;
 - B runs the backward of one micro-batch of one chunk, from the loss, from the received
   output gradient, or from this rank's next chunk's input gradient; where the list has a W
-  for it, only the input gradient (weightgrad.py), and W the weight gradients later;
+  for it, only the input gradient (weightgrad.py), and W the weight gradients later. The
+  first chunk's input is token ids: nobody waits for its B, which does nothing, and its W
+  is the whole backward (no graph to split, no work moved before the W it was planned as);
 - FB runs a forward and a backward together through `overlap(forward, backward)`: by
   default one after the other; a hook can interleave them, e.g. to hide one's messages (the
   MoE all-to-all under expert parallelism) behind the other's compute;
@@ -83,10 +85,6 @@ class PipelineSchedule:
         # `overlap(forward, backward)` runs the two halves of an F&B action (see module docstring)
         self.overlap: Callable[[Callable[[], None], Callable[[], None]], None] = run_in_turn
         self._plans: dict[tuple[int, bool], _Plan] = {}
-        # The first chunk's embedding output: where the zero-bubble split of that chunk stops.
-        self._embedded: torch.Tensor | None = None
-        if 0 in chunks and getattr(chunks[0], "tok_embeddings", None) is not None:
-            chunks[0].tok_embeddings.register_forward_hook(self._keep_embedded)
         self._probed: tuple | None = None
         self._positions: torch.Tensor | None = None  # 0..s-1, for micro-batches that give none
         # NCCL: the first operation on a group must involve all of its ranks.
@@ -220,8 +218,6 @@ class PipelineSchedule:
     def _forward(self, a: Action, x: torch.Tensor, mb: MicroBatch, step: _Step) -> None:
         """Adds the micro-batch's token loss to the step's on the last chunk."""
         out = self._chunk(a.chunk, x, mb, step.routing)
-        if a.chunk == 0:
-            x, self._embedded = self._embedded, None
         if a.chunk == self.n_chunks - 1:
             token_loss = self.loss_fn(out, mb)
             out = with_model_loss(token_loss, step.routing) / step.n_targets
@@ -231,9 +227,6 @@ class PipelineSchedule:
         step.inputs[(a.chunk, a.micro)], step.outputs[(a.chunk, a.micro)] = x, out
         step.held += 1
         step.peak = max(step.peak, step.held)
-
-    def _keep_embedded(self, module, args, out) -> None:
-        self._embedded = out if torch.is_grad_enabled() else None
 
     def _backward(self, a: Action, grad: torch.Tensor | None, step: _Step, split: bool) -> None:
         key = (a.chunk, a.micro)

@@ -23,6 +23,7 @@ or the gradient of chunk c's output), so the lists alone suffice: no placement n
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Sequence
 
 from ndtrain.parallel.pipeline.schedules import (B, F, FB, MESSAGES, RECV_B, RECV_F, SEND_B, SEND_F, W, Action,
@@ -163,3 +164,17 @@ def compute_parts(ranks: list[list[tuple[Action, float, float]]]) -> list[list[t
         out.append(events)
     return out
 
+
+
+@functools.lru_cache(maxsize=256)
+def _lists(name: str, pp: int, v: int, m: int) -> tuple:
+    from ndtrain.parallel.pipeline.schedules import build_schedule
+    return tuple(tuple(rank) for rank in build_schedule(name, pp, v, m))
+
+
+def schedule_time(name: str, pp: int, v: int, m: int, f: Cost, b: Cost, w: Cost = 0.0,
+                  p2p: float | Callable[[Action], float] = 0.0,
+                  overlap: Callable[[float, float], float] | None = None, post: float = 0.0) -> tuple[float, float]:
+    """`simulate` of the named schedule's lists (built once per shape): what the planner
+    calls for a layout's pipeline, with its modelled per-chunk costs."""
+    return simulate([list(rank) for rank in _lists(name, pp, v, m)], f, b, w, p2p, overlap, post)
