@@ -168,6 +168,32 @@ def test_replayed_bubble_separates_durations_from_the_executor():
         assert replayed_bubble(ranks, name, 2, v, 8) > theory_bubble(name, 2, v, 8) * 1.25
 
 
+def test_the_trace_simulates_a_step_from_its_own_costs():
+    """`ndtrain trace`'s prediction: a timeline made by the simulator with known per-chunk
+    costs (idle time recorded as waits, as the executor records them) gives back those costs
+    (chunk_costs: whole and split backwards told apart, as DualPipeV mixes them) and
+    exactly its own step time."""
+    from ndtrain.observe.trace import chunk_costs, measured_step, simulated_step
+    from ndtrain.parallel.pipeline.simulate import action_costs
+    from ndtrain.parallel.pipeline.timeline import Event
+    for name, v in (("1f1b", 1), ("zb", 1), ("interleaved", 2), ("dualpipev", 2)):
+        f, b, w = [1.0, 1.5, 1.25, 2.0][:2 * v], [2.0, 1.0, 1.5, 1.75][:2 * v], [0.5, 0.75, 1.0, 0.25][:2 * v]
+        if name in ("1f1b", "interleaved"):
+            w = [0.0] * len(w)
+        plan = build_schedule(name, 2, v, 8)
+        rules = [action_costs(f, b, w)(actions) for actions in plan]
+        sim = compute_parts(timeline(plan, lambda r, a: rules[r](a)), lambda r, a: f[a.chunk])
+        ranks = []
+        for rank in sim:
+            events = [Event(a.kind, a.chunk, a.micro, s, e) for a, s, e in rank]
+            idle = [Event("wait_F", x.chunk, x.micro, x.end, y.start) for x, y in zip(events, events[1:]) if y.start > x.end]
+            ranks.append(events + idle)
+        got_f, got_b, got_w, post = chunk_costs(ranks, 2 * v)
+        assert got_f == pytest.approx(f) and got_b == pytest.approx(b) and got_w == pytest.approx(w) and post == 0
+        step, _ = simulated_step(ranks, name, 2, v, 8)
+        assert step == pytest.approx(measured_step(ranks), rel=1e-12), name
+
+
 def test_partition_counts_the_head_and_can_be_overridden():
     from ndtrain.model.args import PRESETS
     a = PRESETS["tiny"].with_(n_layers=8, vocab_size=2048)  # a head worth ~3.4 blocks
@@ -466,6 +492,7 @@ def test_trace_writes_chrome_json_picture_and_bubble(tiny_data, tmp_path):
     assert report["schedule"] == "zb" and report["micro_batches"] == 8
     assert report["measured_bubble"] > 0 and report["theory_bubble"] > 0 and set(report["mean_ms"]) == {"F", "B", "W"}
     assert 0 < report["replayed_bubble"] <= report["measured_bubble"] + 0.05
+    assert report["simulated_step_ms"] > 0 and report["measured_step_ms"] > 0 and report["simulated_bubble"] >= 0
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     for rank in (0, 1):
         compute = [e for e in events if e.get("tid") == rank and e.get("cat") in ("F", "B", "W")]
@@ -488,6 +515,13 @@ def test_trace_writes_chrome_json_picture_and_bubble(tiny_data, tmp_path):
     (["parallel.pp=2", "parallel.pp_split=2;2"], "expected layers per chunk"),
     (["parallel.pp_virtual=2"], "parallel.pp_virtual = 2: needs parallel.pp > 1"),
     (["parallel.pp=2", "parallel.pp_virtual=2"], "needs parallel.pp_schedule = 'interleaved'"),
+    (["parallel.pp=2", "parallel.pp_schedule=zbv"],
+     "parallel.pp_virtual = 1: parallel.pp_schedule = 'zbv' runs two chunks per rank (a V): set parallel.pp_virtual = 2"),
+    (["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=3", "model.n_layers=6"],
+     "set parallel.pp_virtual = 2"),
+    (["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2", "train.global_batch=6",
+      "train.micro_batch=2", "run.nproc=2"], "parallel.pp_schedule = 'dualpipev': needs at least 2 × parallel.pp = 4 "
+                                             "micro-batches; global_batch / (dp × micro_batch) = 6 / (1 × 2) = 3"),
 ])
 def test_pipeline_config_errors(overrides, fragment):
     from ndtrain.config import ConfigError, load_config, validate

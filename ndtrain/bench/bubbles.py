@@ -88,8 +88,8 @@ def bubble_table(real: list[dict], paced: list[dict]) -> list[str]:
     within = [f"{q['schedule']} {_yes(abs(q['measured_bubble'] - q['theory_bubble']) <= 0.25 * q['theory_bubble'])}"
               for q in paced]
     lines.append("paced median within 25% of theory: " + ", ".join(within))
-    lines += ["", "step time of the median step: measured, and simulated from its mean F, B, W per chunk and "
-              "message post (parallel/pipeline/simulate.py)",
+    lines += ["", "step time of the median step: measured, and simulated from its mean F, B, W per chunk, message "
+              "post and message time (parallel/pipeline/simulate.py)",
               f"{'schedule':<16}{'real ms':>9}{'sim ms':>9}{'sim/real':>9}   {'paced ms':>9}{'sim ms':>9}{'sim/real':>9}"]
     for r, q in zip(real, paced):
         name = r["schedule"] + (f" v={r['virtual']}" if r["virtual"] > 1 else "")

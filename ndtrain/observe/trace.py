@@ -10,6 +10,7 @@ theory.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 from ndtrain.parallel.pipeline.schedules import build_schedule, parts, theory_bubble
@@ -115,14 +116,34 @@ def chunk_costs(stages: list[list[Event]], n_chunks: int) -> tuple[list[float], 
     return f, b, w, mean(posts)
 
 
+def message_time(stages: list[list[Event]]) -> float:
+    """Seconds from a message leaving to its consumer having it, the median over the
+    messages a consumer had to wait for (a wait that ends after the send: what delivery
+    takes on these links and cores); 0 when no consumer waited."""
+    sent = {}
+    for events in stages:
+        for e in events:
+            if e.kind == "send_F":
+                sent[("act", e.chunk + 1, e.micro)] = e.start
+            elif e.kind == "send_B":
+                sent[("grad", e.chunk - 1, e.micro)] = e.start
+    samples = []
+    for events in stages:
+        for e in events:
+            key = ("act" if e.kind == "wait_F" else "grad", e.chunk, e.micro)
+            if e.kind in ("wait_F", "wait_B") and key in sent and e.end - e.start > 1e-4 and e.end > sent[key]:
+                samples.append(e.end - sent[key])
+    return statistics.median(samples) if samples else 0.0
+
+
 def simulated_step(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: int,
-                   pipeline: list[int] | None = None, p2p: float = 0.0) -> tuple[float, float]:
+                   pipeline: list[int] | None = None) -> tuple[float, float]:
     """(step seconds, bubble) the schedule simulator predicts from the step's mean F, B and W
-    per chunk and its mean message post, messages taking `p2p` each: what the planner does
+    per chunk, its mean message post and its median message time: what the planner does
     with modelled costs."""
     stages = [ranks[i] for i in (pipeline or range(pp))]
     f, b, w, post = chunk_costs(stages, pp * v)
-    return simulate(build_schedule(schedule, pp, v, m), f, b, w, p2p, post=post)
+    return simulate(build_schedule(schedule, pp, v, m), f, b, w, message_time(stages), post=post)
 
 
 def measured_step(ranks: list[list[Event]], pipeline: list[int] | None = None) -> float:

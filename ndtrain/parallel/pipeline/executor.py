@@ -42,7 +42,7 @@ from ndtrain.parallel.pipeline.p2p import StageLinks
 from ndtrain.parallel.pipeline.schedules import (B, COMPUTE, F, MESSAGES, RECV_B, RECV_F, SEND_B, SEND_F, W,
                                                  Action, build_schedule, parts, peer, vshape)
 from ndtrain.parallel.pipeline.stage import TiedEmbedding
-from ndtrain.parallel.pipeline.timeline import Timeline
+from ndtrain.parallel.pipeline.timeline import Event, Timeline
 from ndtrain.parallel.pipeline.verify import groups, verify
 from ndtrain.parallel.pipeline.weightgrad import SplitBackward
 from ndtrain.data.batch import MicroBatch
@@ -262,13 +262,17 @@ class PipelineSchedule:
         handles = self.links.post(sends, [(b, plan.peer(a)) for a, b in recvs])
         for (a, _), handle in zip(recvs, handles):
             step.received[(a.kind, a.chunk, a.micro)] = handle
+        now = self.timeline.now()
+        for a in group:  # when each message left: the trace estimates what a message takes
+            if a.kind in (SEND_F, SEND_B):
+                self.timeline.events.append(Event(a.kind, a.chunk, a.micro, now, now))
 
     def _take(self, kind: str, a: Action, step: _Step) -> torch.Tensor:
         """A received buffer, once it has arrived; the step forgets it."""
         start = self.timeline.now()
         work, buf = step.received.pop((kind, a.chunk, a.micro))
         work.wait()
-        self.timeline.add("wait", a.chunk, a.micro, start)
+        self.timeline.add("wait_F" if kind == RECV_F else "wait_B", a.chunk, a.micro, start)
         return buf
 
     # -- evaluation ----------------------------------------------------------------------

@@ -150,20 +150,22 @@ def simulate(lists: list[list[Action]], f: Cost, b: Cost, w: Cost = 0.0,
     return end, bubble(ranks)
 
 
-def compute_parts(ranks: list[list[tuple[Action, float, float]]]) -> list[list[tuple[Action, float, float]]]:
-    """An overlapped F&B as its two parts (the forward first), for pictures and counts."""
+def compute_parts(ranks: list[list[tuple[Action, float, float]]],
+                  forward: Callable[[int, Action], float] | None = None) -> list[list[tuple[Action, float, float]]]:
+    """An overlapped F&B as its two parts, the forward first, for pictures and counts.
+    `forward(rank, action)`: the forward half's seconds (default: half the pair)."""
     out = []
-    for rank in ranks:
+    for r, rank in enumerate(ranks):
         events = []
         for a, s, e in rank:
             if a.kind == FB:
                 fwd, bwd = parts(a)
-                events += [(fwd, s, s + (e - s) / 2), (bwd, s + (e - s) / 2, e)]
+                mid = s + (forward(r, fwd) if forward else (e - s) / 2)
+                events += [(fwd, s, mid), (bwd, mid, e)]
             else:
                 events.append((a, s, e))
         out.append(events)
     return out
-
 
 
 @functools.lru_cache(maxsize=256)
