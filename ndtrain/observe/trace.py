@@ -117,9 +117,10 @@ def chunk_costs(stages: list[list[Event]], n_chunks: int) -> tuple[list[float], 
 
 
 def message_time(stages: list[list[Event]]) -> float:
-    """Seconds from a message leaving to its consumer having it, the median over the
-    messages a consumer had to wait for (a wait that ends after the send: what delivery
-    takes on these links and cores); 0 when no consumer waited."""
+    """Seconds from a message leaving to its consumer having it: the median over the
+    messages whose consumer was already waiting when they left (what delivery takes on
+    these links and cores); 0 with fewer than 3 such messages. The ranks' clocks are aligned by a
+    barrier (timeline.gather), so a sample is good to a scheduling delay."""
     sent = {}
     for events in stages:
         for e in events:
@@ -131,9 +132,9 @@ def message_time(stages: list[list[Event]]) -> float:
     for events in stages:
         for e in events:
             key = ("act" if e.kind == "wait_F" else "grad", e.chunk, e.micro)
-            if e.kind in ("wait_F", "wait_B") and key in sent and e.end - e.start > 1e-4 and e.end > sent[key]:
+            if e.kind in ("wait_F", "wait_B") and key in sent and e.start <= sent[key] < e.end:
                 samples.append(e.end - sent[key])
-    return statistics.median(samples) if samples else 0.0
+    return statistics.median(samples) if len(samples) >= 3 else 0.0  # fewer: no estimate
 
 
 def simulated_step(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: int,
