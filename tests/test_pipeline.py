@@ -9,9 +9,9 @@ import torch
 
 from helpers import TINY, assert_losses_close, assert_states_close, train_in_rank
 from ndtrain.parallel.pipeline.partition import balanced_counts, chunk_counts, layer_costs, local_chunks, owner
-from ndtrain.parallel.pipeline.schedules import (SCHEDULES, build_schedule, compute_orders, theory_bubble, vshape,
-                                                 with_messages)
-from ndtrain.parallel.pipeline.simulate import bubble, compute_parts, simulate, timeline
+from ndtrain.parallel.pipeline.lists import _align_receives, build_schedule, with_messages
+from ndtrain.parallel.pipeline.schedules import SCHEDULES, compute_orders, vshape
+from ndtrain.parallel.pipeline.simulate import bubble, compute_parts, simulate, theory_bubble, timeline
 from ndtrain.parallel.pipeline.verify import ScheduleError, check_deadlock_free, verify
 from ndtrain.testing import run_ranks
 
@@ -53,7 +53,6 @@ def test_receives_move_only_to_meet_their_sends():
     """ZB-V's cool-down, with each receive just before its consumer, deadlocks if messages
     are rendezvous (two neighbours each send first); `build_schedule` posts the receives it
     needs earlier, and nothing else moves."""
-    from ndtrain.parallel.pipeline.schedules import _align_receives
     naive = _align_receives(with_messages(compute_orders("zbv", 4, 2, 8), 8, 4, True), 4, True)
     with pytest.raises(ScheduleError, match="deadlock"):
         check_deadlock_free(naive, 4, True)

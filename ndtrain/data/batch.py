@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
+IGNORE = -100  # the target of a position that takes no loss (cross_entropy's ignore_index)
+
 
 @dataclass
 class MicroBatch:

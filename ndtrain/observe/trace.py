@@ -13,8 +13,9 @@ import json
 import statistics
 from pathlib import Path
 
-from ndtrain.parallel.pipeline.schedules import build_schedule, parts, theory_bubble
-from ndtrain.parallel.pipeline.simulate import bubble, simulate, timeline
+from ndtrain.parallel.pipeline.lists import build_schedule
+from ndtrain.parallel.pipeline.schedules import parts
+from ndtrain.parallel.pipeline.simulate import bubble, simulate, theory_bubble, timeline
 from ndtrain.parallel.pipeline.timeline import COMPUTE_KINDS, Event, measured_bubble
 
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}

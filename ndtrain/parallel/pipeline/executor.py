@@ -39,8 +39,9 @@ from ndtrain.comm import ops
 from ndtrain.mesh import ParallelMesh
 from ndtrain.parallel.pipeline.partition import owner
 from ndtrain.parallel.pipeline.p2p import StageLinks
+from ndtrain.parallel.pipeline.lists import build_schedule
 from ndtrain.parallel.pipeline.schedules import (B, COMPUTE, F, MESSAGES, RECV_B, RECV_F, SEND_B, SEND_F, W,
-                                                 Action, build_schedule, parts, peer, vshape)
+                                                 Action, parts, peer, vshape)
 from ndtrain.parallel.pipeline.stage import TiedEmbedding
 from ndtrain.parallel.pipeline.timeline import Event, Timeline
 from ndtrain.parallel.pipeline.verify import groups, verify

@@ -6,7 +6,7 @@ direction). One executor (executor.py) runs any such list, so a schedule is only
 Without W actions, B is the whole backward; with them (zero bubble), B computes only what
 the previous stage is waiting for and W the weight gradients, later, where there was a bubble.
 
-Compute orders come first, in ticks (one function per schedule). `with_messages` then puts
+Compute orders come first, in ticks (one function per schedule). `lists.with_messages` then puts
 between two ticks one group of messages: the sends of what the tick before produced and the
 receives of what the tick after consumes. The executor posts a group at once (one NCCL group),
 so two ranks that send to each other at the same moment cannot wait for each other. A tick is
@@ -36,7 +36,7 @@ Schedules (p stages, m micro-batches, v chunks per rank):
   a whole backward (DualPipe's table, its PP = 2p stages); needs m ≥ 2p.
 
 An overlapped F&B is a tick of two actions, a forward then a backward (interleaved 1F1B's
-steady phase has them too): `with_messages` turns it into one FB action, which the executor
+steady phase has them too): `lists.with_messages` turns it into one FB action, which the executor
 runs through its overlap hook. Whether a B is whole or only the input gradient is read from
 the list: it is split where a W of the same micro-batch and chunk follows.
 """
@@ -77,7 +77,7 @@ def parts(a: Action) -> tuple[Action, ...]:
     return (Action(F, a.chunk, a.micro), a.pair) if a.kind == FB else (a,)
 
 
-Ticks = list[list[Action]]  # one rank's compute actions, in ticks (see `with_messages`)
+Ticks = list[list[Action]]  # one rank's compute actions, in ticks (see `lists.with_messages`)
 
 
 def _single(order: list[Action]) -> Ticks:
@@ -268,105 +268,9 @@ def compute_orders(name: str, pp: int, v: int, m: int) -> list[Ticks]:
     return ORDERS[name](pp, v, m)
 
 
-def _receives(a: Action, n_chunks: int, pp: int, v_shape: bool) -> list[Action]:
-    """The messages the action waits for: its input from another rank (a chunk whose
-    neighbour is on the same rank takes it from there, without a message)."""
-    if a.kind == F and a.chunk > 0 and owner(a.chunk - 1, pp, v_shape) != owner(a.chunk, pp, v_shape):
-        return [Action(RECV_F, a.chunk, a.micro)]
-    if a.kind == B and a.chunk < n_chunks - 1 and owner(a.chunk + 1, pp, v_shape) != owner(a.chunk, pp, v_shape):
-        return [Action(RECV_B, a.chunk, a.micro)]
-    return []
-
-
-def _sends(a: Action, n_chunks: int, pp: int, v_shape: bool) -> list[Action]:
-    if a.kind == F and a.chunk < n_chunks - 1 and owner(a.chunk + 1, pp, v_shape) != owner(a.chunk, pp, v_shape):
-        return [Action(SEND_F, a.chunk, a.micro)]
-    if a.kind == B and a.chunk > 0 and owner(a.chunk - 1, pp, v_shape) != owner(a.chunk, pp, v_shape):
-        return [Action(SEND_B, a.chunk, a.micro)]
-    return []
-
-
-def _as_action(tick: list[Action]) -> Action:
-    """A tick of one action, or a forward and a backward: one F&B."""
-    if len(tick) == 1:
-        return tick[0]
-    fwd, bwd = tick
-    assert fwd.kind == F and bwd.kind == B, f"a tick of two is a forward then a backward, not {tick}"
-    return Action(FB, fwd.chunk, fwd.micro, bwd)
-
-
-def with_messages(orders: list[Ticks], n_chunks: int, pp: int | None = None, v_shape: bool = False
-                  ) -> list[list[Action]]:
-    """Between two ticks, one group of messages: what the tick before produced and what the
-    tick after consumes. A tick is one action (a forward and a backward together: one F&B);
-    the executor posts each group at once."""
-    pp = pp or len(orders)
-    out = []
-    for ticks in orders:
-        actions: list[Action] = []
-        sends: list[Action] = []
-        for tick in ticks:
-            actions += sends + [r for a in tick for r in _receives(a, n_chunks, pp, v_shape)]
-            actions.append(_as_action(tick))
-            sends = [s for a in tick for s in _sends(a, n_chunks, pp, v_shape)]
-        out.append(actions + sends)
-    return out
-
-
-def _align_receives(lists: list[list[Action]], pp: int, v_shape: bool) -> list[list[Action]]:
-    """Both ends of a link must see its messages in the same order. A rank may need its
-    messages from one neighbour in another order than that neighbour sends them (in a V, the
-    activations and the gradients that cross the same link): such receives are posted
-    earlier, with the first one it needs, into a buffer that waits for its consumer."""
-    from ndtrain.parallel.pipeline.simulate import message_id
-    sent: dict[tuple[int, int], list[Action]] = {}
-    for r, actions in enumerate(lists):
-        for a in actions:
-            if a.kind in (SEND_F, SEND_B):
-                sent.setdefault((r, peer(a, pp, v_shape)), []).append(message_id(a))
-    out = []
-    for r, actions in enumerate(lists):
-        receives = {message_id(a): a for a in actions if a.kind in (RECV_F, RECV_B)}
-        posted: set = set()
-        nxt: dict[int, int] = {}  # per source rank: how many of its sends are posted here
-        aligned: list[Action] = []
-        for a in actions:
-            if a.kind not in (RECV_F, RECV_B):
-                aligned.append(a)
-                continue
-            if message_id(a) in posted:
-                continue
-            src = peer(a, pp, v_shape)
-            order = sent.get((src, r), [])
-            while True:
-                k = nxt.get(src, 0)
-                if k >= len(order):  # not sent at all: verify reports it
-                    aligned.append(a)
-                    break
-                nxt[src] = k + 1
-                aligned.append(receives[order[k]])
-                posted.add(order[k])
-                if order[k] == message_id(a):
-                    break
-        out.append(aligned)
-    return out
-
-
 def forward_only(orders: list[Ticks]) -> list[Ticks]:
     """Evaluation: the schedule's forwards in the same order, nothing else."""
     return [[[a] for tick in ticks for a in tick if a.kind == F] for ticks in orders]
-
-
-def build_schedule(name: str, pp: int, v: int, m: int, *, train: bool = True) -> list[list[Action]]:
-    """The full action list of every pipeline rank (compute and messages)."""
-    orders = compute_orders(name, pp, v, m)
-    if not train:
-        orders = forward_only(orders)
-    lists = with_messages(orders, pp * v, pp, vshape(name))
-    if vshape(name):
-        from ndtrain.parallel.pipeline.verify import receive_in_time
-        lists = receive_in_time(_align_receives(lists, pp, True), pp, True)
-    return lists
 
 
 def peer(action: Action, pp: int, v_shape: bool = False) -> int:
@@ -376,22 +280,13 @@ def peer(action: Action, pp: int, v_shape: bool = False) -> int:
     return owner(action.chunk - 1, pp, v_shape)
 
 
-def theory_bubble(name: str, pp: int, v: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
-    """Idle over busy time per rank for equal stages and free messages. `f, b, w`: the costs of
-    a forward, an input-gradient and a weight-gradient backward of one chunk (zb, zbv and
-    dualpipev; for the others the backward is whole and only its ratio to f matters).
-    - zb: (p−1)(F+B−W) / (m(F+B+W)), Qi et al.'s ZB-H1;
-    - dualpipev: DualPipe's (p/2−1)(F&B + B − 3W) over 2p stages, here p ranks: (p−1)(F&B +
-      B − 3W) with F&B = F + B + W (no overlap credited) and B whole, over 2m(F+B+W);
-    - zbv: no closed form for unequal costs: the lists simulated with these costs;
-      (p−1)/(6m) when F = B = W."""
-    if name == "interleaved":
-        return (pp - 1) / (v * m)
-    if name == "zb":
-        return (pp - 1) * max(f + b - w, 0.0) / (m * (f + b + w))
-    if name == "dualpipev":
-        return (pp - 1) * max(f + 2 * b - w, 0.0) / (2 * m * (f + b + w))
-    if name == "zbv":
-        from ndtrain.parallel.pipeline.simulate import simulate
-        return simulate(build_schedule(name, pp, v, m), f, b, w)[1]
-    return (pp - 1) / m
+def message_id(a: Action) -> tuple:
+    """What travels: the activation entering chunk c+1 is what chunk c sent; the gradient of
+    chunk c−1's output is what chunk c's backward sent."""
+    if a.kind == SEND_F:
+        return ("act", a.chunk + 1, a.micro)
+    if a.kind == RECV_F:
+        return ("act", a.chunk, a.micro)
+    if a.kind == SEND_B:
+        return ("grad", a.chunk - 1, a.micro)
+    return ("grad", a.chunk, a.micro)  # RECV_B: the gradient of chunk c's output

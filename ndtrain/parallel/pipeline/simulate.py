@@ -1,7 +1,7 @@
 """The schedule simulator: what a step of any schedule's action lists takes, given what each
 action costs.
 
-`simulate(lists, f, b, w, p2p)` runs every rank's list (schedules.build_schedule: compute
+`simulate(lists, f, b, w, p2p)` runs every rank's list (lists.build_schedule: compute
 actions and messages) on a clock of its own, the way the executor runs it:
 - F costs `f`, B `b`, W `w` of its chunk (a number for every chunk, or one per chunk); a B
   whose micro-batch has no W on that rank is the whole backward and costs `b + w`; an
@@ -27,25 +27,13 @@ import functools
 from typing import Callable, Sequence
 
 from ndtrain.parallel.pipeline.schedules import (B, F, FB, MESSAGES, RECV_B, RECV_F, SEND_B, SEND_F, W, Action,
-                                                 parts)
+                                                 message_id, parts)
 
 Cost = float | Sequence[float]
 
 
 class Deadlock(RuntimeError):
     pass
-
-
-def message_id(a: Action) -> tuple:
-    """What travels: the activation entering chunk c+1 is what chunk c sent; the gradient of
-    chunk c−1's output is what chunk c's backward sent."""
-    if a.kind == SEND_F:
-        return ("act", a.chunk + 1, a.micro)
-    if a.kind == RECV_F:
-        return ("act", a.chunk, a.micro)
-    if a.kind == SEND_B:
-        return ("grad", a.chunk - 1, a.micro)
-    return ("grad", a.chunk, a.micro)  # RECV_B: the gradient of chunk c's output
 
 
 def _per_chunk(x: Cost) -> Callable[[int], float]:
@@ -170,7 +158,7 @@ def compute_parts(ranks: list[list[tuple[Action, float, float]]],
 
 @functools.lru_cache(maxsize=256)
 def _lists(name: str, pp: int, v: int, m: int) -> tuple:
-    from ndtrain.parallel.pipeline.schedules import build_schedule
+    from ndtrain.parallel.pipeline.lists import build_schedule
     return tuple(tuple(rank) for rank in build_schedule(name, pp, v, m))
 
 
@@ -180,3 +168,23 @@ def schedule_time(name: str, pp: int, v: int, m: int, f: Cost, b: Cost, w: Cost 
     """`simulate` of the named schedule's lists (built once per shape): what the planner
     calls for a layout's pipeline, with its modelled per-chunk costs."""
     return simulate([list(rank) for rank in _lists(name, pp, v, m)], f, b, w, p2p, overlap, post)
+
+
+def theory_bubble(name: str, pp: int, v: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:
+    """Idle over busy time per rank for equal stages and free messages. `f, b, w`: the costs of
+    a forward, an input-gradient and a weight-gradient backward of one chunk (zb, zbv and
+    dualpipev; for the others the backward is whole and only its ratio to f matters).
+    - zb: (p−1)(F+B−W) / (m(F+B+W)), Qi et al.'s ZB-H1;
+    - dualpipev: DualPipe's (p/2−1)(F&B + B − 3W) over 2p stages, here p ranks: (p−1)(F&B +
+      B − 3W) with F&B = F + B + W (no overlap credited) and B whole, over 2m(F+B+W);
+    - zbv: no closed form for unequal costs: the lists simulated with these costs;
+      (p−1)/(6m) when F = B = W."""
+    if name == "interleaved":
+        return (pp - 1) / (v * m)
+    if name == "zb":
+        return (pp - 1) * max(f + b - w, 0.0) / (m * (f + b + w))
+    if name == "dualpipev":
+        return (pp - 1) * max(f + 2 * b - w, 0.0) / (2 * m * (f + b + w))
+    if name == "zbv":
+        return schedule_time(name, pp, v, m, f, b, w)[1]
+    return (pp - 1) / m

@@ -14,7 +14,7 @@ from collections import defaultdict
 from ndtrain.parallel.pipeline.partition import owner
 from ndtrain.parallel.pipeline.schedules import (B, COMPUTE, F, MESSAGES, RECV_B, RECV_F, SEND_B, SEND_F, W,
                                                  Action, parts, peer)
-from ndtrain.parallel.pipeline.simulate import message_id as _message_id
+from ndtrain.parallel.pipeline.schedules import message_id as _message_id
 
 
 class ScheduleError(AssertionError):
