@@ -114,8 +114,8 @@ def _pipeline_contests(cfg_dict: dict) -> list[str]:
     x = torch.randint(0, args.vocab_size, (t.global_batch, t.seq_len))
     micro = MicroBatch(x, x).split(t.micro_batch)
     ran = []
-    for name, anchor, interleaved in pp.CONTESTS:
-        c = pp._with_schedule(cfg, name, interleaved)
+    for name, anchor, virtual in pp._contests():
+        c = pp._with_schedule(cfg, name, virtual)
         for step in (pp._ours(c, args, mesh, micro, 1.0), pp._anchor(c, args, mesh, anchor, x, x, 1.0, len(micro))):
             step()
         ran.append(anchor)
@@ -128,7 +128,8 @@ def test_pipeline_contests_run_each_pair():
     cfg = bench_config(_args("model.preset=tiny", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=1",
                              "run.device=cpu", "train.recompute=full"), pp.BENCH)
     ran = run_ranks(_pipeline_contests, 2, cfg.to_dict(), timeout=300)
-    assert ran[0] == ["ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "Schedule1F1B"]
+    assert ran[0] == ["ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+                      "ScheduleDualPipeV", "Schedule1F1B"]
 
 
 def test_bench_generate_takes_fewer_rounds_by_default(monkeypatch):

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from ndtrain.config.schema import Config, ConfigError, ModelConfig
-from ndtrain.config.sections import positive
+from ndtrain.config.sections import V_SCHEDULES, positive
 from ndtrain.model.args import PRESETS, ROUTERS, ModelArgs
 
 MOE_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name.startswith("moe_"))
@@ -92,7 +92,10 @@ def check_pipeline(cfg: Config, a: ModelArgs) -> None:
             if value != default:
                 raise ConfigError(f"parallel.{key}", value, "needs parallel.pp > 1")
         return
-    if p.pp_virtual > 1 and p.pp_schedule != "interleaved":
+    if p.pp_schedule in V_SCHEDULES and p.pp_virtual != 2:
+        raise ConfigError("parallel.pp_virtual", p.pp_virtual, f"parallel.pp_schedule = {p.pp_schedule!r} runs "
+                          "two chunks per rank (a V): set parallel.pp_virtual = 2")
+    if p.pp_virtual > 1 and p.pp_schedule not in ("interleaved", *V_SCHEDULES):
         raise ConfigError("parallel.pp_virtual", p.pp_virtual,
                           f"needs parallel.pp_schedule = 'interleaved' (it is {p.pp_schedule!r})")
     if p.pp_split:
@@ -107,6 +110,10 @@ def check_pipeline(cfg: Config, a: ModelArgs) -> None:
         raise ConfigError("model.n_layers", a.n_layers, f"must be at least pp × pp_virtual = "
                           f"{p.pp} × {p.pp_virtual} = {n_chunks}: every pipeline chunk needs a layer")
     m = t.accumulation(p.dp)
+    if p.pp_schedule == "dualpipev" and m < 2 * p.pp:
+        raise ConfigError("parallel.pp_schedule", p.pp_schedule,
+                          f"needs at least 2 × parallel.pp = {2 * p.pp} micro-batches; global_batch / (dp × "
+                          f"micro_batch) = {t.global_batch} / ({p.dp} × {t.micro_batch}) = {m}")
     if p.pp_schedule == "interleaved" and m % p.pp:
         raise ConfigError("parallel.pp_schedule", p.pp_schedule,
                           f"needs the micro-batch count global_batch / (dp × micro_batch) = {t.global_batch} / "

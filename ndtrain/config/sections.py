@@ -18,7 +18,8 @@ PRECISIONS = ("fp32", "bf16", "fp16", "fp64", "fp8")
 FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
 FP8_BASES = ("bf16", "fp32", "fp64")
 TEMPLATES = ("auto", "builtin", "hf")
-PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
+PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank, placed in a V
 CP_IMPLS = ("ring", "allgather", "ulysses")
 RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
 

@@ -43,6 +43,7 @@ from ndtrain.parallel import context, expert, fp8, tensor
 from ndtrain.parallel.construct import initializer, materialize
 from ndtrain.parallel.data import DataParallel, GradSyncs
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
+from ndtrain.parallel.pipeline.schedules import vshape
 from ndtrain.parallel.pipeline.stage import StageModel, TiedEmbedding, build_chunks, gather_stages
 from ndtrain.parallel.precision import MasterWeights, cast_parameters, compute_dtype, has_masters, reduce_dtype
 from ndtrain.parallel.recompute import apply_recompute
@@ -204,7 +205,7 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
         chunk.reset_rope(mesh.device)
         expert.materialize_buffers(chunk, mesh.device)
     if pipelined:
-        tied = TiedEmbedding(mesh, model, states.summed_grad) if args.tie_embeddings else None
+        tied = TiedEmbedding(mesh, model, states.summed_grad, vshape(p.pp_schedule)) if args.tie_embeddings else None
         schedule = PipelineSchedule(chunks, mesh, p.pp_schedule, p.pp_virtual, loss_fn, tied)
     else:
         schedule = SingleStage(model, loss_fn)
