@@ -61,6 +61,8 @@ class Parallelized:
     loss_fn: TokenLoss
     # MoE models: the step's routing statistics and the routers' bias update
     balance: expert.LoadBalance | None = None
+    # elements of initial values this rank computed (its shard: parallel/construct.py)
+    initialised: int = 0
 
     def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float,
                          unscale: float = 1.0) -> torch.Tensor:
@@ -158,7 +160,7 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
 def materialized(model: Transformer, args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Transformer:
     """A model `decoder` laid out (a chunk, outside any layout: anchors for tests and
     benchmarks), given memory and its initial values on the mesh's device."""
-    materialize(model, initializer(model, args, cfg.train.seed, mesh.group("tp")), mesh.device)
+    materialize(model, initializer(model, args, cfg.train.seed, mesh.group("tp"), mesh.device), mesh.device)
     model.reset_rope(mesh.device)
     expert.materialize_buffers(model, mesh.device)
     return model
@@ -179,7 +181,7 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
         apply_recompute(chunk, t.recompute)
     model = StageModel(chunks) if pipelined else chunks[0]
     # Everything so far lives on the meta device; now each rank materialises what it keeps.
-    init = initializer(model, args, t.seed, tp)
+    init = initializer(model, args, t.seed, tp, mesh.device)
     dtype, rdtype = compute_dtype(t.precision), reduce_dtype(t.precision, t.reduce_fp32)
     if p.zero:
         decoders = {f"chunk{c}": chunk for c, chunk in chunks.items()} if pipelined else None
@@ -205,4 +207,4 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     else:
         schedule = SingleStage(model, loss_fn)
     balance = expert.LoadBalance(model, args, mesh, t.moe_aux_loss, t.moe_bias_rate) if args.is_moe else None
-    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance)
+    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance, init.generated)

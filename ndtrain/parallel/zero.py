@@ -161,7 +161,7 @@ class FlatParam:
             start, n = self.slot[id(p)]
             a, b = max(start, lo), min(start + n, hi)
             if a < b:
-                values[a - lo:b - lo].copy_(init(p).reshape(-1)[a - start:b - start])
+                values[a - lo:b - lo].copy_(init(p, a - start, b - start))
         return values
 
     def adopt(self) -> None:
