@@ -10,7 +10,8 @@ import ndtrain
 
 ROOT = Path(ndtrain.__file__).parent
 LEVELS = {
-    0: ("mesh", "comm", "model", "data", "config", "idle_keys", "launch", "supervisor", "testing", "__init__"),
+    0: ("mesh", "comm", "model", "data", "config", "deferred", "idle_keys", "launch", "supervisor", "testing",
+        "__init__"),
     1: ("parallel",),
     2: ("checkpoint", "observe", "generate"),
     3: ("train",),

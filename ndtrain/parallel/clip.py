@@ -15,8 +15,6 @@ parallelism they are not in use, and the vector of partial sums stays 2^5 long.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ndtrain.comm import ops
@@ -55,13 +53,13 @@ def grad_norm(params, mesh: ParallelMesh) -> torch.Tensor:
     return partial.sum().sqrt()
 
 
-def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> float:
-    """Scale gradients so the global norm is at most `max_norm` (0 = measure only)."""
+def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor:
+    """Scale gradients so the global norm is at most `max_norm` (0 = measure only); returns
+    the norm before clipping, on the device (reading it is the caller's host sync)."""
     params = [p for p in params if p.grad is not None]
     total = grad_norm(params, mesh)
     if max_norm > 0:
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
         grads = list({id(p): p.grad for p in params}.values())
         torch._foreach_mul_(grads, scale.to(grads[0].dtype))
-    value = total.item()
-    return value if math.isfinite(value) else float("inf")
+    return total

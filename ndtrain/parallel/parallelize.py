@@ -34,6 +34,7 @@ from torch import nn
 from ndtrain.comm import ops
 from ndtrain.config import Config
 from ndtrain.data.batch import MicroBatch
+from ndtrain.deferred import Lazy
 from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
@@ -64,7 +65,7 @@ class Parallelized:
     # elements of initial values this rank computed (its shard: parallel/construct.py)
     initialised: int = 0
 
-    def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float,
+    def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float | torch.Tensor,
                          unscale: float = 1.0) -> torch.Tensor:
         """Forward and backward of every micro-batch (each loss divided by `n_targets`, the
         step's global target count), gradients synchronised over every dimension and handed
@@ -82,8 +83,9 @@ class Parallelized:
         return local
 
     @property
-    def routing_stats(self) -> dict | None:
-        """Per MoE block, the last step's loads, max violation, dead experts, balance loss."""
+    def routing_stats(self) -> Lazy | None:
+        """Per MoE block, the last step's loads, max violation, dead experts, balance loss: a
+        dict once read (`ndtrain.deferred`: with the step's record, or `.value()`)."""
         return self.balance.stats if self.balance is not None else None
 
     def after_step(self) -> None:
@@ -100,11 +102,11 @@ class Parallelized:
         broadcast). What RL compares with its rollout's log-probabilities."""
         return self.schedule.logprobs(micro_batches)
 
-    def reduce_loss(self, local: torch.Tensor) -> float:
+    def reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The step's loss from each rank's share: summed over dp × cp, and over pp, where
-        only the last stage holds a loss."""
-        total = ops.all_reduce_scalars([float(local)], self.mesh.group("dp_cp"))
-        return ops.all_reduce_scalars(total, self.mesh.group("pp"))[0]
+        only the last stage holds a loss. On the device (fp64): reading it is a host sync."""
+        total = ops.all_reduce_bookkeeping(local.detach().double(), self.mesh.group("dp_cp"))
+        return ops.all_reduce_bookkeeping(total, self.mesh.group("pp"))
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0 (None elsewhere). Collective: over the
