@@ -46,7 +46,7 @@ def grad_norm(params, mesh: ParallelMesh) -> torch.Tensor:
         # parameters sharded over a dimension exist on every rank of that dimension.
         if not group.active or not (present >> i) & 1:
             continue
-        has_dim = torch.tensor([(m >> i) & 1 == 1 for m in range(partial.numel())], device=device)
+        has_dim = (torch.arange(partial.numel(), device=device) >> i) & 1 == 1  # made on the device: no copy
         summed = partial * has_dim
         ops.all_reduce(summed, group)
         partial = torch.where(has_dim, summed, partial)

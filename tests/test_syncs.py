@@ -1,0 +1,144 @@
+"""No host syncs in a training step (issue 20 item 3): the host reads the device only at the
+end of a log window. On the CPU a device sync cannot be seen, so a counter stands in for it:
+every call that on a GPU makes the host wait for the device (a value read: item, tolist,
+bool, int, float, format, cpu, numpy; a data-dependent shape: nonzero, masked_select,
+boolean indexing, unique, bincount, repeat_interleave without output_size). On CUDA,
+torch.cuda.set_sync_debug_mode counts the real ones."""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from helpers import train_in_rank
+from ndtrain.testing import run_ranks
+
+READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "__format__", "cpu", "numpy",
+         "nonzero", "masked_select", "unique", "unique_consecutive", "bincount"}
+
+
+def _is_host_wait(name: str, args, kwargs) -> bool:
+    if name in READS:
+        return True
+    if name == "repeat_interleave":  # tensor repeats: the output's size is their sum
+        return isinstance(args[1] if len(args) > 1 else kwargs.get("repeats"), torch.Tensor) and \
+            kwargs.get("output_size") is None
+    if name == "__getitem__":  # a boolean mask: the output's size is its count
+        index = args[1] if isinstance(args[1], tuple) else (args[1],)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+    return False
+
+
+class HostWaits(TorchFunctionMode):
+    """Records (step, operation) for every call that would make the host wait for a GPU."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls: list[tuple[int, str]] = []
+        self.step = -1
+        self.paused = False
+        self.on_host = lambda: set()  # ids of tensors that live on the host on a GPU too
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if not self.paused and _is_host_wait(name, args, kwargs) and id(args[0]) not in self.on_host():
+            self.calls.append((self.step, name))
+        return func(*args, **kwargs)
+
+    def per_step(self, steps: int) -> list[list[str]]:
+        return [[name for s, name in self.calls if s == step] for step in range(steps)]
+
+
+def counting(counter: HostWaits):
+    """before_fit: attribute calls to the step being run (a step's window end counts for it);
+    the host's data preparation (task rows, the target count, before the copy to the device)
+    is not device work and is left out, and so are AdamW's step counters, which torch keeps on
+    the host unless the optimizer is fused (it is on CUDA: train/optim.py)."""
+    def install(trainer):
+        optimizer = trainer.stepper.optimizer
+        counter.on_host = lambda: {id(s["step"]) for s in optimizer.state.values() if "step" in s}
+        run_step, local_batch = trainer.train_step, trainer.local_batch
+
+        def train_step(step):
+            counter.step = step
+            return run_step(step)
+
+        def host_batch(split, step):
+            counter.paused = True
+            try:
+                return local_batch(split, step)
+            finally:
+                counter.paused = False
+        trainer.train_step, trainer.local_batch = train_step, host_batch
+    return install
+
+
+STEPS = ["train.steps=3", "train.log_every=10", "train.micro_batch=2"]
+LAYOUTS = {
+    "dp2": ["parallel.dp=2"],
+    "zero3": ["parallel.zero=3"],
+    "tp2-sp": ["parallel.tp=2", "parallel.sp=true"],
+    "pp2-1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
+    "cp2-ring": ["parallel.cp=2", "parallel.cp_impl=ring"],
+    "dp2-recompute": ["parallel.dp=2", "train.recompute=full"],
+    "ep2-moe": ["model.preset=tiny-moe", "parallel.ep=2"],
+}
+
+
+def _host_waits(data_dir, layouts):
+    out = {}
+    for name, overrides in layouts.items():
+        counter = HostWaits()
+        with counter:
+            train_in_rank(STEPS + overrides, data_dir, before_fit=counting(counter))
+        out[name] = counter.per_step(3)
+    return out
+
+
+def test_a_step_off_the_log_steps_never_waits_for_the_device(tiny_data):
+    """Step 1 of 3 (log_every 10: steps 0 and 2 end a window) on every layout family: no host
+    wait at all in a dense model. An expert-parallel MoE block reads one thing per forward:
+    the all-to-all's split sizes (4 MoE blocks × 2 micro-batches = 8 reads), and nothing else
+    (the counts for its experts come with them). The window ends do read: the control that
+    the counter sees what the trainer does there."""
+    results = run_ranks(_host_waits, 2, tiny_data, LAYOUTS)
+    for rank, result in enumerate(results):
+        for name, steps in result.items():
+            expected = ["tolist"] * 8 if name == "ep2-moe" else []
+            assert steps[1] == expected, (rank, name, steps[1])
+            assert len(steps[2]) > len(expected), (rank, name, steps[2])
+
+
+def _fp16_waits(data_dir):
+    counter = HostWaits()
+    with counter:
+        train_in_rank(STEPS + ["train.precision=fp16"], data_dir, before_fit=counting(counter))
+    return counter.per_step(3)
+
+
+def test_fp16_waits_once_per_step_for_the_loss_scale():
+    """fp16 reads one value per step: whether the gradients overflowed, which decides the
+    step and the next step's loss scale (docs/architecture.md, "Host syncs")."""
+    from helpers import tiny_data_dir
+    import tempfile
+    from pathlib import Path
+    with tempfile.TemporaryDirectory() as d:
+        steps = _fp16_waits(str(tiny_data_dir(Path(d))))
+    assert steps[1] == ["item"], steps[1]
+
+
+@pytest.mark.cuda
+def test_cuda_step_has_no_synchronising_call(tiny_data):
+    """On a GPU: torch's own sync detector raises on any synchronising call during step 1
+    (a dense model, bf16)."""
+    def strict(trainer):
+        run_step = trainer.train_step
+
+        def train_step(step):
+            torch.cuda.set_sync_debug_mode("error" if step == 1 else "default")
+            try:
+                return run_step(step)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        trainer.train_step = train_step
+    train_in_rank(STEPS + ["train.precision=bf16", "run.device=cuda"], tiny_data, before_fit=strict)
