@@ -115,6 +115,8 @@ class TrainConfig:
     loss_scale_window: int = 1000  # good steps before the loss scale doubles
     loss_scale_min: float = 1.0  # an overflow at this scale stops the run
     recompute: str = "none"  # none | full | selective (attention core) | every:K (blocks 0, K, 2K, ...)
+    compile: bool = False  # torch.compile each decoder block and the loss (parallel/compile.py)
+    compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: the proofs) | eager
     moe_aux_loss: float = 0.01  # coefficient of the MoE load-balancing loss; 0 = none
     moe_bias_rate: float = 0.0  # aux-loss-free balancing: router bias step per optimizer step; 0 = off
     eval_every: int = 100  # 0 = evaluate only at the end
@@ -483,6 +485,29 @@ def default_local_processes(device: str) -> int:
     return 2
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def _check_compile(cfg: Config) -> None:
+    """train.compile: a known backend; not with the zero-bubble schedule (a compiled block's
+    backward is one node, which cannot be split into input and weight parts); Inductor on
+    the CPU needs a C++ compiler."""
+    t, p = cfg.train, cfg.parallel
+    if t.compile_backend not in COMPILE_BACKENDS:
+        raise ConfigError("train.compile_backend", t.compile_backend, f"choose one of {', '.join(COMPILE_BACKENDS)}")
+    if not t.compile:
+        return
+    if p.pp > 1 and p.pp_schedule == "zb":
+        raise ConfigError("train.compile", True, "cannot compile under parallel.pp_schedule=zb: zero bubble "
+                          "splits each backward into input and weight parts, which a compiled block computes "
+                          "in one node; use 1f1b, afab or interleaved, or train.compile=false")
+    if t.compile_backend == "inductor" and not _uses_cuda(cfg.run.device):
+        import shutil
+        if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+            raise ConfigError("train.compile", True, "Inductor on the CPU needs a C++ compiler (g++, c++ or "
+                              "clang++) on PATH; install one or set train.compile_backend=aot_eager")
+
+
 def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True) -> Config:
     """Check everything that can be checked before a process starts; fills derived values
     (parallel.dp, run.nproc, train.micro_batch, parallel.sp). Raises the first ConfigError."""
@@ -559,6 +584,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     if match.group(2) is not None and int(match.group(2)) < 1:
         raise ConfigError("train.recompute", t.recompute, "every:K needs K >= 1 (every:1 = full)")
 
+    _check_compile(cfg)
     if r.device not in ("auto", "cpu", "cuda"):
         raise ConfigError("run.device", r.device, "choose auto, cpu or cuda")
     if r.device == "cuda":

@@ -11,7 +11,8 @@ Order of the transformations (each one is a no-op when its dimension has size 1)
 1. tensor/sequence parallel module swaps   (parallel/tensor.py)
 2. context-parallel attention cores        (parallel/context/)
 3. MoE blocks: token split, this rank's experts, all-to-all dispatch (parallel/expert.py)
-4. activation recomputation wrappers       (parallel/recompute.py)
+4. regional compilation of each block      (parallel/compile.py, train.compile), then the
+   activation recomputation wrappers around it (parallel/recompute.py)
 5. gradient synchronisation over dp × cp (expert weights: over edp): DP buckets
    (parallel/data.py) or ZeRO (parallel/zero.py), each with the compute dtype and fp32
    masters of parallel/precision.py
@@ -40,6 +41,7 @@ from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.model.loss import TokenLoss, token_nll, weighted_sum
 from ndtrain.parallel import context, expert, tensor
+from ndtrain.parallel.compile import compile_blocks, compile_loss
 from ndtrain.parallel.construct import initializer, materialize
 from ndtrain.parallel.data import DataParallel, GradSyncs
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
@@ -172,7 +174,10 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     """`objective(nll, micro_batch)`: the task's half of the loss (model/loss.TokenLoss)."""
     t, p = cfg.train, cfg.parallel
     tp = mesh.group("tp")
-    loss_fn = TokenLoss(tensor.VocabParallelNLL(tp) if tp.active else token_nll, objective)
+    nll = tensor.VocabParallelNLL(tp) if tp.active else token_nll
+    if t.compile and not tp.active:  # the vocabulary-parallel loss's collectives stay eager
+        nll = compile_loss(nll, t.compile_backend)
+    loss_fn = TokenLoss(nll, objective)
     pipelined = mesh.shape.pp > 1
     # The whole model, or under pipeline parallelism only this rank's chunks; module swaps
     # (tensor parallelism, in `decoder`) and recomputation wrappers apply to each chunk,
@@ -180,6 +185,8 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     make = decoder(args, mesh, cfg)
     chunks = build_chunks(args, mesh, cfg, make) if pipelined else {0: make()}
     for chunk in chunks.values():
+        if t.compile:  # inside the recomputed regions: their second run is the same compiled code
+            compile_blocks(chunk, t.compile_backend)
         apply_recompute(chunk, t.recompute)
     model = StageModel(chunks) if pipelined else chunks[0]
     # Everything so far lives on the meta device; now each rank materialises what it keeps.
