@@ -56,6 +56,7 @@ examples:
   ndtrain bench cp                               context parallelism: ring vs allgather vs ulysses vs one process
   ndtrain bench generate                         batched generation with a KV cache against recomputing the prefix
   ndtrain bench ep                               experts split over 2 ranks (ep=2) against replicated (ep=1)
+  ndtrain bench compile                          the default job's step compiled (train.compile=true) against eager
   ndtrain bench checkpoint                       our checkpoint save/load against torch.distributed.checkpoint (125M, 2 ranks)
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
   ndtrain train --nproc 4 model.preset=tiny-moe parallel.ep=2 parallel.dp=4
@@ -182,7 +183,8 @@ def _parser() -> argparse.ArgumentParser:
                                      "comm (every collective's bus bandwidth, our ring all-reduce vs the backend's), "
                                      "sft (packed vs padded fine-tuning rows), checkpoint (our save/load vs "
                                      "torch.distributed.checkpoint, MB/s), ep (experts split over --nproc ranks vs "
-                                     "replicated), generate (KV cache vs recomputing the prefix, one process); "
+                                     "replicated), generate (KV cache vs recomputing the prefix, one process), "
+                                     "compile (train.compile=true vs eager, same layout); "
                                      "KEY=VALUE reaches both sides or is refused",
                        description="Run ndtrain and its PyTorch-native anchor side by side (sft: packed and padded "
                                    "rows), alternating rounds; the last line is the ratio of their median "
@@ -190,7 +192,7 @@ def _parser() -> argparse.ArgumentParser:
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "checkpoint", "ep",
-                                    "generate"])
+                                    "generate", "compile"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--rounds", type=int, help="alternating A/B rounds (default 10; generate 5)")
     p.add_argument("--steps", type=int, help="timed steps per round (default 3; generate 1: one whole generation)")
@@ -761,9 +763,9 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import checkpoint, comm, cp, dp, ep, generate, pp, sft, tp, zero
+    from ndtrain.bench import checkpoint, comm, compile, cp, dp, ep, generate, pp, sft, tp, zero
     return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft,
-            "checkpoint": checkpoint, "ep": ep, "generate": generate}[args.what].run(args)
+            "checkpoint": checkpoint, "ep": ep, "generate": generate, "compile": compile}[args.what].run(args)
 
 
 if __name__ == "__main__":

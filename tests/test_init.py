@@ -69,6 +69,20 @@ def test_regions_equal_slices_of_the_whole():
             assert torch.equal(initial_values(name, region, args, 3, lo, hi), padded.flatten()[lo:hi])
 
 
+def test_the_generator_works_in_a_fixed_space():
+    """Beyond the values it returns, a draw of 2^20 elements holds at most WORKSPACE_BYTES
+    (the CPU memory meter), whether it runs through the full tensor or a strided chunk."""
+    from ndtrain.model.init import WORKSPACE_BYTES
+    from ndtrain.observe.memory import CpuPeak
+
+    args, n = PRESETS["tiny"], 1 << 20
+    for region in (Region.whole((n,)), Region((1024, 2048), (0, 1024), (1024, 1024))):
+        meter = CpuPeak()
+        with meter:
+            values = initial_values("layers.0.attention.wq.weight", region, args, 0)
+        assert meter.peak - values.numel() * 4 <= WORKSPACE_BYTES, (region, meter.peak)
+
+
 LAYOUTS = {
     "dp2-zero3": ["parallel.zero=3"],
     "dp2-zero1": ["parallel.zero=1"],

@@ -36,7 +36,10 @@ _MUL = 0xD256D193  # Philox2x32's multiplier
 _BUMP = 0x9E3779B9  # the key's increment per round (the golden ratio)
 _MUL_LO, _MUL_HI = _MUL & 0xFFFF, _MUL >> 16
 ROUNDS = 10
-_CHUNK = 1 << 16  # pairs per pass on the CPU: the temporaries stay in cache
+_CHUNK = 1 << 14  # pairs (or elements) per pass on the CPU: the temporaries stay in cache
+# The most the generator holds beyond the values it returns, on the CPU (its int64 and fp64
+# temporaries for one pass: about 72 bytes per pair; tests/test_init.py measures it).
+WORKSPACE_BYTES = 128 * _CHUNK
 
 
 def philox2x32(c0: Tensor, c1: Tensor, key: int) -> tuple[Tensor, Tensor]:
@@ -63,9 +66,10 @@ def _radius_angle(counter: Tensor, key: int) -> tuple[Tensor, Tensor]:
     return radius, angle
 
 
-def normal_range(key: int, start: int, n: int, device: torch.device | str = "cpu") -> Tensor:
-    """Standard normal values (fp32) of elements start .. start + n − 1 of the stream `key`."""
-    out = torch.empty(n, dtype=torch.float32, device=device)
+def normal_range(key: int, start: int, n: int, device: torch.device | str = "cpu", out: Tensor | None = None) -> Tensor:
+    """Standard normal values (fp32) of elements start .. start + n − 1 of the stream `key`
+    (written into `out`, n fp32 elements, if given)."""
+    out = torch.empty(n, dtype=torch.float32, device=device) if out is None else out
     first, last = start // 2, (start + n + 1) // 2  # the pairs that hold them
     chunk = _CHUNK if torch.device(device).type == "cpu" else 1 << 24
     for a in range(first, last, chunk):
@@ -176,13 +180,16 @@ def initial_values(name: str, region: Region, args: ModelArgs, seed: int, lo: in
         name = "tok_embeddings.weight"  # a separate head of a tied model mirrors the embedding
     key, std = stream_key(name, seed), init_std(name, args)
     start = region.contiguous_start()
-    if start is None:
-        index = region.global_index(lo, hi, device)
-        return normal_at(key, index.clamp_min(0)).mul_(std).masked_fill_(index < 0, 0.0)
     out = torch.zeros(hi - lo, device=device)
+    if start is None:  # element by element, a pass at a time
+        step = _CHUNK if torch.device(device).type == "cpu" else 1 << 24
+        for a in range(lo, hi, step):
+            index = region.global_index(a, min(hi, a + step), device)
+            out[a - lo:a - lo + index.numel()] = normal_at(key, index.clamp_min(0)).mul_(std).masked_fill_(index < 0, 0)
+        return out
     valid = min(hi, region.valid_run())
     if valid > lo:
-        out[:valid - lo] = normal_range(key, start + lo, valid - lo, device).mul_(std)
+        normal_range(key, start + lo, valid - lo, device, out=out[:valid - lo]).mul_(std)
     return out
 
 

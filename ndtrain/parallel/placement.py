@@ -31,6 +31,18 @@ from dataclasses import dataclass
 
 import torch
 
+# Where a parameter starts inside a flat buffer (DP buckets, ZeRO flats), and where each ZeRO
+# slice starts: a multiple of 64 elements (128 bytes in bf16), as Megatron pads its buffers, so
+# every parameter, gradient and slice view is aligned for vectorised kernels and the
+# collectives' chunks. The gaps hold zeros and take no part in anything.
+ALIGN = 64
+
+
+def aligned(n: int, align: int = ALIGN) -> int:
+    """`n` rounded up to a multiple of `align`."""
+    return -(-n // align) * align
+
+
 _SHARD_ATTR = "_ndtrain_shard_dims"
 _DUP_ATTR = "_ndtrain_duplicate"
 _PARTIAL_ATTR = "_ndtrain_partial_dims"
