@@ -2,10 +2,11 @@
 and end-to-end training equal to one process.
 
 Kernel rows run every back end on cp ∈ {2, 3, 4} ranks in fp64 against full attention
-computed on one device: output, log-sum-exp (ring, allgather; Ulysses runs plain attention
-between its all-to-alls and has no merged lse) and dq, dk, dv of every rank's tokens within
-1e-10 of the reference's largest element, causal and full, MHA and GQA, with and without
-packed documents (including documents that leave whole ring blocks masked).
+computed on one device: output, log-sum-exp (ring, allgather; Ulysses runs SDPA between its
+all-to-alls and has no merged lse) and dq, dk, dv of every rank's tokens within 1e-10 of the
+reference's largest element, causal and full, MHA and GQA, with and without packed
+documents (including documents that leave whole ring blocks masked), on the fused CPU op
+and on the plain kernel (parallel/context/fused.py, kernels.py).
 """
 
 from __future__ import annotations
@@ -25,6 +26,14 @@ IMPLS = ("ring", "allgather", "ulysses")
 
 # --------------------------------------------------------------------------- the layout
 
+def _visible_pairs(block) -> int:
+    n = (block.rows.stop - block.rows.start) * (block.cols.stop - block.cols.start)
+    if block.causal:
+        side = block.rows.stop - block.rows.start
+        return side * (side + 1) // 2
+    return n if block.mask is None else int(block.mask.sum())
+
+
 def test_zigzag_layout_covers_every_token_once_and_balances_causal_work():
     from ndtrain.parallel.context.layout import gathered_index, zigzag_index
     from ndtrain.parallel.context.visibility import Visibility
@@ -34,20 +43,27 @@ def test_zigzag_layout_covers_every_token_once_and_balances_causal_work():
     for cp in (1, 2, 3, 4):
         s = 2 * cp * 5
         assert sorted(gathered_index(s, cp).tolist()) == list(range(s))
-        # visible (query, key) pairs computed per rank, summed over the ring's steps
-        work = []
+        # visible (query, key) pairs computed per rank, summed over the ring's steps, and
+        # over the all-gather back end's blocks: no block holds a masked pair
+        ring, gathered = [], []
         for r in range(cp):
             vis = Visibility(s, cp, r)
             pairs = 0
             for src in range(cp):
                 block = vis.ring_block(src)
                 if block is not None:
-                    n = (block.rows.stop - block.rows.start) * (block.cols.stop - block.cols.start)
-                    pairs += n if block.mask is None else int(block.mask.sum())
+                    pairs += _visible_pairs(block)
                     if src != r:  # off-diagonal steps: 2c² pairs, no mask
-                        assert block.mask is None and n == 2 * (s // (2 * cp)) ** 2
-            work.append(pairs)
-        assert work == [work[0]] * cp and sum(work) == s * (s + 1) // 2
+                        assert block.mask is None and not block.causal
+                        assert _visible_pairs(block) == 2 * (s // (2 * cp)) ** 2
+                    else:  # the diagonal: the local causal square
+                        assert block.causal and block.mask is None
+            ring.append(pairs)
+            blocks = vis.gathered_blocks()
+            assert all(b.mask is None for b in blocks) and len(blocks) == 4 - (r == 0)
+            gathered.append(sum(_visible_pairs(b) for b in blocks))
+        assert ring == [ring[0]] * cp and sum(ring) == s * (s + 1) // 2
+        assert gathered == ring
 
 
 def test_shard_permutes_every_field_together():
@@ -64,22 +80,37 @@ def test_shard_permutes_every_field_together():
     assert part.weights.tolist() == part.tokens.double().tolist()
 
 
-def test_kernels_handle_fully_masked_rows_and_blocks():
+@pytest.mark.parametrize("kernel", ["plain", "fused"])
+def test_kernels_handle_fully_masked_rows_and_blocks(kernel):
+    """A row that sees nothing has lse −inf and output 0; a block that sees nothing merges
+    as nothing and contributes no gradient; on the plain kernel and on the fused CPU op
+    (which reports lse 0 for such a row: fused.py corrects it)."""
+    from ndtrain.parallel.context import fused
     from ndtrain.parallel.context.kernels import attend, attend_backward, merge
+    from ndtrain.parallel.context.visibility import Block
 
     g = torch.Generator().manual_seed(0)
-    q = torch.randn(1, 1, 2, 3, 4, generator=g, dtype=torch.float64)
+    q = torch.randn(1, 2, 3, 4, generator=g, dtype=torch.float64)
     k, v = (torch.randn(1, 1, 5, 4, generator=g, dtype=torch.float64) for _ in range(2))
-    mask = torch.ones(3, 5, dtype=torch.bool)
-    mask[1] = False  # a row that sees nothing
-    out, lse = attend(q, k, v, mask.view(1, 1, 1, 3, 5), 0.5)
-    assert torch.isneginf(lse[..., 1]).all() and (out[..., 1, :] == 0).all()
-    nothing = torch.zeros(1, 1, 1, 3, 5, dtype=torch.bool)  # a block that sees nothing
-    b_out, b_lse = attend(q, k, v, nothing, 0.5)
+    mask = torch.ones(1, 1, 3, 5, dtype=torch.bool)
+    mask[..., 1, :] = False  # a row that sees nothing
+    nothing = torch.zeros(1, 1, 3, 5, dtype=torch.bool)  # a block that sees nothing
+    some, none = Block(slice(0, 3), slice(0, 5), mask), Block(slice(0, 3), slice(0, 5), nothing)
+    if kernel == "plain":
+        (out, lse), (b_out, b_lse) = attend(q, k, v, mask, 0.5), attend(q, k, v, nothing, 0.5)
+    else:
+        assert fused.kernel_for(q, k, some) == "cpu"
+        (out, lse), (b_out, b_lse) = fused.forward(q, k, v, some, 0.5), fused.forward(q, k, v, none, 0.5)
+    assert torch.isneginf(lse[..., 1]).all() and (out[..., 1, :] == 0).all() and torch.isfinite(lse[..., 0]).all()
+    assert torch.isneginf(b_lse).all() and (b_out == 0).all()
     merged, merged_lse = merge(out, lse, b_out, b_lse)
     assert torch.equal(merged, out) and torch.equal(merged_lse, lse)
-    dq, dk, dv = attend_backward(q, k, v, nothing, 0.5, lse, torch.zeros_like(lse), torch.ones_like(out))
-    assert all(torch.isfinite(t).all() and (t == 0).all() for t in (dq, dk, dv))
+    dout = torch.ones_like(out)
+    if kernel == "plain":
+        grads = attend_backward(q, k, v, nothing, 0.5, lse, (dout * out).sum(-1), dout)
+    else:
+        grads = fused.backward(dout, q, k, v, out, lse, none, 0.5)
+    assert all(torch.isfinite(t).all() and (t == 0).all() for t in grads)
 
 
 # --------------------------------------------------------------------------- kernels on cp ranks
@@ -115,15 +146,19 @@ def _documents(b: int, s: int, cp: int, g) -> torch.Tensor:
 
 def _kernel_cases(cp: int):
     gqa = {2: 2, 3: 3, 4: 2}[cp]  # KV heads that Ulysses can split (cp=2, 3) or repeat (cp=4)
-    for impl in ("ring", "allgather", "ulysses"):
-        for causal in (True, False):
-            for heads, kv in ((12, 12), (12, gqa)):
-                for docs in (False, True):
-                    yield impl, causal, heads, kv, docs
+    for kernel in ("fused", "plain"):
+        for impl in ("ring", "allgather", "ulysses"):
+            for causal in (True, False):
+                for heads, kv in ((12, 12), (12, gqa)):
+                    for docs in (False, True):
+                        yield kernel, impl, causal, heads, kv, docs
 
 
 def _kernels_on_ranks(cp: int) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     from ndtrain.mesh import MeshShape, ParallelMesh
+    from ndtrain.parallel.context import fused
     from ndtrain.parallel.context.allgather import AllGatherAttention, allgather_forward
     from ndtrain.parallel.context.kernels import from_heads
     from ndtrain.parallel.context.layout import zigzag_index
@@ -134,7 +169,7 @@ def _kernels_on_ranks(cp: int) -> list[dict]:
     mesh = ParallelMesh.build(MeshShape(cp=cp))
     group = mesh.group("cp")
     results = []
-    for impl, causal, heads, kv, with_docs in _kernel_cases(cp):
+    for kernel, impl, causal, heads, kv, with_docs in _kernel_cases(cp):
         g = torch.Generator().manual_seed(7)
         b, s, d = 3, 2 * cp * 3, 8
         q = torch.randn(b, s, heads, d, generator=g, dtype=torch.float64)
@@ -151,18 +186,26 @@ def _kernels_on_ranks(cp: int) -> list[dict]:
         gathered_docs = torch.stack([docs[:, zigzag_index(s, cp, r)] for r in range(cp)]) if with_docs else None
         vis = Visibility(s, cp, group.rank, causal=causal, docs=gathered_docs)
         fn = {"ring": RingAttention.apply, "allgather": AllGatherAttention.apply, "ulysses": ulysses_attention}[impl]
-        out = fn(*mine, group, vis)
-        (out * w[:, idx]).sum().backward()
+        # the plain kernel where torch's selector offers no fused op (SDPBackend.MATH)
+        backends = [SDPBackend.MATH] if kernel == "plain" else [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+        with sdpa_kernel(backends):
+            keys = k if impl == "allgather" else mine[1]  # the key columns a block indexes
+            blocks = vis.gathered_blocks() if impl == "allgather" else [vis.ring_block(r) for r in range(cp)]
+            used = {fused.kernel_for(mine[0].detach().transpose(1, 2)[:, :, b.rows], keys.transpose(1, 2)[:, :, b.cols],
+                                     b) for b in blocks if b is not None}
+            assert used == {"plain" if kernel == "plain" else "cpu"}, used
+            out = fn(*mine, group, vis)
+            (out * w[:, idx]).sum().backward()
         errors = {"out": _relative(out, ref_out.flatten(2)[:, idx])}
         if impl != "ulysses":
             forward = ring_forward if impl == "ring" else allgather_forward
-            plain_out, lse = forward(*[t.detach() for t in mine], group, vis)[:2]
-            # lse [b, G, r, s] → [b, s, H]
-            errors["lse"] = _relative(lse.permute(0, 3, 1, 2).reshape(b, -1, heads), ref_lse[:, idx])
+            with sdpa_kernel(backends):
+                plain_out, lse = forward(*[t.detach() for t in mine], group, vis)[:2]
+            errors["lse"] = _relative(lse.transpose(1, 2), ref_lse[:, idx])  # [b, H, s] → [b, s, H]
             assert torch.equal(from_heads(plain_out).to(q.dtype), out.detach())
         for name, mine_t, ref_t in zip(("dq", "dk", "dv"), mine, ref):
             errors[name] = _relative(mine_t.grad, ref_t.grad[:, idx])
-        results.append({"case": (impl, causal, heads, kv, with_docs), **errors})
+        results.append({"case": (kernel, impl, causal, heads, kv, with_docs), **errors})
     return results
 
 
@@ -181,8 +224,60 @@ def test_attention_kernels_equal_full_attention_fp64(cp):
                 if key != "case":
                     assert err <= KERNEL_TOL, f"rank {rank} {r['case']}: {key} differs by {err:.1e}"
                     worst = max(worst, err)
-    assert len(per_rank[0]) == 24
+    assert len(per_rank[0]) == 48
     print(f"cp={cp}: largest relative deviation {worst:.1e}")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("backend, dtype", [("flash", torch.bfloat16), ("efficient", torch.bfloat16),
+                                            ("efficient", torch.float32), ("cudnn", torch.bfloat16)])
+def test_cuda_fused_blocks_merge_to_full_attention(backend, dtype):
+    """On a GPU, each CUDA op that returns the log-sum-exp (forced with sdpa_kernel): the
+    second half of a sequence's queries against a full block (the first half's keys) and a
+    causal square (its own), merged by lse, then each block's backward from the merged
+    output and lse; against attention over the whole sequence in fp32 on the same (rounded)
+    inputs. Tolerance: bf16 rounds each block's output and gradients to 8 bits (2⁻⁸ ≈ 4e-3
+    of a value), so 2e-2 of the largest element; fp32 1e-3 (the kernels may sum in another
+    order and use TF32-free fp32 math)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ndtrain.parallel.context import fused
+    from ndtrain.parallel.context.kernels import Partial
+    from ndtrain.parallel.context.visibility import Block
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    forced = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+              "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, kv, n, d = 2, 8, 2, 256, 64
+    q = torch.randn(b, h, n, d, generator=g, device="cuda").to(dtype)
+    k, v = (torch.randn(b, kv, 2 * n, d, generator=g, device="cuda").to(dtype) for _ in range(2))
+    dout = torch.randn(b, h, n, d, generator=g, device="cuda").to(dtype)
+    full, diag = Block(slice(0, n), slice(0, n), None), Block(slice(0, n), slice(n, 2 * n), None, causal=True)
+    scale = d ** -0.5
+    with sdpa_kernel([forced]):
+        assert {fused.kernel_for(q, k[:, :, :n], blk) for blk in (full, diag)} == {backend}
+        partial = Partial(q.shape, torch.float32, q.device)
+        for blk in (full, diag):
+            partial.add(blk.rows, *fused.forward(q, k[:, :, blk.cols], v[:, :, blk.cols], blk, scale))
+        out, lse = partial.result()
+        grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
+        for blk in (full, diag):
+            dq, dk, dv = fused.backward(dout, q, k[:, :, blk.cols], v[:, :, blk.cols], out.to(dtype), lse, blk, scale)
+            grads[0] += dq
+            grads[1][:, :, blk.cols] += dk
+            grads[2][:, :, blk.cols] += dv
+    ref = [t.float().requires_grad_() for t in (q, k, v)]
+    visible = torch.ones(n, 2 * n, dtype=torch.bool, device="cuda").tril(n)
+    keys, values = (t.repeat_interleave(h // kv, 1) for t in ref[1:])
+    scores = (ref[0] @ keys.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    ref_out = torch.softmax(scores, -1) @ values
+    ref_out.backward(dout.float())
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
+    for name, mine, theirs in [("out", out, ref_out), ("lse", lse, torch.logsumexp(scores, -1)),
+                               *zip(("dq", "dk", "dv"), grads, (t.grad for t in ref))]:
+        err = float((mine - theirs.detach()).abs().max() / theirs.detach().abs().max())
+        assert err <= tol, f"{backend} {dtype}: {name} differs by {err:.1e}"
 
 
 # --------------------------------------------------------------------------- bad input
@@ -557,4 +652,7 @@ def test_bench_cp_runs_every_contender():
     for seq_len in (32, 64):
         assert f"seq_len {seq_len} " in out
     assert all(out.count(f"  {name} ") == 2 for name in ("ring", "allgather", "ulysses", "1 process"))
-    assert re.search(r"\nndtrain cp ring/allgather throughput ratio: \d+\.\d\d$", out), out
+    assert ("\nring and allgather attention: full and causal blocks on _scaled_dot_product_flash_attention_for_cpu; "
+            "document-masked blocks on the same op, the mask as its attn_mask\n") in out
+    assert re.search(r"\nndtrain cp throughput vs 1 process at seq_len 64: ring \d+\.\d\d, allgather \d+\.\d\d, "
+                     r"ulysses \d+\.\d\d$", out), out

@@ -25,8 +25,9 @@ from test_layouts import LAYOUTS, tier
 TOLERANCE = 0.05
 BASE = TINY + ["model.vocab_size=512"]
 # Beyond the matrix (fp32, Llama blocks): bf16 and fp64, Qwen3's block (q/k norms, head_dim ≠
-# dim / heads), and context parallelism (whose explicit attention kernels hold s²/cp² scores
-# while they run). A few rows: each one costs the suite a dry run.
+# dim / heads), and context parallelism (whose back ends hold copies of q, K/V and fp32
+# accumulators around their fused attention blocks while they run). A few rows: each one
+# costs the suite a dry run.
 EXTRA = [("qwen3-bf16-zero3", ["model.qk_norm=true", "model.head_dim=32", "parallel.zero=3", "train.precision=bf16"]),
          ("fp64-dp2", ["train.precision=fp64"]),
          ("cp2-allgather", ["parallel.cp=2", "parallel.cp_impl=allgather"]),

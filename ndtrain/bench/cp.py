@@ -5,14 +5,21 @@ On `--nproc` ranks (default 2), all of them one CP group: ring, allgather and ul
 the same model (same initial weights) on the same global batch, one step each (forward,
 backward, AdamW), at two sequence lengths (train.seq_len / 2 and train.seq_len), alternated
 round by round with a fourth contender, the model without CP on rank 0 alone (the other
-ranks wait). Then one more step of each, untimed, measures the activation peak per rank
-(observe/memory.py). The last line is the ring's throughput over allgather's at the longer
+ranks wait). Next to the wall-clock throughput, each contender's CPU seconds per step on
+its busiest rank (process time, median), and that over one process's ("work vs 1": 0.5
+is a perfect split over 2 ranks): on a host whose cores other jobs share, a contender
+that needs every core at once loses wall time that the CPU seconds do not show. Then one
+more step of each, untimed, measures the activation peak per rank (observe/memory.py).
+A line names the attention op the ring and all-gather blocks run on (parallel/context/
+fused.py: full, causal and document-masked blocks; this benchmark's rows have no
+documents). The last line is each back end's throughput over one process's at the longer
 sequence.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
 
 import torch
 
@@ -48,7 +55,9 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> list[dict]:
     from ndtrain.launch import init_process
     from ndtrain.mesh import ParallelMesh
     from ndtrain.parallel import context
+    from ndtrain.parallel.context import fused
     from ndtrain.parallel.parallelize import build
+    from ndtrain.parallel.precision import compute_dtype
     from ndtrain.train.step import TrainStep
     from ndtrain.train.worker import mesh_shape
 
@@ -77,23 +86,32 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> list[dict]:
                 steppers["1 process"] = TrainStep(build(args, _alone(env.device), single), single)
             batches["1 process"] = whole.split(t.micro_batch)
 
+            cpu: dict[str, list[float]] = {}  # this process's CPU seconds of each step
+
             def contender(name):
                 def step(measure: bool = False):
+                    start = time.process_time()
                     if name in steppers:
                         steppers[name].forward_backward(batches[name], n_targets, measure_memory=measure)
                         if t.grad_clip:
                             steppers[name].clip_grad_norm(t.grad_clip)
                         steppers[name].optimizer_step(t.lr)
+                    cpu.setdefault(name, []).append(time.process_time() - start)
                 return step
 
             names = list(IMPLS) + ["1 process"]
             times = alternate({n: contender(n) for n in names}, rounds, steps, env.device)
+            busy = per_rank([statistics.median(cpu[n][steps:]) for n in names], env.device)  # past the warm-up
             for n in names:
                 contender(n)(measure=True)
             mine = [steppers[n].memory.activations if n in steppers else 0 for n in names]
             table = per_rank(mine, env.device)
-            results.append({"seq_len": seq_len, "tokens": t.global_batch * seq_len,
+            heads, kv_heads = args.n_heads // cfg.parallel.tp, max(1, args.n_kv_heads // cfg.parallel.tp)
+            kernels = fused.describe(env.device, compute_dtype(t.precision), heads, kv_heads, args.head_dim,
+                                     seq_len // cp.size)
+            results.append({"seq_len": seq_len, "tokens": t.global_batch * seq_len, "kernels": kernels,
                             "median_s": {n: statistics.median(times[n]) for n in names},
+                            "cpu_s": {n: max(row[i] for row in busy) for i, n in enumerate(names)},
                             "activations": {n: [row[i] for row in table] for i, n in enumerate(names)}})
         return results
     finally:
@@ -103,14 +121,19 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> list[dict]:
 def render(results: list[dict]) -> str:
     lines = []
     for r in results:
-        single = r["median_s"]["1 process"]
+        single, single_cpu = r["median_s"]["1 process"], r["cpu_s"]["1 process"]
         lines.append(f"seq_len {r['seq_len']} ({r['tokens']} tokens per step)")
-        lines.append(f"  {'contender':<10} {'tokens/s':>10} {'vs 1 process':>13} {'activations per rank':>22}")
+        lines.append(f"  {'contender':<10} {'tokens/s':>10} {'vs 1 process':>13} {'CPU s/rank':>11} "
+                     f"{'work vs 1':>10} {'activations per rank':>22}")
         for name, s in r["median_s"].items():
             act = " / ".join(format_bytes(a) for a in r["activations"][name] if a or name != "1 process")
-            lines.append(f"  {name:<10} {r['tokens'] / s:>10,.0f} {single / s:>12.2f}× {act:>22}")
-    last = results[-1]["median_s"]
-    lines.append(f"ndtrain cp ring/allgather throughput ratio: {last['allgather'] / last['ring']:.2f}")
+            busy = r["cpu_s"][name]
+            lines.append(f"  {name:<10} {r['tokens'] / s:>10,.0f} {single / s:>12.2f}× {busy:>11.3f} "
+                         f"{busy / single_cpu:>10.2f} {act:>22}")
+    last = results[-1]
+    lines.append(f"ring and allgather attention: {last['kernels']}")
+    ratios = ", ".join(f"{n} {last['median_s']['1 process'] / last['median_s'][n]:.2f}" for n in IMPLS)
+    lines.append(f"ndtrain cp throughput vs 1 process at seq_len {last['seq_len']}: {ratios}")
     return "\n".join(lines)
 
 

@@ -234,33 +234,39 @@ class StepShape:
         return h * self.n_res + (h * self.n if self.cfg.parallel.sp else 0.0)
 
     def attention_working(self, backward: bool) -> float:
-        """Context parallelism's attention at its widest (its kernels are explicit, not
-        fused): ring attention holds the widened queries, output and statistics, the K/V
-        it holds and the ones arriving, and the scores of its largest block (the local
-        causal square, b·H·(s/cp)² values), twice in backward (probabilities and their
-        gradient) with the K/V gradient accumulators travelling; all-gather attention
-        widens every rank's K/V and scores its queries against the whole sequence; Ulysses
-        (a fused kernel over the whole sequence for cp's heads) holds the all-to-all
-        buffers of q, k, v. 0 without context parallelism (the fused kernel keeps no s²)."""
+        """Context parallelism's attention at its widest, beyond what it saves. Its blocks run
+        on fused attention ops (parallel/context/fused.py), which hold no scores; what counts
+        is the copies around them. The ring: the queries (and in backward the output and
+        its gradient) in head layout, the K/V it holds and the ones arriving, the running
+        output (fp32) with a merge's temporaries, and in backward the dq accumulator and
+        three K/V gradient accumulators (its own, the one arriving, the one it sent).
+        All-gather: every rank's K/V twice while they are put in sequence order, then the
+        blocks; in backward the K/V gradients of the whole sequence, twice while they go
+        back to rank order. Ulysses (a fused kernel over the whole sequence for cp's heads)
+        holds the all-to-all buffers of q, k, v. 0 without context parallelism."""
         p = self.cfg.parallel
         if p.cp == 1:
             return 0.0
         a, c, w, n, cp = self.args, self.c, wide(self.c), self.n, p.cp
         q, kv, heads = a.n_heads * a.head_dim / p.tp, kv_width(a, p.tp), a.n_heads / p.tp
-        rows = self.cfg.train.micro_batch
-        local = n / rows  # this rank's positions of each sequence
         if p.cp_impl == "ulysses":
             kv_heads = kv // a.head_dim
             kv = (kv_heads if kv_heads % cp == 0 else cp) * a.head_dim
             return 3 * c * (q + 2 * kv) * n
-        scores = w * rows * heads * local * local * (cp if p.cp_impl == "allgather" else 1)
+        widen = w * q * n if c != w else 0.0  # a block's output widened to fp32
         if p.cp_impl == "allgather":
-            keys = 2 * w * kv * n * cp
-            return (2 * keys + 3 * w * q * n + 2 * scores) if backward else (keys + 3 * w * q * n + scores)
-        if backward:  # the diagonal step (full scores, one accumulator) or a later one (half, three in flight)
-            base = 3 * w * q * n + 4 * c * kv * n
-            return base + max(2 * w * kv * n + 2 * scores, 6 * w * kv * n + scores)
-        return 4 * w * q * n + 2 * w * heads * n + 4 * c * kv * n + scores
+            if backward:
+                grads = 2 * w * kv * n * cp
+                blocks, back = c * q * n / 2 + 2 * c * kv * n * cp, grads + 2 * w * kv * n  # to rank order
+                return 3 * c * q * n + w * q * n + grads + max(blocks, back)
+            blocks = 2 * c * q * n + widen + w * heads * n + 4 * w * q * n
+            return max(4 * c * kv * n * cp, blocks)
+        held = (4 if cp > 2 else 2) * c * kv * n  # the K/V of a later step, and the next ones arriving
+        if backward:
+            first = c * q * n + 6 * c * kv * n + 2 * w * kv * n
+            later = held + 6 * w * kv * n + max(c * q * n + c * kv * n, c * q * n / 2 + 2 * c * kv * n)
+            return 3 * c * q * n + w * q * n + max(first, later)
+        return 2 * c * q * n + held + widen + w * heads * n + 4 * w * q * n
 
     def mlp_saved(self, layer: int) -> float:
         """The MLP's part of a block's saved bytes, freed when the MLP's backward ends (none

@@ -5,7 +5,8 @@ Reading order:
   permutation of tokens, targets, positions, document ids and weights (`shard`).
 - `visibility.py`: which query sees which key, by global token index and document, and
   which block of the layout a ring step computes.
-- `kernels.py`: blockwise attention with log-sum-exp, its explicit backward, the merge.
+- `kernels.py`: the merge of blocks by their log-sum-exp, and a block in plain torch.
+- `fused.py`: a block on torch's fused attention ops (the plain one where none applies).
 - `ring.py`, `allgather.py`, `ulysses.py`: the three back ends (`parallel.cp_impl`).
 - `attention.py`: the module that replaces `AttentionCore`, `apply`, the dropout that stays
   equal to one device's, and the bytes each back end sends (`wire_bytes`).

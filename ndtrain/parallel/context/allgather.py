@@ -1,10 +1,13 @@
 """All-gather attention (the Llama 3 paper's context parallelism): gather every rank's keys
 and values, attend with the local queries, reduce-scatter the key/value gradients back.
 
-One block per layer: local queries × the keys of the whole sequence, masked by global token
-index (and document). The gathered K/V stay saved for backward, so a rank holds the keys
-and values of the whole sequence per layer (2·S·G·d), which the ring avoids; in exchange
-document masks need nothing special and the collectives are the simplest there are.
+The gathered K/V are put in sequence order; each local query chunk j (of the zigzag
+layout's 2·cp) then sees keys [0, j·c) fully and its own chunk causally: two fused blocks
+per chunk (`Visibility.gathered_blocks`, `fused.py`), merged by their log-sum-exp, so a
+rank computes the same 2·cp·c² visible pairs as a ring and nothing masked (with documents
+the blocks carry their masks). The gathered K/V stay saved for backward, so a rank holds
+the keys and values of the whole sequence per layer (2·S·G·d), which the ring avoids; in
+exchange the collectives are the simplest there are.
 
 Messages per rank and layer: an all-gather of 2·T·G·d elements forward and a reduce-scatter
 of as many (in fp32) backward, (cp−1)/cp of each on the wire: 4·T·G·d·(cp−1)/cp.
@@ -19,21 +22,32 @@ from torch import Tensor
 
 from ndtrain.comm import ops
 from ndtrain.mesh import Group
-from ndtrain.model.llama import widened
-from ndtrain.parallel.context.kernels import attend, attend_backward, from_heads, to_heads
+from ndtrain.model.dtypes import wide_dtype
+from ndtrain.parallel.context import fused
+from ndtrain.parallel.context.kernels import Partial, from_heads, to_heads
 from ndtrain.parallel.context.visibility import Visibility
 
 
-def _gathered_heads(kv: Tensor) -> Tensor:
-    """[cp, 2, b, s, G, d] (rank order) → [2, b, G, cp·s, d]."""
-    cp, two, b, s, g, d = kv.shape
-    return kv.permute(1, 2, 4, 0, 3, 5).reshape(two, b, g, cp * s, d)
+def _natural(gathered: Tensor) -> Tensor:
+    """Every rank's K/V [cp, 2, b, s, G, d] (rank order: rank j holds chunks j and 2·cp−1−j)
+    → [2, b, G, S, d] in sequence order."""
+    cp, two, b, s, g, d = gathered.shape
+    halves = gathered.view(cp, two, b, 2, s // 2, g, d)
+    chunks = torch.cat([halves[:, :, :, 0], halves[:, :, :, 1].flip(0)])  # chunk j at index j
+    return chunks.permute(1, 2, 4, 0, 3, 5).reshape(two, b, g, cp * s, d)
+
+
+def _rank_order(natural: Tensor, cp: int) -> Tensor:
+    """The inverse of `_natural`: [2, b, G, S, d] → [cp, 2, b, s, G, d] (contiguous)."""
+    two, b, g, seq, d = natural.shape
+    chunks = natural.view(two, b, g, 2 * cp, seq // (2 * cp), d).permute(3, 0, 1, 4, 2, 5)
+    return torch.stack([chunks[:cp], chunks[cp:].flip(0)], dim=3).reshape(cp, two, b, seq // cp, g, d)
 
 
 def allgather_forward(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibility, recorder=None,
                       layer: str = "") -> tuple[Tensor, Tensor, Tensor]:
-    """out [b, G, H/G, s, d] and lse [b, G, H/G, s] of this rank's queries against the
-    gathered keys (fp32, or fp64), and the gathered K/V [cp, 2, b, s, G, d]."""
+    """out [b, H, s, d] and lse [b, H, s] of this rank's queries against the gathered keys
+    (fp32, or fp64), and the gathered K/V in sequence order [2, b, G, S, d]."""
     local = torch.stack([k, v]).contiguous()  # [2, b, s, G, d]
     gathered = local.new_empty((group.size, *local.shape))
     start = recorder.now() if recorder else 0.0
@@ -41,12 +55,17 @@ def allgather_forward(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibi
     if recorder:
         recorder.message("kv", layer, 0, start, start)
     start = recorder.now() if recorder else 0.0
-    kv = widened(_gathered_heads(gathered))
-    scale = 1.0 / math.sqrt(q.shape[-1])
-    out, lse = attend(to_heads(widened(q), kv.shape[2]), kv[0], kv[1], vis.gathered_mask(), scale)
+    del local
+    kv, qh, scale = _natural(gathered), to_heads(q), 1.0 / math.sqrt(q.shape[-1])
+    del gathered  # the sequence-ordered copy is what backward keeps
+    partial = Partial(qh.shape, wide_dtype(qh.dtype), qh.device)
+    for block in vis.gathered_blocks():
+        rows = (slice(None), slice(None), block.rows)
+        partial.add(block.rows, *fused.forward(qh[rows], kv[0][:, :, block.cols], kv[1][:, :, block.cols], block,
+                                               scale))
     if recorder:
         recorder.compute("attn F", layer, 0, start)
-    return out, lse, gathered
+    return (*partial.result(), kv)
 
 
 class AllGatherAttention(torch.autograd.Function):
@@ -55,28 +74,27 @@ class AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibility, recorder=None,
                 layer: str = "") -> Tensor:
-        out, lse, gathered = allgather_forward(q, k, v, group, vis, recorder, layer)
+        out, lse, kv = allgather_forward(q, k, v, group, vis, recorder, layer)
         result = from_heads(out).to(q.dtype)
-        ctx.save_for_backward(q, gathered, result, lse)
-        ctx.group, ctx.vis, ctx.shape, ctx.dtype = group, vis, gathered.shape[1:], k.dtype
+        ctx.save_for_backward(q, kv, result, lse)
+        ctx.group, ctx.vis, ctx.dtype = group, vis, k.dtype
         return result
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, gathered, out, lse = ctx.saved_tensors
-        group, vis = ctx.group, ctx.vis
-        kv = widened(_gathered_heads(gathered))
-        n_kv = kv.shape[2]
-        dout = to_heads(widened(grad).reshape(q.shape), n_kv)
-        delta = (dout * to_heads(widened(out).view(q.shape), n_kv)).sum(-1)
-        dq, dk, dv = attend_backward(to_heads(widened(q), n_kv), kv[0], kv[1], vis.gathered_mask(),
-                                     1.0 / math.sqrt(q.shape[-1]), lse, delta, dout)
-        # [2, b, G, cp·s, d] → [cp, 2, b, s, G, d], this rank's slice summed over the group
-        two, b, g, s_all, d = 2, *dk.shape
-        dkv = torch.stack([dk, dv]).view(two, b, g, group.size, s_all // group.size, d)
-        dkv = dkv.permute(3, 0, 1, 4, 2, 5).contiguous()
-        mine = dkv.new_empty(ctx.shape)
-        ops.reduce_scatter(mine.view(-1), dkv.view(-1), group)
-        return from_heads(dq).view(q.shape).to(q.dtype), mine[0].to(ctx.dtype), mine[1].to(ctx.dtype), \
-            None, None, None, None
-
+        q, kv, out, lse = ctx.saved_tensors
+        group, vis, scale = ctx.group, ctx.vis, 1.0 / math.sqrt(q.shape[-1])
+        qh, dout, outh = (to_heads(t.reshape(q.shape)) for t in (q, grad, out))
+        dq = torch.zeros(qh.shape, dtype=lse.dtype, device=qh.device)
+        dkv = torch.zeros(kv.shape, dtype=lse.dtype, device=kv.device)  # sequence order
+        for block in vis.gathered_blocks():
+            rows, cols = (slice(None), slice(None), block.rows), (slice(None), slice(None), block.cols)
+            b_dq, b_dk, b_dv = fused.backward(dout[rows], qh[rows], kv[0][cols], kv[1][cols], outh[rows], lse[rows],
+                                              block, scale)
+            dq[rows] += b_dq
+            dkv[0][cols] += b_dk
+            dkv[1][cols] += b_dv
+        send = _rank_order(dkv, group.size)
+        mine = send.new_empty(send.shape[1:])
+        ops.reduce_scatter(mine.view(-1), send.view(-1), group)  # this rank's slice, summed over the group
+        return dq.transpose(1, 2).to(q.dtype), mine[0].to(ctx.dtype), mine[1].to(ctx.dtype), None, None, None, None

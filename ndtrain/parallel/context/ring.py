@@ -6,16 +6,17 @@ Forward, at step i = 0 … cp−1 rank r holds the keys and values of rank (r �
 1. it posts the exchange for step i+1 (send what it holds to r+1, receive from r−1);
 2. it computes its block against what it holds (`Visibility.ring_block`: under the zigzag
    layout the diagonal step is the local causal square and every other step 2c² unmasked
-   pairs) and merges it into the running output and log-sum-exp (kernels.merge), in fp32
-   (fp64 for fp64 runs);
+   pairs) on a fused attention op (`fused.py`) and merges it into the running output and
+   log-sum-exp (kernels.Partial), in fp32 (fp64 for fp64 runs);
 3. it waits for the exchange. Compute and communication overlap.
 Only the local q, k, v, the output and the log-sum-exp are kept for backward: autograd
 through the ring would keep every step's block.
 
-Backward walks the same ring. At step i the rank computes the block's dq (accumulated
-locally) and its contribution to the dk, dv of the source's block, adds the partial sum
-that arrived from r−1 for that same block (sent there one step earlier), and passes the sum
-to r+1, which holds that block at step i+1. After step cp−1 each sum has collected all cp
+Backward walks the same ring. At step i the rank computes, with the fused op's backward
+fed the merged output and log-sum-exp, the block's dq (accumulated locally) and its
+contribution to the dk, dv of the source's block, adds the partial sum that arrived from
+r−1 for that same block (sent there one step earlier), and passes the sum to r+1, which
+holds that block at step i+1. After step cp−1 each sum has collected all cp
 contributions and one last hop takes it to its owner. The accumulators travel in fp32.
 
 Messages per rank and layer (T tokens in the CP group, G KV heads per TP rank, head dim d):
@@ -32,9 +33,9 @@ from torch import Tensor
 
 from ndtrain.comm import ops
 from ndtrain.mesh import Group
-from ndtrain.model.llama import widened
-from ndtrain.parallel.context.kernels import (NEG_INF, attend, attend_backward, from_heads, kv_heads, merge,
-                                              to_heads)
+from ndtrain.model.dtypes import wide_dtype
+from ndtrain.parallel.context import fused
+from ndtrain.parallel.context.kernels import Partial, from_heads, to_heads
 from ndtrain.parallel.context.visibility import Visibility
 
 
@@ -59,27 +60,25 @@ class _Exchange:
 
 def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibility, recorder=None,
                  layer: str = "") -> tuple[Tensor, Tensor]:
-    """The forward ring: out [b, G, H/G, s, d] and lse [b, G, H/G, s] of this rank's queries
-    against every rank's keys, in fp32 (fp64 for fp64 inputs)."""
-    n_kv, scale = k.shape[2], 1.0 / math.sqrt(q.shape[-1])
-    qh = to_heads(widened(q), n_kv)
-    out = torch.zeros_like(qh)
-    lse = torch.full(qh.shape[:-1], NEG_INF, dtype=qh.dtype, device=qh.device)
-    kv = torch.stack([kv_heads(k), kv_heads(v)]).contiguous()  # one message: [2, b, G, s, d]
+    """The forward ring: out [b, H, s, d] and lse [b, H, s] of this rank's queries against
+    every rank's keys, in fp32 (fp64 for fp64 inputs)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    qh = to_heads(q)
+    partial = Partial(qh.shape, wide_dtype(qh.dtype), qh.device)
+    kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)]).contiguous()  # one message: [2, b, G, s, d]
     for step in range(group.size):
         exchange = _Exchange(kv, group, recorder, "kv", layer, step) if step < group.size - 1 else None
         start = recorder.now() if recorder else 0.0
         block = vis.ring_block((group.rank - step) % group.size)
         if block is not None:
-            kw, vw = widened(kv[0][:, :, block.cols]), widened(kv[1][:, :, block.cols])
-            rows = (slice(None),) * 3 + (block.rows,)
-            b_out, b_lse = attend(qh[rows], kw, vw, block.mask, scale)
-            out[rows], lse[rows] = merge(out[rows], lse[rows], b_out, b_lse)
+            rows = (slice(None), slice(None), block.rows)
+            partial.add(block.rows, *fused.forward(qh[rows], kv[0][:, :, block.cols], kv[1][:, :, block.cols],
+                                                   block, scale))
         if recorder:
             recorder.compute("attn F", layer, step, start)
         if exchange is not None:
             kv = exchange.wait()
-    return out, lse
+    return partial.result()
 
 
 class RingAttention(torch.autograd.Function):
@@ -98,23 +97,20 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, grad: Tensor):
         q, k, v, out, lse = ctx.saved_tensors
         group, vis, recorder, layer = ctx.group, ctx.vis, ctx.recorder, ctx.layer
-        n_kv, scale = k.shape[2], 1.0 / math.sqrt(q.shape[-1])
-        qh = to_heads(widened(q), n_kv)
-        dout = to_heads(widened(grad).reshape(q.shape), n_kv)
-        delta = (dout * to_heads(widened(out).view(q.shape), n_kv)).sum(-1)
-        dq = torch.zeros_like(qh)
-        kv = torch.stack([kv_heads(k), kv_heads(v)]).contiguous()
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        qh, dout, outh = (to_heads(t.reshape(q.shape)) for t in (q, grad, out))
+        dq = torch.zeros(qh.shape, dtype=lse.dtype, device=qh.device)
+        kv = torch.stack([k.transpose(1, 2), v.transpose(1, 2)]).contiguous()
         arriving = None  # the partial dk, dv of the block held next, from rank r−1
         for step in range(group.size):
             exchange = _Exchange(kv, group, recorder, "kv", layer, step) if step < group.size - 1 else None
             start = recorder.now() if recorder else 0.0
-            mine = torch.zeros(kv.shape, dtype=qh.dtype, device=qh.device)
+            mine = torch.zeros(kv.shape, dtype=lse.dtype, device=qh.device)
             block = vis.ring_block((group.rank - step) % group.size)
             if block is not None:
-                kw, vw = widened(kv[0][:, :, block.cols]), widened(kv[1][:, :, block.cols])
-                rows = (slice(None),) * 3 + (block.rows,)
-                b_dq, b_dk, b_dv = attend_backward(qh[rows], kw, vw, block.mask, scale, lse[rows],
-                                                   delta[rows], dout[rows])
+                rows = (slice(None), slice(None), block.rows)
+                b_dq, b_dk, b_dv = fused.backward(dout[rows], qh[rows], kv[0][:, :, block.cols],
+                                                  kv[1][:, :, block.cols], outh[rows], lse[rows], block, scale)
                 dq[rows] += b_dq
                 mine[0][:, :, block.cols] += b_dk
                 mine[1][:, :, block.cols] += b_dv
@@ -127,4 +123,4 @@ class RingAttention(torch.autograd.Function):
                 kv = exchange.wait()
         dkv = arriving.wait()  # every rank's contribution to this rank's own K/V
         dk, dv = (t.transpose(1, 2).to(k.dtype) for t in dkv)
-        return from_heads(dq).view(q.shape).to(q.dtype), dk, dv, None, None, None, None
+        return dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, None

@@ -2,7 +2,7 @@
 around attention.
 
 An all-to-all turns [b, S/cp, H, d] (this rank's tokens, every head) into [b, S, H/cp, d]
-(every token, this rank's heads); attention runs over the whole sequence on H/cp heads;
+(every token, this rank's heads), for q, k and v in one message; attention runs over the whole sequence on H/cp heads;
 a second all-to-all turns the output back. The gathered sequence arrives in rank order
 (each rank's zigzag chunks); it is put in natural order before attention, so plain causal
 (or document-masked) attention applies, and back after.
@@ -75,14 +75,18 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibi
     cp, n_kv = group.size, k.shape[2]
     if n_kv % cp:  # fewer KV heads than ranks: each rank gets a copy of the one it reads
         k, v = k.repeat_interleave(cp // n_kv, dim=2), v.repeat_interleave(cp // n_kv, dim=2)
+    b, s, heads, d = q.shape
+    # one message for q, k and v: the heads each rank receives, side by side
+    qkv = torch.cat([t.view(b, s, cp, -1, d) for t in (q, k, v)], dim=3).flatten(2, 3)
     start = recorder.now() if recorder else 0.0
-    q, k, v = (_Resplit.apply(t, group, True) for t in (q, k, v))
+    qkv = _Resplit.apply(qkv, group, True)  # [b, S, (H + 2·G')/cp, d], rank order
     if recorder:
         recorder.message("qkv", layer, 0, start, start)
     start = recorder.now() if recorder else 0.0
     order = torch.cat(vis.index)  # global position of each gathered token
     natural = torch.argsort(order)
-    q, k, v = (t[:, natural].transpose(1, 2) for t in (q, k, v))  # [b, heads, S, d]
+    qkv = qkv[:, natural].transpose(1, 2)  # [b, heads, S, d] in sequence order
+    q, k, v = qkv.split([heads // cp, k.shape[2] // cp, k.shape[2] // cp], dim=1)
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     if vis.docs is not None:
         docs = vis.docs.permute(1, 0, 2).reshape(vis.docs.shape[1], -1)[:, natural]

@@ -4,23 +4,55 @@ and which blocks of the zigzag layout a ring step must compute at all."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ndtrain.parallel.context.layout import chunks_of, zigzag_index
+from ndtrain.parallel.context.layout import chunks_of, gathered_index, zigzag_index
 
 
 @dataclass
 class Block:
-    """The part of (local queries × one rank's keys) that has visible pairs: query rows
-    `rows`, key columns `cols` of the source's local order, and the mask there (None:
-    every pair visible). Shape of the mask: [b or 1, 1, 1, rows, cols]."""
+    """The part of (local queries × some keys) that has visible pairs: query rows `rows`,
+    key columns `cols`, and which pairs of them are visible: all (`mask` None), the causal
+    square (`causal`: query i sees key j ≤ i, the rows and columns being the same tokens in
+    the same order), or `mask` [b or 1, 1, rows, cols], True = visible."""
 
     rows: slice
     cols: slice
     mask: Tensor | None
+    causal: bool = False
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def additive(self, dtype: torch.dtype) -> Tensor:
+        """The mask as the fused ops take it: 0 where visible, −inf elsewhere."""
+        if dtype not in self._cache:
+            self._cache[dtype] = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))
+        return self._cache[dtype]
+
+    def seen(self) -> Tensor:
+        """[b or 1, 1, rows]: the rows that see at least one key of the block."""
+        if "seen" not in self._cache:
+            self._cache["seen"] = self.mask.any(dim=-1)
+        return self._cache["seen"]
+
+    def keep(self, kind: str, rng: tuple[Tensor, Tensor]) -> None:
+        """What a CUDA op's forward returned for its backward (its random state)."""
+        self._cache[kind] = rng
+
+    def kept(self, kind: str, device) -> tuple[Tensor, Tensor]:
+        if kind not in self._cache:  # no forward ran this op here: without dropout it is unread
+            return tuple(torch.zeros((), dtype=torch.int64, device=device) for _ in range(2))
+        return self._cache[kind]
+
+    def explicit(self, device) -> Tensor | None:
+        """The mask for the plain kernel: `mask`, the causal square spelled out, or None."""
+        if not self.causal:
+            return self.mask
+        n = self.rows.stop - self.rows.start
+        return torch.ones(1, 1, n, n, dtype=torch.bool, device=device).tril()
 
 
 @dataclass
@@ -37,7 +69,7 @@ class Visibility:
         self.chunk = self.seq_len // (2 * self.cp)
         self.index = [zigzag_index(self.seq_len, self.cp, r, self.device) for r in range(self.cp)]
         self._blocks: dict[int, Block | None] = {}  # every layer asks the same, forward and backward
-        self._gathered: tuple[Tensor | None] | None = None
+        self._gathered: list[Block] | None = None
 
     def mask(self, rows: slice, key_index: Tensor, key_docs: Tensor | None) -> Tensor | None:
         """Visibility of this rank's query rows against keys at `key_index` (global) with
@@ -49,29 +81,60 @@ class Visibility:
             mask = same if mask is None else same & mask
         if mask is None:
             return None
-        return mask.view(-1 if mask.dim() == 3 else 1, 1, 1, *mask.shape[-2:])
+        return mask.view(-1 if mask.dim() == 3 else 1, 1, *mask.shape[-2:])
 
     def ring_block(self, src: int) -> Block | None:
         if src not in self._blocks:
             self._blocks[src] = self._ring_block(src)
         return self._blocks[src]
 
-    def gathered_mask(self) -> Tensor | None:
-        """Local queries × every rank's keys in rank order (all-gather back end)."""
+    def gathered_blocks(self) -> list[Block]:
+        """Local queries × the whole sequence's keys in natural order (all-gather back end):
+        each query chunk j sees keys [0, j·c) fully and its own chunk causally, so two
+        blocks per chunk (one for chunk 0), 2·cp·c² visible pairs on every rank. With
+        documents each block carries its mask; without causality one block of everything."""
         if self._gathered is None:
-            docs = self.docs.permute(1, 0, 2).reshape(self.docs.shape[1], -1) if self.docs is not None else None
-            self._gathered = (self.mask(slice(None), torch.cat(self.index), docs),)
-        return self._gathered[0]
+            docs = self.natural_docs()
+            if not self.causal:
+                rows, cols = slice(0, self.local), slice(0, self.seq_len)
+                self._gathered = [Block(rows, cols, self.mask(rows, self._keys(cols), docs))]
+                return self._gathered
+            blocks, c = [], self.chunk
+            for half, chunk in enumerate(chunks_of(self.rank, self.cp)):
+                rows = slice(half * c, (half + 1) * c)
+                for cols, causal in ((slice(0, chunk * c), False), (slice(chunk * c, (chunk + 1) * c), True)):
+                    if cols.stop == cols.start:
+                        continue
+                    if docs is None:
+                        blocks.append(Block(rows, cols, None, causal))
+                    else:
+                        blocks.append(Block(rows, cols, self.mask(rows, self._keys(cols), docs[:, cols])))
+            self._gathered = blocks
+        return self._gathered
+
+    def natural_docs(self) -> Tensor | None:
+        """Every rank's document ids in sequence order, [b, S] (None without documents)."""
+        if self.docs is None:
+            return None
+        natural = self.docs.new_empty((self.docs.shape[1], self.seq_len))
+        natural[:, gathered_index(self.seq_len, self.cp, self.docs.device)] = \
+            self.docs.permute(1, 0, 2).reshape(self.docs.shape[1], -1)
+        return natural
+
+    def _keys(self, cols: slice) -> Tensor:
+        return torch.arange(cols.start, cols.stop, device=self.device)
 
     def _ring_block(self, src: int) -> Block | None:
         """What this rank computes against the keys of CP rank `src` (None: nothing).
 
         In chunks: query chunk i sees key chunk j fully when j < i, causally when j = i, not
         at all when j > i. For the zigzag layout that gives (own keys) the local causal
-        square; (src < rank) all queries × the first half of the keys; (src > rank) the
-        second half of the queries × all keys: 2c² pairs every off-diagonal step, so the
-        ring is balanced.
+        square (the local order is increasing in global position); (src < rank) all
+        queries × the first half of the keys; (src > rank) the second half of the queries ×
+        all keys: 2c² pairs every off-diagonal step, so the ring is balanced.
         """
+        if src == self.rank and self.causal and self.docs is None:  # own keys, in the queries' order
+            return Block(slice(0, self.local), slice(0, self.local), None, causal=True)
         q_chunks, k_chunks = chunks_of(self.rank, self.cp), chunks_of(src, self.cp)
         pairs = {(qh, kh): "full" if not self.causal or kc < qc else ("diag" if kc == qc else "none")
                  for qh, qc in enumerate(q_chunks) for kh, kc in enumerate(k_chunks)}
