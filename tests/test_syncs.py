@@ -116,14 +116,10 @@ def _fp16_waits(data_dir):
     return counter.per_step(3)
 
 
-def test_fp16_waits_once_per_step_for_the_loss_scale():
+def test_fp16_waits_once_per_step_for_the_loss_scale(tiny_data):
     """fp16 reads one value per step: whether the gradients overflowed, which decides the
     step and the next step's loss scale (docs/architecture.md, "Host syncs")."""
-    from helpers import tiny_data_dir
-    import tempfile
-    from pathlib import Path
-    with tempfile.TemporaryDirectory() as d:
-        steps = _fp16_waits(str(tiny_data_dir(Path(d))))
+    steps = run_ranks(_fp16_waits, 1, tiny_data)[0]
     assert steps[1] == ["item"], steps[1]
 
 
