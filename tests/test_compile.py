@@ -26,6 +26,7 @@ SLOW_ROWS = {
     "dp2-recompute-full": ["parallel.dp=2", "train.recompute=full"],
     "zero3-recompute-selective": ["parallel.zero=3", "train.recompute=selective"],
     "zero1": ["parallel.zero=1"],
+    "zero2-accumulation": ["parallel.zero=2", "train.micro_batch=2"],
     "pp2-interleaved": ["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2",
                         "train.micro_batch=2"],
 }
