@@ -63,7 +63,7 @@ from torch.utils._pytree import tree_flatten
 from ndtrain.comm import ops
 from ndtrain.mesh import Group, ParallelMesh
 from ndtrain.parallel.construct import new_parameter, swap_parameters
-from ndtrain.parallel.placement import (OptimSlice, aligned, copy_placement, is_duplicate, is_expert, mark_sharded,
+from ndtrain.parallel.placement import (OptimSlice, copy_placement, flat_layout, is_duplicate, is_expert, mark_sharded,
                                         partial_dims, shard_dims)
 from ndtrain.parallel.precision import has_masters
 from ndtrain.parallel.states import decay_groups, decays, persistent_buffers
@@ -115,13 +115,10 @@ class FlatParam:
         self.accum_dtype = torch.float32 if has_masters(compute_dtype) else compute_dtype
         self.decays = decays(params[0])
         self.slot: dict[int, tuple[int, int]] = {}  # id(param) -> (offset, numel) in `full`
-        offset = 0
-        for p in params:  # each parameter starts aligned (placement.ALIGN); gaps hold zeros
-            offset = aligned(offset)
+        # Each parameter and each slice starts aligned (placement.ALIGN); the gaps hold zeros.
+        offsets, self.numel, self.shard_numel = flat_layout([p.numel() for p in params], group.size)
+        for p, offset in zip(params, offsets):
             self.slot[id(p)] = (offset, p.numel())
-            offset += p.numel()
-        self.numel = offset
-        self.shard_numel = aligned(-(-offset // group.size))  # every slice starts aligned too
         lo, hi = group.rank * self.shard_numel, (group.rank + 1) * self.shard_numel
 
         padded = self.shard_numel * group.size

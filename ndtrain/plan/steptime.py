@@ -47,6 +47,7 @@ from ndtrain.config import Config, recompute_every
 from ndtrain.model.args import ModelArgs, block_params, flops_per_token
 from ndtrain.parallel.pipeline.partition import Chunk, chunk_costs
 from ndtrain.parallel.pipeline.schedules import theory_bubble
+from ndtrain.parallel.placement import flat_layout
 from ndtrain.plan.cluster import Cluster
 from ndtrain.plan.memory import BYTES, block_weights, padded_vocab, stage_chunks
 
@@ -205,7 +206,7 @@ def dp_messages(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> list[int]:
     """The elements of each collective one data-parallel reduction of a rank's gradients
     issues. ZeRO (parallel/zero.py) reduces (and ZeRO-1/3 gathers) unit by unit (each block,
     then each chunk's root), one flat buffer per weight-decay group (matrices, vectors),
-    padded to the shard group. Plain DP (parallel/data.py) packs the gradients, in the order
+    each parameter and slice aligned (parallel/placement.flat_layout). Plain DP (parallel/data.py) packs the gradients, in the order
     backward produces them, into buckets of `parallel.bucket_mb` (in the parameters' dtype),
     a parameter larger than a bucket alone. Gloo's time per byte grows with the message
     (`bench comm`), and every message pays a latency, so the cut matters."""
@@ -213,25 +214,25 @@ def dp_messages(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> list[int]:
     block = list(reversed(block_weights(args, p.tp)))
     if p.zero:
         n = p.dp_shard * p.cp
-        pad = lambda x: -(-x // n) * n  # noqa: E731
         units = []
         for ch in chunks:
             first, last = _root_weights(args, ch, p.tp)
-            units += [block] * len(ch.layer_ids) + [first + last]
-        return [pad(sum(k for k, matrix in u if matrix == group)) for u in units for group in (True, False)
-                if any(matrix == group for _, matrix in u)]
+            # in registration order (the embedding first), as the flat buffers hold them
+            units += [block_weights(args, p.tp)] * len(ch.layer_ids) + [last + first]
+        return [n * flat_layout([k for k, matrix in u if matrix == group], n)[2] for u in units
+                for group in (True, False) if any(matrix == group for _, matrix in u)]
     stream = []
     for ch in chunks:
         first, last = _root_weights(args, ch, p.tp)
         stream += first + block * len(ch.layer_ids) + last
     limit = p.bucket_mb * 2**20 / BYTES[cfg.train.precision]
-    buckets, size = [], 0
-    for k, _ in stream:
-        if size and size + k > limit:
-            buckets.append(size)
-            size = 0
-        size += k
-    return buckets + [size] if size else buckets
+    buckets, current = [], []
+    for k, _ in stream:  # cut by the parameters' sizes; a bucket holds them aligned
+        if current and sum(current) + k > limit:
+            buckets.append(current)
+            current = []
+        current.append(k)
+    return [flat_layout(b, 1)[1] for b in buckets + ([current] if current else [])]
 
 
 def _data_parallel(cfg: Config, args: ModelArgs, cluster: Cluster, chunks: list[Chunk], c: int, r: int, m: int,

@@ -227,6 +227,10 @@ class Trainer:
                 try:
                     window.append(self.train_step(step))
                 except LossScaleExhausted as e:
+                    if window:  # the steps before it keep their lines
+                        self.settle_records(window, time.perf_counter())
+                        self._check(window)
+                        self._write(window)
                     raise TrainingError(f"step {step}: {e}; stopping ({self._last_checkpoint()})") from None
                 self.step = step + 1
                 due = (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
