@@ -4,8 +4,8 @@ Ranks are laid out row-major over `pp, dp_replicate, dp_shard, cp, tp`: tp varie
 (neighbouring ranks share the fastest links), pp slowest. A group of dimension X holds the
 ranks that differ only in their X coordinate. Composite groups hold the ranks that differ
 only in those coordinates: `dp` = dp_replicate × dp_shard, `dp_cp` = dp × cp (where dense
-gradients are reduced), `dp_shard_cp` = dp_shard × cp (where ZeRO shards; expert
-parallelism, once it exists, will split experts over an `ep` sub-mesh of these ranks).
+gradients are reduced), `dp_shard_cp` = dp_shard × cp (where ZeRO shards, and whose ranks
+expert parallelism splits into `ep` sub-meshes, below).
 
 The mesh is built once per process and passed to whatever needs it; nothing here is global.
 A dimension of size 1 creates no process group: its `Group` has `pg = None` and the
@@ -25,12 +25,13 @@ With ep = 1 there is no `ep` group, and `edp_shard` and `edp` are `dp_shard_cp` 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import product
 
 import torch
 import torch.distributed as dist
 
+from ndtrain.comm.group import Group
 from ndtrain.comm.stats import CommStats
 
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -117,26 +118,6 @@ class MeshShape:
         for rank in range(self.world):
             groups.setdefault(key(rank), []).append(rank)
         return list(groups.values())
-
-
-@dataclass
-class Group:
-    """One rank's view of one (possibly composite) mesh dimension."""
-
-    name: str
-    ranks: list[int]
-    rank: int  # this process's index inside the group
-    pg: dist.ProcessGroup | None
-    stats: CommStats = field(repr=False, default_factory=CommStats)
-    device: torch.device = field(default=torch.device("cpu"))  # where its messages live
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def active(self) -> bool:
-        return self.pg is not None
 
 
 class ParallelMesh:

@@ -329,3 +329,18 @@ def test_stop_after_s_must_be_a_nonnegative_number(tmp_path, capsys, monkeypatch
              "run.stop_after_s = 'nan': expected a number")
     _refused(["train", "run.stop_after_s=-1", "run.device=cpu"], tmp_path, capsys, monkeypatch,
              "run.stop_after_s = -1.0: must be >= 0")
+
+
+def test_resuming_with_model_init_from_warns_that_the_checkpoint_wins(trained_run, tmp_path, capsys):
+    """A run started from another run's weights and stopped is resumed by the same command:
+    its own checkpoint wins, and model.init_from is named as having no effect."""
+    root = trained_run.parent
+    command = ["train", "--nproc", "1", f"data.cache_dir={root / 'cache'}", "train.steps=2", "train.global_batch=4",
+               "train.seq_len=32", "train.eval_every=0", "train.eval_batches=1", f"run.dir={tmp_path / 'run'}",
+               "run.device=cpu", f"model.init_from=run:{trained_run}"]
+    assert main(command + ["run.stop_after=1"]) == 0
+    capsys.readouterr()
+    code = main(command)
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert f"model.init_from = 'run:{trained_run}' has no effect here: run.dir holds a checkpoint" in err

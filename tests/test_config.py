@@ -216,7 +216,7 @@ def test_output_dirs_must_be_writable_directories(key, tmp_path):
 
 
 def test_pyproject_asks_for_the_python_that_has_tomllib():
-    import tomllib  # new in Python 3.11; config.py reads TOML with it
+    import tomllib  # new in Python 3.11; config/load.py reads TOML with it
     text = (Path(__file__).parent.parent / "pyproject.toml").read_text()
     assert tomllib.loads(text)["project"]["requires-python"] == ">=3.11"
 

@@ -1,7 +1,8 @@
-"""Packages import one way (DESIGN.md): the bottom (mesh, comm, model, data, config and the
-process helpers) under `parallel`, `parallel` under `checkpoint`, `observe` and `generate`,
-those under `train`, and `train` under `bench`, `plan` and `cli`. Every import counts,
-also one inside a function, and no module may reach itself through its imports."""
+"""Packages import one way (DESIGN.md). At the bottom `comm` under `mesh` and `data` under
+`model` (with the process helpers); `config` on them; `parallel` on `config`; `checkpoint`,
+`observe` and `generate` on `parallel`; `train` on those; `bench`, `plan` and `cli` on top.
+Every import counts, also one inside a function, and no module may reach itself through its
+imports."""
 
 import ast
 from pathlib import Path
@@ -10,12 +11,13 @@ import ndtrain
 
 ROOT = Path(ndtrain.__file__).parent
 LEVELS = {
-    0: ("mesh", "comm", "model", "data", "config", "deferred", "idle_keys", "launch", "supervisor", "testing",
-        "__init__"),
-    1: ("parallel",),
-    2: ("checkpoint", "observe", "generate"),
-    3: ("train",),
-    4: ("bench", "plan", "cli"),
+    0: ("comm", "data", "deferred", "supervisor", "testing", "__init__"),
+    1: ("mesh", "model", "launch"),
+    2: ("config", "idle_keys"),
+    3: ("parallel",),
+    4: ("checkpoint", "observe", "generate"),
+    5: ("train",),
+    6: ("bench", "plan", "cli"),
 }
 LEVEL_OF = {top: level for level, tops in LEVELS.items() for top in tops}
 

@@ -148,7 +148,7 @@ def test_dropout_only_in_training():
 
 def test_rope_tables_stay_fp32_under_dtype_cast():
     model = build(TINY).to(torch.bfloat16)
-    assert model.rope_cos.dtype == torch.float32 and model.rope_sin.dtype == torch.float32
+    assert model.rotary.cos.dtype == torch.float32 and model.rotary.sin.dtype == torch.float32
     assert model(tokens(TINY, b=1, s=4)).dtype == torch.bfloat16
 
 

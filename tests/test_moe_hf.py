@@ -11,9 +11,11 @@ transformers = pytest.importorskip("transformers")
 
 E, K = 4, 2
 FAMILIES = {
-    "mixtral": dict(num_local_experts=E, num_experts_per_tok=K, intermediate_size=48, sliding_window=None),
+    # windows of 8 over 24 tokens (issue 22: a window on every layer)
+    "mixtral": dict(num_local_experts=E, num_experts_per_tok=K, intermediate_size=48, sliding_window=8),
     "qwen3_moe": dict(num_experts=E, num_experts_per_tok=K, moe_intermediate_size=48, intermediate_size=96,
-                      norm_topk_prob=True, decoder_sparse_step=1, head_dim=24),
+                      norm_topk_prob=True, decoder_sparse_step=1, head_dim=24, use_sliding_window=True,
+                      sliding_window=8),
 }
 
 
@@ -47,6 +49,7 @@ def test_hf_moe_logits_match_through_the_converter(family, tmp_path):
     source = HFSource(tmp_path)
     args = source.args
     assert (args.moe_experts, args.moe_top_k, args.moe_norm_topk, args.expert_dim) == (E, K, True, 48)
+    assert (args.sliding_window, args.window_layers) == (8, None)
     ours = Transformer(args).eval()
     load_model(source, ours)
     names = [n for p, _ in ours.named_parameters() for n, _ in hf.hf_names(p, args)]

@@ -1,7 +1,7 @@
 """The planner's memory per rank against what `ndtrain train --dry-run` measures, for every
 layout of the layout-invariance matrix (tests/test_layouts.py::LAYOUTS; its default tier
-here, the other rows under `-m slow`), and a few in
-bf16 and fp64, with Qwen3's block, and under context parallelism.
+here, the other rows under `-m slow`), and a few in bf16 and fp64, with Qwen3's block, under
+context parallelism, and the tiny-moe model with its experts split over ep = 2 and 4 ranks.
 
 One launch per world size runs `dry_run.measure` (two steps on random tokens, the second
 measured: observe/memory.py) on every row of that size; the planner (plan/memory.py) then
@@ -25,17 +25,20 @@ from test_layouts import LAYOUTS, tier
 TOLERANCE = 0.05
 BASE = TINY + ["model.vocab_size=512"]
 # Beyond the matrix (fp32, Llama blocks): bf16 and fp64, Qwen3's block (q/k norms, head_dim ≠
-# dim / heads), and context parallelism (whose back ends hold copies of q, K/V and fp32
-# accumulators around their fused attention blocks while they run). A few rows: each one
-# costs the suite a dry run.
+# dim / heads), context parallelism (whose back ends hold copies of q, K/V and fp32
+# accumulators around their fused attention blocks while they run), and mixtures of experts
+# (the routed experts' states split over ep and sharded over dp_shard·cp/ep, the slots'
+# activations). A few rows: each one costs the suite a dry run.
 EXTRA = [("qwen3-bf16-zero3", ["model.qk_norm=true", "model.head_dim=32", "parallel.zero=3", "train.precision=bf16"]),
          ("fp64-dp2", ["train.precision=fp64"]),
          ("cp2-allgather", ["parallel.cp=2", "parallel.cp_impl=allgather"]),
          ("cp2-ring-recompute-full-s256", ["parallel.cp=2", "train.recompute=full", "train.seq_len=256",
-                                           "train.global_batch=2"])]
+                                           "train.global_batch=2"]),
+         ("tiny-moe-ep2", ["model.preset=tiny-moe", "parallel.ep=2"])]
 EXTRA_4 = [("cp2-tp2-ulysses", ["parallel.cp=2", "parallel.tp=2", "parallel.cp_impl=ulysses"]),
            ("cp2-pp2-zb-allgather-bf16", ["parallel.cp=2", "parallel.pp=2", "parallel.pp_schedule=zb",
-                                          "train.micro_batch=2", "parallel.cp_impl=allgather", "train.precision=bf16"])]
+                                          "train.micro_batch=2", "parallel.cp_impl=allgather", "train.precision=bf16"]),
+           ("tiny-moe-ep4-zero1", ["model.preset=tiny-moe", "parallel.ep=4", "parallel.zero=1"])]
 # The default tier measures the layout matrix's default rows and the extra ones; the slow tier
 # the rest of the matrix.
 ROWS = {world: tier(world, slow=False) + {2: EXTRA, 4: EXTRA_4}.get(world, []) for world in LAYOUTS}

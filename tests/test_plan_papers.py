@@ -11,8 +11,9 @@ from ndtrain.model.args import PRESETS, flops_per_token, param_count
 from ndtrain.parallel.zero import model_state_bytes
 from ndtrain.plan.activations import korthikanti_bytes_per_token
 from ndtrain.plan.cluster import PRESETS as CLUSTERS
-from ndtrain.plan.formulas import gpt_matmul_params, gpt_params, mfu, training_flops_per_token, zero_states
-from ndtrain.plan.planner import make_plan, plan_config
+from ndtrain.plan.formulas import (gpt_matmul_params, gpt_params, megatron_flops_per_token, mfu,
+                                   narayanan_training_seconds, training_flops_per_token, zero_states)
+from ndtrain.plan.planner import Rate, make_plan, plan_config
 
 # --------------------------------------------------------------------------------------
 # Rajbhandari et al. 2019, "ZeRO: Memory Optimizations Toward Training Trillion Parameter
@@ -86,6 +87,21 @@ def test_korthikanti_table_5_mfu(name):
     assert abs(ours - published) <= 0.3, (name, ours, published)
 
 
+@pytest.mark.parametrize("name, hfu", [("22B", 43.7), ("175B", 52.8), ("530B", 57.0), ("1T", 57.0)])
+def test_korthikanti_table_5_mfu_and_hfu_of_the_same_runs(name, hfu):
+    """Table 5 reports both conventions for each run (selective recomputation + SP): the model
+    FLOPs give the MFU column, the hardware FLOPs (recomputation included) the HFU column, from
+    the same iteration time, within 0.15 points (the published figures have one decimal)."""
+    a, h, layers, t, p, gpus, batch, _, seconds, published_mfu = KORTHIKANTI[name]
+    peak = CLUSTERS["A100-80GB"].peak["bf16"]
+    model = megatron_flops_per_token(layers, h, V, S) * batch * S
+    hardware = megatron_flops_per_token(layers, h, V, S, "selective") * batch * S
+    assert model == pytest.approx(training_flops_per_token(gpt_matmul_params(layers, h, V), layers, h, S,
+                                                           causal=False) * batch * S)
+    assert abs(100 * mfu(model, seconds, gpus, peak) - published_mfu) <= 0.3
+    assert abs(100 * mfu(hardware, seconds, gpus, peak) - hfu) <= 0.15, (name, 100 * mfu(hardware, seconds, gpus, peak))
+
+
 # --------------------------------------------------------------------------------------
 # Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
 # Using Megatron-LM", Table 1 (weak scaling, V = 51200, s = 2048): parameters (billions),
@@ -115,6 +131,44 @@ def test_narayanan_table_1(row):
     assert tflops * gpus / 1e3 == pytest.approx(pflops, rel=0.01)
 
 
+# Narayanan et al. 2021, section 5.1 ("Estimating end-to-end training time"): 8·T·P/(n·X),
+# their published hardware rates (full recomputation). GPT-3 175B on T = 300B tokens, 1,024
+# GPUs at 140 TFLOP/s: about 34 days; the 1T model of Table 1 on 450B tokens, 3,072 GPUs at
+# 163 TFLOP/s: about 84 days. The planner gets the days from `--hfu-tflops` and the layout:
+# the same shapes as Llama blocks of the same 12h² parameters (4h² attention + a SwiGLU of
+# 8h²), untied, V = 51200, s = 2048, full recomputation (the 1T run with a smaller batch than
+# its 3,072: the days do not depend on it, and its memory replay costs the suite less).
+NARAYANAN_RUNS = {  # name: (layers, hidden, heads, P, T, GPUs, TFLOP/s, days, tp, pp, global batch)
+    "GPT-3 175B": (96, 12288, 96, 175e9, 300e9, 1024, 140, 34, 8, 8, 1536),
+    "1T": (128, 25600, 160, 1008.0e9, 450e9, 3072, 163, 84, 8, 64, 96),
+}
+
+
+@pytest.mark.parametrize("name", list(NARAYANAN_RUNS))
+def test_narayanan_end_to_end_training_time(name):
+    layers, h, heads, params, tokens, gpus, tflops, days, tp, pp, batch = NARAYANAN_RUNS[name]
+    closed = narayanan_training_seconds(tokens, params, gpus, tflops * 1e12) / 86400
+    assert abs(closed - days) <= 0.5, closed
+    shape = [f"model.n_layers={layers}", f"model.dim={h}", f"model.n_heads={heads}", f"model.n_kv_heads={heads}",
+             f"model.ffn_dim={round(8 * h / 3 / tp) * tp}", f"model.vocab_size={V}", "model.tie_embeddings=false"]
+    cfg, device = plan_config(load_config(None, ["model.preset=8B", *shape, f"train.seq_len={S}",
+                                                 f"train.global_batch={batch}", "train.micro_batch=1",
+                                                 "train.precision=bf16", "train.recompute=full", f"parallel.tp={tp}",
+                                                 f"parallel.pp={pp}", "parallel.zero=1"]), CLUSTERS["A100-80GB"], gpus)
+    args = cfg.model_args()
+    assert param_count(args, embedding=False) == pytest.approx(params, rel=0.01)
+    hardware = make_plan(cfg, args, device, rate=Rate(tflops, utilization=False, hardware=True), tokens=tokens)
+    # 8·P per token plus what the closed form leaves out: the attention scores (8·L·s·h, causal
+    # half, recomputed once) and the head, which is not recomputed: within 2%
+    assert hardware.days == pytest.approx(closed, rel=0.02)
+    assert hardware.hfu_tflops_per_gpu == pytest.approx(tflops)
+    # read as a model-FLOPs rate (--tflops), the same number gives about 6/8 of the days
+    model = make_plan(cfg, args, device, rate=Rate(tflops, utilization=False, hardware=False), tokens=tokens)
+    assert model.days / hardware.days == pytest.approx(model.flops_per_step / model.hardware_flops_per_step)
+    assert model.days / hardware.days == pytest.approx(6 / 8, rel=0.02)
+    assert hardware.hfu / hardware.mfu == pytest.approx(hardware.hardware_flops_per_step / hardware.flops_per_step)
+
+
 # --------------------------------------------------------------------------------------
 # Llama 3 (Dubey et al. 2024, "The Llama 3 Herd of Models"), Table 4, first two rows: 8,192
 # GPUs at TP 8, CP 1, PP 16, DP 64, sequence 8,192, 16M tokens per batch, 430 TFLOP/s per
@@ -132,7 +186,7 @@ def test_llama3_table_4(gpus, tflops, published):
     assert cfg.parallel.dp == gpus // 128
     args = cfg.model_args()
     assert param_count(args) / 1e9 == pytest.approx(405, rel=0.01)
-    plan = make_plan(cfg, args, device, tflops=tflops, tokens=15.6e12)
+    plan = make_plan(cfg, args, device, rate=Rate(tflops, utilization=False, hardware=False), tokens=15.6e12)
     assert abs(100 * plan.mfu - published) <= 1.0
     assert plan.tflops_per_gpu == pytest.approx(tflops)
     # the days follow from the rate: 15.6T tokens at the given throughput

@@ -2,6 +2,8 @@
 no latency, 1 GB/s of bus bandwidth, no overlap), and stretches a pipeline by its
 schedule's bubble."""
 
+import random
+
 import pytest
 import torch
 
@@ -9,7 +11,9 @@ from ndtrain.config import load_config, validate
 from ndtrain.model.llama import Transformer
 from ndtrain.plan.calibration import LinkFit
 from ndtrain.plan.cluster import Cluster
-from ndtrain.plan.memory import stage_chunks, stage_params
+from ndtrain.parallel.pipeline.schedules import theory_bubble
+from ndtrain.plan.params import stage_chunks, stage_params
+from ndtrain.plan.pipeline import _simulated, bubble_fraction, makespan
 from ndtrain.plan.steptime import step_time
 from ndtrain.testing import run_ranks
 
@@ -63,15 +67,41 @@ def test_zero_under_a_pipeline_communicates_once_per_step(zero):
     assert steps[0].dp == pytest.approx(steps[1].dp) and steps[0].dp > 0
 
 
-@pytest.mark.parametrize("schedule, virtual, bubble", [("1f1b", 1, 3 / 8), ("afab", 1, 3 / 8),
-                                                      ("interleaved", 2, 3 / 16)])
-def test_pipeline_bubble_by_schedule(schedule, virtual, bubble):
-    """(p−1)/m for AFAB and 1F1B, (p−1)/(v·m) interleaved (Narayanan et al. 2021, section 2.2)."""
-    _, step = _time(4, "parallel.pp=4", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={virtual}",
-                    "train.global_batch=8", "train.micro_batch=1")
-    assert step.detail["bubble_fraction"] == pytest.approx(bubble)
-    busy = step.compute + step.recompute + step.tp + step.cp + step.pp_messages
-    assert step.bubble == pytest.approx(bubble * busy)
+@pytest.mark.parametrize("schedule, virtual", [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)])
+def test_every_schedule_simulated_gives_its_theory_on_equal_stages(schedule, virtual):
+    """The planner prices a pipeline by simulating the schedule's own action lists
+    (plan/pipeline.py); with equal stages that is the theory: (p−1)/m for AFAB and 1F1B
+    (Narayanan et al. 2021, section 2.2), (p−1)/(v·m) interleaved, (p−1)(F+B−W)/(m(F+B+W))
+    for zero bubble (Qi et al. 2023), here with F = 1, B = 2 (zero bubble: B = W = 1)."""
+    pp, m = 4, 8
+    f, b, w = (1.0, 1.0, 1.0) if schedule == "zb" else (1.0, 2.0, 0.0)
+    costs = ((f, b, w),) * (pp * virtual)
+    span, fraction = bubble_fraction(schedule, pp, virtual, m, costs)
+    assert fraction == pytest.approx(theory_bubble(schedule, pp, virtual, m, f, b, w))
+    assert span == pytest.approx((1 + fraction) * m * virtual * (f + b + w))
+
+
+@pytest.mark.parametrize("schedule, virtual", [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)])
+def test_many_micro_batches_extrapolate_exactly(schedule, virtual):
+    """Past the warm-up a schedule repeats every pp micro-batches: three short simulations
+    extrapolate to many micro-batches; on uneven stages it equals the whole simulation."""
+    rng = random.Random(schedule)
+    for pp in (2, 4):
+        costs = tuple((rng.uniform(0.5, 1.5), rng.uniform(1, 3), rng.uniform(0.3, 1) if schedule == "zb" else 0.0)
+                      for _ in range(pp * virtual))
+        m = 12 * pp + (0 if schedule == "interleaved" else 3)
+        assert makespan(schedule, pp, virtual, m, costs) == pytest.approx(_simulated(schedule, pp, virtual, m, costs),
+                                                                          rel=1e-12)
+
+
+def test_the_planned_step_is_the_simulated_pipeline():
+    """Uneven stages (the last holds the head): the busiest stage waits less than the
+    theory's (p−1)/m of its own time, the others more; the step is the simulated span plus
+    what comes after the last backward."""
+    _, step = _time(4, "parallel.pp=4", "parallel.pp_schedule=1f1b", "train.global_batch=8", "train.micro_batch=1")
+    assert 0 < step.detail["bubble_fraction"] < 3 / 8
+    assert step.bubble == pytest.approx(step.detail["bubble_fraction"] * step.busy)
+    assert step.total == pytest.approx(step.busy + step.bubble + step.dp + step.optimizer)
 
 
 # -- the data-parallel messages, against the engine's own collectives ------------------------
@@ -119,7 +149,7 @@ def test_data_parallel_messages_are_the_engines(tiny_data):
     number of times (ZeRO-3 gathers each unit for forward and again for backward). The
     scalars (token count, loss, gradient norm) are not gradient traffic."""
     from helpers import TINY
-    from ndtrain.plan.steptime import dp_messages
+    from ndtrain.plan.collectives import dp_messages
 
     measured = run_ranks(_messages_of_one_step, 2, tiny_data, timeout=300)[0]
     for name, overrides in MESSAGE_LAYOUTS.items():

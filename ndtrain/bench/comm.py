@@ -112,6 +112,68 @@ def _timed(call, iters: int, device: torch.device) -> float:
     return _agree((time.perf_counter() - t0) / iters, dist.ReduceOp.MAX, device)  # the slowest rank
 
 
+def measure(group, sizes: list[int], rounds: int, device: torch.device, kinds=KINDS) -> list[dict]:
+    """Per collective of `kinds` and size: the median over rounds of the slowest rank's time
+    per call, the collectives taking turns within each round (collective over `group`)."""
+    rows = []
+    for size in sizes:
+        b = Buffers(size, group.size, device)
+        calls = {k: call for k, call in _calls(group, b).items() if k in kinds}
+        iters = {}
+        for kind, call in calls.items():  # warm-up, and how many calls fill TARGET_S
+            iters[kind] = max(1, min(1000, int(TARGET_S / max(_timed(call, 1, device), 1e-7))))
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        for _ in range(rounds):
+            for kind, call in calls.items():
+                times[kind].append(_timed(call, iters[kind], device))
+        for kind in calls:
+            t = statistics.median(times[kind])
+            algbw, busbw = bus_bandwidth(kind, group.size, b.nbytes, t)
+            rows.append({"kind": kind, "size": size, "bytes": b.nbytes, "seconds": t, "algbw": algbw, "busbw": busbw})
+        del b, calls
+    return rows
+
+
+def measure_between(group, sizes: list[int], device: torch.device, kinds=KINDS, calls: int = 8) -> list[dict]:
+    """Each collective as a training step issues it: after some computation (a 128×1024 by
+    1024×1024 matmul, a few milliseconds on one CPU core), so the ranks arrive as they finish
+    it and gloo's threads wake from idle. The time of `calls` × (matmul, collective) less that
+    of `calls` matmuls, the two alternating, the median of three; the slowest rank's."""
+    import torch.nn.functional as F
+
+    x, w = torch.randn(128, 1024, device=device), torch.randn(1024, 1024, device=device)
+    rows = []
+    for size in sizes:
+        b = Buffers(size, group.size, device)
+        for kind, call in ((k, c) for k, c in _calls(group, b).items() if k in kinds):
+            call()
+            both, alone = [], []
+            for _ in range(3):
+                for out, with_call in ((both, True), (alone, False)):
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    for _ in range(calls):
+                        F.linear(x, w)
+                        if with_call:
+                            call()
+                    out.append(_agree((time.perf_counter() - t0) / calls, dist.ReduceOp.MAX, device))
+            t = max(statistics.median(both) - statistics.median(alone), 1e-6)
+            algbw, busbw = bus_bandwidth(kind, group.size, b.nbytes, t)
+            rows.append({"kind": kind, "size": size, "bytes": b.nbytes, "seconds": t, "algbw": algbw, "busbw": busbw})
+        del b
+    return rows
+
+
+def fits_of(rows: list[dict], n: int, sizes: list[int] | None = None) -> dict:
+    """{collective: LinkFit} from measured rows (those of `sizes`, or all)."""
+    fits = {}
+    for kind in KINDS:
+        pts = [(r["bytes"], r["seconds"]) for r in rows if r["kind"] == kind and (sizes is None or r["size"] in sizes)]
+        if pts:
+            fits[kind] = fit(kind, n, pts)
+    return fits
+
+
 def _worker(sizes: list[int], rounds: int, device_kind: str) -> dict:
     from ndtrain.launch import init_process, shutdown
     from ndtrain.mesh import MeshShape, ParallelMesh
@@ -122,22 +184,7 @@ def _worker(sizes: list[int], rounds: int, device_kind: str) -> dict:
         mesh = ParallelMesh.build(MeshShape(dp_shard=world), env.device)
         group = mesh.group("dp_shard")
         cap = _agree(_memory_cap(env.device, env.local_world), dist.ReduceOp.MIN, env.device)
-        rows = []
-        for size in [s for s in sizes if s <= cap]:
-            b = Buffers(size, world, env.device)
-            calls = _calls(group, b)
-            iters = {}
-            for kind, call in calls.items():  # warm-up, and how many calls fill TARGET_S
-                iters[kind] = max(1, min(1000, int(TARGET_S / max(_timed(call, 1, env.device), 1e-7))))
-            times: dict[str, list[float]] = {k: [] for k in calls}
-            for _ in range(rounds):
-                for kind, call in calls.items():
-                    times[kind].append(_timed(call, iters[kind], env.device))
-            for kind in calls:
-                t = statistics.median(times[kind])
-                algbw, busbw = bus_bandwidth(kind, world, b.nbytes, t)
-                rows.append({"kind": kind, "size": size, "bytes": b.nbytes, "seconds": t, "algbw": algbw, "busbw": busbw})
-            del b, calls
+        rows = measure(group, [s for s in sizes if s <= cap], rounds, env.device)
         backend = dist.get_backend()
         return {"rows": rows, "n": world, "device": env.device.type, "backend": backend,
                 "capped": [s for s in sizes if s > cap]}
@@ -200,11 +247,7 @@ def run(args) -> int:
     rows = result["rows"]
     out.mkdir(parents=True, exist_ok=True)
     n = result["n"]
-    fits = {}
-    for kind in KINDS:
-        pts = [(r["bytes"], r["seconds"]) for r in rows if r["kind"] == kind and r["size"] in sizes]
-        if pts:
-            fits[kind] = fit(kind, n, pts)
+    fits = fits_of(rows, n, sizes)
     key = machine_key(result["device"], result["backend"])
     calib = save(cfg.data.cache_dir, key, n, fits)
     (out / "comm.json").write_text(json.dumps({**result, "fits": {k: vars(f) for k, f in fits.items()}}, indent=1))

@@ -69,7 +69,8 @@ def _worker(cfg_dict: dict, data, rounds: int, steps: int) -> str:
 
 
 def run(args) -> int:
-    from ndtrain.data.sft import make_template, prepare_sft
+    from ndtrain.data.sft import prepare_sft
+    from ndtrain.train.sft import make_template
     from ndtrain.launch import launch_local
 
     cfg = bench_config(args, BENCH)

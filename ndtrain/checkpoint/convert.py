@@ -2,12 +2,14 @@
 every checkpoint.
 
 - `to_hf(run, out)`: the run's newest good checkpoint → `model.safetensors` (HF names, one
-  whole tensor at a time, assembled from whatever layout wrote it), `config.json` (the
-  family's config: Llama, Qwen2 or Qwen3), `tokenizer.json` and a minimal
-  `tokenizer_config.json`. Loads with `transformers.AutoModelForCausalLM.from_pretrained`.
+  whole tensor at a time, assembled from whatever layout wrote it, in the dtype the model
+  came from unless --dtype), `config.json` (the family it came from, or the simplest one
+  that holds it: docs/hf.md), and the run's tokenizer files, chat template and generation
+  config (checkpoint/hf_files.py). Loads with `transformers.AutoModelForCausalLM`.
 - `from_hf(folder, run)`: a run directory holding a step-0 checkpoint of the HF weights (no
-  optimizer state), its tokenizer and the model keys in `config.toml`; start training from
-  it with `model.init_from=run:RUN` (any layout), or sample from it with `ndtrain generate`.
+  optimizer state), its tokenizer files, generation config and config.json, and the model
+  keys in `config.toml`; start training from it with `model.init_from=run:RUN` (any
+  layout), or sample from it with `ndtrain generate`.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from pathlib import Path
 import torch
 
 from ndtrain import config as config_mod
-from ndtrain.checkpoint import store
+from ndtrain.checkpoint import hf_files, store
 from ndtrain.checkpoint.files import write_safetensors
 from ndtrain.checkpoint.slices import Piece
 from ndtrain.checkpoint.sources import MOE_KEYS, SHAPE_KEYS, CheckpointSource, HFSource
 from ndtrain.checkpoint.store import CheckpointError
+from ndtrain.config import ConfigError
 from ndtrain.data.tokenizer import TextTokenizer
 from ndtrain.model import hf
 from ndtrain.model.args import ModelArgs
@@ -46,59 +49,90 @@ def checkpoint_of(path: Path, report=print) -> Path:
     return found
 
 
-def to_hf(run: Path, out: Path, dtype: str | None = None, report=print) -> Path:
-    """Export the newest good checkpoint of `run` as a Hugging Face model folder `out`."""
+def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrite: bool = False) -> Path:
+    """Export the newest good checkpoint of `run` as a Hugging Face model folder `out`: in
+    the family and dtype the model came from (unless `dtype`), with the run's tokenizer
+    files and generation config. A non-empty `out` is refused unless `overwrite`, which
+    clears its model files first. Every refusal comes before anything is written."""
     path = checkpoint_of(run, report)
     meta = store.read_meta(path)
     args = ModelArgs(**meta["model_args"])
+    run_dir = path.parent.parent
+    base = hf_files.read_json(run_dir / hf_files.HF_CONFIG)
     try:
-        hf.family_of(args)
+        family = hf.family_of(args, (base or {}).get("model_type"))
     except ValueError as e:
-        raise CheckpointError(f"{path}: {e}") from None
+        raise ConfigError("--to-hf", str(run), str(e)) from None
     if ((meta.get("config") or {}).get("train") or {}).get("moe_bias_rate"):
-        raise CheckpointError(f"{path}: the routers' selection bias (train.moe_bias_rate > 0) has no place in a "
-                              "Hugging Face Mixtral or Qwen3-MoE; exporting would change which experts tokens choose")
+        raise ConfigError("--to-hf", str(run), "the routers' selection bias (train.moe_bias_rate > 0) has no place "
+                          "in a Hugging Face Mixtral or Qwen3-MoE; exporting would change which experts tokens choose")
+    try:
+        hf_files.clear_for_export(out, overwrite)
+    except ValueError as e:
+        raise ConfigError("--out", str(out), str(e)) from None
     source = CheckpointSource(path, meta)
     weights = {k[len("weight/"):]: t for k, t in meta["tensors"].items() if k.startswith("weight/")}
+    target = _export_dtype(dtype, base, weights)
+    out.mkdir(parents=True, exist_ok=True)
+    write_safetensors(out / "model.safetensors", _hf_entries(source, weights, args, family, target), {"format": "pt"})
+    config = hf.hf_config_json(args, HF_DTYPE[target], base)
+    (out / "config.json").write_text(json.dumps(config, indent=1))
+    eot_token = eot_id = None
+    if (run_dir / "tokenizer.json").is_file():
+        tok = TextTokenizer.from_file(run_dir / "tokenizer.json")
+        eot_id, eot_token = tok.eot_id, tok._tok.id_to_token(tok.eot_id)
+    hf_files.export(run_dir, out, eot_token, eot_id, args.max_seq_len)
+    return out
+
+
+def _export_dtype(dtype: str | None, base: dict | None, weights: dict) -> torch.dtype:
+    """--dtype, else the dtype of the HF model the run came from, else as stored (fp32)."""
+    if dtype:
+        return DTYPE_NAMES[dtype]
+    named = {v: k for k, v in HF_DTYPE.items()}.get(hf.source_dtype(base or {}) or "")
+    if named is not None and named != torch.float64:
+        return named
     stored = {torch.float64 if t["dtype"] == "F64" else torch.float32 for t in weights.values()}
-    target = DTYPE_NAMES[dtype] if dtype else (torch.float32 if torch.float32 in stored else stored.pop())
+    return torch.float32 if torch.float32 in stored else stored.pop()
 
-    def fetch(key: str, shape: tuple, expert: int | None = None):
-        """The whole tensor, or one expert of a stack (the piece [expert])."""
-        piece = Piece.whole(shape) if expert is None else Piece(shape, (expert,) + (0,) * (len(shape) - 1),
-                                                                (1, *shape[1:]))
 
-        def read():
-            data = torch.empty(piece.numel, dtype=torch.float64)
-            source.fill(key, piece, data)
-            return data.to(target).view(piece.box if expert is None else piece.box[1:])
-        return read
-
-    entries = []
+def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family, target: torch.dtype) -> list:
+    """(HF name, dtype, shape, read) of every tensor of the HF checkpoint, sorted: one of
+    ours, one expert of a stack, or (Phi-3) ours stacked by rows."""
+    pieces: dict[str, list] = {}
     for name, t in weights.items():
         shape = tuple(t["shape"])
-        for hf_key, expert in hf.hf_names(name, args):
-            stored = shape if expert is None else shape[1:]
-            entries.append((hf_key, target, stored, fetch(f"weight/{name}", shape, expert)))
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / "model.safetensors", sorted(entries), {"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf.hf_config_json(args, HF_DTYPE[target]), indent=1))
-    run_dir = path.parent.parent
-    if (run_dir / "tokenizer.json").is_file():
-        shutil.copyfile(run_dir / "tokenizer.json", out / "tokenizer.json")
-        tok = TextTokenizer.from_file(run_dir / "tokenizer.json")
-        eos = tok._tok.id_to_token(tok.eot_id)
-        (out / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eos, "model_max_length": args.max_seq_len},
-            indent=1))
-    return out
+        for part in hf.hf_parts(name, args, family):
+            stored = shape if part.expert is None else shape[1:]
+            pieces.setdefault(part.hf, []).append((part.rows or (0, stored[0]), stored,
+                                                   _fetch(source, f"weight/{name}", shape, part.expert, target)))
+    entries = []
+    for hf_name, parts in pieces.items():
+        parts.sort(key=lambda p: p[0])
+        reads = [read for _, _, read in parts]
+        shape = (parts[-1][0][1], *parts[0][1][1:])
+        read = reads[0] if len(reads) == 1 else (lambda reads=reads: torch.cat([r() for r in reads]))
+        entries.append((hf_name, target, shape, read))
+    return sorted(entries, key=lambda e: e[0])
+
+
+def _fetch(source: CheckpointSource, key: str, shape: tuple, expert: int | None, target: torch.dtype):
+    """The whole tensor, or one expert of a stack (the piece [expert]), as a function."""
+    piece = Piece.whole(shape) if expert is None else Piece(shape, (expert,) + (0,) * (len(shape) - 1),
+                                                            (1, *shape[1:]))
+
+    def read():
+        data = torch.empty(piece.numel, dtype=torch.float64)
+        source.fill(key, piece, data)
+        return data.to(target).view(piece.box if expert is None else piece.box[1:])
+    return read
 
 
 def from_hf(folder: Path, run: Path) -> Path:
     """A run directory whose step-0 checkpoint holds the weights of the HF model `folder`."""
     source = HFSource(folder)
     if store.steps_of(run):
-        raise CheckpointError(f"{run} already holds checkpoints; choose another directory")
+        raise ConfigError("--to", str(run), "already holds checkpoints; choose another directory")
     tensors = []
     for key, (shape, parts) in sorted(source.index.items()):
         data = torch.empty(int(torch.Size(shape).numel()), dtype=torch.float32)
@@ -107,11 +141,12 @@ def from_hf(folder: Path, run: Path) -> Path:
     args = source.args
     cfg = config_mod.Config()
     for key in SHAPE_KEYS + ("max_seq_len",) + (MOE_KEYS if args.is_moe else ()):
-        setattr(cfg.model, key, getattr(args, key))
+        setattr(cfg.model, key, config_mod.model_key_value(args, key))
     run.mkdir(parents=True, exist_ok=True)
     if (Path(folder) / "tokenizer.json").is_file():
         shutil.copyfile(Path(folder) / "tokenizer.json", run / "tokenizer.json")
         cfg.data.tokenizer = str((run / "tokenizer.json").resolve())
+    hf_files.carry(f"hf:{folder}", run)
     (run / "config.toml").write_text(config_mod.to_toml(cfg))
     meta = {"model_args": args.to_dict(), "tokens": 0, "config": None, "precision": "fp32", "zero": 0,
             "scaler": None, "optimizer_step": 0, "mesh": {}, "converted_from": str(Path(folder).resolve())}

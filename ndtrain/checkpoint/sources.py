@@ -27,7 +27,7 @@ from ndtrain.checkpoint import store
 from ndtrain.checkpoint.files import Reader, header_of
 from ndtrain.checkpoint.slices import Piece, copy_overlap, real_numel
 from ndtrain.checkpoint.store import CheckpointError
-from ndtrain.config import Config, ConfigError
+from ndtrain.config import FAMILY_KEYS, Config, ConfigError, model_key_value
 from ndtrain.model import hf
 from ndtrain.model.args import ModelArgs
 
@@ -74,39 +74,89 @@ class CheckpointSource(Source):
 
 class HFSource(Source):
     """A Hugging Face causal-LM folder: config.json and safetensors weights (one file, or
-    shards listed by model.safetensors.index.json)."""
+    shards listed by model.safetensors.index.json). A fused HF tensor (Phi-3's qkv_proj,
+    gate_up_proj) is read as several of ours, each a row range of it."""
 
     def __init__(self, folder: Path):
         super().__init__()
         self.folder = Path(folder)
         self.where = f"Hugging Face model {self.folder}"
-        self.args = hf_args(self.folder)
-        for file in weight_files(self.folder):
+        refuse_adapter(self.folder)
+        files = weight_files(self.folder)
+        self.config = hf_config_of(self.folder)
+        self.args = hf_args(self.folder, self.config)
+        self.family = hf.family_of_config(self.config)
+        found: dict[str, Path] = {}
+        for file in files:
             for name, info in header_of(file).items():
                 if name == "__metadata__":
                     continue
-                found = hf.our_piece(name)
-                if found is None or (found[0] == "output.weight" and self.args.tie_embeddings):
-                    continue
-                (ours, expert), stored = found, tuple(info["shape"])
-                read = partial(self.reader.read, file, name)
-                if expert is None:
-                    self.index[f"weight/{ours}"] = (stored, [(Piece.whole(stored), read)])
-                else:  # one expert of our stack [E, ...]: the piece [expert]
-                    shape = (self.args.moe_experts, *stored)
-                    piece = Piece(shape, (expert,) + (0,) * len(stored), (1, *stored))
-                    self.index.setdefault(f"weight/{ours}", (shape, []))[1].append((piece, read))
+                if name in found:
+                    raise ConfigError(f"{self.where}: {name}", f"{found[name].name} and {file.name}",
+                                      "is in two files; with no model.safetensors.index.json every *.safetensors "
+                                      "file of the folder is read: remove the stray one")
+                found[name] = file
+                self._add(file, name, tuple(info["shape"]))
+
+    def _add(self, file: Path, name: str, stored: tuple[int, ...]) -> None:
+        try:
+            parts = hf.our_parts(name, self.args, self.family)
+        except KeyError:
+            raise ConfigError(f"{self.where}: {file.name}", name, f"no tensor of that name in a "
+                              f"{self.family.model_type} model; a stray .safetensors file, or a model this "
+                              "family does not describe") from None
+        for ours, part in parts:
+            if ours == "output.weight" and self.args.tie_embeddings:
+                continue
+            read = partial(self.reader.read, file, name)
+            if part.rows is not None:  # our tensor is rows of the fused one
+                rows = parts[-1][1].rows[1]
+                if stored[0] != rows:
+                    raise CheckpointError(f"{self.where}: {name} has {stored[0]} rows, this model's "
+                                          f"{', '.join(o for o, _ in parts)} need {rows}")
+                inner = math.prod(stored[1:])
+                shape = (part.rows[1] - part.rows[0], *stored[1:])
+                self.index[f"weight/{ours}"] = (shape, [(Piece.whole(shape), _shifted(read, part.rows[0] * inner))])
+            elif part.expert is None:
+                self.index[f"weight/{ours}"] = (stored, [(Piece.whole(stored), read)])
+            else:  # one expert of our stack [E, ...]: the piece [expert]
+                shape = (self.args.moe_experts, *stored)
+                piece = Piece(shape, (part.expert,) + (0,) * len(stored), (1, *stored))
+                self.index.setdefault(f"weight/{ours}", (shape, []))[1].append((piece, read))
 
 
-def hf_args(folder: Path) -> ModelArgs:
+def _shifted(read, offset: int):
+    return lambda lo, hi: read(lo + offset, hi + offset)
+
+
+def refuse_adapter(folder: Path) -> None:
+    """A LoRA adapter's folder is not a model (ConfigError)."""
+    adapter = [p.name for p in (folder / "adapter_config.json", folder / "adapter_model.safetensors") if p.is_file()]
+    if adapter:
+        raise ConfigError(f"Hugging Face model {folder}", adapter[0], "is a LoRA adapter, not a model: merge it "
+                          "into its base model first (peft: merge_and_unload(), then save_pretrained) and use that")
+
+
+def hf_config_of(folder: Path) -> dict:
+    """config.json of a HF model folder, refusing a LoRA adapter's folder first."""
+    folder = Path(folder)
+    refuse_adapter(folder)
     try:
-        config = json.loads((Path(folder) / "config.json").read_text())
+        config = json.loads((folder / "config.json").read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise CheckpointError(f"Hugging Face model {folder}: config.json unreadable ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"Hugging Face model {folder}: config.json is not a JSON object")
+    return config
+
+
+def hf_args(folder: Path, config: dict | None = None) -> ModelArgs:
+    """The model of a HF folder; a config we cannot read is a ConfigError naming its key."""
+    config = hf_config_of(folder) if config is None else config
     try:
         return hf.args_from_hf_config(config)
-    except (ValueError, KeyError) as e:
-        raise CheckpointError(f"Hugging Face model {folder}: {e}") from None
+    except hf.HFConfigError as e:
+        raise ConfigError(f"Hugging Face model {folder}: config.json {e.key}", e.value, e.rule) from None
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -157,7 +207,7 @@ def grow_vocab(source: Source, vocab_size: int) -> None:
 KINDS = ("run", "hf")
 # ModelArgs fields that are config keys of the same name and fix the parameters' shapes.
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "head_dim", "qkv_bias",
-              "qk_norm", "tie_embeddings", "rope_theta", "norm_eps")
+              "qk_norm", "tie_embeddings", "rope_theta", "norm_eps") + FAMILY_KEYS
 # ... and those of a mixture-of-experts model (set only from an MoE source).
 MOE_KEYS = ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_ffn_dim", "moe_every", "moe_router",
             "moe_norm_topk", "moe_route_scale", "moe_capacity")
@@ -195,10 +245,9 @@ def source_args(value: str) -> tuple[ModelArgs, Path | None]:
     if not path.is_dir():
         raise ConfigError("model.init_from", value, "no such directory")
     try:
-        if kind == "hf":
-            weight_files(path)
+        if kind == "hf":  # the tensor names too (headers only), so a stray file is refused before launch
             tokenizer = path / "tokenizer.json"
-            return hf_args(path), tokenizer if tokenizer.is_file() else None
+            return HFSource(path).args, tokenizer if tokenizer.is_file() else None
         checkpoint = init_checkpoint(path)
         if checkpoint is None:
             raise CheckpointError(f"{path} holds no usable checkpoint")
@@ -216,7 +265,7 @@ def resolve_init_from(cfg: Config) -> None:
         return
     args, tokenizer = source_args(cfg.model.init_from)
     for key in SHAPE_KEYS + (MOE_KEYS if args.is_moe else ()):
-        mine, theirs = getattr(cfg.model, key), getattr(args, key)
+        mine, theirs = getattr(cfg.model, key), model_key_value(args, key)
         if mine is not None and mine != theirs:
             raise ConfigError(f"model.{key}", mine, f"differs from the model of model.init_from ({theirs}); "
                               "leave it out to take the source's")

@@ -1,1 +1,2 @@
-"""Collectives with byte accounting (`ops`) and the counters themselves (`stats`)."""
+"""Collectives with byte accounting (`ops`), the counters themselves (`stats`) and the group
+every collective is called on (`group`)."""

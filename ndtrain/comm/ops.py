@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ndtrain.mesh import Group
+from ndtrain.comm.group import Group
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; 2.6 to 2.12 have the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

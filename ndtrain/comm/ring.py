@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ndtrain.comm import ops
-from ndtrain.mesh import Group
+from ndtrain.comm.group import Group
 
 
 def _step(send: torch.Tensor, recv: torch.Tensor, group: Group) -> None:

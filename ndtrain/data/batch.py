@@ -17,6 +17,8 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import Tensor
 
+IGNORE = -100  # the target of a position that takes no loss (cross_entropy's ignore_index)
+
 
 def to_device(t: Tensor, device: torch.device | str) -> Tensor:
     """A host tensor on `device` without the host waiting for the device: on CUDA through

@@ -20,10 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ndtrain.config import BAD_RECORD_POLICIES
 from ndtrain.data.shards import DataError
 
 ROLES = ("system", "user", "assistant")
+BAD_RECORD_POLICIES = ("error", "skip")  # data.on_bad_record
 
 
 @dataclass(frozen=True)

@@ -22,13 +22,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ndtrain.config import PACKINGS, TRUNCATIONS
-from ndtrain.data.batch import MicroBatch
+from ndtrain.data.batch import IGNORE, MicroBatch
 from ndtrain.data.shards import DataError
 from ndtrain.data.template import Example
-from ndtrain.model.loss import IGNORE
 
 PAD_DOC = -1  # the document id of padding
+PACKINGS = ("bfd", "none")  # data.packing
+TRUNCATIONS = ("keep_start", "drop")  # data.truncate
 
 
 @dataclass

@@ -16,14 +16,12 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ndtrain.config import Config, ConfigError
 from ndtrain.data import instructions
 from ndtrain.data.chat import Conversation, read_jsonl
-from ndtrain.data.corpus import STDLIB, is_validation
+from ndtrain.data.corpus import is_validation
 from ndtrain.data.packing import FitCounts, fit_examples
 from ndtrain.data.shards import DataError
-from ndtrain.data.template import BuiltinTemplate, Example, HFTemplate, render
-from ndtrain.data.tokenizer import TextTokenizer
+from ndtrain.data.template import Example, render
 
 EMBEDDED = (instructions.NAME,)
 
@@ -49,26 +47,6 @@ class SFTData:
             lines.append(f"skipped {len(self.skipped):,} bad records (data.on_bad_record=skip; all in the run's "
                          f"skipped_records.txt), first: {self.skipped[0]}")
         return "\n".join(lines)
-
-
-def make_template(cfg: Config, progress: bool = False):
-    """The chat template `data.template` names, on the tokenizer the model was trained with:
-    - hf (auto with model.init_from=hf:DIR): DIR's tokenizer and its own chat_template;
-    - builtin: our special tokens added to `data.tokenizer` (which model.init_from sets to
-      its run's or model's tokenizer.json), or to the embedded corpus's tokenizer (prepared
-      once, cached)."""
-    d, init = cfg.data, cfg.model.init_from
-    kind, _, where = init.partition(":")
-    if d.template == "hf" or (d.template == "auto" and kind == "hf"):
-        if kind != "hf":
-            raise ConfigError("data.template", d.template, "needs model.init_from=hf:DIR (a tokenizer with a chat_template)")
-        return HFTemplate.from_dir(where)
-    if d.tokenizer:
-        return BuiltinTemplate(TextTokenizer.from_file(d.tokenizer))
-    from ndtrain.data.prepare import PreparedData, prepare_data
-    prepared = prepare_data(source=STDLIB, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
-                            cache_dir=d.cache_dir, progress=progress)
-    return BuiltinTemplate(PreparedData.open(prepared).tokenizer())
 
 
 def jsonl_files(source: str) -> list[Path]:

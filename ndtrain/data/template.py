@@ -20,6 +20,7 @@ Two templates:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +32,9 @@ from ndtrain.data.tokenizer import TextTokenizer
 
 HEADERS = {"system": "<|system|>", "user": "<|user|>", "assistant": "<|assistant|>"}
 END = "<|end|>"
+# The builtin template in Jinja: `header content <|end|>` per turn.
+CHAT_TEMPLATE = ("{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
 
 
 @dataclass
@@ -90,8 +94,15 @@ class BuiltinTemplate:
         return self.tok.decode(ids)
 
     def save(self, run_dir: Path) -> None:
-        """The tokenizer, special tokens included, as the run's tokenizer.json."""
+        """The tokenizer, special tokens included, as the run's tokenizer.json, and a
+        tokenizer_config.json whose chat template (Jinja, as Hugging Face's
+        `apply_chat_template` reads it) renders a conversation to the ids `render` gives it,
+        so an exported model is prompted as it was trained."""
         self.tok.save(Path(run_dir) / "tokenizer.json")
+        eot = self.tok._tok.id_to_token(self.tok.eot_id)
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot, "pad_token": eot,
+                  "chat_template": CHAT_TEMPLATE}
+        (Path(run_dir) / "tokenizer_config.json").write_text(json.dumps(config, indent=1) + "\n")
 
 
 class HFTemplate:

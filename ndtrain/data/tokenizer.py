@@ -39,6 +39,16 @@ class TextTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A prompt as a Hugging Face tokenizer reads it: special tokens written in it are
+        those tokens (a chat template's <|im_start|>, ...), and the tokens the tokenizer's
+        post-processor adds (a BOS) are added."""
+        self._tok.encode_special_tokens = False
+        try:
+            return self._tok.encode(text, add_special_tokens=True).ids
+        finally:
+            self._tok.encode_special_tokens = True
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Encode many texts at once on tokenizers' own thread pool."""
         # encode_batch_fast skips computing character offsets, which we never use.

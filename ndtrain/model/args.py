@@ -36,10 +36,40 @@ class ModelArgs:
     moe_norm_topk: bool = False  # renormalise the k chosen weights to sum to 1
     moe_route_scale: float = 1.0  # multiplies the k weights
     moe_capacity: float = 0.0  # capacity factor; 0 = dropless
+    # Rotary scaling as Hugging Face's config.json spells it (model/rope.py), JSON text so the
+    # args stay hashable and print as they are stored: "" (none) or e.g.
+    # '{"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+    #   "original_max_position_embeddings": 8192, "rope_type": "llama3"}'.
+    rope_scaling: str = ""
+    # Sliding-window attention (Mistral, Qwen2 with use_sliding_window, Gemma 2): a query sees
+    # itself and the window − 1 keys before it. 0: no window. window_layers: the layers that
+    # have it (None: every layer).
+    sliding_window: int = 0
+    window_layers: tuple[int, ...] | None = None
+    # Gemma 2: norms scale by (norm_offset + weight), weights stored as Gemma stores them;
+    # extra norms after attention and after the MLP (sandwich_norm); GeLU (tanh) gate;
+    # embeddings multiplied by embed_scale; attention scores scaled by
+    # query_pre_attn_scalar^-1/2 instead of head_dim^-1/2 (0: head_dim); attention scores and
+    # logits soft-capped, cap·tanh(x / cap) (0: not capped).
+    norm_offset: float = 0.0
+    sandwich_norm: bool = False
+    mlp_act: str = "silu"  # silu | gelu_tanh
+    embed_scale: float = 1.0
+    query_pre_attn_scalar: float = 0.0
+    attn_softcap: float = 0.0
+    logit_softcap: float = 0.0
 
     def __post_init__(self):
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.window_layers is not None:  # a list from JSON (a checkpoint's meta) or the config
+            object.__setattr__(self, "window_layers", tuple(int(i) for i in self.window_layers))
+
+    def window_of(self, layer: int) -> int:
+        """The sliding window of block `layer` (0: it sees every earlier key)."""
+        if not self.sliding_window or (self.window_layers is not None and layer not in self.window_layers):
+            return 0
+        return self.sliding_window
 
     @property
     def is_moe(self) -> bool:
@@ -100,7 +130,7 @@ ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")
 
 def block_params(a: ModelArgs, layer: int = 0, *, active: bool = False) -> int:
     """Parameters of decoder block `layer`: attention (with q/k/v biases and q/k norms where
-    the family has them), two RMSNorm weights, and a SwiGLU MLP or an MoE feed-forward
+    the family has them), two RMSNorm weights (four with sandwich norms), and a SwiGLU MLP or an MoE feed-forward
     (router, routed and shared experts). `active=True` counts what one token uses: the
     router, its top-k experts and the shared ones."""
     q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
@@ -109,12 +139,13 @@ def block_params(a: ModelArgs, layer: int = 0, *, active: bool = False) -> int:
         attention += q_dim + 2 * kv_dim
     if a.qk_norm:
         attention += 2 * a.head_dim
+    norms = 4 if a.sandwich_norm else 2
     if a.is_moe_layer(layer):
         experts = (a.moe_top_k if active else a.moe_experts) + a.moe_shared_experts
         mlp = a.dim * a.moe_experts + experts * 3 * a.dim * a.expert_dim  # router + experts
     else:
         mlp = 3 * a.dim * a.ffn_dim  # gate, up, down
-    return attention + mlp + 2 * a.dim
+    return attention + mlp + norms * a.dim
 
 
 def expert_params(a: ModelArgs) -> int:

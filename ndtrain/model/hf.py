@@ -2,17 +2,18 @@
 
 Our rotary convention is HF's (half-split pairs), so weights map one to one by name: no
 permutation of wq/wk is needed. Partial state dicts (one pipeline stage's) convert too.
+Reading a config.json is model/hf_config.py's; this file maps tensors and writes configs.
 
-Everything is a table. `NAMES` maps our parameter names to HF's (a family uses the rows its
-parameters need); `FAMILIES` says what a `model_type` adds to the Llama block (q/k/v biases
-for Qwen2, q/k norms and an explicit head_dim for Qwen3, routed experts for Mixtral and
-Qwen3-MoE) and which config keys it refuses.
+Everything is a table. `BLOCK` maps our parameter names to HF's (a family uses the rows its
+parameters need; Gemma 2 names its norms otherwise, `GEMMA_NORMS`); `FUSED` lists the HF
+tensors that hold several of ours stacked by rows (Phi-3's `qkv_proj` is wq, wk, wv;
+`gate_up_proj` is w1, w3): each of ours is a row range of it (`Part.rows`), which the slice
+reader (checkpoint/slices.py) reads like any other piece.
 
 Mixture of experts: our experts are stacked, `feed_forward.experts.w1` [E, F, D] (w3 the
 same, w2 [E, D, F]); a HF checkpoint stores one tensor per expert
 (`block_sparse_moe.experts.{j}.w1.weight` in Mixtral, `mlp.experts.{j}.gate_proj.weight` in
-Qwen3-MoE), which is the piece [j] of ours: `our_piece` says which, and the slice reader
-(checkpoint/slices.py) assembles or cuts the stack like any other sharded tensor.
+Qwen3-MoE), which is the piece [j] of ours (`Part.expert`).
 
 Tied embeddings: HF checkpoints of tied models store the matrix once, as
 `model.embed_tokens.weight`, so `to_hf_state_dict` leaves `lm_head.weight` out when the
@@ -22,12 +23,16 @@ embedding is there, and `from_hf_state_dict` fills `output.weight` from the embe
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 
 from .args import ModelArgs
+from .hf_config import FAMILIES, Family, HFConfigError, args_from_hf_config, family_of_config  # noqa: F401
+from .rope import scaling_of
 
 # Names inside one block: ours -> HF's (both relative to the layer prefix).
 BLOCK = {
@@ -46,142 +51,215 @@ BLOCK = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
+GEMMA_NORMS = {
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "attention_post_norm.weight": "post_attention_layernorm.weight",
+    "ffn_post_norm.weight": "post_feedforward_layernorm.weight",
+}
+FUSED = {  # Phi-3: HF tensor -> ours, stacked by rows in this order
+    "self_attn.qkv_proj.weight": ("attention.wq.weight", "attention.wk.weight", "attention.wv.weight"),
+    "mlp.gate_up_proj.weight": ("feed_forward.w1.weight", "feed_forward.w3.weight"),
+}
 TOP = {
     "tok_embeddings.weight": "model.embed_tokens.weight",
     "norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-_BLOCK_BACK = {hf: ours for ours, hf in BLOCK.items()}
 _TOP_BACK = {hf: ours for ours, hf in TOP.items()}
 _OURS_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _HF_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # a buffer older HF versions saved
-
-
-@dataclass(frozen=True)
-class Family:
-    model_type: str
-    architecture: str
-    qkv_bias: bool = False
-    qk_norm: bool = False
-    # config keys that must be false (or absent) for the weights to mean what ours do
-    refused: tuple[str, ...] = ()
-    # MoE: the block's module name and the names of gate, up and down in one expert
-    moe: str = ""
-    expert_names: tuple[str, str, str] = ()
-
-
-FAMILIES = {
-    "llama": Family("llama", "LlamaForCausalLM", refused=("attention_bias", "mlp_bias")),
-    "qwen2": Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, refused=("use_sliding_window",)),
-    "qwen3": Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, refused=("use_sliding_window", "attention_bias")),
-    "mixtral": Family("mixtral", "MixtralForCausalLM", refused=("sliding_window",), moe="block_sparse_moe",
-                      expert_names=("w1", "w3", "w2")),
-    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True,
-                        refused=("use_sliding_window", "attention_bias", "mlp_only_layers"), moe="mlp",
-                        expert_names=("gate_proj", "up_proj", "down_proj")),
-}
-_EXPERT_STACKS = ("w1", "w3", "w2")  # ours, in the order of Family.expert_names
-
-
-def family_of(args: ModelArgs) -> Family:
-    """The HF family that holds a model of this shape."""
-    if args.qk_norm and args.qkv_bias:
-        raise ValueError("no Hugging Face family has both q/k/v biases and q/k norms")
-    if args.is_moe:
-        family = FAMILIES["qwen3_moe" if args.qk_norm else "mixtral"]
-        plain = (args.moe_router == "softmax_topk" and args.moe_shared_experts == 0 and args.moe_capacity == 0
-                 and args.moe_route_scale == 1.0)
-        if args.qkv_bias or not plain or (family.moe == "block_sparse_moe" and (not args.moe_norm_topk
-                                                                              or args.moe_every != 1)):
-            raise ValueError("no Hugging Face family holds this mixture of experts (Mixtral: softmax router, "
-                             "renormalised top-k, every block; Qwen3-MoE: q/k norms; neither has shared experts, "
-                             "capacity or a route scale)")
-        return family
-    return FAMILIES["qwen3" if args.qk_norm else "qwen2" if args.qkv_bias else "llama"]
-
-
-def hf_name(name: str) -> str:
-    """Our parameter name -> the HF one."""
-    if name in TOP:
-        return TOP[name]
-    m = _OURS_LAYER.fullmatch(name)
-    if m and m.group(2) in BLOCK:
-        return f"model.layers.{m.group(1)}.{BLOCK[m.group(2)]}"
-    raise KeyError(f"no Hugging Face counterpart for parameter {name!r}")
-
-
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(\w+)\.weight")
 _HF_ROUTER = re.compile(r"model\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.gate\.weight")
 _OURS_MOE = re.compile(r"layers\.(\d+)\.feed_forward\.(router\.weight|experts\.(w1|w2|w3))")
+_EXPERT_STACKS = ("w1", "w3", "w2")  # ours, in the order of Family.expert_names
 _EXPERT_OF = {hf: ours for f in FAMILIES.values() for hf, ours in zip(f.expert_names, _EXPERT_STACKS)}
 
 
-def our_piece(name: str) -> tuple[str, int | None] | None:
-    """The HF parameter name -> (ours, the expert it is in our stack, or None); None for
-    buffers HF saved that we rebuild."""
+@dataclass(frozen=True)
+class Part:
+    """Where a tensor of ours lives in a HF checkpoint: tensor `hf`, the piece [expert] of
+    our stack when `expert` is set, and rows [rows[0], rows[1]) of the HF tensor when it
+    is a fused one (None: all of it)."""
+
+    hf: str
+    expert: int | None = None
+    rows: tuple[int, int] | None = None
+
+
+# ---------------------------------------------------------------------------------------
+# Which family holds a model
+
+
+def _gemma_traits(a: ModelArgs) -> bool:
+    return bool(a.norm_offset or a.sandwich_norm or a.mlp_act != "silu" or a.embed_scale != 1.0
+                or a.query_pre_attn_scalar or a.attn_softcap or a.logit_softcap)
+
+
+def holds(family: Family, a: ModelArgs) -> str | None:
+    """Why `family` cannot hold a model of these args (None: it can)."""
+    if family.gemma != _gemma_traits(a):
+        return "Gemma 2's norms, gate, embedding scale and soft-capping go together, in gemma2 only"
+    if family.gemma and not (a.norm_offset == 1.0 and a.sandwich_norm and a.mlp_act == "gelu_tanh"
+                             and math.isclose(a.embed_scale, a.dim ** 0.5)):
+        return "gemma2 needs all of (1 + weight) norms, sandwich norms, the tanh GeLU and embeddings × √dim"
+    if (a.qkv_bias, a.qk_norm, a.is_moe) != (family.qkv_bias, family.qk_norm, bool(family.moe)):
+        return "q/k/v biases (qwen2), q/k norms (qwen3, qwen3_moe) and experts (mixtral, qwen3_moe) fix the family"
+    if a.sliding_window and not family.window:
+        return f"{family.model_type} has no sliding window"
+    if a.sliding_window and a.window_layers is not None and family.window in ("all", "qwen_all"):
+        return f"{family.model_type} has a window on every layer or on none"
+    kind = scaling_of(a.rope_scaling)["rope_type"]
+    if family.fused and kind not in ("default", "longrope"):
+        return f"phi3 takes default or longrope rotary scaling, not {kind}"
+    if family.model_type == "mixtral" and not (a.moe_norm_topk and a.moe_every == 1):
+        return "mixtral renormalises the top-k weights and has experts in every block"
+    if family.moe and not (a.moe_router == "softmax_topk" and a.moe_shared_experts == 0 and a.moe_capacity == 0
+                           and a.moe_route_scale == 1.0):
+        return "no Hugging Face family holds this mixture of experts (shared experts, capacity, a route scale)"
+    return None
+
+
+def family_of(args: ModelArgs, prefer: str | None = None) -> Family:
+    """The HF family that holds a model of this shape: `prefer` (the model_type it came
+    from) when that family can, else the simplest one that can."""
+    if args.qk_norm and args.qkv_bias:
+        raise ValueError("no Hugging Face family has both q/k/v biases and q/k norms")
+    if prefer in FAMILIES and holds(FAMILIES[prefer], args) is None:
+        return FAMILIES[prefer]
+    order = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2")
+    reasons = []
+    for name in order:
+        reason = holds(FAMILIES[name], args)
+        if reason is None:
+            return FAMILIES[name]
+        reasons.append(reason)
+    raise ValueError("no Hugging Face family holds this model: " + min(reasons, key=len))
+
+
+# ---------------------------------------------------------------------------------------
+# Names
+
+
+def _block_names(family: Family | None) -> dict[str, str]:
+    return {**BLOCK, **GEMMA_NORMS} if family is not None and family.gemma else BLOCK
+
+
+def hf_parts(name: str, args: ModelArgs, family: Family | None = None) -> list[Part]:
+    """Our parameter name -> where it lives in the family's checkpoint (an expert stack is
+    E HF tensors, a fused projection part of one, anything else one whole tensor)."""
+    family = family or family_of(args)
+    if name in TOP:
+        return [Part(TOP[name])]
+    m = _OURS_MOE.fullmatch(name)
+    if m:
+        block = f"model.layers.{m.group(1)}.{family.moe}"
+        if m.group(3) is None:
+            return [Part(f"{block}.gate.weight")]
+        expert = family.expert_names[_EXPERT_STACKS.index(m.group(3))]
+        return [Part(f"{block}.experts.{j}.{expert}.weight", j) for j in range(args.moe_experts)]
+    m = _OURS_LAYER.fullmatch(name)
+    if m and family.fused:
+        for hf, ours in FUSED.items():
+            if m.group(2) in ours:
+                return [Part(f"model.layers.{m.group(1)}.{hf}", None, _rows(ours, m.group(2), args))]
+    names = _block_names(family)
+    if m and m.group(2) in names:
+        return [Part(f"model.layers.{m.group(1)}.{names[m.group(2)]}")]
+    raise KeyError(f"no Hugging Face counterpart for parameter {name!r}")
+
+
+def _rows(stacked: tuple[str, ...], ours: str, args: ModelArgs) -> tuple[int, int]:
+    """The rows of a fused HF tensor that our `ours` (one of `stacked`) fills."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    sizes = {"attention.wq.weight": q, "attention.wk.weight": kv, "attention.wv.weight": kv,
+             "feed_forward.w1.weight": args.ffn_dim, "feed_forward.w3.weight": args.ffn_dim}
+    start = sum(sizes[n] for n in stacked[:stacked.index(ours)])
+    return start, start + sizes[ours]
+
+
+def hf_names(name: str, args: ModelArgs, family: Family | None = None) -> list[tuple[str, int | None]]:
+    """Our parameter name -> the HF names holding it, with the expert each one is."""
+    return [(p.hf, p.expert) for p in hf_parts(name, args, family)]
+
+
+def hf_name(name: str, family: Family | None = None) -> str:
+    """Our parameter name -> the HF one (a whole tensor: not an expert, not fused)."""
+    if name in TOP:
+        return TOP[name]
+    m = _OURS_LAYER.fullmatch(name)
+    names = _block_names(family)
+    if m and m.group(2) in names:
+        return f"model.layers.{m.group(1)}.{names[m.group(2)]}"
+    raise KeyError(f"no Hugging Face counterpart for parameter {name!r}")
+
+
+def our_parts(name: str, args: ModelArgs, family: Family | None = None) -> list[tuple[str, Part]]:
+    """A HF tensor name -> [(our parameter, where it is in that tensor)]; [] for buffers HF
+    saved that we rebuild. Raises KeyError for a name no family of ours has."""
+    if _HF_IGNORED.fullmatch(name):
+        return []
+    family = family or family_of(args)
     m = _HF_EXPERT.fullmatch(name)
     if m and m.group(3) in _EXPERT_OF:
-        return f"layers.{m.group(1)}.feed_forward.experts.{_EXPERT_OF[m.group(3)]}", int(m.group(2))
+        return [(f"layers.{m.group(1)}.feed_forward.experts.{_EXPERT_OF[m.group(3)]}", Part(name, int(m.group(2))))]
     m = _HF_ROUTER.fullmatch(name)
     if m:
-        return f"layers.{m.group(1)}.feed_forward.router.weight", None
-    ours = our_name(name)
-    return None if ours is None else (ours, None)
-
-
-def hf_names(name: str, args: ModelArgs) -> list[tuple[str, int | None]]:
-    """Our parameter name -> the HF names holding it, with the expert each one is (an
-    expert stack is E HF tensors, anything else one)."""
-    m = _OURS_MOE.fullmatch(name)
-    if not m:
-        return [(hf_name(name), None)]
-    family = family_of(args)
-    block = f"model.layers.{m.group(1)}.{family.moe}"
-    if m.group(3) is None:
-        return [(f"{block}.gate.weight", None)]
-    expert = family.expert_names[_EXPERT_STACKS.index(m.group(3))]
-    return [(f"{block}.experts.{j}.{expert}.weight", j) for j in range(args.moe_experts)]
-
-
-def our_name(name: str) -> str | None:
-    """The HF parameter name -> ours (None for buffers HF saved that we rebuild)."""
-    if _HF_IGNORED.fullmatch(name):
-        return None
+        return [(f"layers.{m.group(1)}.feed_forward.router.weight", Part(name))]
     if name in _TOP_BACK:
-        return _TOP_BACK[name]
+        return [(_TOP_BACK[name], Part(name))]
     m = _HF_LAYER.fullmatch(name)
-    if m and m.group(2) in _BLOCK_BACK:
-        return f"layers.{m.group(1)}.{_BLOCK_BACK[m.group(2)]}"
+    if m and m.group(2) in FUSED:
+        stacked = FUSED[m.group(2)]
+        return [(f"layers.{m.group(1)}.{ours}", Part(name, None, _rows(stacked, ours, args))) for ours in stacked]
+    back = {hf: ours for ours, hf in _block_names(family).items()}
+    if m and m.group(2) in back:
+        return [(f"layers.{m.group(1)}.{back[m.group(2)]}", Part(name))]
     raise KeyError(f"no ndtrain counterpart for Hugging Face parameter {name!r}")
 
 
-def to_hf_state_dict(model_state: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """Our names -> HF names. The tensors are shared, not copied."""
-    hf = {}
+def to_hf_state_dict(model_state: dict[str, Tensor], args: ModelArgs, family: Family | None = None) -> dict[str, Tensor]:
+    """Our names -> HF names. The tensors are shared, not copied (a fused one is a copy)."""
+    family = family or family_of(args)
+    hf: dict[str, Tensor] = {}
+    fused: dict[str, list[tuple[int, Tensor]]] = {}
     for name, t in model_state.items():
         if name == "output.weight" and args.tie_embeddings and "tok_embeddings.weight" in model_state:
             continue
-        hf[hf_name(name)] = t
+        (part,) = hf_parts(name, args, family)
+        if part.rows is None:
+            hf[part.hf] = t
+        else:
+            fused.setdefault(part.hf, []).append((part.rows[0], t))
+    for name, pieces in fused.items():
+        hf[name] = torch.cat([t for _, t in sorted(pieces, key=lambda p: p[0])])
     return hf
 
 
-def from_hf_state_dict(hf_state: dict[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
-    """HF names -> ours. The tensors are shared, not copied."""
+def from_hf_state_dict(hf_state: dict[str, Tensor], args: ModelArgs, family: Family | None = None) -> dict[str, Tensor]:
+    """HF names -> ours. The tensors are shared, not copied (a fused one's rows are views)."""
     ours = {}
     for name, t in hf_state.items():
-        mine = our_name(name)
-        if mine is not None:
-            ours[mine] = t
+        for mine, part in our_parts(name, args, family):
+            ours[mine] = t if part.rows is None else t[part.rows[0]:part.rows[1]]
     if args.tie_embeddings and "tok_embeddings.weight" in ours:
         ours["output.weight"] = ours["tok_embeddings.weight"]
     return ours
 
 
-def hf_config(args: ModelArgs) -> dict:
+# ---------------------------------------------------------------------------------------
+# config.json of an exported model
+
+
+def hf_config(args: ModelArgs, family: Family | None = None) -> dict:
     """Keyword arguments for the family's `transformers` config class (`LlamaConfig`,
-    `Qwen2Config`, `Qwen3Config`) describing the same model."""
-    family = family_of(args)
+    `Qwen2Config`, ...) describing the same model."""
+    family = family or family_of(args)
+    rope = scaling_of(args.rope_scaling)
+    max_len = args.max_seq_len
+    if rope["rope_type"] == "dynamic":  # transformers' max_position_embeddings is where it starts
+        max_len = rope["original_max_position_embeddings"]
+        rope = {k: v for k, v in rope.items() if k != "original_max_position_embeddings"}
     out = dict(
         vocab_size=args.vocab_size,
         hidden_size=args.dim,
@@ -191,15 +269,24 @@ def hf_config(args: ModelArgs) -> dict:
         num_key_value_heads=args.n_kv_heads,
         head_dim=args.head_dim,
         hidden_act="silu",
-        max_position_embeddings=args.max_seq_len,
+        max_position_embeddings=max_len,
         rope_theta=args.rope_theta,
+        rope_scaling=rope if rope["rope_type"] != "default" else None,
         rms_norm_eps=args.norm_eps,
         tie_word_embeddings=args.tie_embeddings,
     )
-    out.update({key: False for key in family.refused})
+    out.update({key: False for key in family.refused if key != "use_bidirectional_attention"})
+    if family.fused and rope["rope_type"] == "longrope":
+        out["original_max_position_embeddings"] = rope["original_max_position_embeddings"]
+    out.update(_window_config(args, family))
+    if family.gemma:
+        out.pop("hidden_act")
+        scalar = args.query_pre_attn_scalar or args.head_dim
+        out.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=int(scalar) if scalar == int(scalar) else scalar,
+                   attn_logit_softcapping=args.attn_softcap or None, final_logit_softcapping=args.logit_softcap or None)
     if family.model_type == "mixtral":
         out.update(intermediate_size=args.expert_dim, num_local_experts=args.moe_experts,
-                   num_experts_per_tok=args.moe_top_k, sliding_window=None)
+                   num_experts_per_tok=args.moe_top_k)
     elif family.model_type == "qwen3_moe":
         out.update(moe_intermediate_size=args.expert_dim, num_experts=args.moe_experts,
                    num_experts_per_tok=args.moe_top_k, norm_topk_prob=args.moe_norm_topk,
@@ -207,54 +294,37 @@ def hf_config(args: ModelArgs) -> dict:
     return out
 
 
-def hf_config_json(args: ModelArgs, dtype: str) -> dict:
-    """config.json of an exported model: the config, its family and dtype."""
-    family = family_of(args)
-    return {"architectures": [family.architecture], "model_type": family.model_type,
-            "torch_dtype": dtype, **hf_config(args)}
-
-
-def args_from_hf_config(config) -> ModelArgs:
-    """The `ModelArgs` of a `transformers` config (or its dict) of a supported family. Only
-    default (unscaled) rotary embeddings are supported."""
-    c = config if isinstance(config, dict) else config.to_dict()
-    family = FAMILIES.get(c.get("model_type", "llama"))
-    if family is None:
-        raise ValueError(f"model_type {c.get('model_type')!r} is not supported; known: {', '.join(FAMILIES)}")
-    for key in family.refused:
-        if c.get(key):
-            raise ValueError(f"{family.model_type} with {key} = {c[key]!r} is not supported")
-    if c.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {c['hidden_act']!r} is not supported (SwiGLU needs silu)")
-    rope = c.get("rope_parameters") or c.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        raise ValueError(f"rope scaling {rope.get('rope_type', rope.get('type'))!r} is not supported")
-    theta = rope.get("rope_theta", c.get("rope_theta", 10000.0))
-    return ModelArgs(
-        dim=c["hidden_size"],
-        n_layers=c["num_hidden_layers"],
-        n_heads=c["num_attention_heads"],
-        n_kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-        ffn_dim=c["intermediate_size"],
-        vocab_size=c["vocab_size"],
-        max_seq_len=c["max_position_embeddings"],
-        rope_theta=float(theta),
-        norm_eps=c["rms_norm_eps"],
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-        head_dim=c.get("head_dim") or None,
-        qkv_bias=family.qkv_bias,
-        qk_norm=family.qk_norm,
-        **_moe_args(family, c),
-    )
-
-
-def _moe_args(family: Family, c: dict) -> dict:
-    """The MoE fields of `ModelArgs` from a Mixtral or Qwen3-MoE config."""
-    if family.model_type == "mixtral":
-        return dict(moe_experts=c["num_local_experts"], moe_top_k=c["num_experts_per_tok"],
-                    moe_ffn_dim=c["intermediate_size"], moe_norm_topk=True)
-    if family.model_type == "qwen3_moe":
-        return dict(moe_experts=c.get("num_experts") or c["num_local_experts"], moe_top_k=c["num_experts_per_tok"],
-                    moe_ffn_dim=c["moe_intermediate_size"], moe_norm_topk=bool(c.get("norm_topk_prob")),
-                    moe_every=c.get("decoder_sparse_step") or 1)
+def _window_config(args: ModelArgs, family: Family) -> dict:
+    window = args.sliding_window or None
+    layers = range(args.n_layers) if args.window_layers is None else args.window_layers
+    types = ["sliding_attention" if window and i in layers else "full_attention" for i in range(args.n_layers)]
+    if family.window == "all":
+        return {"sliding_window": window}
+    if family.window == "qwen_all":
+        return {"use_sliding_window": bool(window), "sliding_window": window}
+    if family.window == "qwen":
+        first = min(layers, default=args.n_layers) if window else args.n_layers
+        return {"use_sliding_window": bool(window), "sliding_window": window, "max_window_layers": first,
+                "layer_types": types}
+    if family.window == "alternating":
+        return {"sliding_window": window, "layer_types": types}
     return {}
+
+
+def hf_config_json(args: ModelArgs, dtype: str, base: dict | None = None) -> dict:
+    """config.json of an exported model: the config, its family and dtype. `base` (the
+    config.json the model came from) keeps its family and the keys we do not own (token
+    ids and the like)."""
+    base = dict(base or {})
+    family = family_of(args, base.get("model_type"))
+    for key in ("rope_parameters", "rope_scaling", "layer_types", "torch_dtype", "dtype", "architectures"):
+        base.pop(key, None)
+    return {**base, "architectures": [family.architecture], "model_type": family.model_type,
+            "torch_dtype": dtype, **hf_config(args, family)}
+
+
+def source_dtype(config: dict) -> str | None:
+    """The dtype a config.json names (`torch_dtype`, or `dtype` in transformers 5)."""
+    value = config.get("torch_dtype") or config.get("dtype")
+    return value if isinstance(value, str) else None
+

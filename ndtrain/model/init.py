@@ -16,7 +16,7 @@ kind of device agree bit for bit.
 
 The distribution is what it always was: normal, mean 0, the parameter's std (no truncation;
 |z| < 6.7 because the uniform that feeds the logarithm is at least 2^-32); norm weights
-start at 1 and biases at 0.
+start at a scale of 1 and biases at 0.
 """
 
 from __future__ import annotations
@@ -170,8 +170,8 @@ def initial_values(name: str, region: Region, args: ModelArgs, seed: int, lo: in
     initial value (fp32, on `device`): a function of the seed, the name and each element's
     global index only, so every layout, stage and shard agrees with one process."""
     hi = region.numel if hi is None else hi
-    if name.endswith("norm.weight") or name.endswith(".bias"):
-        fill = 1.0 if name.endswith("norm.weight") else 0.0
+    if name.endswith("norm.weight") or name.endswith(".bias"):  # a norm's scale of 1 (Gemma: 1 − offset)
+        fill = 1.0 - args.norm_offset if name.endswith("norm.weight") else 0.0
         out = torch.full((hi - lo,), fill, device=device)
         if region.contiguous_start() is None or region.valid_run() < hi:
             out[region.global_index(lo, hi, device) < 0] = 0.0  # padding

@@ -16,6 +16,7 @@ imaginary parts), as in Hugging Face's Llama, so the HF converter needs no permu
 
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import torch
@@ -27,34 +28,36 @@ from .args import ModelArgs
 from .dtypes import widened
 from .init import initial_value
 from .moe import MoE, RoutingLog
+from .rope import Rotary, rope_tables  # noqa: F401 (rope_tables: re-exported)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    """x / rms(x) · weight; with `offset` (Gemma), · (offset + weight), all in fp32."""
     # fp32 statistics: the mean of squares overflows or loses precision in bf16/fp16.
     x32 = widened(x)
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (normed * (offset + widened(weight))).to(x.dtype)
     return weight * normed.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-5):
+    def __init__(self, dim: int, eps: float = 1e-5, offset: float = 0.0):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.full((dim,), 1.0 - offset))  # a scale of 1
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, self.offset)
+
+
+def softcap(x: Tensor, cap: float) -> Tensor:
+    """cap·tanh(x / cap): x kept within ±cap, nearly unchanged where |x| ≪ cap (Gemma 2)."""
+    return torch.tanh(x / cap) * cap
 
 
 # ---------------------------------------------------------------------------------------
-# Rotary position embedding
-
-
-def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos and sin of angle position·theta^(-2i/head_dim), each [max_seq_len, head_dim//2], fp32."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
-    return angles.cos(), angles.sin()
+# Rotary position embedding (the tables and their scalings: model/rope.py)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -139,9 +142,16 @@ class AttentionCore(nn.Module):
 
     q [b, s, heads, head_dim], k and v [b, s, kv_heads, head_dim] -> [b, s, heads·head_dim].
     `doc_ids` [b, s] (packed sequences, or rows of a generated batch with their padding): a
-    token attends only to earlier tokens of its own document. It holds no parameters;
-    recompute wraps it, context parallelism replaces it.
+    token attends only to earlier tokens of its own document. `window` > 0: only to itself
+    and the window − 1 tokens before it. `softcap` > 0: the scores are capped,
+    cap·tanh(score / cap), before the softmax (Gemma 2), which SDPA cannot do, so that
+    attention is computed here in plain torch. It holds no parameters; recompute wraps it,
+    context parallelism replaces it.
     """
+
+    def __init__(self, window: int = 0, softcap: float = 0.0):
+        super().__init__()
+        self.window, self.softcap = window, softcap
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                 cache: KVCache | None = None, layer_key: str | None = None,
@@ -151,59 +161,83 @@ class AttentionCore(nn.Module):
         if cache is not None:
             k, v = cache.update(layer_key, k, v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # sdpa wants [b, heads, s, head_dim]
-        n_q, n_kv = q.shape[1], k.shape[1]
-        gqa = {"enable_gqa": True} if n_q != n_kv else {}
-        s_kv = k.shape[2]
-        if doc_ids is not None and cache is not None:  # rows of different lengths: their own keys only
-            mask = cached_document_mask(doc_ids, cache.doc_ids[:, :s_kv])
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
-        elif doc_ids is not None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(doc_ids), **gqa)
-        elif s == s_kv:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, **gqa)
-        elif s == 1:  # one new token sees every cached one
-            out = F.scaled_dot_product_attention(q, k, v, **gqa)
-        else:  # a chunk after cached positions: query i sits at position s_kv - s + i
-            q_pos = torch.arange(s_kv - s, s_kv, device=q.device)
-            mask = torch.arange(s_kv, device=q.device)[None, :] <= q_pos[:, None]
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
+        cached_docs = cache.doc_ids[:, :k.shape[2]] if cache is not None and doc_ids is not None else None
+        mask = visible_keys(s, k.shape[2], doc_ids, cached_docs, self.window, q.device)
+        if self.softcap:
+            out = capped_attention(q, k, v, mask, self.softcap)
+        else:
+            gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+            causal = mask is None and s == k.shape[2] and s > 1
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
         return out.transpose(1, 2).reshape(b, s, -1)
 
 
-def cached_document_mask(doc_ids: Tensor, cached: Tensor) -> Tensor:
-    """[b, 1, s, s_kv] boolean for s new queries after s_kv − s cached positions: query i
-    (at slot s_kv − s + i) sees key j when j is not after it and both are in one document
-    (`cached`: the document of every slot, the new ones included)."""
-    s, s_kv = doc_ids.shape[-1], cached.shape[-1]
-    slots = torch.arange(s_kv, device=doc_ids.device)
-    causal = slots[None, :] <= (slots[s_kv - s:])[:, None]
-    return ((doc_ids[:, :, None] == cached[:, None, :]) & causal)[:, None]
+def visible_keys(s: int, s_kv: int, doc_ids: Tensor | None, cached_docs: Tensor | None, window: int,
+                 device) -> Tensor | None:
+    """[b or 1, 1, s, s_kv] boolean for s queries in the last s of s_kv slots (the earlier
+    ones cached): query i (slot s_kv − s + i) sees key j when j is not after it, both are in
+    one document (`doc_ids` [b, s] of the queries; `cached_docs` [b, s_kv] of every slot,
+    the new ones included, when a cache holds the earlier ones), and j is among the `window`
+    slots ending at i (0: no window). None when that is the plain causal square, or every
+    key (one new token, no documents, no window that cuts). The diagonal is always visible,
+    so no row is ever fully masked."""
+    cuts = 0 < window < s_kv
+    if doc_ids is None and not cuts and (s == s_kv or s == 1):
+        return None
+    slots = torch.arange(s_kv, device=device)
+    query_slots = slots[s_kv - s:, None]
+    mask = slots[None, :] <= query_slots
+    if cuts:
+        mask = mask & (slots[None, :] > query_slots - window)
+    if doc_ids is None:
+        return mask[None, None]
+    keys = cached_docs if cached_docs is not None else doc_ids
+    return ((doc_ids[:, :, None] == keys[:, None, :]) & mask)[:, None]
+
+
+def capped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cap: float) -> Tensor:
+    """softmax(cap·tanh(q·kᵀ/√d / cap), masked) · v, softmax in fp32; q [b, H, s, d], k, v
+    [b, G, s_kv, d] (query head h reads key head h // (H/G), as SDPA's enable_gqa); mask as
+    `visible_keys` gives it, None meaning causal (or every key for one query)."""
+    repeat = q.shape[1] // k.shape[1]
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5, cap)
+    s, s_kv = scores.shape[-2:]
+    if mask is None and s > 1:
+        mask = torch.ones(s, s_kv, dtype=torch.bool, device=q.device).tril(s_kv - s)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def document_mask(doc_ids: Tensor) -> Tensor:
-    """[b, 1, s, s] boolean: query i may see key j when j <= i and both are in one document.
-    The diagonal is always visible, so no row is ever fully masked."""
+    """[b, 1, s, s] boolean: query i may see key j when j <= i and both are in one document."""
     s = doc_ids.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=doc_ids.device).tril()
-    return ((doc_ids[:, :, None] == doc_ids[:, None, :]) & causal)[:, None]
+    return visible_keys(s, s, doc_ids, None, 0, doc_ids.device)
 
 
 class Attention(nn.Module):
-    """Grouped-query attention. Families differ only in two optional pieces: biases on the
-    q, k, v projections (Qwen2) and an RMSNorm of each query and key head, shared by all
-    heads, before the rotary (Qwen3)."""
+    """Grouped-query attention. Families differ in optional pieces: biases on the q, k, v
+    projections (Qwen2), an RMSNorm of each query and key head, shared by all heads, before
+    the rotary (Qwen3), a sliding window (Mistral, some Qwen2 layers, every other Gemma 2
+    layer), soft-capped scores and a query scale of its own (Gemma 2). That scale,
+    query_pre_attn_scalar^-1/2 instead of head_dim^-1/2, is folded into q before the core,
+    so every attention core (SDPA, context parallelism's kernels) keeps its 1/√head_dim."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         self.head_dim = args.head_dim
+        scalar = args.query_pre_attn_scalar
+        self.q_scale = math.sqrt(args.head_dim / scalar) if scalar and scalar != args.head_dim else 1.0
         kv_dim = args.n_kv_heads * args.head_dim
         self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
         self.wk = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.wv = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
-        self.core = AttentionCore()
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        self.core = AttentionCore(args.window_of(layer), args.attn_softcap)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
                 layer_key: str | None = None, doc_ids: Tensor | None = None) -> Tensor:
@@ -214,51 +248,77 @@ class Attention(nn.Module):
         v = self.wv(x).view(b, s, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         return self.wo(self.core(q, k, v, cos, sin, cache, layer_key, doc_ids=doc_ids))
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
 class FeedForward(nn.Module):
-    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+    """SwiGLU: w2(silu(w1 x) * w3 x); GeGLU (Gemma) with the tanh GeLU in place of silu."""
 
     def __init__(self, args: ModelArgs):
         super().__init__()
+        self.act = ACTIVATIONS[args.mlp_act]
         self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
         self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
         self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x)) * self.w3(x))
 
 
 class Block(nn.Module):
     """Pre-norm residual block; its feed-forward is a SwiGLU MLP, or a mixture of experts
-    (model/moe.py) in the layers `args.is_moe_layer` names."""
+    (model/moe.py) in the layers `args.is_moe_layer` names. With `sandwich_norm` (Gemma 2)
+    each branch's output is normed again before it joins the residual stream."""
 
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         # One module for both residual branches: it holds no state, and a layout that
         # splits the residual stream can swap it for a dropout that draws the same mask.
         self.dropout = nn.Dropout(args.dropout)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.attention = Attention(args, layer)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.feed_forward = MoE(args) if args.is_moe_layer(layer) else FeedForward(args)
+        if args.sandwich_norm:
+            self.attention_post_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+            self.ffn_post_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
                 layer_key: str | None = None, doc_ids: Tensor | None = None,
                 routing: RoutingLog | None = None) -> Tensor:
         a = self.attention(self.attention_norm(x), cos, sin, cache, layer_key, doc_ids=doc_ids)
+        if hasattr(self, "attention_post_norm"):
+            a = self.attention_post_norm(a)
         x = x + self.dropout(a)
         h = self.ffn_norm(x)
         if isinstance(self.feed_forward, MoE):
             m = self.feed_forward(h, routing, layer_key)
         else:
             m = self.feed_forward(h)
+        if hasattr(self, "ffn_post_norm"):
+            m = self.ffn_post_norm(m)
         return x + self.dropout(m)
 
 
 # ---------------------------------------------------------------------------------------
 # The model
+
+
+class OutputHead(nn.Linear):
+    """The output projection, its logits soft-capped when `softcap` > 0 (Gemma 2)."""
+
+    def __init__(self, dim: int, vocab_size: int, softcap: float = 0.0):
+        super().__init__(dim, vocab_size, bias=False)
+        self.softcap = softcap
+
+    def forward(self, x: Tensor) -> Tensor:
+        logits = super().forward(x)
+        return softcap(logits, self.softcap) if self.softcap else logits
 
 
 class Transformer(nn.Module):
@@ -280,29 +340,16 @@ class Transformer(nn.Module):
 
         self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if embed else None
         self.layers = nn.ModuleDict({str(i): Block(args, i) for i in layer_ids})
-        self.norm = RMSNorm(args.dim, args.norm_eps) if head else None
-        self.output = nn.Linear(args.dim, args.vocab_size, bias=False) if head else None
+        self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset) if head else None
+        self.output = OutputHead(args.dim, args.vocab_size, args.logit_softcap) if head else None
         if args.tie_embeddings and embed and head:
             self.output.weight = self.tok_embeddings.weight
-
-        cos, sin = rope_tables(args.head_dim, args.max_seq_len, args.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-
-    def _apply(self, fn, recurse=True):
-        # `.to(bfloat16)` would round the rotary tables; rebuild them in fp32 instead.
-        super()._apply(fn, recurse)
-        if self.rope_cos.dtype != torch.float32:
-            self.reset_rope()
-        return self
+        self.rotary = Rotary(args)
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """Recompute the rotary tables in fp32, where they live or on `device` (a model
         built on the meta device, a cast)."""
-        a = self.args
-        device = device or self.rope_cos.device
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta)
-        self.rope_cos, self.rope_sin = cos.to(device), sin.to(device)
+        self.rotary.reset(device)
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 cache: KVCache | None = None, doc_ids: Tensor | None = None,
@@ -318,11 +365,15 @@ class Transformer(nn.Module):
         if positions is None:
             start = cache.pos if cache is not None else 0
             positions = torch.arange(start, start + s, device=x.device)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = self.rotary(positions)
 
         if cache is not None and doc_ids is not None:
             cache.store_doc_ids(doc_ids)
-        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        h = x
+        if self.tok_embeddings is not None:
+            h = self.tok_embeddings(x)
+            if self.args.embed_scale != 1.0:  # Gemma: × √dim, rounded to the activations' dtype
+                h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
         for key, layer in self.layers.items():
             h = layer(h, cos, sin, cache, key, doc_ids=doc_ids, routing=routing)
         if cache is not None:

@@ -23,10 +23,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ndtrain.data.batch import MicroBatch
+from ndtrain.data.batch import IGNORE, MicroBatch
 from ndtrain.model.llama import widened
-
-IGNORE = -100
 
 
 def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,7 @@ from torch import Tensor, nn
 from ndtrain.comm import ops
 from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
-from ndtrain.model.llama import MoE, RMSNorm, Transformer, rms_norm, widened
+from ndtrain.model.llama import MoE, RMSNorm, Transformer, rms_norm, softcap, widened
 from ndtrain.model.loss import IGNORE
 from ndtrain.parallel.placement import mark_partial, mark_region, mark_sharded
 
@@ -272,14 +272,14 @@ class RegionEntryNorm(nn.Module):
     after the last micro-batch (`sum_partial_grads`).
     """
 
-    def __init__(self, weight: nn.Parameter, eps: float, group: Group, sp: bool):
+    def __init__(self, weight: nn.Parameter, eps: float, group: Group, sp: bool, offset: float = 0.0):
         super().__init__()
-        self.weight, self.eps, self.group, self.sp = weight, eps, group, sp
+        self.weight, self.eps, self.group, self.sp, self.offset = weight, eps, group, sp, offset
         if sp:
             mark_partial(weight, ("tp",))
 
     def forward(self, x: Tensor) -> Tensor:
-        return enter_region(rms_norm(x, self.weight, self.eps), self.group, self.sp)
+        return enter_region(rms_norm(x, self.weight, self.eps, self.offset), self.group, self.sp)
 
 
 @torch.no_grad()
@@ -316,16 +316,19 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """The output projection split by rows (tokens): this rank's columns of the logits.
-    Columns of the padding are −inf, so they take no probability."""
+    """The output projection split by rows (tokens): this rank's columns of the logits,
+    soft-capped like the plain head's (Gemma 2). Columns of the padding are −inf (after
+    the cap), so they take no probability."""
 
-    def __init__(self, weight: nn.Parameter, vocab_size: int, group: Group):
+    def __init__(self, weight: nn.Parameter, vocab_size: int, group: Group, softcap: float = 0.0):
         super().__init__()
-        self.weight = weight
+        self.weight, self.softcap = weight, softcap
         self.real = max(0, min(weight.shape[0], vocab_size - group.rank * weight.shape[0]))
 
     def forward(self, x: Tensor) -> Tensor:
         logits = F.linear(x, self.weight)
+        if self.softcap:
+            logits = softcap(logits, self.softcap)
         if self.real < self.weight.shape[0]:
             padding = torch.arange(self.weight.shape[0], device=x.device) >= self.real
             logits = logits.masked_fill(padding, float("-inf"))
@@ -390,11 +393,11 @@ def _embedding(m: nn.Embedding, c: Context) -> nn.Module:
 
 
 def _head(m: nn.Linear, c: Context) -> nn.Module:
-    return VocabParallelHead(c.param(m.weight, 0), c.args.vocab_size, c.group)
+    return VocabParallelHead(c.param(m.weight, 0), c.args.vocab_size, c.group, m.softcap)
 
 
 def _entry_norm(m: RMSNorm, c: Context) -> nn.Module:
-    return RegionEntryNorm(c.param(m.weight), m.eps, c.group, c.sp)
+    return RegionEntryNorm(c.param(m.weight), m.eps, c.group, c.sp, m.offset)
 
 
 def _column(m: nn.Linear, c: Context) -> nn.Module:
@@ -429,10 +432,14 @@ def _moe_layer(c: Context) -> bool:
 
 
 def _ffn_norm(m: RMSNorm, c: Context) -> nn.Module:
-    """The norm before the MLP enters its TP region; before an MoE, it stays a plain norm
-    (under SP on this rank's positions: a partial gradient)."""
-    if not _moe_layer(c):
-        return _entry_norm(m, c)
+    """The norm before the MLP enters its TP region; before an MoE, it stays a plain norm."""
+    return _entry_norm(m, c) if not _moe_layer(c) else _plain_norm(m, c)
+
+
+def _plain_norm(m: RMSNorm, c: Context) -> nn.Module:
+    """A norm outside any TP region (before an MoE; Gemma 2's norms after attention and the
+    MLP, on the region's output): whole on every rank, under SP on this rank's positions, so
+    its gradient is partial."""
     m.weight = c.param(m.weight)
     if c.sp:
         mark_partial(m.weight, ("tp",))
@@ -463,6 +470,8 @@ PLAN: dict[str, Swap] = {
     "layers.*.attention.k_norm": _head_norm,
     "layers.*.dropout": _dropout,
     "layers.*.ffn_norm": _ffn_norm,
+    "layers.*.attention_post_norm": _plain_norm,
+    "layers.*.ffn_post_norm": _plain_norm,
     "layers.*.feed_forward": _feed_forward,
     "layers.*.feed_forward.w1": _column,  # gate
     "layers.*.feed_forward.w3": _column,  # up

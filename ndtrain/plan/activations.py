@@ -60,9 +60,34 @@ def wide(c: int) -> int:
     return max(c, 4)
 
 
-def llama_block(args: ModelArgs, c: int, tp: int, cp: int = 1, cp_impl: str = "ring") -> list[Saved]:
+def moe_mlp(args: ModelArgs, c: int, tp: int, sp: bool, ep: int) -> list[Saved]:
+    """What an MoE feed-forward (model/moe.py) keeps, per token of the micro-batch on the rank
+    (a tp rank routes 1/t of them: SPLIT). Per routed token: the router's input when it is a
+    copy (widened from a low precision, or the positions a tp rank takes without SP), its
+    probabilities (fp32), top-k's sort indices over all E experts (int64, kept by the gather
+    of the k weights), the slots' order (int64) and combine weights (fp32). Per slot (k per
+    token): the experts' input rows, SwiGLU's four tensors of the expert width, the experts'
+    output and its copy in token order (kept by index_copy), and that one widened for the
+    weighted sum; under expert parallelism also the two all-to-alls' send and receive buffers
+    (the in-flight exchanges stay referenced by autograd until backward): four more rows.
+    The shared experts keep what a dense SwiGLU keeps."""
+    h, fe, k, E, w = args.dim, args.expert_dim, args.moe_top_k, args.moe_experts, wide(c)
+    router_input = w * h if (c < w or (tp > 1 and not sp)) else 0.0
+    per_token = router_input + w * E + 8 * E + 8 * k + w * k
+    rows = 2 + (4 if ep > 1 else 0)
+    per_slot = rows * c * h + 4 * c * fe + w * h
+    terms = [Saved("router, top-k, order, weights", per_token / tp, SPLIT),
+             Saved("routed slots (expert inputs, SwiGLU, outputs)", k * per_slot / tp, SPLIT)]
+    if args.moe_shared_experts:
+        terms.append(Saved("shared experts' SwiGLU", 4 * c * args.moe_shared_experts * fe / tp, SPLIT))
+    return terms
+
+
+def llama_block(args: ModelArgs, c: int, tp: int, cp: int = 1, cp_impl: str = "ring", moe: bool = False,
+                sp: bool = False, ep: int = 1) -> list[Saved]:
     h, f, kv, w = args.dim, args.ffn_dim / tp, kv_width(args, tp), wide(c)
     q = args.n_heads * args.head_dim / tp
+    mlp = moe_mlp(args, c, tp, sp, ep) if moe else [Saved("SwiGLU gate, silu, up, product", 4 * c * f, SPLIT)]
     terms = [
         Saved("block input (fp32)", w * h, RESIDUAL),
         Saved("attention residual (fp32)", w * h, RESIDUAL),
@@ -71,7 +96,7 @@ def llama_block(args: ModelArgs, c: int, tp: int, cp: int = 1, cp_impl: str = "r
         Saved("attention and MLP inputs", 2 * c * h, REGION),
         *core_saved(args, c, tp, cp, cp_impl),
         Saved("attention output", c * q, SPLIT),
-        Saved("SwiGLU gate, silu, up, product", 4 * c * f, SPLIT),
+        *mlp,
     ]
     if args.qk_norm:  # Qwen3: each q and k head's RMSNorm keeps its input (fp32), 1/rms and normalised
         heads = q / args.head_dim + kv / args.head_dim
@@ -104,12 +129,13 @@ def llama_core_inputs(args: ModelArgs, c: int, tp: int) -> list[Saved]:
     return [Saved("q, k, v (core inputs)", c * (args.n_heads * args.head_dim / tp + 2 * kv_width(args, tp)), SPLIT)]
 
 
-def llama_mlp_bytes_per_token(args: ModelArgs, c: int, tp: int, sp: bool) -> float:
+def llama_mlp_bytes_per_token(args: ModelArgs, c: int, tp: int, sp: bool, moe: bool = False, ep: int = 1) -> float:
     """The part of a block's saved tensors its MLP holds (freed before attention's backward
-    starts): SwiGLU's four, its input (gathered under SP), the attention residual (fp32), the
-    second norm's 1/rms and normalised input."""
+    starts): SwiGLU's four (an MoE's terms), its input (gathered under SP), the attention
+    residual (fp32), the second norm's 1/rms and normalised input."""
     w, r = wide(c), (tp if sp else 1)
-    return 4 * c * args.ffn_dim / tp + c * args.dim + (w * args.dim + w + c * args.dim) / r
+    mlp = sum(x.bytes_per_token for x in moe_mlp(args, c, tp, sp, ep)) if moe else 4 * c * args.ffn_dim / tp
+    return mlp + c * args.dim + (w * args.dim + w + c * args.dim) / r
 
 
 def gpt_block(h: int, heads: int, s: int, tp: int) -> list[Saved]:
@@ -137,11 +163,11 @@ def per_token(terms: list[Saved], tp: int, sp: bool, region_split: bool) -> floa
 
 
 def block_bytes_per_token(args: ModelArgs, c: int, tp: int, sp: bool, mode: str, cp: int = 1,
-                          cp_impl: str = "ring") -> float:
+                          cp_impl: str = "ring", moe: bool = False, ep: int = 1) -> float:
     """ndtrain's block, per token a rank holds: mode is "none", "selective" or "full" (recomputed)."""
     if mode == "full":
         return c * args.dim / (tp if sp else 1)
-    terms = llama_block(args, c, tp, cp, cp_impl)
+    terms = llama_block(args, c, tp, cp, cp_impl, moe, sp, ep)
     if mode == "selective":
         terms = [x for x in terms if not x.core] + llama_core_inputs(args, c, tp)
     return per_token(terms, tp, sp, region_split=False)

@@ -10,12 +10,17 @@ reaches about 80% of them on large messages.
 
 `efficiency` is the assumed fraction of the peak that the compute kernels reach (the
 "assumed MFU" of the compute alone; communication and the pipeline bubble come on top).
+fp8 is the dense fp8 tensor-core peak (H100/H200 1,979 TFLOP/s, B200 4,500; the A100 has
+none, so fp8 cannot be planned on it).
 `headroom` (10%) is the memory a layout must leave free to count as fitting: the CUDA
 context, NCCL's buffers and the allocator's fragmentation, which the plan does not count.
 
 "this machine" is the CPU in front of you: `ndtrain bench matmul` gives its peak (all
 cores), `ndtrain bench comm` the latency and bus bandwidth of each collective over gloo;
-its processes share the cores and the RAM, so a process gets its share of both.
+its processes share the cores and the RAM, so a process gets its share of both. Once
+`ndtrain bench plan` has measured it (plan/compute.py), its compute is priced kernel by
+kernel for the number of local processes it was measured with, instead of as a fraction of
+the peak.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from pathlib import Path
 
 from ndtrain.config import ConfigError
 from ndtrain.plan.calibration import LinkFit, load, nearest
+from ndtrain.plan.compute import Measured, Peak
 
 GB, TB = 1e9, 1e12
 GiB = 2**30
@@ -45,6 +51,8 @@ class Cluster:
     shared_node: bool = False  # a CPU: the node's processes share its peak and its memory
     fits: dict = field(default_factory=dict)  # measured {collective: {group size: LinkFit}} (this machine)
     source: str = "datasheet"
+    measured: dict = field(default_factory=dict)  # this machine: {local processes: Measured} (bench plan)
+    compute: Measured | None = None  # the one for this layout's processes (per_device)
 
     @property
     def usable_memory(self) -> float:
@@ -53,11 +61,20 @@ class Cluster:
     def peak_flops(self, precision: str) -> float:
         return self.peak.get(precision) or self.peak["fp32"]
 
+    def compute_model(self, precision: str):
+        """How a rank's work is priced (plan/compute.py): measured kernel by kernel, or the peak
+        times the efficiency."""
+        return self.compute or Peak(self.peak_flops(precision), self.peak.get("fp8", 0.0), self.efficiency)
+
     def per_device(self, local: int) -> "Cluster":
         """A shared node split among `local` processes (a CPU); a GPU cluster as it is."""
-        if not self.shared_node or local <= 1:
+        if not self.shared_node:
             return self
-        return replace(self, peak={k: v / local for k, v in self.peak.items()}, memory=self.memory / local)
+        compute = self.measured.get(local)
+        if local <= 1:
+            return replace(self, compute=compute)
+        return replace(self, peak={k: v / local for k, v in self.peak.items()}, memory=self.memory / local,
+                       compute=compute)
 
     def link(self, kind: str, n: int, spans_nodes: bool) -> LinkFit:
         """The latency and bus bandwidth a collective of `kind` over n ranks gets."""
@@ -68,20 +85,25 @@ class Cluster:
         return self.inter if spans_nodes else self.intra
 
 
-def _gpu(name, bf16_tflops, fp32_tflops, memory_gb, nvlink_gbps, ib_gbps, gpus_per_node=8):
-    return Cluster(name, {"bf16": bf16_tflops * TB, "fp16": bf16_tflops * TB, "fp32": fp32_tflops * TB},
-                   memory_gb * GB, gpus_per_node, LinkFit(10e-6, nvlink_gbps * GB), LinkFit(20e-6, ib_gbps * GB))
+def _gpu(name, bf16_tflops, fp32_tflops, fp8_tflops, memory_gb, nvlink_gbps, ib_gbps, gpus_per_node=8):
+    peak = {"bf16": bf16_tflops * TB, "fp16": bf16_tflops * TB, "fp32": fp32_tflops * TB}
+    if fp8_tflops:
+        peak["fp8"] = fp8_tflops * TB
+    return Cluster(name, peak, memory_gb * GB, gpus_per_node, LinkFit(10e-6, nvlink_gbps * GB),
+                   LinkFit(20e-6, ib_gbps * GB))
 
 
 # Dense peaks (no sparsity) and links, per GPU, one direction. NVLink: A100 600 GB/s,
 # H100/H200 900 GB/s, B200 1.8 TB/s bidirectional. Between nodes: one NIC per GPU, A100
-# HDR 200 Gb/s, H100/H200/B200 NDR 400 Gb/s. fp32 is the non-tensor-core rate. Memory as sold (GB).
+# HDR 200 Gb/s, H100/H200/B200 NDR 400 Gb/s. fp32 is the non-tensor-core rate; fp8 the dense
+# fp8 tensor-core rate (H100 SXM 1,979 = half its 3,958 with sparsity; HGX B200 4,500; none on
+# the A100). Memory as sold (GB).
 PRESETS: dict[str, Cluster] = {c.name: c for c in (
-    _gpu("A100-40GB", 312, 19.5, 40, 300, 25),
-    _gpu("A100-80GB", 312, 19.5, 80, 300, 25),
-    _gpu("H100-SXM", 989, 67, 80, 450, 50),
-    _gpu("H200", 989, 67, 141, 450, 50),
-    _gpu("B200", 2250, 80, 180, 900, 50),
+    _gpu("A100-40GB", 312, 19.5, 0, 40, 300, 25),
+    _gpu("A100-80GB", 312, 19.5, 0, 80, 300, 25),
+    _gpu("H100-SXM", 989, 67, 1979, 80, 450, 50),
+    _gpu("H200", 989, 67, 1979, 141, 450, 50),
+    _gpu("B200", 2250, 80, 4500, 180, 900, 50),
 )}
 THIS_MACHINE = "this-machine"
 _ALIASES = {"a100": "A100-80GB", "a100-40": "A100-40GB", "a100-80": "A100-80GB", "h100": "H100-SXM",
@@ -104,11 +126,18 @@ def this_machine(cache_dir: str) -> Cluster:
     flops = float(json.loads(path.read_text())["flops"])
     fits = load(cache_dir)
     if not fits:
-        raise ConfigError("--cluster", THIS_MACHINE, "no interconnect calibration: run `ndtrain bench comm` first")
+        raise ConfigError("--cluster", THIS_MACHINE, "no interconnect calibration: run `ndtrain bench comm` "
+                          "(or `ndtrain bench plan`, which also measures the compute) first")
     link = nearest(fits["all_reduce"], 2)
+    from ndtrain.plan.compute import compute_file
+    measured = {}
+    if compute_file(cache_dir).is_file():
+        data = json.loads(compute_file(cache_dir).read_text())
+        measured = {int(n): Measured.from_json(v) for n, v in data.items()}
     return Cluster(THIS_MACHINE, {"fp32": flops, "bf16": flops, "fp16": flops, "fp64": flops / 2},
                    float(physical_memory()), os.cpu_count() or 1, link, link, shared_node=True, fits=fits,
-                   source="measured: bench matmul, bench comm")
+                   source="measured: bench matmul, bench comm" + (", bench plan" if measured else ""),
+                   measured=measured)
 
 
 def _number(data: dict, key: str, where: str, positive: bool = True) -> float:

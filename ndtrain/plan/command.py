@@ -18,33 +18,59 @@ def parse_tokens(text: str) -> float:
     return float(m.group(1)) * _SCALE[m.group(2)]
 
 
+def given_rate(args):
+    """The achieved rate among --mfu, --tflops, --hfu, --hfu-tflops (at most one), or None."""
+    from ndtrain.plan.planner import Rate
+
+    given = [Rate(v, utilization, hardware) for v, utilization, hardware in
+             ((args.mfu, True, False), (args.tflops, False, False), (args.hfu, True, True),
+              (args.hfu_tflops, False, True)) if v is not None]
+    for r in given:
+        if r.utilization and not 0 < r.value <= 1:
+            raise ConfigError(r.flag, r.value, "must be in (0, 1], a fraction of the peak")
+        if not r.utilization and r.value <= 0:
+            raise ConfigError(r.flag, r.value, "must be > 0 (TFLOP/s per GPU)")
+    if len(given) > 1:
+        raise ConfigError(given[1].flag, given[1].value, f"give one achieved rate, not both {given[0].flag} "
+                          f"and {given[1].flag}")
+    return given[0] if given else None
+
+
 def run(args) -> int:
     from ndtrain.plan.cluster import resolve
+    from ndtrain.plan.fp8 import fp8_settings, take_fp8
     from ndtrain.plan.planner import make_plan, plan_config
     from ndtrain.plan.report import render, to_json
 
-    cfg = load_config(args.config, args.overrides)
+    overrides, fp8_given = take_fp8(args.overrides)
+    cfg = load_config(args.config, overrides)
     cluster = resolve(args.cluster, cfg.data.cache_dir)
-    if args.mfu is not None and not 0 < args.mfu <= 1:
-        raise ConfigError("--mfu", args.mfu, "must be in (0, 1], a fraction of the peak")
-    if args.tflops is not None and args.tflops <= 0:
-        raise ConfigError("--tflops", args.tflops, "must be > 0 (TFLOP/s per GPU)")
-    if args.mfu is not None and args.tflops is not None:
-        raise ConfigError("--tflops", args.tflops, "give --mfu or --tflops, not both")
+    rate = given_rate(args)
     tokens = parse_tokens(args.tokens) if args.tokens else None
-    if cfg.model_args().is_moe:  # its figures would count every expert on every rank, silently wrong
-        raise ConfigError("model.preset", cfg.model.preset, "has mixture-of-experts blocks, which the planner "
-                          "does not model yet (expert states split by parallel.ep, the all-to-all); plan a dense "
-                          "model, or measure with `ndtrain train --dry-run`")
+    fp8 = fp8_settings(cfg, fp8_given, cluster)
+    if fp8 is not None:  # every tensor but the blocks' fp8 matmul operands is bf16
+        cfg.train.precision = "bf16"
+    imbalance = moe_imbalance(args, cfg)
     if args.search:
-        return _search(cfg, cluster, args, tokens)
+        return _search(cfg, cluster, args, tokens, fp8, imbalance)
     cfg, device = plan_config(cfg, cluster, args.gpus)
-    plan = make_plan(cfg, cfg.model_args(), device, given_mfu=args.mfu, tflops=args.tflops, tokens=tokens)
+    plan = make_plan(cfg, cfg.model_args(), device, rate=rate, tokens=tokens, fp8=fp8, imbalance=imbalance)
     print(to_json(plan) if args.json else render(plan), flush=True)
     return 0
 
 
-def _search(cfg, cluster, args, tokens) -> int:
+def moe_imbalance(args, cfg) -> float:
+    value = getattr(args, "moe_imbalance", None)
+    if value is None:
+        return 1.0
+    if not value >= 1:
+        raise ConfigError("--moe-imbalance", value, "must be ≥ 1 (the busiest rank's routed slots over the average)")
+    if not cfg.model_args().is_moe:
+        raise ConfigError("--moe-imbalance", value, f"model.preset = {cfg.model.preset!r} has no experts")
+    return value
+
+
+def _search(cfg, cluster, args, tokens, fp8, imbalance) -> int:
     import json
 
     from ndtrain.plan.planner import plan_config
@@ -57,7 +83,7 @@ def _search(cfg, cluster, args, tokens) -> int:
     probe.train.micro_batch = 0
     plan_config(probe, cluster, 1)
     device = cluster.per_device(gpus)
-    found, smallest, where = search(cfg, cfg.model_args(), device, gpus, args.top, tokens)
+    found, smallest, where = search(cfg, cfg.model_args(), device, gpus, args.top, tokens, fp8, imbalance)
     if not found:
         key = next((f"model.{k}" for k in ("dim", "n_layers", "ffn_dim", "vocab_size")
                     if getattr(cfg.model, k) is not None), "model.preset")

@@ -2,7 +2,8 @@
 
 The planner's memory model gives the parameters, gradients and optimizer states of the
 fullest rank (parallel/zero.model_state_bytes on its tensor-parallel shards of its
-pipeline stage). If those alone exceed the device (a GPU's memory; on the CPU the physical
+pipeline stage, routed experts split by expert parallelism and sharded over the ranks
+holding the same experts). If those alone exceed the device (a GPU's memory; on the CPU the physical
 RAM, which the local processes share), no run of this layout can succeed, so `train`
 refuses it in one line, naming the model key, the bytes needed and the bytes there are.
 """
@@ -10,10 +11,9 @@ refuses it in one line, naming the model key, the bytes needed and the bytes the
 from __future__ import annotations
 
 from ndtrain.config import Config, ConfigError
-from ndtrain.parallel.zero import model_state_bytes
-from ndtrain.plan.memory import BYTES, stage_chunks, stage_params
+from ndtrain.plan.params import stage_chunks, stage_states
 
-MODEL_KEYS = ("dim", "n_layers", "ffn_dim", "vocab_size", "n_heads", "n_kv_heads")
+MODEL_KEYS = ("dim", "n_layers", "ffn_dim", "vocab_size", "n_heads", "n_kv_heads", "moe_experts", "moe_ffn_dim")
 
 
 def device_memory(cfg: Config) -> tuple[float, str, bool]:
@@ -30,15 +30,10 @@ def device_memory(cfg: Config) -> tuple[float, str, bool]:
 def model_states_per_rank(cfg: Config, vocab_size: int) -> float:
     """The fullest pipeline stage's model states, bytes per rank (cfg validated)."""
     args = cfg.model_args(vocab_size=vocab_size)
-    p = cfg.parallel
-    return max(sum(model_state_bytes(stage_params(cfg, args, chunks), p.zero, p.dp_shard * p.cp,
-                                     BYTES[cfg.train.precision]).values())
-               for chunks in stage_chunks(cfg, args))
+    return max(sum(stage_states(cfg, args, chunks).values()) for chunks in stage_chunks(cfg, args))
 
 
 def check_model_states_fit(cfg: Config, vocab_size: int, local_processes: int) -> None:
-    if cfg.model_args(vocab_size=vocab_size).is_moe:
-        return  # the planner does not model experts (split by parallel.ep): it would refuse what fits
     need = model_states_per_rank(cfg, vocab_size)
     have, what, shared = device_memory(cfg)
     total = need * (local_processes if shared else 1)

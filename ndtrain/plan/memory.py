@@ -1,10 +1,5 @@
-"""Memory per rank: model states by the ZeRO formulas, activations by replaying one step.
-
-Model states (parameters, gradients, optimizer state) follow Rajbhandari et al. 2020
-through `parallel/zero.model_state_bytes`, applied to the parameters a rank holds: its
-tensor-parallel shards (vocabulary padded to a multiple of t, K/V weights replicated when t
-exceeds the KV heads) of its pipeline chunks (the cost-balanced split of
-`parallel/pipeline/partition.py`; a tied embedding has a copy on the last stage).
+"""Memory per rank: model states by the ZeRO formulas (plan/params.py), activations by
+replaying one step.
 
 Activations are not one formula: what is held at the worst moment depends on the schedule.
 So the planner replays one training step of each pipeline rank, action by action in the
@@ -30,19 +25,18 @@ is that plus those states, the rank's peak.
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from dataclasses import dataclass, field
 
 from ndtrain.config import Config
-from ndtrain.model.args import ModelArgs, block_params
-from ndtrain.parallel.pipeline.partition import Chunk, chunk_counts, local_chunks, make_chunks
+from ndtrain.model.args import ModelArgs
+from ndtrain.parallel.pipeline.partition import Chunk
 from ndtrain.parallel.pipeline.schedules import B, F, W, Action, compute_orders
-from ndtrain.parallel.zero import model_state_bytes
 from ndtrain.plan.activations import (block_bytes_per_token, head_bytes_per_token, kv_width,
                                       llama_mlp_bytes_per_token, recomputed, wide)
+from ndtrain.plan.params import (BYTES, block_experts, block_local, block_weight_groups, padded_vocab, root_local,
+                                 stage_chunks, stage_params, stage_states)
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
 SAVED = "saved activations"
 
 
@@ -68,63 +62,6 @@ class RankMemory:
     def as_dict(self) -> dict:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
                 "activations": self.activations, "total": self.total}
-
-
-# --------------------------------------------------------------------------- parameters
-
-def padded_vocab(args: ModelArgs, tp: int) -> int:
-    return -(-args.vocab_size // tp) * tp
-
-
-def block_weights(args: ModelArgs, tp: int) -> list[tuple[int, bool]]:
-    """One dense block's parameters on one tensor-parallel rank, in registration order, as
-    (elements, is a matrix): heads and features split by t (a q/k/v bias with its rows), K/V
-    weights whole when t exceeds the KV heads, the norms (and Qwen3's q/k norms) whole.
-    Matrices and vectors are ZeRO's two flat buffers per unit (weight decay or not)."""
-    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.ffn_dim
-    kv_local = kv // tp if args.n_kv_heads % tp == 0 else kv  # replicated K/V weights
-    bias = args.qkv_bias
-    weights = [(h, False), (h * q // tp, True), *([(q // tp, False)] if bias else []),
-               (h * kv_local, True), *([(kv_local, False)] if bias else []),
-               (h * kv_local, True), *([(kv_local, False)] if bias else []), (q // tp * h, True)]
-    if args.qk_norm:
-        weights += [(args.head_dim, False), (args.head_dim, False)]
-    return weights + [(h, False), (h * f // tp, True), (h * f // tp, True), (f // tp * h, True)]
-
-
-def block_local(args: ModelArgs, tp: int) -> int:
-    """Parameters of one block on one tensor-parallel rank (`block_weights`)."""
-    if tp == 1:
-        return block_params(args)
-    return sum(n for n, _ in block_weights(args, tp))
-
-
-def root_local(args: ModelArgs, chunk: Chunk, tp: int) -> int:
-    """Embedding, final norm and head held by a chunk, on one tensor-parallel rank."""
-    table = padded_vocab(args, tp) // tp * args.dim
-    n = table if chunk.embed else 0
-    if chunk.head:
-        n += args.dim
-        if not (args.tie_embeddings and chunk.embed):
-            n += table  # untied head, or a tied head's copy on the last stage
-    return n
-
-
-def stage_chunks(cfg: Config, args: ModelArgs) -> list[list[Chunk]]:
-    """Each pipeline rank's chunks, cut as the engine cuts them (partition.py)."""
-    p = cfg.parallel
-    return _stage_chunks(args, p.pp, p.pp_virtual, cfg.train.seq_len, p.pp_split)
-
-
-@functools.lru_cache(maxsize=4096)
-def _stage_chunks(args: ModelArgs, pp: int, v: int, seq_len: int, split: str) -> list[list[Chunk]]:
-    chunks = make_chunks(chunk_counts(args, pp * v, seq_len, split))
-    return [[chunks[c] for c in local_chunks(r, pp, v)] for r in range(pp)]
-
-
-def stage_params(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> int:
-    tp = cfg.parallel.tp
-    return sum(len(ch.layer_ids) * block_local(args, tp) + root_local(args, ch, tp) for ch in chunks)
 
 
 # --------------------------------------------------------------------------- the replay
@@ -179,20 +116,28 @@ class StepShape:
     def tp(self) -> int:
         return self.cfg.parallel.tp
 
-    def saved_by_mode(self, mode: str) -> float:
-        """One block's saved bytes for one micro-batch under a recompute mode (none,
-        selective, full)."""
+    def saved_by_mode(self, mode: str, layer: int = 0) -> float:
+        """Block `layer`'s saved bytes for one micro-batch under a recompute mode (none,
+        selective, full); a bf16/fp16 MoE router also keeps its weight widened to fp32."""
+        moe = self.args.is_moe_layer(layer)
         cache = self.__dict__.setdefault("_saved", {})
-        if mode not in cache:
-            p = self.cfg.parallel
-            cache[mode] = block_bytes_per_token(self.args, self.c, self.tp, p.sp, mode, p.cp, p.cp_impl) * self.n
-        return cache[mode]
+        if (mode, moe) not in cache:
+            p, a = self.cfg.parallel, self.args
+            cache[(mode, moe)] = block_bytes_per_token(a, self.c, self.tp, p.sp, mode, p.cp, p.cp_impl, moe,
+                                                       p.ep) * self.n
+            if moe and mode != "full" and self.c < wide(self.c):
+                cache[(mode, moe)] += wide(self.c) * a.moe_experts * a.dim
+        return cache[(mode, moe)]
 
     def block_saved(self, layer: int) -> float:
-        return self.saved_by_mode(recomputed(self.cfg.train.recompute, layer))
+        return self.saved_by_mode(recomputed(self.cfg.train.recompute, layer), layer)
 
-    def block_full(self) -> float:
-        return self.saved_by_mode("none")
+    def block_full(self, layer: int) -> float:
+        return self.saved_by_mode("none", layer)
+
+    def slots(self) -> float:
+        """Expert rows this rank runs per micro-batch in an MoE block (k per routed token)."""
+        return self.n / self.tp * self.args.moe_top_k
 
     def rerun_kept(self, layer: int) -> float:
         """What a recomputed region's second run keeps until the region's backward is over:
@@ -200,23 +145,33 @@ class StepShape:
         rotated q and k, the softmax statistics, the kernel's output; v is its input)."""
         mode = recomputed(self.cfg.train.recompute, layer)
         if mode == "full":
-            return self.block_full() - self.block_saved(layer)
+            return self.block_full(layer) - self.block_saved(layer)
         if mode == "selective":
             a, p = self.args, self.cfg.parallel
             q, kv = a.n_heads * a.head_dim / p.tp, kv_width(a, p.tp)
             return (self.c * (2 * q + kv) + wide(self.c) * a.n_heads / p.tp) * self.n
         return 0.0
 
-    def weight_gradient(self) -> float:
-        """The largest weight gradient of a block, before it is accumulated."""
-        return self.c * self.args.dim * self.args.ffn_dim / self.tp
+    def weight_gradient(self, layer: int = 0) -> float:
+        """The largest weight gradient of a block, before it is accumulated (an MoE block: one
+        stacked gradient of the rank's E/ep experts)."""
+        a = self.args
+        if a.is_moe_layer(layer):
+            return self.c * a.moe_experts // self.cfg.parallel.ep * a.dim * a.expert_dim
+        return self.c * a.dim * a.ffn_dim / self.tp
 
-    def block_working(self) -> float:
+    def block_working(self, layer: int = 0) -> float:
         """A block's backward at its widest, beside the incoming gradient: the down
         projection's backward (the gradient of SwiGLU's product and of its weight), or the
-        product's (that gradient and the two it makes, of silu(gate) and of up)."""
-        a, c, n, f = self.args, self.c, self.n, self.args.ffn_dim / self.tp
-        return c * a.dim * n + max(c * f * n + self.weight_gradient(), 3 * c * f * n)
+        product's (that gradient and the two it makes, of silu(gate) and of up); an MoE block
+        the same over its slots and the expert width, plus the gradient of the slots' rows."""
+        a, c, n = self.args, self.c, self.n
+        if a.is_moe_layer(layer):
+            rows = self.slots()
+            f = rows * a.expert_dim
+            return c * a.dim * (n + rows) + max(c * f + self.weight_gradient(layer), 3 * c * f)
+        f = a.ffn_dim / self.tp
+        return c * a.dim * n + max(c * f * n + self.weight_gradient(layer), 3 * c * f * n)
 
     def block_forward_working(self) -> float:
         """The end of a block's forward: the attention branch's output (a local variable
@@ -273,14 +228,19 @@ class StepShape:
         for a recomputed block: its rerun's tensors stay until the block's backward ends)."""
         if recomputed(self.cfg.train.recompute, layer) == "full":
             return 0.0
-        return llama_mlp_bytes_per_token(self.args, self.c, self.tp, self.cfg.parallel.sp) * self.n
+        p = self.cfg.parallel
+        return llama_mlp_bytes_per_token(self.args, self.c, self.tp, p.sp, self.args.is_moe_layer(layer), p.ep) * self.n
 
-    def split_kept(self) -> float:
+    def split_kept(self, layer: int = 0) -> float:
         """Zero bubble: the gradients B leaves at the split nodes for W, per block: the
-        outputs' gradients of wq, wk, wv, wo, w1, w3, w2 and the two norm weights."""
+        outputs' gradients of wq, wk, wv, wo, w1, w3, w2 (an MoE block: the router's and the
+        experts', over its slots) and the two norm weights."""
         a, tp = self.args, self.tp
-        return self.c * self.n * (a.dim / tp + 2 * kv_width(a, tp) + 2 * a.ffn_dim / tp + 2 * a.dim) + \
-            self.c * self.n_res * 2 * a.dim
+        if a.is_moe_layer(layer):  # the router's output, the experts' (w1, w3, w2) over the slots
+            mlp = a.moe_experts / tp + self.slots() / self.n * (2 * a.expert_dim + a.dim)
+        else:
+            mlp = 2 * a.ffn_dim / tp + a.dim
+        return self.c * self.n * (a.dim / tp + 2 * kv_width(a, tp) + a.dim + mlp) + self.c * self.n_res * 2 * a.dim
 
     def vocab_local(self) -> int:
         return padded_vocab(self.args, self.tp) // self.tp
@@ -305,20 +265,44 @@ def _loss_backward(s: StepShape) -> float:
     return 2 * w * v * n
 
 
+@dataclass(frozen=True)
+class Unit:
+    """One ZeRO unit on this rank (a block, or a chunk's root): the elements of its flat
+    buffers (padded to their shard groups), of this rank's shards of them, and of the linear
+    layers' weights among them (fp8 all-gathers carry those in one byte)."""
+
+    full: int
+    shard: float
+    linear: int = 0
+
+
 class Units:
-    """ZeRO's units on this rank: bytes of one gathered copy and of one reduce buffer."""
+    """ZeRO's units on this rank: dense flats sharded over dp_shard × cp, routed experts over
+    dp_shard·cp/ep (parallel/zero.py)."""
 
     def __init__(self, s: StepShape, chunks: list[Chunk]):
-        n = s.shard
-        pad = lambda x: -(-x // n) * n  # noqa: E731 - flat buffers are padded to the shard group
-        self.block = pad(block_local(s.args, s.tp))
-        self.root = {ch.index: pad(root_local(s.args, ch, s.tp)) for ch in chunks}
+        p = s.cfg.parallel
+        n, ne = s.shard, max(s.shard // p.ep, 1)
+        pad = lambda x, k: -(-x // k) * k  # noqa: E731 - flat buffers are padded to the shard group
+        self.block = {}
+        for i in (i for ch in chunks for i in ch.layer_ids):
+            dense, experts = pad(block_local(s.args, s.tp, i), n), pad(block_experts(s.args, i, p.ep), ne)
+            split, whole = block_weight_groups(s.args, s.tp, i)
+            linear = sum(k for k, matrix in split if matrix) + block_experts(s.args, i, p.ep)
+            self.block[i] = Unit(dense + experts, dense / n + experts / ne, linear)
+        self.root = {ch.index: Unit(pad(root_local(s.args, ch, s.tp), n), pad(root_local(s.args, ch, s.tp), n) / n)
+                     for ch in chunks}
+
+    def blocks(self, ch: Chunk) -> Unit:
+        """All of a chunk's blocks together."""
+        units = [self.block[i] for i in ch.layer_ids]
+        return Unit(sum(u.full for u in units), sum(u.shard for u in units), sum(u.linear for u in units))
 
 
 class Replay:
     """One step of one pipeline rank, action by action (see the module docstring)."""
 
-    def __init__(self, cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]):
+    def __init__(self, cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk], fp8=None):
         self.cfg, self.args = cfg, args
         self.s = s = StepShape.of(cfg, args)
         p, t = cfg.parallel, cfg.train
@@ -341,7 +325,8 @@ class Replay:
         self.book = Ledger()
         self.held: dict[tuple[int, int], float] = {}  # (chunk, micro) → saved bytes not yet freed
         self.passes: Counter = Counter()  # backward passes per chunk (ZeRO-2/3 keep shards after the first)
-        self.gathered = 0.0  # ZeRO-3 units kept gathered from forward to backward
+        self.kept = 0.0  # ZeRO-3 units kept gathered from forward to backward
+        self.fp8 = fp8
         self.this_step: set = set()  # units whose step-long buffers exist (deferred ZeRO-2/3)
         self.unresolved = 0.0  # ZeRO-2/3: what the last reduction holds until the next one starts
         self.hidden = s.c * args.dim * s.n_res  # one hidden state of the residual stream
@@ -353,11 +338,20 @@ class Replay:
         return self.book
 
     # -- sizes ----------------------------------------------------------------------------
+    def gathered(self, unit: Unit) -> float:
+        """Bytes of one gathered unit: the compute dtype; under fp8 its linear weights' fp8
+        copies too (they live while the unit is gathered), or only those when the weights
+        travel in fp8 (`train.fp8_all_gather`)."""
+        c, fp8 = self.s.c, self.fp8
+        linear = c if fp8 is None else (1.0 if fp8.all_gather else c + 1.0)
+        return c * (unit.full - unit.linear) + linear * unit.linear
+
     def gathered_units(self, ch: Chunk) -> tuple[float, float]:
-        """ZeRO-3: bytes of one gathered block and of the chunk's gathered root (0 when they
-        stay gathered for the whole step: the ledger holds them then)."""
-        c = self.s.c
-        return (c * self.units.block, c * self.units.root[ch.index]) if self.z3 and not self.defer else (0.0, 0.0)
+        """ZeRO-3: bytes of the chunk's largest gathered block and of its gathered root (0 when
+        they stay gathered for the whole step: the ledger holds them then)."""
+        if not self.z3 or self.defer:
+            return 0.0, 0.0
+        return max(self.gathered(self.units.block[i]) for i in ch.layer_ids), self.gathered(self.units.root[ch.index])
 
     def gathered_in_backward(self, ch: Chunk, remaining: int) -> float:
         """The root, the current block and the one before it (prefetched), or, kept gathered
@@ -371,18 +365,19 @@ class Replay:
             self.this_step.add(unit)
             self.book.add(what, nbytes)
 
-    def reduce_buffers(self, last: bool) -> tuple[float, float]:
-        """Bytes per parameter of the gradient buffers of a backward pass: (from a unit's first
-        gradient: ZeRO-2/3's full accumulator, in the accumulation dtype; from its completion,
-        on the pass that reduces: the reduce-scatter's output and, when the accumulation
-        and reduction dtypes differ, the converted copy; DP: that copy of the bucket)."""
-        zero, r, g, shard = self.cfg.parallel.zero, self.s.r, self.s.g, self.s.shard
+    def reduce_buffers(self, last: bool) -> tuple[float, tuple[float, float]]:
+        """Bytes of the gradient buffers of a backward pass, per element of a unit's full buffers
+        (and of its shards): (from a unit's first gradient: ZeRO-2/3's full accumulator, in the
+        accumulation dtype; from its completion, on the pass that reduces: the reduce-scatter's
+        output (per shard element) and, when the accumulation and reduction dtypes differ, the
+        converted copy; DP: that copy of the bucket)."""
+        zero, r, g = self.cfg.parallel.zero, self.s.r, self.s.g
         convert = r if r != g else 0.0
         if zero >= 2:
-            return g, (r / shard + convert - (g if convert else 0.0)) if (last or not self.defer) else 0.0
+            return g, (convert - (g if convert else 0.0), r) if (last or not self.defer) else (0.0, 0.0)
         if not last:
-            return 0.0, 0.0
-        return 0.0, (r / shard if zero == 1 else 0.0) + convert
+            return 0.0, (0.0, 0.0)
+        return 0.0, (convert, r if zero == 1 else 0.0)
 
     def _keep(self, key, n: float) -> None:
         self.book.add(SAVED, n)
@@ -394,25 +389,29 @@ class Replay:
         block_g, root_g = self.gathered_units(ch)
         if self.z3 and self.defer:  # gathered at the chunk's first forward, kept until the step ends
             self.once_this_step(("gathered", ch.index), "gathered parameters",
-                                s.c * (self.units.block * len(ch.layer_ids) + self.units.root[ch.index]))
+                                self.gathered(self.units.blocks(ch)) + self.gathered(self.units.root[ch.index]))
+        if self.fp8 is not None and not self.z3:  # the step's fp8 copies of the block weights
+            p = self.cfg.parallel
+            self.once_this_step(("fp8", ch.index), "fp8 weight copies",
+                                self.fp8.copy_bytes(self.args, ch.layer_ids, p.tp, p.ep))
         self.held[key] = 0.0
         if not ch.embed and s.c != wide(s.c):  # the received input; widened, it is the first block's input
             self._keep(key, self.hidden)
         for i in ch.layer_ids:
-            book.moment(gathered_parameters=self.gathered + root_g + 2 * block_g,
+            book.moment(gathered_parameters=self.kept + root_g + 2 * block_g,
                         working=s.attention_working(backward=False))
             self._keep(key, s.block_saved(i))
             if self.keep_gathered:
-                self.gathered += block_g
+                self.kept += block_g
         if ch.head:
             self._keep(key, head_bytes_per_token(self.args, s.c, s.tp, self.cfg.parallel.sp) * s.n)
             running, kept = _loss_forward(s)
-            book.moment(gathered_parameters=self.gathered + root_g, loss=running)
+            book.moment(gathered_parameters=self.kept + root_g, loss=running)
             book.add("loss", kept)
         else:  # the output sent on: the executor keeps the send until the step ends
             book.add("pipeline messages", self.hidden)
         if self.keep_gathered:
-            self.gathered += root_g
+            self.kept += root_g
 
     def weights(self, a: Action, k: int) -> None:
         """Zero bubble's W: autograd resumed at each split node, deepest first (the embedding,
@@ -427,10 +426,10 @@ class Replay:
             staged += self._first_gradient((ch.index, "root"), root, first)
             book.moment(working=self.embedding_gradient(), gradient_buffers=staged)
         for i in ch.layer_ids:
-            staged += self._first_gradient((ch.index, i), self.units.block, first)
-            book.moment(working=s.weight_gradient(), gradient_buffers=staged)
-            self._keep(key, -s.split_kept())
-            staged += self._launch(ch, self.units.block, first, launched)
+            staged += self._first_gradient((ch.index, i), self.units.block[i], first)
+            book.moment(working=s.weight_gradient(i), gradient_buffers=staged)
+            self._keep(key, -s.split_kept(i))
+            staged += self._launch(ch, self.units.block[i], first, launched)
         if ch.head and not ch.embed:
             staged += self._first_gradient((ch.index, "root"), root, first)
             book.moment(working=s.c * s.vocab_local() * self.args.dim, gradient_buffers=staged)
@@ -438,35 +437,35 @@ class Replay:
         book.add(SAVED, -self.held.pop(key))
         self._after_reduction(ch)
 
-    def _first_gradient(self, unit, n_params: int, first: float) -> float:
+    def _first_gradient(self, key, unit: Unit, first: float) -> float:
         """A unit's first gradient of a pass: its accumulator (ZeRO-2/3). Returns the bytes
         the pass frees when it ends; a deferred accumulator lives until the step ends."""
         if not first:
             return 0.0
         if self.defer:
-            self.once_this_step(("accumulator", unit), "gradient buffers", first * n_params)
+            self.once_this_step(("accumulator", key), "gradient buffers", first * unit.full)
             return 0.0
-        return first * n_params
+        return first * unit.full
 
-    def _launch(self, ch: Chunk, n_params: int, first: float, launched: float) -> float:
+    def _launch(self, ch: Chunk, unit: Unit, first: float, launched: tuple[float, float]) -> float:
         """A unit's reduction starts; returns the change in this pass's gradient buffers
         (ZeRO-2/3): its reduction's output arrives, and the unit reduced before it is waited
         for: its full-size input goes, its slice stays (the first pass; the shard it becomes,
         counted when the pass ends) or is added into the shard and goes (a later pass). DP's,
         ZeRO-1's and a deferred stage's buffers wait for finish(), when the step ends."""
+        out = launched[0] * unit.full + launched[1] * unit.shard
         if self.cfg.parallel.zero <= 1 or self.defer:
-            self.book.add("gradient buffers", launched * n_params)
+            self.book.add("gradient buffers", out)
             return 0.0
-        kept = self.s.g / self.s.shard if not self.passes[ch.index] else 0.0
-        freed, self.unresolved = self.unresolved, (first + launched - kept) * n_params
-        return launched * n_params - freed
+        kept = self.s.g * unit.shard if not self.passes[ch.index] else 0.0
+        freed, self.unresolved = self.unresolved, first * unit.full + out - kept
+        return out - freed
 
     def _after_reduction(self, ch: Chunk) -> None:
         """ZeRO-2/3: the first pass leaves each unit's reduced slice (in the accumulation dtype)."""
         s = self.s
         if self.cfg.parallel.zero >= 2 and not self.defer and not self.passes[ch.index]:
-            self.book.add("gradient shards", s.g * (self.units.block * len(ch.layer_ids) + self.units.root[ch.index])
-                          / s.shard)
+            self.book.add("gradient shards", s.g * (self.units.blocks(ch).shard + self.units.root[ch.index].shard))
         self.passes[ch.index] += 1
 
     def embedding_gradient(self) -> float:
@@ -480,7 +479,7 @@ class Replay:
         s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
         first, launched = self.reduce_buffers(self.last_backward[a.chunk] == k)
         if self.split:
-            first = launched = 0.0
+            first, launched = 0.0, (0.0, 0.0)
         units, root = self.units, self.units.root[ch.index]
         staged = 0.0  # gradient buffers this pass frees when it ends
         self.unresolved = 0.0
@@ -488,7 +487,7 @@ class Replay:
             staged += self._first_gradient((ch.index, "root"), root, first)
             self._head_backward(ch, key, staged)
         for done, i in enumerate(reversed(ch.layer_ids)):
-            staged += self._first_gradient((ch.index, i), units.block, first)
+            staged += self._first_gradient((ch.index, i), units.block[i], first)
             now = self.gathered_in_backward(ch, len(ch.layer_ids) - done)
             rerun = 0.0
             mode = recomputed(self.cfg.train.recompute, i)
@@ -497,7 +496,7 @@ class Replay:
                 book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun,
                             working=max(s.block_forward_working(), s.attention_working(False)) + s.incoming_gradient())
             book.moment(gathered_parameters=now, gradient_buffers=staged, recompute=rerun if mode == "full" else 0.0,
-                        working=s.block_working())
+                        working=s.block_working(i))
             # attention's backward comes after the MLP's, whose saved tensors are gone by then (a
             # recomputed block's rerun keeps them until it ends); selective reruns the core here
             attention = s.incoming_gradient() - s.mlp_saved(i)
@@ -509,7 +508,7 @@ class Replay:
                             working=s.attention_working(True) + attention)
             if not self.split:
                 self._keep(key, -s.block_saved(i))
-            staged += self._launch(ch, units.block, first, launched)
+            staged += self._launch(ch, units.block[i], first, launched)
         if ch.embed:
             if not ch.head:
                 staged += self._first_gradient((ch.index, "root"), root, first)
@@ -520,14 +519,14 @@ class Replay:
         book.moment(gathered_parameters=self.gathered_in_backward(ch, 0), gradient_buffers=staged)
         if self.split:  # zero bubble: the graph stays for W, with the gradients kept at the split nodes
             # and what recomputed regions ran again
-            self._keep(key, s.split_kept() * len(ch.layer_ids) + sum(s.rerun_kept(i) for i in ch.layer_ids))
+            self._keep(key, sum(s.split_kept(i) + s.rerun_kept(i) for i in ch.layer_ids))
         else:
             book.add(SAVED, -self.held.pop(key))
             self._after_reduction(ch)
         if ch.index > 0:
             book.add("pipeline messages", self.hidden)  # the input's gradient, sent and kept
         if self.keep_gathered:
-            self.gathered = 0.0  # the end of a backward pass reshards every unit
+            self.kept = 0.0  # the end of a backward pass reshards every unit
 
     def _head_backward(self, ch: Chunk, key, root_buffer: float) -> None:
         """The loss's gradient (before any hook gathers anything), then the head's, whose
@@ -535,7 +534,7 @@ class Replay:
         s, book = self.s, self.book
         c, v = s.c, s.vocab_local()
         kept = _loss_forward(s)[1]
-        book.moment(gathered_parameters=self.gathered, loss=_loss_backward(s))
+        book.moment(gathered_parameters=self.kept, loss=_loss_backward(s))
         book.add("loss", -kept)
         if self.split:  # W still needs the loss's kept tensors and the logits' gradient (under TP: the same)
             self._keep(key, kept)
@@ -548,23 +547,22 @@ class Replay:
             self._keep(key, -head_bytes_per_token(self.args, c, s.tp, self.cfg.parallel.sp) * s.n)
 
 
-def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk]) -> Ledger:
+def replay(cfg: Config, args: ModelArgs, rank: int, chunks: list[Chunk], fp8=None) -> Ledger:
     """The activation peak of pipeline rank `rank` over one step."""
-    return Replay(cfg, args, rank, chunks).run()
+    return Replay(cfg, args, rank, chunks, fp8).run()
 
 
-def per_rank(cfg: Config, args: ModelArgs) -> list[RankMemory]:
+def per_rank(cfg: Config, args: ModelArgs, fp8=None) -> list[RankMemory]:
     """Memory of every pipeline stage (all ranks of a stage hold the same)."""
     p = cfg.parallel
-    c = BYTES[cfg.train.precision]
     out = []
     for rank, chunks in enumerate(stage_chunks(cfg, args)):
         psi = stage_params(cfg, args, chunks)
-        states = model_state_bytes(psi, p.zero, p.dp_shard * p.cp, c)
-        book = replay(cfg, args, rank, chunks)
+        states = stage_states(cfg, args, chunks)
+        book = replay(cfg, args, rank, chunks, fp8)
         s = StepShape.of(cfg, args)
         layers = [i for ch in chunks for i in ch.layer_ids]
-        by_mode = {mode: s.saved_by_mode(mode) * len(layers) for mode in ("none", "selective", "full")}
+        by_mode = {mode: sum(s.saved_by_mode(mode, i) for i in layers) for mode in ("none", "selective", "full")}
         out.append(RankMemory(rank, psi, states["params"], states["grads"], states["optimizer"],
                               book.peak, book.at_peak, p.zero <= 1, book.in_flight_at_peak, by_mode))
     return out

@@ -4,10 +4,12 @@
 (config.validate) for that many GPUs, then `make_plan` puts the memory model
 (plan/memory.py) and the time model (plan/steptime.py) together. Throughput follows from
 the step time: tokens/s = global batch × sequence / step time; MFU = the model FLOPs of the
-step (`flops_per_token`, no recomputation) over step time × GPUs × peak. With `mfu` or
-`tflops` given, that achieved rate replaces the model's estimate end to end (a published
-throughput already includes its communication and bubble), and the modelled breakdown is
-kept for comparison.
+step (`flops_per_token`, no recomputation) over step time × GPUs × peak; HFU = the hardware
+FLOPs (recomputation included, plan/flops.py) over the same. An achieved rate given in
+either convention (`Rate`: MFU or model TFLOP/s per GPU, as PaLM and Llama 3 publish; HFU or
+hardware TFLOP/s, as Megatron's papers publish) replaces the model's estimate end to end (a
+published throughput already includes its communication and bubble), and the modelled
+breakdown is kept for comparison.
 """
 
 from __future__ import annotations
@@ -17,11 +19,32 @@ from dataclasses import dataclass
 from ndtrain.config import Config, ConfigError, validate
 from ndtrain.model.args import ModelArgs, param_count
 from ndtrain.plan.cluster import THIS_MACHINE, Cluster
+from ndtrain.plan.flops import hardware_flops_per_step, model_flops_per_step
 from ndtrain.plan.formulas import mfu
+from ndtrain.plan.fp8 import Fp8
 from ndtrain.plan.memory import RankMemory, per_rank
-from ndtrain.plan.steptime import StepTime, model_flops_per_step, step_time
+from ndtrain.plan.steptime import StepTime, step_time
 
 SECONDS_PER_DAY = 86400.0
+
+
+@dataclass(frozen=True)
+class Rate:
+    """An achieved rate: `value` is a fraction of the peak (`utilization`) or TFLOP/s per GPU,
+    counting model FLOPs (`hardware=False`: MFU, `--tflops`) or hardware FLOPs (HFU,
+    `--hfu-tflops`)."""
+
+    value: float
+    utilization: bool
+    hardware: bool
+
+    @property
+    def flag(self) -> str:
+        return {(False, False): "--tflops", (True, False): "--mfu", (False, True): "--hfu-tflops",
+                (True, True): "--hfu"}[(self.utilization, self.hardware)]
+
+    def flops_per_s(self, peak: float) -> float:
+        return self.value * peak if self.utilization else self.value * 1e12
 
 
 @dataclass
@@ -35,6 +58,8 @@ class Plan:
     step_time_s: float
     rate_source: str
     tokens: float | None = None
+    fp8: Fp8 | None = None
+    imbalance: float = 1.0  # MoE: the busiest rank's routed slots over the average
 
     @property
     def world(self) -> int:
@@ -61,12 +86,30 @@ class Plan:
         return self.tokens_per_step / self.step_time_s
 
     @property
+    def hardware_flops_per_step(self) -> float:
+        return hardware_flops_per_step(self.cfg, self.args)
+
+    @property
     def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU (the MFU convention)."""
         return self.flops_per_step / self.step_time_s / self.world / 1e12
 
     @property
+    def hfu_tflops_per_gpu(self) -> float:
+        """Hardware TFLOP/s per GPU, recomputation included (Megatron's convention)."""
+        return self.hardware_flops_per_step / self.step_time_s / self.world / 1e12
+
+    @property
+    def peak(self) -> float:
+        return self.cluster.peak_flops(self.cfg.train.precision)
+
+    @property
     def mfu(self) -> float:
-        return mfu(self.flops_per_step, self.step_time_s, self.world, self.cluster.peak_flops(self.cfg.train.precision))
+        return mfu(self.flops_per_step, self.step_time_s, self.world, self.peak)
+
+    @property
+    def hfu(self) -> float:
+        return mfu(self.hardware_flops_per_step, self.step_time_s, self.world, self.peak)
 
     @property
     def days(self) -> float | None:
@@ -81,9 +124,14 @@ class Plan:
             "layout": {"pp": p.pp, "dp": p.dp, "dp_replicate": p.dp_replicate, "cp": p.cp, "tp": p.tp,
                        "sp": p.sp, "ep": p.ep, "zero": p.zero, "pp_schedule": p.pp_schedule,
                        "pp_virtual": p.pp_virtual},
-            "model": {"preset": self.cfg.model.preset, "params": param_count(self.args), **self.args.to_dict()},
+            "model": {"preset": self.cfg.model.preset, "params": param_count(self.args),
+                      "active_params": param_count(self.args, active=True), **self.args.to_dict()},
+            "params": param_count(self.args),
+            "active_params": param_count(self.args, active=True),
             "train": {"global_batch": t.global_batch, "micro_batch": t.micro_batch, "seq_len": t.seq_len,
-                      "precision": t.precision, "recompute": t.recompute},
+                      "precision": "fp8" if self.fp8 else t.precision, "recompute": t.recompute,
+                      **({"fp8_recipe": self.fp8.recipe, "fp8_all_gather": self.fp8.all_gather} if self.fp8 else {})},
+            "moe_imbalance": self.imbalance,
             "memory_per_rank": {k: int(v) for k, v in w.as_dict().items()},
             "memory_at_peak": {k: int(v) for k, v in w.at_peak.items()},
             "memory_per_stage": [{"stage": m.stage, "params_count": m.params_count,
@@ -97,7 +145,11 @@ class Plan:
             "rate": self.rate_source,
             "tokens_per_s": self.tokens_per_s,
             "tflops_per_gpu": self.tflops_per_gpu,
+            "hfu_tflops_per_gpu": self.hfu_tflops_per_gpu,
             "mfu": self.mfu,
+            "hfu": self.hfu,
+            "model_flops_per_step": self.flops_per_step,
+            "hardware_flops_per_step": self.hardware_flops_per_step,
         }
         if self.tokens is not None:
             out["tokens"] = self.tokens
@@ -127,16 +179,21 @@ def plan_config(cfg: Config, cluster: Cluster, gpus: int | None) -> tuple[Config
     return cfg, cluster.per_device(gpus)  # this machine: every process is local
 
 
-def make_plan(cfg: Config, args: ModelArgs, cluster: Cluster, *, given_mfu: float | None = None,
-              tflops: float | None = None, tokens: float | None = None) -> Plan:
-    """`cfg` validated, `cluster` per device (plan_config)."""
-    step, stages = step_time(cfg, args, cluster)
+def make_plan(cfg: Config, args: ModelArgs, cluster: Cluster, *, rate: Rate | None = None,
+              tokens: float | None = None, fp8: Fp8 | None = None, imbalance: float = 1.0) -> Plan:
+    """`cfg` validated (bf16 under fp8), `cluster` per device (plan_config)."""
+    step, stages = step_time(cfg, args, cluster, fp8, imbalance)
     peak = cluster.peak_flops(cfg.train.precision)
-    if given_mfu is not None or tflops is not None:
-        rate = tflops * 1e12 if tflops is not None else given_mfu * peak
-        source = f"given: {rate / 1e12:,.4g} TFLOP/s per GPU" + (f" (MFU {given_mfu:.1%})" if given_mfu else "")
-        seconds = model_flops_per_step(cfg, args) / (rate * cfg.parallel.world)
+    if rate is not None:
+        flops = (hardware_flops_per_step if rate.hardware else model_flops_per_step)(cfg, args)
+        per_gpu = rate.flops_per_s(peak)
+        kind = "hardware" if rate.hardware else "model"
+        source = (f"given: {per_gpu / 1e12:,.4g} {kind} TFLOP/s per GPU"
+                  + (f" ({'HFU' if rate.hardware else 'MFU'} {rate.value:.1%})" if rate.utilization else ""))
+        seconds = flops / (per_gpu * cfg.parallel.world)
     else:
-        source = f"modelled: compute at {cluster.efficiency:.0%} of peak, plus communication and bubble"
+        how = ("measured kernel by kernel (bench plan)" if cluster.compute is not None
+               else f"at {cluster.efficiency:.0%} of peak")
+        source = f"modelled: compute {how}, plus communication and bubble"
         seconds = step.total
-    return Plan(cfg, args, cluster, per_rank(cfg, args), step, stages, seconds, source, tokens)
+    return Plan(cfg, args, cluster, per_rank(cfg, args, fp8), step, stages, seconds, source, tokens, fp8, imbalance)

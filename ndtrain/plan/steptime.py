@@ -1,57 +1,67 @@
-"""Step time: compute at an assumed efficiency, communication, and the pipeline bubble.
+"""Step time: each pipeline chunk's passes per micro-batch, the schedule simulated, then what
+happens once per step.
 
-Per pipeline stage (every rank of a stage does the same work):
-- compute: the stage's chunks cost their forward FLOPs (`partition.chunk_costs`, the
-  convention of `flops_per_token`: 2 per weight and token, plus the causal attention
-  scores) per token; backward costs twice forward; a recomputed block runs its forward
-  once more, selective recompute the attention scores. Tensor parallelism divides the work
-  by t, context parallelism the tokens by cp. Rate: peak × efficiency.
-- tensor (and sequence) parallelism, per block and micro-batch, exposed: 2 all-reduces
-  forward and 2 backward of b·s·h values (Narayanan et al. 2021: 8·b·s·h·(t−1)/t on the
-  wire), or under SP the same bytes as 4 all-gathers and 4 reduce-scatters (Korthikanti et
-  al. 2022); plus the embedding's exit and the head's entry (one all-reduce each,
-  4·b·s·h·(t−1)/t); recomputation repeats the forward's.
-- context parallelism, per block and micro-batch: the bytes `parallel/context.wire_bytes`
-  counts for the back end (ring: K/V around the ring, cp − 1 steps forward, again backward
-  with the K/V gradients; allgather: an all-gather and a reduce-scatter of K/V; Ulysses:
-  all-to-alls of q, k, v and the output), with a latency per message; ring attention's
-  exchanges overlap its own compute on a GPU. Expert parallelism: two all-to-alls of the
-  routed tokens per MoE block forward and two backward; the model has no MoE blocks yet,
-  so the term is zero.
-- pipeline: each micro-batch's activation and gradient cross each stage boundary (one
-  send/recv of b·s·h/t values each way, exposed), and the bubble of the schedule
-  (`schedules.theory_bubble`: (p−1)/m for AFAB and 1F1B, (p−1)/(v·m) interleaved,
-  (p−1)(F+B−W)/(m(F+B+W)) for zero bubble) stretches the busiest stage.
-- data parallelism / ZeRO, once per step over dp × cp: DP all-reduces the gradients;
-  ZeRO-1 reduce-scatters them and all-gathers the parameters after the step; ZeRO-2
-  reduce-scatters after every micro-batch; ZeRO-3 gathers the parameters in each
-  micro-batch's forward and again in its backward (once without resharding) and
-  reduce-scatters after each; under a pipeline ZeRO-2/3 are deferred (`parallel/zero.py`):
-  one reduce-scatter per step, and ZeRO-3 gathers each chunk once for the whole step;
-  HSDP all-reduces the shards across replicas. Each is priced
-  message by message as the engine sends them (`dp_messages`: DP's buckets, ZeRO's units),
-  since a collective's time is not linear in its size (latency; gloo's time per byte grows
-  with the message). The reductions
-  overlap the last backward (the gathers the compute they prefetch for) on a cluster whose
-  collectives run beside the compute (GPUs); on this machine gloo's threads share the
-  cores with the compute, so all of it counts.
+Per micro-batch and chunk (every rank of a stage does the same work), three passes:
+F (forward), B (backward; under zero bubble the input gradients only) and W (zero bubble's
+weight gradients), each its compute (plan/work.py: the matmuls and the rest, priced by the
+cluster's compute model, plan/compute.py) plus the communication that waits inside it:
+- recomputation reruns forwards inside B (`train.recompute`; selective: the attention core);
+- tensor (and sequence) parallelism, per block: 2 all-reduces in F and 2 in B of b·s·h
+  values (Narayanan et al. 2021: 8·b·s·h·(t−1)/t on the wire per layer), under SP the same
+  bytes as all-gathers and reduce-scatters (Korthikanti et al. 2022); the embedding's exit
+  (F) and the head's entry (B); a recomputed block's forward again (B);
+- context parallelism, per block: the bytes `parallel/context.wire_bytes` counts for the
+  back end (ring: K/V around the ring; allgather: an all-gather and a reduce-scatter of K/V;
+  Ulysses: all-to-alls of q, k, v and the output), a third in F and two thirds in B, with a
+  latency per message; on a GPU ring attention hides its exchanges behind its own compute;
+- expert parallelism, per MoE block: the count exchange and the two row all-to-alls
+  (dispatch, combine) in F, the two row all-to-alls again in B (plan/experts.py), the rows
+  scaled by the load imbalance;
+- pipeline parallelism: after F the activation goes to the next stage, after B the gradient
+  to the previous one (one send/recv of b·s·h/t values each, exposed).
+The schedule then orders the passes (plan/pipeline.py simulates the engine's own action
+lists for every schedule; with one stage the micro-batches run back to back): the step's
+length, and the bubble as what it adds to the busiest stage.
+
+Once per step, after the last backward:
+- data parallelism / ZeRO over dp × cp (experts over the ranks holding the same experts):
+  DP all-reduces the gradients; ZeRO-1 reduce-scatters them and all-gathers the parameters
+  after the optimizer; ZeRO-2 reduce-scatters after every micro-batch; ZeRO-3 gathers each
+  unit before its forward and again before its backward (once without resharding) and
+  reduce-scatters after each backward; under a pipeline ZeRO-2/3 defer (`parallel/zero.py`):
+  a chunk's units are gathered once at the step's first forward and kept until it ends, and
+  reduce-scattered once after the last backward; HSDP all-reduces the shards across
+  replicas; with fp8 all-gathers (`train.fp8_all_gather`) the block's linear weights travel
+  in one byte each. Priced message by message as the engine sends them (`dp_messages`: DP's
+  buckets, ZeRO's units), since a collective's time is not linear in its size. On a cluster
+  whose collectives run beside the compute (GPUs) the reductions overlap the last backward
+  and the gathers the compute; on this machine gloo shares the cores, so all of it counts;
+- MoE weights' gradients, partial over tp (every tp rank routes its own positions), are
+  all-reduced over tp (counted with the data-parallel reductions);
+- the optimizer step (zeroing, clip, AdamW on the rank's shard), priced on this machine once
+  `bench plan` measured it; left out on GPUs (memory-bound, about 1% of a step).
 A group's collectives use the link inside a node when its ranks fit in one (the mesh puts
-tp innermost, then cp, dp_shard, dp_replicate, pp), else the link between nodes.
+tp innermost, then cp, dp_shard, dp_replicate, pp; an expert group is ep consecutive ranks
+of dp_shard × cp), else the link between nodes.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ndtrain.config import Config, recompute_every
-from ndtrain.model.args import ModelArgs, block_params, flops_per_token
-from ndtrain.parallel.pipeline.partition import Chunk, chunk_costs
-from ndtrain.parallel.pipeline.schedules import theory_bubble
-from ndtrain.parallel.placement import flat_layout
+from ndtrain.config import Config
+from ndtrain.model.args import ModelArgs
+from ndtrain.parallel.pipeline.partition import Chunk
+from ndtrain.plan.activations import recomputed
 from ndtrain.plan.cluster import Cluster
-from ndtrain.plan.memory import BYTES, block_weights, padded_vocab, stage_chunks
+from ndtrain.plan.collectives import collective, dp_group_seconds, group_seconds, spans_nodes
+from ndtrain.plan.experts import a2a_bytes, counts_bytes
+from ndtrain.plan.fp8 import Fp8
+from ndtrain.plan.params import BYTES, stage_chunks, stage_split
+from ndtrain.plan.pipeline import bubble_fraction
+from ndtrain.plan.work import Shape, Work, chunk_passes
 
-INNER_TO_OUTER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+PARTS = ("compute", "recompute", "tp", "cp", "ep", "pp_messages")
 
 
 @dataclass
@@ -64,108 +74,145 @@ class StepTime:
     pp_messages: float = 0.0
     bubble: float = 0.0
     dp: float = 0.0
+    optimizer: float = 0.0
     detail: dict = field(default_factory=dict)
 
     @property
+    def busy(self) -> float:
+        return sum(getattr(self, k) for k in PARTS)
+
+    @property
     def total(self) -> float:
-        return (self.compute + self.recompute + self.tp + self.cp + self.ep + self.pp_messages
-                + self.bubble + self.dp)
+        return self.busy + self.bubble + self.dp + self.optimizer
 
     def as_dict(self) -> dict:
         return {"compute": self.compute, "recompute": self.recompute, "tp": self.tp, "cp": self.cp,
                 "ep": self.ep, "pp_messages": self.pp_messages, "pp_bubble": self.bubble,
-                "dp": self.dp, "total": self.total}
+                "dp": self.dp, "optimizer": self.optimizer, "total": self.total}
 
 
-def sizes(cfg: Config) -> dict[str, int]:
-    p = cfg.parallel
-    return {"tp": p.tp, "cp": p.cp, "dp_shard": p.dp_shard, "dp_replicate": p.dp_replicate, "pp": p.pp}
+@dataclass
+class ChunkTime:
+    """One micro-batch through one chunk: seconds of each pass and of each part."""
+
+    forward: float = 0.0
+    backward: float = 0.0  # under zero bubble the input gradients only
+    weights: float = 0.0  # zero bubble's W
+    parts: dict = field(default_factory=lambda: dict.fromkeys(PARTS, 0.0))
+
+    def add(self, part: str, seconds: float, into: str) -> None:
+        self.parts[part] += seconds
+        setattr(self, into, getattr(self, into) + seconds)
 
 
-def spans_nodes(cfg: Config, dims: tuple[str, ...], gpus_per_node: int) -> bool:
-    """Whether a group over `dims` (adjacent in the mesh) reaches beyond one node: its
-    ranks lie `stride` apart, stride the product of the dimensions inside it."""
-    s = sizes(cfg)
-    inner = min(INNER_TO_OUTER.index(d) for d in dims)
-    stride = 1
-    for d in INNER_TO_OUTER[:inner]:
-        stride *= s[d]
-    span = stride
-    for d in dims:
-        span *= s[d]
-    return span > gpus_per_node
-
-
-def collective(cluster: Cluster, cfg: Config, kind: str, dims: tuple[str, ...], nbytes: float) -> float:
-    n = 1
-    for d in dims:
-        n *= sizes(cfg)[d]
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    return cluster.link(kind, n, spans_nodes(cfg, dims, cluster.gpus_per_node)).seconds(kind, n, nbytes)
-
-
-def stage_flops(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> tuple[float, float]:
-    """(forward FLOPs of one micro-batch through the stage's chunks on one rank, the
-    extra forward FLOPs recomputation adds)."""
+def micro_shape(cfg: Config, args: ModelArgs, fp8: Fp8 | None, imbalance: float) -> Shape:
     p, t = cfg.parallel, cfg.train
-    tokens = t.micro_batch * t.seq_len / (p.tp * p.cp)
-    forward = sum(chunk_costs(args, chunks, t.seq_len)) * tokens
-    one_block = 2.0 * block_params(args) + 2.0 * t.seq_len * args.dim
-    layers = [i for ch in chunks for i in ch.layer_ids]
-    if t.recompute == "selective":
-        extra = len(layers) * 2.0 * t.seq_len * args.dim  # the attention scores again
-    elif t.recompute == "none":
-        extra = 0.0
-    else:
-        every = recompute_every(t.recompute)
-        extra = sum(1 for i in layers if i % every == 0) * one_block
-    return forward, extra * tokens
+    return Shape(args, t.micro_batch * t.seq_len // p.cp, t.micro_batch, t.seq_len, p.tp, p.cp, p.ep,
+                 BYTES[t.precision], fp8 is not None, imbalance, p.cp_impl)
 
 
-def step_time(cfg: Config, args: ModelArgs, cluster: Cluster) -> tuple[StepTime, list[StepTime]]:
+def chunk_time(cfg: Config, args: ModelArgs, cluster: Cluster, ch: Chunk, n_chunks: int, shape: Shape,
+               rate: float) -> ChunkTime:
+    p, t = cfg.parallel, cfg.train
+    model = cluster.compute_model(t.precision)
+    split = p.pp_schedule == "zb" and p.pp > 1
+    passes = chunk_passes(shape, ch.layer_ids, ch.embed, ch.head, t.recompute, split)
+    psi = stage_split(cfg, args, [ch])
+    g = 4 if shape.c < 4 else shape.c  # the gradient accumulator's bytes (fp32 under bf16/fp16)
+    accumulate = Work([], 3.0 * g * sum(psi), 0.0)  # each micro-batch's gradients added into the buffers
+    ct = ChunkTime()
+    ct.add("compute", model.seconds(passes.forward), "forward")
+    ct.add("compute", model.seconds(passes.inputs, backward=True), "backward")
+    ct.add("compute", model.seconds(passes.weights + accumulate, backward=True), "weights" if split else "backward")
+    ct.add("recompute", model.seconds(passes.recompute), "backward")
+    c = shape.c
+    act = c * shape.tokens * args.dim  # one micro-batch's hidden states on this rank, bytes
+    blocks = len(ch.layer_ids)
+    if p.tp > 1:
+        kinds = ("all_gather", "reduce_scatter") if p.sp else ("all_reduce",)
+        pair = sum(collective(cluster, cfg, k, ("tp",), act) for k in kinds)
+        rerun = sum(1 for i in ch.layer_ids if recomputed(t.recompute, i) == "full")
+        ct.add("tp", (2 * blocks + ch.embed) * pair, "forward")
+        ct.add("tp", (2 * blocks + ch.head + 2 * rerun) * pair, "backward")
+    if p.cp > 1:
+        each = blocks * _context_parallel(cfg, args, cluster, c, rate)
+        ct.add("cp", each / 3, "forward")
+        ct.add("cp", 2 * each / 3, "backward")
+    moe = sum(1 for i in ch.layer_ids if args.is_moe_layer(i))
+    if p.ep > 1 and moe:
+        rows = a2a_bytes(args, shape.tokens, p.tp, c, shape.imbalance)
+        a2a = group_seconds(cluster, "all_to_all", p.ep, _ep_spans(cfg, cluster), rows)
+        counts = group_seconds(cluster, "all_to_all", p.ep, _ep_spans(cfg, cluster), counts_bytes(args))
+        ct.add("ep", moe * (2 * a2a + counts), "forward")
+        ct.add("ep", moe * 2 * a2a, "backward")
+    if p.pp > 1:
+        hop = collective(cluster, cfg, "send_recv", ("pp",), act / (p.tp if p.sp else 1))
+        ct.add("pp_messages", hop * (ch.index < n_chunks - 1), "forward")
+        ct.add("pp_messages", hop * (ch.index > 0), "backward")
+    return ct
+
+
+def _ep_spans(cfg: Config, cluster: Cluster) -> bool:
+    """An expert group is ep consecutive ranks of dp_shard × cp, each tp ranks apart."""
+    return cfg.parallel.tp * cfg.parallel.ep > cluster.gpus_per_node
+
+
+def step_time(cfg: Config, args: ModelArgs, cluster: Cluster, fp8: Fp8 | None = None,
+              imbalance: float = 1.0) -> tuple[StepTime, list[StepTime]]:
     """(the step, the busiest stage's breakdown; every stage's)."""
     p, t = cfg.parallel, cfg.train
-    c = BYTES[t.precision]
-    r = 4 if (t.reduce_fp32 and c == 2) else c
-    rate = cluster.peak_flops(t.precision) * cluster.efficiency
     m = t.accumulation(p.dp)
-    act = c * t.micro_batch * t.seq_len / p.cp * args.dim  # one micro-batch's hidden states, bytes
+    rate = cluster.peak_flops(t.precision) * cluster.efficiency
+    shape = micro_shape(cfg, args, fp8, imbalance)
+    per_stage = stage_chunks(cfg, args)
+    n_chunks = p.pp * p.pp_virtual
+    times = {ch.index: chunk_time(cfg, args, cluster, ch, n_chunks, shape, rate)
+             for chunks in per_stage for ch in chunks}
     stages = []
-    for chunks in stage_chunks(cfg, args):
+    for chunks in per_stage:
         st = StepTime()
-        forward, extra = stage_flops(cfg, args, chunks)
-        st.compute = 3 * forward * m / rate
-        st.recompute = extra * m / rate
-        blocks = sum(len(ch.layer_ids) for ch in chunks)
-        ends = sum(ch.embed for ch in chunks) + sum(ch.head for ch in chunks)
-        if p.tp > 1:
-            # one all-reduce, or under SP one all-gather and one reduce-scatter (the same bytes)
-            kinds = ("all_gather", "reduce_scatter") if p.sp else ("all_reduce",)
-            pair = sum(collective(cluster, cfg, k, ("tp",), act) for k in kinds)
-            # a block: two regions, each entered and left forward and backward: 4 pairs; the
-            # embedding's exit and the head's entry: one each; a recomputed block's forward: 2
-            recomputed_blocks = sum(1 for i in (i for ch in chunks for i in ch.layer_ids)
-                                    if t.recompute not in ("none", "selective") and i % recompute_every(t.recompute) == 0)
-            st.tp = (4 * blocks + ends + 2 * recomputed_blocks) * pair * m
-        if p.cp > 1:
-            st.cp = blocks * m * _context_parallel(cfg, args, cluster, c, rate)
-        if p.pp > 1:
-            hop = collective(cluster, cfg, "send_recv", ("pp",), act / (p.tp if p.sp else 1))
-            st.pp_messages = 2 * hop * m * len(chunks)
+        for part in PARTS:
+            setattr(st, part, m * sum(times[ch.index].parts[part] for ch in chunks))
+        st.dp = data_parallel(cfg, args, cluster, chunks, m, st, fp8) + moe_tp_reduction(cfg, args, cluster, chunks)
+        st.optimizer = cluster.compute_model(t.precision).optimizer_seconds(optimizer_params(cfg, args, chunks))
         stages.append(st)
-    for st, chunks in zip(stages, stage_chunks(cfg, args)):
-        st.dp = _data_parallel(cfg, args, cluster, chunks, c, r, m, st, rate)
-    busiest = max(stages, key=lambda s: s.total)
-    step = StepTime(**{k: getattr(busiest, k) for k in ("compute", "recompute", "tp", "cp", "ep", "pp_messages", "dp")})
     if p.pp > 1:
-        work = busiest.compute + busiest.recompute + busiest.tp + busiest.cp + busiest.pp_messages
-        f = work / (3 * m * p.pp_virtual)  # one micro-batch's forward on one chunk (backward = 2 f)
-        fwd, bwd, wgt = (f, f, f) if p.pp_schedule == "zb" else (f, 2 * f, 0.0)
-        bubble = theory_bubble(p.pp_schedule, p.pp, p.pp_virtual, m, fwd, bwd, wgt)
-        step.bubble = bubble * work
-        step.detail["bubble_fraction"] = bubble
+        costs = tuple((times[c].forward, times[c].backward, times[c].weights) for c in range(n_chunks))
+        span, fraction = bubble_fraction(p.pp_schedule, p.pp, p.pp_virtual, m, costs)
+    else:
+        span, fraction = stages[0].busy, 0.0
+    busiest = max(stages, key=lambda s: s.busy)
+    after = max(stages, key=lambda s: s.dp + s.optimizer)
+    step = StepTime(**{k: getattr(busiest, k) for k in PARTS})
+    step.bubble = max(span - busiest.busy, 0.0) if p.pp > 1 else 0.0
+    step.dp, step.optimizer = after.dp, after.optimizer
+    step.detail["bubble_fraction"] = fraction
     return step, stages
+
+
+def optimizer_params(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> float:
+    """Parameters the optimizer updates on a rank: its share under ZeRO (dense over dp_shard × cp,
+    experts over dp_shard·cp/ep)."""
+    p = cfg.parallel
+    dense, experts = stage_split(cfg, args, chunks)
+    if not p.zero:
+        return dense + experts
+    shard = p.dp_shard * p.cp
+    return dense / shard + experts / max(shard // p.ep, 1)
+
+
+def moe_tp_reduction(cfg: Config, args: ModelArgs, cluster: Cluster, chunks: list[Chunk]) -> float:
+    """The all-reduce over tp of the MoE weights' gradients (router, the rank's experts and the
+    shared ones: every tp rank holds them whole and routes its own positions)."""
+    from ndtrain.plan.experts import expert_weights, moe_dense_weights
+
+    p = cfg.parallel
+    if p.tp == 1 or not args.is_moe:
+        return 0.0
+    moe = sum(1 for ch in chunks for i in ch.layer_ids if args.is_moe_layer(i))
+    per_block = sum(n for n, _ in moe_dense_weights(args) + expert_weights(args, p.ep))
+    r = 4 if (cfg.train.reduce_fp32 and BYTES[cfg.train.precision] == 2) else BYTES[cfg.train.precision]
+    return collective(cluster, cfg, "all_reduce", ("tp",), moe * per_block * r)
 
 
 def _context_parallel(cfg: Config, args: ModelArgs, cluster: Cluster, c: int, rate: float) -> float:
@@ -191,69 +238,22 @@ def _context_parallel(cfg: Config, args: ModelArgs, cluster: Cluster, c: int, ra
     return seconds
 
 
-def _root_weights(args: ModelArgs, ch: Chunk, tp: int) -> tuple[list, list]:
-    """A chunk's root parameters (`memory.root_local`) as (elements, is a matrix): those whose
-    gradients come first in backward (an untied or copied head, the final norm), and the
-    embedding, whose gradient comes last."""
-    table = padded_vocab(args, tp) // tp * args.dim
-    first = []
-    if ch.head:
-        first = ([] if args.tie_embeddings and ch.embed else [(table, True)]) + [(args.dim, False)]
-    return first, [(table, True)] if ch.embed else []
-
-
-def dp_messages(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> list[int]:
-    """The elements of each collective one data-parallel reduction of a rank's gradients
-    issues. ZeRO (parallel/zero.py) reduces (and ZeRO-1/3 gathers) unit by unit (each block,
-    then each chunk's root), one flat buffer per weight-decay group (matrices, vectors),
-    each parameter and slice aligned (parallel/placement.flat_layout). Plain DP (parallel/data.py) packs the gradients, in the order
-    backward produces them, into buckets of `parallel.bucket_mb` (in the parameters' dtype),
-    a parameter larger than a bucket alone. Gloo's time per byte grows with the message
-    (`bench comm`), and every message pays a latency, so the cut matters."""
-    p = cfg.parallel
-    block = list(reversed(block_weights(args, p.tp)))
-    if p.zero:
-        n = p.dp_shard * p.cp
-        units = []
-        for ch in chunks:
-            first, last = _root_weights(args, ch, p.tp)
-            # in registration order (the embedding first), as the flat buffers hold them
-            units += [block_weights(args, p.tp)] * len(ch.layer_ids) + [last + first]
-        return [n * flat_layout([k for k, matrix in u if matrix == group], n)[2] for u in units
-                for group in (True, False) if any(matrix == group for _, matrix in u)]
-    stream = []
-    for ch in chunks:
-        first, last = _root_weights(args, ch, p.tp)
-        stream += first + block * len(ch.layer_ids) + last
-    limit = p.bucket_mb * 2**20 / BYTES[cfg.train.precision]
-    buckets, current = [], []
-    for k, _ in stream:  # cut by the parameters' sizes; a bucket holds them aligned
-        if current and sum(current) + k > limit:
-            buckets.append(current)
-            current = []
-        current.append(k)
-    return [flat_layout(b, 1)[1] for b in buckets + ([current] if current else [])]
-
-
-def _data_parallel(cfg: Config, args: ModelArgs, cluster: Cluster, chunks: list[Chunk], c: int, r: int, m: int,
-                   st: StepTime, rate: float) -> float:
+def data_parallel(cfg: Config, args: ModelArgs, cluster: Cluster, chunks: list[Chunk], m: int, st: StepTime,
+                  fp8: Fp8 | None) -> float:
     """Seconds of data-parallel / ZeRO communication a rank waits for in one step, message
-    by message (`dp_messages`)."""
+    by message (plan/collectives.dp_messages), dense and expert parameters each over their
+    own group."""
     p = cfg.parallel
-    messages = dp_messages(cfg, args, chunks)
-    shard_dims = ("dp_shard", "cp") if p.cp > 1 else ("dp_shard",)
-    dp_dims = tuple(d for d in ("cp", "dp_shard", "dp_replicate") if sizes(cfg)[d] > 1) or ("dp_shard",)
-    shard_dims = tuple(d for d in shard_dims if sizes(cfg)[d] > 1) or ("dp_shard",)
-
-    def each(kind: str, dims: tuple[str, ...], nbytes: int, parts: int = 1) -> float:
-        return sum(collective(cluster, cfg, kind, dims, nbytes * k / parts) for k in messages)
-
-    rs, ag = each("reduce_scatter", shard_dims, r), each("all_gather", shard_dims, c)
-    replicas = each("all_reduce", ("dp_replicate",), r, max(p.dp_shard * p.cp, 1))
+    c = BYTES[cfg.train.precision]
+    r = 4 if (cfg.train.reduce_fp32 and c == 2) else c
+    gather_bytes = fp8.gathered_bytes if fp8 is not None and fp8.all_gather else None
+    rs, ag, reduce, replicas = (sum(x) for x in zip(*(
+        dp_group_seconds(cfg, args, cluster, chunks, experts, c, r, gather_bytes) for experts in (False, True))))
     backward_last = 2 * st.compute / (3 * m)  # the last micro-batch's backward, which the reductions overlap
     overlap = not cluster.shared_node
+    if fp8 is not None and fp8.all_gather and p.zero == 3:  # one amax all-reduce for every weight, per step
+        ag += collective(cluster, cfg, "all_reduce", ("dp_shard",), 4.0 * fp8.scales(args, chunks))
     if p.zero == 0:
-        reduce = each("all_reduce", dp_dims, r)
         return max(reduce - backward_last, 0.0) if overlap else reduce
     if p.zero == 1:
         reduce = rs + replicas
@@ -263,14 +263,9 @@ def _data_parallel(cfg: Config, args: ModelArgs, cluster: Cluster, chunks: list[
     if p.zero == 2:
         reduce = m * rs + replicas
         return (max(reduce - m * backward_last, 0.0) if overlap else reduce) + ag
-    gathers = m * (2 if p.reshard_after_forward else 1) * ag
+    # ZeRO-3: gathered for each forward and again for each backward; once without resharding,
+    # and once per step under a pipeline (deferred: kept gathered from the first forward)
+    gathers = m * (2 if p.reshard_after_forward and p.pp == 1 else 1) * ag
     reduce = m * rs + replicas
     hidden = st.compute + st.recompute
     return max(gathers + reduce - hidden, 0.0) if overlap else gathers + reduce
-
-
-def model_flops_per_step(cfg: Config, args: ModelArgs) -> float:
-    """The FLOPs MFU counts (no recomputation): flops_per_token × tokens of the global batch."""
-    t = cfg.train
-    return flops_per_token(args, t.seq_len) * t.global_batch * t.seq_len
-

@@ -1,4 +1,5 @@
-"""Supervised fine-tuning: the SFT task, and what each rank of `ndtrain sft` runs.
+"""Supervised fine-tuning: the SFT task, the chat template of `ndtrain sft` and `ndtrain rl`
+(`make_template`), and what each rank of `ndtrain sft` runs.
 
 The task serves rows of rendered conversations (data/sft.py), packed by best-fit decreasing
 or one per row (data/packing.py), with IGNORE on every target that is not an answer token.
@@ -20,15 +21,39 @@ import torch
 
 from ndtrain import config as config_mod
 from ndtrain import supervisor
+from ndtrain.checkpoint import hf_files
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
+from ndtrain.data.corpus import STDLIB
 from ndtrain.data.loader import RowLoader
 from ndtrain.data.packing import pack
 from ndtrain.data.sft import SFTData
+from ndtrain.data.template import BuiltinTemplate, HFTemplate
+from ndtrain.data.tokenizer import TextTokenizer
 from ndtrain.generate.sampler import sample
 from ndtrain.model.llama import Transformer
 from ndtrain.parallel.states import load_unique_state
 from ndtrain.train.tasks import Task, load_function
+
+
+def make_template(cfg: Config, progress: bool = False):
+    """The chat template `data.template` names, on the tokenizer the model was trained with:
+    - hf (auto with model.init_from=hf:DIR): DIR's tokenizer and its own chat_template;
+    - builtin: our special tokens added to `data.tokenizer` (which model.init_from sets to
+      its run's or model's tokenizer.json), or to the embedded corpus's tokenizer (prepared
+      once, cached)."""
+    d, init = cfg.data, cfg.model.init_from
+    kind, _, where = init.partition(":")
+    if d.template == "hf" or (d.template == "auto" and kind == "hf"):
+        if kind != "hf":
+            raise ConfigError("data.template", d.template, "needs model.init_from=hf:DIR (a tokenizer with a chat_template)")
+        return HFTemplate.from_dir(where)
+    if d.tokenizer:
+        return BuiltinTemplate(TextTokenizer.from_file(d.tokenizer))
+    from ndtrain.data.prepare import PreparedData, prepare_data
+    prepared = prepare_data(source=STDLIB, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
+                            cache_dir=d.cache_dir, progress=progress)
+    return BuiltinTemplate(PreparedData.open(prepared).tokenizer())
 
 
 class SFT(Task):
@@ -119,6 +144,7 @@ def _sft(cfg: Config, run_dir: str, data: SFTData, control) -> dict:
         if env.rank == 0:  # once started: a refused resume leaves the run's files as they were
             (run / "config.toml").write_text(config_mod.to_toml(cfg))
             data.template.save(run)
+            hf_files.carry(cfg.model.init_from, run, data.template.stop_ids)
             if data.skipped:
                 (run / "skipped_records.txt").write_text("".join(line + "\n" for line in data.skipped))
         return fine_tune(trainer, task, data, cfg, run)

@@ -5,6 +5,7 @@ hidden behind attention compute."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -53,7 +54,15 @@ def trace_run(cfg, mesh, data, out: Path) -> dict:
         trainer.par.schedule.timeline.sync = cuda
     recorder = RingTimeline(mesh.device, sync=cuda) if mesh.shape.cp > 1 else None
     context.set_recorder(trainer.par.model, recorder)
-    trainer.train_step(trainer.step)
+    # A full collection of every object alive (torch's own included) takes tens of ms on a CPU
+    # and would land in whichever traced action happens to allocate at that moment: freeze
+    # what exists so the timeline shows the schedule, not Python's collector.
+    gc.collect()
+    gc.freeze()
+    try:
+        trainer.train_step(trainer.step)
+    finally:
+        gc.unfreeze()
     context.set_recorder(trainer.par.model, None)
     stages = gather(trainer.par.schedule.timeline.events) if pipelined else None
     rings = gather(recorder.events) if recorder is not None else None

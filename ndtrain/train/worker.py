@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from ndtrain import config as config_mod
 from ndtrain import supervisor
+from ndtrain.checkpoint import hf_files
 from ndtrain.data.prepare import PreparedData, prepare_data
 from ndtrain.launch import init_process, set_collective_timeout, shutdown
 from ndtrain.mesh import MeshShape, ParallelMesh
@@ -51,6 +52,7 @@ def write_run_files(cfg: config_mod.Config, data: PreparedData, run_dir: Path) -
     (run_dir / "config.toml").write_text(config_mod.to_toml(cfg))
     if not (run_dir / "tokenizer.json").is_file():
         shutil.copyfile(data.path / "tokenizer.json", run_dir / "tokenizer.json")
+    hf_files.carry(cfg.model.init_from, run_dir)
 
 
 def from_rank_0(value: str) -> str:

@@ -30,30 +30,32 @@ IMPLS = CP_IMPLS
 
 class Plans:
     """What every layer of one model shares about the current micro-batch: its
-    `Visibility`, and every rank's document ids, all-gathered once per micro-batch (not
-    per layer): the cache holds the local ids weakly and is reused while the same tensor
-    comes back, layer after layer."""
+    `Visibility` (one per sliding window the layers have), and every rank's document ids,
+    all-gathered once per micro-batch (not per layer): the cache holds the local ids weakly
+    and is reused while the same tensor comes back, layer after layer."""
 
     def __init__(self, group: Group):
         self.group = group
         self._plain: dict[tuple, Visibility] = {}
         self._docs_ref = None
-        self._docs_vis: Visibility | None = None
+        self._docs: Tensor | None = None
+        self._docs_vis: dict[int, Visibility] = {}
 
-    def visibility(self, local_len: int, doc_ids: Tensor | None, device: torch.device) -> Visibility:
+    def visibility(self, local_len: int, doc_ids: Tensor | None, device: torch.device, window: int = 0) -> Visibility:
         cp, seq_len = self.group.size, local_len * self.group.size
         if doc_ids is None:
-            key = (seq_len, str(device))
+            key = (seq_len, str(device), window)
             if key not in self._plain:
-                self._plain[key] = Visibility(seq_len, cp, self.group.rank, device=device)
+                self._plain[key] = Visibility(seq_len, cp, self.group.rank, device=device, window=window)
             return self._plain[key]
-        if self._docs_ref is not None and self._docs_ref() is doc_ids:
-            return self._docs_vis
-        gathered = doc_ids.new_empty((cp, *doc_ids.shape))
-        ops.all_gather(gathered.view(-1), doc_ids.contiguous().view(-1), self.group)
-        self._docs_ref = weakref.ref(doc_ids)
-        self._docs_vis = Visibility(seq_len, cp, self.group.rank, docs=gathered, device=device)
-        return self._docs_vis
+        if self._docs_ref is None or self._docs_ref() is not doc_ids:
+            gathered = doc_ids.new_empty((cp, *doc_ids.shape))
+            ops.all_gather(gathered.view(-1), doc_ids.contiguous().view(-1), self.group)
+            self._docs_ref, self._docs, self._docs_vis = weakref.ref(doc_ids), gathered, {}
+        if window not in self._docs_vis:
+            self._docs_vis[window] = Visibility(seq_len, cp, self.group.rank, docs=self._docs, device=device,
+                                                window=window)
+        return self._docs_vis[window]
 
 
 class ContextParallelAttention(nn.Module):
@@ -62,11 +64,11 @@ class ContextParallelAttention(nn.Module):
     sequence by `impl` (ring, allgather or ulysses). Same signature and result as the core
     it replaces, on this rank's tokens."""
 
-    def __init__(self, group: Group, impl: str, plans: Plans):
+    def __init__(self, group: Group, impl: str, plans: Plans, window: int = 0):
         super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"unknown context-parallel attention {impl!r}; choose one of {', '.join(IMPLS)}")
-        self.group, self.impl, self.plans = group, impl, plans
+        self.group, self.impl, self.plans, self.window = group, impl, plans, window
         self.recorder = None  # a train.trace recorder while `ndtrain trace` watches the ring
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
@@ -75,7 +77,7 @@ class ContextParallelAttention(nn.Module):
         if cache is not None:
             raise ValueError("context parallelism splits sequences for training; decode with the plain model")
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        vis = self.plans.visibility(q.shape[1], doc_ids, q.device)
+        vis = self.plans.visibility(q.shape[1], doc_ids, q.device, self.window)
         args = (q, k, v, self.group, vis, self.recorder, layer_key or "")
         if self.impl == "ring":
             return RingAttention.apply(*args)
@@ -125,7 +127,10 @@ def apply(model: nn.Module, group: Group, impl: str, sp_group: Group | None = No
             raise ConfigError("parallel.cp", group.size,
                               f"layer {name} of {type(model).__name__} has no AttentionCore that takes each "
                               "token's position; context parallelism needs explicit positions")
-        block.attention.core = ContextParallelAttention(group, impl, plans)
+        if core.softcap:
+            raise ConfigError("parallel.cp", group.size, f"layer {name} soft-caps its attention scores (Gemma 2); "
+                              "context parallelism's attention kernels have no soft-capping")
+        block.attention.core = ContextParallelAttention(group, impl, plans, core.window)
         swapped.append(f"layers.{name}.attention.core")
         dropout = getattr(block, "dropout", None)
         if dropout is not None and dropout.p > 0:

@@ -88,14 +88,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibi
     qkv = qkv[:, natural].transpose(1, 2)  # [b, heads, S, d] in sequence order
     q, k, v = qkv.split([heads // cp, k.shape[2] // cp, k.shape[2] // cp], dim=1)
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
-    if vis.docs is not None:
-        docs = vis.docs.permute(1, 0, 2).reshape(vis.docs.shape[1], -1)[:, natural]
-        mask = (docs[:, :, None] == docs[:, None, :])[:, None]
-        if vis.causal:
-            mask = mask & torch.ones(mask.shape[-2:], dtype=torch.bool, device=mask.device).tril()
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **gqa)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=vis.causal, **gqa)
+    mask = vis.sequence_mask(natural)
+    causal = mask is None and vis.causal
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
     out = out.transpose(1, 2)[:, order]  # back to rank order
     if recorder:
         recorder.compute("attn F", layer, 0, start)

@@ -1,6 +1,12 @@
 """Which query may see which key, in global token indices, for one micro-batch on one CP
-rank: the causal rule (a key at or before the query), documents (both in one document),
-and which blocks of the zigzag layout a ring step must compute at all."""
+rank: the causal rule (a key at or before the query), documents (both in one document), a
+sliding window (a key fewer than `window` tokens before the query: Mistral, Qwen2, Gemma 2
+layers), and which blocks of the zigzag layout a ring step must compute at all.
+
+A window crosses ring blocks like any other rule: a block whose every pair lies `window` or
+more tokens apart is skipped, one whose every pair lies closer is computed whole, and the
+rest carry a mask. Token indices are those of the whole row, so a window over a packed row
+of documents measures the same distances as one device's."""
 
 from __future__ import annotations
 
@@ -63,6 +69,7 @@ class Visibility:
     causal: bool = True
     docs: Tensor | None = None  # [cp, b, S/cp] every rank's document ids, None = one per row
     device: torch.device | str = "cpu"
+    window: int = 0  # a query sees keys fewer than `window` tokens before it; 0: every earlier key
 
     def __post_init__(self):
         self.local = self.seq_len // self.cp
@@ -70,12 +77,17 @@ class Visibility:
         self.index = [zigzag_index(self.seq_len, self.cp, r, self.device) for r in range(self.cp)]
         self._blocks: dict[int, Block | None] = {}  # every layer asks the same, forward and backward
         self._gathered: list[Block] | None = None
+        if self.window >= self.seq_len:  # a window that cuts nothing
+            self.window = 0
 
     def mask(self, rows: slice, key_index: Tensor, key_docs: Tensor | None) -> Tensor | None:
         """Visibility of this rank's query rows against keys at `key_index` (global) with
         documents `key_docs` [b, keys]; None when everything is visible."""
         q = self.index[self.rank][rows]
         mask = q[:, None] >= key_index[None, :] if self.causal else None
+        if self.window:
+            near = q[:, None] - key_index[None, :] < self.window
+            mask = near if mask is None else mask & near
         if self.docs is not None:
             same = self.docs[self.rank][:, rows, None] == key_docs[:, None, :]
             mask = same if mask is None else same & mask
@@ -92,7 +104,10 @@ class Visibility:
         """Local queries × the whole sequence's keys in natural order (all-gather back end):
         each query chunk j sees keys [0, j·c) fully and its own chunk causally, so two
         blocks per chunk (one for chunk 0), 2·cp·c² visible pairs on every rank. With
-        documents each block carries its mask; without causality one block of everything."""
+        documents each block carries its mask; without causality one block of everything;
+        with a window one masked block per chunk, over the keys the window reaches."""
+        if self._gathered is None and self.window and self.causal:
+            self._gathered = self._windowed_gathered_blocks()
         if self._gathered is None:
             docs = self.natural_docs()
             if not self.causal:
@@ -111,6 +126,30 @@ class Visibility:
                         blocks.append(Block(rows, cols, self.mask(rows, self._keys(cols), docs[:, cols])))
             self._gathered = blocks
         return self._gathered
+
+    def _windowed_gathered_blocks(self) -> list[Block]:
+        docs, c, blocks = self.natural_docs(), self.chunk, []
+        for half, chunk in enumerate(chunks_of(self.rank, self.cp)):
+            rows = slice(half * c, (half + 1) * c)
+            cols = slice(max(0, chunk * c - self.window + 1), (chunk + 1) * c)
+            blocks.append(Block(rows, cols, self.mask(rows, self._keys(cols), docs[:, cols] if docs is not None else None)))
+        return blocks
+
+    def sequence_mask(self, natural: Tensor) -> Tensor | None:
+        """[b or 1, 1, S, S] visibility of the whole sequence in natural order, for a back end
+        that gathers it (Ulysses): `natural` orders every rank's tokens (rank order) by
+        position. None: plain causal (or, not causal, everything)."""
+        if self.docs is None and not self.window:
+            return None
+        pos = torch.arange(self.seq_len, device=natural.device)
+        mask = pos[:, None] >= pos[None, :] if self.causal else torch.ones(self.seq_len, self.seq_len, dtype=torch.bool,
+                                                                           device=natural.device)
+        if self.window:
+            mask = mask & (pos[:, None] - pos[None, :] < self.window)
+        if self.docs is None:
+            return mask[None, None]
+        docs = self.docs.permute(1, 0, 2).reshape(self.docs.shape[1], -1)[:, natural]
+        return ((docs[:, :, None] == docs[:, None, :]) & mask)[:, None]
 
     def natural_docs(self) -> Tensor | None:
         """Every rank's document ids in sequence order, [b, S] (None without documents)."""
@@ -131,13 +170,13 @@ class Visibility:
         at all when j > i. For the zigzag layout that gives (own keys) the local causal
         square (the local order is increasing in global position); (src < rank) all
         queries × the first half of the keys; (src > rank) the second half of the queries ×
-        all keys: 2c² pairs every off-diagonal step, so the ring is balanced.
+        all keys: 2c² pairs every off-diagonal step, so the ring is balanced. A window takes
+        away the chunks too far back (`_chunk_pair`).
         """
-        if src == self.rank and self.causal and self.docs is None:  # own keys, in the queries' order
+        if src == self.rank and self.causal and self.docs is None and not self.window:  # own keys, in order
             return Block(slice(0, self.local), slice(0, self.local), None, causal=True)
         q_chunks, k_chunks = chunks_of(self.rank, self.cp), chunks_of(src, self.cp)
-        pairs = {(qh, kh): "full" if not self.causal or kc < qc else ("diag" if kc == qc else "none")
-                 for qh, qc in enumerate(q_chunks) for kh, kc in enumerate(k_chunks)}
+        pairs = {(qh, kh): self._chunk_pair(qc, kc) for qh, qc in enumerate(q_chunks) for kh, kc in enumerate(k_chunks)}
         live = [pair for pair, kind in pairs.items() if kind != "none"]
         if not live:
             return None
@@ -150,3 +189,20 @@ class Visibility:
             return Block(rows, cols, None)
         key_docs = self.docs[src][:, cols] if self.docs is not None else None
         return Block(rows, cols, self.mask(rows, self.index[src][cols], key_docs))
+
+    def _chunk_pair(self, qc: int, kc: int) -> str:
+        """How query chunk qc sees key chunk kc: "full", "diag" (some pairs) or "none". The
+        nearest pair of chunks kc < qc lies (qc − kc − 1)·c + 1 tokens apart, the farthest
+        (qc − kc + 1)·c − 1."""
+        if not self.causal:
+            return "full"
+        if kc > qc:
+            return "none"
+        if kc == qc:
+            return "diag"
+        if not self.window:
+            return "full"
+        c = self.chunk
+        if (qc - kc - 1) * c + 1 >= self.window:
+            return "none"
+        return "full" if (qc - kc + 1) * c - 1 < self.window else "diag"

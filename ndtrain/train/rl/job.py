@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ndtrain import config as config_mod
 from ndtrain import supervisor
+from ndtrain.checkpoint import hf_files
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.verifiable import char_tokenizer, draw_problems, make_task
 from ndtrain.train.rl.task import RL, Environment
@@ -133,6 +134,7 @@ def _rl(cfg: Config, run_dir: str, template, evaluate_only: bool, control) -> di
         if env.rank == 0:
             (run / "config.toml").write_text(config_mod.to_toml(cfg))
             template.save(run)
+            hf_files.carry(cfg.model.init_from, run, template.stop_ids)
         return reinforce(trainer, task, cfg, run)
     finally:
         shutdown()

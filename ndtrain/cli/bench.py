@@ -1,0 +1,32 @@
+"""`ndtrain bench <what>`: a benchmark of ndtrain against its PyTorch-native anchor
+(ndtrain/bench/), after the flags common to all of them are checked."""
+
+from __future__ import annotations
+
+
+# Benchmarks whose steps are long on a CPU take fewer rounds by default: one generation of
+# 256 new tokens without a cache is about 20 s there (docs/benchmarks.md); bench plan times
+# nine layouts and calibrates the machine in every round.
+BENCH_ROUNDS_STEPS = {"generate": (5, 1), "plan": (5, 2)}
+
+
+def cmd_bench(args) -> int:
+    from ndtrain.config import ConfigError, check_writable_dir
+    rounds, steps = BENCH_ROUNDS_STEPS.get(args.what, (10, 3))
+    args.rounds = rounds if args.rounds is None else args.rounds
+    args.steps = steps if args.steps is None else args.steps
+    for flag, value in (("--nproc", args.nproc), ("--rounds", args.rounds), ("--steps", args.steps)):
+        if value <= 0:
+            raise ConfigError(flag, value, "must be > 0")
+    if args.out:
+        check_writable_dir("--out", args.out)
+    if args.what == "matmul":
+        from ndtrain.bench.matmul import run_matmul_bench
+        return run_matmul_bench(args)
+    if args.what == "gpu":
+        from ndtrain.bench.gpu import run as run_gpu
+        return run_gpu(args)
+    from ndtrain.bench import checkpoint, comm, compile, cp, dp, ep, generate, plan, pp, sft, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft,
+            "checkpoint": checkpoint, "ep": ep, "generate": generate, "plan": plan,
+            "compile": compile}[args.what].run(args)

@@ -1,0 +1,148 @@
+"""`ndtrain sft` and `ndtrain rl`, and the runs their default jobs start from: the default
+pretraining run (sft) and the SFT warm-up on the task (rl), each trained once through the
+CLI itself (`ndtrain.cli.main`) when none is found."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ndtrain.cli.run import check_fits, check_resume, choose_run_dir, run_task, warn_before_start, with_nproc
+
+
+def cmd_sft(args) -> int:
+    from ndtrain.checkpoint.sources import resolve_init_from
+    from ndtrain.config import SFT_DEFAULTS, ConfigError, load_config, validate
+    from ndtrain.data.sft import ShortSequence, prepare_sft
+    from ndtrain.launch import external_world
+    from ndtrain.train import sft
+
+    cfg = with_nproc(load_config(args.config, args.overrides, defaults=SFT_DEFAULTS), args)
+    world = external_world()
+    if cfg.model.init_from == "scratch":  # random weights; "" means the default pretraining run
+        cfg.model.init_from = ""
+    elif not cfg.model.init_from and not args.show_example:
+        validate(cfg, world=world)
+        cfg.model.init_from = f"run:{default_pretraining_run(cfg, world)}"
+    resolve_init_from(cfg)  # the model and tokenizer of model.init_from
+    validate(cfg, world=world)
+    check_fits(cfg, world)
+    warn_before_start(cfg, world, "sft")
+    sft.load_score(cfg.sft.score)  # a bad scoring function fails here, not after training
+    d, t = cfg.data, cfg.train
+    template = sft.make_template(cfg, progress=cfg.run.progress)
+    if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
+        cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
+    try:
+        data = prepare_sft(d.path, template, t.seq_len, d.truncate, d.val_fraction, d.on_bad_record, d.cache_dir)
+    except ShortSequence as e:
+        raise ConfigError("train.seq_len", t.seq_len, f"is smaller than the shortest example ({e.shortest} positions, "
+                          f"{e.key}): packing would have to cut or drop every example") from None
+    if args.show_example:
+        print(sft.show_example(data), flush=True)
+        return 0
+    run_dir = choose_run_dir(cfg, "sft")
+    resumed = check_resume(cfg, run_dir)
+    p = cfg.parallel
+    banner = [f"ndtrain sft: {cfg.model.preset} model from {cfg.model.init_from or 'random weights'}, "
+              f"{p.world} process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), "
+              f"{t.steps} steps, packing {d.packing} → {run_dir}"
+              + (f" (resuming {resumed.name})" if resumed else ""), data.describe()]
+    return run_task(cfg, world, run_dir, sft.sft_worker, (cfg.to_dict(), str(run_dir), data),
+                    ("ndtrain.train.sft", "ndtrain.train.trainer"), banner, sft.describe_summary)
+
+
+def cmd_rl(args) -> int:
+    from ndtrain.checkpoint.sources import resolve_init_from
+    from ndtrain.config import RL_DEFAULTS, ConfigError, check_rl_job, load_config, validate
+    from ndtrain.launch import external_world, launch_local
+    from ndtrain.train.rl import job
+    from ndtrain.train.sft import make_template
+
+    cfg = with_nproc(load_config(args.config, args.overrides, defaults=RL_DEFAULTS), args)
+    world = external_world()
+    scratch = cfg.model.init_from == "scratch"  # random weights, the task's character tokenizer
+    if scratch:
+        cfg.model.init_from = ""
+    validate(cfg, world=world)  # every key's own rules, the job's and the reward's, before anything runs
+    check_rl_job(cfg)
+    job.check_reward(cfg)
+    if "train.seq_len" in cfg.explicit and cfg.train.seq_len < job.row_length(cfg, rounded=False):
+        raise ConfigError("train.seq_len", cfg.train.seq_len, f"must hold the task's longest prompt and "
+                          f"rl.max_new_tokens = {cfg.rl.max_new_tokens} new tokens: at least "
+                          f"{job.row_length(cfg, rounded=False)} (leave it unset to get that)")
+    if scratch and not cfg.data.tokenizer:
+        cfg.data.tokenizer = str(job.char_tokenizer_file(cfg.data.cache_dir))
+    elif not scratch and not cfg.model.init_from:
+        cfg.model.init_from = f"run:{default_warmup(cfg, world)}"
+    resolve_init_from(cfg)  # the model and tokenizer of model.init_from
+    if "train.seq_len" not in cfg.explicit:
+        cfg.train.seq_len = job.row_length(cfg)
+    validate(cfg, world=world)
+    check_rl_job(cfg)  # again: model.init_from's shape (an MoE source) is known now
+    warn_before_start(cfg, world, "rl")
+    template = make_template(cfg, progress=cfg.run.progress)
+    if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
+        cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
+    p, r = cfg.parallel, cfg.rl
+    if args.evaluate:
+        if world is not None:
+            result = job.rl_worker(cfg.to_dict(), "", template, True)
+        else:
+            result = launch_local(p.world, job.rl_worker, cfg.to_dict(), "", template, True)[0]
+        if result:
+            print(job.describe_eval(f"{cfg.model.init_from} on {r.task}", result), flush=True)
+        return 0
+    run_dir = choose_run_dir(cfg, "rl")
+    resumed = check_resume(cfg, run_dir)
+    banner = (f"ndtrain rl: {r.loss} on {r.task} (size {r.size}), {cfg.model.preset} model from "
+              f"{cfg.model.init_from or 'random weights'}, {p.world} process{'es' if p.world > 1 else ''} "
+              f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} updates of "
+              f"{cfg.train.global_batch // r.group_size} prompts × {r.group_size} completions → {run_dir}"
+              + (f" (resuming {resumed.name})" if resumed else ""))
+    return run_task(cfg, world, run_dir, job.rl_worker, (cfg.to_dict(), str(run_dir), template),
+                    ("ndtrain.train.rl.job", "ndtrain.train.trainer"), [banner], job.describe_summary)
+
+
+def default_warmup(cfg, world) -> Path:
+    """The default RL job's starting point: its SFT warm-up (`ndtrain sft` on problems of the
+    task), run now unless a finished one is cached."""
+    from ndtrain.cli import main
+    from ndtrain.config import ConfigError
+    from ndtrain.train.rl import job
+    if cfg.rl.warmup_steps == 0:
+        raise ConfigError("rl.warmup_steps", 0, "no warm-up and no model.init_from: set model.init_from=run:DIR, "
+                          "or model.init_from=scratch for random weights")
+    folder = job.warmup_folder(cfg)
+    run = folder / "run"
+    if job.finished(run):
+        print(f"ndtrain rl: starting from the cached SFT warm-up {run}", flush=True)
+        return run
+    if world is not None:
+        raise ConfigError("model.init_from", "", "the default SFT warm-up is not cached yet; under torchrun, run "
+                          "`ndtrain rl` locally once first or set model.init_from=run:DIR")
+    print(f"ndtrain rl: SFT warm-up on {cfg.rl.task} ({cfg.rl.warmup_steps} steps, once; cached in {folder})",
+          flush=True)
+    job.write_warmup_data(cfg, folder)
+    nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
+    if main(["sft", *nproc, *job.warmup_overrides(cfg, folder)]) != 0 or not job.finished(run):
+        raise ConfigError("model.init_from", "", f"the default SFT warm-up in {folder} failed")
+    return run
+
+
+def default_pretraining_run(cfg, world) -> Path:
+    """The newest finished run of the default `ndtrain train` under runs/, trained now if
+    there is none (with this command's process count)."""
+    from ndtrain.cli import main
+    from ndtrain.config import ConfigError
+    from ndtrain.train.sft import find_default_run
+    found = find_default_run(Path("runs"))
+    if found is not None:
+        return found
+    if world is not None:
+        raise ConfigError("model.init_from", "", "no default pretraining run under runs/; under torchrun, run "
+                          "`ndtrain train` first or set model.init_from=run:DIR")
+    print("ndtrain sft: no finished default pretraining run under runs/; running `ndtrain train` first", flush=True)
+    nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
+    if main(["train", *nproc, f"run.device={cfg.run.device}"]) != 0:
+        raise ConfigError("model.init_from", "", "the default pretraining run failed")
+    return find_default_run(Path("runs"))

@@ -1,0 +1,51 @@
+"""The files and folders a config names: the data, tokenizer, run and cache paths checked
+before anything starts (`check_files`), whether a folder is prepared data, whether a
+directory can be written."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from ndtrain.config.schema import Config, ConfigError
+
+EMBEDDED_DATA = ("stdlib", "stdlib-functions")  # pretraining corpus, SFT instruction set
+
+
+def check_files(cfg: Config) -> None:
+    """data.path and data.tokenizer exist; run.dir and the data cache can be written."""
+    d, r = cfg.data, cfg.run
+    if d.path not in EMBEDDED_DATA and not Path(os.path.expanduser(d.path)).exists():
+        raise ConfigError("data.path", d.path, "path does not exist (use \"stdlib\" for the embedded corpus, "
+                          "\"stdlib-functions\" for the embedded instruction set)")
+    if d.tokenizer and not Path(os.path.expanduser(d.tokenizer)).is_file():
+        raise ConfigError("data.tokenizer", d.tokenizer, "file does not exist")
+    if r.dir:  # the default, runs/<task>-<time>, is checked where the CLI names it
+        check_writable_dir("run.dir", r.dir)
+    if not is_prepared_folder(d.path):
+        check_writable_dir("data.cache_dir", d.cache_dir)
+
+
+def is_prepared_folder(path: str) -> bool:
+    """A folder `ndtrain prepare` wrote (read as is: no tokenizer training, no cache)."""
+    return path != "stdlib" and (Path(path).expanduser() / "meta.json").is_file()
+
+
+def check_writable_dir(key: str, value: str, path: str | Path | None = None) -> None:
+    """Raise ConfigError unless a directory can be created or written at `path` (default:
+    `value`). Permission bits cannot tell (root, read-only mounts), so the nearest existing
+    directory is probed with a temporary directory, removed at once."""
+    target = Path(os.path.expanduser(str(path if path is not None else value)))
+    if target.exists() and not target.is_dir():
+        raise ConfigError(key, value, "exists and is not a directory")
+    parent = target
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(key, value, f"cannot be created: {parent} is a file")
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".ndtrain-probe-", dir=parent))
+    except OSError as e:
+        raise ConfigError(key, value, f"cannot be written: creating a directory in {parent} fails "
+                          f"({e.strerror})") from None

@@ -1,0 +1,408 @@
+"""The configuration's schema: seven sections of plain dataclasses, every key with its type,
+its default and what it means, and `from_dict`, which builds a `Config` from plain values,
+each checked against its key's type.
+
+Values come from the defaults, then a command's own defaults (`SFT_DEFAULTS`,
+`RL_DEFAULTS`), then a TOML file, then command-line overrides (load.py). `validate()`
+(validate.py) then checks the rules between them. Every mistake is a `ConfigError`: one line
+naming the key, the value and the rule, which the CLI prints before exiting with status 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ndtrain.model.args import PRESETS, ModelArgs
+
+
+class ConfigError(ValueError):
+    """A configuration mistake. `str(err)` is the one line shown to the user."""
+
+    def __init__(self, key: str, value: Any, rule: str):
+        self.key, self.value, self.rule = key, value, rule
+        shown = f"{value!r}" if isinstance(value, str) else f"{value}"
+        super().__init__(f"{key} = {shown}: {rule}")
+
+
+@dataclass
+class ModelConfig:
+    preset: str = "small"
+    # None means "take it from the preset"; vocab_size None means "from the tokenizer".
+    dim: int | None = None
+    n_layers: int | None = None
+    n_heads: int | None = None
+    n_kv_heads: int | None = None
+    ffn_dim: int | None = None
+    vocab_size: int | None = None
+    max_seq_len: int | None = None
+    rope_theta: float | None = None
+    tie_embeddings: bool | None = None
+    head_dim: int | None = None  # None = dim / n_heads
+    norm_eps: float | None = None
+    qkv_bias: bool | None = None  # biases on q, k, v (Qwen2)
+    qk_norm: bool | None = None  # RMSNorm of each query and key head (Qwen3)
+    dropout: float = 0.0
+    # Mixture of experts (model/moe.py): only on an MoE preset (tiny-moe, olmoe-1b-7b).
+    moe_experts: int | None = None
+    moe_top_k: int | None = None
+    moe_shared_experts: int | None = None
+    moe_ffn_dim: int | None = None
+    moe_every: int | None = None  # block i is MoE when (i + 1) % moe_every == 0
+    moe_router: str | None = None  # softmax_topk | topk_softmax | sigmoid
+    moe_norm_topk: bool | None = None
+    moe_route_scale: float | None = None
+    moe_capacity: float | None = None  # capacity factor; 0 = dropless
+    # Features of Hugging Face families (model/args.py; set from model.init_from=hf:DIR).
+    rope_scaling: str | None = None  # JSON, e.g. {"rope_type": "linear", "factor": 2.0}; "" = none
+    sliding_window: int | None = None  # 0 = none
+    window_layers: str | None = None  # the layers with the window, e.g. "0,2,4"; none = every layer
+    norm_offset: float | None = None  # Gemma 2: norms scale by (1 + weight)
+    sandwich_norm: bool | None = None  # Gemma 2: a norm after attention and after the MLP too
+    mlp_act: str | None = None  # silu | gelu_tanh
+    embed_scale: float | None = None  # embeddings × this (Gemma 2: √dim)
+    query_pre_attn_scalar: float | None = None  # attention scale^-2 instead of head_dim; 0 = head_dim
+    attn_softcap: float | None = None  # Gemma 2: cap·tanh(score / cap); 0 = none
+    logit_softcap: float | None = None  # Gemma 2: cap·tanh(logit / cap); 0 = none
+    # "" = random init (ndtrain sft: the default pretraining run; "scratch" = random init);
+    # run:DIR (an ndtrain run or checkpoint) or hf:DIR (a HF model folder)
+    init_from: str = ""
+
+
+@dataclass
+class ParallelConfig:
+    dp: int = 0  # total data-parallel size dp_replicate × dp_shard; 0 = every process left over
+    dp_replicate: int = 1
+    tp: int = 1
+    sp: bool | None = None  # sequence parallelism; None = on whenever tp > 1
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1
+    pp_split: str = ""  # blocks per pipeline chunk, e.g. "3,5,5,3"; "" = balanced by cost
+    cp: int = 1
+    cp_impl: str = "ring"  # context-parallel attention: ring | allgather | ulysses
+    ep: int = 1  # experts split over ep ranks of dp_shard × cp
+    zero: int = 0  # ZeRO stage over dp_shard: 0 (plain DP), 1 (optimizer), 2 (+ gradients), 3 (+ parameters)
+    reshard_after_forward: bool = True  # zero=3: free each block after its forward (false: keep until backward)
+    bucket_mb: float = 25.0
+
+    @property
+    def dp_shard(self) -> int:
+        return self.dp // self.dp_replicate
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.dp * self.cp * self.tp
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 400
+    global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int = 0  # sequences per forward/backward on one rank; 0 = no accumulation
+    seq_len: int = 128
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 30
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # 0 = no clipping
+    seed: int = 0
+    precision: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs)
+    reduce_fp32: bool = True  # reduce gradients in fp32; false: in train.precision, half the bytes
+    loss_scaler: bool = True  # fp16: dynamic loss scaling
+    allow_unscaled_fp16: bool = False  # permit fp16 with loss_scaler = false
+    loss_scale_init: float = 65536.0
+    loss_scale_window: int = 1000  # good steps before the loss scale doubles
+    loss_scale_min: float = 1.0  # an overflow at this scale stops the run
+    recompute: str = "none"  # none | full | selective (attention core) | every:K (blocks 0, K, 2K, ...)
+    compile: bool = False  # torch.compile each decoder block and the loss (parallel/compile.py)
+    compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: the proofs) | eager
+    moe_aux_loss: float = 0.01  # coefficient of the MoE load-balancing loss; 0 = none
+    moe_bias_rate: float = 0.0  # aux-loss-free balancing: router bias step per optimizer step; 0 = off
+    eval_every: int = 100  # 0 = evaluate only at the end
+    eval_batches: int = 8
+    save_every: int = 0  # 0 = save only at the end
+    keep_checkpoints: int = 0  # keep the newest N checkpoints (the one just written always); 0 = keep all
+    log_every: int = 10
+
+    def accumulation(self, dp: int) -> int:
+        return self.global_batch // (dp * self.micro_batch)
+
+
+@dataclass
+class DataConfig:
+    path: str = "stdlib"  # "stdlib", a text/JSONL file or folder, or a prepared folder
+    tokenizer: str = ""  # "" = train a byte-level BPE on the training split; or a tokenizer.json
+    vocab_size: int = 4096  # size of the BPE trained when no tokenizer is given
+    val_fraction: float = 0.05
+    jsonl_key: str = "text"
+    cache_dir: str = "~/.cache/ndtrain"
+    # Supervised fine-tuning (ndtrain sft):
+    packing: str = "bfd"  # bfd: several examples per row (best-fit decreasing); none: one per row, padded
+    truncate: str = "keep_start"  # an example longer than train.seq_len: keep_start (cut its end) | drop
+    on_bad_record: str = "error"  # a malformed record: error (stop, naming file:line) | skip (count it)
+    template: str = "auto"  # builtin (our special tokens) | hf (the tokenizer's chat_template) | auto
+
+
+@dataclass
+class SFTConfig:
+    generate: int = 0  # held-out prompts answered greedily after training (0 = none)
+    max_new_tokens: int = 128
+    score: str = "exact"  # exact (answer == reference) | MODULE:FUNCTION(prompt, completion, reference) -> float
+
+
+@dataclass
+class RLConfig:
+    # What is asked: a built-in verifiable task (data/verifiable.py), drawn on the fly
+    task: str = "addition"  # addition | reverse | sort | countdown
+    size: int = 2  # digits per operand (addition), letters (reverse), list length (sort), numbers (countdown)
+    reverse_answer: bool = True  # addition: the sum's digits least significant first
+    reward: str = "builtin"  # builtin (the task's check) | MODULE:FUNCTION(prompt, completion, answer) -> number
+    format_reward: float = 0.0  # builtin: added for a well-formed answer (correctness scores 1)
+    # Rollouts
+    group_size: int = 8  # completions sampled per prompt
+    max_new_tokens: int = 6
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = the whole vocabulary
+    top_p: float = 1.0
+    # The update
+    loss: str = "grpo"  # reinforce | grpo | dr_grpo | dapo
+    clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
+    clip_high: float | None = None  # None = 0.28 for dapo (clip-higher), clip_low otherwise
+    kl_coef: float = 0.0  # β of the k3 KL to the frozen reference (the starting policy)
+    ppo_epochs: int = 1  # updates per rollout batch (old log-probs kept)
+    max_refills: int = 4  # dapo: extra rollout rounds to replace groups whose rewards are all equal
+    overlong_buffer: int | None = None  # length penalty over the last N of max_new_tokens; None = dapo: a quarter, else 0
+    shuffle_rewards: bool = False  # a negative control: rewards permuted over the batch before use
+    logprob_tol: float = 1e-3  # fp32/fp64: largest |rollout − training| log-prob gap before stopping
+    # Evaluation on held-out prompts (every train.eval_every steps and at the end)
+    eval_prompts: int = 200  # held-out prompts, answered greedily (pass@1) and pass_k times
+    pass_k: int = 4  # samples per prompt for pass@k (0 = none)
+    # The default job's warm-up (model.init_from empty): SFT on the task through the SFT task
+    warmup_steps: int = 350
+    warmup_examples: int = 20000
+
+
+@dataclass
+class RunConfig:
+    dir: str = ""  # "" = runs/<task>-<date>-<time>
+    resume: str = "auto"  # auto: continue if run.dir holds a checkpoint; true: must; false: must not
+    nproc: int = 0  # 0 = the product of the parallel sizes, or 2 CPU processes / every local GPU
+    device: str = "auto"  # auto | cpu | cuda
+    threads: int = 0  # torch threads per rank on the CPU; 0 = cores / local ranks
+    stop_after: int = 0  # stop (with a checkpoint) after this many steps in this invocation; 0 = never
+    stop_after_s: float = 0.0  # stop (with a checkpoint) at the first step boundary after this many seconds of training in this invocation; 0 = never
+    max_restarts: int = 0  # local launcher: restart every rank this often after one dies or hangs (last good checkpoint)
+    heartbeat_s: float = 600.0  # local launcher: a rank that reports no progress for this long is hung; 0 = never
+    collective_timeout_s: float = 600.0  # a collective not complete after this fails, naming it, its group and the rank
+    progress: bool = True
+    plot: bool = True
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    # The dotted keys the user set (in the file or on the command line), filled by
+    # `load_config`; not a field, so it stays out of `to_dict` and config.toml.
+    explicit = frozenset()
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def copy(self) -> "Config":
+        out = from_dict(self.to_dict())
+        out.explicit = self.explicit
+        return out
+
+    def model_args(self, vocab_size: int | None = None) -> ModelArgs:
+        """The model shape: the preset with this config's overrides applied."""
+        m = self.model
+        base = PRESETS[m.preset]
+        changes = {f.name: getattr(m, f.name) for f in fields(m)
+                   if f.name not in ("preset", "init_from") and getattr(m, f.name) is not None}
+        if vocab_size is not None and m.vocab_size is None:
+            changes["vocab_size"] = vocab_size
+        if "window_layers" in changes:
+            changes["window_layers"] = window_layers_of(changes["window_layers"])
+        if "max_seq_len" not in changes:
+            changes["max_seq_len"] = max(base.max_seq_len, self.train.seq_len)
+        return base.with_(**changes)
+
+
+FAMILY_KEYS = ("rope_scaling", "sliding_window", "window_layers", "norm_offset", "sandwich_norm", "mlp_act",
+               "embed_scale", "query_pre_attn_scalar", "attn_softcap", "logit_softcap")
+
+
+def window_layers_of(text: str) -> tuple[int, ...] | None:
+    """model.window_layers ("0,2,4") as ModelArgs holds it (None: every layer)."""
+    return tuple(int(x) for x in text.split(",")) if text.strip() else None
+
+
+def model_key_value(args: ModelArgs, key: str):
+    """The model.<key> config value that gives `args.<key>`."""
+    value = getattr(args, key)
+    if key == "window_layers":
+        return None if value is None else ",".join(str(i) for i in value)
+    return value
+
+
+def rl_overlong_buffer(r: RLConfig) -> int:
+    """rl.overlong_buffer, or its default: a quarter of max_new_tokens for dapo, else none."""
+    if r.overlong_buffer is not None:
+        return r.overlong_buffer
+    return r.max_new_tokens // 4 if r.loss == "dapo" else 0
+
+
+def rl_clip_high(r: RLConfig) -> float:
+    """rl.clip_high, or its default: DAPO's clip-higher 0.28, else symmetric."""
+    if r.clip_high is not None:
+        return r.clip_high
+    return 0.28 if r.loss == "dapo" else r.clip_low
+
+
+# `ndtrain sft`'s own defaults, applied before --config and KEY=VALUE (configs/sft.toml
+# lists them): the embedded instruction set, longer rows than pretraining, a lower rate.
+SFT_DEFAULTS = ["data.path=stdlib-functions", "train.seq_len=256", "train.steps=200", "train.lr=1e-3",
+                "train.warmup=10", "train.eval_every=50", "train.eval_batches=16", "sft.generate=4"]
+
+# `ndtrain rl`'s own defaults (configs/rl.toml lists them): a batch of 64 prompts × 8
+# completions, a constant learning rate, held-out evaluation every 25 updates; the rows'
+# length (train.seq_len) follows from the task unless given.
+RL_DEFAULTS = ["train.steps=300", "train.global_batch=512", "train.lr=1e-4", "train.warmup=0", "train.min_lr_ratio=1.0",
+               "train.weight_decay=0.0", "train.eval_every=25", "train.eval_batches=0", "train.log_every=5"]
+
+SECTIONS = {f.name: f.type for f in fields(Config)}
+_SECTION_CLASSES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
+                    "data": DataConfig, "sft": SFTConfig, "rl": RLConfig, "run": RunConfig}
+
+
+def all_keys() -> list[str]:
+    return [f"{s}.{f.name}" for s, cls in _SECTION_CLASSES.items() for f in fields(cls)]
+
+
+def _field_type(section: str, name: str):
+    hints = typing.get_type_hints(_SECTION_CLASSES[section])
+    return hints[name]
+
+
+def _unknown_key(key: str, value: Any = "…") -> ConfigError:
+    near = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    if not near:  # a right name in the wrong section, or a typo of the name alone
+        names = {k.split(".", 1)[1]: k for k in all_keys()}
+        tail = key.split(".")[-1]
+        close = difflib.get_close_matches(tail, list(names), n=1, cutoff=0.6)
+        near = [names[close[0]]] if close else []
+    hint = f"; did you mean {near[0]}?" if near else f"; valid sections are {', '.join(SECTIONS)}"
+    return ConfigError(key, value, f"unknown key{hint}")
+
+
+# --------------------------------------------------------------------------- coercion
+
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _base_type(tp) -> tuple[type, bool]:
+    """(the concrete type, whether None is allowed) for `int`, `int | None` and the like."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _coerce_text(key: str, text: str, tp) -> Any:
+    """A command-line value (always text) to the key's type."""
+    base, optional = _base_type(tp)
+    low = text.strip().lower()
+    if optional and low in ("none", "null", "preset", "auto", ""):
+        return None
+    try:
+        if base is bool:
+            if low in ("true", "1", "yes", "on"):
+                return True
+            if low in ("false", "0", "no", "off"):
+                return False
+            raise ValueError
+        if base is int:
+            return int(text.replace("_", ""))
+        if base is float:
+            value = float(text)
+            if not math.isfinite(value):
+                raise ValueError
+            return value
+    except ValueError:
+        raise ConfigError(key, text, f"expected {_TYPE_WORDS[base]}") from None
+    return text
+
+
+def _coerce_value(key: str, value: Any, tp) -> Any:
+    """A TOML value (already typed) to the key's type, refusing silent conversions."""
+    base, optional = _base_type(tp)
+    if isinstance(value, str) and base is not str:
+        if optional and value.strip().lower() in ("none", "preset", "auto", ""):
+            return None
+        raise ConfigError(key, value, f"expected {_TYPE_WORDS[base]}")
+    if base is bool and not isinstance(value, bool):
+        raise ConfigError(key, value, "expected true or false")
+    if base is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ConfigError(key, value, "expected an integer")
+    if base is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(key, value, "expected a number")
+        value = float(value)
+        if not math.isfinite(value):  # TOML has nan and inf; no key means either
+            raise ConfigError(key, value, "expected a finite number")
+    if base is str:
+        if isinstance(value, bool):  # resume = true in a file means the word "true"
+            return "true" if value else "false"
+        if not isinstance(value, str):
+            raise ConfigError(key, value, "expected a string")
+    return value
+
+
+def set_key(cfg: Config, key: str, value: Any, *, from_text: bool) -> None:
+    """Set the dotted `key`, its value converted to the key's type (`from_text`: a command-line
+    string; else a typed value, as from TOML) or refused with a ConfigError."""
+    parts = key.split(".")
+    if len(parts) != 2 or parts[0] not in _SECTION_CLASSES:
+        raise _unknown_key(key, value)
+    section, name = parts
+    obj = getattr(cfg, section)
+    if name not in {f.name for f in fields(obj)}:
+        raise _unknown_key(key, value)
+    tp = _field_type(section, name)
+    value = _coerce_text(key, value, tp) if from_text else _coerce_value(key, value, tp)
+    setattr(obj, name, value)
+
+
+def from_dict(data: dict, base: list[str] | tuple = ()) -> Config:
+    cfg = Config()
+    for item in base:
+        key, value = item.split("=", 1)
+        set_key(cfg, key, value, from_text=True)
+    for section, values in data.items():
+        if section not in _SECTION_CLASSES:
+            near = difflib.get_close_matches(section, list(_SECTION_CLASSES), n=1)
+            hint = f"did you mean [{near[0]}]?" if near else f"valid sections are {', '.join(SECTIONS)}"
+            raise ConfigError(f"[{section}]", "table", f"unknown section; {hint}")
+        if not isinstance(values, dict):
+            raise ConfigError(section, values, "expected a table of keys")
+        for name, value in values.items():
+            if value is None:
+                continue
+            set_key(cfg, f"{section}.{name}", value, from_text=False)
+    return cfg

@@ -1,0 +1,187 @@
+"""Validation per section: the rules of the model, parallel, train, run and data keys, each
+section's keys on their own. validate.py runs these first, then the rules between sections
+(layout.py), the paths (paths.py) and the task sections (tasks.py)."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from ndtrain.config.schema import ConfigError, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from ndtrain.data.chat import BAD_RECORD_POLICIES
+from ndtrain.data.packing import PACKINGS, TRUNCATIONS
+from ndtrain.model.args import PRESETS
+
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+TEMPLATES = ("auto", "builtin", "hf")
+PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
+CP_IMPLS = ("ring", "allgather", "ulysses")
+RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
+
+# Dimensions whose implementation has not landed yet: refused up front, never half-run.
+NOT_YET: dict[str, str] = {}  # every dimension has landed
+
+
+def positive(key: str, value, *, zero_ok: bool = False) -> None:
+    if value is None:
+        return
+    if value < 0 or (value == 0 and not zero_ok):
+        raise ConfigError(key, value, "must be >= 0" if zero_ok else "must be > 0")
+
+
+def check_model(m: ModelConfig, check_paths: bool) -> None:
+    if m.preset not in PRESETS:
+        raise ConfigError("model.preset", m.preset, f"unknown preset; choose one of {', '.join(PRESETS)}")
+    for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "head_dim"):
+        positive(f"model.{key}", getattr(m, key))
+    for key in ("rope_theta", "norm_eps"):
+        if getattr(m, key) is not None:
+            positive(f"model.{key}", getattr(m, key))
+    if m.init_from:
+        kind, _, path = m.init_from.partition(":")
+        if kind not in ("run", "hf") or not path:
+            raise ConfigError("model.init_from", m.init_from, "expected run:DIR (an ndtrain run or checkpoint) "
+                              "or hf:DIR (a Hugging Face model folder)")
+        if check_paths and not Path(os.path.expanduser(path)).is_dir():
+            raise ConfigError("model.init_from", m.init_from, "no such directory")
+    if not 0.0 <= m.dropout < 1.0:
+        raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
+
+
+def check_parallel(p: ParallelConfig) -> None:
+    for key in ("pp", "dp_replicate", "tp", "cp", "ep", "pp_virtual"):
+        positive(f"parallel.{key}", getattr(p, key))
+    positive("parallel.dp", p.dp, zero_ok=True)
+    for key, what in NOT_YET.items():
+        value = getattr(p, key.split(".")[1])
+        if value != 1:
+            raise ConfigError(key, value, f"{what} is not implemented yet; use 1")
+    if p.zero not in (0, 1, 2, 3):
+        raise ConfigError("parallel.zero", p.zero, "choose a ZeRO stage: 0, 1, 2 or 3")
+    if p.cp_impl not in CP_IMPLS:
+        raise ConfigError("parallel.cp_impl", p.cp_impl, f"choose one of {', '.join(CP_IMPLS)}")
+    if p.pp_schedule not in PP_SCHEDULES:
+        raise ConfigError("parallel.pp_schedule", p.pp_schedule, f"unknown schedule; choose one of {', '.join(PP_SCHEDULES)}")
+    positive("parallel.bucket_mb", p.bucket_mb)
+
+
+def check_train(t: TrainConfig, device: str) -> None:
+    """The train keys; `device` is run.device, on which fp64 depends."""
+    positive("train.steps", t.steps)
+    positive("train.seq_len", t.seq_len)
+    positive("train.lr", t.lr)
+    positive("train.global_batch", t.global_batch)
+    positive("train.micro_batch", t.micro_batch, zero_ok=True)
+    for key in ("warmup", "eval_every", "save_every", "eval_batches", "grad_clip", "weight_decay"):
+        positive(f"train.{key}", getattr(t, key), zero_ok=True)
+    positive("train.log_every", t.log_every)
+    if not 0 <= t.seed < 2**32:
+        raise ConfigError("train.seed", t.seed, "must be in [0, 2**32)")
+    positive("train.eps", t.eps)
+    if not 0.0 <= t.min_lr_ratio <= 1.0:
+        raise ConfigError("train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    for key in ("beta1", "beta2"):
+        if not 0.0 <= getattr(t, key) < 1.0:
+            raise ConfigError(f"train.{key}", getattr(t, key), "must be in [0, 1)")
+    _check_precision(t, device)
+    match = RECOMPUTE.match(t.recompute)
+    if not match:
+        raise ConfigError("train.recompute", t.recompute, "choose none, full, selective or every:K")
+    if match.group(2) is not None and int(match.group(2)) < 1:
+        raise ConfigError("train.recompute", t.recompute, "every:K needs K >= 1 (every:1 = full)")
+
+
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def check_compile(t: TrainConfig, p: ParallelConfig, device: str) -> None:
+    """train.compile: a known backend; not with the zero-bubble schedule (a compiled block's
+    backward is one node, which cannot be split into input and weight parts); Inductor on
+    the CPU needs a C++ compiler."""
+    if t.compile_backend not in COMPILE_BACKENDS:
+        raise ConfigError("train.compile_backend", t.compile_backend, f"choose one of {', '.join(COMPILE_BACKENDS)}")
+    if not t.compile:
+        return
+    if p.pp > 1 and p.pp_schedule == "zb":
+        raise ConfigError("train.compile", True, "cannot compile under parallel.pp_schedule=zb: zero bubble "
+                          "splits each backward into input and weight parts, which a compiled block computes "
+                          "in one node; use 1f1b, afab or interleaved, or train.compile=false")
+    if t.compile_backend == "inductor" and not _uses_cuda(device):
+        import shutil
+        if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+            raise ConfigError("train.compile", True, "Inductor on the CPU needs a C++ compiler (g++, c++ or "
+                              "clang++) on PATH; install one or set train.compile_backend=aot_eager")
+
+
+def _check_precision(t: TrainConfig, device: str) -> None:
+    """train.precision and the fp16 loss scaler."""
+    if t.precision not in PRECISIONS:
+        raise ConfigError("train.precision", t.precision, f"choose one of {', '.join(PRECISIONS)}")
+    if t.precision == "fp64" and _uses_cuda(device):
+        raise ConfigError("train.precision", t.precision, "fp64 is for the CPU layout proofs (run.device=cpu); "
+                          "on a GPU use fp32, bf16 or fp16")
+    if t.precision == "fp16" and not t.loss_scaler and not t.allow_unscaled_fp16:
+        raise ConfigError("train.loss_scaler", False, "fp16 without loss scaling flushes small gradients "
+                          "to zero; keep it on, or set train.allow_unscaled_fp16=true to insist")
+    for key in ("loss_scale_init", "loss_scale_min"):
+        value = getattr(t, key)
+        positive(f"train.{key}", value)
+        if not math.log2(value).is_integer():
+            raise ConfigError(f"train.{key}", value, "must be a power of two (so scaling is exact)")
+    positive("train.loss_scale_window", t.loss_scale_window)
+    if t.loss_scale_init < t.loss_scale_min:
+        raise ConfigError("train.loss_scale_init", t.loss_scale_init,
+                          f"must be at least train.loss_scale_min = {t.loss_scale_min}")
+
+
+def _uses_cuda(device: str) -> bool:
+    if device == "cuda":
+        return True
+    if device != "auto":
+        return False
+    import torch
+    return torch.cuda.is_available()
+
+
+def check_run(r: RunConfig) -> None:
+    if r.device not in ("auto", "cpu", "cuda"):
+        raise ConfigError("run.device", r.device, "choose auto, cpu or cuda")
+    if r.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise ConfigError("run.device", r.device, "no CUDA device is available")
+    if r.resume not in ("auto", "true", "false"):
+        raise ConfigError("run.resume", r.resume, "choose auto, true or false")
+    positive("run.nproc", r.nproc, zero_ok=True)
+    positive("run.threads", r.threads, zero_ok=True)
+    cores = os.cpu_count() or 1
+    if r.threads > cores:
+        raise ConfigError("run.threads", r.threads, f"must be at most this machine's {cores} CPU cores")
+    positive("run.stop_after", r.stop_after, zero_ok=True)
+    positive("run.stop_after_s", r.stop_after_s, zero_ok=True)
+    positive("run.max_restarts", r.max_restarts, zero_ok=True)
+    positive("run.heartbeat_s", r.heartbeat_s, zero_ok=True)
+    positive("run.collective_timeout_s", r.collective_timeout_s)
+
+
+def check_data(d: DataConfig) -> None:
+    """The data keys' values (paths.py checks the paths they name)."""
+    positive("data.vocab_size", d.vocab_size)
+    if d.vocab_size < 257:
+        raise ConfigError("data.vocab_size", d.vocab_size, "must be at least 257 (256 bytes + end of text)")
+    if not 0.0 < d.val_fraction <= 0.5:
+        raise ConfigError("data.val_fraction", d.val_fraction, "must be in (0, 0.5]")
+    for key, choices in (("packing", PACKINGS), ("truncate", TRUNCATIONS), ("on_bad_record", BAD_RECORD_POLICIES),
+                         ("template", TEMPLATES)):
+        if getattr(d, key) not in choices:
+            raise ConfigError(f"data.{key}", getattr(d, key), f"choose one of {', '.join(choices)}")
+
+
+def recompute_every(spec: str) -> int:
+    """`every:K` → K; `full` → 1; `none`/`selective` → 0."""
+    if spec == "full":
+        return 1
+    m = RECOMPUTE.match(spec)
+    return int(m.group(2)) if m and m.group(2) else 0

@@ -1,0 +1,74 @@
+"""Validation of the task sections: the sft and rl keys on their own (`validate` checks them
+for every command), and `check_rl_job`, what `ndtrain rl` needs of a validated config."""
+
+from __future__ import annotations
+
+import re
+
+from ndtrain.config.schema import Config, ConfigError, RLConfig, SFTConfig
+from ndtrain.config.sections import positive
+
+RL_TASKS = ("addition", "reverse", "sort", "countdown")
+RL_LOSSES = ("reinforce", "grpo", "dr_grpo", "dapo")
+RL_SIZES = {"addition": (1, 9), "reverse": (2, 30), "sort": (2, 20), "countdown": (2, 6)}
+_SCORE = re.compile(r"^(exact|[A-Za-z_][\w.]*:[A-Za-z_]\w*)$")
+
+
+def check_sft(s: SFTConfig) -> None:
+    positive("sft.generate", s.generate, zero_ok=True)
+    positive("sft.max_new_tokens", s.max_new_tokens)
+    if not _SCORE.match(s.score):
+        raise ConfigError("sft.score", s.score, "choose exact, or MODULE:FUNCTION (a function of prompt, "
+                          "completion and reference that returns a number)")
+
+
+def check_rl(r: RLConfig) -> None:
+    """The rl keys on their own; `check_rl_job` adds what only `ndtrain rl` needs."""
+    if r.task not in RL_TASKS:
+        raise ConfigError("rl.task", r.task, f"choose one of {', '.join(RL_TASKS)}")
+    lo, hi = RL_SIZES[r.task]
+    if not lo <= r.size <= hi:
+        raise ConfigError("rl.size", r.size, f"must be in [{lo}, {hi}] for rl.task = {r.task}")
+    if r.loss not in RL_LOSSES:
+        raise ConfigError("rl.loss", r.loss, f"choose one of {', '.join(RL_LOSSES)}")
+    if r.reward != "builtin" and not _SCORE.match(r.reward):
+        raise ConfigError("rl.reward", r.reward, "choose builtin, or MODULE:FUNCTION (a function of prompt, "
+                          "completion and answer that returns a number)")
+    for key in ("group_size", "max_new_tokens", "ppo_epochs", "logprob_tol"):
+        positive(f"rl.{key}", getattr(r, key))
+    for key in ("top_k", "kl_coef", "max_refills", "overlong_buffer", "eval_prompts", "pass_k", "warmup_steps",
+                "format_reward", "temperature"):
+        positive(f"rl.{key}", getattr(r, key), zero_ok=True)
+    positive("rl.warmup_examples", r.warmup_examples)
+    if not 0.0 < r.top_p <= 1.0:
+        raise ConfigError("rl.top_p", r.top_p, "must be in (0, 1]")
+    if not 0.0 <= r.clip_low < 1.0:
+        raise ConfigError("rl.clip_low", r.clip_low, "must be in [0, 1): the ratio is clipped to [1 - clip_low, "
+                          "1 + clip_high]")
+    positive("rl.clip_high", r.clip_high, zero_ok=True)
+    if r.overlong_buffer is not None and r.overlong_buffer >= r.max_new_tokens:
+        raise ConfigError("rl.overlong_buffer", r.overlong_buffer,
+                          f"must be less than rl.max_new_tokens = {r.max_new_tokens}")
+
+
+def check_rl_job(cfg: Config) -> None:
+    """What `ndtrain rl` needs of a validated config: whole groups on every data-parallel
+    rank, groups that can disagree, an update rule that fits the batch."""
+    r, t, p = cfg.rl, cfg.train, cfg.parallel
+    if r.loss != "reinforce" and r.group_size < 2:
+        raise ConfigError("rl.group_size", r.group_size, f"rl.loss = {r.loss} normalises rewards within a group of "
+                          "completions of one prompt: it needs at least 2 (or rl.loss = reinforce)")
+    if t.global_batch % (r.group_size * p.dp):
+        raise ConfigError("train.global_batch", t.global_batch,
+                          f"must be divisible by rl.group_size × dp = {r.group_size} × {p.dp} = {r.group_size * p.dp} "
+                          "(each data-parallel rank trains on whole groups)")
+    if r.loss != "reinforce" and r.temperature == 0:
+        raise ConfigError("rl.temperature", 0.0, "greedy sampling gives a group the same completion every time: "
+                          "its rewards never differ, so there is nothing to learn; use a temperature > 0")
+    if r.loss == "reinforce" and r.ppo_epochs > 1:
+        raise ConfigError("rl.ppo_epochs", r.ppo_epochs, "reinforce has no importance ratio, so it cannot reuse a "
+                          "batch; use grpo, dr_grpo or dapo for several updates per rollout")
+    if cfg.model_args().is_moe:
+        raise ConfigError("model.preset", cfg.model.preset, "is a mixture-of-experts model: ndtrain rl does not "
+                          "generate with experts yet (its generation layout copies parameters, not the routers' "
+                          "biases, and does not gather experts split by parallel.ep); use a dense model")

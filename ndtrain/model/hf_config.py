@@ -1,0 +1,276 @@
+"""Hugging Face config.json ⇄ `ModelArgs`: the families we read, every key's default as
+`transformers` defines it for that family, and what each family may carry.
+
+A key missing from config.json takes the family's own default (a Mixtral without
+`rope_theta` has 1e6, a Mistral without `sliding_window` a window of 4096), never a default
+of ours; tests/test_hf_interop.py compares each of them with `transformers`. A null value
+is kept as null (a Mistral with `"sliding_window": null` has no window). A feature we cannot
+compute is refused by `HFConfigError`, one line naming the key, its value and the reason.
+
+What the families add to the Llama block (model/llama.py holds every piece):
+- qwen2: q/k/v biases; qwen3: q/k norms and a head_dim of its own; mixtral, qwen3_moe:
+  routed experts.
+- mistral, mixtral, phi3: a sliding window on every layer (`sliding_window`, null: none);
+  qwen2, qwen3: on the layers from `max_window_layers` on when `use_sliding_window`
+  (or those `layer_types` names); qwen3_moe: on every layer when `use_sliding_window`.
+- phi3: fused q/k/v and gate/up projections (model/hf.py splits them), longrope scaling.
+- gemma2: norms scaling by (1 + weight), a second norm after attention and after the MLP,
+  a tanh-GeLU gate, embeddings × √hidden_size, query_pre_attn_scalar, soft-capped
+  attention scores and logits, a window on every other layer (`layer_types`).
+Rotary scalings (model/rope.py) are read from `rope_scaling` or `rope_parameters`, the
+first winning when both are there, as in transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from .args import ModelArgs
+from .rope import KINDS, REQUIRED, scaling_problem
+
+
+class HFConfigError(ValueError):
+    """A config.json we cannot read into a model: `str(err)` is the one line to show."""
+
+    def __init__(self, key: str, value, rule: str):
+        self.key, self.value, self.rule = key, value, rule
+        super().__init__(f"{key} = {value!r}: {rule}")
+
+
+def _defaults(**changes) -> dict:
+    """Llama's defaults (transformers' LlamaConfig) with a family's changes."""
+    base = dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=None, head_dim=None, hidden_act="silu",
+                max_position_embeddings=2048, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
+                attention_bias=False, mlp_bias=False)
+    return {**base, **changes}
+
+
+_QWEN = dict(vocab_size=151936, intermediate_size=22016, num_key_value_heads=32, max_position_embeddings=32768,
+             use_sliding_window=False, sliding_window=4096, max_window_layers=28)
+_MISTRAL = dict(intermediate_size=14336, num_key_value_heads=8, max_position_embeddings=131072)
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str
+    defaults: dict = field(default_factory=dict)  # transformers' default of every key we read
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    refused: tuple[str, ...] = ()  # keys that must be false (or absent) for the weights to mean what ours do
+    window: str = ""  # "all": `sliding_window` on every layer; "qwen": see the module docstring; "alternating"
+    moe: str = ""  # MoE: the block's module name and the names of gate, up and down in one expert
+    expert_names: tuple[str, str, str] = ()
+    fused: bool = False  # phi3: qkv_proj and gate_up_proj
+    gemma: bool = False
+
+
+FAMILIES = {
+    "llama": Family("llama", "LlamaForCausalLM", _defaults(), refused=("attention_bias", "mlp_bias")),
+    "mistral": Family("mistral", "MistralForCausalLM", _defaults(**_MISTRAL, sliding_window=4096), window="all"),
+    "qwen2": Family("qwen2", "Qwen2ForCausalLM", _defaults(**_QWEN), qkv_bias=True, window="qwen"),
+    "qwen3": Family("qwen3", "Qwen3ForCausalLM", _defaults(**_QWEN, head_dim=128), qk_norm=True,
+                    refused=("attention_bias",), window="qwen"),
+    "mixtral": Family("mixtral", "MixtralForCausalLM",
+                      _defaults(**_MISTRAL, rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None,
+                                num_local_experts=8, num_experts_per_tok=2),
+                      window="all", moe="block_sparse_moe", expert_names=("w1", "w3", "w2")),
+    "qwen3_moe": Family("qwen3_moe", "Qwen3MoeForCausalLM",
+                        _defaults(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                                  num_key_value_heads=4, max_position_embeddings=32768, use_sliding_window=False,
+                                  sliding_window=4096, num_experts=128, num_experts_per_tok=8,
+                                  moe_intermediate_size=768, norm_topk_prob=False, decoder_sparse_step=1,
+                                  mlp_only_layers=[]),
+                        qk_norm=True, refused=("attention_bias", "mlp_only_layers"), window="qwen_all",
+                        moe="mlp", expert_names=("gate_proj", "up_proj", "down_proj")),
+    "phi3": Family("phi3", "Phi3ForCausalLM",
+                   _defaults(vocab_size=32064, hidden_size=3072, intermediate_size=8192, max_position_embeddings=4096,
+                             original_max_position_embeddings=4096, rms_norm_eps=1e-5, sliding_window=None),
+                   window="all", fused=True),
+    "gemma2": Family("gemma2", "Gemma2ForCausalLM",
+                     _defaults(vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                               num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                               hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192,
+                               tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                               final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
+                               use_bidirectional_attention=None),
+                     refused=("attention_bias", "use_bidirectional_attention"), window="alternating", gemma=True),
+}
+# What the families' configs name elsewhere, with the reason we do not read it.
+UNSUPPORTED = {
+    "gemma3": "Gemma 3 is a vision-language model; its text part (gemma3_text) is not supported either: its local "
+              "and global layers rotate with different rope_theta, which this decoder's one rotary table cannot hold",
+    "gemma3_text": "its local and global layers rotate with different rope_theta (one rotary table per model here)",
+    "gemma": "Gemma (1) is not supported; Gemma 2 is",
+    "phi": "Phi-1/Phi-2 use LayerNorm, a partial rotary and a parallel block; Phi-3 (phi3) is supported",
+}
+ACTIVATIONS = {"silu": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def _get(c: dict, family: Family, key: str):
+    """config.json's value, or the family's default when the key is missing (a null stays null)."""
+    if key in c:
+        return c[key]
+    if key in family.defaults:
+        return family.defaults[key]
+    raise HFConfigError(key, None, f"missing from config.json, and {family.model_type} has no default for it")
+
+
+def family_of_config(c: dict) -> Family:
+    model_type = c.get("model_type")
+    if model_type is None:
+        raise HFConfigError("model_type", None, "missing from config.json (transformers needs it too); "
+                            f"supported: {', '.join(FAMILIES)}")
+    if model_type in UNSUPPORTED:
+        raise HFConfigError("model_type", model_type, UNSUPPORTED[model_type])
+    if model_type not in FAMILIES:
+        raise HFConfigError("model_type", model_type, f"not supported; supported: {', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
+
+
+def args_from_hf_config(config) -> ModelArgs:
+    """The `ModelArgs` of a `transformers` config (or its dict, config.json) of a supported
+    family. Raises HFConfigError naming the key of anything it cannot hold."""
+    c = config if isinstance(config, dict) else config.to_dict()
+    family = family_of_config(c)
+    for key in family.refused:
+        if _get(c, family, key):
+            raise HFConfigError(key, c[key], f"{family.model_type} with {key} is not supported (the weights would "
+                                "not mean what ours do)")
+    act_key = "hidden_activation" if family.gemma else "hidden_act"
+    act = _get(c, family, act_key)
+    if act not in ACTIVATIONS or (ACTIVATIONS[act] == "gelu_tanh") != family.gemma:
+        raise HFConfigError(act_key, act, "not supported: silu (SwiGLU), or gelu_pytorch_tanh in Gemma 2")
+    heads = _get(c, family, "num_attention_heads")
+    dim = _get(c, family, "hidden_size")
+    head_dim = _get(c, family, "head_dim") or dim // heads
+    n_layers = _get(c, family, "num_hidden_layers")
+    max_len = _get(c, family, "max_position_embeddings")
+    rope = _rope(c, family, head_dim, max_len)
+    if rope.get("rope_type") == "dynamic":  # transformers' max_position_embeddings is where it starts
+        max_len = int(rope["factor"] * max_len)
+    return ModelArgs(
+        dim=dim, n_layers=n_layers, n_heads=heads,
+        n_kv_heads=_get(c, family, "num_key_value_heads") or heads,
+        ffn_dim=_get(c, family, "intermediate_size"),
+        vocab_size=_get(c, family, "vocab_size"),
+        max_seq_len=max_len,
+        rope_theta=float(_rope_theta(c, family)),
+        norm_eps=_get(c, family, "rms_norm_eps"),
+        tie_embeddings=bool(_get(c, family, "tie_word_embeddings")),
+        head_dim=head_dim,
+        qkv_bias=family.qkv_bias,
+        qk_norm=family.qk_norm,
+        rope_scaling=json.dumps(rope, sort_keys=True) if rope.get("rope_type", "default") != "default" else "",
+        **_window(c, family, n_layers),
+        **_gemma(c, family, dim),
+        **_moe_args(family, c),
+    )
+
+
+def _rope_params(c: dict) -> dict:
+    """The scaling dict: `rope_scaling` (the older spelling) wins over `rope_parameters`, as
+    in transformers; the kind is `rope_type` or, older still, `type`."""
+    params = c.get("rope_scaling") or c.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise HFConfigError("rope_scaling", params, "must be a JSON object")
+    if any(isinstance(v, dict) for v in params.values()):
+        raise HFConfigError("rope_parameters", params, "one set of rotary parameters per layer type is not "
+                            "supported (every layer here rotates alike)")
+    params = dict(params)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.pop("type", None)
+    return params
+
+
+def _rope_theta(c: dict, family: Family) -> float:
+    params = _rope_params(c)
+    if params.get("rope_theta") is not None:
+        return params["rope_theta"]
+    return _get(c, family, "rope_theta")
+
+
+_OPTIONAL = {"yarn": ("attention_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+             "longrope": ("factor", "attention_factor")}
+
+
+def _rope(c: dict, family: Family, head_dim: int, max_len: int) -> dict:
+    """The scaling dict as `ModelArgs.rope_scaling` keeps it: its kind, the parameters that
+    kind reads, the original context filled in as transformers fills it."""
+    params = _rope_params(c)
+    kind = params["rope_type"]
+    if family.fused and kind in ("su", "yarn"):  # Phi-3's older names of longrope
+        kind = "longrope"
+    partial = params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0, 1):
+        raise HFConfigError("partial_rotary_factor", partial, "a partial rotary is not supported (every pair of a "
+                            "head rotates here)")
+    if kind not in KINDS:
+        raise HFConfigError("rope_scaling.rope_type", kind, f"not supported; supported: {', '.join(KINDS)}")
+    if kind == "default":
+        return {"rope_type": "default"}
+    if kind in ("llama3", "yarn", "longrope"):
+        top = c.get("original_max_position_embeddings", family.defaults.get("original_max_position_embeddings"))
+        if top is not None:  # a top-level original_max_position_embeddings overrides the dict's
+            params["original_max_position_embeddings"] = top
+        params.setdefault("original_max_position_embeddings", max_len)
+    if kind == "dynamic":
+        params["original_max_position_embeddings"] = max_len
+    keep = {k: params[k] for k in REQUIRED[kind] + _OPTIONAL.get(kind, ()) if params.get(k) is not None}
+    keep["rope_type"] = kind
+    problem = scaling_problem(json.dumps(keep), head_dim)
+    if problem:
+        raise HFConfigError("rope_scaling", c.get("rope_scaling") or c.get("rope_parameters"), problem)
+    return keep
+
+
+def _window(c: dict, family: Family, n_layers: int) -> dict:
+    """sliding_window and window_layers of the family's spelling."""
+    if not family.window:
+        return {}
+    if family.window in ("qwen", "qwen_all") and not _get(c, family, "use_sliding_window"):
+        return {}
+    window = _get(c, family, "sliding_window")
+    if not window:
+        return {}
+    layers = None
+    types = c.get("layer_types")
+    if types is not None:
+        if len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
+            raise HFConfigError("layer_types", types, f"expected {n_layers} of sliding_attention, full_attention")
+        layers = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    elif family.window == "qwen":
+        layers = tuple(range(_get(c, family, "max_window_layers"), n_layers))
+    elif family.window == "alternating":
+        layers = tuple(range(0, n_layers, 2))
+    if layers == tuple(range(n_layers)):
+        layers = None
+    if layers == ():
+        return {}
+    return {"sliding_window": int(window), "window_layers": layers}
+
+
+def _gemma(c: dict, family: Family, dim: int) -> dict:
+    if not family.gemma:
+        return {}
+    return dict(norm_offset=1.0, sandwich_norm=True, mlp_act="gelu_tanh", embed_scale=dim ** 0.5,
+                query_pre_attn_scalar=float(_get(c, family, "query_pre_attn_scalar")),
+                attn_softcap=float(_get(c, family, "attn_logit_softcapping") or 0.0),
+                logit_softcap=float(_get(c, family, "final_logit_softcapping") or 0.0))
+
+
+def _moe_args(family: Family, c: dict) -> dict:
+    """The MoE fields of `ModelArgs` from a Mixtral or Qwen3-MoE config."""
+    if family.model_type == "mixtral":
+        return dict(moe_experts=_get(c, family, "num_local_experts"),
+                    moe_top_k=_get(c, family, "num_experts_per_tok"),
+                    moe_ffn_dim=_get(c, family, "intermediate_size"), moe_norm_topk=True)
+    if family.model_type == "qwen3_moe":
+        experts = c.get("num_experts") or c.get("num_local_experts") or family.defaults["num_experts"]
+        return dict(moe_experts=experts, moe_top_k=_get(c, family, "num_experts_per_tok"),
+                    moe_ffn_dim=_get(c, family, "moe_intermediate_size"),
+                    moe_norm_topk=bool(_get(c, family, "norm_topk_prob")),
+                    moe_every=_get(c, family, "decoder_sparse_step") or 1)
+    return {}

@@ -1,0 +1,108 @@
+"""The parameters a rank holds, and their model states.
+
+Model states (parameters, gradients, optimizer state) follow Rajbhandari et al. 2020
+through `parallel/zero.model_state_bytes`, applied to the parameters a rank holds: its
+tensor-parallel shards (vocabulary padded to a multiple of t, K/V weights replicated when t
+exceeds the KV heads) of its pipeline chunks (the cost-balanced split of
+`parallel/pipeline/partition.py`; a tied embedding has a copy on the last stage); a mixture
+of experts' routed experts split over ep and sharded over dp_shard·cp/ep (plan/experts.py).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ndtrain.config import Config
+from ndtrain.model.args import ModelArgs
+from ndtrain.parallel.pipeline.partition import Chunk, chunk_counts, local_chunks, make_chunks
+from ndtrain.parallel.zero import model_state_bytes
+from ndtrain.plan.experts import expert_weights, moe_dense_weights
+
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+
+
+def padded_vocab(args: ModelArgs, tp: int) -> int:
+    return -(-args.vocab_size // tp) * tp
+
+
+def block_weight_groups(args: ModelArgs, tp: int, layer: int = 0) -> tuple[list, list]:
+    """One block's dense parameters on one tensor-parallel rank, in registration order, as
+    (elements, is a matrix): (those split by t: heads and features, a q/k/v bias with its
+    rows, K/V weights whole when t exceeds the KV heads, the norms (and Qwen3's q/k norms)
+    whole; an MoE block's router and shared experts, whole on every tp rank). Its routed
+    experts are apart (plan/experts.expert_weights). Matrices and vectors are ZeRO's two flat
+    buffers per unit (weight decay or not)."""
+    h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.ffn_dim
+    kv_local = kv // tp if args.n_kv_heads % tp == 0 else kv  # replicated K/V weights
+    bias = args.qkv_bias
+    weights = [(h, False), (h * q // tp, True), *([(q // tp, False)] if bias else []),
+               (h * kv_local, True), *([(kv_local, False)] if bias else []),
+               (h * kv_local, True), *([(kv_local, False)] if bias else []), (q // tp * h, True)]
+    if args.qk_norm:
+        weights += [(args.head_dim, False), (args.head_dim, False)]
+    weights.append((h, False))
+    if args.is_moe_layer(layer):
+        return weights, moe_dense_weights(args)
+    return weights + [(h * f // tp, True), (h * f // tp, True), (f // tp * h, True)], []
+
+
+def block_weights(args: ModelArgs, tp: int, layer: int = 0) -> list[tuple[int, bool]]:
+    """One block's dense parameters on one tensor-parallel rank (`block_weight_groups`)."""
+    split, whole = block_weight_groups(args, tp, layer)
+    return split + whole
+
+
+def block_local(args: ModelArgs, tp: int, layer: int = 0) -> int:
+    """Dense parameters of one block on one tensor-parallel rank (`block_weights`)."""
+    return sum(n for n, _ in block_weights(args, tp, layer))
+
+
+def block_experts(args: ModelArgs, layer: int, ep: int) -> int:
+    """Routed-expert parameters of one block on one rank."""
+    return sum(n for n, _ in expert_weights(args, ep)) if args.is_moe_layer(layer) else 0
+
+
+def root_local(args: ModelArgs, chunk: Chunk, tp: int) -> int:
+    """Embedding, final norm and head held by a chunk, on one tensor-parallel rank."""
+    table = padded_vocab(args, tp) // tp * args.dim
+    n = table if chunk.embed else 0
+    if chunk.head:
+        n += args.dim
+        if not (args.tie_embeddings and chunk.embed):
+            n += table  # untied head, or a tied head's copy on the last stage
+    return n
+
+
+def stage_chunks(cfg: Config, args: ModelArgs) -> list[list[Chunk]]:
+    """Each pipeline rank's chunks, cut as the engine cuts them (partition.py)."""
+    p = cfg.parallel
+    return _stage_chunks(args, p.pp, p.pp_virtual, cfg.train.seq_len, p.pp_split)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_chunks(args: ModelArgs, pp: int, v: int, seq_len: int, split: str) -> list[list[Chunk]]:
+    chunks = make_chunks(chunk_counts(args, pp * v, seq_len, split))
+    return [[chunks[c] for c in local_chunks(r, pp, v)] for r in range(pp)]
+
+
+def stage_split(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> tuple[int, int]:
+    """(dense, routed-expert) parameters of a pipeline rank's chunks on one rank."""
+    tp, ep = cfg.parallel.tp, cfg.parallel.ep
+    dense = sum(block_local(args, tp, i) for ch in chunks for i in ch.layer_ids)
+    experts = sum(block_experts(args, i, ep) for ch in chunks for i in ch.layer_ids)
+    return dense + sum(root_local(args, ch, tp) for ch in chunks), experts
+
+
+def stage_params(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> int:
+    return sum(stage_split(cfg, args, chunks))
+
+
+def stage_states(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> dict[str, float]:
+    """A rank's model states (parallel/zero.model_state_bytes): dense ones sharded by ZeRO over
+    dp_shard × cp, routed experts over the ranks holding the same experts, dp_shard·cp/ep."""
+    p = cfg.parallel
+    dense, experts = stage_split(cfg, args, chunks)
+    c = BYTES[cfg.train.precision]
+    a = model_state_bytes(dense, p.zero, p.dp_shard * p.cp, c)
+    b = model_state_bytes(experts, p.zero, max(p.dp_shard * p.cp // p.ep, 1), c)
+    return {k: a[k] + b[k] for k in a}
