@@ -74,14 +74,18 @@ def counting(counter: HostWaits):
 
 
 STEPS = ["train.steps=3", "train.log_every=10", "train.micro_batch=2"]
-LAYOUTS = {
-    "dp2": ["parallel.dp=2"],
+LAYOUTS = {  # the default tier
     "zero3": ["parallel.zero=3"],
     "tp2-sp": ["parallel.tp=2", "parallel.sp=true"],
     "pp2-1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b"],
-    "cp2-ring": ["parallel.cp=2", "parallel.cp_impl=ring"],
-    "dp2-recompute": ["parallel.dp=2", "train.recompute=full"],
     "ep2-moe": ["model.preset=tiny-moe", "parallel.ep=2"],
+}
+MORE_LAYOUTS = {  # the slow tier
+    "dp2": ["parallel.dp=2"],
+    "cp2-ring": ["parallel.cp=2", "parallel.cp_impl=ring"],
+    "cp2-ulysses": ["parallel.cp=2", "parallel.cp_impl=ulysses"],
+    "dp2-recompute": ["parallel.dp=2", "train.recompute=full"],
+    "zero2-selective": ["parallel.zero=2", "train.recompute=selective"],
 }
 
 
@@ -96,12 +100,21 @@ def _host_waits(data_dir, layouts):
 
 
 def test_a_step_off_the_log_steps_never_waits_for_the_device(tiny_data):
-    """Step 1 of 3 (log_every 10: steps 0 and 2 end a window) on every layout family: no host
-    wait at all in a dense model. An expert-parallel MoE block reads one thing per forward:
-    the all-to-all's split sizes (4 MoE blocks × 2 micro-batches = 8 reads), and nothing else
-    (the counts for its experts come with them). The window ends do read: the control that
-    the counter sees what the trainer does there."""
-    results = run_ranks(_host_waits, 2, tiny_data, LAYOUTS)
+    """Step 1 of 3 (log_every 10: steps 0 and 2 end a window): no host wait at all in a dense
+    model. An expert-parallel MoE block reads one thing per forward: the all-to-all's split
+    sizes (4 MoE blocks × 2 micro-batches = 8 reads), and nothing else (the counts for its
+    experts come with them). The window ends do read: the control that the counter sees
+    what the trainer does there."""
+    _check(run_ranks(_host_waits, 2, tiny_data, LAYOUTS))
+
+
+@pytest.mark.slow
+def test_a_step_off_the_log_steps_never_waits_on_more_layouts(tiny_data):
+    """The same on DP, CP (ring and Ulysses) and the recomputation modes."""
+    _check(run_ranks(_host_waits, 2, tiny_data, MORE_LAYOUTS))
+
+
+def _check(results):
     for rank, result in enumerate(results):
         for name, steps in result.items():
             expected = ["tolist"] * 8 if name == "ep2-moe" else []
