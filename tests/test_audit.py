@@ -65,7 +65,11 @@ def test_the_norm_reduces_by_layout_not_by_local_gradients():
     assert norms[0] == norms[1] == pytest.approx(4.0, rel=1e-6)
 
 
-def _offsets(overrides):
+def _offsets(layouts):
+    return [_offsets_of(overrides) for overrides in layouts]
+
+
+def _offsets_of(overrides):
     import torch.distributed as dist
 
     from ndtrain.config import load_config, validate
@@ -87,6 +91,7 @@ def _offsets(overrides):
 
 
 def test_flat_buffers_start_everything_at_64_elements():
-    for overrides in (["parallel.dp=2"], ["parallel.zero=1"], ["parallel.zero=3"], ["parallel.tp=2"]):
-        for starts, views in run_ranks(_offsets, 2, overrides):
+    layouts = (["parallel.dp=2"], ["parallel.zero=1"], ["parallel.zero=3"], ["parallel.tp=2"])
+    for rank in run_ranks(_offsets, 2, layouts):
+        for overrides, (starts, views) in zip(layouts, rank):
             assert starts and all(s % ALIGN == 0 for s in starts + views), (overrides, starts, views)

@@ -2,24 +2,17 @@
 one line and exit 2, and a step that crashes or hangs is a row of the table, not the end of
 the run."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
 from ndtrain.bench import gpu
 
 
-def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "ndtrain.cli", "bench", "gpu", *args], capture_output=True,
-                          text=True, timeout=120)
+def test_dry_run_lists_every_step_within_the_budget(monkeypatch, capsys):
+    from ndtrain.cli import main
 
-
-def test_dry_run_lists_every_step_within_the_budget(monkeypatch):
-    out = _cli("--dry-run")
-    assert out.returncode == 0, out.stderr
-    lines = out.stdout.strip().splitlines()
+    assert main(["bench", "gpu", "--dry-run"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
     steps = gpu.steps()
     assert len(lines) == len(steps) + 2 and lines[-1].split()[1] == str(sum(s.budget_s for s in steps))
     assert any("pytest -m cuda" in line for line in lines) and any("train.compile=true" in line for line in lines)
@@ -32,11 +25,13 @@ def test_dry_run_lists_every_step_within_the_budget(monkeypatch):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
-def test_without_a_gpu_one_line_and_exit_2(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "ndtrain.cli", "bench", "gpu"], capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path, env={**__import__("os").environ})
-    assert out.returncode == 2 and out.stdout == ""
-    assert len(out.stderr.strip().splitlines()) == 1 and "CUDA" in out.stderr
+def test_without_a_gpu_one_line_and_exit_2(tmp_path, monkeypatch, capsys):
+    from ndtrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "gpu"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and len(out.err.strip().splitlines()) == 1 and "CUDA" in out.err
     assert not (tmp_path / "docs").exists() and not (tmp_path / "runs").exists()  # nothing written
 
 
