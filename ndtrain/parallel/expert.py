@@ -148,13 +148,16 @@ class _InFlight:
     recv_splits: list[int]
     send_splits: list[int]
     out: Tensor = field(init=False)
+    inp: Tensor | None = field(init=False, default=None)
     work: object = field(init=False)
 
     def start(self, x: Tensor) -> "_InFlight":
         t0 = time.perf_counter()
         self.out = x.new_empty((sum(self.recv_splits), *x.shape[1:]))
-        self.work = ops.all_to_all(self.out, x.detach().contiguous(), self.group, self.recv_splits,
-                                   self.send_splits, async_op=True)
+        # The input stays referenced until `wait`: the caching allocator must not hand its
+        # memory to another tensor while the collective still reads it on its own stream.
+        self.inp = x.detach().contiguous()
+        self.work = ops.all_to_all(self.out, self.inp, self.group, self.recv_splits, self.send_splits, async_op=True)
         self.meter.wire += ops.all_to_all_wire(x, self.group, self.send_splits)
         self.meter.seconds += time.perf_counter() - t0
         return self
@@ -162,6 +165,7 @@ class _InFlight:
     def wait(self) -> Tensor:
         t0 = time.perf_counter()
         self.work.wait()
+        self.inp = None
         self.meter.seconds += time.perf_counter() - t0
         return self.out
 
