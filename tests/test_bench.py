@@ -24,6 +24,7 @@ from ndtrain.testing import run_ranks
     (["tp", "model.tie_embeddings=true"], "model.tie_embeddings = True: DTensor's plan cannot shard"),
     (["pp", "--nproc", "4"], "--nproc = 4: bench pp compares pipelines alone: use --nproc 2"),
     (["sft", "data.packing=none"], "data.packing = 'none': bench sft cannot apply it"),
+    (["fp8", "train.precision=bf16"], "train.precision = 'bf16': bench fp8 cannot apply it"),
 ])
 def test_a_key_that_would_reach_one_side_only_is_refused(argv, fragment, capsys):
     assert main(["bench"] + argv + ["run.device=cpu"]) == 2
@@ -141,3 +142,16 @@ def test_bench_generate_takes_fewer_rounds_by_default(monkeypatch):
     assert main(["bench", "generate"]) == 0 and main(["bench", "dp"]) == 0
     assert seen == {"generate": (5, 1), "dp": (10, 3)}
     assert main(["bench", "generate", "--rounds", "2", "--steps", "4"]) == 0 and seen["generate"] == (2, 4)
+
+
+def test_bench_fp8_runs_bf16_and_every_recipe():
+    """One round of bf16 and the three recipes, one process: a ratio per recipe, tensorwise last."""
+    from ndtrain.bench import fp8
+    from ndtrain.bench.common import bench_config
+    cfg = bench_config(_args("model.preset=tiny", "train.seq_len=32", "train.global_batch=4", "run.device=cpu",
+                             "run.threads=1", nproc=1), fp8.BENCH)
+    cfg.train.precision = "bf16"
+    out = fp8._worker(cfg.to_dict(), 1, 1)
+    for recipe in ("rowwise", "blockwise"):
+        assert re.search(rf"\nfp8 {recipe}/bf16 throughput ratio: \d+\.\d\d\n", out), out
+    assert re.search(r"\nfp8 tensorwise/bf16 throughput ratio: \d+\.\d\d$", out), out

@@ -5,9 +5,12 @@ bool, int, float, format, cpu, numpy; a data-dependent shape: nonzero, masked_se
 boolean indexing, unique, bincount, repeat_interleave without output_size). On CUDA,
 torch.cuda.set_sync_debug_mode counts the real ones."""
 
+import weakref
+
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
 
 from helpers import train_in_rank
 from ndtrain.testing import run_ranks
@@ -28,8 +31,16 @@ def _is_host_wait(name: str, args, kwargs) -> bool:
     return False
 
 
+FACTORIES = {"tensor", "as_tensor", "zeros", "ones", "empty", "full", "arange"}
+
+
 class HostWaits(TorchFunctionMode):
-    """Records (step, operation) for every call that would make the host wait for a GPU."""
+    """Records (step, operation) for every call that would make the host wait for a GPU.
+
+    Tensors that would live on the host on a GPU too are told apart and never counted: what
+    `.cpu()` returns, what a factory makes without naming a device (engine code always names
+    the mesh's), and what is computed from such tensors only, except a copy to a device (the
+    MoE dispatch's split sizes, read once, then used on the host)."""
 
     def __init__(self):
         super().__init__()
@@ -37,13 +48,30 @@ class HostWaits(TorchFunctionMode):
         self.step = -1
         self.paused = False
         self.on_host = lambda: set()  # ids of tensors that live on the host on a GPU too
+        self.host: set[int] = set()  # ids of live host tensors (a finalizer forgets each)
+
+    def _is_host(self, t) -> bool:
+        return isinstance(t, torch.Tensor) and (id(t) in self.host or id(t) in self.on_host())
+
+    def _mark_host(self, t: torch.Tensor) -> None:
+        if id(t) not in self.host:
+            self.host.add(id(t))
+            weakref.finalize(t, self.host.discard, id(t))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if not self.paused and _is_host_wait(name, args, kwargs) and id(args[0]) not in self.on_host():
+        if not self.paused and _is_host_wait(name, args, kwargs) and not self._is_host(args[0] if args else None):
             self.calls.append((self.step, name))
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        inputs = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+        made_on_host = name in FACTORIES and "device" not in kwargs  # the engine names its device
+        derived = name not in ("to", "cuda", "pin_memory") and inputs and all(self._is_host(t) for t in inputs)
+        if name == "cpu" or made_on_host or derived:
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._mark_host(t)
+        return out
 
     def per_step(self, steps: int) -> list[list[str]]:
         return [[name for s, name in self.calls if s == step] for step in range(steps)]

@@ -66,7 +66,7 @@ def _anchor(cfg, args, mesh, cls_name: str, x, y, n_targets: float, m: int):
     stages = []
     for c, chunk in chunks.items():
         materialized(chunk, args, mesh, cfg)
-        chunk.to(compute_dtype(cfg.train.precision))
+        chunk.to(compute_dtype(cfg.train.precision, cfg.train.fp8_base))
         anchor_recompute(chunk, cfg.train.recompute)
         stages.append(pipelining.PipelineStage(chunk, c, p.pp * p.pp_virtual, mesh.device, group=mesh.group("pp").pg))
     cls = getattr(pipelining, cls_name)

@@ -219,3 +219,21 @@ def check_context(cfg: Config, a: ModelArgs) -> None:
         if kv % p.cp and p.cp % kv:
             raise ConfigError("parallel.cp", p.cp, f"cp_impl = ulysses needs the KV heads per tp rank ({kv}, of "
                               f"n_kv_heads = {a.n_kv_heads}) to divide cp or be divisible by it")
+
+
+def check_fp8(cfg: Config, a: ModelArgs) -> None:
+    """train.precision = fp8: the fp8 all-gather's needs, and the layouts fp8 cannot make equal
+    to one process (parallel/fp8.py says why)."""
+    t, p = cfg.train, cfg.parallel
+    if t.precision != "fp8":
+        return
+    if t.fp8_all_gather and (t.fp8_recipe != "tensorwise" or p.zero != 3):
+        raise ConfigError("train.fp8_all_gather", True, "gathers tensorwise fp8 weights under ZeRO-3: needs "
+                          f"train.fp8_recipe=tensorwise and parallel.zero=3 (got {t.fp8_recipe}, zero={p.zero})")
+    if p.tp > 1 and a.n_kv_heads % p.tp:
+        raise ConfigError("parallel.tp", p.tp, f"fp8 needs tp to divide the {a.n_kv_heads} KV heads: with fewer, "
+                          "ranks hold partial sums of a KV head's output gradient, which fp8 would quantize unsummed")
+    if a.is_moe and (p.tp > 1 or p.cp > 1):
+        key, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.cp", p.cp)
+        raise ConfigError(key, value, "fp8 with MoE blocks runs with tp = cp = 1: an expert's tokens of one "
+                          "micro-batch would be spread over ranks, and their fp8 scales with them (use ep, dp, pp)")

@@ -5,8 +5,8 @@ the layout across sections (layout.py), the Hugging Face families' features (fam
 from __future__ import annotations
 
 from ndtrain.config.family import check_family, check_family_keys
-from ndtrain.config.layout import (check_context, check_heads, check_moe, check_pipeline, check_sequence,
-                                   check_tensor, resolve_layout)
+from ndtrain.config.layout import (check_context, check_fp8, check_heads, check_moe, check_pipeline,
+                                   check_sequence, check_tensor, resolve_layout)
 from ndtrain.config.paths import check_files
 from ndtrain.config.schema import Config
 from ndtrain.config.sections import (check_compile, check_data, check_model, check_parallel, check_run, check_train,
@@ -36,6 +36,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     check_moe(cfg, a)
     check_context(cfg, a)
     check_family(cfg, a)
+    check_fp8(cfg, a)
 
     if check_paths:
         check_files(cfg)

@@ -194,34 +194,44 @@ def grouped(x: Tensor, w: Tensor) -> bool:
     return _GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16 and aligned
 
 
-def expert_matmul(x: Tensor, w: Tensor, counts: Tensor, host_counts: list[int] | None = None) -> Tensor:
-    """x [N, in] grouped by expert (counts[g] rows for expert g) times w [G, out, in]ᵀ.
-    On CUDA in bf16, one grouped GEMM where torch has it (the counts stay on the device);
-    otherwise a loop over experts, which needs the counts on the host (`host_counts`, read
-    from `counts` if not given: a host sync on a GPU)."""
+def expert_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """x [N, in] grouped by expert (counts[g] rows for expert g; or counts [G, S], the rows of
+    expert g in S consecutive groups, which this product does not tell apart) times
+    w [G, out, in]ᵀ. On CUDA in bf16, one grouped GEMM where torch has it (the counts stay
+    on the device); otherwise a loop over experts, which reads the counts on the host (free
+    when they are a host tensor: `Experts.forward`)."""
+    if counts.dim() == 2:
+        counts = counts.sum(1)
     if grouped(x, w):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
-    return _LoopMatmul.apply(x, w, host_counts if host_counts is not None else counts.tolist())
+    return _LoopMatmul.apply(x, w, counts.tolist())
 
 
 class Experts(nn.Module):
-    """n SwiGLU MLPs, weights stacked: w1, w3 [n, hidden, dim] (gate, up), w2 [n, dim, hidden]."""
+    """n SwiGLU MLPs, weights stacked: w1, w3 [n, hidden, dim] (gate, up), w2 [n, dim, hidden].
+    `matmuls` maps each weight's name to the grouped product it runs (`expert_matmul`; a
+    precision may put its own in: parallel/fp8.py)."""
 
     def __init__(self, n: int, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.matmuls: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = dict.fromkeys(("w1", "w2", "w3"), expert_matmul)
 
-    def forward(self, x: Tensor, counts: Tensor, host_counts: list[int] | None = None) -> Tensor:
-        """x [N, dim], the rows of expert 0, then expert 1, ...: counts[g] rows each (on the
-        device; `host_counts`: the same on the host, where the caller knows them). The host
-        reads the counts at most once per call, and not at all on the grouped GEMM."""
-        if host_counts is None and not grouped(x, self.w1):
-            host_counts = counts.tolist()
-        h = F.silu(expert_matmul(x, self.w1, counts, host_counts)) * expert_matmul(x, self.w3, counts, host_counts)
-        return expert_matmul(h, self.w2, counts, host_counts)
+    def forward(self, x: Tensor, counts: Tensor, host_counts: Tensor | None = None) -> Tensor:
+        """x [N, dim], the rows of expert 0, then expert 1, ...: counts[g] rows each (or
+        counts [n, S]: expert_matmul), on the device; `host_counts`: the same on the host,
+        where the caller knows them. Unless all three products are grouped GEMMs (which take
+        the counts on the device), the products read the counts on the host: they get a host
+        copy, made here at most once per call."""
+        mm = self.matmuls
+        on_device = all(f is expert_matmul for f in mm.values()) and grouped(x, self.w1)
+        if not on_device:
+            counts = host_counts if host_counts is not None else counts.cpu()
+        h = F.silu(mm["w1"](x, self.w1, counts)) * mm["w3"](x, self.w3, counts)
+        return mm["w2"](h, self.w2, counts)
 
 
 class SharedExperts(nn.Module):

@@ -51,6 +51,9 @@ class MemoryReport:
     expert_params: int | None = None
     expert_grads: int | None = None
     expert_optimizer: int | None = None
+    # fp8 training: bytes of the fp8 copies that the step's forwards kept for backward (part
+    # of `activations` while they live; parallel/fp8.py). None without fp8.
+    fp8_saved: int | None = None
 
     @property
     def model_states(self) -> int:

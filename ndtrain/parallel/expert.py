@@ -247,8 +247,8 @@ class AllToAllDispatch(LocalDispatch):
         side = meanwhile() if meanwhile is not None else None  # overlaps the all-to-all
         received = _Exchange.apply(x, flight)
         order = expert_major(from_ranks, sum(recv))
-        per_expert = [sum(row[e] for row in table) for e in range(local)]
-        y = experts(received[order], from_ranks.sum(0), per_expert)
+        by_source = torch.tensor(table, dtype=from_ranks.dtype).t()  # the same counts, on the host
+        y = experts(received[order], from_ranks.t(), by_source)  # rows of each expert, by source rank
         y = y.new_zeros(y.shape).index_copy(0, order, y)  # back to rank-major
         return exchange(y, g, self.meter, send, recv), side
 

@@ -11,6 +11,7 @@ Order of the transformations (each one is a no-op when its dimension has size 1)
 1. tensor/sequence parallel module swaps   (parallel/tensor.py)
 2. context-parallel attention cores        (parallel/context/)
 3. MoE blocks: token split, this rank's experts, all-to-all dispatch (parallel/expert.py)
+   then, under train.precision = fp8, the block linears' fp8 matmuls (parallel/fp8.py)
 4. regional compilation of each block      (parallel/compile.py, train.compile), then the
    activation recomputation wrappers around it (parallel/recompute.py)
 5. gradient synchronisation over dp × cp (expert weights: over edp): DP buckets
@@ -40,7 +41,7 @@ from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.model.loss import TokenLoss, token_nll, weighted_sum
-from ndtrain.parallel import context, expert, tensor
+from ndtrain.parallel import context, expert, fp8, tensor
 from ndtrain.parallel.compile import compile_blocks, compile_loss
 from ndtrain.parallel.construct import initializer, materialize
 from ndtrain.parallel.data import DataParallel, GradSyncs
@@ -157,6 +158,8 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
         if cp.active:
             context.apply(model, cp, cfg.parallel.cp_impl, tp if tp.active and cfg.parallel.sp else None)
         expert.parallelize(model, mesh, cfg.parallel.sp)
+        if cfg.train.precision == "fp8":
+            fp8.apply(model, mesh, cfg.train.fp8_recipe)
         return model
     return make
 
@@ -191,11 +194,12 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     model = StageModel(chunks) if pipelined else chunks[0]
     # Everything so far lives on the meta device; now each rank materialises what it keeps.
     init = initializer(model, args, t.seed, tp, mesh.device)
-    dtype, rdtype = compute_dtype(t.precision), reduce_dtype(t.precision, t.reduce_fp32)
+    dtype, rdtype = compute_dtype(t.precision, t.fp8_base), reduce_dtype(t.precision, t.reduce_fp32, t.fp8_base)
     if p.zero:
         decoders = {f"chunk{c}": chunk for c, chunk in chunks.items()} if pipelined else None
+        gathered_fp8 = fp8.weights(model) if t.fp8_all_gather else frozenset()
         states = grad_sync = ZeRO(model, mesh, p.zero, dtype, rdtype, init, p.reshard_after_forward,
-                                  defer=pipelined, decoders=decoders)
+                                  defer=pipelined, decoders=decoders, fp8_weights=gathered_fp8)
     else:
         materialize(model, init, mesh.device)
         masters = MasterWeights(list(model.parameters())) if has_masters(dtype) else None

@@ -223,24 +223,28 @@ class ColumnParallelLinear(nn.Module):
     output stays split for the row-parallel layer that ends the region.
     """
 
+    linear = staticmethod(F.linear)  # the product; parallel/fp8.py may put an fp8 one here
+
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
         super().__init__()
         self.weight, self.bias = weight, bias
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """Y = Σ_r X_r·B_rᵀ, B split by columns (input features): each rank multiplies its
     features of X, and g (or the SP reduce-scatter) sums the partial results."""
 
+    linear = staticmethod(F.linear)
+
     def __init__(self, weight: nn.Parameter, group: Group, sp: bool):
         super().__init__()
         self.weight, self.group, self.sp = weight, group, sp
 
     def forward(self, x: Tensor) -> Tensor:
-        return leave_region(F.linear(x, self.weight), self.group, self.sp)
+        return leave_region(self.linear(x, self.weight, None), self.group, self.sp)
 
 
 class ReplicatedHeadsLinear(nn.Module):

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ndtrain.kernels.fp8 import E4M3
 from ndtrain.mesh import Group
 from ndtrain.parallel.construct import new_parameter
 from ndtrain.parallel.placement import copy_placement, flat_layout, mark_sharded, shard_dims
@@ -57,7 +58,7 @@ class FlatParam:
 
     def __init__(self, name: str, params: list[nn.Parameter], stage: int, group: Group,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, init: Callable, device: torch.device,
-                 group_dims: tuple[str, ...] = SHARD_DIMS):
+                 group_dims: tuple[str, ...] = SHARD_DIMS, fp8: bool = False):
         """`params` may live on the meta device (parallel/construct.py): only this rank's
         slice is allocated and filled with `init(p)`, the fp32 initial value of what p holds
         (stages 1-2 also the whole buffer, which every rank keeps); `adopt` then swaps in
@@ -74,6 +75,9 @@ class FlatParam:
         lo, hi = group.rank * self.shard_numel, (group.rank + 1) * self.shard_numel
 
         padded = self.shard_numel * group.size
+        # fp8 (stage 3, parallel/fp8_gather.py): `full` is gathered in fp8 from `shard_fp8`; the
+        # parameters are views of a compute-dtype buffer that never gets memory.
+        self.fp8 = fp8 and stage == 3
         if stage == 3:
             initial = self._initial(init, lo, hi, device)
             self.full = torch.empty(padded, dtype=compute_dtype, device=device)
@@ -87,6 +91,11 @@ class FlatParam:
         # stage 3 its memory then goes, and comes back only while the unit is gathered.
         self.replacements = {id(p): new_parameter(p, self.view_of(self.full, p)) for p in params}
         if stage == 3:
+            free_storage(self.full)
+        if self.fp8:
+            self.full = torch.empty(padded, dtype=E4M3, device=device)
+            self.shard_fp8 = torch.zeros(self.shard_numel, dtype=E4M3, device=device)
+            self.fp8_views = [self.view_of(self.full, p) for p in params]  # made while it has memory
             free_storage(self.full)
         # A separate master starts from the fp32 initial values, not from their rounding.
         master = initial if stage == 3 else initial.clone()

@@ -17,6 +17,7 @@ from ndtrain.config import Config
 from ndtrain.data.batch import MicroBatch
 from ndtrain.observe.memory import MemoryReport, measure_peak, model_state_bytes, storage_bytes
 from ndtrain.parallel.clip import clip_grad_norm_, grad_norm
+from ndtrain.parallel.fp8 import saved_fp8_bytes
 from ndtrain.parallel.parallelize import Parallelized
 from ndtrain.parallel.precision import LossScaler
 from ndtrain.train.optim import build_optimizer, set_lr
@@ -31,6 +32,7 @@ class TrainStep:
         if t.precision == "fp16" and t.loss_scaler:
             self.scaler = LossScaler(t.loss_scale_init, t.loss_scale_window, t.loss_scale_min)
         self.memory = MemoryReport()
+        self.fp8 = t.precision == "fp8"
         self._grad_norm: torch.Tensor | None = None
 
     def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float | torch.Tensor,
@@ -41,10 +43,14 @@ class TrainStep:
         scale = self.scaler.scale if self.scaler else 1.0
         held = self.held_bytes() if measure_memory else 0
         meter = measure_peak(self.mesh.device) if measure_memory else nullcontext()
+        if measure_memory and self.fp8:
+            saved_fp8_bytes(self.par.model, reset=True)
         with meter as peak:
             local = self.par.forward_backward(micro_batches, n_targets / scale, 1.0 / scale)
         if measure_memory:
             self.memory.activations, self.memory.peak = peak["bytes"], held + peak["bytes"]
+            if self.fp8:
+                self.memory.fp8_saved = saved_fp8_bytes(self.par.model, reset=True)
         return local / scale
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:

@@ -30,7 +30,7 @@ from ndtrain.observe.metrics import MetricsLog, read_metrics
 from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss, plot_moe_load
 from ndtrain.observe.progress import TrainProgress
-from ndtrain.parallel import context
+from ndtrain.parallel import context, fp8
 from ndtrain.parallel.parallelize import Parallelized, build
 from ndtrain.parallel.precision import LossScaleExhausted, LossScaler
 from ndtrain.train.optim import lr_at
@@ -316,6 +316,9 @@ class Trainer:
             "checkpoint": str(store.latest(self.run_dir)),
             "stopped": self.stopped,
         }
+        if self.cfg.train.precision == "fp8":
+            t = self.cfg.train
+            summary["fp8"] = fp8.describe(self.args, t.fp8_recipe, t.fp8_base)["text"]
         if self.cfg.run.plot:
             png = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
                             baseline=task.baseline, baseline_label=task.baseline_label, title=f"{self.cfg.model.preset} · {self.mesh.describe()}")
