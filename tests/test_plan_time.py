@@ -5,8 +5,10 @@ schedule's bubble."""
 import random
 
 import pytest
+import torch
 
 from ndtrain.config import load_config, validate
+from ndtrain.model.llama import Transformer
 from ndtrain.plan.calibration import LinkFit
 from ndtrain.plan.cluster import Cluster
 from ndtrain.parallel.pipeline.simulate import theory_bubble
@@ -46,8 +48,13 @@ def test_zero_moves_what_the_paper_says(zero, ratio):
     all-gather the same 2Ψ; ZeRO-3 gathers twice and reduce-scatters, 3Ψ: 1.5× DP."""
     cfg, dp = _time(8, "train.global_batch=8")
     _, zero_step = _time(8, f"parallel.zero={zero}", "train.global_batch=8")
-    assert zero_step.dp / dp.dp == pytest.approx(ratio)
     psi = stage_params(cfg, cfg.model_args(), stage_chunks(cfg, cfg.model_args())[0])
+    # ZeRO's flat buffers start each parameter and each of the 8 slices at a multiple of 64
+    # elements (parallel/placement.py): at most 63 elements per tensor and 63 per slice more.
+    with torch.device("meta"):
+        tensors = len(list(Transformer(cfg.model_args()).parameters()))
+    gaps = 63 * (tensors + 8 * 2 * (cfg.model_args().n_layers + 1))
+    assert zero_step.dp / dp.dp == pytest.approx(ratio, rel=gaps / psi)
     assert dp.dp == pytest.approx(2 * 7 / 8 * 4 * psi / BETA)  # a ring all-reduce of the fp32 gradients
 
 

@@ -96,6 +96,28 @@ def check_train(t: TrainConfig, device: str) -> None:
         raise ConfigError("train.recompute", t.recompute, "every:K needs K >= 1 (every:1 = full)")
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def check_compile(t: TrainConfig, p: ParallelConfig, device: str) -> None:
+    """train.compile: a known backend; not with the zero-bubble schedule (a compiled block's
+    backward is one node, which cannot be split into input and weight parts); Inductor on
+    the CPU needs a C++ compiler."""
+    if t.compile_backend not in COMPILE_BACKENDS:
+        raise ConfigError("train.compile_backend", t.compile_backend, f"choose one of {', '.join(COMPILE_BACKENDS)}")
+    if not t.compile:
+        return
+    if p.pp > 1 and p.pp_schedule == "zb":
+        raise ConfigError("train.compile", True, "cannot compile under parallel.pp_schedule=zb: zero bubble "
+                          "splits each backward into input and weight parts, which a compiled block computes "
+                          "in one node; use 1f1b, afab or interleaved, or train.compile=false")
+    if t.compile_backend == "inductor" and not _uses_cuda(device):
+        import shutil
+        if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+            raise ConfigError("train.compile", True, "Inductor on the CPU needs a C++ compiler (g++, c++ or "
+                              "clang++) on PATH; install one or set train.compile_backend=aot_eager")
+
+
 def _check_fp8_keys(t: TrainConfig, device: str) -> None:
     """train.fp8_*: valid values, set only with train.precision = fp8 (the layouts fp8 refuses:
     layout.check_fp8)."""

@@ -9,7 +9,8 @@ from ndtrain.config.layout import (check_context, check_fp8, check_heads, check_
                                    check_sequence, check_tensor, resolve_layout)
 from ndtrain.config.paths import check_files
 from ndtrain.config.schema import Config
-from ndtrain.config.sections import check_data, check_model, check_parallel, check_run, check_train, positive
+from ndtrain.config.sections import (check_compile, check_data, check_model, check_parallel, check_run, check_train,
+                                     positive)
 from ndtrain.config.tasks import check_rl, check_sft
 from ndtrain.model.args import PRESETS
 
@@ -21,6 +22,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     check_model(m, check_paths)
     check_parallel(cfg.parallel)
     check_train(cfg.train, cfg.run.device)
+    check_compile(cfg.train, cfg.parallel, cfg.run.device)
     check_run(cfg.run)
     positive("train.keep_checkpoints", cfg.train.keep_checkpoints, zero_ok=True)
 

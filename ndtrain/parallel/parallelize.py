@@ -12,7 +12,8 @@ Order of the transformations (each one is a no-op when its dimension has size 1)
 2. context-parallel attention cores        (parallel/context/)
 3. MoE blocks: token split, this rank's experts, all-to-all dispatch (parallel/expert.py)
    then, under train.precision = fp8, the block linears' fp8 matmuls (parallel/fp8.py)
-4. activation recomputation wrappers       (parallel/recompute.py)
+4. regional compilation of each block      (parallel/compile.py, train.compile), then the
+   activation recomputation wrappers around it (parallel/recompute.py)
 5. gradient synchronisation over dp × cp (expert weights: over edp): DP buckets
    (parallel/data.py) or ZeRO (parallel/zero.py), each with the compute dtype and fp32
    masters of parallel/precision.py
@@ -35,11 +36,13 @@ from torch import nn
 from ndtrain.comm import ops
 from ndtrain.config import Config
 from ndtrain.data.batch import MicroBatch
+from ndtrain.deferred import Lazy
 from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.model.loss import TokenLoss, token_nll, weighted_sum
 from ndtrain.parallel import context, expert, fp8, tensor
+from ndtrain.parallel.compile import compile_blocks, compile_loss
 from ndtrain.parallel.construct import initializer, materialize
 from ndtrain.parallel.data import DataParallel, GradSyncs
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
@@ -63,8 +66,10 @@ class Parallelized:
     loss_fn: TokenLoss
     # MoE models: the step's routing statistics and the routers' bias update
     balance: expert.LoadBalance | None = None
+    # elements of initial values this rank computed (its shard: parallel/construct.py)
+    initialised: int = 0
 
-    def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float,
+    def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float | torch.Tensor,
                          unscale: float = 1.0) -> torch.Tensor:
         """Forward and backward of every micro-batch (each loss divided by `n_targets`, the
         step's global target count), gradients synchronised over every dimension and handed
@@ -82,8 +87,9 @@ class Parallelized:
         return local
 
     @property
-    def routing_stats(self) -> dict | None:
-        """Per MoE block, the last step's loads, max violation, dead experts, balance loss."""
+    def routing_stats(self) -> Lazy | None:
+        """Per MoE block, the last step's loads, max violation, dead experts, balance loss: a
+        dict once read (`ndtrain.deferred`: with the step's record, or `.value()`)."""
         return self.balance.stats if self.balance is not None else None
 
     def after_step(self) -> None:
@@ -100,11 +106,11 @@ class Parallelized:
         broadcast). What RL compares with its rollout's log-probabilities."""
         return self.schedule.logprobs(micro_batches)
 
-    def reduce_loss(self, local: torch.Tensor) -> float:
+    def reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The step's loss from each rank's share: summed over dp × cp, and over pp, where
-        only the last stage holds a loss."""
-        total = ops.all_reduce_scalars([float(local)], self.mesh.group("dp_cp"))
-        return ops.all_reduce_scalars(total, self.mesh.group("pp"))[0]
+        only the last stage holds a loss. On the device (fp64): reading it is a host sync."""
+        total = ops.all_reduce_bookkeeping(local.detach().double(), self.mesh.group("dp_cp"))
+        return ops.all_reduce_bookkeeping(total, self.mesh.group("pp"))
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0 (None elsewhere). Collective: over the
@@ -162,7 +168,7 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
 def materialized(model: Transformer, args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Transformer:
     """A model `decoder` laid out (a chunk, outside any layout: anchors for tests and
     benchmarks), given memory and its initial values on the mesh's device."""
-    materialize(model, initializer(model, args, cfg.train.seed, mesh.group("tp")), mesh.device)
+    materialize(model, initializer(model, args, cfg.train.seed, mesh.group("tp"), mesh.device), mesh.device)
     model.reset_rope(mesh.device)
     expert.materialize_buffers(model, mesh.device)
     return model
@@ -172,7 +178,10 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     """`objective(nll, micro_batch)`: the task's half of the loss (model/loss.TokenLoss)."""
     t, p = cfg.train, cfg.parallel
     tp = mesh.group("tp")
-    loss_fn = TokenLoss(tensor.VocabParallelNLL(tp) if tp.active else token_nll, objective)
+    nll = tensor.VocabParallelNLL(tp) if tp.active else token_nll
+    if t.compile and not tp.active:  # the vocabulary-parallel loss's collectives stay eager
+        nll = compile_loss(nll, t.compile_backend)
+    loss_fn = TokenLoss(nll, objective)
     pipelined = mesh.shape.pp > 1
     # The whole model, or under pipeline parallelism only this rank's chunks; module swaps
     # (tensor parallelism, in `decoder`) and recomputation wrappers apply to each chunk,
@@ -180,10 +189,12 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     make = decoder(args, mesh, cfg)
     chunks = build_chunks(args, mesh, cfg, make) if pipelined else {0: make()}
     for chunk in chunks.values():
+        if t.compile:  # inside the recomputed regions: their second run is the same compiled code
+            compile_blocks(chunk, t.compile_backend)
         apply_recompute(chunk, t.recompute)
     model = StageModel(chunks) if pipelined else chunks[0]
     # Everything so far lives on the meta device; now each rank materialises what it keeps.
-    init = initializer(model, args, t.seed, tp)
+    init = initializer(model, args, t.seed, tp, mesh.device)
     dtype, rdtype = compute_dtype(t.precision, t.fp8_base), reduce_dtype(t.precision, t.reduce_fp32, t.fp8_base)
     if p.zero:
         decoders = {f"chunk{c}": chunk for c, chunk in chunks.items()} if pipelined else None
@@ -210,4 +221,4 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     else:
         schedule = SingleStage(model, loss_fn)
     balance = expert.LoadBalance(model, args, mesh, t.moe_aux_loss, t.moe_bias_rate) if args.is_moe else None
-    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance)
+    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance, init.generated)

@@ -39,8 +39,8 @@ Where each piece sits:
   its query heads read, and the step sums the gradients of the ranks sharing it (the
   weight is marked partial, as a sequence-parallel norm weight is).
 - Initialisation: `build` creates the swapped model on the meta device; parallel/construct.py
-  then fills every rank's parameters with its slice of the full initial value
-  (`initial_value` in the model), so every layout starts from the same full weights.
+  then fills every rank's parameters with its slice of the full initial value, computing
+  only that slice (model/init.py), so every layout starts from the same full weights.
 - Random numbers: ranks of one TP group share one random stream (the trainer seeds by the
   rank without its tp coordinate). A random op on a split tensor draws the numbers of the
   full tensor and keeps its slice (`SequenceShardedDropout`), so dropout equals one device.
@@ -72,7 +72,7 @@ from torch import Tensor, nn
 from ndtrain.comm import ops
 from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
-from ndtrain.model.llama import MoE, RMSNorm, Transformer, initial_value, rms_norm, softcap, widened
+from ndtrain.model.llama import MoE, RMSNorm, Transformer, rms_norm, softcap, widened
 from ndtrain.model.loss import IGNORE
 from ndtrain.parallel.placement import mark_partial, mark_region, mark_sharded
 

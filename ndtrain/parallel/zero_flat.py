@@ -18,7 +18,7 @@ from torch import nn
 from ndtrain.kernels.fp8 import E4M3
 from ndtrain.mesh import Group
 from ndtrain.parallel.construct import new_parameter
-from ndtrain.parallel.placement import copy_placement, mark_sharded, shard_dims
+from ndtrain.parallel.placement import copy_placement, flat_layout, mark_sharded, shard_dims
 from ndtrain.parallel.precision import has_masters
 from ndtrain.parallel.states import decays
 
@@ -68,12 +68,10 @@ class FlatParam:
         self.accum_dtype = torch.float32 if has_masters(compute_dtype) else compute_dtype
         self.decays = decays(params[0])
         self.slot: dict[int, tuple[int, int]] = {}  # id(param) -> (offset, numel) in `full`
-        offset = 0
-        for p in params:
+        # Each parameter and each slice starts aligned (placement.ALIGN); the gaps hold zeros.
+        offsets, self.numel, self.shard_numel = flat_layout([p.numel() for p in params], group.size)
+        for p, offset in zip(params, offsets):
             self.slot[id(p)] = (offset, p.numel())
-            offset += p.numel()
-        self.numel = offset
-        self.shard_numel = -(-offset // group.size)  # padded to a multiple of the group
         lo, hi = group.rank * self.shard_numel, (group.rank + 1) * self.shard_numel
 
         padded = self.shard_numel * group.size
@@ -122,7 +120,7 @@ class FlatParam:
             start, n = self.slot[id(p)]
             a, b = max(start, lo), min(start + n, hi)
             if a < b:
-                values[a - lo:b - lo].copy_(init(p).reshape(-1)[a - start:b - start])
+                values[a - lo:b - lo].copy_(init(p, a - start, b - start))
         return values
 
     def adopt(self) -> None:
