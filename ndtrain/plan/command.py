@@ -48,8 +48,12 @@ def run(args) -> int:
     rate = given_rate(args)
     tokens = parse_tokens(args.tokens) if args.tokens else None
     fp8 = fp8_settings(cfg, fp8_given, cluster)
-    if fp8 is not None:  # every tensor but the blocks' fp8 matmul operands is bf16
-        cfg.train.precision = "bf16"
+    if fp8 is not None:  # every tensor but the blocks' fp8 matmul operands is bf16; `fp8` holds the recipe
+        t = cfg.train
+        t.precision = "bf16"
+        for key in ("fp8_recipe", "fp8_base", "fp8_all_gather"):
+            if hasattr(t, key):
+                setattr(t, key, type(t).__dataclass_fields__[key].default)
     imbalance = moe_imbalance(args, cfg)
     if args.search:
         return _search(cfg, cluster, args, tokens, fp8, imbalance)
