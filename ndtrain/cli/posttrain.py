@@ -9,7 +9,8 @@ from pathlib import Path
 from ndtrain.cli.run import check_fits, check_resume, choose_run_dir, run_task, warn_before_start, with_nproc
 
 
-def cmd_sft(args) -> int:
+def cmd_sft(args, make_task=None) -> int:
+    """`ndtrain sft`; `make_task(cfg, data)` replaces the SFT task (the RL warm-up's)."""
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import SFT_DEFAULTS, ConfigError, load_config, validate
     from ndtrain.data.sft import ShortSequence, prepare_sft
@@ -26,7 +27,7 @@ def cmd_sft(args) -> int:
     resolve_init_from(cfg)  # the model and tokenizer of model.init_from
     validate(cfg, world=world)
     check_fits(cfg, world)
-    warn_before_start(cfg, world, "sft")
+    warn_before_start(cfg, world, "sft" if make_task is None else "rl-warmup")
     sft.load_score(cfg.sft.score)  # a bad scoring function fails here, not after training
     d, t = cfg.data, cfg.train
     template = sft.make_template(cfg, progress=cfg.run.progress)
@@ -47,7 +48,7 @@ def cmd_sft(args) -> int:
               f"{p.world} process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), "
               f"{t.steps} steps, packing {d.packing} → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""), data.describe()]
-    return run_task(cfg, world, run_dir, sft.sft_worker, (cfg.to_dict(), str(run_dir), data),
+    return run_task(cfg, world, run_dir, sft.sft_worker, (cfg.to_dict(), str(run_dir), data, make_task),
                     ("ndtrain.train.sft", "ndtrain.train.trainer"), banner, sft.describe_summary)
 
 
@@ -106,7 +107,7 @@ def cmd_rl(args) -> int:
 def default_warmup(cfg, world) -> Path:
     """The default RL job's starting point: its SFT warm-up (`ndtrain sft` on problems of the
     task), run now unless a finished one is cached."""
-    from ndtrain.cli import main
+    from ndtrain.cli.parser import parse
     from ndtrain.config import ConfigError
     from ndtrain.train.rl import job
     if cfg.rl.warmup_steps == 0:
@@ -124,8 +125,9 @@ def default_warmup(cfg, world) -> Path:
           flush=True)
     job.write_warmup_data(cfg, folder)
     nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
-    if main(["sft", *nproc, *job.warmup_overrides(cfg, folder)]) != 0 or not job.finished(run):
+    if cmd_sft(parse(["sft", *nproc, *job.warmup_overrides(cfg, folder)]), job.Warmup) != 0 or not job.finished(run):
         raise ConfigError("model.init_from", "", f"the default SFT warm-up in {folder} failed")
+    print(job.describe_warmup(cfg, run), flush=True)
     return run
 
 

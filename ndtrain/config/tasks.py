@@ -40,6 +40,10 @@ def check_rl(r: RLConfig) -> None:
                 "format_reward", "temperature"):
         positive(f"rl.{key}", getattr(r, key), zero_ok=True)
     positive("rl.warmup_examples", r.warmup_examples)
+    positive("rl.warmup_check_every", r.warmup_check_every)
+    if not 0.0 <= r.warmup_target <= 1.0:
+        raise ConfigError("rl.warmup_target", r.warmup_target, "must be in [0, 1] (a held-out pass@1; 0 = train all "
+                          "rl.warmup_steps)")
     if not 0.0 < r.top_p <= 1.0:
         raise ConfigError("rl.top_p", r.top_p, "must be in (0, 1]")
     if not 0.0 <= r.clip_low < 1.0:

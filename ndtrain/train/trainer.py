@@ -211,11 +211,14 @@ class Trainer:
                 if due:
                     record.update(self.task.evaluate(self))
                 self.history.append(record)
+                done = due and self.task.done(record)  # every rank evaluated alike: they agree
                 if metrics:
                     metrics.write(record)
                 progress.update(record)
                 if t.save_every and self.step % t.save_every == 0 and self.step != stop:
                     saved = self.save()
+                if done:
+                    break
                 asked = self.stop_agreed(out_of_time=time.monotonic() > deadline)
                 if asked:
                     self.stopped = asked == STOP_SIGNAL

@@ -38,7 +38,8 @@ from ndtrain.data.batch import MicroBatch
 from ndtrain.data.chat import Conversation, Turn
 from ndtrain.data.verifiable import Problem, draw_problems, make_task
 from ndtrain.model.loss import IGNORE
-from ndtrain.parallel.generation import empty_generation_model, frozen_copy, generation_model, sampling_view
+from ndtrain.parallel.generation import (GenerationLayout, Generator, empty_generation_model, frozen_copy,
+                                         sampling_view)
 from ndtrain.train.rl import losses
 from ndtrain.train.rl.rollout import Generations, Sampling, generate_everywhere
 from ndtrain.train.tasks import Task, load_function
@@ -93,6 +94,16 @@ class Environment:
         return float(value), float("nan"), float(value >= 1.0), 0.0, None
 
 
+def greedy_pass_at_1(generator: Generator, cfg: Config, env: Environment, problems: list[Problem]) -> float:
+    """The share of `problems` the training model answers correctly, greedily (the default
+    job's warm-up checks it). Collective."""
+    t = env.template
+    gen = generate_everywhere(generator.model(), generator.layout, [env.prompt_ids(p) for p in problems],
+                              [0] * len(problems), Sampling(cfg.rl.max_new_tokens, 0.0), t.stop_ids, t.pad_id,
+                              lambda i, ids: env.score(problems[i], ids)[:4])
+    return float(gen.score("correct").mean())
+
+
 def row_seed(*parts) -> int:
     return zlib.crc32("/".join(map(str, parts)).encode())
 
@@ -107,6 +118,7 @@ class RL(Task):
         self.objective = losses.PolicyObjective(r.loss, r.clip_low, rl_clip_high(r), r.kl_coef)
         self.sampling = Sampling(r.max_new_tokens, r.temperature, r.top_k, r.top_p)
         self.reference = None
+        self.generator: Generator | None = None
         self.batch: MicroBatch | None = None
         self.metrics: dict = {}
         self.eval_problems = draw_problems(env.task, 0, "evaluation", r.eval_prompts, "held_out")
@@ -142,7 +154,7 @@ class RL(Task):
         if not self.eval_problems:
             return {}
         t0 = time.perf_counter()
-        model = generation_model(trainer.par, self.cfg, trainer.args)
+        model = self._generator(trainer).model()
         prompts = [self.env.prompt_ids(p) for p in self.eval_problems]
         greedy = self._generate(trainer, model, self.eval_problems, prompts, [0] * len(prompts),
                                 Sampling(r.max_new_tokens, 0.0))
@@ -172,27 +184,34 @@ class RL(Task):
                       f"(completion {self.env.completion_text(ids)!r}); scored 0", file=sys.stderr, flush=True)
             return tuple(values)
         t = self.env.template
-        return generate_everywhere(model, trainer.mesh, prompts, seeds, sampling, t.stop_ids, t.pad_id, score,
-                                   reference)
+        return generate_everywhere(model, self.generator.layout, prompts, seeds, sampling, t.stop_ids, t.pad_id,
+                                   score, reference, self.cfg.train.micro_batch)
+
+    def _generator(self, trainer) -> Generator:
+        if self.generator is None:
+            self.generator = Generator(trainer.par, self.cfg, trainer.args, GenerationLayout(trainer.mesh, self.cfg))
+        return self.generator
 
     def _reference(self, trainer):
         """The frozen reference: the starting policy (model.init_from's weights, else the
         weights before the first update), under the generation layout."""
         if self.reference is None:
             init = self.cfg.model.init_from
+            gen = self._generator(trainer).layout
             if init:
-                model = empty_generation_model(trainer.par, self.cfg, trainer.args)
+                model = empty_generation_model(trainer.par, self.cfg, trainer.args, gen.tp)
                 source = sources.open_init_source(init, trainer.report)
                 sources.grow_vocab(source, trainer.args.vocab_size)
                 layout.load_model(source, model)
-                self.reference = sampling_view(model.requires_grad_(False), trainer.mesh.group("tp"))
+                self.reference = sampling_view(model.requires_grad_(False), gen.tp)
             else:
-                self.reference = frozen_copy(trainer.par, self.cfg, trainer.args)
+                self.reference = frozen_copy(trainer.par, self.cfg, trainer.args, gen)
         return self.reference
 
     def rollout(self, index: int, trainer) -> tuple[MicroBatch, dict]:
         r, t = self.cfg.rl, self.cfg.train
-        model = generation_model(trainer.par, self.cfg, trainer.args)
+        generator = self._generator(trainer)
+        model = generator.model()
         reference = self._reference(trainer)
         n_groups, g = t.global_batch // r.group_size, r.group_size
         dynamic = r.loss == "dapo"
@@ -217,7 +236,8 @@ class RL(Task):
             kept += spare[:n_groups - len(kept)]
         batch, rollout_logp = self._batch(rounds, kept, index, trainer)
         metrics = self._metrics(rounds, batch, rollout_logp, trainer)
-        metrics["refills"] = len(rounds) - 1
+        sent = ops.all_reduce_scalars([generator.transfer.bytes], generator.layout.world)[0]
+        metrics.update(refills=len(rounds) - 1, weight_sync_s=generator.transfer.seconds, weight_sync_bytes=sent)
         return batch, metrics
 
     def _batch(self, rounds, kept, index: int, trainer) -> tuple[MicroBatch, Tensor]:
