@@ -48,7 +48,7 @@ class ModelConfig:
     qkv_bias: bool | None = None  # biases on q, k, v (Qwen2)
     qk_norm: bool | None = None  # RMSNorm of each query and key head (Qwen3)
     dropout: float = 0.0
-    # Mixture of experts (model/moe.py): only on an MoE preset (tiny-moe, olmoe-1b-7b).
+    # Mixture of experts (model/moe.py): only on an MoE preset (tiny-moe, small-moe, olmoe-1b-7b).
     moe_experts: int | None = None
     moe_top_k: int | None = None
     moe_shared_experts: int | None = None

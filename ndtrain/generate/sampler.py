@@ -124,7 +124,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, tempe
         model.train(was_training)
     token_ids, logprobs, entropies, lengths = (t.cpu() for t in table)  # the one transfer of the results
     stop_set = set(stop_ids)
-    tokens = [token_ids[i, :int(lengths[i])].tolist() for i in range(b)]
+    tokens = [row[:n] for row, n in zip(token_ids.tolist(), lengths.tolist())]
     return Generated(tokens, [logprobs[i, :len(t)].tolist() for i, t in enumerate(tokens)],
                      [entropies[i, :len(t)].tolist() for i, t in enumerate(tokens)],
                      [bool(t) and t[-1] in stop_set for t in tokens], token_ids, lengths, logprobs, entropies)

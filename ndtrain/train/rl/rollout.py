@@ -25,6 +25,18 @@ from ndtrain.model.loss import IGNORE, token_nll
 from ndtrain.parallel.generation import GenerationLayout, gather_rows
 
 SCORE_FIELDS = ("reward", "format", "correct", "error")
+# A sampling step holds a few [rows, vocabulary] tensors (logits, probabilities, their fp64
+# cumulative sum, log-probabilities: about 32 bytes per row and token of the vocabulary); a
+# generation rank samples its share in batches of at most SAMPLE_BYTES / (32 · V) rows, so
+# that holds under SAMPLE_BYTES whatever the batch (all rows at once for a small vocabulary,
+# 64 at 128k).
+SAMPLE_BYTES = 2**28
+
+
+def sampling_batches(lo: int, hi: int, vocab_size: int) -> list[tuple[int, int]]:
+    """Rows lo..hi-1 in batches of at most SAMPLE_BYTES / (32 · vocab_size) rows."""
+    step = max(1, SAMPLE_BYTES // (32 * vocab_size))
+    return [(a, min(hi, a + step)) for a in range(lo, hi, step)]
 
 
 @dataclass
@@ -94,20 +106,20 @@ def generate_everywhere(model: nn.Module, layout: GenerationLayout, prompts: lis
     lo, hi = min(n, me * share), min(n, (me + 1) * share)
     cols = 3 * width + 2 + len(SCORE_FIELDS) + (width if reference is not None else 0)
     mine = torch.zeros((share, cols), dtype=torch.float64)
-    if hi > lo:
-        out = generate(model, prompts[lo:hi], width, sampling.temperature, sampling.top_k, sampling.top_p,
-                       seeds[lo:hi], stop_ids, pad_id)
-        k, at = hi - lo, 3 * width + 2
-        mine[:k, :width] = out.token_ids.double()
-        mine[:k, width:2 * width] = out.logprob_table
-        mine[:k, 2 * width:3 * width] = out.entropy_table
-        mine[:k, 3 * width] = out.lengths.double()
-        mine[:k, 3 * width + 1] = torch.tensor(out.stopped, dtype=torch.float64)
-        mine[:k, at:at + len(SCORE_FIELDS)] = torch.tensor([score(i, t) for i, t in zip(range(lo, hi), out.tokens)],
-                                                           dtype=torch.float64)
+    for a, b in sampling_batches(lo, hi, model.args.vocab_size):
+        out = generate(model, prompts[a:b], width, sampling.temperature, sampling.top_k, sampling.top_p,
+                       seeds[a:b], stop_ids, pad_id)
+        rows, at = slice(a - lo, b - lo), 3 * width + 2
+        mine[rows, :width] = out.token_ids.double()
+        mine[rows, width:2 * width] = out.logprob_table
+        mine[rows, 2 * width:3 * width] = out.entropy_table
+        mine[rows, 3 * width] = out.lengths.double()
+        mine[rows, 3 * width + 1] = torch.tensor(out.stopped, dtype=torch.float64)
+        mine[rows, at:at + len(SCORE_FIELDS)] = torch.tensor([score(i, t) for i, t in zip(range(a, b), out.tokens)],
+                                                             dtype=torch.float64)
         if reference is not None:
-            mine[:k, cols - width:] = completion_logprobs(reference, prompts[lo:hi], out.tokens, width, pad_id,
-                                                          rows_per_forward)
+            mine[rows, cols - width:] = completion_logprobs(reference, prompts[a:b], out.tokens, width, pad_id,
+                                                            rows_per_forward)
     rows = gather_rows(mine.to(layout.mesh.device), layout).cpu()[:n]
     at = 3 * width + 2
     return Generations(
