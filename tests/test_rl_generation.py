@@ -207,3 +207,76 @@ def test_an_rl_step_at_a_128k_vocabulary_holds_memory_independent_of_its_rows(mo
     weights = sum(p.numel() * p.element_size() for p in trainer.par.model.parameters())
     bound = 5 * weights + rollout.SAMPLE_BYTES + 4 * micro * seq * vocab * 4
     assert abs(peaks[8] - peaks[2]) < 2**20 and max(peaks.values()) < bound, (peaks, bound)
+
+
+# ----------------------------------------------------------------------------- MoE
+
+
+def test_moe_rollouts_route_every_token_as_the_update_does():
+    """A mixture-of-experts policy (tiny-moe, fp32): the experts the sampler's forwards
+    choose for each sampled token's input (a prefill, then one token at a time with the KV
+    cache) are those the training forward (whole rows) chooses for it, in every block, so
+    the two log-probabilities agree to fp32 rounding."""
+    from ndtrain.generate.sampler import generate
+    from ndtrain.model.args import PRESETS
+    from ndtrain.model.llama import Transformer
+    from ndtrain.model.moe import Router
+    from ndtrain.train.rl.rollout import completion_logprobs
+    model = Transformer(PRESETS["tiny-moe"].with_(vocab_size=40, max_seq_len=64))
+    model.init_weights(5)
+    calls: list[list] = []  # per forward: each block's chosen experts [tokens, k]
+
+    def hook(module, inputs, routes):
+        calls[-1].append(routes.experts.clone())
+    for m in model.modules():
+        if isinstance(m, Router):
+            m.register_forward_hook(hook)
+    forward = model.forward
+
+    def recorded(*args, **kwargs):
+        calls.append([])
+        return forward(*args, **kwargs)
+    model.forward = recorded
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
+    out = generate(model, prompts, 6, 1.0, seeds=[1, 2, 3, 4], stop_ids=[39])
+    sampled, width = calls, max(len(p) for p in prompts)
+    calls = []
+    logp = completion_logprobs(model, prompts, out.tokens, 6, 0, 4)
+    (trained,) = calls
+    length = max(len(p) + len(c) for p, c in zip(prompts, out.tokens))
+    compared = 0
+    for i, (p, c) in enumerate(zip(prompts, out.tokens)):
+        for t in range(len(c)):  # token t is read after the input at position len(p) - 1 + t
+            for block in range(len(trained)):
+                if t == 0:  # the prompt's last token, in the (left-padded) prefill
+                    rollout = sampled[0][block].view(len(prompts), width, -1)[i, -1]
+                else:
+                    rollout = sampled[t][block].view(len(prompts), -1)[i]
+                update = trained[block].view(len(prompts), length, -1)[i, len(p) - 1 + t]
+                assert torch.equal(rollout, update), (i, t, block)
+                compared += 1
+    assert compared > 40
+    gap = max(abs(a - float(b)) for row, lp in zip(out.logprobs, logp) for a, b in zip(row, lp))
+    assert gap < 1e-5, gap
+
+
+MOE_PROOF = ["model.preset=tiny-moe", "train.steps=2"]  # with test_rl's RL_PROOF: one grpo rollout, two updates
+MOE_LAYOUTS = {"zero3-ep2": ["parallel.zero=3", "parallel.ep=2", "train.micro_batch=2"], "tp2": ["parallel.tp=2"]}
+
+
+@pytest.mark.parametrize("name", [
+    "zero3-ep2", pytest.param("tp2", marks=pytest.mark.slow)])
+def test_moe_rl_equals_one_process_in_fp64(name):
+    """RL on a mixture of experts: a seeded rollout and two updates on it (grpo with a KL
+    term; the second with ratios ≠ 1) under expert parallelism with ZeRO-3 (the generator a
+    copy with every expert gathered) or tensor parallelism (the experts whole on each tp
+    rank, the copy routing every token) equal one process's, with the shared proof
+    tolerances; the sampler's and the update's log-probabilities agree to 1e-10, so every
+    token was routed alike."""
+    from helpers import assert_proof
+    from test_rl import _rl_rows
+    ref = run_ranks(_rl_rows, 1, [("single", MOE_PROOF, "reference")], timeout=300)[0]["single"]
+    run = run_ranks(_rl_rows, 2, [(name, MOE_PROOF + MOE_LAYOUTS[name], "proof")], timeout=600)[0][name]
+    assert [m["reward_mean"] for m in run["metrics"]] == [m["reward_mean"] for m in ref["metrics"]]
+    assert max(m["logprob_gap"] for m in run["metrics"][::2]) < 1e-10
+    assert_proof(run, ref)
