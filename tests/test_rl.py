@@ -324,7 +324,12 @@ def broken_reward(prompt: str, completion: str, answer: str):
     (["rl.loss=reinforce", "rl.ppo_epochs=2"], "rl.ppo_epochs = 2: reinforce has no importance ratio"),
     (["rl.size=12"], "rl.size = 12: must be in [1, 9] for rl.task = addition"),
     (["train.seq_len=8"], "train.seq_len = 8: must hold the task's longest prompt"),
-    (["model.preset=tiny-moe"], "model.preset = 'tiny-moe': is a mixture-of-experts model: ndtrain rl does not"),
+    (["model.dropout=0.1"], "model.dropout = 0.1: RL compares the sampler's log-probabilities (no dropout)"),
+    (["model.preset=tiny-moe", "model.moe_capacity=1.25"], "model.moe_capacity = 1.25: dropping tokens over an"),
+    (["rl.generate_tp=3"], "rl.generate_tp = 3: must divide the 2 processes"),
+    (["rl.reward=fuzzy"], "rl.reward = 'fuzzy': choose builtin, exact, math, or MODULE:FUNCTION"),
+    (["rl.warmup_target=1.5"], "rl.warmup_target = 1.5: must be in [0, 1]"),
+    (["rl.data=missing.jsonl"], "rl.data missing.jsonl: no such file or folder"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(extra, expect, tmp_path, capsys, monkeypatch):
     from ndtrain.cli import main

@@ -66,22 +66,26 @@ def cmd_rl(args) -> int:
         cfg.model.init_from = ""
     validate(cfg, world=world)  # every key's own rules, the job's and the reward's, before anything runs
     check_rl_job(cfg)
-    job.check_reward(cfg)
-    if "train.seq_len" in cfg.explicit and cfg.train.seq_len < job.row_length(cfg, rounded=False):
-        raise ConfigError("train.seq_len", cfg.train.seq_len, f"must hold the task's longest prompt and "
-                          f"rl.max_new_tokens = {cfg.rl.max_new_tokens} new tokens: at least "
-                          f"{job.row_length(cfg, rounded=False)} (leave it unset to get that)")
-    if scratch and not cfg.data.tokenizer:
+    job.check_reward(cfg)  # rl.data is read here: a bad file stops the command before anything is written
+    if not cfg.rl.data:
+        check_row_length(cfg, job.row_length(cfg, rounded=False))
+    if scratch and not cfg.data.tokenizer and not cfg.rl.data:
         cfg.data.tokenizer = str(job.char_tokenizer_file(cfg.data.cache_dir))
     elif not scratch and not cfg.model.init_from:
+        if cfg.rl.data:
+            raise ConfigError("model.init_from", "", "rl.data has no default warm-up: fine-tune on its training split "
+                              f"first (ndtrain sft data.path={cfg.rl.data}), then set model.init_from=run:DIR")
         cfg.model.init_from = f"run:{default_warmup(cfg, world)}"
     resolve_init_from(cfg)  # the model and tokenizer of model.init_from
+    template = make_template(cfg, progress=cfg.run.progress)
+    need = job.row_length(cfg, rounded=False, template=template)
+    if cfg.rl.data:
+        check_row_length(cfg, need)
     if "train.seq_len" not in cfg.explicit:
-        cfg.train.seq_len = job.row_length(cfg)
+        cfg.train.seq_len = -(-need // 8) * 8
     validate(cfg, world=world)
     check_rl_job(cfg)  # again: model.init_from's shape (an MoE source) is known now
     warn_before_start(cfg, world, "rl")
-    template = make_template(cfg, progress=cfg.run.progress)
     if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
         cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
     p, r = cfg.parallel, cfg.rl
@@ -91,17 +95,27 @@ def cmd_rl(args) -> int:
         else:
             result = launch_local(p.world, job.rl_worker, cfg.to_dict(), "", template, True)[0]
         if result:
-            print(job.describe_eval(f"{cfg.model.init_from} on {r.task}", result), flush=True)
+            print(job.describe_eval(f"{cfg.model.init_from} on {r.data or r.task}", result), flush=True)
         return 0
     run_dir = choose_run_dir(cfg, "rl")
     resumed = check_resume(cfg, run_dir)
-    banner = (f"ndtrain rl: {r.loss} on {r.task} (size {r.size}), {cfg.model.preset} model from "
+    asked = f"{r.data} (rl.reward {r.reward})" if r.data else f"{r.task} (size {r.size})"
+    banner = (f"ndtrain rl: {r.loss} on {asked}, {cfg.model.preset} model from "
               f"{cfg.model.init_from or 'random weights'}, {p.world} process{'es' if p.world > 1 else ''} "
               f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} updates of "
               f"{cfg.train.global_batch // r.group_size} prompts × {r.group_size} completions → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""))
     return run_task(cfg, world, run_dir, job.rl_worker, (cfg.to_dict(), str(run_dir), template),
                     ("ndtrain.train.rl.job", "ndtrain.train.trainer"), [banner], job.describe_summary)
+
+
+def check_row_length(cfg, need: int) -> None:
+    """An explicit train.seq_len must hold the longest prompt and rl.max_new_tokens."""
+    from ndtrain.config import ConfigError
+    if "train.seq_len" in cfg.explicit and cfg.train.seq_len < need:
+        raise ConfigError("train.seq_len", cfg.train.seq_len, f"must hold the task's longest prompt and "
+                          f"rl.max_new_tokens = {cfg.rl.max_new_tokens} new tokens: at least {need} (leave it "
+                          "unset to get that)")
 
 
 def default_warmup(cfg, world) -> Path:

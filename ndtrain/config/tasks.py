@@ -31,9 +31,9 @@ def check_rl(r: RLConfig) -> None:
         raise ConfigError("rl.size", r.size, f"must be in [{lo}, {hi}] for rl.task = {r.task}")
     if r.loss not in RL_LOSSES:
         raise ConfigError("rl.loss", r.loss, f"choose one of {', '.join(RL_LOSSES)}")
-    if r.reward != "builtin" and not _SCORE.match(r.reward):
-        raise ConfigError("rl.reward", r.reward, "choose builtin, or MODULE:FUNCTION (a function of prompt, "
-                          "completion and answer that returns a number)")
+    if r.reward not in ("builtin", "math") and not _SCORE.match(r.reward):
+        raise ConfigError("rl.reward", r.reward, "choose builtin, exact, math, or MODULE:FUNCTION (a function of "
+                          "prompt, completion and answer that returns a number)")
     for key in ("group_size", "max_new_tokens", "ppo_epochs", "logprob_tol"):
         positive(f"rl.{key}", getattr(r, key))
     for key in ("top_k", "kl_coef", "max_refills", "overlong_buffer", "eval_prompts", "pass_k", "warmup_steps",

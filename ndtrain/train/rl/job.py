@@ -24,6 +24,7 @@ from ndtrain import config as config_mod
 from ndtrain import supervisor
 from ndtrain.checkpoint import hf_files
 from ndtrain.config import Config, ConfigError
+from ndtrain.data.prompts import prompt_source
 from ndtrain.data.verifiable import char_tokenizer, draw_problems, make_task
 from ndtrain.observe.metrics import read_metrics
 from ndtrain.parallel.generation import GenerationLayout, Generator
@@ -60,7 +61,7 @@ class Warmup(SFT):
     def __init__(self, cfg: Config, data):
         super().__init__(cfg, data)
         self.cfg, self.env = cfg, Environment(cfg, data.template)
-        self.problems = draw_problems(self.env.task, 0, "warmup-check", cfg.rl.eval_prompts, "held_out")
+        self.problems = self.env.draw(0, "warmup-check", cfg.rl.eval_prompts, "held_out")
         self.generator = None
 
     def evaluate(self, trainer) -> dict:
@@ -119,23 +120,29 @@ def char_tokenizer_file(cache_dir: str) -> Path:
     return path
 
 
-def row_length(cfg: Config, rounded: bool = True) -> int:
-    """train.seq_len for rl.task's rows: the longest prompt (in characters, which no
-    tokenizer of ours exceeds) and rl.max_new_tokens, rounded up to a multiple of 8 (so
-    context and sequence parallelism can cut it)."""
-    task = make_task(cfg.rl.task, cfg.rl.size, cfg.rl.reverse_answer)
-    need = task.max_prompt_chars + cfg.rl.max_new_tokens
+def row_length(cfg: Config, rounded: bool = True, template=None) -> int:
+    """train.seq_len for the rows: the longest prompt (rl.task's in characters, which no
+    tokenizer of ours exceeds; rl.data's in tokens as `template` renders it) and
+    rl.max_new_tokens, rounded up to a multiple of 8 (so context and sequence parallelism
+    can cut it)."""
+    if cfg.rl.data:
+        source = prompt_source(cfg)
+        longest = max(len(template.prompt_ids(p.conversation)) for split in source.splits.values() for p in split)
+    else:
+        longest = make_task(cfg.rl.task, cfg.rl.size, cfg.rl.reverse_answer).max_prompt_chars
+    need = longest + cfg.rl.max_new_tokens
     return -(-need // 8) * 8 if rounded else need
 
 
 def check_reward(cfg: Config) -> None:
-    """rl.reward imports, and returns a number for a sample problem's reference answer.
-    Raises ConfigError before anything starts."""
+    """rl.data reads, and rl.reward imports and returns a number for a sample problem's
+    reference answer. Raises ConfigError or DataError before anything starts."""
     r = cfg.rl
-    if r.reward == "builtin":
+    source = prompt_source(cfg)  # rl.data's file, read and checked (DataError)
+    if r.reward in ("builtin", "exact", "math"):
         return
     fn = load_function("rl.reward", r.reward)
-    p = draw_problems(make_task(r.task, r.size, r.reverse_answer), 0, "probe", 1, "train")[0]
+    p = source.draw(0, "probe", 1, "train")[0]
     sample = f"a sample (prompt {p.prompt!r}, completion {p.answer!r}, answer {p.answer!r})"
     try:
         value = fn(p.prompt, p.answer, p.answer)
@@ -212,13 +219,14 @@ def reinforce(trainer, task: RL, cfg: Config, run: Path) -> dict:
     if rewards:  # the rise (or not) of the training reward, in one line of the summary
         summary["reward_trend"] = {"updates": tenth, "of": len(rewards), "first": sum(rewards[:tenth]) / tenth,
                                    "last": sum(rewards[-tenth:]) / tenth}
-    probe = draw_problems(make_task(cfg.rl.task, cfg.rl.size, cfg.rl.reverse_answer), 0, "probe", 1, "held_out")[0]
-    summary.update(task="rl", rl_task=cfg.rl.task, loss=cfg.rl.loss, start=start,
+    probe = task.env.draw(0, "probe", 1, "held_out")[0]
+    summary.update(task="rl", rl_task=task.env.prompts.name, loss=cfg.rl.loss, start=start,
                    final={k: v for k, v in final.items() if k.startswith(("pass@", "eval_"))},
                    sample={"prompt": probe.prompt, "max_new_tokens": cfg.rl.max_new_tokens})
     if cfg.run.plot:
         summary["rl_plot"] = str(plot_rl(run / "metrics.jsonl", run / "rl.png", start,
-                                         title=f"{cfg.rl.loss} on {cfg.rl.task} · {trainer.mesh.describe()}"))
+                                         title=f"{cfg.rl.loss} on {task.env.prompts.name} · "
+                                               f"{trainer.mesh.describe()}"))
     (run / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 

@@ -36,7 +36,9 @@ from ndtrain.comm import ops
 from ndtrain.config import Config, rl_clip_high, rl_overlong_buffer
 from ndtrain.data.batch import MicroBatch
 from ndtrain.data.chat import Conversation, Turn
-from ndtrain.data.verifiable import Problem, draw_problems, make_task
+from ndtrain.data import answers
+from ndtrain.data.prompts import prompt_source
+from ndtrain.data.verifiable import Problem
 from ndtrain.model.loss import IGNORE
 from ndtrain.parallel.generation import (GenerationLayout, Generator, empty_generation_model, frozen_copy,
                                          sampling_view)
@@ -48,28 +50,45 @@ from ndtrain.train.trainer import TrainingError
 PRECISE = ("fp32", "fp64")  # where the rollout/training log-prob gap is enforced
 
 
-def builtin_reward(task, format_reward: float):
+def checked_reward(check, format_reward: float):
+    """A reward from a check giving a Score (format, correct): correct + format_reward · format."""
     def reward(prompt: str, completion: str, answer: str) -> tuple[float, float, float]:
-        s = task.score(prompt, completion, answer)
+        s = check(prompt, completion, answer)
         return s.correct + format_reward * s.format, s.format, s.correct
     return reward
 
 
 @dataclass
 class Environment:
-    """What the policy is asked and how it is scored, shared by every rank."""
+    """What the policy is asked (rl.task's problems or rl.data's records) and how it is
+    scored (rl.reward), shared by every rank."""
 
     template: object  # data/template.BuiltinTemplate | HFTemplate
-    task: object  # data/verifiable task
+    prompts: object  # data/prompts.TaskPrompts | FilePrompts
 
-    def __init__(self, cfg: Config, template):
+    def __init__(self, cfg: Config, template, prompts=None):
         r = cfg.rl
         self.template = template
-        self.task = make_task(r.task, r.size, r.reverse_answer)
-        self.custom = None if r.reward == "builtin" else load_function("rl.reward", r.reward)
-        self.builtin = builtin_reward(self.task, r.format_reward)
+        self.prompts = prompts if prompts is not None else prompt_source(cfg)
+        task = getattr(self.prompts, "task", None)
+        kind = "exact" if r.reward == "builtin" and task is None else r.reward
+        self.custom = None
+        if kind == "builtin":
+            self.check = checked_reward(task.score, r.format_reward)
+        elif kind in answers.CHECKS:
+            check = answers.CHECKS[kind]
+            self.check = checked_reward(lambda prompt, completion, answer: check(completion, answer), r.format_reward)
+        else:
+            self.custom = load_function("rl.reward", r.reward)
+
+    def draw(self, seed: int, key: str, n: int, split: str) -> list[Problem]:
+        return self.prompts.draw(seed, key, n, split)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
+        """rl.data's record as the chat template renders it for the answer (as `ndtrain sft`
+        trained on it); a built-in task's prompt as it is."""
+        if problem.conversation is not None:
+            return self.template.prompt_ids(problem.conversation)
         conv = Conversation("rl", [Turn("user", problem.prompt), Turn("assistant", problem.answer, True)], chat=False)
         return self.template.prompt_ids(conv)
 
@@ -84,7 +103,7 @@ class Environment:
         unknown (nan) and a completion is correct when its reward reaches 1."""
         text = self.completion_text(ids)
         if self.custom is None:
-            return (*self.builtin(problem.prompt, text, problem.answer), 0.0, None)
+            return (*self.check(problem.prompt, text, problem.answer), 0.0, None)
         try:
             value = self.custom(problem.prompt, text, problem.answer)
         except Exception as e:  # noqa: BLE001 - a user's function may raise anything
@@ -121,7 +140,7 @@ class RL(Task):
         self.generator: Generator | None = None
         self.batch: MicroBatch | None = None
         self.metrics: dict = {}
-        self.eval_problems = draw_problems(env.task, 0, "evaluation", r.eval_prompts, "held_out")
+        self.eval_problems = env.draw(0, "evaluation", r.eval_prompts, "held_out")
 
     # -- the task interface ---------------------------------------------------------
     def rows(self, split: str, step: int, start: int, stop: int) -> MicroBatch:
@@ -219,7 +238,7 @@ class RL(Task):
         rounds = []  # (problems, generations, shaped rewards [n_groups, g])
         kept: list[tuple[int, int]] = []  # (round, group)
         for k in range(1 + (r.max_refills if dynamic else 0)):
-            problems = draw_problems(self.env.task, t.seed, f"rollout/{index}/{k}", n_groups, "train")
+            problems = self.env.draw(t.seed, f"rollout/{index}/{k}", n_groups, "train")
             rows = [p for p in problems for _ in range(g)]
             prompts = [self.env.prompt_ids(p) for p in rows]
             seeds = [row_seed(t.seed, index, k, i) for i in range(len(rows))]
