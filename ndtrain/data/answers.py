@@ -67,7 +67,7 @@ def final_answer(text: str) -> str | None:
     boxed = last_boxed(text)
     if boxed is not None:
         return boxed
-    numbers = _NUMBER.findall(text)
+    numbers = _NUMBER.findall(_FRAC.sub(r"\1/\2", text))
     return numbers[-1] if numbers else None
 
 
