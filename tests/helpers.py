@@ -103,7 +103,8 @@ def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = validate(load_config(None, TINY + overrides), world=world)
-    mesh = ParallelMesh.build(mesh_shape(cfg))
+    device = torch.device("cuda", torch.cuda.current_device()) if cfg.run.device == "cuda" else torch.device("cpu")
+    mesh = ParallelMesh.build(mesh_shape(cfg), device)  # run.device=cuda: the cuda-marked tests
     task = make_task(cfg) if make_task else Pretrain(cfg, PreparedData.open(data_dir))
     trainer = Trainer(cfg, mesh, task, Path(run_dir) if run_dir else None)
     if not meter:

@@ -24,6 +24,7 @@ from ndtrain.testing import run_ranks
     (["tp", "model.tie_embeddings=true"], "model.tie_embeddings = True: DTensor's plan cannot shard"),
     (["pp", "--nproc", "4"], "--nproc = 4: bench pp compares pipelines alone: use --nproc 2"),
     (["sft", "data.packing=none"], "data.packing = 'none': bench sft cannot apply it"),
+    (["fp8", "train.precision=bf16"], "train.precision = 'bf16': bench fp8 cannot apply it"),
 ])
 def test_a_key_that_would_reach_one_side_only_is_refused(argv, fragment, capsys):
     assert main(["bench"] + argv + ["run.device=cpu"]) == 2
@@ -113,8 +114,8 @@ def _pipeline_contests(cfg_dict: dict) -> list[str]:
     x = torch.randint(0, args.vocab_size, (t.global_batch, t.seq_len))
     micro = MicroBatch(x, x).split(t.micro_batch)
     ran = []
-    for name, anchor, interleaved in pp.CONTESTS:
-        c = pp._with_schedule(cfg, name, interleaved)
+    for name, anchor, virtual in pp._contests():
+        c = pp._with_schedule(cfg, name, virtual)
         for step in (pp._ours(c, args, mesh, micro, 1.0), pp._anchor(c, args, mesh, anchor, x, x, 1.0, len(micro))):
             step()
         ran.append(anchor)
@@ -127,7 +128,8 @@ def test_pipeline_contests_run_each_pair():
     cfg = bench_config(_args("model.preset=tiny", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=1",
                              "run.device=cpu", "train.recompute=full"), pp.BENCH)
     ran = run_ranks(_pipeline_contests, 2, cfg.to_dict(), timeout=300)
-    assert ran[0] == ["ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "Schedule1F1B"]
+    assert ran[0] == ["ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+                      "ScheduleDualPipeV", "Schedule1F1B"]
 
 
 def test_bench_generate_takes_fewer_rounds_by_default(monkeypatch):
@@ -141,3 +143,16 @@ def test_bench_generate_takes_fewer_rounds_by_default(monkeypatch):
     assert main(["bench", "generate"]) == 0 and main(["bench", "dp"]) == 0
     assert seen == {"generate": (5, 1), "dp": (10, 3)}
     assert main(["bench", "generate", "--rounds", "2", "--steps", "4"]) == 0 and seen["generate"] == (2, 4)
+
+
+def test_bench_fp8_runs_bf16_and_every_recipe():
+    """One round of bf16 and the three recipes, one process: a ratio per recipe, tensorwise last."""
+    from ndtrain.bench import fp8
+    from ndtrain.bench.common import bench_config
+    cfg = bench_config(_args("model.preset=tiny", "train.seq_len=32", "train.global_batch=4", "run.device=cpu",
+                             "run.threads=1", nproc=1), fp8.BENCH)
+    cfg.train.precision = "bf16"
+    out = fp8._worker(cfg.to_dict(), 1, 1)
+    for recipe in ("rowwise", "blockwise"):
+        assert re.search(rf"\nfp8 {recipe}/bf16 throughput ratio: \d+\.\d\d\n", out), out
+    assert re.search(r"\nfp8 tensorwise/bf16 throughput ratio: \d+\.\d\d$", out), out

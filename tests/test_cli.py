@@ -335,7 +335,7 @@ def test_resuming_with_model_init_from_warns_that_the_checkpoint_wins(trained_ru
     """A run started from another run's weights and stopped is resumed by the same command:
     its own checkpoint wins, and model.init_from is named as having no effect."""
     root = trained_run.parent
-    command = ["train", "--nproc", "2", f"data.cache_dir={root / 'cache'}", "train.steps=3", "train.global_batch=4",
+    command = ["train", "--nproc", "1", f"data.cache_dir={root / 'cache'}", "train.steps=2", "train.global_batch=4",
                "train.seq_len=32", "train.eval_every=0", "train.eval_batches=1", f"run.dir={tmp_path / 'run'}",
                "run.device=cpu", f"model.init_from=run:{trained_run}"]
     assert main(command + ["run.stop_after=1"]) == 0

@@ -262,7 +262,10 @@ ROWS_BY_WORLD = {
         ("pp2-dp2-ep2-zero3-interleaved", ["parallel.pp=2", "parallel.ep=2", "parallel.zero=3",
                                            "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2",
                                            "train.micro_batch=2"]),
-        ("pp2-cp2-ep2", ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "train.micro_batch=2"])],
+        ("pp2-cp2-ep2", ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "train.micro_batch=2"]),
+        *((f"pp2-dp2-ep2-{s}", ["parallel.pp=2", "parallel.ep=2", f"parallel.pp_schedule={s}", "parallel.pp_virtual=2",
+                                "train.micro_batch=1"] + (["parallel.zero=1"] if s == "dualpipev" else []))
+          for s in ("zbv", "dualpipev"))],
     8: [("pp2-dp2-tp2-ep2", ["parallel.pp=2", "parallel.tp=2", "parallel.ep=2", "train.micro_batch=2"]),
         ("dp2-cp2-tp2-zero3-ep2", ["parallel.cp=2", "parallel.tp=2", "parallel.zero=3", "parallel.ep=2"]),
         ("pp2-dp2-cp2-ep2", ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "train.micro_batch=2"])],

@@ -1,5 +1,5 @@
 """Packages import one way (DESIGN.md). At the bottom `comm` under `mesh` and `data` under
-`model` (with the process helpers); `config` on them; `parallel` on `config`; `checkpoint`,
+`model` (with the process helpers, and `kernels`, which imports only torch); `config` on them; `parallel` on `config`; `checkpoint`,
 `observe` and `generate` on `parallel`; `train` on those; `bench`, `plan` and `cli` on top.
 Every import counts, also one inside a function, and no module may reach itself through its
 imports."""
@@ -11,7 +11,7 @@ import ndtrain
 
 ROOT = Path(ndtrain.__file__).parent
 LEVELS = {
-    0: ("comm", "data", "supervisor", "testing", "__init__"),
+    0: ("comm", "data", "deferred", "kernels", "supervisor", "testing", "__init__"),
     1: ("mesh", "model", "launch"),
     2: ("config", "idle_keys"),
     3: ("parallel",),

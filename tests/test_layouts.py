@@ -43,6 +43,10 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
         *(_pipeline(2, "interleaved", m, "parallel.pp_virtual=2") for m in (2, 4)),
         _pipeline(2, "1f1b", 2, "train.recompute=full"),
         _pipeline(2, "zb", 4, "train.recompute=selective"),
+        # ZB-V and DualPipeV: two chunks per rank in a V, the loss and the tied ends on rank 0
+        *(_pipeline(2, schedule, 4, "parallel.pp_virtual=2") for schedule in ("zbv", "dualpipev")),
+        _pipeline(2, "zbv", 2, "parallel.pp_virtual=2"),
+        _pipeline(2, "dualpipev", 4, "parallel.pp_virtual=2", *SMALL),  # the tied ends summed on one rank
         ("zero1", ["parallel.zero=1"]),
         ("zero2", ["parallel.zero=2"]),
         ("zero3", ["parallel.zero=3"]),
@@ -74,6 +78,10 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
         _pipeline(2, "zb", 4, "parallel.dp=2", "parallel.zero=3"),
         _pipeline(2, "interleaved", 2, "parallel.dp=2", "parallel.zero=3", "parallel.pp_virtual=2"),
         _pipeline(2, "afab", 2, "parallel.dp=2", "parallel.zero=3", *SMALL),  # tied: slices summed over the ends
+        *(_pipeline(2, schedule, 4, "parallel.dp=2", "parallel.zero=1", "parallel.pp_virtual=2")
+          for schedule in ("zbv", "dualpipev")),
+        _pipeline(2, "zbv", 2, "parallel.dp=2", "parallel.bucket_mb=0.001", "parallel.pp_virtual=2"),
+        _pipeline(2, "dualpipev", 4, "parallel.dp=2", "parallel.zero=3", "parallel.pp_virtual=2"),
         ("zero1", ["parallel.zero=1"]),
         ("zero2", ["parallel.zero=2"]),
         ("zero3", ["parallel.zero=3"]),
@@ -95,6 +103,7 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
         _pipeline(2, "interleaved", 2, "parallel.tp=2", "parallel.pp_virtual=2"),
         _pipeline(2, "zb", 4, "parallel.tp=2", "parallel.sp=false"),  # B runs the tp collectives, W none
         _pipeline(2, "zb", 4, "parallel.tp=2"),  # SP norm gradients: partial through W, summed per step
+        *(_pipeline(2, schedule, 4, "parallel.tp=2", "parallel.pp_virtual=2") for schedule in ("zbv", "dualpipev")),
     ],
     8: [
         _pipeline(2, "1f1b", 2, "parallel.tp=2", "parallel.dp=2"),
@@ -111,7 +120,8 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
 # kind of composition; the other rows repeat them at other sizes, micro-batch counts and
 # combinations and run with `python -m pytest -m slow` (docs/architecture.md, "Tests").
 DEFAULT_TIER = {
-    2: {"dp2-accumulation", "dp2-small-tied", "pp2-afab-m2", "pp2-1f1b-m4", "pp2-zb-m4",
+    2: {"dp2-accumulation", "dp2-small-tied", "pp2-afab-m2", "pp2-1f1b-m4", "pp2-zb-m4", "pp2-zbv-m4-pp_virtual=2",
+        "pp2-dualpipev-m4-pp_virtual=2-preset=small",
         "pp2-interleaved-m4-pp_virtual=2", "pp2-1f1b-m2-recompute=full", "zero1", "zero2",
         "zero3-accumulation-keep-gathered", "zero3-recompute-selective", "tp2-sp", "tp2", "tp2-sp-small-tied"},
     4: {"hsdp2x2-zero3", "tp2-sp-dp2-zero3", "pp2-zb-m4-tp=2", "pp2-interleaved-m2-dp=2-zero=3-pp_virtual=2"},

@@ -32,8 +32,9 @@ for pid in "${pids[@]}"; do wait "$pid" || status=$?; done
 exit $status
 """
 SCONTROL = """#!/bin/bash
-# scontrol show hostnames LIST: every node is this host
-for ((node = 0; node < SLURM_NNODES; node++)); do echo 127.0.0.1; done
+# scontrol show hostnames LIST: every node is this host (many lines, as a large job has: a
+# reader that stops after the first would make this one die of SIGPIPE)
+for ((node = 0; node < 20000; node++)); do echo 127.0.0.1; done
 """
 
 

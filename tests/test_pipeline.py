@@ -8,9 +8,11 @@ import pytest
 import torch
 
 from helpers import TINY, assert_losses_close, assert_states_close, train_in_rank
-from ndtrain.parallel.pipeline.partition import balanced_counts, chunk_counts, layer_costs
-from ndtrain.parallel.pipeline.schedules import SCHEDULES, build_schedule, theory_bubble
-from ndtrain.parallel.pipeline.verify import ScheduleError, bubble, simulate, verify
+from ndtrain.parallel.pipeline.partition import balanced_counts, chunk_counts, layer_costs, local_chunks, owner
+from ndtrain.parallel.pipeline.lists import _align_receives, build_schedule, with_messages
+from ndtrain.parallel.pipeline.schedules import SCHEDULES, compute_orders, vshape
+from ndtrain.parallel.pipeline.simulate import bubble, compute_parts, simulate, theory_bubble, timeline
+from ndtrain.parallel.pipeline.verify import ScheduleError, check_deadlock_free, verify
 from ndtrain.testing import run_ranks
 
 
@@ -19,21 +21,46 @@ from ndtrain.testing import run_ranks
 def _shapes():
     for name in SCHEDULES:
         for pp in (2, 3, 4, 8):
-            for v in ((1, 2, 3) if name == "interleaved" else (1,)):
+            for v in ((1, 2, 3) if name == "interleaved" else (2,) if vshape(name) else (1,)):
                 for m in range(1, 3 * pp + 1):
-                    if name != "interleaved" or m % pp == 0:
+                    if (name != "interleaved" or m % pp == 0) and (name != "dualpipev" or m >= 2 * pp):
                         yield name, pp, v, m
 
 
 def test_every_schedule_is_complete_ordered_and_deadlock_free():
-    """Each (chunk, micro-batch) computed once per kind on its owner, both ends of every link
-    agree on the order, and no rank can wait forever even if every message is a rendezvous."""
+    """Each (chunk, micro-batch) computed once per kind on its owner, after what it takes
+    from its own rank, both ends of every link agree on the order, and no rank can wait
+    forever even if every message is a rendezvous."""
     count = 0
     for name, pp, v, m in _shapes():
         for train in (True, False):
-            verify(build_schedule(name, pp, v, m, train=train), pp, v, m, train=train)
+            verify(build_schedule(name, pp, v, m, train=train), pp, v, m, train=train, v_shape=vshape(name))
             count += 1
-    assert count > 300
+    assert count > 400
+
+
+def test_v_placement():
+    """A V: rank r holds chunks r and 2p−1−r; the turn and both ends stay on one rank."""
+    assert [local_chunks(r, 4, 2, True) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [owner(c, 4, True) for c in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    assert [owner(c, 4) for c in range(8)] == [0, 1, 2, 3, 0, 1, 2, 3]
+    lists = build_schedule("zbv", 2, 2, 4)
+    kinds = {a.kind for a in lists[1] if a.chunk == 2 and a.kind.startswith(("send", "recv"))}
+    assert kinds == {"send_F", "recv_B"}  # chunk 2 takes its input from chunk 1, on the same rank
+
+
+def test_receives_move_only_to_meet_their_sends():
+    """ZB-V's cool-down, with each receive just before its consumer, deadlocks if messages
+    are rendezvous (two neighbours each send first); `build_schedule` posts the receives it
+    needs earlier, and nothing else moves."""
+    naive = _align_receives(with_messages(compute_orders("zbv", 4, 2, 8), 8, 4, True), 4, True)
+    with pytest.raises(ScheduleError, match="deadlock"):
+        check_deadlock_free(naive, 4, True)
+    built = build_schedule("zbv", 4, 2, 8)
+    for before, after in zip(naive, built):
+        assert sorted(map(str, before)) == sorted(map(str, after))
+        assert [a for a in before if not a.kind.startswith("recv")] == [a for a in after if not a.kind.startswith("recv")]
+    assert built != naive
 
 
 def test_verifier_catches_a_deadlock_and_a_misordered_link():
@@ -53,19 +80,75 @@ def test_verifier_catches_a_deadlock_and_a_misordered_link():
     stuck[1][1:1] = backwards[:2]
     with pytest.raises(ScheduleError):
         verify(stuck, 2, 1, 4)
+    # a V's turn: chunk 4 (rank 3) run before chunk 3 (rank 3) gave it its input
+    v = build_schedule("zbv", 4, 2, 8)
+    turn = [a for a in v[3] if a.kind == "F" and a.micro == 0]
+    assert [a.chunk for a in turn] == [3, 4]
+    i, j = v[3].index(turn[0]), v[3].index(turn[1])
+    v[3][i], v[3][j] = v[3][j], v[3][i]
+    with pytest.raises(ScheduleError, match="before F0.c3, its input"):
+        verify(v, 4, 2, 8, v_shape=True)
 
 
-@pytest.mark.parametrize("name, v", [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)])
+@pytest.mark.parametrize("name, v", [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1), ("zbv", 2),
+                                     ("dualpipev", 2)])
 def test_simulated_bubble_equals_theory(name, v):
-    """With unit costs (F = 1, whole backward = 2; zb: F = B = W = 1) and free messages the
-    lists give exactly the textbook bubble; zero bubble is a third of 1F1B's."""
+    """With unit costs (F = 1, whole backward = 2; split: F = B = W = 1) and free messages the
+    lists give exactly the textbook bubble: zero bubble a third of 1F1B's, DualPipeV the same
+    as ZB-H1 ((p−1)(F&B + B − 3W) over 2p chunks), ZB-V half of that."""
     for pp in (2, 4):
-        for m in (pp, 2 * pp, 4 * pp):
-            cost = {"F": 1, "B": 1, "W": 1} if name == "zb" else {"F": 1, "B": 2}
-            got = bubble(simulate(build_schedule(name, pp, v, m), pp, cost))
+        for m in (2 * pp, 4 * pp, 8 * pp):
+            split = name in ("zb", "zbv", "dualpipev")
+            f, b, w = (1, 1, 1) if split else (1, 2, 0)
+            got = simulate(build_schedule(name, pp, v, m), f, b, w)[1]
             assert got == pytest.approx(theory_bubble(name, pp, v, m), abs=1e-12), (pp, m)
-            if name == "zb":
-                assert got == pytest.approx(theory_bubble("1f1b", pp, 1, m) / 3)
+            if split:
+                third = theory_bubble("1f1b", pp, 1, m) / 3
+                assert got == pytest.approx(third / 2 if name == "zbv" else third)
+    # DualPipe's formula with unequal costs (F ≤ B): (p−1)(F + 2B − W) of idle per rank
+    for f, b, w in ((1, 2, 1), (1, 1, 0.5), (0.5, 1.5, 0.5)):
+        got = simulate(build_schedule("dualpipev", 4, 2, 16), f, b, w)[1]
+        assert got == pytest.approx(theory_bubble("dualpipev", 4, 2, 16, f, b, w), abs=1e-12)
+
+
+def test_v_schedules_hold_what_their_papers_say():
+    """Peak activations per rank, in chunk-micro-batches (half a stage each): ZB-V 2p, i.e. the
+    p whole micro-batches of 1F1B's first stage; DualPipeV 2p + 1 (DualPipe's PP + 1)."""
+    for name, extra in (("zbv", 0), ("dualpipev", 1)):
+        for pp in (2, 4):
+            for r, ticks in enumerate(compute_orders(name, pp, 2, 4 * pp)):
+                actions = [a for tick in ticks for a in tick]
+                split = {(a.chunk, a.micro) for a in actions if a.kind == "W"}
+                held = peak = 0
+                for a in actions:
+                    held += (a.kind == "F") - (a.kind == "W" or (a.kind == "B" and (a.chunk, a.micro) not in split))
+                    peak = max(peak, held)
+                assert peak == 2 * pp + extra, (name, pp, r)
+
+
+def test_simulator_on_synthetic_costs():
+    """simulate(lists, f, b, w, p2p): per-chunk costs, messages that take time, whole and
+    split backwards, overlapped pairs. Hand-worked: 1F1B, 2 stages, 2 micro-batches, F = 1,
+    whole B = 2, each message 0.5: stage 1 runs F0 [1.5, 2.5] B0 [2.5, 4.5] F1 [4.5, 5.5]
+    B1 [5.5, 7.5]; stage 0 F0 [0, 1] F1 [1, 2] B0 [5, 7] B1 [8, 10]: 10 s, each rank idle 4
+    of its 6 busy."""
+    step, idle = simulate(build_schedule("1f1b", 2, 1, 2), 1.0, 2.0, 0.0, p2p=0.5)
+    assert step == pytest.approx(10.0) and idle == pytest.approx(4 / 6)
+    # per chunk: a stage twice as slow sets the pace of the steady phase: (m + 1)·3 + 3 for 1F1B, p = 2
+    step, _ = simulate(build_schedule("1f1b", 2, 1, 8), [1.0, 2.0], [2.0, 4.0], 0.0)
+    assert step == pytest.approx(3 + 8 * 6)
+    # a split backward costs b, its W w; a whole one b + w: ZB-H1 with W = 0 is 1F1B with B = b
+    assert simulate(build_schedule("zb", 4, 1, 8), 1, 2, 0)[0] == simulate(build_schedule("1f1b", 4, 1, 8), 1, 2, 0)[0]
+    # an F&B costs its forward plus its backward unless `overlap` says otherwise: hiding the
+    # shorter half shortens DualPipeV's step
+    lists = build_schedule("dualpipev", 2, 2, 8)
+    plain, _ = simulate(lists, 1, 1, 1)
+    hidden, _ = simulate(lists, 1, 1, 1, overlap=max)
+    assert plain == pytest.approx(2 * 8 * 3 + 2) and hidden < plain
+    # messages delay only what waits for them: a 0-cost rendezvous-free list is the same
+    assert simulate(lists, 1, 1, 1, p2p=0.0)[0] < simulate(lists, 1, 1, 1, p2p=0.25)[0]
+    ranks = timeline(lists, lambda r, a: 1.0)
+    assert bubble(ranks) >= 0 and len(ranks) == 2
 
 
 def test_replayed_bubble_separates_durations_from_the_executor():
@@ -76,12 +159,38 @@ def test_replayed_bubble_separates_durations_from_the_executor():
     from ndtrain.parallel.pipeline.timeline import Event
     for name, v in (("1f1b", 1), ("interleaved", 2)):
         plan = build_schedule(name, 2, v, 8)
-        sim = simulate(plan, 2, {"F": 1.0, "B": 2.0})
+        sim = compute_parts(timeline(plan, lambda r, a: {"F": 1.0, "B": 2.0, "FB": 3.0}[a.kind]))
         ranks = [[Event(a.kind, a.chunk, a.micro, s, e) for a, s, e in rank] for rank in sim]
         assert replayed_bubble(ranks, name, 2, v, 8) == pytest.approx(theory_bubble(name, 2, v, 8))
         slow = ranks[1][0]  # the last stage's first forward takes three times as long
         ranks[1][0] = Event(slow.kind, slow.chunk, slow.micro, slow.start, slow.start + 3 * (slow.end - slow.start))
         assert replayed_bubble(ranks, name, 2, v, 8) > theory_bubble(name, 2, v, 8) * 1.25
+
+
+def test_the_trace_simulates_a_step_from_its_own_costs():
+    """`ndtrain trace`'s prediction: a timeline made by the simulator with known per-chunk
+    costs (idle time recorded as waits, as the executor records them) gives back those costs
+    (chunk_costs: whole and split backwards told apart, as DualPipeV mixes them) and
+    exactly its own step time."""
+    from ndtrain.observe.trace import chunk_costs, measured_step, simulated_step
+    from ndtrain.parallel.pipeline.simulate import action_costs
+    from ndtrain.parallel.pipeline.timeline import Event
+    for name, v in (("1f1b", 1), ("zb", 1), ("interleaved", 2), ("dualpipev", 2)):
+        f, b, w = [1.0, 1.5, 1.25, 2.0][:2 * v], [2.0, 1.0, 1.5, 1.75][:2 * v], [0.5, 0.75, 1.0, 0.25][:2 * v]
+        if name in ("1f1b", "interleaved"):
+            w = [0.0] * len(w)
+        plan = build_schedule(name, 2, v, 8)
+        rules = [action_costs(f, b, w)(actions) for actions in plan]
+        sim = compute_parts(timeline(plan, lambda r, a: rules[r](a)), lambda r, a: f[a.chunk])
+        ranks = []
+        for rank in sim:
+            events = [Event(a.kind, a.chunk, a.micro, s, e) for a, s, e in rank]
+            idle = [Event("wait_F", x.chunk, x.micro, x.end, y.start) for x, y in zip(events, events[1:]) if y.start > x.end]
+            ranks.append(events + idle)
+        got_f, got_b, got_w, post = chunk_costs(ranks, 2 * v)
+        assert got_f == pytest.approx(f) and got_b == pytest.approx(b) and got_w == pytest.approx(w) and post == 0
+        step, _ = simulated_step(ranks, name, 2, v, 8)
+        assert step == pytest.approx(measured_step(ranks), rel=1e-12), name
 
 
 def test_partition_counts_the_head_and_can_be_overridden():
@@ -100,13 +209,57 @@ def test_partition_counts_the_head_and_can_be_overridden():
 
 # --------------------------------------------------------------------------- torch.distributed.pipelining
 
+TORCH_SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B", "zbv": "ScheduleZBVZeroBubble",
+                   "dualpipev": "ScheduleDualPipeV"}
+
+
 def _grads_vs_torch_pipelining(data_dir):
-    return {(s, v): _one_schedule_vs_torch(data_dir, s, v) for s, v in (("1f1b", 1), ("interleaved", 2))}
+    import torch.distributed.pipelining as pipelining
+    out = {(s, v): _one_schedule_vs_torch(data_dir, s, v)
+           for s, v in (("1f1b", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2))
+           if hasattr(pipelining, TORCH_SCHEDULES[s])}  # torch < 2.9 has no DualPipeV
+    return out, _overlap_hook(data_dir)
+
+
+def _overlap_hook(data_dir):
+    """DualPipeV with an overlap hook that runs each F&B's backward before its forward (they
+    touch different chunks): called once per F&B, and the same gradients bit for bit."""
+    import torch.distributed as dist
+
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.batch import MicroBatch
+    from ndtrain.data.loader import BatchLoader
+    from ndtrain.data.prepare import PreparedData
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.parallel.parallelize import build
+    from ndtrain.train.worker import mesh_shape
+
+    cfg = validate(load_config(None, TINY + ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2",
+                                             "train.micro_batch=1"]), world=dist.get_world_size())
+    data = PreparedData.open(data_dir)
+    x, y = BatchLoader(data.stream("train"), 32, 8, 0).rows(0, 0, 8)
+    micro = MicroBatch(x, y).split(1)
+    par = build(cfg.model_args(vocab_size=data.vocab_size), ParallelMesh.build(mesh_shape(cfg)), cfg)
+    par.forward_backward(micro, 256.0)
+    default = {k: p.grad.clone() for k, p in par.model.named_parameters()}
+    par.grad_sync.zero_grad()
+    calls = []
+
+    def backward_first(forward, backward):
+        calls.append(1)
+        backward()
+        forward()
+    par.schedule.overlap = backward_first
+    par.forward_backward(micro, 256.0)
+    pairs = sum(g[0].kind == "FB" for g in par.schedule.plan(8, train=True).groups)
+    same = all(torch.equal(p.grad, default[k]) for k, p in par.model.named_parameters())
+    return len(calls), pairs, same
 
 
 def _one_schedule_vs_torch(data_dir, schedule, virtual):
     import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+    import torch.distributed.pipelining as pipelining
+    from torch.distributed.pipelining import PipelineStage
 
     from ndtrain.config import load_config, validate
     from ndtrain.data.batch import MicroBatch
@@ -135,13 +288,12 @@ def _one_schedule_vs_torch(data_dir, schedule, virtual):
     chunks = build_chunks(args, mesh, cfg, decoder(args, mesh, cfg))  # fresh copies, same initial weights
     chunks = {c: materialized(chunk, args, mesh, cfg) for c, chunk in chunks.items()}
     stages = [PipelineStage(chunk, c, 2 * virtual, torch.device("cpu")) for c, chunk in chunks.items()]
-    kwargs = {"scale_grads": False} if "scale_grads" in inspect.signature(Schedule1F1B).parameters else {}
+    cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+    kwargs = {"scale_grads": False} if "scale_grads" in inspect.signature(cls).parameters else {}
     loss_fn = lambda out, target: token_loss_sum(out, target) / n  # noqa: E731
-    if schedule == "1f1b":
-        ref = Schedule1F1B(stages[0], m, loss_fn=loss_fn, **kwargs)
-    else:
-        ref = ScheduleInterleaved1F1B(stages, m, loss_fn=loss_fn, **kwargs)
-    first, last = mesh.is_first_stage, mesh.is_last_stage
+    ref = cls(stages[0] if schedule == "1f1b" else stages, m, loss_fn=loss_fn, **kwargs)
+    v_shape = schedule in ("zbv", "dualpipev")  # both ends on rank 0
+    first, last = mesh.is_first_stage, mesh.is_first_stage if v_shape else mesh.is_last_stage
     ref.step(*((x,) if first else ()), **({"target": y} if last else {}))
     theirs = {k: p.grad for chunk in chunks.values() for k, p in chunk.named_parameters()}
     assert mine.keys() == theirs.keys()
@@ -149,11 +301,14 @@ def _one_schedule_vs_torch(data_dir, schedule, virtual):
 
 
 def test_gradients_match_torch_pipelining(tiny_data):
-    """Same split, same weights, same micro-batches: Schedule1F1B (pp 2) and
-    ScheduleInterleaved1F1B (pp 2 × v 2) give the gradients we give."""
-    for rank in run_ranks(_grads_vs_torch_pipelining, 2, tiny_data):
-        for (schedule, virtual), worst in rank.items():
+    """Same split, same weights, same micro-batches: Schedule1F1B (pp 2),
+    ScheduleInterleaved1F1B (pp 2 × v 2), ScheduleZBVZeroBubble and ScheduleDualPipeV (pp 2,
+    two chunks per rank in a V) give the gradients we give. And DualPipeV's overlap hook."""
+    for compared, (calls, pairs, same) in run_ranks(_grads_vs_torch_pipelining, 2, tiny_data):
+        assert {s for s, _ in compared} >= {"1f1b", "interleaved", "zbv"}
+        for (schedule, virtual), worst in compared.items():
             assert worst < 1e-6, (schedule, virtual, worst)
+        assert calls == pairs > 0 and same, (calls, pairs, same)
 
 
 # --------------------------------------------------------------------------- more layouts, memory, messages
@@ -336,6 +491,7 @@ def test_trace_writes_chrome_json_picture_and_bubble(tiny_data, tmp_path):
     assert report["schedule"] == "zb" and report["micro_batches"] == 8
     assert report["measured_bubble"] > 0 and report["theory_bubble"] > 0 and set(report["mean_ms"]) == {"F", "B", "W"}
     assert 0 < report["replayed_bubble"] <= report["measured_bubble"] + 0.05
+    assert report["simulated_step_ms"] > 0 and report["measured_step_ms"] > 0 and report["simulated_bubble"] >= 0
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     for rank in (0, 1):
         compute = [e for e in events if e.get("tid") == rank and e.get("cat") in ("F", "B", "W")]
@@ -358,6 +514,13 @@ def test_trace_writes_chrome_json_picture_and_bubble(tiny_data, tmp_path):
     (["parallel.pp=2", "parallel.pp_split=2;2"], "expected layers per chunk"),
     (["parallel.pp_virtual=2"], "parallel.pp_virtual = 2: needs parallel.pp > 1"),
     (["parallel.pp=2", "parallel.pp_virtual=2"], "needs parallel.pp_schedule = 'interleaved'"),
+    (["parallel.pp=2", "parallel.pp_schedule=zbv"],
+     "parallel.pp_virtual = 1: parallel.pp_schedule = 'zbv' runs two chunks per rank (a V): set parallel.pp_virtual = 2"),
+    (["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=3", "model.n_layers=6"],
+     "set parallel.pp_virtual = 2"),
+    (["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2", "train.global_batch=6",
+      "train.micro_batch=2", "run.nproc=2"], "parallel.pp_schedule = 'dualpipev': needs at least 2 × parallel.pp = 4 "
+                                             "micro-batches; global_batch / (dp × micro_batch) = 6 / (1 × 2) = 3"),
 ])
 def test_pipeline_config_errors(overrides, fragment):
     from ndtrain.config import ConfigError, load_config, validate

@@ -73,7 +73,8 @@ def test_bench_plan_runs_every_layout(tmp_path, capsys):
                  f"data.cache_dir={tmp_path}"])
     out = capsys.readouterr().out
     assert code == 0
-    for name in ("dp2", "zero3 dp2", "tp2", "pp2 afab", "pp2 1f1b", "pp2 zb", "pp2 interleaved", "cp2", "ep2"):
+    for name in ("dp2", "zero3 dp2", "tp2", "pp2 afab", "pp2 1f1b", "pp2 zb", "pp2 interleaved", "pp2 zbv",
+                 "pp2 dualpipev", "cp2", "ep2"):
         assert re.search(rf"\n{re.escape(name)}\b.* \d+\.\d\d +\d", out), name
     assert re.search(r"\nndtrain plan worst predicted/measured step time ratio: \d+\.\d\d\n$", out)
     assert load(tmp_path, 2) is not None

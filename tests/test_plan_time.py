@@ -5,11 +5,13 @@ schedule's bubble."""
 import random
 
 import pytest
+import torch
 
 from ndtrain.config import load_config, validate
+from ndtrain.model.llama import Transformer
 from ndtrain.plan.calibration import LinkFit
 from ndtrain.plan.cluster import Cluster
-from ndtrain.parallel.pipeline.schedules import theory_bubble
+from ndtrain.parallel.pipeline.simulate import theory_bubble
 from ndtrain.plan.params import stage_chunks, stage_params
 from ndtrain.plan.pipeline import _simulated, bubble_fraction, makespan
 from ndtrain.plan.steptime import step_time
@@ -46,8 +48,13 @@ def test_zero_moves_what_the_paper_says(zero, ratio):
     all-gather the same 2Ψ; ZeRO-3 gathers twice and reduce-scatters, 3Ψ: 1.5× DP."""
     cfg, dp = _time(8, "train.global_batch=8")
     _, zero_step = _time(8, f"parallel.zero={zero}", "train.global_batch=8")
-    assert zero_step.dp / dp.dp == pytest.approx(ratio)
     psi = stage_params(cfg, cfg.model_args(), stage_chunks(cfg, cfg.model_args())[0])
+    # ZeRO's flat buffers start each parameter and each of the 8 slices at a multiple of 64
+    # elements (parallel/placement.py): at most 63 elements per tensor and 63 per slice more.
+    with torch.device("meta"):
+        tensors = len(list(Transformer(cfg.model_args()).parameters()))
+    gaps = 63 * (tensors + 8 * 2 * (cfg.model_args().n_layers + 1))
+    assert zero_step.dp / dp.dp == pytest.approx(ratio, rel=gaps / psi)
     assert dp.dp == pytest.approx(2 * 7 / 8 * 4 * psi / BETA)  # a ring all-reduce of the fp32 gradients
 
 
@@ -60,27 +67,31 @@ def test_zero_under_a_pipeline_communicates_once_per_step(zero):
     assert steps[0].dp == pytest.approx(steps[1].dp) and steps[0].dp > 0
 
 
-@pytest.mark.parametrize("schedule, virtual", [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)])
+@pytest.mark.parametrize("schedule, virtual", [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1), ("zbv", 2),
+                                               ("dualpipev", 2)])
 def test_every_schedule_simulated_gives_its_theory_on_equal_stages(schedule, virtual):
     """The planner prices a pipeline by simulating the schedule's own action lists
     (plan/pipeline.py); with equal stages that is the theory: (p−1)/m for AFAB and 1F1B
     (Narayanan et al. 2021, section 2.2), (p−1)/(v·m) interleaved, (p−1)(F+B−W)/(m(F+B+W))
     for zero bubble (Qi et al. 2023), here with F = 1, B = 2 (zero bubble: B = W = 1)."""
     pp, m = 4, 8
-    f, b, w = (1.0, 1.0, 1.0) if schedule == "zb" else (1.0, 2.0, 0.0)
+    split = schedule in ("zb", "zbv", "dualpipev")
+    f, b, w = (1.0, 1.0, 1.0) if split else (1.0, 2.0, 0.0)
     costs = ((f, b, w),) * (pp * virtual)
     span, fraction = bubble_fraction(schedule, pp, virtual, m, costs)
     assert fraction == pytest.approx(theory_bubble(schedule, pp, virtual, m, f, b, w))
     assert span == pytest.approx((1 + fraction) * m * virtual * (f + b + w))
 
 
-@pytest.mark.parametrize("schedule, virtual", [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1)])
+@pytest.mark.parametrize("schedule, virtual", [("afab", 1), ("1f1b", 1), ("interleaved", 2), ("zb", 1), ("zbv", 2),
+                                               ("dualpipev", 2)])
 def test_many_micro_batches_extrapolate_exactly(schedule, virtual):
     """Past the warm-up a schedule repeats every pp micro-batches: three short simulations
     extrapolate to many micro-batches; on uneven stages it equals the whole simulation."""
     rng = random.Random(schedule)
     for pp in (2, 4):
-        costs = tuple((rng.uniform(0.5, 1.5), rng.uniform(1, 3), rng.uniform(0.3, 1) if schedule == "zb" else 0.0)
+        costs = tuple((rng.uniform(0.5, 1.5), rng.uniform(1, 3),
+                       rng.uniform(0.3, 1) if schedule in ("zb", "zbv", "dualpipev") else 0.0)
                       for _ in range(pp * virtual))
         m = 12 * pp + (0 if schedule == "interleaved" else 3)
         assert makespan(schedule, pp, virtual, m, costs) == pytest.approx(_simulated(schedule, pp, virtual, m, costs),

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from helpers import TINY, assert_states_close, train_in_rank
+from ndtrain.model.init import WORKSPACE_BYTES
 from ndtrain.testing import run_ranks
 
 # -- communication ----------------------------------------------------------------------
@@ -243,8 +244,11 @@ def _peaks_vs_fsdp2():
     meter = CpuPeak()
     with meter:
         torch.sqrt(d)
+    # Our flat buffers start every parameter and slice at a multiple of 64 elements
+    # (placement.ALIGN): the gaps' elements, in the full buffers.
+    gaps = sum(f.full.numel() - sum(p.numel() for p in f.params) for f in ours.par.states.flats)
     return (_peak(step_ours, cpu, ours.held_bytes()), _peak(step_fsdp2, cpu, _fsdp2_held(ref, opt)),
-            meter.peak)
+            meter.peak, gaps)
 
 
 def test_zero3_peak_memory_is_no_larger_than_fsdp2():
@@ -252,10 +256,13 @@ def test_zero3_peak_memory_is_no_larger_than_fsdp2():
     reduce-scatters, those in flight are waited for (their full-size inputs freed), as in
     FSDP2; keeping every block's input until the end of backward cost 5 extra blocks' full
     gradients at the peak (1.17 MiB here, 14.05 against 15.22 MiB; 264 MiB at 125M). Both
-    sides are counted by the same meter, DTensors as their local shards."""
-    for ours, theirs, dtensor in run_ranks(_peaks_vs_fsdp2, 2):
+    sides are counted by the same meter, DTensors as their local shards. Allowed on top: the
+    alignment gaps of our flat buffers (fp32 zeros), at most four times over (a gathered
+    unit's parameters and gradients, the slice's master gradient and Adam's two moments
+    hold them: 4 bytes × gaps × 4)."""
+    for ours, theirs, dtensor, gaps in run_ranks(_peaks_vs_fsdp2, 2):
         assert dtensor == 1000 * 64 * 4 // 2
-        assert ours <= theirs, (ours, theirs)
+        assert ours <= theirs + 16 * gaps, (ours, theirs, gaps)
 
 
 # -- tied embeddings ---------------------------------------------------------------------------
@@ -340,11 +347,12 @@ def test_each_rank_builds_only_what_it_keeps():
     """Issue 9: every layout is built on the meta device and each rank materialises only its
     ZeRO-3 slices (and their fp32 masters), tensor-parallel chunks or pipeline stage. While
     `build` runs a rank holds at most what it keeps plus one of: a parameter's fp32 initial
-    value (drawn whole, then cut) or, under ZeRO-3, one unit's full buffer (its parameters
+    value or, under ZeRO-3, one unit's full buffer (its parameters
     become views into it before its memory goes). Far below the whole model, which the code
     before built on every rank first."""
     for rank, peaks in enumerate(run_ranks(_construction_peaks, 4)):
         for name, (peak, kept, largest_param, largest_unit, whole) in peaks.items():
-            # kept: parameters, masters and gradient buffers; 64 KiB: the rotary tables
-            assert peak <= kept + max(largest_param, largest_unit) + 64 * 1024, (rank, name, peak, kept)
+            # kept: parameters, masters and gradient buffers; 64 KiB: the rotary tables; and the
+            # initial-value generator's working set (model/init.py)
+            assert peak <= kept + max(largest_param, largest_unit) + 64 * 1024 + WORKSPACE_BYTES, (rank, name, peak, kept)
             assert peak < 0.7 * whole, (rank, name, peak, whole)  # the old code: at least `whole`

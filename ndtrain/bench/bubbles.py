@@ -20,9 +20,11 @@ import torch.distributed as dist
 from ndtrain.bench.pacing import pace
 from ndtrain.observe.trace import bubble_report, draw
 from ndtrain.parallel.parallelize import build
+from ndtrain.parallel.pipeline.schedules import vshape
 from ndtrain.parallel.pipeline.timeline import gather
 
-SCHEDULES = ("afab", "1f1b", "interleaved", "zb")  # interleaved with parallel.pp_virtual chunks per rank
+# interleaved with parallel.pp_virtual chunks per rank, ZB-V and DualPipeV with 2 (a V)
+SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
 BUBBLE_STEPS = 5  # timed steps per schedule for the bubble; the median one is reported
 PACE_S = 0.05  # seconds per block per F, B and W in the paced measurement (large against the ~2 ms
 # of real work and hook overhead per block, and against this host's sleep jitter)
@@ -35,7 +37,7 @@ def measure_bubbles(cfg, args, mesh, micro, n_targets: float, steps: int, out: s
     (pp-paced-<schedule>.png when every block is paced to `paced_s` per F, B and W)."""
     rows = []
     for name in SCHEDULES:
-        v = cfg.parallel.pp_virtual if name == "interleaved" else 1
+        v = cfg.parallel.pp_virtual if name == "interleaved" else 2 if vshape(name) else 1
         c = cfg.copy()
         c.parallel.pp_schedule, c.parallel.pp_virtual = name, v
         chunks = mesh.shape.pp * v
@@ -86,6 +88,16 @@ def bubble_table(real: list[dict], paced: list[dict]) -> list[str]:
     within = [f"{q['schedule']} {_yes(abs(q['measured_bubble'] - q['theory_bubble']) <= 0.25 * q['theory_bubble'])}"
               for q in paced]
     lines.append("paced median within 25% of theory: " + ", ".join(within))
+    lines += ["", "step time of the median step: measured, and simulated from its mean F, B, W per chunk, message "
+              "post and message time (parallel/pipeline/simulate.py)",
+              f"{'schedule':<16}{'real ms':>9}{'sim ms':>9}{'sim/real':>9}   {'paced ms':>9}{'sim ms':>9}{'sim/real':>9}"]
+    for r, q in zip(real, paced):
+        name = r["schedule"] + (f" v={r['virtual']}" if r["virtual"] > 1 else "")
+        cells = [f"{x['measured_step_ms']:>9.1f}{x['simulated_step_ms']:>9.1f}"
+                 f"{x['simulated_step_ms'] / x['measured_step_ms']:>9.2f}" for x in (r, q)]
+        lines.append(f"{name:<16}{cells[0]}   {cells[1]}")
+    worst = max(abs(x["simulated_step_ms"] / x["measured_step_ms"] - 1) for x in real + paced)
+    lines.append(f"simulated within 15% of measured for every schedule: {_yes(worst <= 0.15)} (worst {100 * worst:.0f}%)")
     for label, rows in (("real", real), ("paced", paced)):
         by = {r["schedule"]: r for r in rows}
         zb, ofb, ms = by["zb"], by["1f1b"], by["zb"]["mean_ms"]

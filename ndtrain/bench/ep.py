@@ -54,7 +54,7 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
             if t.grad_clip:
                 stepper.clip_grad_norm(t.grad_clip)
             stepper.optimizer_step(t.lr)
-            stats = stepper.par.routing_stats
+            stats = stepper.par.routing_stats.value()
             if "a2a_seconds" in stats and not measure:
                 a2a.append(sum(stats["a2a_seconds"]))
 

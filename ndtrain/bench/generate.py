@@ -48,7 +48,7 @@ def run(args) -> int:
                         f"{args.rounds} rounds × {args.steps} generations per length, alternating")
     env = init_process(cfg.run.device, cfg.run.threads)
     try:
-        model = build_model(a, t.seed, env.device).to(compute_dtype(t.precision))
+        model = build_model(a, t.seed, env.device).to(compute_dtype(t.precision, t.fp8_base))
         g = torch.Generator().manual_seed(t.seed)
         lengths = torch.randint(t.seq_len // 2, t.seq_len + 1, (t.global_batch,), generator=g)
         prompts = [torch.randint(0, a.vocab_size, (int(n),), generator=g).tolist() for n in lengths]

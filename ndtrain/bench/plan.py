@@ -48,7 +48,8 @@ def layouts(n: int) -> list[tuple[str, list[str]]]:
             (f"zero3 dp{n}", [*MODEL, f"parallel.dp={n}", "parallel.zero=3"]),
             (f"tp{n}", [*MODEL, f"parallel.tp={n}"]),
             *[(f"pp{n} {s}", [*MODEL, *pp, f"parallel.pp_schedule={s}"]) for s in ("afab", "1f1b", "zb")],
-            (f"pp{n} interleaved", [*MODEL, *pp, "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"]),
+            *[(f"pp{n} {s}", [*MODEL, *pp, f"parallel.pp_schedule={s}", "parallel.pp_virtual=2"])
+              for s in ("interleaved", "zbv", "dualpipev")],
             (f"cp{n}", [*MODEL, f"parallel.cp={n}"]),
             (f"ep{n}", [*MOE, f"parallel.dp={n}", f"parallel.ep={n}"])]
 

@@ -1,17 +1,20 @@
-"""`ndtrain bench pp`: our 1F1B, interleaved 1F1B and zero bubble against
-torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B and
-ScheduleInterleavedZeroBubble, and the bubble of each of our schedules next to its theory.
+"""`ndtrain bench pp`: our 1F1B, interleaved 1F1B, zero bubble, ZB-V and DualPipeV against
+torch.distributed.pipelining's Schedule1F1B, ScheduleInterleaved1F1B,
+ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble and ScheduleDualPipeV, and the bubble
+of each of our schedules next to its theory.
 
 Same model, same split and weights, same micro-batches, same ranks: one training step's
 forward and backward through the pipeline each (no optimizer: the schedule is what differs),
-all six contenders alternated round by round. Each pair runs the same chunks: interleaved
+all ten contenders alternated round by round. Each pair runs the same chunks: interleaved
 with v chunks per rank on both sides (`parallel.pp_virtual`, default 2), zero bubble with
-one (torch's ScheduleInterleavedZeroBubble with one stage per rank is ZB-H1, as ours). The
-model's stages cost about the same (the cost-balanced split; a small vocabulary keeps the
-head light by default) and each micro-batch carries enough work for the timings to mean
-something. In bf16 both sides hold the chunks in bf16 (no optimizer step, so no fp32
-masters); `train.recompute` wraps the same regions on both sides (torch's `checkpoint` on
-the anchor). Then bench/bubbles.py measures each of our schedules' bubble.
+one (torch's ScheduleInterleavedZeroBubble with one stage per rank is ZB-H1, as ours), ZB-V
+and DualPipeV with two per rank in a V. The model's stages cost about the same (the
+cost-balanced split; a small vocabulary keeps the head light by default) and each
+micro-batch carries enough work for the timings to mean something. In bf16 both sides hold
+the chunks in bf16 (no optimizer step, so no fp32 masters); `train.recompute` wraps the same
+regions on both sides (torch's `checkpoint` on the anchor). A torch without one of the
+anchors (DualPipeV came in torch 2.9) skips that pair and says so. Then bench/bubbles.py
+measures each of our schedules' bubble.
 """
 
 from __future__ import annotations
@@ -21,12 +24,15 @@ import inspect
 from ndtrain.bench.bubbles import BUBBLE_STEPS, PACE_S, bubble_table, measure_bubbles, slowdown_when_sharing
 from ndtrain.bench.common import (Bench, alternate, anchor_recompute, announce, bench_config, describe, report,
                                   synthetic_batch)
-from ndtrain.config import ConfigError
+import torch
+
+from ndtrain.config import ConfigError, validate
 from ndtrain.data.batch import MicroBatch
 from ndtrain.launch import init_process, launch_local, shutdown
 from ndtrain.mesh import ParallelMesh
 from ndtrain.model.loss import token_loss_sum
 from ndtrain.parallel.parallelize import build, decoder, materialized
+from ndtrain.parallel.pipeline.schedules import vshape
 from ndtrain.parallel.pipeline.stage import build_chunks
 from ndtrain.parallel.precision import compute_dtype
 from ndtrain.train.worker import mesh_shape
@@ -37,15 +43,22 @@ SETTINGS = ("model.tie_embeddings=false", "train.seq_len=128", "train.global_bat
 BENCH = Bench("pp", MODEL, SETTINGS, ("model.", "train.seq_len", "train.global_batch", "train.micro_batch",
                                       "train.seed", "train.precision", "train.recompute", "parallel.pp",
                                       "parallel.pp_virtual", "run.device", "run.threads"))
-# (our schedule, the anchor, whether the pair interleaves); the 1F1B pair's ratio comes last
-CONTESTS = (("interleaved", "ScheduleInterleaved1F1B", True), ("zb", "ScheduleInterleavedZeroBubble", False),
-            ("1f1b", "Schedule1F1B", False))
+# (our schedule, the anchor, chunks per rank: None = parallel.pp_virtual); the 1F1B pair's ratio comes last
+CONTESTS = (("interleaved", "ScheduleInterleaved1F1B", None), ("zb", "ScheduleInterleavedZeroBubble", 1),
+            ("zbv", "ScheduleZBVZeroBubble", 2), ("dualpipev", "ScheduleDualPipeV", 2),
+            ("1f1b", "Schedule1F1B", 1))
 
 
-def _with_schedule(cfg, name: str, interleaved: bool):
+def _with_schedule(cfg, name: str, virtual: int | None):
     c = cfg.copy()
-    c.parallel.pp_schedule, c.parallel.pp_virtual = name, cfg.parallel.pp_virtual if interleaved else 1
+    c.parallel.pp_schedule, c.parallel.pp_virtual = name, virtual or cfg.parallel.pp_virtual
     return c
+
+
+def _contests() -> list[tuple[str, str, int | None]]:
+    """The pairs this torch can run (getattr: an older torch lacks the newer anchors)."""
+    import torch.distributed.pipelining as pipelining
+    return [c for c in CONTESTS if hasattr(pipelining, c[1])]
 
 
 def _ours(cfg, args, mesh, micro, n_targets: float):
@@ -66,7 +79,7 @@ def _anchor(cfg, args, mesh, cls_name: str, x, y, n_targets: float, m: int):
     stages = []
     for c, chunk in chunks.items():
         materialized(chunk, args, mesh, cfg)
-        chunk.to(compute_dtype(cfg.train.precision))
+        chunk.to(compute_dtype(cfg.train.precision, cfg.train.fp8_base))
         anchor_recompute(chunk, cfg.train.recompute)
         stages.append(pipelining.PipelineStage(chunk, c, p.pp * p.pp_virtual, mesh.device, group=mesh.group("pp").pg))
     cls = getattr(pipelining, cls_name)
@@ -74,8 +87,10 @@ def _anchor(cfg, args, mesh, cls_name: str, x, y, n_targets: float, m: int):
     schedule = cls(stages[0] if cls_name == "Schedule1F1B" else stages, m,
                    loss_fn=lambda out, t: token_loss_sum(out, t) / n_targets, **kwargs)
 
+    last = mesh.is_first_stage if vshape(p.pp_schedule) else mesh.is_last_stage  # a V ends where it starts
+
     def step():
-        schedule.step(*((x,) if mesh.is_first_stage else ()), **({"target": y} if mesh.is_last_stage else {}))
+        schedule.step(*((x,) if mesh.is_first_stage else ()), **({"target": y} if last else {}))
         for chunk in chunks.values():
             chunk.zero_grad(set_to_none=False)
     return step
@@ -95,8 +110,8 @@ def _worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> str:
 
         slowdown = slowdown_when_sharing(env.device)
         contenders, pairs = {}, []
-        for name, anchor, interleaved in CONTESTS:
-            c = _with_schedule(cfg, name, interleaved)
+        for name, anchor, virtual in _contests():
+            c = _with_schedule(cfg, name, virtual)
             ours, theirs = f"ndtrain-{name}", f"torch-{anchor}"
             contenders[ours] = _ours(c, args, mesh, micro, n_targets)
             contenders[theirs] = _anchor(c, args, mesh, anchor, x, y, n_targets, m)
@@ -111,7 +126,9 @@ def _worker(cfg_dict: dict, rounds: int, steps: int, out: str) -> str:
         paced = measure_bubbles(cfg, paced_args, mesh, paced_micro, n_targets, BUBBLE_STEPS, out, PACE_S)
         if mesh.rank != 0:
             return ""
-        lines = [f"machine: a rank computes {slowdown:.2f}x slower while the other ranks compute than alone "
+        missing = [anchor for _, anchor, _ in CONTESTS if anchor not in {c[1] for c in _contests()}]
+        lines = [f"torch {torch.__version__} has no {', '.join(missing)}: those pairs are skipped"] if missing else []
+        lines += [f"machine: a rank computes {slowdown:.2f}x slower while the other ranks compute than alone "
                  f"(1.00 = truly parallel; above, idle ranks speed the others up and bubbles read high)",
                  f"bubble = idle / busy time per rank over the step, median (best) of {BUBBLE_STEPS} steps; "
                  "replay = the median step's own action durations with free messages (the executor's cost is median − replay)"]
@@ -132,8 +149,10 @@ def run(args) -> int:
     if p.dp != 1:
         raise ConfigError("--nproc", args.nproc, f"bench pp compares pipelines alone: use --nproc {p.pp} "
                           f"(= parallel.pp)")
-    announce(args, cfg, f"bench pp: {p.pp} stages (interleaved: {p.pp_virtual} chunks per rank) · "
+    for name, _, virtual in CONTESTS:  # each schedule's own rules (DualPipeV: m ≥ 2·pp), before anything starts
+        validate(_with_schedule(cfg, name, virtual), check_paths=False)
+    announce(args, cfg, f"bench pp: {p.pp} stages (interleaved: {p.pp_virtual} chunks per rank; ZB-V, DualPipeV: 2) · "
                         f"{describe(cfg)} · {t.global_batch // t.micro_batch} micro-batches · "
-                        f"{args.rounds} rounds × {args.steps} steps of 6 contenders, alternating")
+                        f"{args.rounds} rounds × {args.steps} steps of {2 * len(CONTESTS)} contenders, alternating")
     print(launch_local(args.nproc, _worker, cfg.to_dict(), args.rounds, args.steps, args.out or "")[0])
     return 0

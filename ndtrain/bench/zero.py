@@ -50,8 +50,8 @@ def _fsdp2(cfg, args, device):
                                        mesh_dim_names=("replicate", "shard"))
     else:
         device_mesh = init_device_mesh(device.type, (p.dp,))
-    policy = MixedPrecisionPolicy(param_dtype=compute_dtype(t.precision),
-                                  reduce_dtype=reduce_dtype(t.precision, t.reduce_fp32))
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype(t.precision, t.fp8_base),
+                                  reduce_dtype=reduce_dtype(t.precision, t.reduce_fp32, t.fp8_base))
     blocks = list(model.layers.values())
     for block in blocks:
         fully_shard(block, mesh=device_mesh, mp_policy=policy, reshard_after_forward=p.reshard_after_forward)

@@ -154,7 +154,9 @@ def load(source, par, tie_embeddings: bool, optimizer: torch.optim.Optimizer | N
     with_moments = optimizer is not None and source.has("exp_avg")
     moments = {}
     if with_moments:  # filled in place where AdamW has them already, else new
-        holders = {id(s.holder): s.holder for s in par.states.optim_slices()}.values()
+        # Every tensor the optimizer updates, also one that holds no parameter's part (a ZeRO
+        # slice of alignment padding only): it takes zero moments and the same step count.
+        holders = [t for group in optimizer.param_groups for t in group["params"]]
         moments = {t: {k: _moment(optimizer.state.get(t, {}).get(k), t) for k in MOMENTS} for t in holders}
     kinds = ("weight",) + (MOMENTS if with_moments else ())
     for h in held(par.states, tie_embeddings, moments, kinds):

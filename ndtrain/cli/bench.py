@@ -23,6 +23,10 @@ def cmd_bench(args) -> int:
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
-    from ndtrain.bench import checkpoint, comm, cp, dp, ep, generate, plan, pp, sft, tp, zero
+    if args.what == "gpu":
+        from ndtrain.bench.gpu import run as run_gpu
+        return run_gpu(args)
+    from ndtrain.bench import checkpoint, comm, compile, cp, dp, ep, fp8, generate, plan, pp, sft, tp, zero
     return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft,
-            "checkpoint": checkpoint, "ep": ep, "generate": generate, "plan": plan}[args.what].run(args)
+            "checkpoint": checkpoint, "ep": ep, "generate": generate, "plan": plan, "fp8": fp8,
+            "compile": compile}[args.what].run(args)

@@ -88,6 +88,9 @@ def cmd_trace(args) -> int:
               f"(idle / busy per rank; mean {ms})\n"
               f"          {r['replayed_bubble']:.3f} with these action durations and free messages "
               f"(measured − this = what messages and the executor cost)\n"
+              f"step      {r['measured_step_ms']:.1f} ms measured vs {r['simulated_step_ms']:.1f} ms simulated "
+              f"(bubble {r['simulated_bubble']:.3f}) from the mean F, B, W per chunk and message times "
+              f"(parallel/pipeline/simulate.py)\n"
               f"trace     {r['trace']}   (chrome://tracing or ui.perfetto.dev)\n"
               f"timeline  {r['timeline']}", flush=True)
     if p.cp > 1:

@@ -46,6 +46,10 @@ examples:
   ndtrain bench cp                               context parallelism: ring vs allgather vs ulysses vs one process
   ndtrain bench generate                         batched generation with a KV cache against recomputing the prefix
   ndtrain bench ep                               experts split over 2 ranks (ep=2) against replicated (ep=1)
+  ndtrain bench fp8 --nproc 1                    bf16 against fp8 tensorwise, rowwise, blockwise (CPU: the emulation)
+  ndtrain bench compile                          the default job's step compiled (train.compile=true) against eager
+  ndtrain bench gpu [--dry-run]                  the first GPU run: CUDA tests, 1B MFU eager and compiled, one-GPU
+                                                 benches, each with its own time limit → docs/benchmarks-gpu.md
   ndtrain bench checkpoint                       our checkpoint save/load against torch.distributed.checkpoint (125M, 2 ranks)
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
   ndtrain train --nproc 4 model.preset=tiny-moe parallel.ep=2 parallel.dp=4
@@ -215,7 +219,10 @@ def _add_bench(sub) -> None:
                                      "torch.distributed.checkpoint, MB/s), ep (experts split over --nproc ranks vs "
                                      "replicated), generate (KV cache vs recomputing the prefix, one process), "
                                      "plan (the planner's step time against the engine's, each layout on this "
-                                     "machine); "
+                                     "machine), fp8 (bf16 vs each fp8 recipe; on a CPU, the emulation), compile "
+                                     "(train.compile=true vs eager, same layout), gpu (the "
+                                     "one-GPU acceptance run: CUDA tests, 1B MFU eager/compiled, one-GPU benches; "
+                                     "--dry-run lists them); "
                                      "KEY=VALUE reaches both sides or is refused",
                        description="Run ndtrain and its PyTorch-native anchor side by side (sft: packed and padded "
                                    "rows), alternating rounds; the last line is the ratio of their median "
@@ -223,8 +230,9 @@ def _add_bench(sub) -> None:
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "checkpoint", "ep",
-                                    "generate", "plan"])
+                                    "generate", "plan", "fp8", "compile", "gpu"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
+    p.add_argument("--dry-run", action="store_true", help="gpu: print the steps and their time budgets, run nothing")
     p.add_argument("--rounds", type=int, help="alternating A/B rounds (default 10; generate 5)")
     p.add_argument("--steps", type=int, help="timed steps per round (default 3; generate 1: one whole generation)")
     p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR; "

@@ -160,6 +160,8 @@ def print_summary(s: dict) -> None:
         if (s.get("mfu") or 0) > 1:  # a CPU peak measured while other work shared the cores
             lines.append("note: MFU above 100% means the measured peak is too low (taken while the machine was "
                          "busy?): rerun `ndtrain bench matmul` on an idle machine")
+    if s.get("fp8"):
+        lines.append(s["fp8"])
     lines += [f"run directory  {run}",
               f"config         {run / 'config.toml'}",
               f"metrics        {run / 'metrics.jsonl'}"]

@@ -176,6 +176,16 @@ def all_reduce_scalars(values: list[float], group: Group, dtype=torch.float64) -
     return t.tolist()
 
 
+def all_reduce_bookkeeping(t: torch.Tensor, group: Group) -> torch.Tensor:
+    """The sum of `t` over the group, staying on the device (no host sync): a step's loss,
+    its target count. Bookkeeping, not counted in the byte accounting."""
+    if not group.active:
+        return t
+    t = t.clone()
+    _named("all_reduce", group, lambda: dist.all_reduce(t, group=group.pg))
+    return t
+
+
 def broadcast_ints(values: list[int], group: Group, src: int = 0) -> list[int]:
     """Group member `src`'s list of integers on every member (bookkeeping, not counted)."""
     if not group.active:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import fields
 
 from ndtrain.config.schema import Config, ConfigError, ModelConfig
-from ndtrain.config.sections import positive
+from ndtrain.config.sections import V_SCHEDULES, positive
 from ndtrain.model.args import PRESETS, ROUTERS, ModelArgs
 
 MOE_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name.startswith("moe_"))
@@ -92,7 +92,10 @@ def check_pipeline(cfg: Config, a: ModelArgs) -> None:
             if value != default:
                 raise ConfigError(f"parallel.{key}", value, "needs parallel.pp > 1")
         return
-    if p.pp_virtual > 1 and p.pp_schedule != "interleaved":
+    if p.pp_schedule in V_SCHEDULES and p.pp_virtual != 2:
+        raise ConfigError("parallel.pp_virtual", p.pp_virtual, f"parallel.pp_schedule = {p.pp_schedule!r} runs "
+                          "two chunks per rank (a V): set parallel.pp_virtual = 2")
+    if p.pp_virtual > 1 and p.pp_schedule not in ("interleaved", *V_SCHEDULES):
         raise ConfigError("parallel.pp_virtual", p.pp_virtual,
                           f"needs parallel.pp_schedule = 'interleaved' (it is {p.pp_schedule!r})")
     if p.pp_split:
@@ -107,6 +110,10 @@ def check_pipeline(cfg: Config, a: ModelArgs) -> None:
         raise ConfigError("model.n_layers", a.n_layers, f"must be at least pp × pp_virtual = "
                           f"{p.pp} × {p.pp_virtual} = {n_chunks}: every pipeline chunk needs a layer")
     m = t.accumulation(p.dp)
+    if p.pp_schedule == "dualpipev" and m < 2 * p.pp:
+        raise ConfigError("parallel.pp_schedule", p.pp_schedule,
+                          f"needs at least 2 × parallel.pp = {2 * p.pp} micro-batches; global_batch / (dp × "
+                          f"micro_batch) = {t.global_batch} / ({p.dp} × {t.micro_batch}) = {m}")
     if p.pp_schedule == "interleaved" and m % p.pp:
         raise ConfigError("parallel.pp_schedule", p.pp_schedule,
                           f"needs the micro-batch count global_batch / (dp × micro_batch) = {t.global_batch} / "
@@ -219,3 +226,21 @@ def check_context(cfg: Config, a: ModelArgs) -> None:
         if kv % p.cp and p.cp % kv:
             raise ConfigError("parallel.cp", p.cp, f"cp_impl = ulysses needs the KV heads per tp rank ({kv}, of "
                               f"n_kv_heads = {a.n_kv_heads}) to divide cp or be divisible by it")
+
+
+def check_fp8(cfg: Config, a: ModelArgs) -> None:
+    """train.precision = fp8: the fp8 all-gather's needs, and the layouts fp8 cannot make equal
+    to one process (parallel/fp8.py says why)."""
+    t, p = cfg.train, cfg.parallel
+    if t.precision != "fp8":
+        return
+    if t.fp8_all_gather and (t.fp8_recipe != "tensorwise" or p.zero != 3):
+        raise ConfigError("train.fp8_all_gather", True, "gathers tensorwise fp8 weights under ZeRO-3: needs "
+                          f"train.fp8_recipe=tensorwise and parallel.zero=3 (got {t.fp8_recipe}, zero={p.zero})")
+    if p.tp > 1 and a.n_kv_heads % p.tp:
+        raise ConfigError("parallel.tp", p.tp, f"fp8 needs tp to divide the {a.n_kv_heads} KV heads: with fewer, "
+                          "ranks hold partial sums of a KV head's output gradient, which fp8 would quantize unsummed")
+    if a.is_moe and (p.tp > 1 or p.cp > 1):
+        key, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.cp", p.cp)
+        raise ConfigError(key, value, "fp8 with MoE blocks runs with tp = cp = 1: an expert's tokens of one "
+                          "micro-batch would be spread over ranks, and their fp8 scales with them (use ep, dp, pp)")

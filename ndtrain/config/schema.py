@@ -115,7 +115,10 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 0
-    precision: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs)
+    precision: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs) | fp8 (block matmuls in fp8, the rest in fp8_base)
+    fp8_recipe: str = "tensorwise"  # precision = fp8: tensorwise | rowwise | blockwise (DeepSeek-V3's 1×128 / 128×128)
+    fp8_all_gather: bool = False  # precision = fp8, tensorwise, zero = 3: gather weights in fp8 (half of bf16's bytes)
+    fp8_base: str = "bf16"  # precision = fp8: the dtype of everything not in fp8: bf16 | fp32 | fp64 (CPU proofs)
     reduce_fp32: bool = True  # reduce gradients in fp32; false: in train.precision, half the bytes
     loss_scaler: bool = True  # fp16: dynamic loss scaling
     allow_unscaled_fp16: bool = False  # permit fp16 with loss_scaler = false
@@ -123,6 +126,8 @@ class TrainConfig:
     loss_scale_window: int = 1000  # good steps before the loss scale doubles
     loss_scale_min: float = 1.0  # an overflow at this scale stops the run
     recompute: str = "none"  # none | full | selective (attention core) | every:K (blocks 0, K, 2K, ...)
+    compile: bool = False  # torch.compile each decoder block and the loss (parallel/compile.py)
+    compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: the proofs) | eager
     moe_aux_loss: float = 0.01  # coefficient of the MoE load-balancing loss; 0 = none
     moe_bias_rate: float = 0.0  # aux-loss-free balancing: router bias step per optimizer step; 0 = off
     eval_every: int = 100  # 0 = evaluate only at the end

@@ -14,9 +14,12 @@ from ndtrain.data.chat import BAD_RECORD_POLICIES
 from ndtrain.data.packing import PACKINGS, TRUNCATIONS
 from ndtrain.model.args import PRESETS
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp64")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64", "fp8")
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
+FP8_BASES = ("bf16", "fp32", "fp64")
 TEMPLATES = ("auto", "builtin", "hf")
-PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb")
+PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")  # two chunks per rank, placed in a V
 CP_IMPLS = ("ring", "allgather", "ulysses")
 RECOMPUTE = re.compile(r"^(none|full|selective|every:(-?\d+))$")
 
@@ -93,6 +96,43 @@ def check_train(t: TrainConfig, device: str) -> None:
         raise ConfigError("train.recompute", t.recompute, "every:K needs K >= 1 (every:1 = full)")
 
 
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def check_compile(t: TrainConfig, p: ParallelConfig, device: str) -> None:
+    """train.compile: a known backend; not with the zero-bubble schedule (a compiled block's
+    backward is one node, which cannot be split into input and weight parts); Inductor on
+    the CPU needs a C++ compiler."""
+    if t.compile_backend not in COMPILE_BACKENDS:
+        raise ConfigError("train.compile_backend", t.compile_backend, f"choose one of {', '.join(COMPILE_BACKENDS)}")
+    if not t.compile:
+        return
+    if p.pp > 1 and p.pp_schedule == "zb":
+        raise ConfigError("train.compile", True, "cannot compile under parallel.pp_schedule=zb: zero bubble "
+                          "splits each backward into input and weight parts, which a compiled block computes "
+                          "in one node; use 1f1b, afab or interleaved, or train.compile=false")
+    if t.compile_backend == "inductor" and not _uses_cuda(device):
+        import shutil
+        if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
+            raise ConfigError("train.compile", True, "Inductor on the CPU needs a C++ compiler (g++, c++ or "
+                              "clang++) on PATH; install one or set train.compile_backend=aot_eager")
+
+
+def _check_fp8_keys(t: TrainConfig, device: str) -> None:
+    """train.fp8_*: valid values, set only with train.precision = fp8 (the layouts fp8 refuses:
+    layout.check_fp8)."""
+    if t.fp8_recipe not in FP8_RECIPES:
+        raise ConfigError("train.fp8_recipe", t.fp8_recipe, f"choose one of {', '.join(FP8_RECIPES)}")
+    if t.fp8_base not in FP8_BASES:
+        raise ConfigError("train.fp8_base", t.fp8_base, f"choose one of {', '.join(FP8_BASES)}")
+    if t.precision != "fp8":
+        for key, default in (("fp8_recipe", "tensorwise"), ("fp8_base", "bf16"), ("fp8_all_gather", False)):
+            if getattr(t, key) != default:
+                raise ConfigError(f"train.{key}", getattr(t, key), "applies only with train.precision=fp8")
+    elif t.fp8_base == "fp64" and _uses_cuda(device):
+        raise ConfigError("train.fp8_base", "fp64", "fp64 is for the CPU layout proofs (run.device=cpu)")
+
+
 def _check_precision(t: TrainConfig, device: str) -> None:
     """train.precision and the fp16 loss scaler."""
     if t.precision not in PRECISIONS:
@@ -100,6 +140,7 @@ def _check_precision(t: TrainConfig, device: str) -> None:
     if t.precision == "fp64" and _uses_cuda(device):
         raise ConfigError("train.precision", t.precision, "fp64 is for the CPU layout proofs (run.device=cpu); "
                           "on a GPU use fp32, bf16 or fp16")
+    _check_fp8_keys(t, device)
     if t.precision == "fp16" and not t.loss_scaler and not t.allow_unscaled_fp16:
         raise ConfigError("train.loss_scaler", False, "fp16 without loss scaling flushes small gradients "
                           "to zero; keep it on, or set train.allow_unscaled_fp16=true to insist")

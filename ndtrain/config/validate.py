@@ -5,11 +5,12 @@ the layout across sections (layout.py), the Hugging Face families' features (fam
 from __future__ import annotations
 
 from ndtrain.config.family import check_family, check_family_keys
-from ndtrain.config.layout import (check_context, check_heads, check_moe, check_pipeline, check_sequence,
-                                   check_tensor, resolve_layout)
+from ndtrain.config.layout import (check_context, check_fp8, check_heads, check_moe, check_pipeline,
+                                   check_sequence, check_tensor, resolve_layout)
 from ndtrain.config.paths import check_files
 from ndtrain.config.schema import Config
-from ndtrain.config.sections import check_data, check_model, check_parallel, check_run, check_train, positive
+from ndtrain.config.sections import (check_compile, check_data, check_model, check_parallel, check_run, check_train,
+                                     positive)
 from ndtrain.config.tasks import check_rl, check_sft
 from ndtrain.model.args import PRESETS
 
@@ -21,6 +22,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     check_model(m, check_paths)
     check_parallel(cfg.parallel)
     check_train(cfg.train, cfg.run.device)
+    check_compile(cfg.train, cfg.parallel, cfg.run.device)
     check_run(cfg.run)
     positive("train.keep_checkpoints", cfg.train.keep_checkpoints, zero_ok=True)
 
@@ -34,6 +36,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     check_moe(cfg, a)
     check_context(cfg, a)
     check_family(cfg, a)
+    check_fp8(cfg, a)
 
     if check_paths:
         check_files(cfg)

@@ -20,6 +20,15 @@ from torch import Tensor
 IGNORE = -100  # the target of a position that takes no loss (cross_entropy's ignore_index)
 
 
+def to_device(t: Tensor, device: torch.device | str) -> Tensor:
+    """A host tensor on `device` without the host waiting for the device: on CUDA through
+    pinned memory and a non-blocking copy (a copy from pageable memory synchronises)."""
+    device = torch.device(device)
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 @dataclass
 class MicroBatch:
     tokens: Tensor  # [b, s] input ids
@@ -32,7 +41,7 @@ class MicroBatch:
     ref_logprobs: Tensor | None = None  # [b, s] RL: log p(target) under the frozen reference
 
     def to(self, device: torch.device | str) -> "MicroBatch":
-        return replace(self, **{f.name: getattr(self, f.name).to(device) for f in fields(self)
+        return replace(self, **{f.name: to_device(getattr(self, f.name), device) for f in fields(self)
                                 if getattr(self, f.name) is not None})
 
     def rows(self, start: int, stop: int) -> "MicroBatch":

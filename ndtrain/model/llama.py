@@ -17,7 +17,6 @@ imaginary parts), as in Hugging Face's Llama, so the HF converter needs no permu
 from __future__ import annotations
 
 import math
-import zlib
 from typing import Sequence
 
 import torch
@@ -27,6 +26,7 @@ from torch import Tensor
 
 from .args import ModelArgs
 from .dtypes import widened
+from .init import initial_value
 from .moe import MoE, RoutingLog
 from .rope import Rotary, rope_tables  # noqa: F401 (rope_tables: re-exported)
 
@@ -309,29 +309,6 @@ class Block(nn.Module):
 # The model
 
 
-def init_std(name: str, args: ModelArgs) -> float:
-    """Standard deviation of a weight's initial values (norm weights start at 1 instead).
-    The projections that write into the residual stream are scaled down by depth, so the
-    residual's variance does not grow with the number of layers (GPT-2)."""
-    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
-        return 0.02 / math.sqrt(2 * args.n_layers)
-    return 0.02
-
-
-def initial_value(name: str, shape: Sequence[int], args: ModelArgs, seed: int) -> Tensor:
-    """The full initial value of the parameter `name` (fp32, CPU): a function of the seed and
-    the name only, so every layout, stage and shard agrees on it. A shard draws the full
-    tensor and keeps its slice."""
-    if name.endswith("norm.weight"):  # a scale of 1
-        return torch.ones(shape) if not args.norm_offset else torch.full(tuple(shape), 1.0 - args.norm_offset)
-    if name.endswith(".bias"):
-        return torch.zeros(shape)
-    if args.tie_embeddings and name == "output.weight":
-        name = "tok_embeddings.weight"  # a separate head of a tied model mirrors the embedding
-    g = torch.Generator().manual_seed(zlib.crc32(f"{seed}/{name}".encode()))
-    return torch.randn(tuple(shape), generator=g).mul_(init_std(name, args))  # in place: one tensor
-
-
 class OutputHead(nn.Linear):
     """The output projection, its logits soft-capped when `softcap` > 0 (Gemma 2)."""
 
@@ -410,11 +387,11 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """Deterministic initialisation, see `initial_value`. Also rebuilds the rotary
+        """Deterministic initialisation (model/init.py). Also rebuilds the rotary
         tables and zeroes the routers' bias, so a model built on the meta device and
         materialised with `to_empty` works."""
         for name, p in self.named_parameters():
-            p.copy_(initial_value(name, p.shape, self.args, seed))
+            p.copy_(initial_value(name, p.shape, self.args, seed, device=p.device))
         for module in self.modules():
             if isinstance(module, MoE):
                 module.router.expert_bias.zero_()

@@ -188,29 +188,50 @@ def _bounds(counts: list[int]):
     return zip([0] + ends[:-1], ends)
 
 
-def expert_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-    """x [N, in] grouped by expert (counts[g] rows for expert g) times w [G, out, in]ᵀ.
-    On CUDA in bf16, one grouped GEMM where torch has it; otherwise a loop over experts."""
+def grouped(x: Tensor, w: Tensor) -> bool:
+    """Whether `expert_matmul` runs one grouped GEMM (CUDA, bf16, where torch has it)."""
     aligned = x.shape[-1] % 8 == 0 and w.shape[-2] % 8 == 0  # 16-byte rows for the kernel
-    if _GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16 and aligned:
+    return _GROUPED_MM is not None and x.is_cuda and x.dtype == torch.bfloat16 and aligned
+
+
+def expert_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    """x [N, in] grouped by expert (counts[g] rows for expert g; or counts [G, S], the rows of
+    expert g in S consecutive groups, which this product does not tell apart) times
+    w [G, out, in]ᵀ. On CUDA in bf16, one grouped GEMM where torch has it (the counts stay
+    on the device); otherwise a loop over experts, which reads the counts on the host (free
+    when they are a host tensor: `Experts.forward`)."""
+    if counts.dim() == 2:
+        counts = counts.sum(1)
+    if grouped(x, w):
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return _GROUPED_MM(x, w.transpose(-2, -1), offs=offs)
     return _LoopMatmul.apply(x, w, counts.tolist())
 
 
 class Experts(nn.Module):
-    """n SwiGLU MLPs, weights stacked: w1, w3 [n, hidden, dim] (gate, up), w2 [n, dim, hidden]."""
+    """n SwiGLU MLPs, weights stacked: w1, w3 [n, hidden, dim] (gate, up), w2 [n, dim, hidden].
+    `matmuls` maps each weight's name to the grouped product it runs (`expert_matmul`; a
+    precision may put its own in: parallel/fp8.py)."""
 
     def __init__(self, n: int, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.matmuls: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = dict.fromkeys(("w1", "w2", "w3"), expert_matmul)
 
-    def forward(self, x: Tensor, counts: Tensor) -> Tensor:
-        """x [N, dim], the rows of expert 0, then expert 1, ...: counts[g] rows each."""
-        h = F.silu(expert_matmul(x, self.w1, counts)) * expert_matmul(x, self.w3, counts)
-        return expert_matmul(h, self.w2, counts)
+    def forward(self, x: Tensor, counts: Tensor, host_counts: Tensor | None = None) -> Tensor:
+        """x [N, dim], the rows of expert 0, then expert 1, ...: counts[g] rows each (or
+        counts [n, S]: expert_matmul), on the device; `host_counts`: the same on the host,
+        where the caller knows them. Unless all three products are grouped GEMMs (which take
+        the counts on the device), the products read the counts on the host: they get a host
+        copy, made here at most once per call."""
+        mm = self.matmuls
+        on_device = all(f is expert_matmul for f in mm.values()) and grouped(x, self.w1)
+        if not on_device:
+            counts = host_counts if host_counts is not None else counts.cpu()
+        h = F.silu(mm["w1"](x, self.w1, counts)) * mm["w3"](x, self.w3, counts)
+        return mm["w2"](h, self.w2, counts)
 
 
 class SharedExperts(nn.Module):
@@ -254,6 +275,11 @@ class LocalTokens(nn.Module):
 class LocalDispatch(nn.Module):
     """Expert-sorted tokens through the experts held here (all of them)."""
 
+    def plan(self, counts: Tensor) -> Tensor:
+        """What `forward` needs to know of the counts, started before the tokens are sorted
+        (expert parallelism exchanges them with the other ranks meanwhile)."""
+        return counts
+
     def forward(self, x: Tensor, counts: Tensor, experts: Experts,
                 meanwhile: Callable[[], Tensor] | None = None) -> tuple[Tensor, Tensor | None]:
         """Returns the experts' outputs in x's order, and `meanwhile()` (work that may overlap
@@ -283,15 +309,16 @@ class MoE(nn.Module):
         flat = mine.reshape(b * s, d)
         routes = self.router(flat)
         slots = routes.experts.reshape(-1)  # [T·k], token-major
+        counts = slots.new_zeros(self.n_experts).scatter_add_(0, slots, torch.ones_like(slots))  # no host sync
+        kept = counts.clamp(max=self._capacity(slots)) if self.capacity > 0 else counts
+        plan = self.dispatch.plan(kept)  # expert parallelism: the counts travel while the tokens are sorted
         order = torch.argsort(slots, stable=True)  # slots grouped by expert, token order within
-        counts = torch.bincount(slots, minlength=self.n_experts)
-        kept = counts
         if self.capacity > 0:
-            order, kept = self._drop_over_capacity(order, slots, counts)
+            order = self._drop_over_capacity(order, slots, counts)
         # Each token once per slot (the k copies' gradients add in a fixed order), then sorted.
         x_sorted = flat.unsqueeze(1).expand(b * s, self.k, d).reshape(-1, d)[order]
         meanwhile = (lambda: self.shared(flat)) if self.shared is not None else None
-        y_sorted, shared = self.dispatch(x_sorted, kept, self.experts, meanwhile)
+        y_sorted, shared = self.dispatch(x_sorted, plan, self.experts, meanwhile)
         y_slots = y_sorted.new_zeros(slots.numel(), d).index_copy(0, order, y_sorted)
         out = (widened(y_slots).view(b * s, self.k, d) * routes.weights.unsqueeze(-1)).sum(1)
         if shared is not None:
@@ -300,12 +327,15 @@ class MoE(nn.Module):
             self._account(routing, layer_key, routes, counts, kept, b)
         return self.tokens.leave(out.to(x.dtype).view(b, s, d))
 
-    def _drop_over_capacity(self, order: Tensor, slots: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
-        """Keep the first ceil(c·T·k/E) slots of each expert (in token order)."""
-        cap = math.ceil(self.capacity * slots.numel() / self.n_experts)
+    def _capacity(self, slots: Tensor) -> int:
+        return math.ceil(self.capacity * slots.numel() / self.n_experts)
+
+    def _drop_over_capacity(self, order: Tensor, slots: Tensor, counts: Tensor) -> Tensor:
+        """Keep the first ceil(c·T·k/E) slots of each expert (in token order). Which are
+        kept is data: selecting them waits for the device (a host sync per block)."""
         starts = torch.cumsum(counts, 0) - counts
         rank_in_expert = torch.arange(order.numel(), device=order.device) - starts[slots[order]]
-        return order[rank_in_expert < cap], counts.clamp(max=cap)
+        return order[rank_in_expert < self._capacity(slots)]
 
     def _account(self, routing: RoutingLog, key: str, routes: Routes, counts: Tensor, kept: Tensor, rows: int) -> None:
         """Statistics of this forward, and the load-balancing loss (module docstring)."""

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from ndtrain.data.batch import to_device
 from ndtrain.parallel.placement import is_expert
 
 
@@ -50,6 +51,9 @@ class MemoryReport:
     expert_params: int | None = None
     expert_grads: int | None = None
     expert_optimizer: int | None = None
+    # fp8 training: bytes of the fp8 copies that the step's forwards kept for backward (part
+    # of `activations` while they live; parallel/fp8.py). None without fp8.
+    fp8_saved: int | None = None
 
     @property
     def model_states(self) -> int:
@@ -160,11 +164,11 @@ def measure_peak(device: torch.device):
     inside the block above what was allocated when it started."""
     result = {"bytes": 0}
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        # The caching allocator counts on the host, when the host asks for memory: the peak
+        # of what the block enqueued, without waiting for the device.
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         yield result
-        torch.cuda.synchronize(device)
         result["bytes"] = torch.cuda.max_memory_allocated(device) - base
         return
     tracker = CpuPeak()
@@ -175,13 +179,19 @@ def measure_peak(device: torch.device):
 
 def per_rank(values: list[float], device: torch.device) -> list[list[float]]:
     """Every rank's `values` (bookkeeping: not counted in the communication accounting)."""
+    return per_rank_table(values, device).tolist()
+
+
+def per_rank_table(values: list[float], device: torch.device) -> torch.Tensor:
+    """Every rank's `values`, a [world, len(values)] fp64 table on the device; no host sync."""
+    mine = to_device(torch.tensor(values, dtype=torch.float64), device)
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return [list(values)]
+        return mine.unsqueeze(0)
     world, rank = dist.get_world_size(), dist.get_rank()
     table = torch.zeros(world, len(values), dtype=torch.float64, device=device)
-    table[rank] = torch.tensor(values, dtype=torch.float64)
+    table[rank] = mine
     dist.all_reduce(table)
-    return table.tolist()
+    return table
 
 
 def format_bytes(n: float) -> str:

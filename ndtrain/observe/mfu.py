@@ -67,7 +67,8 @@ def peak_flops(device: torch.device, precision: str, cache_dir: str | Path) -> t
         name = torch.cuda.get_device_name(device)
         for key, (fp32, low) in GPU_PEAKS.items():
             if key in name:
-                return (fp32 if precision == "fp32" else low), f"{name} datasheet, {precision}"
+                shown = "bf16 (fp8 runs are quoted against the bf16 peak)" if precision == "fp8" else precision
+                return (fp32 if precision == "fp32" else low), f"{name} datasheet, {shown}"
         return None, f"unknown GPU {name!r}"
     path = cpu_peak_file(cache_dir)
     if path.is_file():

@@ -10,13 +10,17 @@ theory.
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
-from ndtrain.parallel.pipeline.schedules import theory_bubble
+from ndtrain.parallel.pipeline.lists import build_schedule
+from ndtrain.parallel.pipeline.schedules import parts
+from ndtrain.parallel.pipeline.simulate import bubble, simulate, theory_bubble, timeline
 from ndtrain.parallel.pipeline.timeline import COMPUTE_KINDS, Event, measured_bubble
 
 COLOURS = {"F": "#4C72B0", "B": "#DD8452", "W": "#55A868"}
-THEORY = {"afab": "(p−1)/m", "1f1b": "(p−1)/m", "interleaved": "(p−1)/(v·m)", "zb": "(p−1)(F+B−W)/(m(F+B+W))"}
+THEORY = {"afab": "(p−1)/m", "1f1b": "(p−1)/m", "interleaved": "(p−1)/(v·m)", "zb": "(p−1)(F+B−W)/(m(F+B+W))",
+          "zbv": "simulated; (p−1)/(6m) if F=B=W", "dualpipev": "(p−1)(F&B+B−3W)/(2m(F+B+W))"}
 
 
 def chrome_trace(ranks: list[list[Event]], path: Path, labels: list[str], name=None) -> Path:
@@ -77,19 +81,101 @@ def replayed_bubble(ranks: list[list[Event]], schedule: str, pp: int, v: int, m:
     but free messages. Against `measured`, it isolates what messages and the executor cost;
     against theory, what unequal or noisy action durations cost. `pipeline`: the ranks of
     one pipeline in stage order (default: the first pp ranks, a pure pipeline layout)."""
-    from ndtrain.parallel.pipeline.schedules import build_schedule
-    from ndtrain.parallel.pipeline.verify import bubble, simulate
     stages = [ranks[i] for i in (pipeline or range(pp))]
     took = {(r, e.kind, e.chunk, e.micro): e.end - e.start for r, events in enumerate(stages) for e in events}
     plan = build_schedule(schedule, pp, v, m)
-    return bubble(simulate(plan, pp, lambda r, a: took[(r, a.kind, a.chunk, a.micro)]))
+    return bubble(timeline(plan, lambda r, a: sum(took[(r, p.kind, p.chunk, p.micro)] for p in parts(a))))
+
+
+def chunk_costs(stages: list[list[Event]], n_chunks: int) -> tuple[list[float], list[float], list[float], float]:
+    """Per chunk, the mean seconds of a forward, an input-gradient backward (a whole one less
+    its W, where no backward of the chunk was split) and a weight-gradient backward, each
+    with the executor's own time between two recorded actions (its mean over the step); and
+    the mean seconds a rank spends posting one group of messages."""
+    def mean(xs: list[float]) -> float:
+        return sum(xs) / len(xs) if xs else 0.0
+    gaps, computed = 0.0, 0
+    for events in stages:
+        ordered = sorted(events, key=lambda e: e.start)
+        gaps += sum(max(b.start - a.end, 0.0) for a, b in zip(ordered, ordered[1:]))
+        computed += sum(e.kind in COMPUTE_KINDS for e in events)
+    between = gaps / max(computed, 1)
+    spans = {}
+    for events in stages:
+        for e in events:
+            spans.setdefault((e.kind, e.chunk), []).append(e.end - e.start + (between if e.kind in COMPUTE_KINDS else 0.0))
+    split = {e.chunk for events in stages for e in events if e.kind == "W"}
+    f = [mean(spans.get(("F", c), [])) for c in range(n_chunks)]
+    w = [mean(spans.get(("W", c), [])) for c in range(n_chunks)]
+    b = []
+    for c in range(n_chunks):
+        backward = spans.get(("B", c), [])
+        if c in split:  # the split ones are the shorter: a mixed schedule (DualPipeV) also has whole ones
+            backward = sorted(backward)[:sum(1 for _ in spans.get(("W", c), []))]
+        b.append(mean(backward) - (0.0 if c in split else w[c]))
+    posts = [e.end - e.start for events in stages for e in events if e.kind == "post"]
+    return f, b, w, mean(posts)
+
+
+def message_time(stages: list[list[Event]]) -> float:
+    """Seconds from a message leaving to its consumer having it: the median over the
+    messages whose consumer was already waiting when they left (what delivery takes on
+    these links and cores); 0 with fewer than 3 such messages. The ranks' clocks are aligned by a
+    barrier (timeline.gather), so a sample is good to a scheduling delay."""
+    sent = {}
+    for events in stages:
+        for e in events:
+            if e.kind == "send_F":
+                sent[("act", e.chunk + 1, e.micro)] = e.start
+            elif e.kind == "send_B":
+                sent[("grad", e.chunk - 1, e.micro)] = e.start
+    samples = []
+    for events in stages:
+        for e in events:
+            key = ("act" if e.kind == "wait_F" else "grad", e.chunk, e.micro)
+            if e.kind in ("wait_F", "wait_B") and key in sent and e.start <= sent[key] < e.end:
+                samples.append(e.end - sent[key])
+    return statistics.median(samples) if len(samples) >= 3 else 0.0  # fewer: no estimate
+
+
+def simulated_step(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: int,
+                   pipeline: list[int] | None = None) -> tuple[float, float]:
+    """(step seconds, bubble) the schedule simulator predicts from the step's mean F, B and W
+    per chunk, its mean message post and its median message time: what the planner does
+    with modelled costs."""
+    stages = [ranks[i] for i in (pipeline or range(pp))]
+    f, b, w, post = chunk_costs(stages, pp * v)
+    return simulate(build_schedule(schedule, pp, v, m), f, b, w, message_time(stages), post=post)
+
+
+def measured_step(ranks: list[list[Event]], pipeline: list[int] | None = None) -> float:
+    """The step's span over one pipeline's ranks: first action's start to last action's end."""
+    stages = [ranks[i] for i in (pipeline or range(len(ranks)))]
+    return max(e.end for r in stages for e in r) - min(e.start for r in stages for e in r)
+
+
+def _theory_costs(ranks: list[list[Event]], means: dict[str, float]) -> tuple[float, float, float]:
+    """F, B, W for a theory of equal stages: the means, except that the first chunk's
+    backward is not split (its B does nothing, its W is whole), so B and W come from the
+    other chunks' split backwards."""
+    keys = {(e.chunk, e.micro) for rank in ranks for e in rank if e.kind == "W" and e.chunk > 0}
+    if not keys:
+        return means.get("F", 1.0), means.get("B", 1.0), 0.0
+    done = {}
+    for kind in ("B", "W"):  # DualPipeV: only the split backwards
+        spans = [e.end - e.start for rank in ranks for e in rank if e.kind == kind and (e.chunk, e.micro) in keys]
+        done[kind] = sum(spans) / len(spans)
+    return means.get("F", 1.0), done["B"], done["W"]
 
 
 def bubble_report(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: int,
                   pipeline: list[int] | None = None) -> dict:
     measured, means = measured_bubble(ranks)
-    theory = theory_bubble(schedule, pp, v, m, means.get("F", 1.0), means.get("B", 1.0), means.get("W", 0.0))
+    theory = theory_bubble(schedule, pp, v, m, *_theory_costs(ranks, means))
+    step, simulated = simulated_step(ranks, schedule, pp, v, m, pipeline)
     return {"schedule": schedule, "pp": pp, "virtual": v, "micro_batches": m, "measured_bubble": measured,
             "replayed_bubble": replayed_bubble(ranks, schedule, pp, v, m, pipeline),
+            "simulated_bubble": simulated, "simulated_step_ms": 1e3 * step,
+            "measured_step_ms": 1e3 * measured_step(ranks, pipeline),
             "theory_bubble": theory, "theory": THEORY[schedule],
             "mean_ms": {k: 1e3 * t for k, t in means.items()}}

@@ -15,8 +15,6 @@ parallelism they are not in use, and the vector of partial sums stays 2^5 long.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ndtrain.comm import ops
@@ -31,37 +29,43 @@ def grad_norm(params, mesh: ParallelMesh) -> torch.Tensor:
     partial = torch.zeros(2 ** len(dims), dtype=torch.float64, device=device)
     by_mask: dict[int, list[torch.Tensor]] = {}
     for p in params:
-        if p.grad is None or is_duplicate(p):
+        if is_duplicate(p):
             continue
+        # Every parameter names its mask, with a gradient or not: which groups reduce below
+        # must follow from the layout alone, never from which gradients a rank happens to hold.
         held = set(shard_dims(p)) | {"pp"}
         mask = sum(1 << i for i, d in enumerate(dims) if d in held)
-        by_mask.setdefault(mask, []).append(p.grad)
+        grads = by_mask.setdefault(mask, [])
+        if p.grad is not None:
+            grads.append(p.grad)
     for mask, grads in by_mask.items():
-        norms = torch._foreach_norm(grads, 2.0)
-        partial[mask] = torch.stack(norms).double().pow(2).sum()
+        if grads:
+            norms = torch._foreach_norm(grads, 2.0)
+            partial[mask] = torch.stack(norms).double().pow(2).sum()
     present = 0
     for mask in by_mask:
         present |= mask
     for i, d in enumerate(dims):
         group = mesh.group(d)
-        # Every rank of a group must agree on whether it reduces; they do, because the
-        # parameters sharded over a dimension exist on every rank of that dimension.
+        # Every rank of a group must agree on whether it reduces; they do, because the masks
+        # come from the parameters' placement, and the parameters sharded over a dimension
+        # exist on every rank of that dimension.
         if not group.active or not (present >> i) & 1:
             continue
-        has_dim = torch.tensor([(m >> i) & 1 == 1 for m in range(partial.numel())], device=device)
+        has_dim = (torch.arange(partial.numel(), device=device) >> i) & 1 == 1  # made on the device: no copy
         summed = partial * has_dim
         ops.all_reduce(summed, group)
         partial = torch.where(has_dim, summed, partial)
     return partial.sum().sqrt()
 
 
-def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> float:
-    """Scale gradients so the global norm is at most `max_norm` (0 = measure only)."""
-    params = [p for p in params if p.grad is not None]
+def clip_grad_norm_(params, max_norm: float, mesh: ParallelMesh) -> torch.Tensor:
+    """Scale gradients so the global norm is at most `max_norm` (0 = measure only); returns
+    the norm before clipping, on the device (reading it is the caller's host sync)."""
+    params = list(params)
     total = grad_norm(params, mesh)
-    if max_norm > 0:
+    grads = list({id(p): p.grad for p in params if p.grad is not None}.values())
+    if max_norm > 0 and grads:
         scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
-        grads = list({id(p): p.grad for p in params}.values())
         torch._foreach_mul_(grads, scale.to(grads[0].dtype))
-    value = total.item()
-    return value if math.isfinite(value) else float("inf")
+    return total

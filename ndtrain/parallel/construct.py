@@ -10,11 +10,13 @@ Then exactly one owner gives each parameter its memory and its value:
   only while a unit is gathered. The parameters become views into the buffer.
 - otherwise `materialize` allocates each parameter whole (it is replicated over dp × cp).
 
-Values come from `initial_value(name, full shape)` (model/llama.py), a function of the seed
-and the global parameter name, drawn one parameter at a time and cut to what the rank
-keeps, so every layout starts from the weights one process starts from, bit for bit, and no
-rank ever holds more than what it keeps plus one whole parameter in fp32 (the embedding, the
-largest). `ndtrain train --dry-run` prints that construction peak per rank.
+Values come from model/init.py: each element of a parameter's initial value is a function of
+the seed, the global parameter name and the element's global index (a counter-based
+generator), so a rank computes exactly the elements it keeps, on its device, and every
+layout starts from the weights one process starts from, bit for bit. Initialisation work
+and memory per rank are proportional to its shard (`Initializer.generated` counts the
+elements; tests/test_init.py checks it). `ndtrain train --dry-run` prints the construction
+peak per rank.
 
 A meta parameter cannot become a real one in place, so each is replaced by a new
 `nn.Parameter` in every module that holds it: a parameter held twice (a tied embedding and
@@ -24,6 +26,7 @@ splits) move to the new object.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -31,9 +34,9 @@ from torch import nn
 
 from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
-from ndtrain.model.llama import initial_value
+from ndtrain.model.init import Region, initial_values
 from ndtrain.parallel.placement import expert_slice
-from ndtrain.parallel.tensor import local_slice, split_of
+from ndtrain.parallel.tensor import split_of
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
@@ -41,23 +44,36 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
     return {id(p): n for n, p in model.named_parameters()}
 
 
-def initializer(model: nn.Module, args: ModelArgs, seed: int, tp: Group) -> Callable[[nn.Parameter], torch.Tensor]:
-    """`init(p)`: the fp32 initial value of what parameter `p` of `model` holds (this rank's
-    tensor-parallel chunk of the full initial value, its experts of a stack split by expert
-    parallelism, or all of it), on the CPU."""
-    names = parameter_names(model)
+class Initializer:
+    """`init(p, lo, hi)`: flat elements lo .. hi − 1 (default: all) of the fp32 initial value
+    of what parameter `p` of `model` holds (this rank's tensor-parallel chunk of the full
+    initial value, its experts of a stack split by expert parallelism, or all of it), on
+    `device`. Only those elements are computed (model/init.py); `generated` counts them."""
 
-    def init(p: nn.Parameter) -> torch.Tensor:
-        name, split, experts = names[id(p)], split_of(p), expert_slice(p)
+    def __init__(self, model: nn.Module, args: ModelArgs, seed: int, tp: Group, device: torch.device | str = "cpu"):
+        self.names, self.args, self.seed, self.tp, self.device = parameter_names(model), args, seed, tp, device
+        self.generated = 0
+
+    def region(self, p: nn.Parameter) -> Region:
+        """Where p's tensor sits in the full parameter."""
+        full, offset = list(p.shape), [0] * p.ndim
+        split, experts = split_of(p), expert_slice(p)
         if experts is not None and experts[1] != p.shape[0]:  # this rank's experts of the stack
-            first, total = experts
-            return initial_value(name, (total, *p.shape[1:]), args, seed)[first:first + p.shape[0]]
-        if split is None:
-            return initial_value(name, p.shape, args, seed)
-        shape = list(p.shape)
-        shape[split.dim] = split.full
-        return local_slice(initial_value(name, shape, args, seed), split, tp)
-    return init
+            offset[0], full[0] = experts
+        if split is not None:  # a tensor-parallel chunk, padded to t equal chunks
+            full[split.dim] = split.full
+            offset[split.dim] = self.tp.rank * math.ceil(split.full / self.tp.size)
+        return Region(tuple(full), tuple(offset), tuple(p.shape))
+
+    def __call__(self, p: nn.Parameter, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        values = initial_values(self.names[id(p)], self.region(p), self.args, self.seed, lo, hi, self.device)
+        self.generated += values.numel()
+        return values
+
+
+def initializer(model: nn.Module, args: ModelArgs, seed: int, tp: Group,
+                device: torch.device | str = "cpu") -> Initializer:
+    return Initializer(model, args, seed, tp, device)
 
 
 def new_parameter(old: nn.Parameter, data: torch.Tensor) -> nn.Parameter:
@@ -87,7 +103,6 @@ def replace_parameters(model: nn.Module, make: Callable[[nn.Parameter], torch.Te
 
 
 @torch.no_grad()
-def materialize(model: nn.Module, init: Callable[[nn.Parameter], torch.Tensor], device: torch.device) -> None:
-    """Every parameter allocated on `device` with its initial value (fp32). A copy, never the
-    drawn tensor itself: a tensor-parallel chunk is a view of the whole initial value."""
-    replace_parameters(model, lambda p: torch.empty(p.shape, device=device).copy_(init(p)))
+def materialize(model: nn.Module, init: Initializer, device: torch.device) -> None:
+    """Every parameter allocated on `device` with its initial value (fp32)."""
+    replace_parameters(model, lambda p: init(p).to(device).view(p.shape))

@@ -39,6 +39,7 @@ from torch import nn
 
 from ndtrain.comm import ops
 from ndtrain.mesh import Group
+from ndtrain.parallel.placement import aligned
 
 
 @dataclass
@@ -93,16 +94,17 @@ class DataParallel:
             self._make_bucket(current)
 
     def _make_bucket(self, params: list[nn.Parameter]) -> None:
-        numel = sum(p.numel() for p in params)
+        starts, numel = [], 0
+        for p in params:  # each parameter's gradient starts aligned (placement.ALIGN); gaps hold zeros
+            starts.append(aligned(numel))
+            numel = starts[-1] + p.numel()
         dtype = self.accum_dtype or params[0].dtype
         buffer = torch.zeros(numel, dtype=dtype, device=params[0].device)
         bucket = Bucket(len(self.buckets), params, buffer)
-        offset = 0
-        for p in params:
+        for p, offset in zip(params, starts):
             view = buffer[offset:offset + p.numel()].view_as(p)
             self._view[id(p)] = view
             p.grad = view if view.dtype == p.dtype else None  # autograd accumulates in place
-            offset += p.numel()
             self._bucket_of[id(p)] = bucket
         self.buckets.append(bucket)
 

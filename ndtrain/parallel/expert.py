@@ -53,6 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from ndtrain.comm import ops
+from ndtrain.deferred import Lazy
 from ndtrain.mesh import Group, ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.moe import Experts, LocalDispatch, LocalTokens, MoE, RoutingLog
@@ -147,13 +148,16 @@ class _InFlight:
     recv_splits: list[int]
     send_splits: list[int]
     out: Tensor = field(init=False)
+    inp: Tensor | None = field(init=False, default=None)
     work: object = field(init=False)
 
     def start(self, x: Tensor) -> "_InFlight":
         t0 = time.perf_counter()
         self.out = x.new_empty((sum(self.recv_splits), *x.shape[1:]))
-        self.work = ops.all_to_all(self.out, x.detach().contiguous(), self.group, self.recv_splits,
-                                   self.send_splits, async_op=True)
+        # The input stays referenced until `wait`: the caching allocator must not hand its
+        # memory to another tensor while the collective still reads it on its own stream.
+        self.inp = x.detach().contiguous()
+        self.work = ops.all_to_all(self.out, self.inp, self.group, self.recv_splits, self.send_splits, async_op=True)
         self.meter.wire += ops.all_to_all_wire(x, self.group, self.send_splits)
         self.meter.seconds += time.perf_counter() - t0
         return self
@@ -161,6 +165,7 @@ class _InFlight:
     def wait(self) -> Tensor:
         t0 = time.perf_counter()
         self.work.wait()
+        self.inp = None
         self.meter.seconds += time.perf_counter() - t0
         return self.out
 
@@ -187,17 +192,28 @@ def exchange(x: Tensor, group: Group, meter: A2AMeter, recv_splits: list[int], s
     return _Exchange.apply(x, _InFlight(group, meter, recv_splits, send_splits).start(x))
 
 
-def expert_major(from_ranks: Tensor) -> Tensor:
+def expert_major(from_ranks: Tensor, total: int) -> Tensor:
     """The permutation that takes rows received rank-major (rank r's rows for each of my
-    experts in turn: from_ranks[r, e] of them) to expert-major order."""
+    experts in turn: from_ranks[r, e] of them, `total` in all) to expert-major order. The
+    sizes of the outputs are given, so nothing here waits for the device."""
     ep, local = from_ranks.shape
     sizes = from_ranks.flatten()
     starts = torch.cumsum(sizes, 0) - sizes  # of block (r, e) in the received buffer
     sizes_em, starts_em = sizes.view(ep, local).t().flatten(), starts.view(ep, local).t().flatten()
-    block_start = torch.repeat_interleave(starts_em, sizes_em)
+    block_start = torch.repeat_interleave(starts_em, sizes_em, output_size=total)
     ends_em = torch.cumsum(sizes_em, 0)
-    within = torch.arange(int(sizes.sum()), device=sizes.device) - torch.repeat_interleave(ends_em - sizes_em, sizes_em)
+    within = torch.arange(total, device=sizes.device) - torch.repeat_interleave(ends_em - sizes_em, sizes_em,
+                                                                                 output_size=total)
     return block_start + within
+
+
+@dataclass
+class _Counts:
+    """The expert counts of one forward on their way to the other ranks (`plan`)."""
+
+    mine: Tensor  # [E] slots this rank sends to each expert
+    theirs: Tensor  # [ep · E/ep] slots each rank sends to each of my experts, once `work` is done
+    work: object
 
 
 class AllToAllDispatch(LocalDispatch):
@@ -208,21 +224,31 @@ class AllToAllDispatch(LocalDispatch):
         self.group, self.local = group, n_experts // group.size
         self.meter = A2AMeter()
 
-    def forward(self, x: Tensor, counts: Tensor, experts: Experts, meanwhile=None):
-        g, ep = self.group, self.group.size
-        from_ranks = torch.empty_like(counts)
+    def plan(self, counts: Tensor) -> _Counts:
+        """Start exchanging the counts (asynchronous: it overlaps the sorting of the tokens)."""
         t0 = time.perf_counter()
-        ops.all_to_all(from_ranks, counts, g)
-        self.meter.wire += ops.all_to_all_wire(counts, g, None)
+        theirs = torch.empty_like(counts)
+        work = ops.all_to_all(theirs, counts, self.group, async_op=True)
+        self.meter.wire += ops.all_to_all_wire(counts, self.group, None)
         self.meter.seconds += time.perf_counter() - t0
-        from_ranks = from_ranks.view(ep, self.local)
-        send = counts.view(ep, self.local).sum(1).tolist()  # a device-to-host sync on a GPU
-        recv = from_ranks.sum(1).tolist()
+        return _Counts(counts, theirs, work)
+
+    def forward(self, x: Tensor, plan: _Counts, experts: Experts, meanwhile=None):
+        g, ep, local = self.group, self.group.size, self.local
+        t0 = time.perf_counter()
+        plan.work.wait()
+        self.meter.seconds += time.perf_counter() - t0
+        from_ranks = plan.theirs.view(ep, local)
+        # The one host sync of an expert-parallel block: the all-to-all's split sizes.
+        host = torch.cat([plan.mine.view(ep, local).sum(1), plan.theirs]).tolist()
+        send, table = host[:ep], [host[ep + r * local: ep + (r + 1) * local] for r in range(ep)]
+        recv = [sum(row) for row in table]
         flight = _InFlight(g, self.meter, recv, send).start(x)
         side = meanwhile() if meanwhile is not None else None  # overlaps the all-to-all
         received = _Exchange.apply(x, flight)
-        order = expert_major(from_ranks)
-        y = experts(received[order], from_ranks.sum(0))
+        order = expert_major(from_ranks, sum(recv))
+        by_source = torch.tensor(table, dtype=from_ranks.dtype).t()  # the same counts, on the host
+        y = experts(received[order], from_ranks.t(), by_source)  # rows of each expert, by source rank
         y = y.new_zeros(y.shape).index_copy(0, order, y)  # back to rank-major
         return exchange(y, g, self.meter, send, recv), side
 
@@ -315,8 +341,10 @@ class LoadBalance:
     def log(self) -> RoutingLog:
         return RoutingLog(self.aux_coef)
 
-    def reduce(self, routing: RoutingLog, n_targets: float) -> dict:
-        """Sum this step's statistics over every rank (collective) and keep them."""
+    def reduce(self, routing: RoutingLog, n_targets: float | Tensor) -> Lazy:
+        """Sum this step's statistics over every rank (collective) and keep them: the loads on
+        the device for the bias update, the summary as a `Lazy` read with the step's record
+        (no host sync here)."""
         e = self.args.moe_experts
         table = torch.zeros(len(self.rows), e + 4, dtype=torch.float64, device=self.mesh.device)
         for key, counts in routing.counts.items():
@@ -326,16 +354,19 @@ class LoadBalance:
             table[row, e + 1] = routing.dropped[key]
         for layer, moe in self.blocks.items():
             meter = getattr(moe.dispatch, "meter", None)
-            if meter is not None:
-                table[self.rows[layer], e + 2: e + 4] = torch.tensor([meter.wire, meter.seconds])
+            if meter is not None:  # host numbers: filled in, not copied
+                table[self.rows[layer], e + 2] = meter.wire
+                table[self.rows[layer], e + 3] = meter.seconds
                 meter.reset()
         for name in ("dp_cp", "tp", "pp"):  # counts are partial over dp, cp and tp; stages disjoint
             ops.all_reduce(table, self.mesh.group(name))
         self.counts = table[:, :e]
-        self.stats = self._summary(table.cpu(), n_targets)
+        if not isinstance(n_targets, Tensor):
+            n_targets = torch.full((), float(n_targets), dtype=torch.float64, device=table.device)
+        self.stats = Lazy(self._summary, (table, n_targets))
         return self.stats
 
-    def _summary(self, table: Tensor, n_targets: float) -> dict:
+    def _summary(self, table: Tensor, n_targets: Tensor) -> dict:
         e = self.args.moe_experts
         counts = table[:, :e]
         mean = counts.mean(1)

@@ -102,7 +102,7 @@ def empty_generation_model(par: Parallelized, cfg: Config, args: ModelArgs, tp: 
     else:
         with torch.device("meta"):
             model = Transformer(args)
-    dtype = compute_dtype(cfg.train.precision)
+    dtype = compute_dtype(cfg.train.precision, cfg.train.fp8_base)
     replace_parameters(model, lambda p: torch.empty(p.shape, dtype=dtype, device=device))
     model.reset_rope(device)
     expert.materialize_buffers(model, device)

@@ -11,7 +11,9 @@ Order of the transformations (each one is a no-op when its dimension has size 1)
 1. tensor/sequence parallel module swaps   (parallel/tensor.py)
 2. context-parallel attention cores        (parallel/context/)
 3. MoE blocks: token split, this rank's experts, all-to-all dispatch (parallel/expert.py)
-4. activation recomputation wrappers       (parallel/recompute.py)
+   then, under train.precision = fp8, the block linears' fp8 matmuls (parallel/fp8.py)
+4. regional compilation of each block      (parallel/compile.py, train.compile), then the
+   activation recomputation wrappers around it (parallel/recompute.py)
 5. gradient synchronisation over dp × cp (expert weights: over edp): DP buckets
    (parallel/data.py) or ZeRO (parallel/zero.py), each with the compute dtype and fp32
    masters of parallel/precision.py
@@ -34,14 +36,17 @@ from torch import nn
 from ndtrain.comm import ops
 from ndtrain.config import Config
 from ndtrain.data.batch import MicroBatch
+from ndtrain.deferred import Lazy
 from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.model.loss import TokenLoss, token_nll, weighted_sum
-from ndtrain.parallel import context, expert, tensor
+from ndtrain.parallel import context, expert, fp8, tensor
+from ndtrain.parallel.compile import compile_blocks, compile_loss
 from ndtrain.parallel.construct import initializer, materialize
 from ndtrain.parallel.data import DataParallel, GradSyncs
 from ndtrain.parallel.pipeline.executor import PipelineSchedule
+from ndtrain.parallel.pipeline.schedules import vshape
 from ndtrain.parallel.pipeline.stage import StageModel, TiedEmbedding, build_chunks, gather_stages
 from ndtrain.parallel.precision import MasterWeights, cast_parameters, compute_dtype, has_masters, reduce_dtype
 from ndtrain.parallel.recompute import apply_recompute
@@ -61,8 +66,10 @@ class Parallelized:
     loss_fn: TokenLoss
     # MoE models: the step's routing statistics and the routers' bias update
     balance: expert.LoadBalance | None = None
+    # elements of initial values this rank computed (its shard: parallel/construct.py)
+    initialised: int = 0
 
-    def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float,
+    def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float | torch.Tensor,
                          unscale: float = 1.0) -> torch.Tensor:
         """Forward and backward of every micro-batch (each loss divided by `n_targets`, the
         step's global target count), gradients synchronised over every dimension and handed
@@ -80,8 +87,9 @@ class Parallelized:
         return local
 
     @property
-    def routing_stats(self) -> dict | None:
-        """Per MoE block, the last step's loads, max violation, dead experts, balance loss."""
+    def routing_stats(self) -> Lazy | None:
+        """Per MoE block, the last step's loads, max violation, dead experts, balance loss: a
+        dict once read (`ndtrain.deferred`: with the step's record, or `.value()`)."""
         return self.balance.stats if self.balance is not None else None
 
     def after_step(self) -> None:
@@ -98,11 +106,11 @@ class Parallelized:
         broadcast). What RL compares with its rollout's log-probabilities."""
         return self.schedule.logprobs(micro_batches)
 
-    def reduce_loss(self, local: torch.Tensor) -> float:
+    def reduce_loss(self, local: torch.Tensor) -> torch.Tensor:
         """The step's loss from each rank's share: summed over dp × cp, and over pp, where
-        only the last stage holds a loss."""
-        total = ops.all_reduce_scalars([float(local)], self.mesh.group("dp_cp"))
-        return ops.all_reduce_scalars(total, self.mesh.group("pp"))[0]
+        only the last stage holds a loss. On the device (fp64): reading it is a host sync."""
+        total = ops.all_reduce_bookkeeping(local.detach().double(), self.mesh.group("dp_cp"))
+        return ops.all_reduce_bookkeeping(total, self.mesh.group("pp"))
 
     def full_model_state(self) -> dict[str, torch.Tensor] | None:
         """The whole model's weights on rank 0 (None elsewhere). Collective: over the
@@ -151,6 +159,8 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
         if cp.active:
             context.apply(model, cp, cfg.parallel.cp_impl, tp if tp.active and cfg.parallel.sp else None)
         expert.parallelize(model, mesh, cfg.parallel.sp)
+        if cfg.train.precision == "fp8":
+            fp8.apply(model, mesh, cfg.train.fp8_recipe)
         return model
     return make
 
@@ -158,7 +168,7 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
 def materialized(model: Transformer, args: ModelArgs, mesh: ParallelMesh, cfg: Config) -> Transformer:
     """A model `decoder` laid out (a chunk, outside any layout: anchors for tests and
     benchmarks), given memory and its initial values on the mesh's device."""
-    materialize(model, initializer(model, args, cfg.train.seed, mesh.group("tp")), mesh.device)
+    materialize(model, initializer(model, args, cfg.train.seed, mesh.group("tp"), mesh.device), mesh.device)
     model.reset_rope(mesh.device)
     expert.materialize_buffers(model, mesh.device)
     return model
@@ -168,7 +178,10 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     """`objective(nll, micro_batch)`: the task's half of the loss (model/loss.TokenLoss)."""
     t, p = cfg.train, cfg.parallel
     tp = mesh.group("tp")
-    loss_fn = TokenLoss(tensor.VocabParallelNLL(tp) if tp.active else token_nll, objective)
+    nll = tensor.VocabParallelNLL(tp) if tp.active else token_nll
+    if t.compile and not tp.active:  # the vocabulary-parallel loss's collectives stay eager
+        nll = compile_loss(nll, t.compile_backend)
+    loss_fn = TokenLoss(nll, objective)
     pipelined = mesh.shape.pp > 1
     # The whole model, or under pipeline parallelism only this rank's chunks; module swaps
     # (tensor parallelism, in `decoder`) and recomputation wrappers apply to each chunk,
@@ -176,15 +189,18 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     make = decoder(args, mesh, cfg)
     chunks = build_chunks(args, mesh, cfg, make) if pipelined else {0: make()}
     for chunk in chunks.values():
+        if t.compile:  # inside the recomputed regions: their second run is the same compiled code
+            compile_blocks(chunk, t.compile_backend)
         apply_recompute(chunk, t.recompute)
     model = StageModel(chunks) if pipelined else chunks[0]
     # Everything so far lives on the meta device; now each rank materialises what it keeps.
-    init = initializer(model, args, t.seed, tp)
-    dtype, rdtype = compute_dtype(t.precision), reduce_dtype(t.precision, t.reduce_fp32)
+    init = initializer(model, args, t.seed, tp, mesh.device)
+    dtype, rdtype = compute_dtype(t.precision, t.fp8_base), reduce_dtype(t.precision, t.reduce_fp32, t.fp8_base)
     if p.zero:
         decoders = {f"chunk{c}": chunk for c, chunk in chunks.items()} if pipelined else None
+        gathered_fp8 = fp8.weights(model) if t.fp8_all_gather else frozenset()
         states = grad_sync = ZeRO(model, mesh, p.zero, dtype, rdtype, init, p.reshard_after_forward,
-                                  defer=pipelined, decoders=decoders)
+                                  defer=pipelined, decoders=decoders, fp8_weights=gathered_fp8)
     else:
         materialize(model, init, mesh.device)
         masters = MasterWeights(list(model.parameters())) if has_masters(dtype) else None
@@ -200,9 +216,9 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
         chunk.reset_rope(mesh.device)
         expert.materialize_buffers(chunk, mesh.device)
     if pipelined:
-        tied = TiedEmbedding(mesh, model, states.summed_grad) if args.tie_embeddings else None
+        tied = TiedEmbedding(mesh, model, states.summed_grad, vshape(p.pp_schedule)) if args.tie_embeddings else None
         schedule = PipelineSchedule(chunks, mesh, p.pp_schedule, p.pp_virtual, loss_fn, tied)
     else:
         schedule = SingleStage(model, loss_fn)
     balance = expert.LoadBalance(model, args, mesh, t.moe_aux_loss, t.moe_bias_rate) if args.is_moe else None
-    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance)
+    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance, init.generated)

@@ -31,6 +31,29 @@ from dataclasses import dataclass
 
 import torch
 
+# Where a parameter starts inside a flat buffer (DP buckets, ZeRO flats), and where each ZeRO
+# slice starts: a multiple of 64 elements (128 bytes in bf16), as Megatron pads its buffers, so
+# every parameter, gradient and slice view is aligned for vectorised kernels and the
+# collectives' chunks. The gaps hold zeros and take no part in anything.
+ALIGN = 64
+
+
+def aligned(n: int, align: int = ALIGN) -> int:
+    """`n` rounded up to a multiple of `align`."""
+    return -(-n // align) * align
+
+
+def flat_layout(sizes: list[int], shards: int) -> tuple[list[int], int, int]:
+    """Where parameters of `sizes` elements sit in one flat buffer split into `shards` slices:
+    (each one's offset, the end of the last, the elements of one slice). Each parameter and
+    each slice starts at a multiple of ALIGN."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(aligned(end))
+        end = offsets[-1] + n
+    return offsets, end, aligned(-(-end // shards))
+
+
 _SHARD_ATTR = "_ndtrain_shard_dims"
 _DUP_ATTR = "_ndtrain_duplicate"
 _PARTIAL_ATTR = "_ndtrain_partial_dims"

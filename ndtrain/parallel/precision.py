@@ -1,7 +1,9 @@
 """Mixed precision: compute in bf16 or fp16, update fp32 master weights, scale fp16 losses.
 
 `train.precision` picks the compute dtype: fp32, bf16, fp16, or fp64 (CPU only: the layout
-proofs run in it, so that round-off cannot hide a wrong result). Under bf16 or fp16:
+proofs run in it, so that round-off cannot hide a wrong result); fp8 runs the block linears'
+matmuls in fp8 (parallel/fp8.py) and everything else in `train.fp8_base` (bf16 by default),
+with that dtype's masters. Under bf16 or fp16:
 1. The model's parameters and the gradients autograd writes are in the compute dtype, so
    the matmuls and the activations they save run at half the bytes.
 2. The optimizer never sees them. It updates fp32 *master* weights: one per parameter here
@@ -37,8 +39,10 @@ from ndtrain.parallel.placement import copy_placement
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp64": torch.float64}
 
 
-def compute_dtype(precision: str) -> torch.dtype:
-    return DTYPES[precision]
+def compute_dtype(precision: str, fp8_base: str = "bf16") -> torch.dtype:
+    """The dtype of parameters and activations. Under fp8 (parallel/fp8.py) only the block
+    linears' matmul operands are fp8; everything else is `fp8_base`."""
+    return DTYPES[fp8_base if precision == "fp8" else precision]
 
 
 def has_masters(dtype: torch.dtype) -> bool:
@@ -47,8 +51,8 @@ def has_masters(dtype: torch.dtype) -> bool:
     return dtype in (torch.bfloat16, torch.float16)
 
 
-def reduce_dtype(precision: str, reduce_fp32: bool) -> torch.dtype:
-    dtype = DTYPES[precision]
+def reduce_dtype(precision: str, reduce_fp32: bool, fp8_base: str = "bf16") -> torch.dtype:
+    dtype = compute_dtype(precision, fp8_base)
     return torch.float32 if reduce_fp32 and has_masters(dtype) else dtype
 
 

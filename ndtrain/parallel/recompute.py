@@ -90,8 +90,11 @@ def _for_rerun(a):
     return a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
 
 
+@torch.compiler.disable
 def run_recomputed(fn, *args, **kwargs):
-    """`fn(*args, **kwargs)`, keeping none of its saved activations (see module docstring)."""
+    """`fn(*args, **kwargs)`, keeping none of its saved activations (see module docstring).
+    Opaque to torch.compile: a compiled block around a region breaks its graph there, and a
+    compiled `fn` inside one is the same code in both runs (parallel/compile.py)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     region = _Region(fn, args, kwargs)

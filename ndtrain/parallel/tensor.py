@@ -39,8 +39,8 @@ Where each piece sits:
   its query heads read, and the step sums the gradients of the ranks sharing it (the
   weight is marked partial, as a sequence-parallel norm weight is).
 - Initialisation: `build` creates the swapped model on the meta device; parallel/construct.py
-  then fills every rank's parameters with its slice of the full initial value
-  (`initial_value` in the model), so every layout starts from the same full weights.
+  then fills every rank's parameters with its slice of the full initial value, computing
+  only that slice (model/init.py), so every layout starts from the same full weights.
 - Random numbers: ranks of one TP group share one random stream (the trainer seeds by the
   rank without its tp coordinate). A random op on a split tensor draws the numbers of the
   full tensor and keeps its slice (`SequenceShardedDropout`), so dropout equals one device.
@@ -72,7 +72,7 @@ from torch import Tensor, nn
 from ndtrain.comm import ops
 from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
-from ndtrain.model.llama import MoE, RMSNorm, Transformer, initial_value, rms_norm, softcap, widened
+from ndtrain.model.llama import MoE, RMSNorm, Transformer, rms_norm, softcap, widened
 from ndtrain.model.loss import IGNORE
 from ndtrain.parallel.placement import mark_partial, mark_region, mark_sharded
 
@@ -223,24 +223,28 @@ class ColumnParallelLinear(nn.Module):
     output stays split for the row-parallel layer that ends the region.
     """
 
+    linear = staticmethod(F.linear)  # the product; parallel/fp8.py may put an fp8 one here
+
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
         super().__init__()
         self.weight, self.bias = weight, bias
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.linear(x, self.weight, self.bias)
 
 
 class RowParallelLinear(nn.Module):
     """Y = Σ_r X_r·B_rᵀ, B split by columns (input features): each rank multiplies its
     features of X, and g (or the SP reduce-scatter) sums the partial results."""
 
+    linear = staticmethod(F.linear)
+
     def __init__(self, weight: nn.Parameter, group: Group, sp: bool):
         super().__init__()
         self.weight, self.group, self.sp = weight, group, sp
 
     def forward(self, x: Tensor) -> Tensor:
-        return leave_region(F.linear(x, self.weight), self.group, self.sp)
+        return leave_region(self.linear(x, self.weight, None), self.group, self.sp)
 
 
 class ReplicatedHeadsLinear(nn.Module):

@@ -63,6 +63,7 @@ from torch.utils._pytree import tree_flatten
 from ndtrain.comm import ops
 from ndtrain.mesh import ParallelMesh
 from ndtrain.parallel.construct import swap_parameters
+from ndtrain.parallel.fp8_gather import Fp8AllGather
 from ndtrain.parallel.placement import OptimSlice, is_duplicate, is_expert, partial_dims, shard_dims
 from ndtrain.parallel.states import decay_groups, decays, persistent_buffers
 from ndtrain.parallel.zero_flat import (SHARD_DIMS, FlatParam, Unit, allocate_storage, decoder_units, free_storage,
@@ -84,10 +85,12 @@ class ZeRO:
 
     def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int, compute_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, init: Callable, reshard_after_forward: bool = True,
-                 defer: bool = False, decoders: dict[str, nn.Module] | None = None):
+                 defer: bool = False, decoders: dict[str, nn.Module] | None = None,
+                 fp8_weights: set[int] = frozenset()):
+        """`fp8_weights`: ids of the parameters stage 3 gathers in fp8 (parallel/fp8_gather.py)."""
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
-        self.stage, self.defer = stage, defer
+        self.stage, self.defer, self.fp8_weights = stage, defer, fp8_weights
         self.group = mesh.group("dp_shard_cp")
         self.expert_group = mesh.group("edp_shard")
         self.expert_dims = ("edp_shard",) if mesh.shape.ep > 1 else SHARD_DIMS
@@ -123,19 +126,22 @@ class ZeRO:
         self._next_launch = 0
         self._in_backward = False
         self.gathered_bytes = 0  # stage 3: bytes of units gathered right now (memory accounting)
+        self.fp8_gather = Fp8AllGather([f for f in self.flats if f.fp8], [mesh.group("tp")])
+        self.fp8_gather.refresh()
 
     def _flats(self, unit_name, named, compute_dtype, reduce_dtype, init, device) -> list[FlatParam]:
         by_key: dict[tuple, list[nn.Parameter]] = {}
         for _, p in named:
-            key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device)
+            fp8 = id(p) in self.fp8_weights and not is_expert(p)
+            key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device, fp8)
             by_key.setdefault(key, []).append(p)
         flats = []
-        for (dims, dup, experts, decay, _, _), params in by_key.items():
+        for (dims, dup, experts, decay, _, _, fp8), params in by_key.items():
             name = ".".join([unit_name, "decay" if decay else "no_decay", *dims] + (["duplicate"] if dup else [])
-                            + (["experts"] if experts else []))
+                            + (["experts"] if experts else []) + (["fp8"] if fp8 else []))
             group, group_dims = (self.expert_group, self.expert_dims) if experts else (self.group, SHARD_DIMS)
             flats.append(FlatParam(name, params, self.stage, group, compute_dtype, reduce_dtype, init, device,
-                                   group_dims))
+                                   group_dims, fp8))
         return flats
 
     # -- the optimizer's view ---------------------------------------------------
@@ -163,6 +169,7 @@ class ZeRO:
         for f in self.flats:
             if f.separate_master:
                 f.shard.copy_(f.master)
+        self.fp8_gather.refresh()
         if self.stage < 3:
             works = [ops.all_gather(f.full, f.shard, f.group, async_op=True) for f in self.flats]
             for w in works:
@@ -310,7 +317,8 @@ class ZeRO:
             return
         for f in unit.flats:
             self.gathered_bytes += allocate_storage(f.full)
-            unit.works.append(ops.all_gather(f.full, f.shard, f.group, async_op=True))
+            out, part = (f.full.view(torch.uint8), f.shard_fp8.view(torch.uint8)) if f.fp8 else (f.full, f.shard)
+            unit.works.append(ops.all_gather(out, part, f.group, async_op=True))
         unit.state = "gathering"
 
     def _wait(self, unit: Unit) -> None:
@@ -409,7 +417,8 @@ class ZeRO:
         return [f for f in self.flats if is_expert(f.params[0]) or not experts]
 
     def param_tensors(self, experts: bool = False) -> list[torch.Tensor]:
-        return [t for f in self._flats_of(experts) for t in (f.full, f.shard)]
+        """The parameters' buffers: gathered, this rank's slices, and their fp8 copies."""
+        return [t for f in self._flats_of(experts) for t in (f.full, f.shard) + ((f.shard_fp8,) if f.fp8 else ())]
 
     def grad_tensors(self, experts: bool = False) -> list[torch.Tensor]:
         return [t for f in self._flats_of(experts) for t in (f.grad_full, f.grad_shard) if t is not None]

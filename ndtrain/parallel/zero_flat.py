@@ -15,9 +15,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ndtrain.kernels.fp8 import E4M3
 from ndtrain.mesh import Group
 from ndtrain.parallel.construct import new_parameter
-from ndtrain.parallel.placement import copy_placement, mark_sharded, shard_dims
+from ndtrain.parallel.placement import copy_placement, flat_layout, mark_sharded, shard_dims
 from ndtrain.parallel.precision import has_masters
 from ndtrain.parallel.states import decays
 
@@ -57,7 +58,7 @@ class FlatParam:
 
     def __init__(self, name: str, params: list[nn.Parameter], stage: int, group: Group,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, init: Callable, device: torch.device,
-                 group_dims: tuple[str, ...] = SHARD_DIMS):
+                 group_dims: tuple[str, ...] = SHARD_DIMS, fp8: bool = False):
         """`params` may live on the meta device (parallel/construct.py): only this rank's
         slice is allocated and filled with `init(p)`, the fp32 initial value of what p holds
         (stages 1-2 also the whole buffer, which every rank keeps); `adopt` then swaps in
@@ -67,15 +68,16 @@ class FlatParam:
         self.accum_dtype = torch.float32 if has_masters(compute_dtype) else compute_dtype
         self.decays = decays(params[0])
         self.slot: dict[int, tuple[int, int]] = {}  # id(param) -> (offset, numel) in `full`
-        offset = 0
-        for p in params:
+        # Each parameter and each slice starts aligned (placement.ALIGN); the gaps hold zeros.
+        offsets, self.numel, self.shard_numel = flat_layout([p.numel() for p in params], group.size)
+        for p, offset in zip(params, offsets):
             self.slot[id(p)] = (offset, p.numel())
-            offset += p.numel()
-        self.numel = offset
-        self.shard_numel = -(-offset // group.size)  # padded to a multiple of the group
         lo, hi = group.rank * self.shard_numel, (group.rank + 1) * self.shard_numel
 
         padded = self.shard_numel * group.size
+        # fp8 (stage 3, parallel/fp8_gather.py): `full` is gathered in fp8 from `shard_fp8`; the
+        # parameters are views of a compute-dtype buffer that never gets memory.
+        self.fp8 = fp8 and stage == 3
         if stage == 3:
             initial = self._initial(init, lo, hi, device)
             self.full = torch.empty(padded, dtype=compute_dtype, device=device)
@@ -89,6 +91,11 @@ class FlatParam:
         # stage 3 its memory then goes, and comes back only while the unit is gathered.
         self.replacements = {id(p): new_parameter(p, self.view_of(self.full, p)) for p in params}
         if stage == 3:
+            free_storage(self.full)
+        if self.fp8:
+            self.full = torch.empty(padded, dtype=E4M3, device=device)
+            self.shard_fp8 = torch.zeros(self.shard_numel, dtype=E4M3, device=device)
+            self.fp8_views = [self.view_of(self.full, p) for p in params]  # made while it has memory
             free_storage(self.full)
         # A separate master starts from the fp32 initial values, not from their rounding.
         master = initial if stage == 3 else initial.clone()
@@ -113,7 +120,7 @@ class FlatParam:
             start, n = self.slot[id(p)]
             a, b = max(start, lo), min(start + n, hi)
             if a < b:
-                values[a - lo:b - lo].copy_(init(p).reshape(-1)[a - start:b - start])
+                values[a - lo:b - lo].copy_(init(p, a - start, b - start))
         return values
 
     def adopt(self) -> None:

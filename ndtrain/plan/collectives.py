@@ -12,6 +12,7 @@ from __future__ import annotations
 from ndtrain.config import Config
 from ndtrain.model.args import ModelArgs
 from ndtrain.parallel.pipeline.partition import Chunk
+from ndtrain.parallel.placement import flat_layout
 from ndtrain.plan.cluster import Cluster
 from ndtrain.plan.experts import expert_weights
 from ndtrain.plan.params import BYTES, block_weight_groups, block_weights, padded_vocab
@@ -88,8 +89,8 @@ def dp_flats(cfg: Config, args: ModelArgs, chunks: list[Chunk], experts: bool = 
     """The collectives one data-parallel reduction of a rank's gradients issues, each as
     (elements, of which the weights of linear layers). ZeRO (parallel/zero.py) reduces (and
     ZeRO-1/3 gathers) unit by unit (each block, then each chunk's root), one flat buffer per
-    placement and decay group, padded to its shard group (dense: dp_shard × cp; experts:
-    dp_shard·cp/ep). Plain DP (parallel/data.py) packs the gradients, in the order backward
+    placement and decay group, each parameter and slice aligned (parallel/placement.flat_layout;
+    shard group dense: dp_shard × cp; experts: dp_shard·cp/ep). Plain DP (parallel/data.py) packs the gradients, in the order backward
     produces them, into buckets of `parallel.bucket_mb` (in the parameters' dtype), a
     parameter larger than a bucket alone; experts in buckets of their own. Gloo's time per
     byte grows with the message (`bench comm`), and every message pays a latency, so the cut
@@ -99,15 +100,14 @@ def dp_flats(cfg: Config, args: ModelArgs, chunks: list[Chunk], experts: bool = 
         return []
     if p.zero:
         n = p.dp_shard * p.cp // (p.ep if experts else 1)
-        pad = lambda x: -(-x // n) * n  # noqa: E731
         units = []
         for ch in chunks:
             units += [f for i in ch.layer_ids for f in _flats(args, i, p.tp, p.ep, experts)]
             if not experts:
                 first, last = _root_weights(args, ch, p.tp)
-                root = first + last
+                root = last + first  # registration order: the embedding first
                 units += [[(k, False) for k, matrix in root if matrix == group] for group in (True, False)]
-        return [(pad(sum(k for k, _ in f)), sum(k for k, linear in f if linear)) for f in units if f]
+        return [(n * flat_layout([k for k, _ in f], n)[2], sum(k for k, linear in f if linear)) for f in units if f]
     stream = []
     for ch in chunks:
         first, last = _root_weights(args, ch, p.tp)
@@ -115,14 +115,14 @@ def dp_flats(cfg: Config, args: ModelArgs, chunks: list[Chunk], experts: bool = 
                   for k, matrix in reversed(_stream(args, i, p.tp, p.ep, experts))]
         stream += blocks if experts else [(k, False) for k, _ in first] + blocks + [(k, False) for k, _ in last]
     limit = p.bucket_mb * 2**20 / BYTES[cfg.train.precision]
-    buckets, size, linear = [], 0, 0
-    for k, lin in stream:
-        if size and size + k > limit:
-            buckets.append((size, linear))
-            size = linear = 0
-        size += k
+    buckets, sizes, linear = [], [], 0
+    for k, lin in stream:  # cut by the parameters' sizes; a bucket holds them aligned
+        if sizes and sum(sizes) + k > limit:
+            buckets.append((flat_layout(sizes, 1)[1], linear))
+            sizes, linear = [], 0
+        sizes.append(k)
         linear += k if lin else 0
-    return buckets + [(size, linear)] if size else buckets
+    return buckets + [(flat_layout(sizes, 1)[1], linear)] if sizes else buckets
 
 
 def dp_messages(cfg: Config, args: ModelArgs, chunks: list[Chunk], experts: bool = False) -> list[int]:

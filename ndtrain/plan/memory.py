@@ -320,7 +320,10 @@ class Replay:
             # exist by then) and the last (which reduces) are the ones that differ
             orders = [[Action(kind, 0, i)] for i in sorted({0, min(1, m - 1), m - 1}) for kind in (F, B)]
         self.actions = [a for tick in orders for a in tick]
-        self.split = any(a.kind == W for a in self.actions)  # zero bubble
+        # zero bubble: the backwards split into B and W (DualPipeV splits only some); `split`
+        # says whether the backward being replayed is one of them
+        self.split_keys = {(a.chunk, a.micro) for a in self.actions if a.kind == W}
+        self.split = False
         self.last_backward = {a.chunk: k for k, a in enumerate(self.actions) if a.kind in (B, W)}
         self.book = Ledger()
         self.held: dict[tuple[int, int], float] = {}  # (chunk, micro) → saved bytes not yet freed
@@ -334,6 +337,11 @@ class Replay:
     def run(self) -> Ledger:
         for k, a in enumerate(self.actions):
             self.book.in_flight = len(self.held) + (a.kind == F)
+            if a.kind != F and self.chunks[a.chunk].embed and (a.chunk, a.micro) in self.split_keys:
+                # the first chunk is not split (executor.py): its B does nothing, its W is whole
+                if a.kind == W:
+                    self.backward(a, k, whole=True)
+                continue
             {F: self.forward, B: self.backward, W: self.weights}[a.kind](a, k)
         return self.book
 
@@ -473,10 +481,12 @@ class Replay:
         s = self.s
         return s.c * s.vocab_local() * self.args.dim + s.c * self.args.dim * s.n
 
-    def backward(self, a: Action, k: int) -> None:
+    def backward(self, a: Action, k: int, whole: bool = False) -> None:
         """One backward pass of one micro-batch through one chunk (B; under zero bubble the
-        input gradients only: the weights' come in W)."""
+        input gradients only: the weights' come in W; `whole`: the whole one, whatever the
+        list says)."""
         s, ch, key, book = self.s, self.chunks[a.chunk], (a.chunk, a.micro), self.book
+        self.split = key in self.split_keys and not whole
         first, launched = self.reduce_buffers(self.last_backward[a.chunk] == k)
         if self.split:
             first, launched = 0.0, (0.0, 0.0)

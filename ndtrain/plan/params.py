@@ -15,10 +15,12 @@ import functools
 from ndtrain.config import Config
 from ndtrain.model.args import ModelArgs
 from ndtrain.parallel.pipeline.partition import Chunk, chunk_counts, local_chunks, make_chunks
+from ndtrain.parallel.pipeline.schedules import vshape
 from ndtrain.parallel.zero import model_state_bytes
 from ndtrain.plan.experts import expert_weights, moe_dense_weights
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8}
+# fp8: parameters and activations in bf16 (train.fp8_base) until the planner models fp8 (issue 25)
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 2}
 
 
 def padded_vocab(args: ModelArgs, tp: int) -> int:
@@ -76,13 +78,13 @@ def root_local(args: ModelArgs, chunk: Chunk, tp: int) -> int:
 def stage_chunks(cfg: Config, args: ModelArgs) -> list[list[Chunk]]:
     """Each pipeline rank's chunks, cut as the engine cuts them (partition.py)."""
     p = cfg.parallel
-    return _stage_chunks(args, p.pp, p.pp_virtual, cfg.train.seq_len, p.pp_split)
+    return _stage_chunks(args, p.pp, p.pp_virtual, cfg.train.seq_len, p.pp_split, vshape(p.pp_schedule))
 
 
 @functools.lru_cache(maxsize=4096)
-def _stage_chunks(args: ModelArgs, pp: int, v: int, seq_len: int, split: str) -> list[list[Chunk]]:
+def _stage_chunks(args: ModelArgs, pp: int, v: int, seq_len: int, split: str, v_shape: bool) -> list[list[Chunk]]:
     chunks = make_chunks(chunk_counts(args, pp * v, seq_len, split))
-    return [[chunks[c] for c in local_chunks(r, pp, v)] for r in range(pp)]
+    return [[chunks[c] for c in local_chunks(r, pp, v, v_shape)] for r in range(pp)]
 
 
 def stage_split(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> tuple[int, int]:

@@ -1,16 +1,18 @@
 """A pipeline step's length: the schedule's own action lists, simulated.
 
-Every schedule the engine runs is data (`schedules.build_schedule`: each rank's forwards,
-backwards, weight-gradient passes and messages, in order), and `verify.simulate` plays
-such lists with given action costs and buffered messages. So one function prices every
+Every schedule the engine runs is data (`lists.build_schedule`: each rank's forwards,
+backwards, weight-gradient passes and messages, in order), and the schedule simulator
+(`parallel/pipeline/simulate.py`) plays such lists with given action costs and buffered
+messages. So one function prices every
 schedule, a new one included as soon as `build_schedule` knows it: no bubble formula per
 schedule, and stages that cost different amounts (the first holds the embedding, the last
 the head and the loss) are priced as they are, not as the average. The theory, (p−1)/m for
 AFAB and 1F1B, (p−1)/(v·m) interleaved, (p−1)(F+B−W)/(m(F+B+W)) zero bubble, is what the
 simulation gives for equal stages (tests/test_plan_time.py).
 
-`costs[c]` holds chunk c's seconds for one micro-batch: F (forward), B (backward; under zero
-bubble the input gradients only) and W (zero bubble's weight gradients), each with the
+`costs[c]` holds chunk c's seconds for one micro-batch: F (forward), B (backward; under the
+split schedules, zb, zbv and dualpipev, the input gradients only: a B the list does not
+split, as most of DualPipeV's, costs B + W) and W (the weight gradients), each with the
 messages its rank sends after it.
 
 Past a warm-up the lists repeat with a period of pp micro-batches, and once the ranks have
@@ -24,16 +26,16 @@ from __future__ import annotations
 
 import functools
 
-from ndtrain.parallel.pipeline.schedules import build_schedule
-from ndtrain.parallel.pipeline.verify import simulate
+from ndtrain.parallel.pipeline.partition import local_chunks
+from ndtrain.parallel.pipeline.schedules import vshape
+from ndtrain.parallel.pipeline.simulate import schedule_time
 
 Costs = tuple[tuple[float, float, float], ...]  # per chunk: (F, B, W) seconds
 
 
 def _simulated(name: str, pp: int, v: int, m: int, costs: Costs) -> float:
-    kinds = {"F": 0, "B": 1, "W": 2}
-    timeline = simulate(build_schedule(name, pp, v, m), pp, lambda rank, a: costs[a.chunk][kinds[a.kind]])
-    return max(end for rank in timeline for _, _, end in rank)
+    f, b, w = ([c[k] for c in costs] for k in range(3))
+    return schedule_time(name, pp, v, m, f, b, w)[0]
 
 
 @functools.lru_cache(maxsize=8192)
@@ -52,6 +54,6 @@ def makespan(name: str, pp: int, v: int, m: int, costs: Costs) -> float:
 
 def bubble_fraction(name: str, pp: int, v: int, m: int, costs: Costs) -> tuple[float, float]:
     """(the step's length, its idle time over the busiest rank's busy time)."""
-    busy = max(sum(sum(costs[c]) for c in range(r, pp * v, pp)) for r in range(pp)) * m
+    busy = max(sum(sum(costs[c]) for c in local_chunks(r, pp, v, vshape(name))) for r in range(pp)) * m
     span = makespan(name, pp, v, m, costs)
     return span, (span - busy) / busy if busy > 0 else 0.0

@@ -50,7 +50,8 @@ def candidates(cfg: Config, args: ModelArgs, gpus: int, gpus_per_node: int):
             per_rank = t.global_batch // dp if t.global_batch % dp == 0 else 0
             if not per_rank:
                 continue
-            schedules = [("1f1b", 1), ("zb", 1), ("interleaved", 2)] if pp > 1 else [("1f1b", 1)]
+            schedules = ([("1f1b", 1), ("zb", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2)] if pp > 1
+                         else [("1f1b", 1)])
             replicas = [1] + ([dp // max(gpus_per_node // (tp * cp), 1)]
                               if dp * tp * cp > gpus_per_node and gpus_per_node >= tp * cp else [])
             eps = [e for e in _powers(dp * cp) if args.moe_experts % e == 0] if args.is_moe else [1]

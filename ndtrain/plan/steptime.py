@@ -59,6 +59,8 @@ from ndtrain.plan.experts import a2a_bytes, counts_bytes
 from ndtrain.plan.fp8 import Fp8
 from ndtrain.plan.params import BYTES, stage_chunks, stage_split
 from ndtrain.plan.pipeline import bubble_fraction
+
+SPLIT = ("zb", "zbv", "dualpipev")  # schedules that split backwards into B and W
 from ndtrain.plan.work import Shape, Work, chunk_passes
 
 PARTS = ("compute", "recompute", "tp", "cp", "ep", "pp_messages")
@@ -115,7 +117,7 @@ def chunk_time(cfg: Config, args: ModelArgs, cluster: Cluster, ch: Chunk, n_chun
                rate: float) -> ChunkTime:
     p, t = cfg.parallel, cfg.train
     model = cluster.compute_model(t.precision)
-    split = p.pp_schedule == "zb" and p.pp > 1
+    split = p.pp_schedule in SPLIT and p.pp > 1
     passes = chunk_passes(shape, ch.layer_ids, ch.embed, ch.head, t.recompute, split)
     psi = stage_split(cfg, args, [ch])
     g = 4 if shape.c < 4 else shape.c  # the gradient accumulator's bytes (fp32 under bf16/fp16)
@@ -177,7 +179,10 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster, fp8: Fp8 | None = 
         st.optimizer = cluster.compute_model(t.precision).optimizer_seconds(optimizer_params(cfg, args, chunks))
         stages.append(st)
     if p.pp > 1:
-        costs = tuple((times[c].forward, times[c].backward, times[c].weights) for c in range(n_chunks))
+        costs = [(times[c].forward, times[c].backward, times[c].weights) for c in range(n_chunks)]
+        if p.pp_schedule in SPLIT:  # the first chunk is not split (executor.py): B nothing, W whole
+            costs[0] = (costs[0][0], 0.0, costs[0][1] + costs[0][2])
+        costs = tuple(costs)
         span, fraction = bubble_fraction(p.pp_schedule, p.pp, p.pp_virtual, m, costs)
     else:
         span, fraction = stages[0].busy, 0.0

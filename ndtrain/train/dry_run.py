@@ -19,6 +19,7 @@ from ndtrain.config import Config, from_dict
 from ndtrain.mesh import ParallelMesh
 from ndtrain.model.llama import Transformer
 from ndtrain.observe.memory import format_bytes, measure_peak, per_rank, storage_bytes
+from ndtrain.parallel import fp8
 from ndtrain.parallel.placement import is_expert
 from ndtrain.parallel.precision import compute_dtype
 from ndtrain.parallel.zero import model_state_bytes
@@ -74,8 +75,9 @@ def measure(cfg: Config, mesh: ParallelMesh) -> dict:
     memory = step.memory
     experts = [memory.expert_params or 0, memory.expert_grads or 0, memory.expert_optimizer or 0]
     mine = [psi, psi_experts, construction, kept] + [getattr(memory, c) for c in COLUMNS] + experts
+    mine.append(memory.fp8_saved or 0)
     table = per_rank(mine, mesh.device)
-    keys = ("psi", "psi_experts", "construction", "kept") + COLUMNS + EXPERT_COLUMNS
+    keys = ("psi", "psi_experts", "construction", "kept") + COLUMNS + EXPERT_COLUMNS + ("fp8_saved",)
     return {"ranks": [dict(zip(keys, map(int, row))) for row in table], "layout": mesh.describe(),
             "n_shard": mesh.size("dp_shard_cp"), "n_expert_shard": mesh.size("edp_shard"), "moe": args.is_moe,
             **construction_bounds(args)}
@@ -108,7 +110,7 @@ def dry_run_worker(cfg_dict: dict) -> dict:
 
 def render(cfg: Config, result: dict) -> str:
     p, t = cfg.parallel, cfg.train
-    c = torch.finfo(compute_dtype(t.precision)).bits // 8
+    c = torch.finfo(compute_dtype(t.precision, t.fp8_base)).bits // 8
     head = (f"dry run: {cfg.model.preset} model, {result['layout']}, zero={p.zero}, {t.precision}, "
             f"recompute={t.recompute}, micro-batch {t.micro_batch}×{t.seq_len}")
     lines = [head, f"{'rank':>4}  {'parameters':>12}  {'params':>12}  {'grads':>12}  {'optimizer':>12}  "
@@ -129,6 +131,11 @@ def render(cfg: Config, result: dict) -> str:
             lines.append(f"{rank:>4}  {r['psi'] - r['psi_experts']:>14,}  {format_bytes(d_states):>14}  "
                          f"{format_bytes(dense):>14}  {r['psi_experts']:>14,}  {format_bytes(e_states):>14}  "
                          f"{format_bytes(experts):>14}")
+    if t.precision == "fp8":
+        lines += ["", fp8.describe(cfg.model_args(), t.fp8_recipe, t.fp8_base)["text"],
+                  "fp8 copies kept for backward in a step (inside activations; only tensorwise keeps x in fp8, "
+                  "the others keep it as it came and quantize again in backward): "
+                  + ", ".join(f"rank {i} {format_bytes(r['fp8_saved'])}" for i, r in enumerate(result["ranks"]))]
     extra = max(result["largest_param_bytes"], result["largest_unit_bytes"])
     lines.append("construction peak: the layout is built on the meta device, then each rank allocates only what it "
                  "keeps (model states), drawing one parameter's fp32 initial value at a time (ZeRO-3: one unit's "

@@ -19,19 +19,20 @@ from ndtrain import supervisor
 from ndtrain.checkpoint import layout, sources, store
 from ndtrain.checkpoint.resume import check_resume_config
 from ndtrain.checkpoint.store import CheckpointError
-from ndtrain.comm.ops import all_reduce_scalars
+from ndtrain.comm.ops import all_reduce_bookkeeping, all_reduce_scalars
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
 from ndtrain.mesh import DIMS, ParallelMesh
 from ndtrain.model.args import flops_per_token
-from ndtrain.observe.memory import per_rank
+from ndtrain.deferred import Lazy, settle
+from ndtrain.observe.memory import per_rank_table
 from ndtrain.observe.metrics import MetricsLog, read_metrics
 from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss, plot_moe_load
 from ndtrain.observe.progress import TrainProgress
-from ndtrain.parallel import context
+from ndtrain.parallel import context, fp8
 from ndtrain.parallel.parallelize import Parallelized, build
-from ndtrain.parallel.precision import LossScaleExhausted
+from ndtrain.parallel.precision import LossScaleExhausted, LossScaler
 from ndtrain.train.optim import lr_at
 from ndtrain.train.step import TrainStep
 from ndtrain.train.tasks import StepData, Task
@@ -94,15 +95,17 @@ class Trainer:
         tokens of each row (the zigzag layout, parallel/context/layout.py: targets were
         shifted before, so none is lost); cut into micro-batches, with the loss targets the
         task counts in them (the CP ranks' counts add up to the whole rows' and may differ
-        between ranks: masked targets fall anywhere)."""
+        between ranks: masked targets fall anywhere). Cut and counted on the host, then
+        copied to the device without waiting for it (pinned memory on CUDA)."""
         t = self.cfg.train
         per_rank = t.global_batch // self.mesh.dp_size
         start = self.mesh.dp_rank * per_rank
-        rows = self.task.rows(split, step, start, start + per_rank).to(self.mesh.device)
+        rows = self.task.rows(split, step, start, start + per_rank)
         cp = self.mesh.group("cp")
         if cp.active:
             rows = context.shard(rows, cp.size, cp.rank)
-        return StepData(rows.split(t.micro_batch), self.task.targets(rows))
+        n_targets = self.task.targets(rows)
+        return StepData(rows.to(self.mesh.device).split(t.micro_batch), n_targets)
 
     @torch.no_grad()
     def logprobs(self, rows: MicroBatch) -> torch.Tensor:
@@ -121,13 +124,18 @@ class Trainer:
 
     # -- one step -------------------------------------------------------------------
     def train_step(self, step: int) -> dict:
+        """One optimizer step. Its record holds device tensors (loss, gradient norm, target
+        count) until `settle_records` reads a window of steps with one host sync; the host
+        never waits for the device inside a step (docs/architecture.md, "Host syncs")."""
         t = self.cfg.train
         t0 = time.perf_counter()
         self.mesh.stats.reset()
         self.seed_dropout(step)
         self.task.before_update(step, self)
         batch = self.local_batch("train", step)
-        n_targets = all_reduce_scalars([batch.n_targets], self.mesh.group("dp_cp"))[0]
+        # The global target count, on the device: a fill (no copy from the host), then a sum.
+        local = torch.full((), float(batch.n_targets), dtype=torch.float32, device=self.mesh.device)
+        n_targets = all_reduce_bookkeeping(local, self.mesh.group("dp_cp"))
         # The activation peak: every step from the allocator on a GPU; on the CPU, where
         # watching every operation slows the step, on the first `meter_steps` steps.
         measure = self.mesh.device.type == "cuda" or self._measured_steps < self.meter_steps
@@ -138,19 +146,13 @@ class Trainer:
         scale = self.stepper.scaler.scale if self.stepper.scaler else None
         stepped = self.stepper.optimizer_step(lr)
         loss = self.par.reduce_loss(local_loss)
-        if self.mesh.device.type == "cuda":
-            torch.cuda.synchronize(self.mesh.device)
-        dt = time.perf_counter() - t0
-        tokens_per_s = t.global_batch * t.seq_len / dt
-        mfu = (self.flops_per_token * tokens_per_s / (self.peak * self.n_peak_units)
-               if self.peak else None)
         task_metrics = self.task.step_metrics(self)  # collective, for some tasks
         comm = self.mesh.stats.as_metrics()
-        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": int(n_targets),
-                  "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
-                  "tokens": (step + 1) * t.global_batch * t.seq_len, "targets_per_s": n_targets / dt,
+        record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": n_targets,
+                  "host_time_s": time.perf_counter() - t0,
+                  "tokens": (step + 1) * t.global_batch * t.seq_len,
                   "comm_bytes": sum(comm.values()), "comm": comm}
-        if step % t.log_every == 0 or step == t.steps - 1:  # a collective: kept off the other steps
+        if self.is_log_step(step):  # a collective: kept off the other steps
             record["memory"] = self.memory_per_rank()
         if scale is not None:
             record.update(loss_scale=scale, skipped=not stepped)
@@ -159,12 +161,34 @@ class Trainer:
             record["moe"] = self.par.routing_stats
         return record
 
-    def memory_per_rank(self) -> dict[str, list[int]]:
+    def is_log_step(self, step: int) -> bool:
+        t = self.cfg.train
+        return step % t.log_every == 0 or step == t.steps - 1
+
+    def settle_records(self, records: list[dict], waited_from: float) -> None:
+        """Read the device values of a window of steps with one host sync, and give each
+        step its timing: the window's time (the host's time in the steps, plus the wait for
+        the device to finish them, which began at `waited_from`) shared out in proportion to
+        each step's host time. On a GPU the host runs ahead, so only the window's total is
+        measured; on the CPU each step's own time is its host time."""
+        settle(records)  # the sync: the copy follows all of the window's work on the device
+        wait = time.perf_counter() - waited_from
+        t = self.cfg.train
+        host = sum(r["host_time_s"] for r in records)
+        for r in records:
+            dt = r.pop("host_time_s") * (1 + wait / host) if host > 0 else wait / len(records)
+            r["targets"] = int(r["targets"])
+            r["grad_norm"] = r["grad_norm"] if math.isfinite(r["grad_norm"]) else float("inf")
+            r.update(step_time_s=dt, tokens_per_s=t.global_batch * t.seq_len / dt, targets_per_s=r["targets"] / dt,
+                     mfu=(self.flops_per_token * t.global_batch * t.seq_len / dt / (self.peak * self.n_peak_units)
+                          if self.peak else None))
+
+    def memory_per_rank(self) -> Lazy:
         """Bytes of parameters, gradients, optimizer state and the activation peak, one
-        entry per rank (observe/memory.py)."""
+        entry per rank (observe/memory.py), once the record is settled."""
         mine = self.stepper.memory.as_dict()
-        table = per_rank(list(mine.values()), self.mesh.device)
-        return {k: [int(row[i]) for row in table] for i, k in enumerate(mine)}
+        table = per_rank_table(list(mine.values()), self.mesh.device)
+        return Lazy(lambda t: {k: [int(row[i]) for row in t.tolist()] for i, k in enumerate(mine)}, (table,))
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -184,38 +208,43 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------
     def fit(self, stop_after: int = 0) -> dict:
         """Train from `self.step` to `train.steps` (or `stop_after` steps in this call), then
-        save a checkpoint. Returns the summary on rank 0."""
+        save a checkpoint. Returns the summary on rank 0. The host reads the device only at
+        window ends (log, evaluation and save steps, the last step): each step's metrics line
+        is written then, a divergence is caught then, and a stop request is agreed then."""
         t, run = self.cfg.train, self.cfg.run
         stop = min(t.steps, self.step + stop_after) if stop_after else t.steps
         log = self.is_logger and self.run_dir is not None
-        metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.step) if log else None
-        progress = TrainProgress(t.steps, self.step, enabled=self.is_logger and run.progress,
-                                 log_every=t.log_every)
+        self._metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.step) if log else None
+        self._progress = TrainProgress(t.steps, self.step, enabled=self.is_logger and run.progress,
+                                       log_every=t.log_every)
         self.par.model.train()
         saved = None
         deadline = time.monotonic() + run.stop_after_s if run.stop_after_s else math.inf
+        window: list[dict] = []
         try:
             for step in range(self.step, stop):
                 supervisor.heartbeat(step)
                 try:
-                    record = self.train_step(step)
+                    window.append(self.train_step(step))
                 except LossScaleExhausted as e:
+                    if window:  # the steps before it keep their lines
+                        self.settle_records(window, time.perf_counter())
+                        self._check(window)
+                        self._write(window)
                     raise TrainingError(f"step {step}: {e}; stopping ({self._last_checkpoint()})") from None
                 self.step = step + 1
-                if not math.isfinite(record["loss"]):
-                    raise TrainingError(self._diverged_message(step, record["loss"]))
-                if record.get("skipped"):
-                    progress.print(f"step {step}: fp16 gradients overflowed; step skipped, loss scale "
-                                   f"{record['loss_scale']:g} → {self.stepper.scaler.scale:g}")
                 due = (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
+                save = t.save_every and self.step % t.save_every == 0 and self.step != stop
+                if not (due or save or self.is_log_step(step) or self.step == stop):
+                    continue
+                self.settle_records(window, time.perf_counter())
+                self._check(window)
                 if due:
-                    record.update(self.task.evaluate(self))
-                self.history.append(record)
-                done = due and self.task.done(record)  # every rank evaluated alike: they agree
-                if metrics:
-                    metrics.write(record)
-                progress.update(record)
-                if t.save_every and self.step % t.save_every == 0 and self.step != stop:
+                    window[-1].update(self.task.evaluate(self))
+                done = due and self.task.done(window[-1])  # every rank evaluated alike: they agree
+                self._write(window)
+                window = []
+                if save:
                     saved = self.save()
                 if done:
                     break
@@ -224,12 +253,30 @@ class Trainer:
                     self.stopped = asked == STOP_SIGNAL
                     break
         finally:
-            progress.close()
-            if metrics:
-                metrics.close()
+            self._progress.close()
+            if self._metrics:
+                self._metrics.close()
         if self.run_dir is not None and (saved is None or store.step_of(saved) != self.step):
             self.save()
         return self.finish() if log else {}
+
+    def _check(self, window: list[dict]) -> None:
+        """A settled window: stop at the first non-finite loss (the steps before it are
+        written), report skipped fp16 steps."""
+        for record in window:
+            if not math.isfinite(record["loss"]):
+                self._write([r for r in window if r["step"] < record["step"]])
+                raise TrainingError(self._diverged_message(record["step"], record["loss"]))
+            if record.get("skipped"):
+                self._progress.print(f"step {record['step']}: fp16 gradients overflowed; step skipped, loss scale "
+                                     f"{record['loss_scale']:g} → {record['loss_scale'] * LossScaler.BACKOFF:g}")
+
+    def _write(self, records: list[dict]) -> None:
+        for record in records:
+            self.history.append(record)
+            if self._metrics:
+                self._metrics.write(record)
+            self._progress.update(record)
 
     def stop_agreed(self, out_of_time: bool = False) -> int:
         """Whether any rank was asked to stop (STOP_SIGNAL: a signal, supervisor.py) or ran out
@@ -272,6 +319,9 @@ class Trainer:
             "checkpoint": str(store.latest(self.run_dir)),
             "stopped": self.stopped,
         }
+        if self.cfg.train.precision == "fp8":
+            t = self.cfg.train
+            summary["fp8"] = fp8.describe(self.args, t.fp8_recipe, t.fp8_base)["text"]
         if self.cfg.run.plot:
             png = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
                             baseline=task.baseline, baseline_label=task.baseline_label, title=f"{self.cfg.model.preset} · {self.mesh.describe()}")

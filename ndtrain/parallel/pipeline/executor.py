@@ -4,21 +4,28 @@ pipelined `Parallelized` (same `run` and `evaluate` as `parallel.schedule.Single
 A step walks this rank's action list (schedules.py) in order:
 - a group of messages is posted at once; a received buffer is waited for only by the action
   that consumes it, then dropped;
-- F runs a chunk on a micro-batch: token ids on the first chunk, a received activation
-  otherwise; the last chunk turns its logits into the loss, divided by the step's global
-  target count (the schedule owns the loss, so gradients equal one device's); loss terms
-  the model reports during a chunk's forward (MoE load balancing) join that chunk's
-  backward (`schedule.carry_loss`), or the loss on the last chunk;
-- B runs the backward of one micro-batch of one chunk, from the loss or from the received
-  output gradient; under the zero-bubble schedule only the input gradient (weightgrad.py)
-  and W the weight gradients later;
+- F runs a chunk on a micro-batch: token ids on the first chunk, a received activation, or
+  (a V's turn) the output of this rank's previous chunk; the last chunk turns its logits
+  into the loss, divided by the step's global target count (the schedule owns the loss, so
+  gradients equal one device's); loss terms the model reports during a chunk's forward (MoE
+  load balancing) join that chunk's backward (`schedule.carry_loss`), or the loss on the
+  last chunk;
+- B runs the backward of one micro-batch of one chunk, from the loss, from the received
+  output gradient, or from this rank's next chunk's input gradient; where the list has a W
+  for it, only the input gradient (weightgrad.py), and W the weight gradients later. The
+  first chunk's input is token ids: nobody waits for its B, which does nothing, and its W
+  is the whole backward (no graph to split, no work moved before the W it was planned as);
+- FB runs a forward and a backward together through `overlap(forward, backward)`: by
+  default one after the other; a hook can interleave them, e.g. to hide one's messages (the
+  MoE all-to-all under expert parallelism) behind the other's compute;
 - gradient synchronisation over dp × cp (DP buckets or ZeRO) is switched on only for the
   last backward action that touches each chunk, so its buckets are reduced once per step,
   overlapped with the rest of the schedule, never per micro-batch;
 - at the end: sends completed, the gradient sync finished, the tied embedding summed.
 
-Every action is timed into `timeline` (timeline.py), and the number of micro-batches whose
-activations are held (forward done, last backward not) is tracked: `peak_held`.
+Every action is timed into `timeline` (timeline.py; an F&B as its two parts), and the number
+of micro-batches whose activations are held (forward done, last backward not) is tracked:
+`peak_held`.
 """
 
 from __future__ import annotations
@@ -32,10 +39,11 @@ from ndtrain.comm import ops
 from ndtrain.mesh import ParallelMesh
 from ndtrain.parallel.pipeline.partition import owner
 from ndtrain.parallel.pipeline.p2p import StageLinks
-from ndtrain.parallel.pipeline.schedules import (B, F, MESSAGES, RECV_B, RECV_F, SEND_B, SEND_F, W, Action,
-                                                 build_schedule, peer)
+from ndtrain.parallel.pipeline.lists import build_schedule
+from ndtrain.parallel.pipeline.schedules import (B, COMPUTE, F, MESSAGES, RECV_B, RECV_F, SEND_B, SEND_F, W,
+                                                 Action, parts, peer, vshape)
 from ndtrain.parallel.pipeline.stage import TiedEmbedding
-from ndtrain.parallel.pipeline.timeline import Timeline
+from ndtrain.parallel.pipeline.timeline import Event, Timeline
 from ndtrain.parallel.pipeline.verify import groups, verify
 from ndtrain.parallel.pipeline.weightgrad import SplitBackward
 from ndtrain.data.batch import MicroBatch
@@ -46,64 +54,79 @@ from ndtrain.parallel.schedule import GradSync, carry_loss, with_model_loss
 class _Step:
     """What one step keeps between actions, keyed by (chunk, micro)."""
 
-    def __init__(self):
+    def __init__(self, micro_batches: list[MicroBatch], n_targets: float, grad_sync: GradSync | None,
+                 routing: RoutingLog | None, device: torch.device):
+        self.micro_batches, self.n_targets, self.grad_sync, self.routing = micro_batches, n_targets, grad_sync, routing
         self.inputs: dict[tuple[int, int], torch.Tensor] = {}
         self.outputs: dict[tuple[int, int], torch.Tensor] = {}
         self.received: dict[tuple[str, int, int], tuple[object, torch.Tensor]] = {}
         self.input_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.split: dict[tuple[int, int], SplitBackward] = {}
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)
         self.held = 0
         self.peak = 0
+
+
+def run_in_turn(forward: Callable[[], None], backward: Callable[[], None]) -> None:
+    """The default overlap of an F&B: the forward, then the backward."""
+    forward()
+    backward()
 
 
 class PipelineSchedule:
     def __init__(self, chunks: dict[int, nn.Module], mesh: ParallelMesh, name: str, virtual: int,
                  loss_fn: Callable, tied: TiedEmbedding | None = None):
         self.chunks, self.mesh, self.name, self.loss_fn, self.tied = chunks, mesh, name, loss_fn, tied
-        self.pp, self.v = mesh.shape.pp, virtual
+        self.pp, self.v, self.vshape = mesh.shape.pp, virtual, vshape(name)
         self.rank = mesh.coord("pp")
         self.n_chunks = self.pp * self.v
         self.links = StageLinks(mesh.group("pp"), mesh.device)
         self.timeline = Timeline(mesh.device)  # `.sync = True` to time CUDA kernels, not launches
         self.peak_held = 0
-        self._plans: dict[tuple[int, bool], list[list[Action]]] = {}
-        # The first chunk's embedding output: where the zero-bubble split of that chunk stops.
-        self._embedded: torch.Tensor | None = None
-        if 0 in chunks and getattr(chunks[0], "tok_embeddings", None) is not None:
-            chunks[0].tok_embeddings.register_forward_hook(self._keep_embedded)
+        # `overlap(forward, backward)` runs the two halves of an F&B action (see module docstring)
+        self.overlap: Callable[[Callable[[], None], Callable[[], None]], None] = run_in_turn
+        self._plans: dict[tuple[int, bool], _Plan] = {}
         self._probed: tuple | None = None
         self._positions: torch.Tensor | None = None  # 0..s-1, for micro-batches that give none
         # NCCL: the first operation on a group must involve all of its ranks.
         ops.all_reduce_scalars([0.0], mesh.group("pp"))
 
+    def owner(self, chunk: int) -> int:
+        return owner(chunk, self.pp, self.vshape)
+
     # -- plans ---------------------------------------------------------------------
-    def plan(self, m: int, train: bool) -> list[list[Action]]:
+    def plan(self, m: int, train: bool) -> "_Plan":
         """This rank's actions in groups (a message group, or one compute action), verified."""
         key = (m, train)
         if key not in self._plans:
             schedule = build_schedule(self.name, self.pp, self.v, m, train=train)
-            verify(schedule, self.pp, self.v, m, train=train)
-            self._plans[key] = groups(schedule[self.rank])
+            verify(schedule, self.pp, self.v, m, train=train, v_shape=self.vshape)
+            self._plans[key] = _Plan(groups(schedule[self.rank]), self.pp, self.vshape)
         return self._plans[key]
 
     # -- shapes, once per run ----------------------------------------------------------
     @torch.no_grad()
     def agree_shapes(self, mb: MicroBatch) -> None:
         """Run one micro-batch through the chunks in pipeline order, with dropout off, each
-        boundary's sender announcing the shape of what it sends (p2p.StageLinks)."""
+        boundary's sender announcing the shape of what it sends (p2p.StageLinks); a boundary
+        inside a rank (a V's turn) sends nothing."""
         key = (tuple(mb.tokens.shape), mb.tokens.dtype)
         if self._probed == key:
             return
         modes = {m: m.training for chunk in self.chunks.values() for m in chunk.modules()}
         for chunk in self.chunks.values():
             chunk.eval()
-        for c in range(self.n_chunks - 1):
-            if owner(c, self.pp) == self.rank:
-                x = mb.tokens if c == 0 else self.links.recv_with_header(c - 1, owner(c - 1, self.pp))
-                self.links.send_with_header(self._chunk(c, x, mb), c, owner(c + 1, self.pp))
-        last = self.n_chunks - 1
-        if owner(last, self.pp) == self.rank:
-            self.links.recv_with_header(last - 1, owner(last - 1, self.pp))
+        out = None
+        for c in range(self.n_chunks):
+            if self.owner(c) != self.rank:
+                continue
+            x = mb.tokens if c == 0 else out if self.owner(c - 1) == self.rank else \
+                self.links.recv_with_header(c - 1, self.owner(c - 1))
+            if c == self.n_chunks - 1:
+                break
+            out = self._chunk(c, x, mb)
+            if self.owner(c + 1) != self.rank:
+                self.links.send_with_header(out, c, self.owner(c + 1))
         for m, training in modes.items():
             m.training = training
         self._probed = key
@@ -117,38 +140,29 @@ class PipelineSchedule:
         self._check(micro_batches)
         self.agree_shapes(micro_batches[0])
         plan = self.plan(len(micro_batches), train=True)
-        last_backward = {}
-        for k, group in enumerate(plan):
-            if group[0].kind in (B, W):
-                last_backward[group[0].chunk] = k
-        split = any(g[0].kind == W for g in plan)
-        step, total = _Step(), torch.zeros((), dtype=torch.float64, device=self.mesh.device)
-        self.timeline.begin()
-        for k, group in enumerate(plan):
+        step = _Step(micro_batches, n_targets, grad_sync, routing, self.mesh.device)
+        timeline = self.timeline
+        timeline.begin()
+        for k, group in enumerate(plan.groups):
             a = group[0]
-            if a.kind in MESSAGES:
-                start = self.timeline.now()
-                self._post(group, step, train=True)
-                self.timeline.add("post", a.chunk, a.micro, start)
-                continue
-            if a.kind == F:
-                mb = micro_batches[a.micro]
-                x = mb.tokens if a.chunk == 0 else self._take(RECV_F, a, step).requires_grad_()
-                start = self.timeline.now()
-                loss = self._forward(a, x, mb, n_targets, step, routing)
-                if loss is not None:
-                    total += loss
-            elif a.kind == B:
-                grad = None if a.chunk == self.n_chunks - 1 else self._take(RECV_B, a, step)
-                start = self.timeline.now()
-                grad_sync.set_sync(last_backward[a.chunk] == k)
-                self._backward(a, grad, step, split)
-            else:
-                start = self.timeline.now()
-                grad_sync.set_sync(last_backward[a.chunk] == k)
+            kind = a.kind
+            if kind in MESSAGES:
+                start = timeline.now()
+                self._post(group, step, plan, train=True)
+                timeline.add("post", a.chunk, a.micro, start)
+            elif kind == F:
+                self._run_forward(a, step)
+            elif kind == B:
+                self._run_backward(a, step, plan, k)
+            elif kind == W:
+                start = timeline.now()
+                step.grad_sync.set_sync(plan.last_backward[a.chunk] == k)
                 step.split.pop((a.chunk, a.micro)).weights()
                 self._release(a, step)
-            self.timeline.add(a.kind, a.chunk, a.micro, start)
+                timeline.add(W, a.chunk, a.micro, start)
+            else:  # FB
+                fwd, bwd = parts(a)
+                self.overlap(lambda: self._run_forward(fwd, step), lambda: self._run_backward(bwd, step, plan, k))
         self.links.wait_sends()
         # every activation released, every received buffer consumed, every gradient sent
         assert not (step.inputs or step.received or step.input_grads or step.split), "pipeline step left state behind"
@@ -156,7 +170,40 @@ class PipelineSchedule:
         if self.tied is not None:
             self.tied.sync()
         self.peak_held = step.peak
-        return total
+        return step.loss
+
+    def _run_forward(self, a: Action, step: _Step) -> None:
+        mb = step.micro_batches[a.micro]
+        x = self._input(a, step, mb, train=True)
+        start = self.timeline.now()
+        self._forward(a, x, mb, step)
+        self.timeline.add(F, a.chunk, a.micro, start)
+
+    def _run_backward(self, a: Action, step: _Step, plan: "_Plan", k: int) -> None:
+        key = (a.chunk, a.micro)
+        if a.chunk == self.n_chunks - 1:
+            grad = None
+        elif plan.local_after(a.chunk):
+            grad = step.input_grads.pop((a.chunk + 1, a.micro))
+        else:
+            grad = self._take(RECV_B, a, step)
+        start = self.timeline.now()
+        step.grad_sync.set_sync(plan.last_backward[a.chunk] == k)
+        self._backward(a, grad, step, key in plan.split)
+        self.timeline.add(B, a.chunk, a.micro, start)
+
+    def _input(self, a: Action, step: _Step, mb: MicroBatch, train: bool) -> torch.Tensor:
+        """What chunk a.chunk runs on: token ids, this rank's previous chunk's output (a leaf
+        of its own, so each chunk's backward stops at its input), or a received activation."""
+        if a.chunk == 0:
+            return mb.tokens
+        if self.owner(a.chunk - 1) == self.rank:
+            key = (a.chunk - 1, a.micro)
+            if not train:
+                return step.outputs.pop(key)
+            return step.outputs[key].detach().requires_grad_()
+        x = self._take(RECV_F, a, step)
+        return x.requires_grad_() if train else x
 
     def _chunk(self, c: int, x: torch.Tensor, mb: MicroBatch, routing: RoutingLog | None = None) -> torch.Tensor:
         """Chunk c on x. Positions come from the micro-batch, not from x: a received
@@ -169,26 +216,18 @@ class PipelineSchedule:
             positions = self._positions
         return self.chunks[c](x, positions=positions, doc_ids=mb.doc_ids, routing=routing)
 
-    def _forward(self, a: Action, x: torch.Tensor, mb: MicroBatch, n_targets: float,
-                 step: _Step, routing: RoutingLog | None) -> torch.Tensor | None:
-        """Returns the micro-batch's token loss on the last chunk."""
-        out = self._chunk(a.chunk, x, mb, routing)
-        if a.chunk == 0:
-            x, self._embedded = self._embedded, None
-        loss = None
+    def _forward(self, a: Action, x: torch.Tensor, mb: MicroBatch, step: _Step) -> None:
+        """Adds the micro-batch's token loss to the step's on the last chunk."""
+        out = self._chunk(a.chunk, x, mb, step.routing)
         if a.chunk == self.n_chunks - 1:
             token_loss = self.loss_fn(out, mb)
-            out = with_model_loss(token_loss, routing) / n_targets
-            loss = token_loss.detach() / n_targets
+            out = with_model_loss(token_loss, step.routing) / step.n_targets
+            step.loss += token_loss.detach() / step.n_targets
         else:
-            out = carry_loss(out, routing, n_targets)
+            out = carry_loss(out, step.routing, step.n_targets)
         step.inputs[(a.chunk, a.micro)], step.outputs[(a.chunk, a.micro)] = x, out
         step.held += 1
         step.peak = max(step.peak, step.held)
-        return loss
-
-    def _keep_embedded(self, module, args, out) -> None:
-        self._embedded = out if torch.is_grad_enabled() else None
 
     def _backward(self, a: Action, grad: torch.Tensor | None, step: _Step, split: bool) -> None:
         key = (a.chunk, a.micro)
@@ -210,28 +249,31 @@ class PipelineSchedule:
         del step.inputs[(a.chunk, a.micro)], step.outputs[(a.chunk, a.micro)]
         step.held -= 1
 
-    def _post(self, group: list[Action], step: _Step, train: bool) -> None:
+    def _post(self, group: list[Action], step: _Step, plan: "_Plan", train: bool) -> None:
         sends, recvs = [], []
         for a in group:
             if a.kind == SEND_F:
                 key = (a.chunk, a.micro)
                 out = step.outputs[key] if train else step.outputs.pop(key)  # kept for backward
-                sends.append((out.detach(), peer(a, self.pp)))
+                sends.append((out.detach(), plan.peer(a)))
             elif a.kind == SEND_B:
-                sends.append((step.input_grads.pop((a.chunk, a.micro)), peer(a, self.pp)))
-            elif a.kind in (RECV_F, RECV_B):
-                boundary = a.chunk - 1 if a.kind == RECV_F else a.chunk
-                recvs.append((a, boundary))
-        handles = self.links.post(sends, [(b, peer(a, self.pp)) for a, b in recvs])
+                sends.append((step.input_grads.pop((a.chunk, a.micro)), plan.peer(a)))
+            else:
+                recvs.append((a, a.chunk - 1 if a.kind == RECV_F else a.chunk))
+        handles = self.links.post(sends, [(b, plan.peer(a)) for a, b in recvs])
         for (a, _), handle in zip(recvs, handles):
             step.received[(a.kind, a.chunk, a.micro)] = handle
+        now = self.timeline.now()
+        for a in group:  # when each message left: the trace estimates what a message takes
+            if a.kind in (SEND_F, SEND_B):
+                self.timeline.events.append(Event(a.kind, a.chunk, a.micro, now, now))
 
     def _take(self, kind: str, a: Action, step: _Step) -> torch.Tensor:
         """A received buffer, once it has arrived; the step forgets it."""
         start = self.timeline.now()
         work, buf = step.received.pop((kind, a.chunk, a.micro))
         work.wait()
-        self.timeline.add("wait", a.chunk, a.micro, start)
+        self.timeline.add("wait_F" if kind == RECV_F else "wait_B", a.chunk, a.micro, start)
         return buf
 
     # -- evaluation ----------------------------------------------------------------------
@@ -248,11 +290,11 @@ class PipelineSchedule:
         """log p(target) [b, s] of every micro-batch (fp64), computed by the last stage and
         broadcast over pp, so every rank returns them."""
         mine = self._forward_only(micro_batches, lambda out, mb: self.loss_fn.logprobs(out, mb).double())
-        last = self.pp - 1
+        last = self.owner(self.n_chunks - 1)
         out = []
         for i, mb in enumerate(micro_batches):
-            t = mine[i] if self.mesh.is_last_stage else torch.empty(mb.targets.shape, dtype=torch.float64,
-                                                                    device=mb.targets.device)
+            t = mine[i] if self.rank == last else torch.empty(mb.targets.shape, dtype=torch.float64,
+                                                              device=mb.targets.device)
             ops.broadcast(t, self.mesh.group("pp"), src=last)
             out.append(t)
         return out
@@ -262,15 +304,15 @@ class PipelineSchedule:
         the last stage (an empty list elsewhere)."""
         self._check(micro_batches)
         self.agree_shapes(micro_batches[0])
-        step, results = _Step(), []
-        for group in self.plan(len(micro_batches), train=False):
+        step, results = _Step(micro_batches, 1.0, None, None, self.mesh.device), []
+        plan = self.plan(len(micro_batches), train=False)
+        for group in plan.groups:
             a = group[0]
             if a.kind in MESSAGES:
-                self._post(group, step, train=False)
+                self._post(group, step, plan, train=False)
                 continue
             mb = micro_batches[a.micro]
-            x = mb.tokens if a.chunk == 0 else self._take(RECV_F, a, step)
-            out = self._chunk(a.chunk, x, mb)
+            out = self._chunk(a.chunk, self._input(a, step, mb, train=False), mb)
             if a.chunk == self.n_chunks - 1:
                 results.append((a.micro, on_last(out, mb)))
             else:
@@ -284,3 +326,27 @@ class PipelineSchedule:
         if any(mb.tokens.shape != shape for mb in micro_batches):
             raise ValueError("pipeline micro-batches must all have the same shape "
                              f"(got {sorted({tuple(mb.tokens.shape) for mb in micro_batches})})")
+
+
+class _Plan:
+    """This rank's groups of a schedule, and what the executor looks up while running them."""
+
+    def __init__(self, groups: list[list[Action]], pp: int, v_shape: bool):
+        self.groups, self.pp, self.v_shape = groups, pp, v_shape
+        computed = [p for g in groups if g[0].kind in COMPUTE for p in parts(g[0])]
+        self.split = {(p.chunk, p.micro) for p in computed if p.kind == W}  # backwards split into B and W
+        self.last_backward: dict[int, int] = {}  # chunk -> index of the group of its last backward
+        for k, g in enumerate(groups):
+            for p in (parts(g[0]) if g[0].kind in COMPUTE else ()):
+                if p.kind in (B, W):
+                    self.last_backward[p.chunk] = k
+        self._peers: dict[Action, int] = {}
+
+    def local_after(self, chunk: int) -> bool:
+        """Whether the chunk after `chunk` is on this rank too (a V's turn)."""
+        return owner(chunk + 1, self.pp, self.v_shape) == owner(chunk, self.pp, self.v_shape)
+
+    def peer(self, a: Action) -> int:
+        if a not in self._peers:
+            self._peers[a] = peer(a, self.pp, self.v_shape)
+        return self._peers[a]

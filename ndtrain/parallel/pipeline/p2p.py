@@ -29,6 +29,9 @@ class StageLinks:
     def post(self, sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[int, int]]) -> list:
         """Post one group: `sends` (tensor, peer), `recvs` (boundary, peer). Returns
         [(handle, buffer)] for the receives; the sends are kept until they complete."""
+        # A message leaves as one contiguous block: the zero-bubble input gradient can arrive
+        # from autograd with any strides, and NCCL sends memory, not tensors.
+        sends = [(t.contiguous(), peer) for t, peer in sends]
         buffers = [torch.empty(self.shapes[b][0], dtype=self.shapes[b][1], device=self.device) for b, _ in recvs]
         works = ops.send_recv(sends, [(buf, p) for buf, (_, p) in zip(buffers, recvs)], self.group)
         self.pending += [(w, t) for w, (t, _) in zip(works, sends)]

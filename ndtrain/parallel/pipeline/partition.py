@@ -1,8 +1,12 @@
 """Cutting the decoder into pipeline chunks, and which rank holds which chunk.
 
-The blocks are cut into `pp × v` contiguous chunks. Chunk c runs on pipeline rank c % pp, so
-with v > 1 (interleaved 1F1B) a rank holds the v chunks r, r + pp, r + 2·pp, ... and an
-activation travels 0 → 1 → … → pp−1 → 0 → … until the last chunk.
+The blocks are cut into `pp × v` contiguous chunks, placed on the ranks in one of two ways:
+- a loop (interleaved 1F1B): chunk c runs on rank c % pp, so a rank holds the v chunks
+  r, r + pp, r + 2·pp, ... and an activation travels 0 → 1 → … → pp−1 → 0 → … to the end;
+- a V (`vshape`, the ZB-V and DualPipeV schedules, v = 2): the chunks go down the ranks
+  and come back up, 0 → … → pp−1 → pp−1 → … → 0, so rank r holds chunks r and 2·pp−1−r,
+  the turn (chunk pp−1 to chunk pp) stays on rank pp−1, and the first and the last chunk
+  (embedding and head) are both on rank 0.
 
 Balance comes from an explicit cost per piece of the model, in forward FLOPs per token (the
 convention of `flops_per_token`): a decoder block costs its matmuls and its attention scores;
@@ -97,11 +101,13 @@ def chunk_costs(args: ModelArgs, chunks: list[Chunk], seq_len: int) -> list[floa
             for ch in chunks]
 
 
-def owner(chunk: int, pp: int) -> int:
-    """The pipeline rank that holds `chunk`."""
+def owner(chunk: int, pp: int, vshape: bool = False) -> int:
+    """The pipeline rank that holds `chunk` (`vshape`: odd rounds come back up the ranks)."""
+    if vshape and (chunk // pp) % 2:
+        return pp - 1 - chunk % pp
     return chunk % pp
 
 
-def local_chunks(rank: int, pp: int, v: int) -> list[int]:
+def local_chunks(rank: int, pp: int, v: int, vshape: bool = False) -> list[int]:
     """The chunks pipeline rank `rank` holds, in pipeline order."""
-    return [rank + k * pp for k in range(v)]
+    return [k * pp + (pp - 1 - rank if vshape and k % 2 else rank) for k in range(v)]

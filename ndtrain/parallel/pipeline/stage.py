@@ -22,6 +22,7 @@ from ndtrain.mesh import DIMS, Group, ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.parallel.pipeline.partition import chunk_counts, local_chunks, make_chunks
+from ndtrain.parallel.pipeline.schedules import vshape
 from ndtrain.parallel.placement import is_duplicate, mark_duplicate
 
 
@@ -32,7 +33,7 @@ def build_chunks(args: ModelArgs, mesh: ParallelMesh, cfg: Config, make: Callabl
     counts = chunk_counts(args, p.pp * p.pp_virtual, cfg.train.seq_len, p.pp_split)
     specs = make_chunks(counts)
     chunks = {}
-    for c in local_chunks(mesh.coord("pp"), p.pp, p.pp_virtual):
+    for c in local_chunks(mesh.coord("pp"), p.pp, p.pp_virtual, vshape(p.pp_schedule)):
         spec = specs[c]
         chunk = make(spec.layer_ids, spec.embed, spec.head)
         if args.tie_embeddings and spec.head:
@@ -64,28 +65,38 @@ class StageModel(nn.Module):
 
 
 class TiedEmbedding:
-    """Input embedding (first stage) and output head (last stage) are one weight held twice:
+    """Input embedding (first chunk) and output head (last chunk) are one weight held twice:
     after the backward pass their gradients are summed over the two, so both copies take the
     same optimizer step and stay equal. `grad_of(weight)` is where the layout keeps the
     weight's synchronised gradient (its fp32 accumulator, or its ZeRO slice: the two ends
-    hold the weight alone in a flat buffer of the same size, so their slices line up)."""
+    hold the weight alone in a flat buffer of the same size, so their slices line up). The
+    ends are the first and last pipeline ranks, or (a V) both on the first rank: then the
+    sum is local."""
 
-    def __init__(self, mesh: ParallelMesh, model: nn.Module, grad_of: Callable[[torch.Tensor], torch.Tensor]):
+    def __init__(self, mesh: ParallelMesh, model: nn.Module, grad_of: Callable[[torch.Tensor], torch.Tensor],
+                 v_shape: bool = False):
         self.grad_of = grad_of
-        pp_groups = mesh.shape.group_ranks(("pp",))
         self.group: Group | None = None
-        for ranks in pp_groups:  # every rank creates every group, in the same order
+        self.weights: list[torch.Tensor] = []
+        if v_shape:
+            if mesh.is_first_stage:
+                self.weights = [model.tok_embeddings.weight, model.output.weight]
+            return
+        for ranks in mesh.shape.group_ranks(("pp",)):  # every rank creates every group, in the same order
             ends = [ranks[0], ranks[-1]]
             pg = dist.new_group(ends)
             if mesh.rank in ends:
                 self.group = Group("pp_ends", ends, ends.index(mesh.rank), pg, mesh.stats, mesh.device)
-        self.weight = None
         if self.group is not None:
-            self.weight = model.tok_embeddings.weight if mesh.is_first_stage else model.output.weight
+            self.weights = [model.tok_embeddings.weight if mesh.is_first_stage else model.output.weight]
 
     def sync(self) -> None:
-        if self.weight is not None:
-            ops.all_reduce(self.grad_of(self.weight), self.group)
+        if self.group is not None:
+            ops.all_reduce(self.grad_of(self.weights[0]), self.group)
+        elif self.weights:
+            embedding, head = (self.grad_of(w) for w in self.weights)
+            embedding += head
+            head.copy_(embedding)
 
 
 def stage_is_gathered_here(mesh: ParallelMesh) -> bool:

@@ -20,7 +20,8 @@ COMPUTE_KINDS = ("F", "B", "W")
 
 @dataclass
 class Event:
-    kind: str  # F, B, W, post (a message group), wait (for a received message)
+    kind: str  # F, B, W; post (a message group); send_F, send_B (a message leaving, no duration);
+    # wait_F, wait_B (for a received activation or gradient)
     chunk: int
     micro: int
     start: float

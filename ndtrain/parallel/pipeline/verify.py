@@ -11,8 +11,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from ndtrain.parallel.pipeline.partition import owner
 from ndtrain.parallel.pipeline.schedules import (B, COMPUTE, F, MESSAGES, RECV_B, RECV_F, SEND_B, SEND_F, W,
-                                                 Action, peer)
+                                                 Action, parts, peer)
+from ndtrain.parallel.pipeline.schedules import message_id as _message_id
 
 
 class ScheduleError(AssertionError):
@@ -30,58 +32,54 @@ def groups(actions: list[Action]) -> list[list[Action]]:
     return out
 
 
-def _links(schedule: list[list[Action]], pp: int) -> dict:
+def _links(schedule: list[list[Action]], pp: int, v_shape: bool) -> dict:
     """For each directed link (src, dst): the sends on src and the receives on dst, in order."""
     links: dict[tuple[int, int], dict[str, list]] = defaultdict(lambda: {"send": [], "recv": []})
     for r, actions in enumerate(schedule):
         for a in actions:
             if a.kind in (SEND_F, SEND_B):
-                links[(r, peer(a, pp))]["send"].append(a)
+                links[(r, peer(a, pp, v_shape))]["send"].append(a)
             elif a.kind in (RECV_F, RECV_B):
-                links[(peer(a, pp), r)]["recv"].append(a)
+                links[(peer(a, pp, v_shape), r)]["recv"].append(a)
     return links
 
 
-def _message_id(a: Action) -> tuple:
-    """What travels: the activation entering chunk c+1 is what chunk c sent."""
-    if a.kind == SEND_F:
-        return ("act", a.chunk + 1, a.micro)
-    if a.kind == RECV_F:
-        return ("act", a.chunk, a.micro)
-    if a.kind == SEND_B:
-        return ("grad", a.chunk - 1, a.micro)
-    return ("grad", a.chunk, a.micro)  # RECV_B: the gradient of chunk c's output
-
-
-def check_work(schedule: list[list[Action]], pp: int, v: int, m: int, *, train: bool = True) -> None:
-    """Every (chunk, micro) is computed exactly once per kind, on the rank that owns it."""
+def check_work(schedule: list[list[Action]], pp: int, v: int, m: int, *, train: bool = True,
+               v_shape: bool = False) -> None:
+    """Every (chunk, micro) is computed exactly once per kind, on the rank that owns it, and
+    after what it needs from its own rank (a neighbouring chunk there: no message)."""
     n = pp * v
     kinds = (F, B) if train else (F,)
     seen = defaultdict(int)
     for r, actions in enumerate(schedule):
-        for a in actions:
-            if a.kind in COMPUTE:
-                if a.chunk % pp != r:
-                    raise ScheduleError(f"rank {r} runs {a}, which belongs to rank {a.chunk % pp}")
-                seen[(a.kind, a.chunk, a.micro)] += 1
+        for a in (p for a in actions if a.kind in COMPUTE for p in parts(a)):
+            if owner(a.chunk, pp, v_shape) != r:
+                raise ScheduleError(f"rank {r} runs {a}, which belongs to rank {owner(a.chunk, pp, v_shape)}")
+            seen[(a.kind, a.chunk, a.micro)] += 1
     for kind in kinds:
         for c in range(n):
             for i in range(m):
                 if seen[(kind, c, i)] != 1:
                     raise ScheduleError(f"{kind}{i}.c{c} runs {seen[(kind, c, i)]} times")
-    has_w = any(k == W for k, _, _ in seen)
-    if has_w and any(seen[(W, c, i)] != 1 for c in range(n) for i in range(m)):
-        raise ScheduleError("a schedule with W actions must run W once per backward")
+    if any(seen[(W, c, i)] > 1 for c in range(n) for i in range(m)):
+        raise ScheduleError("a split backward runs its W once")
     for r, actions in enumerate(schedule):
-        position = {(a.kind, a.chunk, a.micro): k for k, a in enumerate(actions)}
+        position = {}
+        for k, a in enumerate(actions):  # an F&B's forward runs before its backward
+            for j, p in enumerate(parts(a)):
+                position[(p.kind, p.chunk, p.micro)] = k + j / 2
         for (kind, c, i), k in position.items():
             if kind == B and not position[(F, c, i)] < k:
                 raise ScheduleError(f"rank {r}: B{i}.c{c} before its forward")
             if kind == W and not position[(B, c, i)] < k:
                 raise ScheduleError(f"rank {r}: W{i}.c{c} before its B")
+            local = {F: (F, c - 1), B: (B, c + 1)}.get(kind)
+            if local and 0 <= local[1] < n and owner(local[1], pp, v_shape) == r:
+                if not position.get((local[0], local[1], i), k) < k:
+                    raise ScheduleError(f"rank {r}: {kind}{i}.c{c} before {local[0]}{i}.c{local[1]}, its input")
 
 
-def check_links(schedule: list[list[Action]], pp: int) -> dict:
+def check_links(schedule: list[list[Action]], pp: int, v_shape: bool = False) -> dict:
     """Both ends of each link list the same messages in the same order; returns the pairing
     {(rank, index in its list): (peer rank, index in the peer's list)}."""
     index = {}
@@ -89,7 +87,7 @@ def check_links(schedule: list[list[Action]], pp: int) -> dict:
         for k, a in enumerate(actions):
             index[(r, a)] = k
     partner = {}
-    for (src, dst), link in _links(schedule, pp).items():
+    for (src, dst), link in _links(schedule, pp, v_shape).items():
         sends, recvs = link["send"], link["recv"]
         if [_message_id(a) for a in sends] != [_message_id(a) for a in recvs]:
             for s, q in zip(sends + [None] * len(recvs), recvs + [None] * len(sends)):
@@ -102,22 +100,28 @@ def check_links(schedule: list[list[Action]], pp: int) -> dict:
     return partner
 
 
-def check_deadlock_free(schedule: list[list[Action]], pp: int) -> None:
+def check_deadlock_free(schedule: list[list[Action]], pp: int, v_shape: bool = False) -> None:
     """Run the lists under rendezvous semantics; raise if the ranks can get stuck."""
-    partner = check_links(schedule, pp)
+    check_links(schedule, pp, v_shape)
+    _rendezvous(schedule, pp, v_shape, repair=False)
+
+
+def receive_in_time(schedule: list[list[Action]], pp: int, v_shape: bool = False) -> list[list[Action]]:
+    """The lists with receives posted early enough for rendezvous: where the lists would get
+    stuck with a rank sending to a neighbour that has not yet posted the receive, that
+    receive moves into the neighbour's group it waits at (its buffer then waits for its
+    consumer). Only receives move, each to where its link's order still holds, so a
+    compute order that runs with buffered sends runs with rendezvous too."""
+    check_links(schedule, pp, v_shape)
+    return _rendezvous(schedule, pp, v_shape, repair=True)
+
+
+def _rendezvous(schedule: list[list[Action]], pp: int, v_shape: bool, repair: bool) -> list[list[Action]]:
+    """The lists run group by group: a rank passes a message group once each of its
+    messages met its partner, which happens when both ranks are at the groups holding them."""
     per_rank = [groups(actions) for actions in schedule]
-    # position of each action index inside the rank's groups
-    group_of = []
-    for gs in per_rank:
-        where, k = {}, 0
-        for g_index, g in enumerate(gs):
-            for _ in g:
-                where[k] = g_index
-                k += 1
-        group_of.append(where)
-    starts = [[sum(len(g) for g in gs[:j]) for j in range(len(gs))] for gs in per_rank]
     at = [0] * len(schedule)
-    matched: set[tuple[int, int]] = set()
+    matched: set[tuple] = set()  # message ids
     while True:
         progress = False
         for r, gs in enumerate(per_rank):
@@ -127,14 +131,15 @@ def check_deadlock_free(schedule: list[list[Action]], pp: int) -> None:
                     at[r] += 1
                     progress = True
                     continue
-                first = starts[r][at[r]]
                 waiting = False
-                for k in range(first, first + len(g)):
-                    if (r, k) in matched:
+                for a in g:
+                    key = _message_id(a)
+                    if key in matched:
                         continue
-                    q, qk = partner[(r, k)]
-                    if at[q] < len(per_rank[q]) and group_of[q][qk] == at[q]:
-                        matched.update({(r, k), (q, qk)})
+                    q = peer(a, pp, v_shape)
+                    if at[q] < len(per_rank[q]) and any(_message_id(x) == key for x in per_rank[q][at[q]]
+                                                          if x.kind in MESSAGES):
+                        matched.add(key)
                         progress = True
                     else:
                         waiting = True
@@ -143,54 +148,38 @@ def check_deadlock_free(schedule: list[list[Action]], pp: int) -> None:
                 at[r] += 1
                 progress = True
         if all(at[r] == len(gs) for r, gs in enumerate(per_rank)):
-            return
-        if not progress:
+            return [[a for g in gs for a in g] for gs in per_rank]
+        if not progress and not (repair and _hoist_receives(per_rank, at, matched, pp, v_shape)):
             stuck = {r: [str(a) for a in per_rank[r][at[r]]] for r in range(len(per_rank)) if at[r] < len(per_rank[r])}
             raise ScheduleError(f"the schedule can deadlock: ranks wait at {stuck}")
 
 
-def verify(schedule: list[list[Action]], pp: int, v: int, m: int, *, train: bool = True) -> None:
-    check_work(schedule, pp, v, m, train=train)
-    check_deadlock_free(schedule, pp)
+def _hoist_receives(per_rank: list[list[list[Action]]], at: list[int], matched: set, pp: int, v_shape: bool) -> bool:
+    """For each send a stuck rank waits on: move its receive into the group the receiver
+    waits at. Returns whether anything moved."""
+    moved = False
+    for r, gs in enumerate(per_rank):
+        if at[r] == len(gs):
+            continue
+        for a in gs[at[r]]:
+            if a.kind not in (SEND_F, SEND_B) or _message_id(a) in matched:
+                continue
+            q = peer(a, pp, v_shape)
+            if at[q] == len(per_rank[q]) or per_rank[q][at[q]][0].kind not in MESSAGES:
+                continue
+            for j in range(at[q] + 1, len(per_rank[q])):
+                hit = [x for x in per_rank[q][j] if x.kind in (RECV_F, RECV_B) and _message_id(x) == _message_id(a)]
+                if hit:
+                    per_rank[q][j].remove(hit[0])
+                    per_rank[q][at[q]].append(hit[0])
+                    if not per_rank[q][j]:
+                        del per_rank[q][j]
+                    moved = True
+                    break
+    return moved
 
 
-def simulate(schedule: list[list[Action]], pp: int, cost) -> list[list[tuple[Action, float, float]]]:
-    """The timeline the lists would give with compute costs `cost` and free, buffered
-    messages: [(action, start, end)] per rank, compute actions only. `cost` is a dict
-    kind -> cost, or a function (rank, action) -> cost (e.g. measured durations)."""
-    cost_of = cost if callable(cost) else (lambda rank, a: cost[a.kind])
-    partner = check_links(schedule, pp)
-    sent_at: dict[tuple[int, int], float] = {}  # (rank, index of send) -> when it was posted
-    at, clock = [0] * len(schedule), [0.0] * len(schedule)
-    out: list[list[tuple[Action, float, float]]] = [[] for _ in schedule]
-    while any(at[r] < len(a) for r, a in enumerate(schedule)):
-        progress = False
-        for r, actions in enumerate(schedule):
-            while at[r] < len(actions):
-                a = actions[at[r]]
-                if a.kind in (SEND_F, SEND_B):
-                    sent_at[(r, at[r])] = clock[r]
-                elif a.kind in (RECV_F, RECV_B):
-                    src = partner[(r, at[r])]
-                    if src not in sent_at:
-                        break
-                    clock[r] = max(clock[r], sent_at[src])
-                else:
-                    start, clock[r] = clock[r], clock[r] + cost_of(r, a)
-                    out[r].append((a, start, clock[r]))
-                at[r] += 1
-                progress = True
-        if not progress:
-            raise ScheduleError("the schedule can deadlock even with buffered sends")
-    return out
-
-
-def bubble(timeline: list[list[tuple[object, float, float]]]) -> float:
-    """Idle over busy time, averaged over ranks, in the span of the whole step."""
-    start = min(t[1] for rank in timeline for t in rank)
-    end = max(t[2] for rank in timeline for t in rank)
-    ratios = []
-    for rank in timeline:
-        busy = sum(t[2] - t[1] for t in rank)
-        ratios.append((end - start - busy) / busy)
-    return sum(ratios) / len(ratios)
+def verify(schedule: list[list[Action]], pp: int, v: int, m: int, *, train: bool = True,
+           v_shape: bool = False) -> None:
+    check_work(schedule, pp, v, m, train=train, v_shape=v_shape)
+    check_deadlock_free(schedule, pp, v_shape)

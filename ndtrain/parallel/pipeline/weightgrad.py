@@ -11,10 +11,9 @@ the same matmuls a full backward would have done, nothing recomputed, and gradie
 `.grad` through AccumulateGrad, so data-parallel hooks fire as usual.
 
 The graph (and every activation it saved) stays alive between B and W, which is what the
-schedule counts as a micro-batch held. On the first chunk, whose input is token ids, the
-"input" is the embedding's output: B carries the gradient down to it, W turns it into the
-embedding's gradient with the rest, so every stage splits its work alike. A chunk that uses
-one weight twice cannot be split this way (resuming from one use would walk back through the
+schedule counts as a micro-batch held. On the first chunk, whose input is token ids, no one
+waits for an input gradient: B does nothing and W the whole backward. A chunk that uses one
+weight twice cannot be split this way (resuming from one use would walk back through the
 other): its B is the whole backward and W does nothing.
 """
 
@@ -58,8 +57,8 @@ class SplitBackward:
     """B now (`input_grad`), W later (`weights()`), for one micro-batch of one chunk."""
 
     def __init__(self, output: torch.Tensor, inp: torch.Tensor | None, grad: torch.Tensor | None):
-        """`inp`: the chunk's input activation (a leaf), or on the first chunk the embedding's
-        output; None: no split, W does the whole backward."""
+        """`inp`: the chunk's input activation (a leaf); None or token ids: no split, W does
+        the whole backward."""
         self.output, self.grad = output, grad
         self.input_grad = None
         self.splits: list[tuple[object, list[torch.Tensor]]] = []

@@ -1,0 +1,83 @@
+"""`ndtrain bench fp8`: training steps in bf16 against the same steps in fp8, each recipe.
+
+Four contenders on the same ranks, model, weights and micro-batches, each a full training
+step (forward, backward, clip, AdamW) on our own layout: `train.precision=bf16`, and
+`train.precision=fp8` with `fp8_recipe` tensorwise, rowwise and blockwise (bf16 outside the
+block linears, fp32 masters alike). Rounds alternate between the four; tokens/s per round,
+the medians, and one ratio per recipe, tensorwise last.
+
+What it measures depends on the device. On a GPU with fp8 tensor cores (sm89+) the fp8
+matmuls are `torch._scaled_mm`, and the ratio is fp8's speed-up (or slowdown: small matmuls
+lose to the quantization's extra passes, torchao's roofline tables show the same). On a CPU
+it measures the emulation: `_scaled_mm`'s CPU kernel for tensorwise and rowwise, an fp32
+matmul per 128-wide run for blockwise, plus every quantization pass; it says how much the
+CPU path costs, nothing about a GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from ndtrain.bench.common import TRAINING, Bench, Contest, alternate, announce, bench_config, describe, report
+from ndtrain.config import ConfigError
+from ndtrain.launch import launch_local, shutdown
+
+MODEL = ("model.preset=small",)
+SETTINGS = ("train.seq_len=128", "train.global_batch=8", "run.progress=false")
+# Every training key reaches all four (both sides are ours), except the precision, which is
+# what differs; the data-parallel layout too.
+BENCH = Bench("fp8", MODEL, SETTINGS, tuple(k for k in TRAINING if k != "train.precision")
+              + ("parallel.dp", "parallel.zero", "train.reduce_fp32"))
+RECIPES = ("rowwise", "blockwise", "tensorwise")  # tensorwise last: the headline ratio
+
+
+def _contender(cfg, env, recipe: str | None):
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.parallel.parallelize import build
+    from ndtrain.train.step import TrainStep
+    from ndtrain.train.worker import mesh_shape
+
+    cfg = cfg.copy()
+    if recipe is not None:
+        cfg.train.precision, cfg.train.fp8_recipe = "fp8", recipe
+    return TrainStep(build(cfg.model_args(), ParallelMesh.build(mesh_shape(cfg), env.device), cfg), cfg)
+
+
+def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
+    c = Contest.start(cfg_dict)  # bf16
+    try:
+        t = c.cfg.train
+        steppers = {"bf16": c.ours, **{f"fp8-{r}": _contender(c.cfg, c.env, r) for r in RECIPES}}
+
+        def step_of(stepper):
+            def step():
+                stepper.forward_backward(c.micro, c.n_targets)
+                if t.grad_clip:
+                    stepper.clip_grad_norm(t.grad_clip)
+                stepper.optimizer_step(t.lr)
+            return step
+        times = alternate({name: step_of(s) for name, s in steppers.items()}, rounds, steps, c.env.device)
+        body = report(times, c.tokens, "tok/s", "fp8 tensorwise/bf16", numerator="fp8-tensorwise", denominator="bf16")
+        table, last = body.rsplit("\n", 1)
+        median = {n: statistics.median(v) for n, v in times.items()}
+        ratios = [f"fp8 {r}/bf16 throughput ratio: {median['bf16'] / median[f'fp8-{r}']:.2f}" for r in RECIPES[:-1]]
+        return "\n".join([table, *ratios, last])
+    finally:
+        shutdown()
+
+
+def run(args) -> int:
+    cfg = bench_config(args, BENCH)
+    cfg.train.precision = "bf16"
+    gpu = cfg.run.device == "cuda" or (cfg.run.device == "auto" and torch.cuda.is_available())
+    device = "a GPU: torch._scaled_mm" if gpu else (
+        "the CPU: this measures the emulation (_scaled_mm's CPU kernel; blockwise in fp32 runs of 128)")
+    if cfg.parallel.tp > 1 or cfg.parallel.cp > 1:
+        raise ConfigError("parallel.tp", cfg.parallel.tp, "bench fp8 runs data parallel only")
+    announce(args, cfg, f"bench fp8: bf16 vs fp8 tensorwise, rowwise, blockwise on {device} · {args.nproc} "
+                        f"rank{'s' if args.nproc > 1 else ''} · {describe(cfg)} · {args.rounds} rounds × "
+                        f"{args.steps} steps of 4 contenders, alternating")
+    print(launch_local(args.nproc, _worker, cfg.to_dict(), args.rounds, args.steps)[0])
+    return 0

@@ -1,0 +1,229 @@
+"""FP8 training (`train.precision = "fp8"`): which matmuls run in fp8, and how each layout's
+shards agree on their scales.
+
+The linear layers inside the blocks (attention wq wk wv wo, the MLP's w1 w2 w3, the shared
+and routed experts) run their forward, input-gradient and weight-gradient matmuls on fp8
+operands (kernels/fp8_linear.py, recipe `train.fp8_recipe`). Everything else keeps the
+compute dtype `train.fp8_base` (bf16 by default): the embedding, the output head, the norms,
+the attention core and the router; master weights, gradients and optimizer state are
+those of that dtype (fp32 masters under bf16).
+
+`apply(model, mesh, cfg)` swaps them in, after tensor/context/expert parallelism have laid
+the model out and before recomputation wraps it:
+- a plain `nn.Linear` becomes `Float8Linear` (same parameters, same names);
+- a tensor-parallel `ColumnParallelLinear` / `RowParallelLinear` keeps its module and gets an
+  fp8 product (`linear`);
+- routed experts get fp8 grouped products (`Experts.matmuls`).
+
+One process in fp8 is the reference every layout equals. A scale belongs to a cell of the
+whole tensor one process would quantize (kernels/fp8.py), so where a layout splits that
+tensor over ranks, a cell that spans them takes its amax reduced (all-reduce MAX) over them:
+- tensor parallelism splits the weight's output features (column-parallel: W and dy) or its
+  input features (row-parallel: W and x). Tensorwise scales of those reduce over tp; rowwise
+  ones where tp splits the reduction dimension; blockwise ones where a 128-block straddles
+  two ranks' shards (never when every shard is a multiple of 128, the usual case).
+- context parallelism splits the tokens: a micro-batch's tokens are the token dimension one
+  process sees, so tensorwise activation and gradient scales, the rowwise weight-gradient
+  scales (per feature, along the tokens) and the blockwise 128-token tiles of the weight
+  gradient reduce over cp. Tiles are cut on each token's global index b·S + position, as
+  one process cuts the flattened micro-batch.
+- data and pipeline parallelism, and ZeRO, do not split a micro-batch (ZeRO-3 gathers the
+  whole weight before the matmul): the reference is one process with the same
+  `train.micro_batch` (tensorwise scales see a whole micro-batch).
+- expert parallelism brings an expert the rows of several ranks' micro-batches: each
+  source's rows are quantized on their own, as one process quantizes each micro-batch.
+Two layouts are refused (config.py), because the reference's tensor is never whole on any
+rank and the scale would need more than an amax reduction: tp not dividing the KV heads
+(ranks hold partial sums of a KV head's output gradient) and MoE with tp or cp > 1 (a
+micro-batch's tokens of one expert are spread over ranks in an order no rank knows).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from ndtrain.comm import ops
+from ndtrain.kernels.fp8 import BLOCK, Dim
+from ndtrain.kernels.fp8_linear import RECIPES, LinearPlan, Recipe, fp8_expert_matmul, fp8_linear
+from ndtrain.mesh import Group, ParallelMesh
+from ndtrain.model.args import ModelArgs
+from ndtrain.model.moe import Experts
+from ndtrain.parallel.context.layout import zigzag_index
+from ndtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+
+LINEARS = ("layers.*.attention.w[qkvo]", "layers.*.feed_forward.w[123]", "layers.*.feed_forward.shared.w[123]")
+EXPERTS = "layers.*.feed_forward.experts"
+STAY = ("embedding, output head, norms, attention core, router (norm statistics, softmax and routing "
+        "in fp32)")
+SCALES = {"tensorwise": "x and W in E4M3, gradients in E5M2, one scale per tensor",
+          "rowwise": "E4M3, one power-of-two scale per row along each matmul's reduction",
+          "blockwise": "E4M3, 1×128 tiles of activations and gradients, 128×128 weight blocks, fp32 every 128"}
+
+
+@dataclass(frozen=True)
+class MaxOver:
+    """Elementwise maximum over a mesh group, in place (an amax that spans its ranks)."""
+
+    group: Group
+
+    def max_(self, t: Tensor) -> None:
+        ops.all_reduce(t, self.group, op=dist.ReduceOp.MAX)
+
+
+def split_dim(local: int, group: Group) -> Dim:
+    """A feature dimension of which this rank holds the contiguous chunk `group.rank` of
+    `group.size` (a tensor-parallel split; padding, if any, is zeros at the end)."""
+    if not group.active:
+        return Dim.whole(local)
+    return Dim(local, local * group.size, group.rank * local, split=MaxOver(group), aligned=local % BLOCK == 0)
+
+
+class Tokens:
+    """The token dimension of a linear layer's input [..., K] on this rank: the flattened
+    micro-batch, or under context parallelism this rank's zigzag share of each row, at
+    global index b·S + position (cached per shape)."""
+
+    def __init__(self, cp: Group | None = None):
+        self.cp = cp if cp is not None and cp.active else None
+        self._cache: dict[tuple, Dim] = {}
+
+    def __call__(self, shape: tuple[int, ...]) -> Dim:
+        if shape not in self._cache:
+            self._cache[shape] = self._dim(shape)
+        return self._cache[shape]
+
+    def _dim(self, shape: tuple[int, ...]) -> Dim:
+        n = math.prod(shape)
+        if self.cp is None:
+            return Dim.whole(n)
+        b, s = shape  # [b, s/cp] under context parallelism
+        cp = self.cp.size
+        full_s = s * cp
+        index = (torch.arange(b)[:, None] * full_s + zigzag_index(full_s, cp, self.cp.rank)[None, :]).flatten()
+        return Dim(n, b * full_s, index=index, split=MaxOver(self.cp), aligned=(full_s // (2 * cp)) % BLOCK == 0)
+
+
+class Float8Linear(nn.Module):
+    """`nn.Linear` with its matmuls in fp8: the same `weight` and `bias`."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, plan: LinearPlan):
+        super().__init__()
+        self.weight, self.bias, self.plan = weight, bias, plan
+
+    def forward(self, x: Tensor) -> Tensor:
+        return fp8_linear(x, self.weight, self.bias, self.plan)
+
+    def extra_repr(self) -> str:
+        return f"in={self.plan.k.full}, out={self.plan.n.full}, fp8 {self.plan.recipe.name}"
+
+
+class _Product:
+    """An fp8 `linear(x, weight, bias)` bound to its plan (a tensor-parallel layer's)."""
+
+    def __init__(self, plan: LinearPlan):
+        self.plan = plan
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        return fp8_linear(x, weight, bias, self.plan)
+
+
+class _ExpertProduct:
+    def __init__(self, plan: LinearPlan):
+        self.plan = plan
+
+    def __call__(self, x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+        return fp8_expert_matmul(x, w, counts, self.plan)
+
+
+def _swap(module: nn.Module, recipe: Recipe, tokens: Tokens, tp: Group, backend: str | None):
+    """The fp8 version of one linear layer (or None to keep the module, given a product)."""
+    if isinstance(module, ColumnParallelLinear):
+        out_local, k = module.weight.shape
+        module.linear = _Product(LinearPlan(recipe, Dim.whole(k), split_dim(out_local, tp), tokens, backend))
+        return None
+    if isinstance(module, RowParallelLinear):
+        n, in_local = module.weight.shape
+        module.linear = _Product(LinearPlan(recipe, split_dim(in_local, tp), Dim.whole(n), tokens, backend))
+        return None
+    if type(module) is nn.Linear:
+        plan = LinearPlan(recipe, Dim.whole(module.in_features), Dim.whole(module.out_features), tokens, backend)
+        return Float8Linear(module.weight, module.bias, plan)
+    raise ValueError(f"fp8 has no plan for a {type(module).__name__} "
+                     "(tensor parallelism with fewer KV heads than tp ranks is refused in config)")
+
+
+def apply(model: nn.Module, mesh: ParallelMesh, recipe: str, backend: str | None = None) -> list[str]:
+    """Swap the block linears and experts of `model` (a decoder or a pipeline chunk, laid
+    out by the other dimensions) for fp8 ones, in place; returns the names swapped."""
+    r = RECIPES[recipe]
+    tokens, tp = Tokens(mesh.group("cp")), mesh.group("tp")
+    done = []
+    for name, module in list(model.named_modules()):
+        if any(fnmatchcase(name, p) for p in LINEARS):
+            new = _swap(module, r, tokens, tp, backend)
+            if new is not None:
+                model.set_submodule(name, new)
+            done.append(name)
+        elif fnmatchcase(name, EXPERTS) and isinstance(module, Experts):
+            for w in ("w1", "w2", "w3"):
+                _, n, k = getattr(module, w).shape
+                module.matmuls[w] = _ExpertProduct(LinearPlan(r, Dim.whole(k), Dim.whole(n), Tokens(), backend))
+            done.append(name)
+    return done
+
+
+def plans(model: nn.Module) -> list[LinearPlan]:
+    """Every fp8 plan in `model`."""
+    found = []
+    for m in model.modules():
+        plan = getattr(m, "plan", None) or getattr(getattr(m, "linear", None), "plan", None)
+        if isinstance(plan, LinearPlan):
+            found.append(plan)
+        if isinstance(m, Experts):
+            found += [p.plan for p in m.matmuls.values() if isinstance(p, _ExpertProduct)]
+    return found
+
+
+def saved_fp8_bytes(model: nn.Module, reset: bool = False) -> int:
+    """Bytes of fp8 tensors that forwards have kept for backward since the last reset."""
+    total = 0
+    for plan in plans(model):
+        total += plan.saved_fp8[0]
+        if reset:
+            plan.saved_fp8[0] = 0
+    return total
+
+
+def describe(args: ModelArgs, recipe: str, base: str) -> dict:
+    """Which matmuls run in fp8 and which stay in the base dtype (the dry run and the run
+    summary print it)."""
+    moe = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
+    dense = args.n_layers - len(moe)
+    parts = [f"attention wq wk wv wo ({args.n_layers} blocks)"]
+    if dense:
+        parts.append(f"MLP w1 w2 w3 ({dense} blocks)")
+    if moe:
+        parts.append(f"routed experts w1 w2 w3 ({args.moe_experts} per block, {len(moe)} blocks)")
+        if args.moe_shared_experts:
+            parts.append("shared experts w1 w2 w3")
+    linears = 4 * args.n_layers + 3 * dense + 3 * len(moe) * (args.moe_experts + (1 if args.moe_shared_experts else 0))
+    return {"recipe": recipe, "scales": SCALES[recipe], "fp8": parts, "fp8_linears": linears, "base": base,
+            "stay": STAY,
+            "text": (f"fp8 {recipe} ({SCALES[recipe]}): forward, input- and weight-gradient matmuls of "
+                     f"{linears} linear layers: {'; '.join(parts)}. In {base}: {STAY}.")}
+
+
+def weights(model: nn.Module) -> set[int]:
+    """ids of the weights whose matmuls run in fp8 (not the routed experts'): what ZeRO-3's
+    fp8 all-gather may gather in fp8 (parallel/fp8_gather.py)."""
+    found = set()
+    for m in model.modules():
+        if isinstance(m, Float8Linear) or isinstance(getattr(m, "linear", None), _Product):
+            found.add(id(m.weight))
+    return found
