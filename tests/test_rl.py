@@ -347,7 +347,7 @@ def test_a_failing_reward_scores_zero_and_says_why():
     from ndtrain.config import load_config
     cfg = load_config(None, ["rl.reward=test_rl:length_reward"])
     env = Environment(cfg, BuiltinTemplate(char_tokenizer()))
-    problem = draw_problems(env.task, 0, "x", 1, "train")[0]
+    problem = env.draw(0, "x", 1, "train")[0]
     ids = char_tokenizer().encode("17")
     reward, fmt, correct, error, why = env.score(problem, ids)
     assert (reward, correct, error) == (0.0, 0.0, 1.0) and math.isnan(fmt) and why == "raised ValueError: no sevens"
