@@ -215,7 +215,7 @@ RL_PROOF = ["train.steps=8", "train.global_batch=8", "train.seq_len=16",
             "rl.reward=test_rl:length_reward", "rl.kl_coef=0.05", "rl.ppo_epochs=2", "rl.eval_prompts=0",
             "train.lr=3e-3", "rl.clip_low=0.02"]
 CYCLE = ("grpo", "dapo", "dr_grpo", "reinforce")
-METRICS = ("reward_mean", "logprob_gap", "kl", "clip_fraction", "reward_errors", "refills", "entropy")
+METRICS = ("reward_mean", "logprob_gap", "kl", "clip_fraction", "reward_errors", "refills", "entropy", "moe")
 
 
 def _rl_task(cfg):

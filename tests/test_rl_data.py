@@ -108,12 +108,12 @@ def test_bad_question_files_are_one_line(tmp_path, capsys, records, expect):
 
 
 def test_your_own_prompts_sft_then_rl_with_exact_and_math_rewards(tmp_path, capsys):
-    """The documented path on a task ndtrain does not build in (doubling a number): `ndtrain
-    sft` on the file's training split, then `ndtrain rl model.init_from=run:DIR
-    rl.data=FILE` with the exact and the math reward: the rollouts are scored (a policy
+    """The documented path on a task ndtrain does not build in (doubling a number), with a
+    mixture-of-experts model: `ndtrain sft` on the file's training split, then `ndtrain rl model.init_from=run:DIR
+    rl.data=FILE` with the math reward: the rollouts are scored (a policy
     that has seen the task doubles some numbers right), the starting policy and every
-    update are evaluated on the held-out prompts. rl.data without model.init_from says what
-    to do first."""
+    update are evaluated on the held-out prompts; both commands record the routing
+    statistics of every block. rl.data without model.init_from says what to do first."""
     from ndtrain.cli import main
     path = _write(tmp_path / "double.jsonl", [{"prompt": f"d:{a}=", "answer": str(2 * a)} for a in range(10)])
     cache, sft_run = tmp_path / "cache", tmp_path / "sft"
@@ -124,11 +124,13 @@ def test_your_own_prompts_sft_then_rl_with_exact_and_math_rewards(tmp_path, caps
     from ndtrain.data.verifiable import char_tokenizer
     cache.mkdir()
     char_tokenizer().save(chars)
-    assert main(["sft", *common, "model.preset=tiny", "model.init_from=scratch", f"data.path={path}",
+    assert main(["sft", *common, "model.preset=tiny-moe", "model.init_from=scratch", f"data.path={path}",
                  f"data.tokenizer={chars}", "data.template=builtin", "data.val_fraction=0.2", "train.steps=40",
                  "train.seq_len=16", "train.global_batch=8", "train.lr=3e-3", "train.eval_every=0",
                  "sft.generate=0", f"run.dir={sft_run}"]) == 0
-    for reward in ("exact", "math"):
+    sft_records = [json.loads(line) for line in (sft_run / "metrics.jsonl").read_text().splitlines()]
+    assert all(len(r["moe"]["tokens_per_expert"]) == 4 for r in sft_records)  # routing statistics, every block
+    for reward in ("math",):  # exact: the same path (test_the_environment_scores_with_each_reward)
         run = tmp_path / f"rl-{reward}"
         assert main(["rl", *common, f"model.init_from=run:{sft_run}", f"rl.data={path}", f"rl.reward={reward}",
                      "data.val_fraction=0.2", "train.steps=2", "train.global_batch=8", "rl.group_size=4",
@@ -136,6 +138,31 @@ def test_your_own_prompts_sft_then_rl_with_exact_and_math_rewards(tmp_path, caps
         out = capsys.readouterr().out
         assert f"ndtrain rl: grpo on {path} (rl.reward {reward})" in out
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-        assert all("pass@1" in r and 0 <= r["pass@1"] <= 1 for r in records)
+        assert all("pass@1" in r and 0 <= r["pass@1"] <= 1 and len(r["moe"]["tokens_per_expert"]) == 4
+                   for r in records)
         assert max(r["correct"] for r in records) > 0, records  # the warmed-up policy doubles some numbers
         assert 0 <= json.loads((run / "start_eval.json").read_text())["pass@1"] <= 1
+
+
+def test_the_environment_scores_rl_data_with_each_reward(tmp_path):
+    """With rl.data, rl.reward builtin means exact; exact and math score the same
+    completions as their checks say ("09" is not "9" to exact, the same number to math;
+    the character tokenizer has no "."); a user's function gets the question text."""
+    from ndtrain.config import load_config
+    from ndtrain.data.template import BuiltinTemplate
+    from ndtrain.data.verifiable import char_tokenizer
+    from ndtrain.train.rl.task import Environment
+    path = _write(tmp_path / "q.jsonl", [{"prompt": f"h:{a}=", "answer": str(3 * a)} for a in range(20)])
+    tok = char_tokenizer()
+    scores = {}
+    for reward in ("builtin", "exact", "math", "test_rl_data:question_length"):
+        env = Environment(load_config(None, [f"rl.data={path}", f"rl.reward={reward}"]), BuiltinTemplate(tok))
+        problem = next(p for split in env.prompts.splits.values() for p in split if p.prompt == "h:3=")
+        scores[reward] = [env.score(problem, tok.encode(text))[:3] for text in ("9", "09", "x")]
+    assert scores["builtin"] == scores["exact"] == [(1.0, 1.0, 1.0), (0.0, 1.0, 0.0), (0.0, 1.0, 0.0)]
+    assert scores["math"] == [(1.0, 1.0, 1.0), (1.0, 1.0, 1.0), (0.0, 0.0, 0.0)]
+    assert [s[0] for s in scores["test_rl_data:question_length"]] == [4.0] * 3
+
+
+def question_length(prompt: str, completion: str, answer: str) -> float:
+    return float(len(prompt))

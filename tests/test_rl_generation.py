@@ -272,11 +272,14 @@ def test_moe_rl_equals_one_process_in_fp64(name):
     copy with every expert gathered) or tensor parallelism (the experts whole on each tp
     rank, the copy routing every token) equal one process's, with the shared proof
     tolerances; the sampler's and the update's log-probabilities agree to 1e-10, so every
-    token was routed alike."""
+    token was routed alike, and each update's routing statistics (tokens per expert) equal
+    one process's."""
     from helpers import assert_proof
     from test_rl import _rl_rows
     ref = run_ranks(_rl_rows, 1, [("single", MOE_PROOF, "reference")], timeout=300)[0]["single"]
     run = run_ranks(_rl_rows, 2, [(name, MOE_PROOF + MOE_LAYOUTS[name], "proof")], timeout=600)[0][name]
     assert [m["reward_mean"] for m in run["metrics"]] == [m["reward_mean"] for m in ref["metrics"]]
     assert max(m["logprob_gap"] for m in run["metrics"][::2]) < 1e-10
+    loads = [m["moe"]["tokens_per_expert"] for m in run["metrics"]]  # each update's routing, as one process's
+    assert loads == [m["moe"]["tokens_per_expert"] for m in ref["metrics"]] and all(loads)
     assert_proof(run, ref)
