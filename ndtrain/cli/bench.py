@@ -18,6 +18,8 @@ def cmd_bench(args) -> int:
     for flag, value in (("--nproc", args.nproc), ("--rounds", args.rounds), ("--steps", args.steps)):
         if value <= 0:
             raise ConfigError(flag, value, "must be > 0")
+    if args.only is not None and args.what != "plan":
+        raise ConfigError("--only", args.only, "only bench plan chooses its layouts")
     if args.out:
         check_writable_dir("--out", args.out)
     if args.what == "matmul":

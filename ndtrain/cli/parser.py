@@ -240,6 +240,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR; "
                                                "comm: the picture and figures (default runs/bench-comm-<date>); "
                                                "checkpoint: write the checkpoints there (default: a temporary folder)")
+    p.add_argument("--only", metavar="PREFIX[,PREFIX]", help="plan: only the layouts whose name starts with one "
+                                                            "of these, e.g. pp (every pipeline schedule)")
     p.add_argument("--sizes", nargs="+", metavar="SIZE", help="comm: message sizes, e.g. 1K 4M 64M "
                                                               "(default 1 KB to 256 MB by powers of 4)")
     _with_config(p)
