@@ -19,7 +19,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-PRELOAD = ["torch", "torch.distributed", "numpy", "ndtrain.parallel.parallelize", "ndtrain.train.trainer",
+PRELOAD = ["ndtrain.forkserver", "torch", "torch.distributed", "numpy", "ndtrain.parallel.parallelize", "ndtrain.train.trainer",
            "torch.distributed.pipelining"]  # the pipeline tests' anchor: ~2 s to import, once
 
 

@@ -48,7 +48,7 @@ def cmd_sft(args) -> int:
               f"{t.steps} steps, packing {d.packing} → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""), data.describe()]
     return run_task(cfg, world, run_dir, sft.sft_worker, (cfg.to_dict(), str(run_dir), data),
-                    ("ndtrain.train.sft", "ndtrain.train.trainer"), banner, sft.describe_summary)
+                    ("ndtrain.train.sft", "ndtrain.train.trainer"), banner, sft.describe_summary, args.argv)
 
 
 def cmd_rl(args) -> int:
@@ -100,7 +100,7 @@ def cmd_rl(args) -> int:
               f"{cfg.train.global_batch // r.group_size} prompts × {r.group_size} completions → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""))
     return run_task(cfg, world, run_dir, job.rl_worker, (cfg.to_dict(), str(run_dir), template),
-                    ("ndtrain.train.rl.job", "ndtrain.train.trainer"), [banner], job.describe_summary)
+                    ("ndtrain.train.rl.job", "ndtrain.train.trainer"), [banner], job.describe_summary, args.argv)
 
 
 def default_warmup(cfg, world) -> Path:

@@ -89,12 +89,13 @@ def with_nproc(cfg, args):
 
 
 def run_task(cfg, world: int | None, run_dir: Path, worker, worker_args: tuple, preload: tuple[str, ...] = (),
-             banner: list[str] = (), describe=None) -> int:
+             banner: list[str] = (), describe=None, argv: list[str] = ()) -> int:
     """A task's ranks under the run directory's lock: this process as one rank (torchrun,
     SLURM: rank 0 takes the lock), or ranks started here after printing `banner`. Then rank
     0's summary (`describe(summary)` first), and the exit status: 128 + the signal that
     stopped the run, or 0 (always 0 under torchrun, which would take another status for a
-    failure to restart)."""
+    failure to restart). `argv`: the command's arguments, for the command that continues a
+    stopped run."""
     from ndtrain import supervisor
     from ndtrain.checkpoint.lock import RunLock
     if world is not None:
@@ -111,7 +112,7 @@ def run_task(cfg, world: int | None, run_dir: Path, worker, worker_args: tuple, 
     if describe is not None:
         print(describe(summary), flush=True)
     print_summary(summary)
-    code = _stopped(summary, stop_signal)
+    code = _stopped(summary, stop_signal, continue_command(cfg, run_dir, argv, world))
     return 0 if world is not None else code
 
 
@@ -130,13 +131,22 @@ def _run_ranks(cfg, worker, args: tuple, preload: tuple[str, ...]) -> tuple[dict
     return results[0], results.stop_signal
 
 
-def _stopped(summary: dict, stop_signal: int) -> int:
+def continue_command(cfg, run_dir: Path, argv: list[str], world: int | None) -> str:
+    """What continues this run: the same command, with `run.dir=` added when the run chose
+    its folder itself (a bare command would start a new runs/<task>-<time>)."""
+    extra = [] if cfg.run.dir else [f"run.dir={run_dir}"]
+    if world is not None:  # torchrun or srun started this process: we cannot spell their command
+        return "the same launch" + (f" with {shlex.join(extra)}" if extra else "")
+    return shlex.join(["ndtrain", *argv, *extra])
+
+
+def _stopped(summary: dict, stop_signal: int, resume: str) -> int:
     """Exit status 0, or 128 + the signal that stopped the run at a step boundary."""
     if not summary.get("stopped"):
         return 0
-    stop_signal = stop_signal or signal.SIGTERM
-    print(f"ndtrain: stopped by a signal after step {summary['steps']}, checkpoint saved; the same command "
-          "continues the run", file=sys.stderr, flush=True)
+    stop_signal = signal.Signals(stop_signal or signal.SIGTERM)
+    print(f"ndtrain: stopped by {stop_signal.name} after step {summary['steps']}, checkpoint saved; continue the "
+          f"run with: {resume}", file=sys.stderr, flush=True)
     return 128 + int(stop_signal)
 
 

@@ -30,7 +30,7 @@ def cmd_train(args) -> int:
               "which is resumed"])
 
     if world is not None:  # torchrun / SLURM started us: this process is one rank
-        return run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), None))
+        return run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), None), argv=args.argv)
     data = open_data(cfg, cfg.run.progress)
     resolve_vocab(cfg, data)  # fails here, before any process starts or file is written
     p = cfg.parallel
@@ -38,7 +38,7 @@ def cmd_train(args) -> int:
               f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}" + (f" ep={p.ep}" if p.ep > 1 else "")
               + f"), {cfg.train.steps} steps → {run_dir}" + (f" (resuming {resumed.name})" if resumed else ""))
     return run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), str(data.path)),
-                    ("ndtrain.train.worker", "ndtrain.train.trainer"), [banner])
+                    ("ndtrain.train.worker", "ndtrain.train.trainer"), [banner], argv=args.argv)
 
 
 def dry_run(cfg, world: int | None) -> int:

@@ -18,7 +18,7 @@ computes), and the entropy of that distribution.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +33,7 @@ class Generated:
     logprobs: list[list[float]]  # log p of each new token under the untempered, unfiltered model
     entropies: list[list[float]]  # entropy (nats) of the model's distribution at each new token
     stopped: list[bool]  # the row ended with a stop token (else it ran to max_new_tokens)
+    interrupted: bool = False  # `should_stop` ended the generation early: the rows are unfinished
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -83,13 +84,16 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[Ten
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, seeds: Sequence[int] | None = None,
-             stop_ids: Collection[int] = (), pad_id: int = 0, use_cache: bool = True) -> Generated:
+             stop_ids: Collection[int] = (), pad_id: int = 0, use_cache: bool = True,
+             should_stop: Callable[[], bool] | None = None) -> Generated:
     """Continue every prompt by up to `max_new_tokens` tokens, a row ending after any of
     `stop_ids`. `model(tokens, positions=, cache=, doc_ids=)` returns logits [b, s, V] (a
     `Transformer`, or a tensor-parallel one that gathers its vocabulary); `seeds`: one per
     row (default: the row's index). Prompt plus continuation must fit in
     `model.args.max_seq_len`. `use_cache=False` recomputes every position at every step
-    (the same tokens, for `ndtrain bench generate`)."""
+    (the same tokens, for `ndtrain bench generate`). `should_stop()`, asked after every
+    token, ends the generation early with `interrupted` set (a stop request during an RL
+    rollout; it must answer alike on every rank of a tensor-parallel model)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
@@ -126,6 +130,9 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, tempe
                 out.entropies[i].append(float(entropy[i]))
             running &= ~torch.isin(token, stops)
             if not bool(running.any()) or step == max_new_tokens - 1:
+                break
+            if should_stop is not None and should_stop():
+                out.interrupted = True
                 break
             tokens = token.masked_fill(~running, pad_id)[:, None]
             positions, doc_ids = next_pos[:, None], torch.ones_like(tokens)

@@ -26,7 +26,7 @@ from ndtrain.mesh import DIMS, ParallelMesh
 from ndtrain.model.args import flops_per_token
 from ndtrain.deferred import Lazy, settle
 from ndtrain.observe.memory import per_rank_table
-from ndtrain.observe.metrics import MetricsLog, read_metrics
+from ndtrain.observe.metrics import MetricsLog, read_metrics, strict_json
 from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss, plot_moe_load
 from ndtrain.observe.progress import TrainProgress
@@ -227,11 +227,12 @@ class Trainer:
                 try:
                     window.append(self.train_step(step))
                 except LossScaleExhausted as e:
-                    if window:  # the steps before it keep their lines
-                        self.settle_records(window, time.perf_counter())
-                        self._check(window)
-                        self._write(window)
+                    self._flush(window)  # the steps before it keep their lines
                     raise TrainingError(f"step {step}: {e}; stopping ({self._last_checkpoint()})") from None
+                except supervisor.Interrupted:  # every rank: a rollout cut short; this step is redone on resume
+                    self._flush(window)
+                    self.stopped = True
+                    break
                 self.step = step + 1
                 due = (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
                 save = t.save_every and self.step % t.save_every == 0 and self.step != stop
@@ -240,11 +241,16 @@ class Trainer:
                 self.settle_records(window, time.perf_counter())
                 self._check(window)
                 if due:
-                    window[-1].update(self.task.evaluate(self))
+                    try:
+                        window[-1].update(self.task.evaluate(self))
+                    except supervisor.Interrupted:  # the evaluation's rollout: the step itself is done
+                        self.stopped = True
                 self._write(window)
                 window = []
                 if save:
                     saved = self.save()
+                if self.stopped:
+                    break
                 asked = self.stop_agreed(out_of_time=time.monotonic() > deadline)
                 if asked:
                     self.stopped = asked == STOP_SIGNAL
@@ -257,12 +263,19 @@ class Trainer:
             self.save()
         return self.finish() if log else {}
 
+    def _flush(self, window: list[dict]) -> None:
+        """Settle, check and write the steps of a window cut short."""
+        if window:
+            self.settle_records(window, time.perf_counter())
+            self._check(window)
+            self._write(window)
+
     def _check(self, window: list[dict]) -> None:
-        """A settled window: stop at the first non-finite loss (the steps before it are
-        written), report skipped fp16 steps."""
+        """A settled window: stop at the first non-finite loss (its step's line and the ones
+        before it are written), report skipped fp16 steps."""
         for record in window:
-            if not math.isfinite(record["loss"]):
-                self._write([r for r in window if r["step"] < record["step"]])
+            if not math.isfinite(record["loss"]):  # its line too: "loss": null, "nonfinite": ["loss"]
+                self._write([r for r in window if r["step"] <= record["step"]])
                 raise TrainingError(self._diverged_message(record["step"], record["loss"]))
             if record.get("skipped"):
                 self._progress.print(f"step {record['step']}: fp16 gradients overflowed; step skipped, loss scale "
@@ -325,7 +338,7 @@ class Trainer:
             summary["plot"] = str(png)
             if self.args.is_moe:
                 summary["moe_plot"] = str(plot_moe_load(self.run_dir / "metrics.jsonl", self.run_dir / "moe_load.png"))
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (self.run_dir / "summary.json").write_text(strict_json(summary, indent=1))
         return summary
 
     # -- checkpoints ----------------------------------------------------------------
@@ -363,7 +376,7 @@ class Trainer:
         record = {"restart": count, "checkpoint": path.name if path else None, "resumed_step": self.step,
                   "reached_step": reached, "steps_lost": max(0, reached - self.step), "time_lost_s": lost_s}
         with open(self.run_dir / "restarts.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(strict_json(record) + "\n")
         lost = f"{record['steps_lost']} step{'s' if record['steps_lost'] != 1 else ''}"
         self.report(f"restart {count}: " + (f"resumed step {self.step} from {path.name}; {lost} and "
                                             f"{lost_s:.1f} s lost" if path else f"no checkpoint yet, starting over; {lost} lost"))

@@ -18,6 +18,7 @@ from ndtrain import supervisor
 from ndtrain.checkpoint import hf_files
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.verifiable import char_tokenizer, draw_problems, make_task
+from ndtrain.observe.metrics import strict_json
 from ndtrain.train.rl.task import RL, Environment
 from ndtrain.train.tasks import load_function
 
@@ -145,9 +146,12 @@ def reinforce(trainer, task: RL, cfg: Config, run: Path) -> dict:
     rank 0."""
     start_file = run / "start_eval.json"
     if trainer.step == 0:
-        start = task.evaluate(trainer)
-        if trainer.is_logger:
-            start_file.write_text(json.dumps(start) + "\n")
+        try:
+            start = task.evaluate(trainer)
+        except supervisor.Interrupted:  # a stop request: fit() stops at its first rollout and saves step 0
+            start = {}
+        if trainer.is_logger and start:
+            start_file.write_text(strict_json(start) + "\n")
             if cfg.run.progress:
                 print(describe_eval("starting policy", start), flush=True)
     else:
@@ -170,7 +174,7 @@ def reinforce(trainer, task: RL, cfg: Config, run: Path) -> dict:
     if cfg.run.plot:
         summary["rl_plot"] = str(plot_rl(run / "metrics.jsonl", run / "rl.png", start,
                                          title=f"{cfg.rl.loss} on {cfg.rl.task} · {trainer.mesh.describe()}"))
-    (run / "summary.json").write_text(json.dumps(summary, indent=1))
+    (run / "summary.json").write_text(strict_json(summary, indent=1))
     return summary
 
 

@@ -9,6 +9,13 @@ row's completion depends on its prompt and seed only), scores each completion wi
 reward function, computes the frozen reference's log-probabilities of it, and the shares
 are all-gathered (`gather_rows`), so every rank holds the same rows. What a row holds
 travels as one fp64 tensor of fixed width (the token ids are exact in fp64).
+
+A stop request (Ctrl-C, SIGTERM: supervisor.py) during a rollout ends it within a token:
+the ranks of a tensor-parallel group agree after every token (one all-reduce of a flag,
+when tp > 1), and each row carries whether its share was cut short, so after the gather
+every rank raises `supervisor.Interrupted` together. The trainer then abandons the step
+and saves the one before it; the resumed run draws the same rollout again (each row's
+completion is a function of its prompt and seed).
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from ndtrain import supervisor
+from ndtrain.comm.ops import all_reduce_scalars
 from ndtrain.generate.sampler import generate
 from ndtrain.mesh import ParallelMesh
 from ndtrain.model.llama import widened
@@ -85,28 +94,49 @@ def generate_everywhere(model: nn.Module, mesh: ParallelMesh, prompts: list[list
     me, ranks = generation_rank(mesh)
     share = math.ceil(n / ranks)
     lo, hi = min(n, me * share), min(n, (me + 1) * share)
-    cols = 3 * width + 2 + len(SCORE_FIELDS) + (width if reference is not None else 0)
-    mine = torch.zeros((share, cols), dtype=torch.float64)
+    cols = 3 * width + 2 + len(SCORE_FIELDS) + (width if reference is not None else 0) + 1
+    mine = torch.zeros((share, cols), dtype=torch.float64)  # the last column: the share was cut short
     if hi > lo:
         out = generate(model, prompts[lo:hi], width, sampling.temperature, sampling.top_k, sampling.top_p,
-                       seeds[lo:hi], stop_ids, pad_id)
-        for j, i in enumerate(range(lo, hi)):
-            c = len(out.tokens[j])
-            row = mine[j]
-            row[:width] = pad_id
-            row[:c] = torch.tensor(out.tokens[j], dtype=torch.float64)
-            row[width:width + c] = torch.tensor(out.logprobs[j], dtype=torch.float64)
-            row[2 * width:2 * width + c] = torch.tensor(out.entropies[j], dtype=torch.float64)
-            row[3 * width], row[3 * width + 1] = c, float(out.stopped[j])
-            at = 3 * width + 2
-            row[at:at + len(SCORE_FIELDS)] = torch.tensor(score(i, out.tokens[j]), dtype=torch.float64)
-        if reference is not None:
-            ref = completion_logprobs(reference, prompts[lo:hi], out.tokens, width, pad_id)
-            mine[:hi - lo, cols - width:] = ref
-    rows = gather_rows(mine.to(mesh.device), mesh).cpu()[:n]
+                       seeds[lo:hi], stop_ids, pad_id, should_stop=_stop_agreed_in(mesh))
+        if out.interrupted:  # every rank of this tp group agreed: the gather tells the others
+            mine[:, -1] = 1.0
+        else:
+            _fill(mine, out, range(lo, hi), width, pad_id, score)
+            if reference is not None:
+                mine[:hi - lo, cols - 1 - width:cols - 1] = completion_logprobs(reference, prompts[lo:hi], out.tokens,
+                                                                                width, pad_id)
+    rows = gather_rows(mine.to(mesh.device), mesh).cpu()
+    if rows[:, -1].any():
+        raise supervisor.Interrupted("a stop request cut the rollout short")
+    rows = rows[:n]
     at = 3 * width + 2
     return Generations(
         tokens=rows[:, :width].long(), lengths=rows[:, 3 * width].long(), stopped=rows[:, 3 * width + 1] > 0,
         logprobs=rows[:, width:2 * width], entropies=rows[:, 2 * width:3 * width],
-        ref_logprobs=rows[:, cols - width:] if reference is not None else None,
+        ref_logprobs=rows[:, cols - 1 - width:cols - 1] if reference is not None else None,
         scores=rows[:, at:at + len(SCORE_FIELDS)])
+
+
+def _stop_agreed_in(mesh: ParallelMesh) -> Callable[[], bool]:
+    """Whether any rank of this tensor-parallel group was asked to stop: they generate
+    together, so they must end at the same token."""
+    group = mesh.group("tp")
+    if not group.active:
+        return supervisor.stop_requested
+    return lambda: all_reduce_scalars([float(supervisor.stop_requested())], group)[0] > 0
+
+
+def _fill(mine: Tensor, out, rows: range, width: int, pad_id: int, score) -> None:
+    """This share's rows: tokens (padded), log-probabilities, entropies, length, whether
+    it stopped, and its scores."""
+    at = 3 * width + 2
+    for j, i in enumerate(rows):
+        c = len(out.tokens[j])
+        row = mine[j]
+        row[:width] = pad_id
+        row[:c] = torch.tensor(out.tokens[j], dtype=torch.float64)
+        row[width:width + c] = torch.tensor(out.logprobs[j], dtype=torch.float64)
+        row[2 * width:2 * width + c] = torch.tensor(out.entropies[j], dtype=torch.float64)
+        row[3 * width], row[3 * width + 1] = c, float(out.stopped[j])
+        row[at:at + len(SCORE_FIELDS)] = torch.tensor(score(i, out.tokens[j]), dtype=torch.float64)
