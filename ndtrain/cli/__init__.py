@@ -41,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     from ndtrain.config import ConfigError
     from ndtrain.data.shards import DataError
     from ndtrain.launch import RankFailure
+    from ndtrain.train.errors import TrainingError
 
     try:
         return {"train": cmd_train, "sft": cmd_sft, "rl": cmd_rl, "prepare": cmd_prepare, "generate": cmd_generate,
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
                 "checkpoint": cmd_checkpoint, "plan": cmd_plan}[args.command](args)
     except (ConfigError, DataError) as e:
         return fail(str(e))
-    except CheckpointError as e:
+    except (CheckpointError, TrainingError) as e:  # a fault of the run in this process: one line, exit 1
         return fail(str(e), 1)
     except RankFailure as e:
         if e.traceback and not _known_fault(e.summary):

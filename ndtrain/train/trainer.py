@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ndtrain import supervisor
 from ndtrain.checkpoint import layout, sources, store
 from ndtrain.checkpoint.resume import check_resume_config
-from ndtrain.checkpoint.store import CheckpointError
+from ndtrain.checkpoint.store import CheckpointError, CheckpointWriteError
 from ndtrain.comm.ops import all_reduce_bookkeeping, all_reduce_scalars
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
@@ -34,14 +34,11 @@ from ndtrain.parallel import context, fp8
 from ndtrain.parallel.parallelize import Parallelized, build
 from ndtrain.parallel.precision import LossScaleExhausted, LossScaler
 from ndtrain.train.optim import lr_at
+from ndtrain.train.errors import TrainingError
 from ndtrain.train.step import TrainStep
 from ndtrain.train.tasks import StepData, Task
 
 STOP_TIME, STOP_SIGNAL = 1, 2  # why the ranks agreed to stop early (Trainer.stop_agreed): the larger wins
-
-
-class TrainingError(RuntimeError):
-    """A runtime fault of the run itself (divergence, bad resume): shown without traceback."""
 
 
 class Trainer:
@@ -395,6 +392,8 @@ class Trainer:
         try:
             return layout.save(self.run_dir, self.step, self.par, self.stepper.optimizer, self.args.tie_embeddings,
                                meta, keep=t.keep_checkpoints)
+        except CheckpointWriteError as e:  # a full disk: say where and how much, no advice on the learning rate
+            raise TrainingError(f"{e}; stopping ({self._last_checkpoint()})") from None
         except CheckpointError as e:
             raise TrainingError(f"{e} ({self._last_checkpoint()}). Try a lower train.lr or train.grad_clip.") from None
 
