@@ -159,7 +159,7 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_one(
         return real(path, entries, metadata)
     monkeypatch.setattr(store, "write_safetensors", disk_fills_at_step_4)
     run = tmp_path / "run"
-    code = main(["train", "--nproc", "1", *TINY, "train.steps=6", "train.save_every=2", f"data.path={tiny_data}",
+    code = main(["train", "--nproc", "1", *TINY, "train.steps=4", "train.save_every=2", f"data.path={tiny_data}",
                  f"run.dir={run}"])
     err = capsys.readouterr().err.strip()
     assert code == 1 and len(err.splitlines()) == 1, err
