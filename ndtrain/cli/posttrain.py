@@ -4,9 +4,11 @@ CLI itself (`ndtrain.cli.main`) when none is found."""
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
-from ndtrain.cli.run import check_fits, check_resume, choose_run_dir, run_task, warn_before_start, with_nproc
+from ndtrain.cli.run import Stopped, check_fits, check_resume, choose_run_dir, run_task, warn_before_start, with_nproc
 
 
 def cmd_sft(args) -> int:
@@ -52,6 +54,7 @@ def cmd_sft(args) -> int:
 
 
 def cmd_rl(args) -> int:
+    from ndtrain import supervisor
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import RL_DEFAULTS, ConfigError, check_rl_job, load_config, validate
     from ndtrain.launch import external_world, launch_local
@@ -87,8 +90,14 @@ def cmd_rl(args) -> int:
     if args.evaluate:
         if world is not None:
             result = job.rl_worker(cfg.to_dict(), "", template, True)
+            signum = supervisor.control().stop_signal
         else:
-            result = launch_local(p.world, job.rl_worker, cfg.to_dict(), "", template, True)[0]
+            results = launch_local(p.world, job.rl_worker, cfg.to_dict(), "", template, True)
+            result, signum = results[0], results.stop_signal
+        if result.get("interrupted"):
+            name = signal.Signals(signum or signal.SIGTERM)
+            print(f"ndtrain: stopped by {name.name} during the evaluation (nothing to save)", file=sys.stderr)
+            return 0 if world is not None else 128 + int(name)
         if result:
             print(job.describe_eval(f"{cfg.model.init_from} on {r.task}", result), flush=True)
         return 0
@@ -124,7 +133,10 @@ def default_warmup(cfg, world) -> Path:
           flush=True)
     job.write_warmup_data(cfg, folder)
     nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
-    if main(["sft", *nproc, *job.warmup_overrides(cfg, folder)]) != 0 or not job.finished(run):
+    code = main(["sft", *nproc, *job.warmup_overrides(cfg, folder)])
+    if code > 128:  # stopped by a signal, with a checkpoint: the same rl command resumes the warm-up
+        raise Stopped(code, "the SFT warm-up was stopped; the same `ndtrain rl` command continues it, then the job")
+    if code != 0 or not job.finished(run):
         raise ConfigError("model.init_from", "", f"the default SFT warm-up in {folder} failed")
     return run
 
@@ -143,6 +155,10 @@ def default_pretraining_run(cfg, world) -> Path:
                           "`ndtrain train` first or set model.init_from=run:DIR")
     print("ndtrain sft: no finished default pretraining run under runs/; running `ndtrain train` first", flush=True)
     nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
-    if main(["train", *nproc, f"run.device={cfg.run.device}"]) != 0:
+    code = main(["train", *nproc, f"run.device={cfg.run.device}"])
+    if code > 128:  # stopped by a signal: a bare `ndtrain sft` would start another pretraining run
+        raise Stopped(code, "the default pretraining run was stopped; finish it with the command above, then run "
+                      "`ndtrain sft` again")
+    if code != 0:
         raise ConfigError("model.init_from", "", "the default pretraining run failed")
     return find_default_run(Path("runs"))

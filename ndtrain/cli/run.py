@@ -13,6 +13,15 @@ from contextlib import nullcontext
 from pathlib import Path
 
 
+class Stopped(Exception):
+    """A run started on the way (sft's default pretraining run, rl's SFT warm-up) was stopped
+    by a signal: the command ends with its status (`code`) and says what continues it."""
+
+    def __init__(self, code: int, message: str):
+        self.code = code
+        super().__init__(message)
+
+
 def warn_before_start(cfg, world: int | None, command: str = "train") -> None:
     """Keys that do nothing in this layout, and more CPU processes than cores."""
     from ndtrain.idle_keys import idle_keys

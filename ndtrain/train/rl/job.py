@@ -130,7 +130,10 @@ def _rl(cfg: Config, run_dir: str, template, evaluate_only: bool, control) -> di
         set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
         trainer.start()  # resume run.dir's checkpoint, or load model.init_from
         if evaluate_only:
-            result = task.evaluate(trainer)
+            try:
+                result = task.evaluate(trainer)
+            except supervisor.Interrupted:  # a stop request: nothing to save
+                result = {"interrupted": True}
             return result if mesh.rank == 0 else {}
         if env.rank == 0:
             (run / "config.toml").write_text(config_mod.to_toml(cfg))
