@@ -36,7 +36,6 @@ def fail(message: str, code: int = 2) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
-    args.argv = list(sys.argv[1:] if argv is None else argv)  # for the command that continues a stopped run
     from ndtrain.checkpoint.store import CheckpointError
     from ndtrain.config import ConfigError
     from ndtrain.data.shards import DataError

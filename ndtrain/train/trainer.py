@@ -242,11 +242,12 @@ class Trainer:
                         window[-1].update(self.task.evaluate(self))
                     except supervisor.Interrupted:  # the evaluation's rollout: the step itself is done
                         self.stopped = True
+                done = due and not self.stopped and self.task.done(window[-1])  # every rank evaluated alike: they agree
                 self._write(window)
                 window = []
                 if save:
                     saved = self.save()
-                if self.stopped:
+                if done or self.stopped:
                     break
                 asked = self.stop_agreed(out_of_time=time.monotonic() > deadline)
                 if asked:

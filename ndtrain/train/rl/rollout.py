@@ -1,8 +1,8 @@
 """Generating rows across the ranks: each generation rank samples its share, scores it,
 and every rank receives every row.
 
-Under the generation layout (parallel/generation.py) the `world / tp` generation ranks
-hold the whole model (or their tp shard of it). `generate_everywhere` deals the rows out
+Under the generation layout (parallel/generation.py) the `world / rl.generate_tp`
+generation ranks hold the whole model (or their tp shard of it). `generate_everywhere` deals the rows out
 in contiguous shares, one per generation rank; each samples its share in one batch
 (generate/sampler.py: left-padded prompts, a KV cache, one random stream per row, so a
 row's completion depends on its prompt and seed only), scores each completion with the
@@ -11,10 +11,10 @@ are all-gathered (`gather_rows`), so every rank holds the same rows. What a row 
 travels as one fp64 tensor of fixed width (the token ids are exact in fp64).
 
 A stop request (Ctrl-C, SIGTERM: supervisor.py) during a rollout ends it within a token:
-the ranks of a tensor-parallel group agree after every token (one all-reduce of a flag,
-when tp > 1), and each row carries whether its share was cut short, so after the gather
-every rank raises `supervisor.Interrupted` together. The trainer then abandons the step
-and saves the one before it; the resumed run draws the same rollout again (each row's
+the ranks of a generation tp group agree after every token (one all-reduce of a flag, when
+its size is above 1), and each row carries whether its share was cut short, so after the
+gather every rank raises `supervisor.Interrupted` together. The trainer then abandons the
+step and saves the one before it; the resumed run draws the same rollout again (each row's
 completion is a function of its prompt and seed).
 """
 
@@ -28,13 +28,25 @@ import torch
 from torch import Tensor, nn
 
 from ndtrain import supervisor
+from ndtrain.comm.group import Group
 from ndtrain.comm.ops import all_reduce_scalars
 from ndtrain.generate.sampler import generate
-from ndtrain.mesh import ParallelMesh
-from ndtrain.model.llama import widened
-from ndtrain.parallel.generation import gather_rows, generation_rank
+from ndtrain.model.loss import IGNORE, token_nll
+from ndtrain.parallel.generation import GenerationLayout, gather_rows
 
 SCORE_FIELDS = ("reward", "format", "correct", "error")
+# A sampling step holds a few [rows, vocabulary] tensors (logits, probabilities, their fp64
+# cumulative sum, log-probabilities: about 32 bytes per row and token of the vocabulary); a
+# generation rank samples its share in batches of at most SAMPLE_BYTES / (32 · V) rows, so
+# that holds under SAMPLE_BYTES whatever the batch (all rows at once for a small vocabulary,
+# 64 at 128k).
+SAMPLE_BYTES = 2**28
+
+
+def sampling_batches(lo: int, hi: int, vocab_size: int) -> list[tuple[int, int]]:
+    """Rows lo..hi-1 in batches of at most SAMPLE_BYTES / (32 · vocab_size) rows."""
+    step = max(1, SAMPLE_BYTES // (32 * vocab_size))
+    return [(a, min(hi, a + step)) for a in range(lo, hi, step)]
 
 
 @dataclass
@@ -63,50 +75,65 @@ class Generations:
 
 @torch.no_grad()
 def completion_logprobs(model: nn.Module, prompts: list[list[int]], completions: list[list[int]],
-                        width: int, pad_id: int) -> Tensor:
-    """log p [n, width] of each completion's tokens after its prompt, under `model` (a plain
-    forward of the right-padded rows: what a training forward computes)."""
-    rows = [p + c for p, c in zip(prompts, completions)]
-    length = max(len(r) for r in rows)
+                        width: int, pad_id: int, rows_per_forward: int) -> Tensor:
+    """log p [n, width] (fp64, on the host) of each completion's tokens after its prompt
+    under `model`: a plain forward of the right-padded rows, each token's log-probability
+    minus its cross-entropy as the training step computes it (model/loss.token_nll), on the
+    model's device, `rows_per_forward` rows at a time: the logits of more rows never exist
+    at once, and only [rows, width] numbers reach the host."""
     device = next(model.parameters()).device
-    tokens = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        tokens[i, :len(r)] = torch.tensor(r)
+    out = torch.zeros((len(prompts), width), dtype=torch.float64)
     was_training = model.training
     model.eval()
-    logp = torch.log_softmax(widened(model(tokens.to(device))), dim=-1).double().cpu()
+    for lo in range(0, len(prompts), rows_per_forward):
+        ps, cs = prompts[lo:lo + rows_per_forward], completions[lo:lo + rows_per_forward]
+        length = max(len(p) + len(c) for p, c in zip(ps, cs))
+        tokens = torch.full((len(ps), length), pad_id, dtype=torch.long)
+        targets = torch.full((len(ps), length), IGNORE, dtype=torch.long)
+        at = torch.zeros((len(ps), width), dtype=torch.long)  # where each completion token is a target
+        for i, (p, c) in enumerate(zip(ps, cs)):
+            tokens[i, :len(p) + len(c)] = torch.tensor(p + c)
+            targets[i, len(p) - 1:len(p) - 1 + len(c)] = torch.tensor(c, dtype=torch.long)
+            at[i] = (torch.arange(width) + len(p) - 1).clamp_max(length - 1)
+        nll = token_nll(model(tokens.to(device)), targets.to(device)).view(len(ps), length)
+        logp = (-nll).gather(1, at.to(device)).double().cpu()
+        valid = torch.arange(width)[None, :] < torch.tensor([len(c) for c in cs])[:, None]
+        out[lo:lo + len(ps)] = logp.masked_fill(~valid, 0.0)
     model.train(was_training)
-    out = torch.zeros((len(rows), width), dtype=torch.float64)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        at = torch.arange(len(p) - 1, len(p) - 1 + len(c))
-        out[i, :len(c)] = logp[i, at, torch.tensor(c, dtype=torch.long)]
     return out
 
 
-def generate_everywhere(model: nn.Module, mesh: ParallelMesh, prompts: list[list[int]], seeds: list[int],
+def generate_everywhere(model: nn.Module, layout: GenerationLayout, prompts: list[list[int]], seeds: list[int],
                         sampling: Sampling, stop_ids, pad_id: int,
                         score: Callable[[int, list[int]], tuple[float, float, float, float]],
-                        reference: nn.Module | None = None) -> Generations:
-    """Sample a completion for every prompt (row i with seed i), scored by
-    `score(i, completion)` → (reward, format, correct, error), every row on every rank.
-    Collective (every rank calls it with the same arguments)."""
+                        reference: nn.Module | None = None, rows_per_forward: int = 8) -> Generations:
+    """Sample a completion for every prompt (row i with seed i) under the generation
+    `layout`, scored by `score(i, completion)` → (reward, format, correct, error), every
+    row on every rank. Collective (every rank calls it with the same arguments)."""
     n, width = len(prompts), sampling.max_new_tokens
-    me, ranks = generation_rank(mesh)
-    share = math.ceil(n / ranks)
+    me, count = layout.ranks
+    share = math.ceil(n / count)
     lo, hi = min(n, me * share), min(n, (me + 1) * share)
     cols = 3 * width + 2 + len(SCORE_FIELDS) + (width if reference is not None else 0) + 1
     mine = torch.zeros((share, cols), dtype=torch.float64)  # the last column: the share was cut short
-    if hi > lo:
-        out = generate(model, prompts[lo:hi], width, sampling.temperature, sampling.top_k, sampling.top_p,
-                       seeds[lo:hi], stop_ids, pad_id, should_stop=_stop_agreed_in(mesh))
+    for a, b in sampling_batches(lo, hi, model.args.vocab_size):
+        out = generate(model, prompts[a:b], width, sampling.temperature, sampling.top_k, sampling.top_p,
+                       seeds[a:b], stop_ids, pad_id, should_stop=_stop_agreed_in(layout.tp))
         if out.interrupted:  # every rank of this tp group agreed: the gather tells the others
             mine[:, -1] = 1.0
-        else:
-            _fill(mine, out, range(lo, hi), width, pad_id, score)
-            if reference is not None:
-                mine[:hi - lo, cols - 1 - width:cols - 1] = completion_logprobs(reference, prompts[lo:hi], out.tokens,
-                                                                                width, pad_id)
-    rows = gather_rows(mine.to(mesh.device), mesh).cpu()
+            break
+        rows, at = slice(a - lo, b - lo), 3 * width + 2
+        mine[rows, :width] = out.token_ids.double()
+        mine[rows, width:2 * width] = out.logprob_table
+        mine[rows, 2 * width:3 * width] = out.entropy_table
+        mine[rows, 3 * width] = out.lengths.double()
+        mine[rows, 3 * width + 1] = torch.tensor(out.stopped, dtype=torch.float64)
+        mine[rows, at:at + len(SCORE_FIELDS)] = torch.tensor([score(i, t) for i, t in zip(range(a, b), out.tokens)],
+                                                             dtype=torch.float64)
+        if reference is not None:
+            mine[rows, cols - 1 - width:cols - 1] = completion_logprobs(reference, prompts[a:b], out.tokens, width, pad_id,
+                                                            rows_per_forward)
+    rows = gather_rows(mine.to(layout.mesh.device), layout).cpu()
     if rows[:, -1].any():
         raise supervisor.Interrupted("a stop request cut the rollout short")
     rows = rows[:n]
@@ -118,25 +145,9 @@ def generate_everywhere(model: nn.Module, mesh: ParallelMesh, prompts: list[list
         scores=rows[:, at:at + len(SCORE_FIELDS)])
 
 
-def _stop_agreed_in(mesh: ParallelMesh) -> Callable[[], bool]:
-    """Whether any rank of this tensor-parallel group was asked to stop: they generate
+def _stop_agreed_in(tp: Group) -> Callable[[], bool]:
+    """Whether any rank of this generation tp group was asked to stop: they generate
     together, so they must end at the same token."""
-    group = mesh.group("tp")
-    if not group.active:
+    if not tp.active:
         return supervisor.stop_requested
-    return lambda: all_reduce_scalars([float(supervisor.stop_requested())], group)[0] > 0
-
-
-def _fill(mine: Tensor, out, rows: range, width: int, pad_id: int, score) -> None:
-    """This share's rows: tokens (padded), log-probabilities, entropies, length, whether
-    it stopped, and its scores."""
-    at = 3 * width + 2
-    for j, i in enumerate(rows):
-        c = len(out.tokens[j])
-        row = mine[j]
-        row[:width] = pad_id
-        row[:c] = torch.tensor(out.tokens[j], dtype=torch.float64)
-        row[width:width + c] = torch.tensor(out.logprobs[j], dtype=torch.float64)
-        row[2 * width:2 * width + c] = torch.tensor(out.entropies[j], dtype=torch.float64)
-        row[3 * width], row[3 * width + 1] = c, float(out.stopped[j])
-        row[at:at + len(SCORE_FIELDS)] = torch.tensor(score(i, out.tokens[j]), dtype=torch.float64)
+    return lambda: all_reduce_scalars([float(supervisor.stop_requested())], tp)[0] > 0
