@@ -125,15 +125,17 @@ RL_SHARE = 8  # rows each of the 2 ranks scores per update: 16 rows / 2
 
 def test_sigterm_cuts_an_rl_rollout_short_and_saves_the_update_before_it(tmp_path):
     """train.log_every=100 puts the next agreement on stopping past the end (step 39): the
-    stop comes from the next rollout instead, cut short at its first token on every rank;
-    its update (3) is abandoned and updates 0-2 are saved, so a resume redraws it."""
+    stop comes from a rollout cut short instead, on every rank together: rank 1's share of
+    update 2 if it was still sampling when the signal came, else update 3's at its first
+    token. That update is abandoned and the ones before it are saved, so a resume redraws
+    it."""
     run = tmp_path / "run"
     proc = _ndtrain("rl", "--nproc", "2", "model.init_from=scratch", "model.preset=tiny", "run.device=cpu",
                     f"data.cache_dir={tmp_path / 'cache'}", f"run.dir={run}", "rl.reward=test_stop:reward_then_sigterm",
                     "rl.eval_prompts=0", "train.steps=40", "train.log_every=100", "train.eval_every=0",
                     "train.global_batch=16", "rl.group_size=4", "run.progress=false", "run.plot=false")
     out, err = _finish(proc)
-    assert _assert_stopped_by_sigterm(proc.returncode, err, run) == 3
+    assert _assert_stopped_by_sigterm(proc.returncode, err, run) in (2, 3)
 
 
 # --------------------------------------------------------------------------- a full disk
