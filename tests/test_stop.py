@@ -190,7 +190,8 @@ def test_a_folder_that_is_not_an_ndtrain_run_is_refused_untouched(command, tmp_p
     key = "--to" if command == "convert" else "run.dir"
     assert err == (f"ndtrain: error: {key} = {str(mine)!r}: is a folder that is neither empty nor an ndtrain run "
                    "(it holds config.toml); choose a new or empty folder"), err
-    assert [p.name for p in mine.iterdir()] == ["config.toml"] and (mine / "config.toml").read_text() == "# my own notes\n"
+    assert [p.name for p in mine.iterdir()] == ["config.toml"]
+    assert (mine / "config.toml").read_text() == "# my own notes\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["mine"]
 
 

@@ -182,7 +182,8 @@ def _add_plan(sub) -> None:
                                                  "prints the days")
     p.add_argument("--moe-imbalance", type=float, metavar="X", help="mixture of experts: the busiest rank's routed "
                                                                     "slots over the average (default 1: balanced)")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of the table (strict JSON: a value that is not finite is null)")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table (strict JSON: a value "
+                                                       "that is not finite is null)")
     p.add_argument("--search", action="store_true", help="list the fastest layouts that fit (model, batch, "
                                                           "sequence and precision as configured)")
     p.add_argument("--top", type=int, default=10, metavar="K", help="--search: how many layouts (default 10)")

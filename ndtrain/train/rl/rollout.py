@@ -131,8 +131,8 @@ def generate_everywhere(model: nn.Module, layout: GenerationLayout, prompts: lis
         mine[rows, at:at + len(SCORE_FIELDS)] = torch.tensor([score(i, t) for i, t in zip(range(a, b), out.tokens)],
                                                              dtype=torch.float64)
         if reference is not None:
-            mine[rows, cols - 1 - width:cols - 1] = completion_logprobs(reference, prompts[a:b], out.tokens, width, pad_id,
-                                                            rows_per_forward)
+            mine[rows, cols - 1 - width:cols - 1] = completion_logprobs(reference, prompts[a:b], out.tokens, width,
+                                                                        pad_id, rows_per_forward)
     rows = gather_rows(mine.to(layout.mesh.device), layout).cpu()
     if rows[:, -1].any():
         raise supervisor.Interrupted("a stop request cut the rollout short")
