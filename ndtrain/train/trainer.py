@@ -242,7 +242,7 @@ class Trainer:
                         window[-1].update(self.task.evaluate(self))
                     except supervisor.Interrupted:  # the evaluation's rollout: the step itself is done
                         self.stopped = True
-                done = due and not self.stopped and self.task.done(window[-1])  # every rank evaluated alike: they agree
+                done = due and not self.stopped and self.task.done(window[-1])  # every rank evaluated alike
                 self._write(window)
                 window = []
                 if save:
