@@ -220,7 +220,7 @@ def test_a_nan_loss_is_a_null_named_in_nonfinite_and_the_run_stops_in_one_line(t
     stops with one line, exit 1 (in the command's own process it used to be a traceback)."""
     from ndtrain.cli import main
     run = tmp_path / "run"
-    code = main(["train", "--nproc", "1", *TINY, "train.steps=30", "train.log_every=1", "train.lr=1e4",
+    code = main(["train", "--nproc", "1", *TINY, "train.steps=30", "train.log_every=1", "train.lr=1e6",
                  "train.grad_clip=0", "train.warmup=0", f"data.path={tiny_data}", f"run.dir={run}"])
     err = capsys.readouterr().err.strip()
     assert code == 1 and len(err.splitlines()) == 1 and "loss is nan; stopping" in err, err
