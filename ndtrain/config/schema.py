@@ -148,6 +148,9 @@ class DataConfig:
     val_fraction: float = 0.05
     jsonl_key: str = "text"
     cache_dir: str = "~/.cache/ndtrain"
+    # A weighted mixture instead of data.path: [[data.sources]] tables of name, path, weight
+    # (relative), text_key ("" = jsonl_key) and repeat (config/data_sources.py, docs/data.md)
+    sources: list[dict] = field(default_factory=list)
     # Supervised fine-tuning (ndtrain sft):
     packing: str = "bfd"  # bfd: several examples per row (best-fit decreasing); none: one per row, padded
     truncate: str = "keep_start"  # an example longer than train.seq_len: keep_start (cut its end) | drop
@@ -387,6 +390,10 @@ def set_key(cfg: Config, key: str, value: Any, *, from_text: bool) -> None:
     obj = getattr(cfg, section)
     if name not in {f.name for f in fields(obj)}:
         raise _unknown_key(key, value)
+    if key == "data.sources":
+        from ndtrain.config.data_sources import coerce_sources
+        setattr(obj, name, coerce_sources(value, from_text))
+        return
     tp = _field_type(section, name)
     value = _coerce_text(key, value, tp) if from_text else _coerce_value(key, value, tp)
     setattr(obj, name, value)
