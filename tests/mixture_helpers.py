@@ -13,12 +13,14 @@ MODULES = ("textwrap.py", "bisect.py", "colorsys.py", "heapq.py", "fnmatch.py", 
 
 
 def texts(n: int, offset: int = 0) -> list[str]:
-    """`n` documents: stdlib modules cut into pieces of about 2 KB."""
+    """Documents offset..offset+n−1 of the stdlib modules cut into pieces of 1.5 KB (distinct
+    ranges never share a piece)."""
     pieces = []
     for name in MODULES:
         body = (STDLIB / name).read_text(errors="replace")
-        pieces += [body[i:i + 2000] for i in range(0, len(body), 2000)]
-    return [pieces[(offset + i) % len(pieces)] for i in range(n)]
+        pieces += [body[i:i + 1500] for i in range(0, len(body), 1500)]
+    assert offset + n <= len(pieces), len(pieces)
+    return pieces[offset:offset + n]
 
 
 def write_parquet_folder(root: Path, docs: list[str], column: str = "text", shards: int = 2) -> Path:

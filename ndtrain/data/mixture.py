@@ -54,7 +54,9 @@ class MixturePlan:
         w = np.asarray(weights, dtype=np.float64)
         if w.ndim != 1 or len(w) == 0 or not np.all(np.isfinite(w)) or np.any(w <= 0):
             raise DataError(f"mixture weights {list(weights)}: need one finite weight > 0 per source")
-        self.weights = w / w.sum()  # relative: normalised to sum 1
+        # Relative: normalised to sum 1, and rounded so that weights equal in meaning (7:3 and
+        # 0.7:0.3, whose float sums differ in the last bit) give the same plan.
+        self.weights = np.round(w / w.sum(), 12)
         self.global_batch, self.seed = global_batch, seed
         zero = np.zeros(len(w), dtype=np.int64)
         self._anchors = {0: zero}
