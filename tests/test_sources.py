@@ -76,3 +76,35 @@ def test_text_folder_and_bad_sources(tmp_path):
     (tmp_path / "bad.jsonl.zst").write_bytes(b"not zstd at all")
     with pytest.raises(DataError, match=r"bad.jsonl.zst: cannot read"):
         check_source(tmp_path / "bad.jsonl.zst", "text")
+
+
+def test_token_files_are_split_at_an_end_of_text_and_copied(tmp_path):
+    """A folder of .bin token files (data/shards.py's format) prepares into a directory whose
+    train + val streams are each file's ids, cut after an end-of-text id near 1 − val_fraction."""
+    import numpy as np
+
+    from ndtrain.data.prepare import PreparedData, prepare_data
+    from ndtrain.data.shards import write_shard
+    from ndtrain.data.tokenizer import TextTokenizer
+    tok = TextTokenizer.train(texts(10), 300)
+    tok.save(tmp_path / "tok.json")
+    folder = tmp_path / "ids"
+    folder.mkdir()
+    files = []
+    for k in range(2):
+        ids = np.concatenate([np.asarray(tok.encode(t) + [tok.eot_id]) for t in texts(5, 5 * k)])
+        write_shard(folder / f"part{k}.bin", ids)
+        files.append(ids)
+    with pytest.raises(DataError, match="holds token ids; name the tokenizer"):
+        prepare_data(str(folder), cache_dir=tmp_path / "cache", progress=False)
+    data = PreparedData.open(prepare_data(str(folder), tokenizer=str(tmp_path / "tok.json"), val_fraction=0.3,
+                                          cache_dir=tmp_path / "cache", progress=False, shard_tokens=500))
+    train = np.asarray(data.stream("train").slice(0, data.meta["train_tokens"]))
+    val = np.asarray(data.stream("val").slice(0, data.meta["val_tokens"]))
+    cuts = [int(np.flatnonzero(ids[: int(len(ids) * 0.7) + 1] == tok.eot_id)[-1]) + 1 for ids in files]
+    assert np.array_equal(train, np.concatenate([ids[:c] for ids, c in zip(files, cuts)]))
+    assert np.array_equal(val, np.concatenate([ids[c:] for ids, c in zip(files, cuts)]))
+    assert len(data.meta["train_shards"]) > 1  # copied in shards of 500 ids
+    write_shard(folder / "part2.bin", np.array([1, 2, 400]))
+    with pytest.raises(DataError, match=r"part2.bin: holds token id 400, outside the 300 ids"):
+        prepare_data(str(folder), tokenizer=str(tmp_path / "tok.json"), cache_dir=tmp_path / "cache", progress=False)

@@ -80,6 +80,9 @@ def shared_tokenizer(specs, tokenizer: str, vocab_size: int, val_fraction: float
     prepared = [s for s in specs if _is_prepared_dir(Path(s.path).expanduser())]
     if prepared:
         return str(Path(prepared[0].path).expanduser() / "tokenizer.json")
+    ids = [s.name for s in specs if formats.is_token_source(s.path)]
+    if ids:
+        raise DataError(f"data source {ids[0]!r} holds token ids: name the tokenizer that made them (data.tokenizer)")
     return _train_tokenizer(specs, vocab_size, val_fraction, cache_dir, progress)
 
 

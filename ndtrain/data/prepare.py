@@ -32,6 +32,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ndtrain.data.corpus import STDLIB, is_validation, iter_documents, source_files
 from ndtrain.data.loader import TokenStream
+from ndtrain.data.sources import is_token_source
 from ndtrain.data.shards import DataError, read_shard, write_shard
 from ndtrain.data.tokenizer import TextTokenizer
 
@@ -354,6 +355,9 @@ def prepare_data(
     if shard_tokens < 1:
         raise DataError(f"shard_tokens {shard_tokens}: must be at least 1")
 
+    tokens = source != STDLIB and is_token_source(source)
+    if tokens and not tokenizer:
+        raise DataError(f"source {source}: holds token ids; name the tokenizer that made them (data.tokenizer)")
     name = _cache_name(source, tokenizer, vocab_size, val_fraction, jsonl_key, shard_tokens)
     final = Path(cache_dir).expanduser() / "data" / name
     if final.exists():
@@ -365,7 +369,11 @@ def prepare_data(
         print(f"preparing {what} once: {'BPE tokenizer, ' if not tokenizer else ''}token shards → {final}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=final.parent))
     try:
-        _build(tmp, source, tokenizer, vocab_size, val_fraction, jsonl_key, progress, shard_tokens)
+        if tokens:  # token ids already: split and copied (data/token_files.py)
+            from ndtrain.data.token_files import build_from_tokens
+            build_from_tokens(tmp, source, tokenizer, val_fraction, shard_tokens)
+        else:
+            _build(tmp, source, tokenizer, vocab_size, val_fraction, jsonl_key, progress, shard_tokens)
         os.chmod(tmp, 0o755)  # mkdtemp makes the directory private
         try:
             os.rename(tmp, final)

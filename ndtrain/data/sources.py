@@ -8,7 +8,9 @@ A source is a file or a folder. The formats (docs/data.md):
   (``pyarrow.CompressedInputStream``), so zstd needs no package of its own;
 - ``.parquet``: one document per row, column ``text_key``, streamed a record batch at a
   time (``ParquetFile.iter_batches``) so a shard never sits in memory whole;
-- ``.arrow``: the Arrow IPC files a Hugging Face ``save_to_disk`` writes, read the same way.
+- ``.arrow``: the Arrow IPC files a Hugging Face ``save_to_disk`` writes, read the same way;
+- ``.bin``: token ids already, in the shard format of data/shards.py (token_files.py
+  prepares them: no text, no tokenizer training).
 
 A folder is read as a Hugging Face dataset when it looks like one, else as a folder of
 documents:
@@ -18,6 +20,7 @@ documents:
   that order;
 - any ``.parquet`` or ``.arrow`` file below it (a hub snapshot of parquet shards): those files
   only, sorted; its README.md and JSON metadata are not documents;
+- else any ``.bin`` token file below it: those files, sorted;
 - otherwise every ``.txt``/``.md``/``.py``/JSONL file below it, hidden folders skipped.
 
 A document's key is its file's path relative to the source's root, plus ``:N`` (the line of
@@ -33,12 +36,13 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from ndtrain.data.shards import DataError
+from ndtrain.data.shards import DataError, read_shard
 
 DOCUMENT_SUFFIXES = (".txt", ".md", ".py")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".jsonl.zst")
 COLUMNAR_SUFFIXES = (".parquet", ".arrow")
-ALL_SUFFIXES = DOCUMENT_SUFFIXES + JSONL_SUFFIXES + COLUMNAR_SUFFIXES
+TOKEN_SUFFIX = ".bin"  # token ids already, in the shard format of data/shards.py
+ALL_SUFFIXES = DOCUMENT_SUFFIXES + JSONL_SUFFIXES + COLUMNAR_SUFFIXES + (TOKEN_SUFFIX,)
 CODECS = {".gz": "gzip", ".zst": "zstd"}
 BATCH_ROWS = 1024  # rows per record batch read from a columnar file
 
@@ -81,7 +85,17 @@ def source_files(path: Path) -> list[Path]:
     saved = _saved_dataset_files(path)
     if saved is not None:
         return saved
-    return _walk(path, COLUMNAR_SUFFIXES) or _walk(path, DOCUMENT_SUFFIXES + JSONL_SUFFIXES)
+    return (_walk(path, COLUMNAR_SUFFIXES) or _walk(path, (TOKEN_SUFFIX,))
+            or _walk(path, DOCUMENT_SUFFIXES + JSONL_SUFFIXES))
+
+
+def is_token_source(source: str) -> bool:
+    """Whether a source is token files (``.bin`` shards of token ids) rather than text."""
+    path = Path(source).expanduser()
+    if not path.exists() or (path.is_dir() and (path / "meta.json").is_file()):
+        return False
+    files = source_files(path)
+    return bool(files) and all(f.name.endswith(TOKEN_SUFFIX) for f in files)
 
 
 # ---------------------------------------------------------------------------------------
@@ -164,6 +178,8 @@ def _columnar_documents(path: Path, key: str, text_key: str) -> Iterator[tuple[s
 def file_documents(path: Path, key: str, text_key: str) -> Iterator[tuple[str, str]]:
     """``(key, text)`` for every document of one file of a source."""
     name = path.name
+    if name.endswith(TOKEN_SUFFIX):
+        raise DataError(f"{path}: holds token ids, not text")
     if name.endswith(JSONL_SUFFIXES):
         yield from _jsonl_documents(path, key, text_key)
     elif name.endswith(COLUMNAR_SUFFIXES):
@@ -185,5 +201,8 @@ def check_source(path: Path, text_key: str) -> None:
     first = files[0]
     if not first.is_file():
         raise DataError(f"source {path}: {first} is listed but missing")
+    if first.name.endswith(TOKEN_SUFFIX):
+        read_shard(first)  # its header
+        return
     if first.name.endswith(JSONL_SUFFIXES + COLUMNAR_SUFFIXES):
         next(file_documents(first, first.name, text_key), None)
