@@ -170,12 +170,12 @@ def test_data_path_and_sources_together_are_refused(tmp_path, capsys):
     folder = write_txt_folder(tmp_path / "t", texts(3))
     assert main(["train", f"data.path={folder}", sources_override([{"path": str(folder)}]), "run.device=cpu",
                  f"run.dir={tmp_path / 'run'}"]) == 2
-    assert "data.path = 'set': give data.path or [[data.sources]], not both" in capsys.readouterr().err
+    assert f"data.path = '{folder}': give data.path or [[data.sources]], not both" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
 
 
 def test_sources_in_a_toml_file(tmp_path):
-    from ndtrain.config import load_config, to_toml
+    from ndtrain.config import load_config, to_toml, validate
     toml = tmp_path / "mix.toml"
     toml.write_text('[[data.sources]]\nname = "web"\npath = "fineweb/"\nweight = 0.7\n'
                     '[[data.sources]]\npath = "code.jsonl.zst"\ntext_key = "content"\nweight = 0.3\n'
@@ -185,5 +185,7 @@ def test_sources_in_a_toml_file(tmp_path):
         {"name": "web", "path": "fineweb/", "weight": 0.7, "text_key": "", "repeat": True},
         {"name": "code", "path": "code.jsonl.zst", "weight": 0.3, "text_key": "content", "repeat": False}]
     (tmp_path / "again.toml").write_text(to_toml(cfg))  # a run's config.toml reads back the same
-    assert load_config(tmp_path / "again.toml").data.sources == cfg.data.sources
+    again = load_config(tmp_path / "again.toml")  # with path = "stdlib" written out too
+    assert again.data.sources == cfg.data.sources
+    validate(again, check_paths=False)
     assert Path(tmp_path / "again.toml").read_text().count("sources = [{") == 1

@@ -83,8 +83,9 @@ def test_token_files_are_split_at_an_end_of_text_and_copied(tmp_path):
     train + val streams are each file's ids, cut after an end-of-text id near 1 − val_fraction."""
     import numpy as np
 
-    from ndtrain.data.prepare import PreparedData, prepare_data
+    from ndtrain.data.prepare import PreparedData
     from ndtrain.data.shards import write_shard
+    from ndtrain.data.token_files import prepare_source as prepare_data
     from ndtrain.data.tokenizer import TextTokenizer
     tok = TextTokenizer.train(texts(10), 300)
     tok.save(tmp_path / "tok.json")

@@ -20,8 +20,9 @@ from pathlib import Path
 
 from ndtrain.data import sources as formats
 from ndtrain.data.mixture import PreparedMixture, Source
-from ndtrain.data.prepare import FORMAT, PreparedData, _is_prepared_dir, _plan_split, _source_identity, prepare_data
+from ndtrain.data.prepare import FORMAT, PreparedData, _is_prepared_dir, _plan_split, _source_identity
 from ndtrain.data.shards import DataError
+from ndtrain.data.token_files import prepare_source
 from ndtrain.data.tokenizer import TextTokenizer
 
 
@@ -95,7 +96,7 @@ def prepare_mixture(specs: Sequence[SourceSpec], tokenizer: str = "", vocab_size
     paths = []
     for s in specs:
         try:
-            paths.append(prepare_data(source=s.path, tokenizer=tok, vocab_size=vocab_size, val_fraction=val_fraction,
+            paths.append(prepare_source(s.path, tokenizer=tok, vocab_size=vocab_size, val_fraction=val_fraction,
                                       cache_dir=cache_dir, jsonl_key=s.text_key, progress=progress))
         except DataError as e:
             raise DataError(f"data source {s.name!r}: {e}") from None

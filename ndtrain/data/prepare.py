@@ -32,7 +32,6 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from ndtrain.data.corpus import STDLIB, is_validation, iter_documents, source_files
 from ndtrain.data.loader import TokenStream
-from ndtrain.data.sources import is_token_source
 from ndtrain.data.shards import DataError, read_shard, write_shard
 from ndtrain.data.tokenizer import TextTokenizer
 
@@ -340,12 +339,14 @@ def prepare_data(
     jsonl_key: str = "text",
     progress: bool = True,
     shard_tokens: int = 1 << 24,
+    build_tokens=None,
 ) -> Path:
     """Return a prepared directory for ``source``, building it only if the cache lacks it.
 
     ``source`` is ``"stdlib"``, a corpus file or directory, or an already prepared
     directory (returned as is). ``tokenizer`` is a ``tokenizer.json`` to use, or ``""``
     to train a byte-level BPE of ``vocab_size`` on the training documents.
+    ``build_tokens``: a source of token files is prepared by it (token_files.prepare_source).
     """
     source = str(source)
     if source != STDLIB and _is_prepared_dir(Path(source).expanduser()):
@@ -355,8 +356,7 @@ def prepare_data(
     if shard_tokens < 1:
         raise DataError(f"shard_tokens {shard_tokens}: must be at least 1")
 
-    tokens = source != STDLIB and is_token_source(source)
-    if tokens and not tokenizer:
+    if build_tokens is not None and not tokenizer:
         raise DataError(f"source {source}: holds token ids; name the tokenizer that made them (data.tokenizer)")
     name = _cache_name(source, tokenizer, vocab_size, val_fraction, jsonl_key, shard_tokens)
     final = Path(cache_dir).expanduser() / "data" / name
@@ -369,9 +369,8 @@ def prepare_data(
         print(f"preparing {what} once: {'BPE tokenizer, ' if not tokenizer else ''}token shards → {final}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=final.parent))
     try:
-        if tokens:  # token ids already: split and copied (data/token_files.py)
-            from ndtrain.data.token_files import build_from_tokens
-            build_from_tokens(tmp, source, tokenizer, val_fraction, shard_tokens)
+        if build_tokens is not None:  # token ids already: split and copied (data/token_files.py)
+            build_tokens(tmp, source, tokenizer, val_fraction, shard_tokens)
         else:
             _build(tmp, source, tokenizer, vocab_size, val_fraction, jsonl_key, progress, shard_tokens)
         os.chmod(tmp, 0o755)  # mkdtemp makes the directory private

@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
-from ndtrain.data.prepare import FORMAT, SPLITS, VERSION, _ShardWriter, unigram_loss
+from ndtrain.data.prepare import FORMAT, SPLITS, STDLIB, VERSION, _ShardWriter, prepare_data, unigram_loss
 from ndtrain.data.shards import DataError, read_shard
-from ndtrain.data.sources import source_files
+from ndtrain.data.sources import is_token_source, source_files
 from ndtrain.data.tokenizer import TextTokenizer
 
 SCAN = 1 << 20  # tokens looked at a time, backwards, for the cut's end-of-text id
@@ -65,3 +65,10 @@ def build_from_tokens(out: Path, source: str, tokenizer: str, val_fraction: floa
         "unigram_val_loss": unigram_loss(writers["train"].counts, writers["val"].counts),
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+
+
+def prepare_source(source: str, **kwargs) -> Path:
+    """`prepare.prepare_data` for any source: token files are split and copied
+    (`build_from_tokens`), text is tokenized."""
+    tokens = str(source) != STDLIB and is_token_source(str(source))
+    return prepare_data(source, **kwargs, build_tokens=build_from_tokens if tokens else None)

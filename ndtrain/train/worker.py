@@ -13,7 +13,8 @@ from ndtrain import supervisor
 from ndtrain.checkpoint import hf_files
 from ndtrain.data.mix_prepare import SourceSpec, open_mixture, prepare_mixture
 from ndtrain.data.mixture import PreparedMixture
-from ndtrain.data.prepare import PreparedData, prepare_data
+from ndtrain.data.prepare import PreparedData
+from ndtrain.data.token_files import prepare_source
 from ndtrain.launch import init_process, set_collective_timeout, shutdown
 from ndtrain.mesh import MeshShape, ParallelMesh
 
@@ -35,7 +36,7 @@ def prepare(cfg: config_mod.Config, progress: bool) -> PreparedData | PreparedMi
     d = cfg.data
     if d.sources:
         return prepare_mixture(source_specs(cfg), d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir, progress)
-    return PreparedData.open(prepare_data(source=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+    return PreparedData.open(prepare_source(d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
                                           val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key,
                                           progress=progress))
 
