@@ -141,6 +141,12 @@ def test_train_records_source_tokens_and_val_loss_per_source(mix, capsys):
                f"{last[f'val_loss.{name}']:.4f}" in out
     summary = json.loads((run / "summary.json").read_text())
     assert summary["source_tokens"] == records[-1]["source_tokens"]
+    from ndtrain.cli import main  # `ndtrain prepare` names each source's directory (cached now)
+    assert main(["prepare", sources_override(sources), "data.vocab_size=400", "data.val_fraction=0.2",
+                 f"data.cache_dir={root / 'cache'}", "run.progress=false"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(":")[0] for line in out.splitlines() if line.startswith("prepared")] == \
+        ["prepared source web", "prepared source code", "prepared source notes"]
     # a resume keeps its sources
     changed = [dict(s, weight=0.1) if s["name"] == "web" else s for s in sources]
     assert _train(root, changed, ["train.steps=6", f"run.dir={run}"]) == 2

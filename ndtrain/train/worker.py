@@ -15,7 +15,7 @@ from ndtrain.data.mix_prepare import SourceSpec, open_mixture, prepare_mixture
 from ndtrain.data.mixture import PreparedMixture
 from ndtrain.data.prepare import PreparedData
 from ndtrain.data.token_files import prepare_source
-from ndtrain.launch import init_process, set_collective_timeout, shutdown
+from ndtrain.launch import init_process, set_collective_timeout, shutdown, warn
 from ndtrain.mesh import MeshShape, ParallelMesh
 
 
@@ -115,8 +115,10 @@ def _train(cfg: config_mod.Config, run_dir: str, data_dir: str | None, before_fi
         data = open_prepared(cfg, data_dir) if data_dir else prepare_on_each_node(cfg, env.local_rank)
         resolve_vocab(cfg, data)
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        trainer = Trainer(cfg, mesh, Pretrain(cfg, data), Path(run_dir), local_world=env.local_world,
-                          control=control)
+        task = Pretrain(cfg, data)
+        if not data_dir:  # torchrun: the command line did not say it (launch.warn: rank 0 only)
+            warn(task.notes)
+        trainer = Trainer(cfg, mesh, task, Path(run_dir), local_world=env.local_world, control=control)
         set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
         trainer.start()
         if env.rank == 0:
