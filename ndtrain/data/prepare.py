@@ -305,9 +305,13 @@ def _build(out: Path, source: str, tokenizer: str, vocab_size: int, val_fraction
                 chunk = []
         _encode_chunk(tok, chunk, writers)
         bar.advance(task, len(chunk))
+    write_meta(out, tok, writers, source)
+
+
+def write_meta(out: Path, tok: TextTokenizer, writers: dict, source: str) -> None:
+    """Close the splits' writers and write meta.json: the last file of a prepared directory."""
     for w in writers.values():
         w.close()
-
     meta = {
         "format": FORMAT, "version": VERSION, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
         "train_tokens": writers["train"].total, "val_tokens": writers["val"].total,

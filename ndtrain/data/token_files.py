@@ -10,12 +10,11 @@ training split. Every id must lie below the tokenizer's vocabulary.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from ndtrain.data.prepare import FORMAT, SPLITS, STDLIB, VERSION, _ShardWriter, prepare_data, unigram_loss
+from ndtrain.data.prepare import SPLITS, STDLIB, _ShardWriter, prepare_data, write_meta
 from ndtrain.data.shards import DataError, read_shard
 from ndtrain.data.sources import is_token_source, source_files
 from ndtrain.data.tokenizer import TextTokenizer
@@ -55,16 +54,7 @@ def build_from_tokens(out: Path, source: str, tokenizer: str, val_fraction: floa
                     raise DataError(f"{path}: holds token id {top}, outside the {tok.vocab_size} ids of "
                                     f"tokenizer {tokenizer}")
                 writers[split].add(chunk)
-    for w in writers.values():
-        w.close()
-    meta = {
-        "format": FORMAT, "version": VERSION, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
-        "train_tokens": writers["train"].total, "val_tokens": writers["val"].total,
-        "train_shards": writers["train"].names, "val_shards": writers["val"].names,
-        "source": str(Path(source).expanduser().resolve()),
-        "unigram_val_loss": unigram_loss(writers["train"].counts, writers["val"].counts),
-    }
-    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+    write_meta(out, tok, writers, source)
 
 
 def prepare_source(source: str, **kwargs) -> Path:
