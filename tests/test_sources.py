@@ -36,6 +36,10 @@ def test_parquet_folder_streams_row_groups_in_order(tmp_path):
         _texts(folder)
     with pytest.raises(DataError, match=r"column 'id' holds int64, not text"):
         _texts(folder, "id")
+    check_source(folder, "content")
+    write_parquet_folder(tmp_path / "pq" / "more", texts(4), column="body", shards=1)  # a later shard lacks it
+    with pytest.raises(DataError, match=r"more/train-00000-of-00001.parquet: no column 'content'"):
+        check_source(folder, "content")
 
 
 def test_hub_snapshot_reads_parquet_below_it_only(tmp_path):

@@ -193,16 +193,15 @@ def file_documents(path: Path, key: str, text_key: str) -> Iterator[tuple[str, s
 
 def check_source(path: Path, text_key: str) -> None:
     """Cheap checks before anything is prepared: the source exists and holds readable files,
-    and its first file has the text field (a columnar file's schema, a JSONL file's first
-    record). Raises DataError naming the file."""
+    and each file has the text field (a columnar file's schema, a JSONL file's first
+    record) or, a token file, a sound header. Raises DataError naming the file."""
     files = source_files(path)
     if not files:
         raise DataError(f"source {path}: holds no {', '.join(ALL_SUFFIXES)} file")
-    first = files[0]
-    if not first.is_file():
-        raise DataError(f"source {path}: {first} is listed but missing")
-    if first.name.endswith(TOKEN_SUFFIX):
-        read_shard(first)  # its header
-        return
-    if first.name.endswith(JSONL_SUFFIXES + COLUMNAR_SUFFIXES):
-        next(file_documents(first, first.name, text_key), None)
+    for f in files:
+        if not f.is_file():
+            raise DataError(f"source {path}: {f} is listed but missing")
+        if f.name.endswith(TOKEN_SUFFIX):
+            read_shard(f)
+        elif f.name.endswith(JSONL_SUFFIXES + COLUMNAR_SUFFIXES):
+            next(file_documents(f, f.name, text_key), None)
