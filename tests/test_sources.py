@@ -113,3 +113,12 @@ def test_token_files_are_split_at_an_end_of_text_and_copied(tmp_path):
     write_shard(folder / "part2.bin", np.array([1, 2, 400]))
     with pytest.raises(DataError, match=r"part2.bin: holds token id 400, outside the 300 ids"):
         prepare_data(str(folder), tokenizer=str(tmp_path / "tok.json"), cache_dir=tmp_path / "cache", progress=False)
+
+
+def test_a_bad_data_path_is_one_line_and_writes_nothing(tmp_path, capsys):
+    from ndtrain.cli import main
+    folder = write_parquet_folder(tmp_path / "pq", texts(6), column="content")
+    assert main(["prepare", f"data.path={folder}", f"data.cache_dir={tmp_path / 'cache'}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no column 'text' (the source's text_key); its columns are content, id" in err[0]
+    assert not (tmp_path / "cache").exists()

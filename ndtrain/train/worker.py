@@ -14,6 +14,7 @@ from ndtrain.checkpoint import hf_files
 from ndtrain.data.mix_prepare import SourceSpec, open_mixture, prepare_mixture
 from ndtrain.data.mixture import PreparedMixture
 from ndtrain.data.prepare import PreparedData
+from ndtrain.data.sources import check_source
 from ndtrain.data.token_files import prepare_source
 from ndtrain.launch import init_process, set_collective_timeout, shutdown, warn
 from ndtrain.mesh import MeshShape, ParallelMesh
@@ -36,6 +37,8 @@ def prepare(cfg: config_mod.Config, progress: bool) -> PreparedData | PreparedMi
     d = cfg.data
     if d.sources:
         return prepare_mixture(source_specs(cfg), d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir, progress)
+    if d.path != "stdlib" and not config_mod.is_prepared_folder(d.path):  # before anything is written
+        check_source(Path(d.path).expanduser().resolve(), d.jsonl_key)
     return PreparedData.open(prepare_source(d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
                                           val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key,
                                           progress=progress))
