@@ -35,7 +35,7 @@ def test_apportioned_counts_stay_within_two_rows_of_their_targets():
         plan = MixturePlan(w, g, seed=0)
         counts = np.zeros(s, dtype=np.int64)
         for step in range(120):
-            q = apportion(plan.weights * ((step + 1) * g) - counts, g)
+            q = np.asarray(apportion(plan.weights * ((step + 1) * g) - counts, g))
             assert q.min() >= 0 and q.sum() == g
             counts += q
             worst = max(worst, float(np.abs(counts - plan.weights * (step + 1) * g).max()))

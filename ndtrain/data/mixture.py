@@ -22,6 +22,7 @@ step by step from the last step asked for (or the nearest anchor kept every
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,15 +36,19 @@ MIX_KEY = 0x6D6978  # "mix": the random stream of each step's row order
 ANCHOR_EVERY = 4096
 
 
-def apportion(deficit: np.ndarray, total: int) -> np.ndarray:
+def apportion(deficit: Sequence[float], total: int) -> list[int]:
     """Non-negative integers summing to `total`, each as close to its `deficit` as the sum
     allows: the floors, then one more for the largest remaining deficits (one fewer for the
-    smallest, when floors of several sources already over-serve)."""
-    q = np.maximum(np.floor(deficit), 0).astype(np.int64)
-    while q.sum() < total:
-        q[int(np.argmax(deficit - q))] += 1
-    while q.sum() > total:
-        q[int(np.argmin(np.where(q > 0, deficit - q, np.inf)))] -= 1
+    smallest, when floors of several sources already over-serve). Plain Python floats (IEEE
+    doubles, as numpy's): a few sources cost less this way than numpy's per-call overhead."""
+    q = [max(math.floor(d), 0) for d in deficit]
+    left = total - sum(q)
+    while left > 0:
+        j = max(range(len(q)), key=lambda i: deficit[i] - q[i])
+        q[j], left = q[j] + 1, left - 1
+    while left < 0:
+        j = min((i for i in range(len(q)) if q[i] > 0), key=lambda i: deficit[i] - q[i])
+        q[j], left = q[j] - 1, left + 1
     return q
 
 
@@ -57,29 +62,36 @@ class MixturePlan:
         # Relative: normalised to sum 1, and rounded so that weights equal in meaning (7:3 and
         # 0.7:0.3, whose float sums differ in the last bit) give the same plan.
         self.weights = np.round(w / w.sum(), 12)
+        self._w = [float(x) for x in self.weights]
         self.global_batch, self.seed = global_batch, seed
-        zero = np.zeros(len(w), dtype=np.int64)
+        zero = (0,) * len(w)
         self._anchors = {0: zero}
         self._last = (0, zero)
 
-    def quota(self, step: int, before: np.ndarray) -> np.ndarray:
-        """Rows per source in step `step`, given the counts `before` it."""
-        target = self.weights * ((step + 1) * self.global_batch)
-        return apportion(target - before, self.global_batch)
+    def _quota(self, step: int, before: Sequence[int]) -> list[int]:
+        target = (step + 1) * self.global_batch
+        return apportion([w * target - c for w, c in zip(self._w, before)], self.global_batch)
 
-    def counts(self, step: int) -> np.ndarray:
-        """Rows each source served in steps 0..step−1."""
+    def quota(self, step: int, before: Sequence[int]) -> np.ndarray:
+        """Rows per source in step `step`, given the counts `before` it."""
+        return np.asarray(self._quota(step, before), dtype=np.int64)
+
+    def _counts(self, step: int) -> tuple[int, ...]:
         s, c = self._last
         if step < s:
             s = step // ANCHOR_EVERY * ANCHOR_EVERY
             c = self._anchors[s]
         while s < step:
-            c = c + self.quota(s, c)
+            c = tuple(a + b for a, b in zip(c, self._quota(s, c)))
             s += 1
             if s % ANCHOR_EVERY == 0:
                 self._anchors.setdefault(s, c)
         self._last = (s, c)
         return c
+
+    def counts(self, step: int) -> np.ndarray:
+        """Rows each source served in steps 0..step−1."""
+        return np.asarray(self._counts(step), dtype=np.int64)
 
     def step_sources(self, step: int) -> np.ndarray:
         """The source of each of the global batch's rows of `step`."""
