@@ -17,7 +17,9 @@ STEPS = FP64 + ["train.steps=8", "train.save_every=4"]
 DP2 = ["parallel.dp=2"]
 LAYOUTS = {"pp2": (2, ["parallel.pp=2", "train.micro_batch=4"]),
            "dp4": (4, ["parallel.dp=4"]),
-           "pp2 x dp2": (4, ["parallel.pp=2", "parallel.dp=2", "train.micro_batch=2"])}
+           "pp2 x dp2": (4, ["parallel.pp=2", "parallel.dp=2", "train.micro_batch=2"]),
+           "cp2 zero3": (2, ["parallel.cp=2", "parallel.zero=3"]),
+           "tp2": (2, ["parallel.tp=2"])}
 
 
 @pytest.fixture(scope="module")
@@ -102,5 +104,5 @@ def test_mixture_resumes_dp2_to_pp2_exactly(mixture, tmp_path):
 
 
 @pytest.mark.slow
-def test_mixture_resumes_dp2_to_dp4_and_pp2_x_dp2_exactly(mixture, tmp_path):
-    _elastic(["dp4", "pp2 x dp2"], mixture, tmp_path)
+def test_mixture_resumes_dp2_to_dp4_pp2_x_dp2_cp2_and_tp2_exactly(mixture, tmp_path):
+    _elastic(["dp4", "pp2 x dp2", "cp2 zero3", "tp2"], mixture, tmp_path)
