@@ -61,6 +61,11 @@ def test_save_to_disk_folders(tmp_path):
     write_saved_dataset(dd / "test", docs[9:])
     (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["train", "test"]}))
     assert _texts(dd) == docs[:9]
+    import pyarrow as pa  # an Arrow file in the random-access format rather than the stream
+    table = pa.table({"text": docs[:3]})
+    with pa.OSFile(str(tmp_path / "f.arrow"), "wb") as sink, pa.ipc.new_file(sink, table.schema) as w:
+        w.write_table(table, max_chunksize=2)
+    assert _texts(tmp_path / "f.arrow") == docs[:3]
     (dd / "dataset_dict.json").write_text(json.dumps({"splits": ["validation"]}))
     with pytest.raises(DataError, match="without a 'train' split"):
         _texts(dd)
