@@ -142,7 +142,7 @@ def from_hf(folder: Path, run: Path) -> Path:
     cfg = config_mod.Config()
     for key in SHAPE_KEYS + ("max_seq_len",) + (MOE_KEYS if args.is_moe else ()):
         setattr(cfg.model, key, config_mod.model_key_value(args, key))
-    run.mkdir(parents=True, exist_ok=True)
+    (run / "checkpoints").mkdir(parents=True, exist_ok=True)  # first: it marks an ndtrain run (config/paths.py)
     if (Path(folder) / "tokenizer.json").is_file():
         shutil.copyfile(Path(folder) / "tokenizer.json", run / "tokenizer.json")
         cfg.data.tokenizer = str((run / "tokenizer.json").resolve())

@@ -19,6 +19,11 @@ at it and prune older ones. A crash at any moment (a machine's included: nothing
 before its bytes are on the disk) leaves the previous good checkpoints complete, and at most
 a `.tmp` folder, which the next save removes.
 
+A write that fails (a full disk: ENOSPC, a quota: EDQUOT, any other OSError) raises
+`CheckpointWriteError`, one line naming the path and, for a full disk, the bytes this
+rank's share needs and the bytes free; the failing rank removes its partial file, `latest`
+still names the previous good checkpoint, and the trainer stops (train/trainer.py).
+
 Checking (`problem`): meta.json must parse and be of this format, every file must exist
 with its recorded size (cheap, before anything heavier), and its SHA-256 must match (each
 file hashed by one rank). `select` walks the checkpoints from the newest and takes the
@@ -27,6 +32,7 @@ first that passes, naming the file that disqualified each one it skips.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -46,6 +52,25 @@ _STEP = re.compile(r"step_(\d+)")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk); the previous ones are untouched."""
+
+
+def write_error(e: OSError, path: Path, need: int, step: int) -> CheckpointWriteError:
+    """One line for a failed write of `path`, where this rank's share needs `need` bytes."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        probe = Path(path)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
+        return CheckpointWriteError(f"step {step}: no space left on the device writing {path}: this rank's share "
+                                    f"of the checkpoint needs {need:,} bytes, {free:,} are free; the previous "
+                                    "checkpoints are kept (free space, or lower train.keep_checkpoints, and run "
+                                    "the command again to continue)")
+    return CheckpointWriteError(f"step {step}: writing {path} failed ({e.strerror or e}); the previous checkpoints "
+                                "are kept")
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -159,23 +184,20 @@ def save(run_dir: Path, step: int, entries: list[tuple[str, Piece, torch.Tensor]
     if rank == 0 and tmp.exists():
         shutil.rmtree(tmp)
     _barrier()
-    tmp.mkdir(parents=True, exist_ok=True)
-    index, files = [], {}
-    if entries:
-        name = f"rank-{rank:05d}.safetensors"
-        plan = [(key, data.dtype, (data.numel(),), lambda d=data: d) for key, _, data in entries]
-        size, digest = write_safetensors(tmp / name, plan, {"format": FORMAT})
-        files[name] = {"bytes": size, "sha256": digest}
-        index = [(key, name, piece, DTYPES[data.dtype]) for key, piece, data in entries]
+    index, files = _write_share(tmp, rank, step, entries)
     gathered = [None] * world
     if world > 1:
         dist.all_gather_object(gathered, (index, files))  # after it, every rank's file is on the disk
     else:
         gathered = [(index, files)]
     if rank == 0:
-        write_durably(tmp / "meta.json", json.dumps(_meta(step, meta, gathered), indent=1))
-        fsync_dir(tmp)
-        _publish(tmp, final)
+        text = json.dumps(_meta(step, meta, gathered), indent=1)
+        try:
+            write_durably(tmp / "meta.json", text)
+            fsync_dir(tmp)
+            _publish(tmp, final)
+        except OSError as e:
+            raise write_error(e, Path(e.filename or tmp / "meta.json"), len(text), step) from None
     _barrier()
     reason = problem(final)  # collective: what a resume would check, read back from the disk
     if reason is not None:
@@ -183,12 +205,33 @@ def save(run_dir: Path, step: int, entries: list[tuple[str, Piece, torch.Tensor]
                               "the previous checkpoints are kept")
     if rank == 0:
         pointer = final.parent / "latest.partial"
-        write_durably(pointer, final.name + "\n")
+        try:
+            write_durably(pointer, final.name + "\n")
+        except OSError as e:  # the new checkpoint is complete and checked: a resume finds it by its name
+            raise write_error(e, pointer, len(final.name) + 1, step) from None
         os.replace(pointer, final.parent / "latest")
         fsync_dir(final.parent)
         prune(run_dir, step, keep)
     _barrier()
     return final
+
+
+def _write_share(tmp: Path, rank: int, step: int, entries: list) -> tuple[list, dict]:
+    """This rank's file in `tmp`: its index entries and {name: size and SHA-256}. A failed
+    write removes the partial file and raises CheckpointWriteError."""
+    name = f"rank-{rank:05d}.safetensors"
+    need = sum(data.numel() * data.element_size() for _, _, data in entries)
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        if not entries:
+            return [], {}
+        plan = [(key, data.dtype, (data.numel(),), lambda d=data: d) for key, _, data in entries]
+        size, digest = write_safetensors(tmp / name, plan, {"format": FORMAT})
+    except OSError as e:
+        (tmp / name).unlink(missing_ok=True)
+        raise write_error(e, Path(e.filename or tmp / name), need, step) from None
+    index = [(key, name, piece, DTYPES[data.dtype]) for key, piece, data in entries]
+    return index, {name: {"bytes": size, "sha256": digest}}
 
 
 def _meta(step: int, meta: dict, gathered: list) -> dict:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 def cmd_convert(args) -> int:
     from ndtrain.checkpoint.convert import from_hf, to_hf
-    from ndtrain.config import ConfigError
+    from ndtrain.config import ConfigError, check_run_folder, check_writable_dir
     if bool(args.from_hf) == bool(args.to_hf):
         raise ConfigError("convert", "--from-hf / --to-hf", "give exactly one of --from-hf DIR --to RUN_DIR "
                           "and --to-hf RUN_DIR --out DIR")
@@ -17,6 +17,8 @@ def cmd_convert(args) -> int:
             raise ConfigError("--to", None, "--from-hf needs --to RUN_DIR, the run directory to create")
         if not Path(args.from_hf).is_dir():
             raise ConfigError("--from-hf", args.from_hf, "directory does not exist")
+        check_writable_dir("--to", args.to)
+        check_run_folder("--to", args.to)
         path = from_hf(Path(args.from_hf), Path(args.to))
         print(f"converted {args.from_hf} → {path}\ntrain from it with  ndtrain train model.init_from=run:{args.to}")
         return 0

@@ -29,10 +29,17 @@ examples:
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain train --nproc 4 parallel.tp=2 run.dir=runs/x   resume runs/x on another layout (any layout reads any checkpoint)
   ndtrain train --nproc 2 model.init_from=hf:DIR data.path=my.jsonl   start from a Hugging Face Llama/Qwen model
+  ndtrain train --config mix.toml                pretrain on [[data.sources]]: parquet folders, .jsonl.zst, text, token
+                                                 files, each with a weight (docs/data.md)
   ndtrain convert --to-hf runs/x --out hf/x      export a run as a Hugging Face model folder
   ndtrain checkpoint inspect runs/x              steps, layout, tensors and bytes per rank of a run's checkpoints
   ndtrain train --nproc 4 run.max_restarts=3 train.save_every=20   restart every rank (from the last good
-                                                 checkpoint) when one dies or hangs; Ctrl-C saves, then exits
+                                                 checkpoint) when one dies or hangs
+  Ctrl-C or SIGTERM (timeout, systemd, scancel, Kubernetes): every rank saves a checkpoint within train.log_every
+                                                 steps (an RL rollout is cut short at once), exit 130 or 143, and the
+                                                 command that continues the run is printed (with run.dir= added)
+  run.dir=DIR                                    a new or empty folder, or an ndtrain run, which is continued; any
+                                                 other folder (your own files in it) is refused, nothing written
   ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
   ndtrain trace --nproc 2 parallel.cp=2 train.seq_len=512      context-parallel ring steps and their overlap
   ndtrain bench dp                               our DP against torch DDP, side by side
@@ -144,7 +151,8 @@ def _add_trace(sub) -> None:
                                    "of the last step as ring-trace.json and ring.png, and the share of message time "
                                    "hidden behind attention compute. Writes no checkpoint.")
     _with_nproc(p)
-    p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>)")
+    p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>): a new or empty "
+                                                "folder, or an earlier run's or trace's")
     p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default 3)")
     _with_config(p)
 
@@ -172,10 +180,12 @@ def _add_plan(sub) -> None:
                                                           "included, over the peak)")
     p.add_argument("--hfu-tflops", type=float, metavar="X", help="an achieved hardware TFLOP/s per GPU, recomputation "
                                                                  "included (Megatron's published rates)")
-    p.add_argument("--tokens", metavar="N", help="tokens to train on (e.g. 15T, 300B, 2e12): prints the days")
+    p.add_argument("--tokens", metavar="N", help="tokens to train on (e.g. 15T, 300B, 2e12; positive and finite): "
+                                                 "prints the days")
     p.add_argument("--moe-imbalance", type=float, metavar="X", help="mixture of experts: the busiest rank's routed "
                                                                     "slots over the average (default 1: balanced)")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table (strict JSON: a value "
+                                                       "that is not finite is null)")
     p.add_argument("--search", action="store_true", help="list the fastest layouts that fit (model, batch, "
                                                           "sequence and precision as configured)")
     p.add_argument("--top", type=int, default=10, metavar="K", help="--search: how many layouts (default 10)")
@@ -192,7 +202,8 @@ def _add_convert(sub) -> None:
                                    "files with the chat template, generation_config.json), in the family and dtype "
                                    "the model came from. Supported families and what is refused: docs/hf.md.")
     p.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model folder (config.json, *.safetensors)")
-    p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
+    p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create (a new or empty "
+                                                   "folder; another folder is refused)")
     p.add_argument("--to-hf", metavar="RUN_DIR", help="an ndtrain run directory (or one checkpoint folder)")
     p.add_argument("--out", metavar="DIR", help="with --to-hf: the HF model folder to write")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
@@ -270,4 +281,5 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    args.argv = argv  # the command line, for the command that continues a stopped run
     return args

@@ -3,6 +3,7 @@ best layouts that fit. Nothing starts, nothing is written."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from ndtrain.config import ConfigError, load_config
@@ -13,9 +14,10 @@ _SCALE = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 def parse_tokens(text: str) -> float:
     """"15T", "300B", "2e12" → a number of tokens."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:[eE]\d+)?)\s*([KMBGT]?)\s*", text.upper())
-    if not m or float(m.group(1)) <= 0:
-        raise ConfigError("--tokens", text, "expected a positive number of tokens, e.g. 2e12, 300B or 15T")
-    return float(m.group(1)) * _SCALE[m.group(2)]
+    tokens = float(m.group(1)) * _SCALE[m.group(2)] if m else 0.0
+    if not 0 < tokens < math.inf:
+        raise ConfigError("--tokens", text, "expected a positive, finite number of tokens, e.g. 2e12, 300B or 15T")
+    return tokens
 
 
 def given_rate(args):
@@ -75,8 +77,7 @@ def moe_imbalance(args, cfg) -> float:
 
 
 def _search(cfg, cluster, args, tokens, fp8, imbalance) -> int:
-    import json
-
+    from ndtrain.observe.metrics import strict_json
     from ndtrain.plan.planner import plan_config
     from ndtrain.plan.search import render, search
 
@@ -97,7 +98,7 @@ def _search(cfg, cluster, args, tokens, fp8, imbalance) -> int:
                           f"per rank found is {smallest_text}, the device has {device.usable_memory / 2**30:,.1f} GiB "
                           f"(less {device.headroom:.0%} headroom)")
     if args.json:
-        print(json.dumps([{"overrides": f.overrides, **f.plan.as_json()} for f in found]))
+        print(strict_json([{"overrides": f.overrides, **f.plan.as_json()} for f in found]))
     else:
         print(render(found, device, gpus))
     return 0

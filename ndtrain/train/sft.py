@@ -32,6 +32,7 @@ from ndtrain.data.template import BuiltinTemplate, HFTemplate
 from ndtrain.data.tokenizer import TextTokenizer
 from ndtrain.generate.sampler import sample
 from ndtrain.model.llama import Transformer
+from ndtrain.observe.metrics import strict_json
 from ndtrain.parallel.states import load_unique_state
 from ndtrain.train.tasks import Task, load_function
 
@@ -162,7 +163,7 @@ def fine_tune(trainer, task: SFT, data: SFTData, cfg: Config, run: Path | None) 
         if trainer.is_logger and cfg.run.progress:
             print(f"base model: validation loss {task.baseline:.4f} nats per answer token", flush=True)
         if base_file is not None and trainer.is_logger:
-            base_file.write_text(json.dumps({"val_loss": task.baseline}) + "\n")
+            base_file.write_text(strict_json({"val_loss": task.baseline}) + "\n")
     elif base_file is not None and base_file.is_file():
         task.baseline = json.loads(base_file.read_text())["val_loss"]
     summary = trainer.fit(stop_after=cfg.run.stop_after)
@@ -179,7 +180,7 @@ def fine_tune(trainer, task: SFT, data: SFTData, cfg: Config, run: Path | None) 
         with torch.no_grad():
             summary.update(answer_held_out(model, data, cfg))
     if run is not None:
-        (run / "summary.json").write_text(json.dumps(summary, indent=1))
+        (run / "summary.json").write_text(strict_json(summary, indent=1))
     return summary
 
 

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from ndtrain import supervisor
 from ndtrain.checkpoint import layout, sources, store
 from ndtrain.checkpoint.resume import check_resume_config
-from ndtrain.checkpoint.store import CheckpointError
+from ndtrain.checkpoint.store import CheckpointError, CheckpointWriteError
 from ndtrain.comm.ops import all_reduce_bookkeeping, all_reduce_scalars
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
@@ -26,7 +26,7 @@ from ndtrain.mesh import DIMS, ParallelMesh
 from ndtrain.model.args import flops_per_token
 from ndtrain.deferred import Lazy, settle
 from ndtrain.observe.memory import per_rank_table
-from ndtrain.observe.metrics import MetricsLog, read_metrics
+from ndtrain.observe.metrics import MetricsLog, read_metrics, strict_json
 from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss, plot_moe_load
 from ndtrain.observe.progress import TrainProgress
@@ -34,14 +34,11 @@ from ndtrain.parallel import context, fp8
 from ndtrain.parallel.parallelize import Parallelized, build
 from ndtrain.parallel.precision import LossScaleExhausted, LossScaler
 from ndtrain.train.optim import lr_at
+from ndtrain.train.errors import TrainingError
 from ndtrain.train.step import TrainStep
 from ndtrain.train.tasks import StepData, Task
 
 STOP_TIME, STOP_SIGNAL = 1, 2  # why the ranks agreed to stop early (Trainer.stop_agreed): the larger wins
-
-
-class TrainingError(RuntimeError):
-    """A runtime fault of the run itself (divergence, bad resume): shown without traceback."""
 
 
 class Trainer:
@@ -191,14 +188,14 @@ class Trainer:
         return Lazy(lambda t: {k: [int(row[i]) for row in t.tolist()] for i, k in enumerate(mine)}, (table,))
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, split: str = "val") -> float:
         """Mean loss per target over the task's fixed validation batches (`train.eval_batches`,
-        or fewer if the task has fewer)."""
+        or fewer if the task has fewer) of `split` (a mixture's: val.<source>)."""
         self.par.model.eval()
         total, count = 0.0, 0
         for k in range(self.task.eval_batches(self.cfg.train.eval_batches)):
             supervisor.heartbeat()
-            batch = self.local_batch("val", k)
+            batch = self.local_batch(split, k)
             total += float(self.par.evaluate(batch.micro_batches))
             count += batch.n_targets
         self.par.model.train()
@@ -227,11 +224,12 @@ class Trainer:
                 try:
                     window.append(self.train_step(step))
                 except LossScaleExhausted as e:
-                    if window:  # the steps before it keep their lines
-                        self.settle_records(window, time.perf_counter())
-                        self._check(window)
-                        self._write(window)
+                    self._flush(window)  # the steps before it keep their lines
                     raise TrainingError(f"step {step}: {e}; stopping ({self._last_checkpoint()})") from None
+                except supervisor.Interrupted:  # every rank: a rollout cut short; this step is redone on resume
+                    self._flush(window)
+                    self.stopped = True
+                    break
                 self.step = step + 1
                 due = (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
                 save = t.save_every and self.step % t.save_every == 0 and self.step != stop
@@ -240,13 +238,16 @@ class Trainer:
                 self.settle_records(window, time.perf_counter())
                 self._check(window)
                 if due:
-                    window[-1].update(self.task.evaluate(self))
-                done = due and self.task.done(window[-1])  # every rank evaluated alike: they agree
+                    try:
+                        window[-1].update(self.task.evaluate(self))
+                    except supervisor.Interrupted:  # the evaluation's rollout: the step itself is done
+                        self.stopped = True
+                done = due and not self.stopped and self.task.done(window[-1])  # every rank evaluated alike
                 self._write(window)
                 window = []
                 if save:
                     saved = self.save()
-                if done:
+                if done or self.stopped:
                     break
                 asked = self.stop_agreed(out_of_time=time.monotonic() > deadline)
                 if asked:
@@ -260,12 +261,19 @@ class Trainer:
             self.save()
         return self.finish() if log else {}
 
+    def _flush(self, window: list[dict]) -> None:
+        """Settle, check and write the steps of a window cut short."""
+        if window:
+            self.settle_records(window, time.perf_counter())
+            self._check(window)
+            self._write(window)
+
     def _check(self, window: list[dict]) -> None:
-        """A settled window: stop at the first non-finite loss (the steps before it are
-        written), report skipped fp16 steps."""
+        """A settled window: stop at the first non-finite loss (its step's line and the ones
+        before it are written), report skipped fp16 steps."""
         for record in window:
-            if not math.isfinite(record["loss"]):
-                self._write([r for r in window if r["step"] < record["step"]])
+            if not math.isfinite(record["loss"]):  # its line too: "loss": null, "nonfinite": ["loss"]
+                self._write([r for r in window if r["step"] <= record["step"]])
                 raise TrainingError(self._diverged_message(record["step"], record["loss"]))
             if record.get("skipped"):
                 self._progress.print(f"step {record['step']}: fp16 gradients overflowed; step skipped, loss scale "
@@ -303,7 +311,8 @@ class Trainer:
     def finish(self) -> dict:
         """Rank 0: loss plot and summary.json."""
         task = self.task
-        val = next((r["val_loss"] for r in reversed(self.history) if "val_loss" in r), None)
+        last_eval = next((r for r in reversed(self.history) if "val_loss" in r), {})
+        val = last_eval.get("val_loss")
         steady = self.history[len(self.history) // 5:] or self.history  # skip warm-up steps
         summary = {
             "steps": self.step,
@@ -319,6 +328,10 @@ class Trainer:
             "checkpoint": str(store.latest(self.run_dir)),
             "stopped": self.stopped,
         }
+        if self.history and "source_tokens" in self.history[-1]:  # a mixture: per source
+            summary["source_tokens"] = self.history[-1]["source_tokens"]
+            summary["source_val_loss"] = {k.split(".", 1)[1]: v for k, v in last_eval.items()
+                                          if k.startswith("val_loss.")}
         if self.cfg.train.precision == "fp8":
             t = self.cfg.train
             summary["fp8"] = fp8.describe(self.args, t.fp8_recipe, t.fp8_base)["text"]
@@ -328,7 +341,7 @@ class Trainer:
             summary["plot"] = str(png)
             if self.args.is_moe:
                 summary["moe_plot"] = str(plot_moe_load(self.run_dir / "metrics.jsonl", self.run_dir / "moe_load.png"))
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (self.run_dir / "summary.json").write_text(strict_json(summary, indent=1))
         return summary
 
     # -- checkpoints ----------------------------------------------------------------
@@ -366,7 +379,7 @@ class Trainer:
         record = {"restart": count, "checkpoint": path.name if path else None, "resumed_step": self.step,
                   "reached_step": reached, "steps_lost": max(0, reached - self.step), "time_lost_s": lost_s}
         with open(self.run_dir / "restarts.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(strict_json(record) + "\n")
         lost = f"{record['steps_lost']} step{'s' if record['steps_lost'] != 1 else ''}"
         self.report(f"restart {count}: " + (f"resumed step {self.step} from {path.name}; {lost} and "
                                             f"{lost_s:.1f} s lost" if path else f"no checkpoint yet, starting over; {lost} lost"))
@@ -385,6 +398,8 @@ class Trainer:
         try:
             return layout.save(self.run_dir, self.step, self.par, self.stepper.optimizer, self.args.tie_embeddings,
                                meta, keep=t.keep_checkpoints)
+        except CheckpointWriteError as e:  # a full disk: say where and how much, no advice on the learning rate
+            raise TrainingError(f"{e}; stopping ({self._last_checkpoint()})") from None
         except CheckpointError as e:
             raise TrainingError(f"{e} ({self._last_checkpoint()}). Try a lower train.lr or train.grad_clip.") from None
 
