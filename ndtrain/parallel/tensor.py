@@ -73,6 +73,7 @@ from ndtrain.comm import ops
 from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import MoE, RMSNorm, Transformer, rms_norm, softcap, widened
+from ndtrain.model.lora import LoRA
 from ndtrain.model.loss import IGNORE
 from ndtrain.parallel.placement import mark_partial, mark_region, mark_sharded
 
@@ -225,12 +226,13 @@ class ColumnParallelLinear(nn.Module):
 
     linear = staticmethod(F.linear)  # the product; parallel/fp8.py may put an fp8 one here
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None, lora: LoRA | None = None):
         super().__init__()
-        self.weight, self.bias = weight, bias
+        self.weight, self.bias, self.lora = weight, bias, lora
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear(x, self.weight, self.bias)
+        y = self.linear(x, self.weight, self.bias)
+        return y if self.lora is None else y + self.lora(x)
 
 
 class RowParallelLinear(nn.Module):
@@ -239,12 +241,15 @@ class RowParallelLinear(nn.Module):
 
     linear = staticmethod(F.linear)
 
-    def __init__(self, weight: nn.Parameter, group: Group, sp: bool):
+    def __init__(self, weight: nn.Parameter, group: Group, sp: bool, lora: LoRA | None = None):
         super().__init__()
-        self.weight, self.group, self.sp = weight, group, sp
+        self.weight, self.group, self.sp, self.lora = weight, group, sp, lora
 
     def forward(self, x: Tensor) -> Tensor:
-        return leave_region(self.linear(x, self.weight, None), self.group, self.sp)
+        y = self.linear(x, self.weight, None)
+        if self.lora is not None:  # B·(A_r·x_r): a partial sum too, completed by the same reduction
+            y = y + self.lora(x)
+        return leave_region(y, self.group, self.sp)
 
 
 class ReplicatedHeadsLinear(nn.Module):
@@ -257,15 +262,19 @@ class ReplicatedHeadsLinear(nn.Module):
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, head_dim: int, n_kv_heads: int,
-                 group: Group):
+                 group: Group, lora: LoRA | None = None):
         super().__init__()
         self.weight, self.group = mark_partial(weight, ("tp",)), group
         self.bias = mark_partial(bias, ("tp",)) if bias is not None else None
         head = group.rank // (group.size // n_kv_heads)  # query heads are split contiguously
         self.rows = slice(head * head_dim, (head + 1) * head_dim)
+        self.lora = lora
+        if lora is not None:
+            lora.rows = self.rows
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight[self.rows], self.bias[self.rows] if self.bias is not None else None)
+        y = F.linear(x, self.weight[self.rows], self.bias[self.rows] if self.bias is not None else None)
+        return y if self.lora is None else y + self.lora(x)
 
 
 class RegionEntryNorm(nn.Module):
@@ -404,20 +413,36 @@ def _entry_norm(m: RMSNorm, c: Context) -> nn.Module:
     return RegionEntryNorm(c.param(m.weight), m.eps, c.group, c.sp, m.offset)
 
 
+def _adapter(m: nn.Linear, c: Context, a_dim: int | None, b_dim: int | None) -> LoRA | None:
+    """The LoRA adapter of `m`, if it has one, split with its base weight: a column-parallel
+    layer's B by its output rows (A whole), a row-parallel layer's A by its input columns (B
+    whole). The whole one sees the sum of every rank's part of its gradient only after the
+    step's tp reduction: it is marked partial, like a sequence-parallel norm weight."""
+    lora = getattr(m, "lora", None)
+    if not isinstance(lora, LoRA):
+        return None
+    a, b = c.param(lora.a, a_dim), c.param(lora.b, b_dim)
+    for p, dim in ((a, a_dim), (b, b_dim)):
+        if dim is None:
+            mark_partial(p, ("tp",))
+    return LoRA(a, b, lora.scale, lora.dropout)
+
+
 def _column(m: nn.Linear, c: Context) -> nn.Module:
     bias = c.param(m.bias, 0) if m.bias is not None else None  # split with the rows it adds to
-    return ColumnParallelLinear(c.param(m.weight, 0), bias)
+    return ColumnParallelLinear(c.param(m.weight, 0), bias, _adapter(m, c, None, 0))
 
 
 def _row(m: nn.Linear, c: Context) -> nn.Module:
-    return RowParallelLinear(c.param(m.weight, 1), c.group, c.sp)
+    return RowParallelLinear(c.param(m.weight, 1), c.group, c.sp, _adapter(m, c, 1, None))
 
 
 def _kv(m: nn.Linear, c: Context) -> nn.Module:
     if c.args.n_kv_heads % c.group.size == 0:
         return _column(m, c)
     bias = c.param(m.bias) if m.bias is not None else None
-    return ReplicatedHeadsLinear(c.param(m.weight), bias, c.args.head_dim, c.args.n_kv_heads, c.group)
+    return ReplicatedHeadsLinear(c.param(m.weight), bias, c.args.head_dim, c.args.n_kv_heads, c.group,
+                                 _adapter(m, c, None, None))
 
 
 def _head_norm(m: RMSNorm, c: Context) -> nn.Module:

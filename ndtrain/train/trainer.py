@@ -24,6 +24,7 @@ from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
 from ndtrain.mesh import DIMS, ParallelMesh
 from ndtrain.model.args import flops_per_token
+from ndtrain.model.lora import param_counts
 from ndtrain.deferred import Lazy, settle
 from ndtrain.observe.memory import per_rank_table
 from ndtrain.observe.metrics import MetricsLog, read_metrics
@@ -52,6 +53,7 @@ class Trainer:
         # (tests): nobody asks, and no step pays the agreement on stopping.
         self.control = control
         self.stopped = False
+        self._counted = False  # whether a metrics line carried the parameter counts yet
         self.run_dir = Path(run_dir) if run_dir is not None else None
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -60,6 +62,7 @@ class Trainer:
         self.par: Parallelized = build(self.args, mesh, cfg, task.objective)
         self.stepper = TrainStep(self.par, cfg)
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
+        self.param_counts = param_counts(self.args)  # trainable_params, total_params (LoRA: the adapters train)
         self.peak, self.peak_source = peak_flops(mesh.device, t.precision, cfg.data.cache_dir)
         # A CPU peak is a whole machine's; a GPU peak is one device's.
         self.n_peak_units = mesh.world // local_world if mesh.device.type == "cpu" else mesh.world
@@ -159,6 +162,9 @@ class Trainer:
         record.update(task_metrics)
         if self.par.routing_stats is not None:
             record["moe"] = self.par.routing_stats
+        if not self._counted:  # this process's first line
+            record.update(self.param_counts)
+            self._counted = True
         return record
 
     def is_log_step(self, step: int) -> bool:
@@ -311,6 +317,7 @@ class Trainer:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
             "mfu": (statistics.median(r["mfu"] for r in steady) if steady and steady[0]["mfu"] is not None else None),
             "mfu_peak_source": self.peak_source,
+            **self.param_counts,
             "layout": self.mesh.describe(),
             "run_dir": str(self.run_dir),
             "checkpoint": str(store.latest(self.run_dir)),

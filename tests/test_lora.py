@@ -1,0 +1,193 @@
+"""LoRA (model/lora.py): the frozen base holds no gradient, buffer or optimizer state in any
+layout, every layout trains the adapters exactly as one process does (fp64 proofs), and the
+export (merged weights, a PEFT adapter folder) gives the logits our model gives.
+
+The proofs start from `lora.init=random`: with B = 0 (the default) the first step's gradient
+of every A is exactly zero, so a layout that lost or double-counted A's gradient would still
+pass the first-update comparison. The control below shows a defect of exactly that kind (A
+of a column-parallel layer not summed over tp) failing the proof with B drawn.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import TINY, assert_proof, proof_in_rank, reference_in_rank, train_in_rank
+from ndtrain.testing import run_ranks
+
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.init=random"]
+MOE = ["model.preset=tiny-moe", "train.moe_aux_loss=0.01"]
+
+# (name, overrides, reference): each row against the one-process run of its reference.
+ROWS = {
+    2: [("dp2-accumulation", ["parallel.dp=2", "train.micro_batch=1"], "tiny"),
+        ("zero1", ["parallel.zero=1"], "tiny"),
+        ("zero2-accumulation", ["parallel.zero=2", "train.micro_batch=2"], "tiny"),
+        ("zero3-accumulation", ["parallel.zero=3", "train.micro_batch=2"], "tiny"),
+        ("tp2-sp", ["parallel.tp=2"], "tiny"),
+        ("tp2", ["parallel.tp=2", "parallel.sp=false"], "tiny"),
+        ("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch=2"], "tiny"),
+        ("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring"], "tiny"),
+        ("ep2-moe", ["parallel.ep=2", *MOE], "moe")],
+    4: [("tp4-replicated-kv-heads", ["parallel.tp=4"], "tiny"),
+        ("tp2-dp2-zero3", ["parallel.tp=2", "parallel.zero=3"], "tiny"),
+        ("pp2-dp2-zero3-zb", ["parallel.pp=2", "parallel.pp_schedule=zb", "parallel.zero=3", "train.micro_batch=2"],
+         "tiny"),
+        ("zero3-recompute-full", ["parallel.zero=3", "train.recompute=full", "train.micro_batch=1"], "tiny"),
+        ("hsdp2x2-zero2", ["parallel.zero=2", "parallel.dp_replicate=2"], "tiny"),
+        ("pp2-cp2-ep2-moe", ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "train.micro_batch=2", *MOE],
+         "moe")],
+}
+REFERENCES = {"tiny": [], "moe": MOE}
+
+
+def _references(data_dir):
+    return {name: reference_in_rank(LORA + o, data_dir) for name, o in REFERENCES.items()}
+
+
+def _unsummed_column_a(trainer_cls=None):
+    """The defect of the control: a column-parallel layer's A whole on every rank but its
+    gradient left unsummed over tp (no partial mark)."""
+    from ndtrain.parallel import tensor
+    original = tensor._adapter
+
+    def defect(m, c, a_dim, b_dim):
+        lora = original(m, c, a_dim, b_dim)
+        if lora is not None and a_dim is None and b_dim == 0:
+            lora.a.__dict__.pop("_ndtrain_partial_dims", None)
+        return lora
+    tensor._adapter = defect
+    return original
+
+
+def _layouts(data_dir, rows, control: bool):
+    out = {name: proof_in_rank(LORA + o, data_dir) for name, o, _ in rows}
+    if control:
+        from ndtrain.parallel import tensor
+        original = _unsummed_column_a()
+        try:
+            out["control"] = proof_in_rank(LORA + ["parallel.tp=2", "parallel.sp=false"], data_dir)
+        finally:
+            tensor._adapter = original
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tiny_data):
+    return run_ranks(_references, 1, tiny_data)[0]
+
+
+def _check(world, tiny_data, references, control=False):
+    proofs = run_ranks(_layouts, world, tiny_data, ROWS[world], control, timeout=900)[0]
+    for name, _, ref in ROWS[world]:
+        try:
+            assert_proof(proofs[name], references[ref])
+        except AssertionError as e:
+            raise AssertionError(f"layout {name} (fp64, LoRA): {e}") from None
+    return proofs
+
+
+def test_lora_layouts_equal_one_process_in_fp64(tiny_data, references):
+    """DP, ZeRO-1/2/3, TP (column: B split; row: A split), PP, CP and EP (an MoE model's
+    attention adapters) each equal one process; and the control: A's tp sum left out fails."""
+    proofs = _check(2, tiny_data, references, control=True)
+    ref = references["tiny"]
+    assert set(proofs["dp2-accumulation"]["grads"]) == {k for k in ref["state"] if k.endswith((".lora.a", ".lora.b"))}
+    assert all(ref["grads"][k].abs().max() > 0 for k in ref["grads"]), "every adapter has a gradient at step 1"
+    with pytest.raises(AssertionError, match="first-step gradient .*lora.a"):
+        assert_proof(proofs["control"], ref)
+
+
+@pytest.mark.slow
+def test_lora_layouts_equal_one_process_on_four_ranks(tiny_data, references):
+    _check(4, tiny_data, references)
+
+
+# -- frozen base: no gradients, no buffers, no optimizer state ------------------------------
+
+def _states(data_dir, zero):
+    _, _, trainer = train_in_rank(["train.steps=2", "lora.rank=4", f"parallel.zero={zero}"], data_dir)
+    states = trainer.par.states
+    model = trainer.par.model
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    held = sum(t.numel() for t in states.master_tensors()) if zero else sum(trainable.values())
+    optim = trainer.stepper.optimizer
+    moments = sum(s["exp_avg"].numel() for s in optim.state.values())
+    grads = sum(t.numel() for t in states.grad_tensors())
+    params = sum(p.numel() for p in model.parameters())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in states.param_tensors()}
+    return {"frozen_with_grad": sum(p.grad is not None for p in frozen), "trainable": sorted(trainable),
+            "optim": sum(p.numel() for p in states.optim_params()), "moments": moments, "grads": grads,
+            "held": held, "params": params, "resident": sum(storages.values())}
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_frozen_base_has_no_gradient_buffer_or_optimizer_state(tiny_data, zero):
+    """Only the adapters train: every other parameter has no .grad, and the gradient buffers
+    (DP buckets, ZeRO flats), the optimizer's tensors and AdamW's moments hold the adapters'
+    elements only (ZeRO: this rank's slice of them, with alignment padding)."""
+    from ndtrain.model.args import PRESETS
+    a = PRESETS["tiny"]
+    kv = a.n_kv_heads * a.head_dim  # rank 4 × (in + out) of wq, wo, wk, wv, w1, w3, w2 in each block
+    adapters = a.n_layers * 4 * (2 * (a.dim + a.dim) + 2 * (a.dim + kv) + 3 * (a.dim + a.ffn_dim))
+    for rank in run_ranks(_states, 2 if zero else 1, tiny_data, zero):
+        assert rank["frozen_with_grad"] == 0
+        assert rank["trainable"] and all(n.endswith((".lora.a", ".lora.b")) for n in rank["trainable"])
+        if zero:  # each rank's slice: about half, never the base's elements
+            assert adapters / 2 <= rank["optim"] <= adapters / 2 + 64 * 40
+            assert rank["moments"] == rank["optim"] and rank["grads"] <= 2 * rank["optim"]
+        else:
+            assert rank["optim"] == rank["moments"] == adapters
+            assert adapters <= rank["grads"] <= adapters + 64 * 60
+        if zero == 3:  # the base weights are sharded too, outside the forward: about half on each rank
+            assert rank["resident"] <= 0.55 * rank["params"] * 4
+
+
+# -- config ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (["lora.rank=-1"], "lora.rank = -1: must be >= 0"),
+    (["lora.rank=4", "lora.targets=wq,q_proj"], "lora.targets = 'wq,q_proj': expected a comma-separated list"),
+    (["lora.rank=4", "lora.alpha=0"], "lora.alpha = 0.0: must be > 0"),
+    (["lora.rank=4", "lora.dropout=1.0"], "lora.dropout = 1.0: must be in [0, 1)"),
+    (["lora.rank=4", "lora.init=gaussian"], "lora.init = 'gaussian': expected one of zero_b, random"),
+    (["lora.rank=4", "train.precision=fp8"], "train.precision = 'fp8': LoRA adapters have no fp8 product"),
+    (["lora.rank=4", "lora.dropout=0.1", "parallel.tp=2", "run.nproc=2"], "parallel.tp = 2: lora.dropout > 0"),
+])
+def test_bad_lora_config_is_one_line(overrides, message):
+    from ndtrain.config import ConfigError, load_config, validate
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, TINY + overrides), check_paths=False)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_bad_lora_on_the_command_line_exits_2_and_writes_nothing(tmp_path, capsys):
+    from ndtrain.cli import main
+    run = tmp_path / "run"
+    assert main(["sft", "lora.rank=4", "lora.targets=attention", f"run.dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert "lora.targets = 'attention'" in err and "Traceback" not in err
+    assert not run.exists()
+
+
+def test_zero_b_starts_at_the_base_model_and_counts_are_reported(tiny_data, tmp_path):
+    """lora.init=zero_b: the first loss equals the base model's; the summary and the first
+    metrics line carry trainable_params and total_params."""
+    base = run_ranks(_first_loss, 1, tiny_data, [], None)[0]
+    lora = run_ranks(_first_loss, 1, tiny_data, ["lora.rank=4"], str(tmp_path / "run"))[0]
+    assert lora["loss"] == base["loss"]
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for record in (first, summary):
+        assert record["trainable_params"] == lora["trainable"]
+        assert record["total_params"] == lora["total"] == base["total"] + lora["trainable"]
+
+
+def _first_loss(data_dir, overrides, run_dir):
+    losses, _, trainer = train_in_rank(["train.steps=1", *overrides], data_dir, run_dir=run_dir)
+    trainable = sum(p.numel() for p in trainer.par.model.parameters() if p.requires_grad)
+    return {"loss": losses[0], "trainable": trainable, "total": sum(p.numel() for p in trainer.par.model.parameters())}
