@@ -196,3 +196,65 @@ def _first_loss(data_dir, overrides, run_dir):
     losses, _, trainer = train_in_rank(["train.steps=1", *overrides], data_dir, run_dir=run_dir)
     trainable = sum(p.numel() for p in trainer.par.model.parameters() if p.requires_grad)
     return {"loss": losses[0], "trainable": trainable, "total": sum(p.numel() for p in trainer.par.model.parameters())}
+
+
+# -- export: merged weights and a PEFT adapter, with our logits ----------------------------
+
+def _pretrain_then_lora(data_dir, base_dir, lora_dir):
+    train_in_rank(["train.steps=2"], data_dir, run_dir=base_dir)
+    train_in_rank(["train.steps=2", *LORA, f"model.init_from=run:{base_dir}"], data_dir, run_dir=lora_dir,
+                  before_fit=lambda trainer: trainer.start())  # loads the base (the adapters: no such keys)
+
+
+def _our_logits(run_dir, tokens):
+    from ndtrain.checkpoint import layout, store
+    from ndtrain.checkpoint.sources import CheckpointSource
+    from ndtrain.model.args import ModelArgs
+    from ndtrain.model.llama import Transformer
+    path = store.latest(run_dir)
+    meta = store.read_meta(path)
+    model = Transformer(ModelArgs(**meta["model_args"])).eval()
+    layout.load_model(CheckpointSource(path, meta), model)
+    with torch.no_grad():
+        return model(tokens)
+
+
+def test_merged_export_and_peft_adapter_give_our_logits(tiny_data, tmp_path, capsys):
+    """`convert --to-hf` of a LoRA run writes W + (alpha/r)·B·A; `--to-hf --adapter` writes a
+    PEFT folder that peft loads onto the base model (the starting run, exported) with our
+    logits, in fp32 to 1e-5 as the HF parity tests."""
+    pytest.importorskip("peft")
+    import transformers
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    from ndtrain.cli import main
+    base, lora = tmp_path / "base", tmp_path / "lora"
+    run_ranks(_pretrain_then_lora, 1, tiny_data, str(base), str(lora))
+    for args in (["--to-hf", str(base), "--out", str(tmp_path / "hf-base")],
+                 ["--to-hf", str(lora), "--out", str(tmp_path / "hf-merged")],
+                 ["--to-hf", str(lora), "--out", str(tmp_path / "adapter"), "--adapter"]):
+        assert main(["convert", *args]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert "model.layers.0.self_attn.q_proj" in config["target_modules"]
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as f:
+        assert "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight" in f.keys()
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    ours = _our_logits(lora, tokens)
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base").float().eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged").float().eval()
+    with torch.no_grad():
+        base_logits = hf_base(input_ids=tokens).logits
+        peft_logits = PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()(input_ids=tokens).logits
+        merged_logits = merged(input_ids=tokens).logits
+    assert (ours - base_logits).abs().max() > 1e-2, "the adapters change the logits"
+    torch.testing.assert_close(peft_logits, ours, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged_logits, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_adapter_export_of_a_run_without_lora_is_refused(tiny_data, tmp_path, capsys):
+    from ndtrain.cli import main
+    run_ranks(_first_loss, 1, tiny_data, [], str(tmp_path / "run"))
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--adapter"]) == 2
+    assert "--adapter" in capsys.readouterr().err and not (tmp_path / "out").exists()

@@ -197,6 +197,9 @@ def load_model(source, model: torch.nn.Module) -> None:
     convert), or one whose split parameters carry their regions (a tensor-parallel one: RL's
     generation layout), each reading only its box."""
     for name, p in model.named_parameters():  # a tied parameter once, under its first name
+        if is_adapter(name) and not source.holds(f"weight/{name}"):
+            p.zero_()  # a source without LoRA adapters (the base model): they add nothing
+            continue
         region = region_of(p)
         data = torch.empty(p.numel(), dtype=p.dtype)
         source.fill(f"weight/{name}", Piece(region.shape, region.offsets, tuple(p.shape)), data)

@@ -188,7 +188,8 @@ def _add_convert(sub) -> None:
                                    "model.init_from=run:RUN_DIR). --to-hf RUN_DIR --out DIR: the run's newest good "
                                    "checkpoint as a HF model folder (model.safetensors, config.json, the tokenizer "
                                    "files with the chat template, generation_config.json), in the family and dtype "
-                                   "the model came from. Supported families and what is refused: docs/hf.md.")
+                                   "the model came from (a LoRA run: the adapters merged, or with --adapter a PEFT adapter folder, docs/lora.md). "
+                                   "Supported families and what is refused: docs/hf.md.")
     p.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model folder (config.json, *.safetensors)")
     p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
     p.add_argument("--to-hf", metavar="RUN_DIR", help="an ndtrain run directory (or one checkpoint folder)")
@@ -198,6 +199,10 @@ def _add_convert(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="--to-hf: write into a non-empty --out, removing its weights, config and tokenizer files "
                         "first (without it a non-empty folder is refused)")
+    p.add_argument("--adapter", action="store_true",
+                   help="--to-hf of a LoRA run (lora.rank > 0): write only the adapters, as a PEFT adapter folder "
+                        "(adapter_config.json, adapter_model.safetensors) for the base model; without it the "
+                        "adapters are merged into the exported weights")
 
 
 def _add_checkpoint(sub) -> None:
