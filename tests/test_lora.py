@@ -258,3 +258,28 @@ def test_adapter_export_of_a_run_without_lora_is_refused(tiny_data, tmp_path, ca
     run_ranks(_first_loss, 1, tiny_data, [], str(tmp_path / "run"))
     assert main(["convert", "--to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--adapter"]) == 2
     assert "--adapter" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+# -- RL with LoRA: rollouts from the adapted model, in every generation layout -------------
+
+RL_LORA_LAYOUTS = {"default": [("zero3-dp2", ["parallel.zero=3", "train.micro_batch=2"])],
+                   "slow": [("tp2", ["parallel.tp=2"]), ("pp2", ["parallel.pp=2", "train.micro_batch=2"])]}
+
+
+@pytest.mark.parametrize("tier", ["default", pytest.param("slow", marks=pytest.mark.slow)])
+def test_rl_with_lora_equals_one_process_in_fp64(tier):
+    """GRPO and the other losses (tests/test_rl.py's cycling proof) with adapters on a frozen
+    model: the rollouts come from the adapted weights (gathered under ZeRO-3 and PP, split
+    under TP) and the updates equal one process's, rewards included."""
+    from test_rl import _rl_rows
+    ref = run_ranks(_rl_rows, 1, [("single", LORA, "reference")], timeout=300)[0]["single"]
+    assert all(k.endswith((".lora.a", ".lora.b")) for k in ref["grads"])
+    rows = RL_LORA_LAYOUTS[tier]
+    runs = run_ranks(_rl_rows, 2, [(n, LORA + o, "proof") for n, o in rows], timeout=600)[0]
+    for name, _ in rows:
+        assert [m["reward_mean"] for m in runs[name]["metrics"]] == [m["reward_mean"] for m in ref["metrics"]], name
+        assert max(m["logprob_gap"] for m in runs[name]["metrics"][::2]) < 1e-10, name
+        try:
+            assert_proof(runs[name], ref)
+        except AssertionError as e:
+            raise AssertionError(f"RL with LoRA, {name}: {e}") from None
