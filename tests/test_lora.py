@@ -21,34 +21,35 @@ from ndtrain.testing import run_ranks
 LORA = ["lora.rank=4", "lora.alpha=8", "lora.init=random"]
 MOE = ["model.preset=tiny-moe", "train.moe_aux_loss=0.01"]
 
-# (name, overrides, reference): each row against the one-process run of its reference.
+# (name, overrides, reference): each row against the one-process run of its reference. The
+# default tier keeps one row of every family; "slow" adds ZeRO-1, EP (an MoE model's attention
+# adapters) and the 4-rank compositions.
 ROWS = {
-    2: [("dp2-accumulation", ["parallel.dp=2", "train.micro_batch=1"], "tiny"),
-        ("zero1", ["parallel.zero=1"], "tiny"),
-        ("zero2-accumulation", ["parallel.zero=2", "train.micro_batch=2"], "tiny"),
-        ("zero3-accumulation", ["parallel.zero=3", "train.micro_batch=2"], "tiny"),
-        ("tp2-sp", ["parallel.tp=2"], "tiny"),
-        ("tp2", ["parallel.tp=2", "parallel.sp=false"], "tiny"),
-        ("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch=2"], "tiny"),
-        ("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring"], "tiny"),
-        ("ep2-moe", ["parallel.ep=2", *MOE], "moe")],
-    4: [("tp4-replicated-kv-heads", ["parallel.tp=4"], "tiny"),
-        ("tp2-dp2-zero3", ["parallel.tp=2", "parallel.zero=3"], "tiny"),
-        ("pp2-dp2-zero3-zb", ["parallel.pp=2", "parallel.pp_schedule=zb", "parallel.zero=3", "train.micro_batch=2"],
-         "tiny"),
-        ("zero3-recompute-full", ["parallel.zero=3", "train.recompute=full", "train.micro_batch=1"], "tiny"),
-        ("hsdp2x2-zero2", ["parallel.zero=2", "parallel.dp_replicate=2"], "tiny"),
-        ("pp2-cp2-ep2-moe", ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "train.micro_batch=2", *MOE],
-         "moe")],
+    "default": [("dp2-accumulation", ["parallel.dp=2", "train.micro_batch=1"], "tiny"),
+                ("zero2-accumulation", ["parallel.zero=2", "train.micro_batch=2"], "tiny"),
+                ("zero3-accumulation", ["parallel.zero=3", "train.micro_batch=2"], "tiny"),
+                ("tp2-sp", ["parallel.tp=2"], "tiny"),
+                ("tp2", ["parallel.tp=2", "parallel.sp=false"], "tiny"),
+                ("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch=2"], "tiny"),
+                ("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring"], "tiny")],
+    "slow": [("zero1", ["parallel.zero=1"], "tiny"),
+             ("ep2-moe", ["parallel.ep=2", *MOE], "moe")],
+    "four": [("tp4-replicated-kv-heads", ["parallel.tp=4"], "tiny"),
+             ("tp2-dp2-zero3", ["parallel.tp=2", "parallel.zero=3"], "tiny"),
+             ("pp2-dp2-zero3-zb", ["parallel.pp=2", "parallel.pp_schedule=zb", "parallel.zero=3",
+                                   "train.micro_batch=2"], "tiny"),
+             ("zero3-recompute-full", ["parallel.zero=3", "train.recompute=full", "train.micro_batch=1"], "tiny"),
+             ("hsdp2x2-zero2", ["parallel.zero=2", "parallel.dp_replicate=2"], "tiny"),
+             ("pp2-cp2-ep2-moe", ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "train.micro_batch=2", *MOE],
+              "moe")],
 }
-REFERENCES = {"tiny": [], "moe": MOE}
 
 
-def _references(data_dir):
-    return {name: reference_in_rank(LORA + o, data_dir) for name, o in REFERENCES.items()}
+def _reference(data_dir, overrides):
+    return reference_in_rank(LORA + overrides, data_dir)
 
 
-def _unsummed_column_a(trainer_cls=None):
+def _unsummed_column_a():
     """The defect of the control: a column-parallel layer's A whole on every rank but its
     gradient left unsummed over tp (no partial mark)."""
     from ndtrain.parallel import tensor
@@ -77,12 +78,15 @@ def _layouts(data_dir, rows, control: bool):
 
 @pytest.fixture(scope="module")
 def references(tiny_data):
-    return run_ranks(_references, 1, tiny_data)[0]
+    return {"tiny": run_ranks(_reference, 1, tiny_data, [])[0]}
 
 
-def _check(world, tiny_data, references, control=False):
-    proofs = run_ranks(_layouts, world, tiny_data, ROWS[world], control, timeout=900)[0]
-    for name, _, ref in ROWS[world]:
+def _check(tier, world, tiny_data, references, control=False):
+    rows = ROWS[tier]
+    if any(ref == "moe" for _, _, ref in rows) and "moe" not in references:
+        references["moe"] = run_ranks(_reference, 1, tiny_data, MOE)[0]
+    proofs = run_ranks(_layouts, world, tiny_data, rows, control, timeout=900)[0]
+    for name, _, ref in rows:
         try:
             assert_proof(proofs[name], references[ref])
         except AssertionError as e:
@@ -91,9 +95,9 @@ def _check(world, tiny_data, references, control=False):
 
 
 def test_lora_layouts_equal_one_process_in_fp64(tiny_data, references):
-    """DP, ZeRO-1/2/3, TP (column: B split; row: A split), PP, CP and EP (an MoE model's
-    attention adapters) each equal one process; and the control: A's tp sum left out fails."""
-    proofs = _check(2, tiny_data, references, control=True)
+    """DP, ZeRO-2/3, TP (column: B split; row: A split), PP and CP each equal one process;
+    and the control: A's tp sum left out fails."""
+    proofs = _check("default", 2, tiny_data, references, control=True)
     ref = references["tiny"]
     assert set(proofs["dp2-accumulation"]["grads"]) == {k for k in ref["state"] if k.endswith((".lora.a", ".lora.b"))}
     assert all(ref["grads"][k].abs().max() > 0 for k in ref["grads"]), "every adapter has a gradient at step 1"
@@ -107,8 +111,13 @@ def test_lora_layouts_equal_one_process_in_fp64(tiny_data, references):
 
 
 @pytest.mark.slow
+def test_lora_layouts_equal_one_process_zero1_and_ep(tiny_data, references):
+    _check("slow", 2, tiny_data, references)
+
+
+@pytest.mark.slow
 def test_lora_layouts_equal_one_process_on_four_ranks(tiny_data, references):
-    _check(4, tiny_data, references)
+    _check("four", 4, tiny_data, references)
 
 
 # -- frozen base: no gradients, no buffers, no optimizer state ------------------------------
@@ -201,8 +210,8 @@ def _first_loss(data_dir, overrides, run_dir):
 # -- export: merged weights and a PEFT adapter, with our logits ----------------------------
 
 def _pretrain_then_lora(data_dir, base_dir, lora_dir):
-    train_in_rank(["train.steps=2"], data_dir, run_dir=base_dir)
-    train_in_rank(["train.steps=2", *LORA, f"model.init_from=run:{base_dir}"], data_dir, run_dir=lora_dir,
+    train_in_rank(["train.steps=1"], data_dir, run_dir=base_dir)
+    train_in_rank(["train.steps=1", *LORA, f"model.init_from=run:{base_dir}"], data_dir, run_dir=lora_dir,
                   before_fit=lambda trainer: trainer.start())  # loads the base (the adapters: no such keys)
 
 
