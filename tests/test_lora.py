@@ -258,6 +258,8 @@ def test_merged_export_and_peft_adapter_give_our_logits(tiny_data, tmp_path, cap
         peft_logits = PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()(input_ids=tokens).logits
         merged_logits = merged(input_ids=tokens).logits
     assert (ours - base_logits).abs().max() > 1e-2, "the adapters change the logits"
+    assert main(["train", f"model.init_from=run:{lora}", f"run.dir={tmp_path / 'next'}"]) == 2  # start from merged
+    assert "holds LoRA adapters" in capsys.readouterr().err and not (tmp_path / "next").exists()
     torch.testing.assert_close(peft_logits, ours, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(merged_logits, ours, atol=1e-5, rtol=1e-5)
 
