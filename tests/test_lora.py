@@ -294,3 +294,32 @@ def test_rl_with_lora_equals_one_process_in_fp64(tier):
             assert_proof(runs[name], ref)
         except AssertionError as e:
             raise AssertionError(f"RL with LoRA, {name}: {e}") from None
+
+
+def _dry_run(overrides):
+    import torch.distributed as dist
+
+    from ndtrain.config import load_config, validate
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.dry_run import measure
+    from ndtrain.train.worker import mesh_shape
+    cfg = validate(load_config(None, TINY + overrides), world=dist.get_world_size())
+    return measure(cfg, ParallelMesh.build(mesh_shape(cfg)))
+
+
+@pytest.mark.parametrize("zero", [pytest.param(1, marks=pytest.mark.slow), 3])
+def test_dry_run_model_states_follow_the_formula_with_a_frozen_base(zero):
+    """bf16 with adapters: the parameters (the base too, sharded under ZeRO-3) and the
+    adapters' gradients and optimizer state, each within 2% of the ZeRO formula with the
+    frozen Ψ counted as parameters only, far below full training's."""
+    from ndtrain.parallel.zero import model_state_bytes
+    from ndtrain.train.dry_run import state_formula
+    result = run_ranks(_dry_run, 2, ["lora.rank=8", "train.precision=bf16", f"parallel.zero={zero}"])[0]
+    for r in result["ranks"]:
+        trainable = r["psi"] - r["psi_frozen"]
+        assert 0 < trainable < r["psi"] / 10
+        states = r["params"] + r["grads"] + r["optimizer"]
+        assert states == pytest.approx(state_formula(r, zero, result, 2), rel=0.02)
+        assert r["grads"] + r["optimizer"] == pytest.approx(
+            sum(v for k, v in model_state_bytes(trainable, zero, 2, 2).items() if k != "params"), rel=0.02)
+        assert states < 0.4 * sum(model_state_bytes(r["psi"], zero, 2, 2).values())
