@@ -20,6 +20,8 @@ from ndtrain.testing import run_ranks
 
 LORA = ["lora.rank=4", "lora.alpha=8", "lora.init=random"]
 MOE = ["model.preset=tiny-moe", "train.moe_aux_loss=0.01"]
+SMALL = ["model.preset=small"]
+REFERENCES = {"tiny": [], "moe": MOE, "small": SMALL}
 
 # (name, overrides, reference): each row against the one-process run of its reference. The
 # default tier keeps one row of every family; "slow" adds ZeRO-1, EP (an MoE model's attention
@@ -33,7 +35,9 @@ ROWS = {
                 ("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch=2"], "tiny"),
                 ("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring"], "tiny")],
     "slow": [("zero1", ["parallel.zero=1"], "tiny"),
-             ("ep2-moe", ["parallel.ep=2", *MOE], "moe")],
+             ("ep2-moe", ["parallel.ep=2", *MOE], "moe"),
+             # the default job's shape: a frozen tied embedding held on both ends of the pipeline
+             ("pp2-small-tied", ["parallel.pp=2", "train.micro_batch=2", *SMALL], "small")],
     "four": [("tp4-replicated-kv-heads", ["parallel.tp=4"], "tiny"),
              ("tp2-dp2-zero3", ["parallel.tp=2", "parallel.zero=3"], "tiny"),
              ("pp2-dp2-zero3-zb", ["parallel.pp=2", "parallel.pp_schedule=zb", "parallel.zero=3",
@@ -83,8 +87,8 @@ def references(tiny_data):
 
 def _check(tier, world, tiny_data, references, control=False):
     rows = ROWS[tier]
-    if any(ref == "moe" for _, _, ref in rows) and "moe" not in references:
-        references["moe"] = run_ranks(_reference, 1, tiny_data, MOE)[0]
+    for ref in {ref for _, _, ref in rows} - set(references):
+        references[ref] = run_ranks(_reference, 1, tiny_data, REFERENCES[ref])[0]
     proofs = run_ranks(_layouts, world, tiny_data, rows, control, timeout=900)[0]
     for name, _, ref in rows:
         try:
@@ -323,3 +327,21 @@ def test_dry_run_model_states_follow_the_formula_with_a_frozen_base(zero):
         assert r["grads"] + r["optimizer"] == pytest.approx(
             sum(v for k, v in model_state_bytes(trainable, zero, 2, 2).items() if k != "params"), rel=0.02)
         assert states < 0.4 * sum(model_state_bytes(r["psi"], zero, 2, 2).values())
+
+
+def _dropout_losses(data_dir):
+    out = {}
+    for p in (0.0, 0.5):
+        before = []
+        losses, _, _ = train_in_rank(["train.steps=1", *LORA, f"lora.dropout={p}"], data_dir,
+                                     before_fit=lambda trainer: before.append(trainer.evaluate()))
+        out[p] = (losses[0], before[0])
+    return out
+
+
+def test_lora_dropout_acts_in_training_only(tiny_data):
+    """lora.dropout masks the adapters' input while training (the first loss moves) and not
+    in evaluation (the same initial weights give the same validation loss)."""
+    out = run_ranks(_dropout_losses, 1, tiny_data)[0]
+    assert out[0.5][0] != out[0.0][0]
+    assert out[0.5][1] == out[0.0][1]
