@@ -107,13 +107,3 @@ def merged(state: dict[str, Tensor], scale: float) -> dict[str, Tensor]:
             out[base_of(name)] = (w.double() + scale * (b @ a)).to(w.dtype)
     return out
 
-
-def param_counts(args) -> dict[str, int]:
-    """The whole model's parameters, and those that train (all of them without LoRA)."""
-    from ndtrain.model.llama import Transformer  # llama imports this module
-    with torch.device("meta"):
-        model = Transformer(args)
-    named = dict(model.named_parameters())  # a tied weight once
-    total = sum(p.numel() for p in named.values())
-    trainable = sum(p.numel() for n, p in named.items() if is_adapter(n)) if args.lora_rank else total
-    return {"trainable_params": trainable, "total_params": total}

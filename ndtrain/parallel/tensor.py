@@ -47,6 +47,11 @@ Where each piece sits:
 - Biases and q/k norms (Qwen2, Qwen3): a column-parallel bias is split with the rows it
   adds to; a q/k norm weight is shared by all heads, so every rank keeps it whole and its
   gradient is partial over tp (marked like a sequence-parallel norm weight).
+- LoRA adapters (model/lora.py) follow their base layer: a column-parallel layer's B is
+  split by output rows and A stays whole, a row-parallel layer's A by input columns and B
+  stays whole (its product joins the partial sums before g); the whole one's gradient is
+  partial over tp, completed like a sequence-parallel norm weight's.
+- The loss from vocabulary-split logits lives in parallel/vocab_loss.py.
 - Split parameters carry `mark_sharded(p, ("tp",))` for the global gradient norm, their
   split (`split_of`) for `full_state`, which gathers the whole model, and their place in
   the whole tensor (`mark_region`) for checkpoints, which read and write any layout.
@@ -65,7 +70,6 @@ from fnmatch import fnmatchcase
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -74,8 +78,9 @@ from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import MoE, RMSNorm, Transformer, rms_norm, softcap, widened
 from ndtrain.model.lora import LoRA
-from ndtrain.model.loss import IGNORE
 from ndtrain.parallel.placement import mark_partial, mark_region, mark_sharded
+from ndtrain.parallel.vocab_loss import (VocabParallelCrossEntropy, VocabParallelNLL,  # noqa: F401 (re-exported)
+                                         vocab_parallel_cross_entropy)
 
 # ---------------------------------------------------------------------------------------
 # The conjugate operators. The residual stream is [b, s, h]; SP splits dimension 1.
@@ -551,63 +556,3 @@ def full_state(model: nn.Module, state: dict[str, Tensor], group: Group) -> dict
         chunks = chunks.view(group.size, *t.shape).unbind(0)
         out[name] = torch.cat(chunks, dim=split.dim).narrow(split.dim, 0, split.full)
     return out
-
-
-# ---------------------------------------------------------------------------------------
-# The loss from vocab-split logits
-
-
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of targets [n] from logits [n, V/t] split over the vocabulary.
-
-    Forward: the max over the vocabulary (all-reduce MAX of n numbers), then the sum of
-    exponentials and the target's logit (one all-reduce of 2n numbers): loss = log Σ exp −
-    target logit, shifted by the max. No rank ever holds more than its V/t columns.
-    Backward: no communication: the gradient of this rank's logits is softmax − one-hot on
-    its own columns.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, group: Group) -> Tensor:
-        n_local, dtype = logits.shape[-1], logits.dtype
-        logits = widened(logits)
-        top = logits.max(dim=-1).values
-        ops.all_reduce(top, group, op=dist.ReduceOp.MAX)
-        shifted = logits - top.unsqueeze(-1)
-        local = targets - group.rank * n_local
-        mine = (local >= 0) & (local < n_local)  # IGNORE (negative) is never anyone's
-        local = local.masked_fill(~mine, 0)
-        # where, not × mine: a shard of padding only gathers −inf, and −inf × 0 is NaN
-        target_logit = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
-        exp = shifted.exp_()
-        sums = torch.stack([exp.sum(dim=-1), target_logit])
-        ops.all_reduce(sums, group)
-        valid = targets != IGNORE
-        loss = (sums[0].log() - sums[1]) * valid
-        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local, mine, valid)
-        ctx.dtype = dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        softmax, local, mine, valid = ctx.saved_tensors
-        g = grad * valid
-        out = softmax.mul_(g.unsqueeze(-1))  # saved tensors are not used again
-        out.scatter_add_(-1, local.unsqueeze(-1), -(g * mine).unsqueeze(-1))
-        return out.to(ctx.dtype), None, None
-
-
-def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, group: Group) -> Tensor:
-    return VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), group)
-
-
-@dataclass
-class VocabParallelNLL:
-    """The layout's half of the loss under TP (model/loss.TokenLoss): each position's
-    cross-entropy [b·s], from this rank's logit columns. The same values on every rank of
-    the group."""
-
-    group: Group
-
-    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.group)

@@ -24,7 +24,8 @@ from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
 from ndtrain.mesh import DIMS, ParallelMesh
 from ndtrain.model.args import flops_per_token
-from ndtrain.model.lora import param_counts
+from ndtrain.model.llama import Transformer
+from ndtrain.model.lora import is_adapter
 from ndtrain.deferred import Lazy, settle
 from ndtrain.observe.memory import per_rank_table
 from ndtrain.observe.metrics import MetricsLog, read_metrics
@@ -39,6 +40,15 @@ from ndtrain.train.step import TrainStep
 from ndtrain.train.tasks import StepData, Task
 
 STOP_TIME, STOP_SIGNAL = 1, 2  # why the ranks agreed to stop early (Trainer.stop_agreed): the larger wins
+
+
+def param_counts(args) -> dict[str, int]:
+    """The whole model's parameters, and those that train (all of them without LoRA)."""
+    with torch.device("meta"):
+        named = dict(Transformer(args).named_parameters())  # a tied weight once
+    total = sum(p.numel() for p in named.values())
+    trainable = sum(p.numel() for n, p in named.items() if is_adapter(n)) if args.lora_rank else total
+    return {"trainable_params": trainable, "total_params": total}
 
 
 class TrainingError(RuntimeError):
