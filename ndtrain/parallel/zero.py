@@ -40,6 +40,13 @@ DESIGN.md asks of dense gradients. Routed experts' weights (placement `expert_sl
 flats of their own, sharded over `edp_shard` (the ranks of dp_shard × cp holding the same
 experts, mesh.py) and reduced over `edp_shard × dp_replicate`, each flat with its own group.
 
+Frozen parameters (LoRA's base weights) go into flats of their own (`FlatParam.frozen`):
+sharded and, under stage 3, gathered and freed with their unit like the others, but without
+master, gradient buffer, reduction or optimizer state. `flats` lists the flats that train,
+`frozen` the others. A stage-3 unit holding frozen weights is freed when the gradient of its
+input is complete (its frozen matmuls may still need their weights after its last trainable
+gradient), or at the end of the backward pass.
+
 Gradients are stored in the compute dtype and reduced in `reduce_dtype` (fp32 by default,
 parallel/precision.py). Stage 1 accumulates micro-batches locally and reduces once per step;
 stages 2 and 3 reduce after every micro-batch's backward (that is what keeps the full
