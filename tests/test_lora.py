@@ -36,6 +36,7 @@ ROWS = {
                 ("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring"], "tiny")],
     "slow": [("zero1", ["parallel.zero=1"], "tiny"),
              ("ep2-moe", ["parallel.ep=2", *MOE], "moe"),
+             ("ep2-zero3-moe", ["parallel.ep=2", "parallel.zero=3", "train.micro_batch=2", *MOE], "moe"),
              # the default job's shape: a frozen tied embedding held on both ends of the pipeline
              ("pp2-small-tied", ["parallel.pp=2", "train.micro_batch=2", *SMALL], "small")],
     "four": [("tp4-replicated-kv-heads", ["parallel.tp=4"], "tiny"),
