@@ -61,8 +61,8 @@ def parse() -> argparse.Namespace:
 
 
 def row(name: str, m: dict) -> str:
-    return (f"{name:<18} {m['trainable']:>11,} / {m['total']:>9,}  states {m['states_mb']:7.2f} MB "
-            f"(grads {m['grads_mb']:6.2f}, optimizer {m['optimizer_mb']:6.2f})  peak {m['peak_mb']:7.1f} MB  "
+    return (f"{name:<18} {m['trainable']:>11,} / {m['total']:>9,}  states {m['states_mb']:7.2f} MiB "
+            f"(grads {m['grads_mb']:6.2f}, optimizer {m['optimizer_mb']:6.2f})  peak {m['peak_mb']:7.1f} MiB  "
             f"{m['tokens_per_s']:8.0f} tok/s  val_loss {m['val_loss']:.4f}")
 
 
