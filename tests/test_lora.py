@@ -25,7 +25,8 @@ REFERENCES = {"tiny": [], "moe": MOE, "small": SMALL}
 
 # (name, overrides, reference): each row against the one-process run of its reference. The
 # default tier keeps one row of every family; "slow" adds ZeRO-1, EP (an MoE model's attention
-# adapters) and the 4-rank compositions.
+# adapters; alone and with ZeRO-3), PP with the small model's tied embedding, and "four" the
+# 4-rank compositions.
 ROWS = {
     "default": [("dp2-accumulation", ["parallel.dp=2", "train.micro_batch=1"], "tiny"),
                 ("zero2-accumulation", ["parallel.zero=2", "train.micro_batch=2"], "tiny"),
