@@ -22,6 +22,7 @@ import torch
 
 from ndtrain import config as config_mod
 from ndtrain.checkpoint import hf_files, store
+from ndtrain.checkpoint.adapter import adapted, base_model_path, check_adapter, merged_fetch, write_adapter
 from ndtrain.checkpoint.files import write_safetensors
 from ndtrain.checkpoint.slices import Piece
 from ndtrain.checkpoint.sources import MOE_KEYS, SHAPE_KEYS, CheckpointSource, HFSource
@@ -30,6 +31,7 @@ from ndtrain.config import ConfigError
 from ndtrain.data.tokenizer import TextTokenizer
 from ndtrain.model import hf
 from ndtrain.model.args import ModelArgs
+from ndtrain.model.lora import is_adapter
 
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64"}
@@ -49,11 +51,14 @@ def checkpoint_of(path: Path, report=print) -> Path:
     return found
 
 
-def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrite: bool = False) -> Path:
+def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrite: bool = False,
+          adapter: bool = False) -> Path:
     """Export the newest good checkpoint of `run` as a Hugging Face model folder `out`: in
     the family and dtype the model came from (unless `dtype`), with the run's tokenizer
-    files and generation config. A non-empty `out` is refused unless `overwrite`, which
-    clears its model files first. Every refusal comes before anything is written."""
+    files and generation config; a LoRA run's adapters merged into their weights, or with
+    `adapter`, only the adapters, as a PEFT adapter folder (checkpoint/adapter.py). A
+    non-empty `out` is refused unless `overwrite`, which clears its model files first.
+    Every refusal comes before anything is written."""
     path = checkpoint_of(run, report)
     meta = store.read_meta(path)
     args = ModelArgs(**meta["model_args"])
@@ -66,12 +71,17 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrit
     if ((meta.get("config") or {}).get("train") or {}).get("moe_bias_rate"):
         raise ConfigError("--to-hf", str(run), "the routers' selection bias (train.moe_bias_rate > 0) has no place "
                           "in a Hugging Face Mixtral or Qwen3-MoE; exporting would change which experts tokens choose")
+    if adapter:
+        check_adapter(args, family, run)
     try:
         hf_files.clear_for_export(out, overwrite)
     except ValueError as e:
         raise ConfigError("--out", str(out), str(e)) from None
     source = CheckpointSource(path, meta)
     weights = {k[len("weight/"):]: t for k, t in meta["tensors"].items() if k.startswith("weight/")}
+    if adapter:
+        out.mkdir(parents=True, exist_ok=True)
+        return write_adapter(source, weights, args, family, base_model_path(meta), out)
     target = _export_dtype(dtype, base, weights)
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / "model.safetensors", _hf_entries(source, weights, args, family, target), {"format": "pt"})
@@ -101,11 +111,15 @@ def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family
     ours, one expert of a stack, or (Phi-3) ours stacked by rows."""
     pieces: dict[str, list] = {}
     for name, t in weights.items():
+        if is_adapter(name):  # folded into its base weight (merged_fetch)
+            continue
         shape = tuple(t["shape"])
         for part in hf.hf_parts(name, args, family):
             stored = shape if part.expert is None else shape[1:]
-            pieces.setdefault(part.hf, []).append((part.rows or (0, stored[0]), stored,
-                                                   _fetch(source, f"weight/{name}", shape, part.expert, target)))
+            fetch = _fetch(source, f"weight/{name}", shape, part.expert, target)
+            if f"{adapted(name)}.lora.a" in weights:
+                fetch = merged_fetch(source, name, weights, args, target)
+            pieces.setdefault(part.hf, []).append((part.rows or (0, stored[0]), stored, fetch))
     entries = []
     for hf_name, parts in pieces.items():
         parts.sort(key=lambda p: p[0])

@@ -264,6 +264,9 @@ def resolve_init_from(cfg: Config) -> None:
     if not cfg.model.init_from:
         return
     args, tokenizer = source_args(cfg.model.init_from)
+    if args.lora_rank:  # its base weights alone are not the model it trained
+        raise ConfigError("model.init_from", cfg.model.init_from, "holds LoRA adapters; start from its merged "
+                          "weights: ndtrain convert --to-hf RUN --out DIR, then model.init_from=hf:DIR")
     for key in SHAPE_KEYS + (MOE_KEYS if args.is_moe else ()):
         mine, theirs = getattr(cfg.model, key), model_key_value(args, key)
         if mine is not None and mine != theirs:

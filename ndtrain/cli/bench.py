@@ -28,7 +28,7 @@ def cmd_bench(args) -> int:
     if args.what == "gpu":
         from ndtrain.bench.gpu import run as run_gpu
         return run_gpu(args)
-    from ndtrain.bench import checkpoint, comm, compile, cp, dp, ep, fp8, generate, plan, pp, sft, tp, zero
-    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft,
+    from ndtrain.bench import checkpoint, comm, compile, cp, dp, ep, fp8, generate, lora, plan, pp, sft, tp, zero
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft, "lora": lora,
             "checkpoint": checkpoint, "ep": ep, "generate": generate, "plan": plan, "fp8": fp8,
             "compile": compile}[args.what].run(args)

@@ -9,6 +9,8 @@ from pathlib import Path
 def cmd_convert(args) -> int:
     from ndtrain.checkpoint.convert import from_hf, to_hf
     from ndtrain.config import ConfigError, check_run_folder, check_writable_dir
+    if args.adapter and not args.to_hf:
+        raise ConfigError("--adapter", True, "goes with --to-hf RUN_DIR --out DIR")
     if bool(args.from_hf) == bool(args.to_hf):
         raise ConfigError("convert", "--from-hf / --to-hf", "give exactly one of --from-hf DIR --to RUN_DIR "
                           "and --to-hf RUN_DIR --out DIR")
@@ -27,8 +29,12 @@ def cmd_convert(args) -> int:
     if not Path(args.to_hf).is_dir():
         raise ConfigError("--to-hf", args.to_hf, "directory does not exist")
     out = to_hf(Path(args.to_hf), Path(args.out), args.dtype,
-                report=lambda m: print(f"ndtrain: {m}", file=sys.stderr), overwrite=args.overwrite)
-    print(f"exported {args.to_hf} → {out} (transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+                report=lambda m: print(f"ndtrain: {m}", file=sys.stderr), overwrite=args.overwrite,
+                adapter=args.adapter)
+    if args.adapter:
+        print(f"exported the adapters of {args.to_hf} → {out} (peft.PeftModel.from_pretrained(base, {str(out)!r}))")
+    else:
+        print(f"exported {args.to_hf} → {out} (transformers.AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
 
 

@@ -50,6 +50,7 @@ examples:
   ndtrain bench zero model.preset=125M train.global_batch=8
                                                  the same on a preset's shape (every benchmark takes model.preset)
   ndtrain bench sft                              fine-tuning on packed against padded rows, answer tokens/s
+  ndtrain bench lora                             a LoRA step (rank 16) against a full fine-tuning step, tokens/s and states
   ndtrain bench cp                               context parallelism: ring vs allgather vs ulysses vs one process
   ndtrain bench generate                         batched generation with a KV cache against recomputing the prefix
   ndtrain bench ep                               experts split over 2 ranks (ep=2) against replicated (ep=1)
@@ -200,7 +201,8 @@ def _add_convert(sub) -> None:
                                    "model.init_from=run:RUN_DIR). --to-hf RUN_DIR --out DIR: the run's newest good "
                                    "checkpoint as a HF model folder (model.safetensors, config.json, the tokenizer "
                                    "files with the chat template, generation_config.json), in the family and dtype "
-                                   "the model came from. Supported families and what is refused: docs/hf.md.")
+                                   "the model came from (a LoRA run: the adapters merged, or with --adapter a PEFT adapter folder, docs/lora.md). "
+                                   "Supported families and what is refused: docs/hf.md.")
     p.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model folder (config.json, *.safetensors)")
     p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create (a new or empty "
                                                    "folder; another folder is refused)")
@@ -211,6 +213,10 @@ def _add_convert(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="--to-hf: write into a non-empty --out, removing its weights, config and tokenizer files "
                         "first (without it a non-empty folder is refused)")
+    p.add_argument("--adapter", action="store_true",
+                   help="--to-hf of a LoRA run (lora.rank > 0): write only the adapters, as a PEFT adapter folder "
+                        "(adapter_config.json, adapter_model.safetensors) for the base model; without it the "
+                        "adapters are merged into the exported weights")
 
 
 def _add_checkpoint(sub) -> None:
@@ -242,7 +248,7 @@ def _add_bench(sub) -> None:
                                    "throughputs. Every key a benchmark accepts (model.*, train.precision, "
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "checkpoint", "ep",
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "lora", "checkpoint", "ep",
                                     "generate", "plan", "fp8", "compile", "gpu"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--dry-run", action="store_true", help="gpu: print the steps and their time budgets, run nothing")

@@ -1,4 +1,4 @@
-"""The configuration's schema: seven sections of plain dataclasses, every key with its type,
+"""The configuration's schema: eight sections of plain dataclasses, every key with its type,
 its default and what it means, and `from_dict`, which builds a `Config` from plain values,
 each checked against its key's type.
 
@@ -205,6 +205,15 @@ class RLConfig:
 
 
 @dataclass
+class LoRAConfig:
+    rank: int = 0  # rank r of the adapters; 0 = no LoRA (every weight trains)
+    alpha: float = 16.0  # the update is (alpha / rank)·B·A·x
+    dropout: float = 0.0  # dropout on the adapters' input (training only)
+    targets: str = "wq,wk,wv,wo,w1,w2,w3"  # the linear layers that get adapters (attention wq wk wv wo, MLP w1 w2 w3)
+    init: str = "zero_b"  # zero_b: B = 0, training starts at the base model | random: B drawn too (tests, PEFT's init_lora_weights=false)
+
+
+@dataclass
 class RunConfig:
     dir: str = ""  # "" = runs/<task>-<date>-<time>
     resume: str = "auto"  # auto: continue if run.dir holds a checkpoint; true: must; false: must not
@@ -228,6 +237,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     # The dotted keys the user set (in the file or on the command line), filled by
@@ -254,7 +264,16 @@ class Config:
             changes["window_layers"] = window_layers_of(changes["window_layers"])
         if "max_seq_len" not in changes:
             changes["max_seq_len"] = max(base.max_seq_len, self.train.seq_len)
+        lora = self.lora
+        if lora.rank:
+            changes.update(lora_rank=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                           lora_targets=lora_targets(lora.targets), lora_init=lora.init)
         return base.with_(**changes)
+
+
+def lora_targets(text: str) -> tuple[str, ...]:
+    """lora.targets ("wq,wv") as ModelArgs holds it."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 FAMILY_KEYS = ("rope_scaling", "sliding_window", "window_layers", "norm_offset", "sandwich_norm", "mlp_act",
@@ -301,7 +320,7 @@ RL_DEFAULTS = ["train.steps=300", "train.global_batch=512", "train.lr=1e-4", "tr
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
 _SECTION_CLASSES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-                    "data": DataConfig, "sft": SFTConfig, "rl": RLConfig, "run": RunConfig}
+                    "data": DataConfig, "sft": SFTConfig, "rl": RLConfig, "lora": LoRAConfig, "run": RunConfig}
 
 
 def all_keys() -> list[str]:

@@ -58,12 +58,20 @@ class ModelArgs:
     query_pre_attn_scalar: float = 0.0
     attn_softcap: float = 0.0
     logit_softcap: float = 0.0
+    # LoRA adapters (model/lora.py, config [lora]): rank 0 = none. Each linear layer named in
+    # lora_targets adds scale·B·A·x, scale = lora_alpha / lora_rank, and only A and B train.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ()
+    lora_init: str = "zero_b"  # zero_b: B starts at 0 (the base model's output) | random: B too (tests)
 
     def __post_init__(self):
         if self.head_dim is None:
             object.__setattr__(self, "head_dim", self.dim // self.n_heads)
         if self.window_layers is not None:  # a list from JSON (a checkpoint's meta) or the config
             object.__setattr__(self, "window_layers", tuple(int(i) for i in self.window_layers))
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
 
     def window_of(self, layer: int) -> int:
         """The sliding window of block `layer` (0: it sees every earlier key)."""

@@ -24,6 +24,8 @@ from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
 from ndtrain.mesh import DIMS, ParallelMesh
 from ndtrain.model.args import flops_per_token
+from ndtrain.model.llama import Transformer
+from ndtrain.model.lora import is_adapter
 from ndtrain.deferred import Lazy, settle
 from ndtrain.observe.memory import per_rank_table
 from ndtrain.observe.metrics import MetricsLog, read_metrics, strict_json
@@ -41,6 +43,15 @@ from ndtrain.train.tasks import StepData, Task
 STOP_TIME, STOP_SIGNAL = 1, 2  # why the ranks agreed to stop early (Trainer.stop_agreed): the larger wins
 
 
+def param_counts(args) -> dict[str, int]:
+    """The whole model's parameters, and those that train (all of them without LoRA)."""
+    with torch.device("meta"):
+        named = dict(Transformer(args).named_parameters())  # a tied weight once
+    total = sum(p.numel() for p in named.values())
+    trainable = sum(p.numel() for n, p in named.items() if is_adapter(n)) if args.lora_rank else total
+    return {"trainable_params": trainable, "total_params": total}
+
+
 class Trainer:
     def __init__(self, cfg: Config, mesh: ParallelMesh, task: Task, run_dir: Path | None,
                  *, local_world: int = 1, control: supervisor.RankControl | None = None):
@@ -49,6 +60,7 @@ class Trainer:
         # (tests): nobody asks, and no step pays the agreement on stopping.
         self.control = control
         self.stopped = False
+        self._counted = False  # whether a metrics line carried the parameter counts yet
         self.run_dir = Path(run_dir) if run_dir is not None else None
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -57,6 +69,7 @@ class Trainer:
         self.par: Parallelized = build(self.args, mesh, cfg, task.objective)
         self.stepper = TrainStep(self.par, cfg)
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
+        self.param_counts = param_counts(self.args)  # trainable_params, total_params (LoRA: the adapters train)
         self.peak, self.peak_source = peak_flops(mesh.device, t.precision, cfg.data.cache_dir)
         # A CPU peak is a whole machine's; a GPU peak is one device's.
         self.n_peak_units = mesh.world // local_world if mesh.device.type == "cpu" else mesh.world
@@ -156,6 +169,9 @@ class Trainer:
         record.update(task_metrics)
         if self.par.routing_stats is not None:
             record["moe"] = self.par.routing_stats
+        if not self._counted:  # this process's first line
+            record.update(self.param_counts)
+            self._counted = True
         return record
 
     def is_log_step(self, step: int) -> bool:
@@ -323,6 +339,7 @@ class Trainer:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
             "mfu": (statistics.median(r["mfu"] for r in steady) if steady and steady[0]["mfu"] is not None else None),
             "mfu_peak_source": self.peak_source,
+            **self.param_counts,
             "layout": self.mesh.describe(),
             "run_dir": str(self.run_dir),
             "checkpoint": str(store.latest(self.run_dir)),
