@@ -66,6 +66,7 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrit
     if ((meta.get("config") or {}).get("train") or {}).get("moe_bias_rate"):
         raise ConfigError("--to-hf", str(run), "the routers' selection bias (train.moe_bias_rate > 0) has no place "
                           "in a Hugging Face Mixtral or Qwen3-MoE; exporting would change which experts tokens choose")
+    check_output_dir("--out", out, run, run_dir, path)
     try:
         hf_files.clear_for_export(out, overwrite)
     except ValueError as e:
@@ -128,9 +129,19 @@ def _fetch(source: CheckpointSource, key: str, shape: tuple, expert: int | None,
     return read
 
 
+def check_output_dir(key: str, out: Path, *sources: Path) -> None:
+    """Refuse an output folder that cannot be written, is a file, or is a source itself."""
+    config_mod.check_writable_dir(key, str(out))
+    for source in sources:
+        if Path(out).expanduser().resolve() == Path(source).expanduser().resolve():
+            raise ConfigError(key, str(out), f"is the folder being converted ({source}); write to a new folder")
+
+
 def from_hf(folder: Path, run: Path) -> Path:
     """A run directory whose step-0 checkpoint holds the weights of the HF model `folder`."""
     source = HFSource(folder)
+    check_output_dir("--to", run, folder)
+    source.check()  # every tensor against config.json, and finite, before a byte is written
     if store.steps_of(run):
         raise ConfigError("--to", str(run), "already holds checkpoints; choose another directory")
     tensors = []
