@@ -48,6 +48,13 @@ def check_args(args: ModelArgs, where: str, key: str) -> None:
         raise ConfigError(f"{where}: {key} {field}", value, rule)
 
 
+def missing_error(where: str, missing, args: ModelArgs) -> ConfigError:
+    n = len(missing)
+    return ConfigError(where, listed(missing), f"missing ({n} tensor{'s' * (n > 1)} the model of its config needs: "
+                       f"{args.n_layers} layers, vocabulary {args.vocab_size}); a truncated download, or a config "
+                       "that does not describe these weights")
+
+
 def check_tensors(source, args: ModelArgs, where: str, name_of=lambda key: key[len("weight/"):]) -> None:
     """Every weight of `source` against the model of `args`: names (missing, unexpected),
     shapes, whether all the pieces of each are there, dtypes. `name_of` turns our key into
@@ -56,9 +63,7 @@ def check_tensors(source, args: ModelArgs, where: str, name_of=lambda key: key[l
     have = {key: shape for key, (shape, _) in source.index.items() if key.startswith("weight/")}
     missing = [name_of(k) for k in expected if k not in have]
     if missing:
-        raise ConfigError(where, listed(missing), f"missing ({len(missing)} tensor{'s' * (len(missing) > 1)} the "
-                          f"model of its config needs: {args.n_layers} layers, vocabulary {args.vocab_size}); a "
-                          "truncated download, or a config that does not describe these weights")
+        raise missing_error(where, missing, args)
     unexpected = [name_of(k) for k in have if k not in expected]
     if unexpected:
         raise ConfigError(where, listed(unexpected), f"not part of the model its config describes ({args.n_layers} "

@@ -90,6 +90,7 @@ class HFSource(Source):
         self.args = hf_args(self.folder, self.config)
         self.family = hf.family_of_config(self.config)
         self.hf_name: dict[str, str] = {}  # our key -> the HF tensor that holds it
+        self.found: list[str] = []  # the HF tensors of the files
         found: dict[str, Path] = {}
         for file in files:
             try:
@@ -106,12 +107,18 @@ class HFSource(Source):
                                       "is in two files; with no model.safetensors.index.json every *.safetensors "
                                       "file of the folder is read: remove the stray one")
                 found[name] = file
+                self.found.append(name)
                 self._add(file, name, tuple(info["shape"]), info["dtype"])
 
     def check(self, finite: bool = True) -> None:
         """Refuse, naming the tensor, weights that are not the model config.json describes
         (checkpoint/imports.py); with `finite`, also any NaN or infinite value."""
-        from ndtrain.checkpoint.imports import check_finite, check_tensors
+        from ndtrain.checkpoint.imports import check_finite, check_tensors, expected_shapes, missing_error
+        wanted = {part.hf for key in expected_shapes(self.args) if key != "weight/output.weight" or
+                  not self.args.tie_embeddings for part in hf.hf_parts(key[len("weight/"):], self.args, self.family)}
+        missing = wanted - set(self.found)
+        if missing:
+            raise missing_error(self.where, missing, self.args)
         name_of = partial(self._hf_name_of)
         check_tensors(self, self.args, self.where, name_of)
         if finite:
