@@ -79,6 +79,8 @@ def cmd_rl(args) -> int:
         cfg.train.seq_len = job.row_length(cfg)
     validate(cfg, world=world)
     check_rl_job(cfg)  # again: model.init_from's shape (an MoE source) is known now
+    check_fits(cfg, world, "train.seq_len" if "train.seq_len" in cfg.explicit else "rl.max_new_tokens",
+               cfg.train.global_batch // cfg.parallel.dp)
     warn_before_start(cfg, world, "rl")
     template = make_template(cfg, progress=cfg.run.progress)
     if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:

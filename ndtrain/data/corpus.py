@@ -103,11 +103,22 @@ def _jsonl_documents(path: Path, key: str, jsonl_key: str) -> Iterator[tuple[str
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise DataError(f"{path}:{lineno}: JSON nested too deeply to read") from None
             if not isinstance(record, dict) or not isinstance(record.get(jsonl_key), str):
                 raise DataError(
                     f"{path}:{lineno}: each line must be a JSON object with a string field {jsonl_key!r}"
                 )
-            yield f"{key}:{lineno}", record[jsonl_key]
+            yield f"{key}:{lineno}", _without_lone_surrogates(record[jsonl_key])
+
+
+def _without_lone_surrogates(text: str) -> str:
+    """A lone surrogate escape ("\\ud800") is half a character: replaced, like an undecodable byte."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def iter_documents(source: str, jsonl_key: str = "text") -> Iterator[tuple[str, str]]:

@@ -19,7 +19,7 @@ from ndtrain.checkpoint import hf_files
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.verifiable import char_tokenizer, draw_problems, make_task
 from ndtrain.train.rl.task import RL, Environment
-from ndtrain.train.tasks import load_function
+from ndtrain.train.tasks import load_function, probe_scorer
 
 # The warm-up's own settings (ndtrain sft keys), after the RL job's model, seed and device.
 WARMUP_SETTINGS = ["train.seq_len=64", "train.global_batch=32", "train.lr=3e-3", "train.warmup=20",
@@ -88,13 +88,7 @@ def check_reward(cfg: Config) -> None:
     fn = load_function("rl.reward", r.reward)
     p = draw_problems(make_task(r.task, r.size, r.reverse_answer), 0, "probe", 1, "train")[0]
     sample = f"a sample (prompt {p.prompt!r}, completion {p.answer!r}, answer {p.answer!r})"
-    try:
-        value = fn(p.prompt, p.answer, p.answer)
-    except Exception as e:  # noqa: BLE001 - a user's function may raise anything
-        raise ConfigError("rl.reward", r.reward, f"raised {type(e).__name__}: {e} on {sample}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError("rl.reward", r.reward, f"returned {value!r} ({type(value).__name__}) on {sample}: "
-                          "a reward must be a number")
+    probe_scorer("rl.reward", r.reward, fn, (p.prompt, p.answer, p.answer), sample)
 
 
 def finished(run: Path) -> bool:
