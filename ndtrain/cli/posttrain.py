@@ -40,6 +40,7 @@ def cmd_sft(args) -> int:
     if args.show_example:
         print(sft.show_example(data), flush=True)
         return 0
+    sft.check_score(cfg.sft.score, data)  # a scoring function that raises or returns no number fails here
     run_dir = choose_run_dir(cfg, "sft")
     resumed = check_resume(cfg, run_dir)
     p = cfg.parallel
