@@ -19,8 +19,11 @@ _DEFAULTS = Config()
 
 
 def _is_default(cfg: Config, key: str) -> bool:
+    """At its default now, or set to it as given (run.nproc = 0 in a file, which validation
+    then resolves to the process count)."""
     section, name = key.split(".")
-    return getattr(getattr(cfg, section), name) == getattr(getattr(_DEFAULTS, section), name)
+    return key in cfg.explicit_defaults or getattr(getattr(cfg, section), name) == getattr(
+        getattr(_DEFAULTS, section), name)
 
 
 def _is_moe(cfg: Config) -> bool:

@@ -223,13 +223,16 @@ class Config:
     # The dotted keys the user set (in the file or on the command line), filled by
     # `load_config`; not a field, so it stays out of `to_dict` and config.toml.
     explicit = frozenset()
+    # Those of them set to the code's default, as given (before validation resolves run.nproc,
+    # parallel.dp and the like): they change nothing, and idle_keys stays silent about them.
+    explicit_defaults = frozenset()
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def copy(self) -> "Config":
         out = from_dict(self.to_dict())
-        out.explicit = self.explicit
+        out.explicit, out.explicit_defaults = self.explicit, self.explicit_defaults
         return out
 
     def model_args(self, vocab_size: int | None = None) -> ModelArgs:
