@@ -15,34 +15,9 @@ import struct
 import pytest
 import torch
 
-from helpers import unwritable_dir
+from helpers import refused, unwritable_dir
+from hf_helpers import DENSE, MOE, make_hf
 from ndtrain.cli import main
-from ndtrain.model import hf
-from ndtrain.model.args import ModelArgs
-from ndtrain.model.llama import Transformer
-
-DENSE = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=300, max_seq_len=64)
-MOE = DENSE.with_(moe_experts=4, moe_top_k=2, moe_ffn_dim=32, moe_norm_topk=True)  # a Mixtral
-
-
-def make_hf(folder, args=DENSE, tensors=None, config=None):
-    """A HF folder of a random model of `args`; `tensors(state)` and `config(dict)` damage it."""
-    from safetensors.torch import save_file
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.manual_seed(0)
-    state = {}
-    for name, t in Transformer(args).named_parameters():
-        for part in hf.hf_parts(name, args):
-            state[part.hf] = (t if part.expert is None else t[part.expert]).detach().clone()
-    if tensors:
-        tensors(state)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
-    cfg = hf.hf_config_json(args, "float32")
-    if config:
-        config(cfg)
-    (folder / "config.json").write_text(json.dumps(cfg))
-    return folder
-
 
 def _set(name, value):
     return lambda state: state.__setitem__(name, value)
@@ -120,18 +95,6 @@ FOLDERS = {
 }
 
 
-def _tree(root):
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
-
-
-def _refused(argv, root, capsys, fragment):
-    before = _tree(root)
-    code = main(argv)
-    err = capsys.readouterr().err
-    assert code == 2, err
-    assert err.count("\n") == 1 and err.startswith("ndtrain: error: ") and "Traceback" not in err, err
-    assert fragment in err, err
-    assert _tree(root) == before, "something was written"
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +110,8 @@ def test_damaged_or_inconsistent_hf_folders_are_refused_before_anything_is_writt
     for name, (make, fragment) in FOLDERS.items():
         folder = tmp_path / name.replace(" ", "_").replace(":", "")
         make(folder)
-        _refused(["convert", "--from-hf", str(folder), "--to", str(tmp_path / "run")], tmp_path, capsys, fragment)
-        _refused(["train", f"model.init_from=hf:{folder}", f"data.tokenizer={tokenizer}", "run.device=cpu"],
+        refused(["convert", "--from-hf", str(folder), "--to", str(tmp_path / "run")], tmp_path, capsys, fragment)
+        refused(["train", f"model.init_from=hf:{folder}", f"data.tokenizer={tokenizer}", "run.device=cpu"],
                  tmp_path, capsys, fragment)
 
 
@@ -159,13 +122,13 @@ def test_convert_output_paths_that_cannot_be_used(tmp_path, capsys, monkeypatch)
     for out, fragment in ((tmp_path / "a_file", "exists and is not a directory"),
                           (unwritable_dir(tmp_path) / "run", "cannot be written"),
                           (folder, "is the folder being converted")):
-        _refused(["convert", "--from-hf", str(folder), "--to", str(out)], tmp_path, capsys, fragment)
+        refused(["convert", "--from-hf", str(folder), "--to", str(out)], tmp_path, capsys, fragment)
     assert main(["convert", "--from-hf", str(folder), "--to", str(tmp_path / "run")]) == 0
     capsys.readouterr()
     for out, fragment in ((tmp_path / "a_file", "exists and is not a directory"),
                           (unwritable_dir(tmp_path) / "hf", "cannot be written"),
                           (tmp_path / "run", "is the folder being converted")):
-        _refused(["convert", "--to-hf", str(tmp_path / "run"), "--out", str(out)], tmp_path, capsys, fragment)
+        refused(["convert", "--to-hf", str(tmp_path / "run"), "--out", str(out)], tmp_path, capsys, fragment)
 
 
 def test_run_sources_are_checked_alike(tmp_path, capsys, monkeypatch, tokenizer):
@@ -187,5 +150,5 @@ def test_run_sources_are_checked_alike(tmp_path, capsys, monkeypatch, tokenizer)
     cases = {"nan_run": "norm.weight = 'holds nan': weights must be finite",
              "other_run": "= 'layers.2.attention.wk.weight, layers.2.attention.wo.weight"}
     for run, fragment in cases.items():
-        _refused(["train", f"model.init_from=run:{tmp_path / run}", f"data.tokenizer={tokenizer}", "run.device=cpu"],
+        refused(["train", f"model.init_from=run:{tmp_path / run}", f"data.tokenizer={tokenizer}", "run.device=cpu"],
                  tmp_path, capsys, fragment)

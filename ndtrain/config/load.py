@@ -40,8 +40,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         set_key(cfg, key.strip(), value, from_text=True)
         explicit.add(key.strip())
     cfg.explicit = frozenset(explicit)
-    defaults = Config()
-    cfg.explicit_defaults = frozenset(k for k in explicit if "." in k and _value(cfg, k) == _value(defaults, k))
+    cfg.given = {k: _value(cfg, k) for k in explicit}
     return cfg
 
 

@@ -16,6 +16,7 @@ import math
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 from ndtrain.model.args import PRESETS, ModelArgs
@@ -223,16 +224,16 @@ class Config:
     # The dotted keys the user set (in the file or on the command line), filled by
     # `load_config`; not a field, so it stays out of `to_dict` and config.toml.
     explicit = frozenset()
-    # Those of them set to the code's default, as given (before validation resolves run.nproc,
-    # parallel.dp and the like): they change nothing, and idle_keys stays silent about them.
-    explicit_defaults = frozenset()
+    # Their values as given, before validation resolves run.nproc, parallel.dp and the like
+    # (what idle_keys compares with the defaults and names).
+    given = MappingProxyType({})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def copy(self) -> "Config":
         out = from_dict(self.to_dict())
-        out.explicit, out.explicit_defaults = self.explicit, self.explicit_defaults
+        out.explicit, out.given = self.explicit, dict(self.given)
         return out
 
     def model_args(self, vocab_size: int | None = None) -> ModelArgs:
