@@ -157,7 +157,9 @@ def test_train_moe_and_sequence_keys(tmp_path, capsys, monkeypatch, tiny_data):
         refused(train + extra, tmp_path, capsys, fragment)
 
 
-def test_checkpoint_inspect_meta_of_the_wrong_types(tmp_path, capsys, monkeypatch):
+def test_checkpoint_meta_of_the_wrong_types(tmp_path, capsys, monkeypatch):
+    """`checkpoint inspect` and `convert --to-hf` of a checkpoint whose meta.json has entries
+    of the wrong type: one line each; inspecting its run lists it as refused."""
     from hf_helpers import make_hf
     from ndtrain.checkpoint import convert, store
     monkeypatch.chdir(tmp_path)
@@ -176,6 +178,8 @@ def test_checkpoint_inspect_meta_of_the_wrong_types(tmp_path, capsys, monkeypatc
         for target in (checkpoint, tmp_path / "run"):
             if target == checkpoint:
                 refused(["checkpoint", "inspect", str(target)], tmp_path, capsys, "meta.json is damaged")
+                refused(["convert", "--to-hf", str(target), "--out", str(tmp_path / "out")], tmp_path, capsys,
+                        "meta.json is damaged")
             else:  # a run directory lists it as refused
                 from ndtrain.cli import main
                 assert main(["checkpoint", "inspect", str(target)]) == 0
@@ -199,19 +203,3 @@ def test_generate(tmp_path, capsys, monkeypatch):
              (["--prompt", "def "], "tokenizer.json: cannot load")]
     for extra, fragment in cases:
         refused(["generate", "--run", str(tmp_path / "run"), *extra], tmp_path, capsys, fragment)
-
-
-def test_a_key_at_its_default_in_a_file_is_silent_under_torchrun(tmp_path):
-    """`nproc = 0` in [run] (the default) under a launcher of 2 processes: validation
-    resolves run.nproc to 2, and no warning says that 2 "has no effect here"."""
-    from ndtrain.config import load_config, validate
-    from ndtrain.idle_keys import idle_keys
-    path = tmp_path / "c.toml"
-    path.write_text("[run]\nnproc = 0\ndevice = \"cpu\"\n")
-    cfg = load_config(path)
-    validate(cfg, world=2)
-    assert cfg.run.nproc == 2 and idle_keys(cfg, 2) == []
-    path.write_text("[run]\nnproc = 4\ndevice = \"cpu\"\n")
-    cfg = load_config(path)
-    validate(cfg, world=2)
-    assert [line.split(" has no effect")[0] for line in idle_keys(cfg, 2)] == ["run.nproc = 4"]

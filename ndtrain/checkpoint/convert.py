@@ -54,7 +54,10 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrit
     the family and dtype the model came from (unless `dtype`), with the run's tokenizer
     files and generation config. A non-empty `out` is refused unless `overwrite`, which
     clears its model files first. Every refusal comes before anything is written."""
-    path = checkpoint_of(run, report)
+    try:
+        path = checkpoint_of(run, report)
+    except CheckpointError as e:  # no checkpoint of the run given can be read: bad input, nothing written
+        raise ConfigError("--to-hf", str(run), str(e)) from None
     meta = store.read_meta(path)
     args = ModelArgs(**meta["model_args"])
     run_dir = path.parent.parent
