@@ -155,6 +155,11 @@ def test_train_moe_and_sequence_keys(tmp_path, capsys, monkeypatch, tiny_data):
     ]
     for extra, fragment in cases:
         refused(train + extra, tmp_path, capsys, fragment)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "deep.jsonl").write_text('{"text": "fine"}\n' + "[" * 100000 + "]" * 100000 + "\n")
+    refused(["prepare", f"data.path={corpus}", f"data.cache_dir={tmp_path / 'cache'}"], corpus, capsys,
+            "deep.jsonl:2: JSON nested too deeply to read")
 
 
 def test_checkpoint_meta_of_the_wrong_types(tmp_path, capsys, monkeypatch):
