@@ -18,9 +18,16 @@ from ndtrain.config import Config, is_prepared_folder
 _DEFAULTS = Config()
 
 
+def _value(cfg: Config, key: str):
+    """The value as the user gave it (run.nproc = 0 in a file, which validation resolves to
+    the process count), else as it is now."""
+    section, name = key.split(".")
+    return cfg.given[key] if key in cfg.given else getattr(getattr(cfg, section), name)
+
+
 def _is_default(cfg: Config, key: str) -> bool:
     section, name = key.split(".")
-    return getattr(getattr(cfg, section), name) == getattr(getattr(_DEFAULTS, section), name)
+    return _value(cfg, key) == getattr(getattr(_DEFAULTS, section), name)
 
 
 def _is_moe(cfg: Config) -> bool:
@@ -117,7 +124,6 @@ def idle_keys(cfg: Config, world: int | None = None, command: str = "train") -> 
     for key, idle, why in _rules(cfg, world, command):
         if idle and key in cfg.explicit and key not in seen and not _is_default(cfg, key):
             seen.add(key)
-            section, name = key.split(".")
-            value = getattr(getattr(cfg, section), name)
+            value = _value(cfg, key)
             lines.append(f"{key} = {value!r} has no effect here: {why}")
     return lines

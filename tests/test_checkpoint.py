@@ -165,7 +165,7 @@ def cli_run(tiny_data, tmp_path_factory):
 @pytest.mark.parametrize("overrides, fragment", [
     (["model.init_from=nowhere"], "model.init_from = 'nowhere': expected run:DIR"),
     (["model.init_from=run:/no/such/run"], "model.init_from = 'run:/no/such/run': no such directory"),
-    (["model.init_from=hf:EMPTY"], "Hugging Face model EMPTY: no .safetensors weights"),
+    (["model.init_from=hf:EMPTY"], "Hugging Face model EMPTY = '*.safetensors': none there"),
     (["model.init_from=run:EMPTY"], "EMPTY holds no usable checkpoint"),
     (["model.head_dim=15"], "model.head_dim = 15: head dim 15 must be even for RoPE"),
     (["model.qkv_bias=true", "model.qk_norm=true"], "model.qk_norm = True: with model.qkv_bias as well"),

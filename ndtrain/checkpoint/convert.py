@@ -59,7 +59,10 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrit
     `adapter`, only the adapters, as a PEFT adapter folder (checkpoint/adapter.py). A
     non-empty `out` is refused unless `overwrite`, which clears its model files first.
     Every refusal comes before anything is written."""
-    path = checkpoint_of(run, report)
+    try:
+        path = checkpoint_of(run, report)
+    except CheckpointError as e:  # no checkpoint of the run given can be read: bad input, nothing written
+        raise ConfigError("--to-hf", str(run), str(e)) from None
     meta = store.read_meta(path)
     args = ModelArgs(**meta["model_args"])
     run_dir = path.parent.parent
@@ -73,6 +76,7 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrit
                           "in a Hugging Face Mixtral or Qwen3-MoE; exporting would change which experts tokens choose")
     if adapter:
         check_adapter(args, family, run)
+    check_output_dir("--out", out, run, run_dir, path)
     try:
         hf_files.clear_for_export(out, overwrite)
     except ValueError as e:
@@ -142,9 +146,19 @@ def _fetch(source: CheckpointSource, key: str, shape: tuple, expert: int | None,
     return read
 
 
+def check_output_dir(key: str, out: Path, *sources: Path) -> None:
+    """Refuse an output folder that cannot be written, is a file, or is a source itself."""
+    config_mod.check_writable_dir(key, str(out))
+    for source in sources:
+        if Path(out).expanduser().resolve() == Path(source).expanduser().resolve():
+            raise ConfigError(key, str(out), f"is the folder being converted ({source}); write to a new folder")
+
+
 def from_hf(folder: Path, run: Path) -> Path:
     """A run directory whose step-0 checkpoint holds the weights of the HF model `folder`."""
     source = HFSource(folder)
+    check_output_dir("--to", run, folder)
+    source.check()  # every tensor against config.json, and finite, before a byte is written
     if store.steps_of(run):
         raise ConfigError("--to", str(run), "already holds checkpoints; choose another directory")
     tensors = []

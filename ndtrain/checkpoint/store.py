@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from ndtrain.checkpoint.files import DTYPES, fsync_dir, sha256_of, write_durably, write_safetensors
 from ndtrain.checkpoint.slices import Piece
+from ndtrain.model.args import ModelArgs, shape_problem
 
 FORMAT, VERSION = "ndtrain-checkpoint", 2
 _STEP = re.compile(r"step_(\d+)")
@@ -114,7 +115,57 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: meta.json is not an {FORMAT} file")
     if meta.get("version") != VERSION:
         raise CheckpointError(f"checkpoint {path}: format version {meta.get('version')}, this ndtrain reads {VERSION}")
+    reason = meta_problem(meta)
+    if reason:
+        raise CheckpointError(f"checkpoint {path}: meta.json is damaged: {reason}")
     return meta
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _ints(x) -> bool:
+    return isinstance(x, list) and all(_is_int(v) and v >= 0 for v in x)
+
+
+def _model_args_problem(args) -> str | None:
+    if not isinstance(args, dict):
+        return "model_args is not an object"
+    try:
+        problem = shape_problem(ModelArgs(**args))
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        return f"model_args is not a model ({type(e).__name__}: {e})"
+    return f"model_args {problem[0]} = {problem[1]!r}: {problem[2]}" if problem else None
+
+
+def meta_problem(meta: dict) -> str | None:
+    """What in a parsed meta.json is not of the type its readers need (None: nothing): the
+    step, the model's args, each file's size and hash, each tensor's shape, dtype and pieces."""
+    if not _is_int(meta.get("step")) or meta["step"] < 0:
+        return f"step is {meta.get('step')!r}, not a non-negative integer"
+    if not isinstance(meta.get("saved_at", 0), (int, float)):
+        return f"saved_at is {meta.get('saved_at')!r}, not a number"
+    if "model_args" in meta:  # (a training checkpoint's; the store itself does not need one)
+        problem = _model_args_problem(meta["model_args"])
+        if problem:
+            return problem
+    files, tensors = meta.get("files"), meta.get("tensors")
+    if not isinstance(files, dict) or not all(isinstance(f, dict) and _is_int(f.get("bytes")) and isinstance(
+            f.get("sha256"), str) for f in files.values()):
+        return "files is not an object of {name: {bytes, sha256}}"
+    if not isinstance(tensors, dict):
+        return "tensors is not an object"
+    for key, t in tensors.items():
+        if not (isinstance(t, dict) and _ints(t.get("shape")) and t.get("dtype") in DTYPES.values()
+                and isinstance(t.get("pieces"), list)):
+            return f"tensor {key!r} has no shape (a list of sizes), dtype ({', '.join(DTYPES.values())}) and pieces"
+        for piece in t["pieces"]:
+            if not (isinstance(piece, dict) and piece.get("file") in files and isinstance(piece.get("key"), str)
+                    and _ints(piece.get("offsets")) and _ints(piece.get("box")) and _is_int(piece.get("start"))
+                    and _is_int(piece.get("stop"))):
+                return f"a piece of tensor {key!r} has no file of this checkpoint, key, offsets, box, start and stop"
+    return None
 
 
 def size_problem(path: Path, meta: dict) -> str | None:

@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> int:
         return e.code
     except KeyboardInterrupt:
         return fail("interrupted", 130)
+    except Exception as e:  # a run of this process that stopped on a fault it names (trainer.TrainingError)
+        trainer = sys.modules.get("ndtrain.train.trainer")
+        if trainer is not None and isinstance(e, trainer.TrainingError):
+            return fail(str(e), 1)
+        raise
 
 
 def _known_fault(summary: str) -> bool:

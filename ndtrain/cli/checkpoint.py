@@ -41,7 +41,12 @@ def cmd_convert(args) -> int:
 def cmd_checkpoint(args) -> int:
     from ndtrain.checkpoint.inspect import describe
     from ndtrain.config import ConfigError
+    from ndtrain.checkpoint.store import CheckpointError
     if not Path(args.dir).is_dir():
         raise ConfigError("DIR", args.dir, "directory does not exist")
-    print(describe(Path(args.dir), verify=args.verify))
+    try:
+        text = describe(Path(args.dir), verify=args.verify)
+    except CheckpointError as e:  # the folder given is no checkpoint we can read: bad input
+        raise ConfigError("DIR", args.dir, str(e)) from None
+    print(text)
     return 0

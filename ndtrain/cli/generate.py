@@ -29,6 +29,11 @@ def cmd_generate(args) -> int:
         raise ConfigError("--temperature", args.temperature, "must be a finite number >= 0 (0 = greedy)")
     if args.top_k < 0:
         raise ConfigError("--top-k", args.top_k, "must be >= 0 (0 = the whole vocabulary)")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError("--prompt", args.prompt, f"is not UTF-8 text (position {e.start} is a byte that is no "
+                          "character, or half of a surrogate pair)") from None
     run = Path(args.run)
     if not run.is_dir():
         raise ConfigError("--run", args.run, "directory does not exist")

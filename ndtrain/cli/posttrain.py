@@ -43,6 +43,7 @@ def cmd_sft(args, make_task=None) -> int:
     if args.show_example:
         print(sft.show_example(data), flush=True)
         return 0
+    sft.check_score(cfg.sft.score, data)  # a scoring function that raises or returns no number fails here
     run_dir = choose_run_dir(cfg, "sft")
     resumed = check_resume(cfg, run_dir)
     p = cfg.parallel
@@ -88,6 +89,8 @@ def cmd_rl(args) -> int:
         cfg.train.seq_len = -(-need // 8) * 8
     validate(cfg, world=world)
     check_rl_job(cfg)  # again: model.init_from's shape (an MoE source) is known now
+    check_fits(cfg, world, "train.seq_len" if "train.seq_len" in cfg.explicit else "rl.max_new_tokens",
+               cfg.train.global_batch // cfg.parallel.dp)
     warn_before_start(cfg, world, "rl")
     if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
         cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading

@@ -153,12 +153,16 @@ def _stopped(summary: dict, stop_signal: int, resume: str) -> int:
     return 128 + int(stop_signal)
 
 
-def check_fits(cfg, world: int | None) -> None:
-    """Refuse, before any process starts, a model whose states alone overflow the device."""
-    from ndtrain.plan.fit import check_model_states_fit
+def check_fits(cfg, world: int | None, key: str = "train.seq_len", rollout_rows: int = 0) -> None:
+    """Refuse, before any process starts, a model whose states alone overflow the device,
+    and a sequence (set by `key`) whose logits and rotary tables alone would."""
+    from ndtrain.plan.fit import check_model_states_fit, check_sequence_fits
     from ndtrain.train.dry_run import vocab_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world)) if world else cfg.parallel.world
-    check_model_states_fit(cfg, vocab_size(cfg), local)
+    vocab = vocab_size(cfg)
+    check_model_states_fit(cfg, vocab, local)
+    section, name = key.split(".")
+    check_sequence_fits(cfg, vocab, local, key, getattr(getattr(cfg, section), name), rollout_rows)
 
 
 def print_summary(s: dict) -> None:

@@ -40,7 +40,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         set_key(cfg, key.strip(), value, from_text=True)
         explicit.add(key.strip())
     cfg.explicit = frozenset(explicit)
+    cfg.given = {k: _value(cfg, k) for k in explicit}
     return cfg
+
+
+def _value(cfg: Config, key: str):
+    section, name = key.split(".", 1)
+    return getattr(getattr(cfg, section, None), name, None)
 
 
 # --------------------------------------------------------------------------- TOML output

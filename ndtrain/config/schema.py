@@ -18,6 +18,7 @@ import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 from ndtrain.model.args import PRESETS, ModelArgs
@@ -243,13 +244,16 @@ class Config:
     # The dotted keys the user set (in the file or on the command line), filled by
     # `load_config`; not a field, so it stays out of `to_dict` and config.toml.
     explicit = frozenset()
+    # Their values as given, before validation resolves run.nproc, parallel.dp and the like
+    # (what idle_keys compares with the defaults and names).
+    given = MappingProxyType({})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def copy(self) -> "Config":
         out = from_dict(self.to_dict())
-        out.explicit = self.explicit
+        out.explicit, out.given = self.explicit, dict(self.given)
         return out
 
     def model_args(self, vocab_size: int | None = None) -> ModelArgs:

@@ -123,12 +123,23 @@ def _jsonl_documents(path: Path, key: str, text_key: str) -> Iterator[tuple[str,
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                except RecursionError:
+                    raise DataError(f"{path}:{lineno}: JSON nested too deeply to read") from None
                 if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
                     raise DataError(f"{path}:{lineno}: each line must be a JSON object with a string field "
                                     f"{text_key!r} (the source's text_key)")
-                yield f"{key}:{lineno}", record[text_key]
+                yield f"{key}:{lineno}", _without_lone_surrogates(record[text_key])
     except OSError as e:  # pyarrow raises OSError for a corrupt compressed stream
         raise DataError(f"{path}: cannot read ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def _without_lone_surrogates(text: str) -> str:
+    """A lone surrogate escape ("\\ud800") is half a character: replaced, like an undecodable byte."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
 
 
 def _record_batches(path: Path, text_key: str):

@@ -28,6 +28,8 @@ def given_rate(args):
              ((args.mfu, True, False), (args.tflops, False, False), (args.hfu, True, True),
               (args.hfu_tflops, False, True)) if v is not None]
     for r in given:
+        if not math.isfinite(r.value):
+            raise ConfigError(r.flag, r.value, "must be a finite number")
         if r.utilization and not 0 < r.value <= 1:
             raise ConfigError(r.flag, r.value, "must be in (0, 1], a fraction of the peak")
         if not r.utilization and r.value <= 0:
@@ -57,6 +59,8 @@ def run(args) -> int:
             if hasattr(t, key):
                 setattr(t, key, type(t).__dataclass_fields__[key].default)
     imbalance = moe_imbalance(args, cfg)
+    if args.search and args.top <= 0:
+        raise ConfigError("--top", args.top, "must be > 0 (how many layouts to list)")
     if args.search:
         return _search(cfg, cluster, args, tokens, fp8, imbalance)
     cfg, device = plan_config(cfg, cluster, args.gpus)
@@ -69,7 +73,7 @@ def moe_imbalance(args, cfg) -> float:
     value = getattr(args, "moe_imbalance", None)
     if value is None:
         return 1.0
-    if not value >= 1:
+    if not 1 <= value < math.inf:
         raise ConfigError("--moe-imbalance", value, "must be ≥ 1 (the busiest rank's routed slots over the average)")
     if not cfg.model_args().is_moe:
         raise ConfigError("--moe-imbalance", value, f"model.preset = {cfg.model.preset!r} has no experts")

@@ -33,6 +33,7 @@ what the rows hold. A task provides:
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 
 from ndtrain.config import Config, ConfigError
@@ -50,11 +51,33 @@ def load_function(key: str, spec: str):
     module, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 - importing a user's module runs its code, which may raise anything
         raise ConfigError(key, spec, f"cannot import it ({type(e).__name__}: {e})") from None
     if not callable(fn):
         raise ConfigError(key, spec, "is not callable")
     return fn
+
+
+def call_scorer(fn, *args) -> tuple[float | None, str | None]:
+    """(the finite number a user's scoring function returns, None), or (None, why not): it
+    raised, or returned something that is not a finite number."""
+    try:
+        value = fn(*args)
+    except Exception as e:  # noqa: BLE001 - a user's function may raise anything
+        return None, f"raised {type(e).__name__}: {e}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None, f"returned {value!r} ({type(value).__name__}), not a number"
+    if not math.isfinite(value):
+        return None, f"returned {value}, not a finite number"
+    return float(value), None
+
+
+def probe_scorer(key: str, spec: str, fn, args: tuple, sample: str) -> None:
+    """Call a user's scoring function once on `sample` before anything starts: ConfigError
+    naming `key` unless it returns a finite number."""
+    _, why = call_scorer(fn, *args)
+    if why is not None:
+        raise ConfigError(key, spec, f"{why} on {sample}: it must return a finite number")
 
 
 @dataclass

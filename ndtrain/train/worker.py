@@ -69,12 +69,26 @@ def prepare_on_each_node(cfg: config_mod.Config, local_rank: int) -> PreparedDat
 
 
 def resolve_vocab(cfg: config_mod.Config, data: PreparedData) -> None:
-    """model.vocab_size from the tokenizer, or check that the one given covers it."""
+    """model.vocab_size from the tokenizer, or check that the one given covers it; and that
+    the corpus holds a sequence of train.seq_len."""
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = data.vocab_size
     elif cfg.model.vocab_size < data.vocab_size:
         raise config_mod.ConfigError("model.vocab_size", cfg.model.vocab_size,
                                      f"must be at least the tokenizer's vocabulary, {data.vocab_size}")
+    check_corpus_length(cfg, data)
+
+
+def check_corpus_length(cfg: config_mod.Config, data: PreparedData) -> None:
+    """Both splits hold at least one sequence of train.seq_len + 1 tokens (ConfigError,
+    before any process starts or the run directory is written)."""
+    need = cfg.train.seq_len + 1
+    for split in ("train", "val"):
+        have = int(data.meta[f"{split}_tokens"])
+        if have < need:
+            raise config_mod.ConfigError("train.seq_len", cfg.train.seq_len, f"is longer than the corpus' {split} split "
+                                         f"({have:,} tokens of {data.path.name}): one sequence needs seq_len + 1 = "
+                                         f"{need:,}; use a shorter train.seq_len or more data")
 
 
 def write_run_files(cfg: config_mod.Config, data: PreparedData, run_dir: Path) -> None:

@@ -30,7 +30,7 @@ from ndtrain.observe.metrics import read_metrics, strict_json
 from ndtrain.parallel.generation import GenerationLayout, Generator
 from ndtrain.train.rl.task import RL, Environment, greedy_pass_at_1
 from ndtrain.train.sft import SFT
-from ndtrain.train.tasks import load_function
+from ndtrain.train.tasks import load_function, probe_scorer
 
 # The warm-up's own settings (ndtrain sft keys), after the RL job's model, seed and device.
 WARMUP_SETTINGS = ["train.seq_len=64", "train.global_batch=32", "train.lr=3e-3", "train.warmup=20",
@@ -144,13 +144,7 @@ def check_reward(cfg: Config) -> None:
     fn = load_function("rl.reward", r.reward)
     p = source.draw(0, "probe", 1, "train")[0]
     sample = f"a sample (prompt {p.prompt!r}, completion {p.answer!r}, answer {p.answer!r})"
-    try:
-        value = fn(p.prompt, p.answer, p.answer)
-    except Exception as e:  # noqa: BLE001 - a user's function may raise anything
-        raise ConfigError("rl.reward", r.reward, f"raised {type(e).__name__}: {e} on {sample}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError("rl.reward", r.reward, f"returned {value!r} ({type(value).__name__}) on {sample}: "
-                          "a reward must be a number")
+    probe_scorer("rl.reward", r.reward, fn, (p.prompt, p.answer, p.answer), sample)
 
 
 def finished(run: Path) -> bool:
