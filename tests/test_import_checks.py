@@ -121,7 +121,7 @@ def test_convert_output_paths_that_cannot_be_used(tmp_path, capsys, monkeypatch)
     (tmp_path / "a_file").write_text("x")
     for out, fragment in ((tmp_path / "a_file", "exists and is not a directory"),
                           (unwritable_dir(tmp_path) / "run", "cannot be written"),
-                          (folder, "is the folder being converted")):
+                          (folder, "is a folder that is neither empty nor an ndtrain run")):  # the source itself
         refused(["convert", "--from-hf", str(folder), "--to", str(out)], tmp_path, capsys, fragment)
     assert main(["convert", "--from-hf", str(folder), "--to", str(tmp_path / "run")]) == 0
     capsys.readouterr()
