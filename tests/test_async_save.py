@@ -1,0 +1,187 @@
+"""Checkpoints written behind training (`run.async_save = true`, checkpoint/background.py):
+the same bytes as a synchronous save, training goes on while one is written, at most one in
+flight, a failure in the background stops the run with one line on every rank, and a crash
+in the middle of one resumes from the previous good checkpoint with the losses of a run
+that never crashed.
+
+One launch of 2 ranks (ZeRO-1: each rank writes its own file, and the ranks coordinate the
+save over their gloo group) runs every scenario; the tests read its results.
+"""
+
+import errno
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckpt_helpers import copy_checkpoint, train
+from ndtrain.testing import run_ranks
+
+BASE = ["parallel.zero=1", "train.steps=8", "train.save_every=2"]
+ASYNC = BASE + ["run.async_save=true"]
+PATIENCE_S = 60.0  # how long a held write waits to be released before it gives up (the test then fails)
+
+
+def _hold_first_write(log: list):
+    """Install in the ranks' process: the write of the first checkpoint (step 2) is held
+    until the training loop starts waiting for it (the save of step 4), so training runs on
+    while it is in flight; every write is logged (start, end, the steps trained by then)."""
+    from ndtrain.checkpoint import store
+    original, active, lock = store.write_safetensors, [0], threading.Lock()
+    released = threading.Event()
+    trainer_box = []
+
+    def write(path, *args, **kwargs):
+        step = int(Path(path).parent.name.removesuffix(".tmp").removeprefix("step_"))
+        with lock:
+            active[0] += 1
+            log.append(("start", step, active[0]))
+        if step == 2:
+            log.append(("released", step, released.wait(PATIENCE_S), trainer_box[0].step))
+        try:
+            return original(path, *args, **kwargs)
+        finally:
+            with lock:
+                active[0] -= 1
+                log.append(("end", step, active[0]))
+
+    def before_fit(trainer):
+        trainer_box.append(trainer)
+        wait = trainer.saver.wait
+
+        def waiting():
+            if trainer.saver.pending:  # (`start` also calls it when nothing is in flight)
+                released.set()
+            return wait()
+        trainer.saver.wait = waiting
+    store.write_safetensors = write
+    return before_fit, lambda: setattr(store, "write_safetensors", original)
+
+
+def _fail_write_on_rank_1(step: int):
+    """Install: rank 1's write of checkpoint `step` fails as a full disk does."""
+    import torch.distributed as dist
+
+    from ndtrain.checkpoint import store
+    original = store.write_safetensors
+
+    def write(path, *args, **kwargs):
+        if dist.get_rank() == 1 and Path(path).parent.name == f"step_{step:07d}.tmp":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return original(path, *args, **kwargs)
+    store.write_safetensors = write
+    return lambda: setattr(store, "write_safetensors", original)
+
+
+def _files(run: Path) -> dict:
+    """Every checkpoint's files: the bytes of each safetensors file, and meta.json without
+    the moment it was saved and the config (which holds run.async_save)."""
+    import json
+    out = {}
+    for folder in sorted((run / "checkpoints").glob("step_*")):
+        for f in sorted(folder.iterdir()):
+            if f.name == "meta.json":
+                meta = json.loads(f.read_text())
+                meta.pop("saved_at"), meta.pop("config")
+                out[f"{folder.name}/{f.name}"] = meta
+            else:
+                out[f"{folder.name}/{f.name}"] = f.read_bytes()
+    return out
+
+
+def _scenarios(data_dir, root):
+    import torch.distributed as dist
+
+    from ndtrain.checkpoint import store
+    from ndtrain.train.trainer import TrainingError
+    root = Path(root)
+    out = {"sync": train(BASE, data_dir, str(root / "sync"))[:2]}
+    log = []
+    before_fit, restore = _hold_first_write(log)
+    try:
+        losses, state, trainer = train(ASYNC, data_dir, str(root / "async"), before_fit=before_fit)
+    finally:
+        restore()
+    out["async"] = (losses, state)
+    out["log"] = log
+    out["files"] = (_files(root / "sync"), _files(root / "async"))
+    copy_checkpoint(str(root / "async"), 4, str(root / "resumed"))
+    out["resumed"] = train(ASYNC, data_dir, str(root / "resumed"))[:2]
+
+    restore = _fail_write_on_rank_1(6)
+    try:
+        train(ASYNC, data_dir, str(root / "full"))
+        out["full"] = "no error"
+    except TrainingError as e:
+        out["full"] = str(e)
+    finally:
+        restore()
+    dist.barrier()
+    out["full-left"] = sorted(p.name for p in (root / "full" / "checkpoints").iterdir())
+    out["full-latest"] = store.latest(root / "full").name
+    out["full-resumed"] = train(ASYNC, data_dir, str(root / "full"))[:2]
+    return out
+
+
+@pytest.fixture(scope="module")
+def scenarios(tiny_data, tmp_path_factory):
+    root = tmp_path_factory.mktemp("async")
+    return root, run_ranks(_scenarios, 2, tiny_data, str(root), timeout=600)
+
+
+def _same(a, b):
+    (la, sa), (lb, sb) = a, b
+    assert la == lb
+    if sa is not None:
+        assert sa.keys() == sb.keys()
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+def test_async_saves_write_the_bytes_of_sync_saves_and_resume_the_same(scenarios):
+    """Same losses and weights, the same files byte for byte (meta.json equal but for the
+    time and the config), and a run resumed from an async checkpoint (step 4) ends with the
+    losses and weights of the uninterrupted one, bit for bit."""
+    _, results = scenarios
+    out = results[0]
+    _same(out["async"], out["sync"])
+    sync_files, async_files = out["files"]
+    assert sorted(async_files) == sorted(sync_files)
+    assert {n.split("/")[0] for n in sync_files} == {"step_0000002", "step_0000004", "step_0000006", "step_0000008"}
+    for name in sync_files:
+        assert async_files[name] == sync_files[name], name
+    losses, state = out["resumed"]
+    _same((losses, state), (out["sync"][0][4:], out["sync"][1]))
+
+
+def test_training_runs_on_while_a_save_is_written_and_one_at_a_time(scenarios):
+    """The write of checkpoint 2 is held until the loop waits for it; it is released only
+    when the save of step 4 begins, so steps 2 and 3 were trained while it was in flight
+    (a save that blocked the step would never be released and fail). No two writes overlap:
+    each starts after the previous one ended."""
+    _, results = scenarios
+    for rank, out in enumerate(results):
+        log = out["log"]
+        released = [e for e in log if e[0] == "released"]
+        assert released == [("released", 2, True, 4)], (rank, log)
+        bounds = [e for e in log if e[0] in ("start", "end")]
+        assert bounds == [(kind, step, 1 if kind == "start" else 0)
+                          for step in (2, 4, 6, 8) for kind in ("start", "end")], (rank, log)
+
+
+def test_a_failed_background_write_stops_every_rank_with_one_line_and_resumes(scenarios):
+    """Rank 1's disk fills while checkpoint 6 is written behind training: every rank stops
+    with the same line naming the file and the last good checkpoint; nothing of step 6 is
+    called good (`latest` names step 4, only a .tmp folder is left), and the next start
+    resumes step 4 and ends with the uninterrupted run's losses and weights."""
+    root, results = scenarios
+    message = results[0]["full"]
+    assert message.startswith("step 6: the checkpoint could not be written: [Errno 28] No space left on device: "
+                              f"'{root / 'full' / 'checkpoints' / 'step_0000006.tmp' / 'rank-00001.safetensors'}' "
+                              f"(last good checkpoint: {root / 'full' / 'checkpoints' / 'step_0000004'})"), message
+    assert results[1]["full"] == message
+    out = results[0]
+    assert out["full-left"] == ["latest", "step_0000002", "step_0000004", "step_0000006.tmp"]
+    assert out["full-latest"] == "step_0000004"
+    _same(out["full-resumed"], (out["sync"][0][4:], out["sync"][1]))
