@@ -74,6 +74,30 @@ def _fail_write_on_rank_1(step: int):
     return lambda: setattr(store, "write_safetensors", original)
 
 
+def _fault_while_saving(log: list):
+    """Install: the write of checkpoint 2 is held until step 3, which raises."""
+    from ndtrain.checkpoint import store
+    original, gate = store.write_safetensors, threading.Event()
+
+    def write(path, *args, **kwargs):
+        if Path(path).parent.name == "step_0000002.tmp":
+            gate.wait(PATIENCE_S)
+        return original(path, *args, **kwargs)
+
+    def before_fit(trainer):
+        run_step = trainer.train_step
+
+        def train_step(step):
+            if step == 3:
+                log.append(("in flight at the fault", trainer.saver.pending))
+                gate.set()
+                raise RuntimeError("a fault of step 3")
+            return run_step(step)
+        trainer.train_step = train_step
+    store.write_safetensors = write
+    return before_fit, lambda: setattr(store, "write_safetensors", original)
+
+
 def _files(run: Path) -> dict:
     """Every checkpoint's files: the bytes of each safetensors file, and meta.json without
     the moment it was saved and the config (which holds run.async_save)."""
@@ -118,6 +142,16 @@ def _scenarios(data_dir, root):
     finally:
         restore()
     dist.barrier()
+    fault = []
+    before_fit, restore = _fault_while_saving(fault)
+    try:
+        train(ASYNC, data_dir, str(root / "fault"), before_fit=before_fit)
+        fault.append("no error")
+    except RuntimeError as e:
+        fault += [str(e), str(store.latest(root / "fault"))]
+    finally:
+        restore()
+    out["fault"] = fault
     out["full-left"] = sorted(p.name for p in (root / "full" / "checkpoints").iterdir())
     out["full-latest"] = store.latest(root / "full").name
     out["full-resumed"] = train(ASYNC, data_dir, str(root / "full"))[:2]
@@ -185,3 +219,12 @@ def test_a_failed_background_write_stops_every_rank_with_one_line_and_resumes(sc
     assert out["full-left"] == ["latest", "step_0000002", "step_0000004", "step_0000006.tmp"]
     assert out["full-latest"] == "step_0000004"
     _same(out["full-resumed"], (out["sync"][0][4:], out["sync"][1]))
+
+
+def test_an_error_in_the_loop_waits_for_the_save_in_flight(scenarios):
+    """Step 3 fails while checkpoint 2 is still being written (held until then): the error
+    reaches the caller only after that checkpoint is complete and `latest` names it."""
+    root, results = scenarios
+    for out in results:
+        assert out["fault"] == [("in flight at the fault", True), "a fault of step 3",
+                                str(root / "fault" / "checkpoints" / "step_0000002")], out["fault"]
