@@ -130,7 +130,8 @@ def _stall(c, root: Path, rounds: int, steps: int) -> str:
         entries, facts = layout.share(1, par, optimizer, tie, meta)
         saver.start(folder, 1, entries, facts)
 
-    kinds = {"no save": lambda folder: None, "sync save": lambda folder: layout.save(folder, 1, par, optimizer, tie, meta),
+    kinds = {"no save": lambda folder: None,
+             "sync save": lambda folder: layout.save(folder, 1, par, optimizer, tie, meta),
              "async save": save_async}
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for k in range(rounds + 1):  # round 0 warms up (and allocates the async side's host buffers)

@@ -17,7 +17,9 @@ renames it to `step_N/` and fsyncs `checkpoints/`. Then every rank checks the ne
 as a resume would (`problem`: sizes and SHA-256), and only then does rank 0 point `latest`
 at it and prune older ones. A crash at any moment (a machine's included: nothing is renamed
 before its bytes are on the disk) leaves the previous good checkpoints complete, and at most
-a `.tmp` folder, which the next save removes.
+a `.tmp` folder, which the next save removes. Each of these phases ends with the ranks
+agreeing (`_together`): an error on one rank is raised on every rank. `run.async_save` runs
+this same `save` in a thread, over a process group of its own (checkpoint/background.py).
 
 Checking (`problem`): meta.json must parse and be of this format, every file must exist
 with its recorded size (cheap, before anything heavier), and its SHA-256 must match (each
