@@ -228,3 +228,30 @@ def test_an_error_in_the_loop_waits_for_the_save_in_flight(scenarios):
     for out in results:
         assert out["fault"] == [("in flight at the fault", True), "a fault of step 3",
                                 str(root / "fault" / "checkpoints" / "step_0000002")], out["fault"]
+
+
+def _staging(device: torch.device):
+    """Two saves' staging of the same share: each a copy (the training steps after it
+    change the weights in place; the staged values must not move), into the same host
+    buffers (allocated once), pinned where the data are on CUDA."""
+    from ndtrain.checkpoint.background import BackgroundSave
+    data = [torch.arange(6.0, device=device), torch.arange(4, device=device, dtype=torch.int64)]
+    saver = BackgroundSave(device)
+    first = saver.stage([("a", None, data[0]), ("b", None, data[1])])
+    kept = [t.clone() for _, _, t in first]
+    for t in data:
+        t.add_(1)
+    assert all(torch.equal(s, k) for (_, _, s), k in zip(first, kept))
+    second = saver.stage([("a", None, data[0]), ("b", None, data[1])])
+    assert [s.data_ptr() for _, _, s in second] == [s.data_ptr() for _, _, s in first]
+    assert all(s.device.type == "cpu" and torch.equal(s, d.cpu()) for (_, _, s), d in zip(second, data))
+    return [s.is_pinned() for _, _, s in second]
+
+
+def test_staging_copies_the_share_into_host_buffers_reused_by_the_next_save():
+    assert _staging(torch.device("cpu")) == [False, False]
+
+
+@pytest.mark.cuda
+def test_staging_copies_cuda_tensors_into_pinned_host_buffers():
+    assert _staging(torch.device("cuda", 0)) == [True, True]
