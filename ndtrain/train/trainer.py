@@ -258,6 +258,9 @@ class Trainer:
                 if asked:
                     self.stopped = asked == STOP_SIGNAL
                     break
+            if self.run_dir is not None and (saved is None or store.step_of(saved) != self.step):
+                self.save()
+            self.wait_save()  # run.async_save: the last checkpoint is complete before the summary
         except BaseException as e:
             self._abandon_save(e)
             raise
@@ -265,9 +268,6 @@ class Trainer:
             self._progress.close()
             if self._metrics:
                 self._metrics.close()
-        if self.run_dir is not None and (saved is None or store.step_of(saved) != self.step):
-            self.save()
-        self.wait_save()
         return self.finish() if log else {}
 
     def _check(self, window: list[dict]) -> None:
