@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckpt_helpers import copy_checkpoint, train
+from ckpt_helpers import train
 from ndtrain.testing import run_ranks
 
 BASE = ["parallel.zero=1", "train.steps=8", "train.save_every=2"]
@@ -130,8 +130,6 @@ def _scenarios(data_dir, root):
     out["async"] = (losses, state)
     out["log"] = log
     out["files"] = (_files(root / "sync"), _files(root / "async"))
-    copy_checkpoint(str(root / "async"), 4, str(root / "resumed"))
-    out["resumed"] = train(ASYNC, data_dir, str(root / "resumed"))[:2]
 
     restore = _fail_write_on_rank_1(6)
     try:
@@ -173,10 +171,10 @@ def _same(a, b):
             assert torch.equal(sa[k], sb[k]), k
 
 
-def test_async_saves_write_the_bytes_of_sync_saves_and_resume_the_same(scenarios):
+def test_async_saves_write_the_bytes_of_sync_saves(scenarios):
     """Same losses and weights, the same files byte for byte (meta.json equal but for the
-    time and the config), and a run resumed from an async checkpoint (step 4) ends with the
-    losses and weights of the uninterrupted one, bit for bit."""
+    time and the config). (A run resumed from an async checkpoint ends as the uninterrupted
+    one: the failed-write test below.)"""
     _, results = scenarios
     out = results[0]
     _same(out["async"], out["sync"])
@@ -185,8 +183,6 @@ def test_async_saves_write_the_bytes_of_sync_saves_and_resume_the_same(scenarios
     assert {n.split("/")[0] for n in sync_files} == {"step_0000002", "step_0000004", "step_0000006", "step_0000008"}
     for name in sync_files:
         assert async_files[name] == sync_files[name], name
-    losses, state = out["resumed"]
-    _same((losses, state), (out["sync"][0][4:], out["sync"][1]))
 
 
 def test_training_runs_on_while_a_save_is_written_and_one_at_a_time(scenarios):
