@@ -207,9 +207,10 @@ def test_a_failed_background_write_stops_every_rank_with_one_line_and_resumes(sc
     resumes step 4 and ends with the uninterrupted run's losses and weights."""
     root, results = scenarios
     message = results[0]["full"]
-    assert message.startswith("step 6: the checkpoint could not be written: [Errno 28] No space left on device: "
-                              f"'{root / 'full' / 'checkpoints' / 'step_0000006.tmp' / 'rank-00001.safetensors'}' "
-                              f"(last good checkpoint: {root / 'full' / 'checkpoints' / 'step_0000004'})"), message
+    assert message.startswith("step 6: ") and "\n" not in message, message
+    assert "no space left on" in message.lower(), message
+    assert str(root / "full" / "checkpoints" / "step_0000006.tmp" / "rank-00001.safetensors") in message, message
+    assert f"last good checkpoint: {root / 'full' / 'checkpoints' / 'step_0000004'}" in message, message
     assert results[1]["full"] == message
     out = results[0]
     assert out["full-left"] == ["latest", "step_0000002", "step_0000004", "step_0000006.tmp"]
