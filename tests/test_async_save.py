@@ -252,3 +252,26 @@ def test_staging_copies_the_share_into_host_buffers_reused_by_the_next_save():
 @pytest.mark.cuda
 def test_staging_copies_cuda_tensors_into_pinned_host_buffers():
     assert _staging(torch.device("cuda", 0)) == [True, True]
+
+
+def test_a_second_interrupt_does_not_wait_for_the_save_and_says_so(tmp_path, monkeypatch):
+    """A KeyboardInterrupt (the second Ctrl-C: exit at once) while a checkpoint is written
+    behind training: the loop does not wait for it, and one line says that the next start
+    checks it. (Any other error waits: test_an_error_in_the_loop_waits_for_the_save_in_flight.)"""
+    from types import SimpleNamespace
+
+    from ndtrain.checkpoint import store
+    from ndtrain.checkpoint.background import BackgroundSave
+    from ndtrain.checkpoint.slices import Piece
+    from ndtrain.train.trainer import Trainer
+    gate, write = threading.Event(), store.write_safetensors
+    monkeypatch.setattr(store, "write_safetensors", lambda *a, **k: gate.wait(PATIENCE_S) and write(*a, **k))
+    saver = BackgroundSave(torch.device("cpu"))
+    saver.start(tmp_path, 6, [("weight/w", Piece.whole((6,)), torch.arange(6.0))], {})
+    lines = []
+    Trainer._abandon_save(SimpleNamespace(saver=saver, report=lines.append), KeyboardInterrupt())
+    assert saver.pending and lines == ["interrupted while the checkpoint of step 6 was written in the background; "
+                                       "the next start checks it and falls back to the previous one if it is "
+                                       "incomplete"]
+    gate.set()
+    assert saver.wait() == store.step_dir(tmp_path, 6) and store.problem(store.step_dir(tmp_path, 6)) is None
