@@ -73,6 +73,7 @@ def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool
                "only ndtrain sft reads it") for key in sft_keys]
     rules += [(f"sft.{k}", cfg.sft.generate == 0, "sft.generate = 0 generates nothing") for k in ("max_new_tokens", "score")]
     rules.append(("data.jsonl_key", command in ("sft", "rl-warmup"), "SFT records are read whole (messages, or prompt and completion)"))
+    rules.append(("data.sources", command in ("sft", "rl", "rl-warmup"), "only ndtrain train reads a mixture; sft reads data.path"))
     rules += _rl_rules(cfg, command)
     return rules
 

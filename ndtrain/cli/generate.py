@@ -58,7 +58,7 @@ def cmd_trace(args) -> int:
     from ndtrain.config import ConfigError, check_writable_dir, load_config, validate
     from ndtrain.launch import launch_local
     from ndtrain.train.trace import trace_worker
-    from ndtrain.train.worker import resolve_vocab
+    from ndtrain.train.worker import prepared_paths, resolve_vocab
 
     if args.steps <= 0:
         raise ConfigError("--steps", args.steps, "must be > 0")
@@ -81,7 +81,7 @@ def cmd_trace(args) -> int:
                 + f", {m} micro-batches"] if p.pp > 1 else []) + ([f"attention {p.cp_impl}"] if p.cp > 1 else [])
     print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}, {', '.join(watched)}, "
           f"{t.steps} steps, the last one recorded → {out}", flush=True)
-    r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
+    r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), prepared_paths(data))[0]
     if p.pp > 1:
         ms = " ".join(f"{k} {v:.1f} ms" for k, v in r["mean_ms"].items())
         print(f"bubble    {r['measured_bubble']:.3f} measured vs {r['theory_bubble']:.3f} theory {r['theory']} "

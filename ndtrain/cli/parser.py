@@ -29,6 +29,8 @@ examples:
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain train --nproc 4 parallel.tp=2 run.dir=runs/x   resume runs/x on another layout (any layout reads any checkpoint)
   ndtrain train --nproc 2 model.init_from=hf:DIR data.path=my.jsonl   start from a Hugging Face Llama/Qwen model
+  ndtrain train --config mix.toml                pretrain on [[data.sources]]: parquet folders, .jsonl.zst, text, token
+                                                 files, each with a weight (docs/data.md)
   ndtrain convert --to-hf runs/x --out hf/x      export a run as a Hugging Face model folder
   ndtrain checkpoint inspect runs/x              steps, layout, tensors and bytes per rank of a run's checkpoints
   ndtrain train --nproc 4 run.max_restarts=3 train.save_every=20   restart every rank (from the last good

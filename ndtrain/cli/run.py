@@ -21,17 +21,11 @@ def warn_before_start(cfg, world: int | None, command: str = "train") -> None:
     warn(idle_keys(cfg, world, command) + [oversubscribed(local, cfg.run.device)])
 
 
-def _data_kwargs(cfg) -> dict:
-    d = cfg.data
-    return dict(source=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
-                val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key)
-
-
 def open_data(cfg, progress: bool):
-    """The prepared data of `cfg` (prepared now if the cache lacks it), every shard checked
-    against its checksum and its ids against the vocabulary."""
-    from ndtrain.data.prepare import PreparedData, prepare_data
-    data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=progress))
+    """The prepared data of `cfg` (prepared now if the cache lacks it; a mixture's sources
+    each), every shard checked against its checksum and its ids against the vocabulary."""
+    from ndtrain.train.worker import prepare
+    data = prepare(cfg, progress)
     data.verify()
     return data
 
@@ -154,6 +148,12 @@ def print_summary(s: dict) -> None:
     if s.get("val_loss") is not None:
         lines.append(f"validation loss {s['val_loss']:.4f} nats/token vs {s['baseline']} "
                      f"{s['baseline_val_loss']:.4f} after {s['steps']} steps")
+    if s.get("source_tokens"):  # a mixture: each source's share of the tokens, its validation loss
+        total = sum(s["source_tokens"].values()) or 1
+        val = s.get("source_val_loss") or {}
+        lines += [f"  source {name}: {n:,} tokens ({100 * n / total:.1f}%)"
+                  + (f" · validation loss {val[name]:.4f}" if name in val else "")
+                  for name, n in s["source_tokens"].items()]
     mfu = f"MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "MFU n/a"
     if s.get("tokens_per_s"):
         lines.append(f"throughput {s['tokens_per_s']:,.0f} tokens/s · {mfu} ({s['mfu_peak_source']})")

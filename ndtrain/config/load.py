@@ -46,6 +46,10 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
 # --------------------------------------------------------------------------- TOML output
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, list):  # data.sources: an array of inline tables
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):

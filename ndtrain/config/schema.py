@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -148,6 +150,9 @@ class DataConfig:
     val_fraction: float = 0.05
     jsonl_key: str = "text"
     cache_dir: str = "~/.cache/ndtrain"
+    # A weighted mixture instead of data.path: [[data.sources]] tables of name, path, weight
+    # (relative), text_key ("" = jsonl_key) and repeat (config/data_sources.py, docs/data.md)
+    sources: list[dict] = field(default_factory=list)
     # Supervised fine-tuning (ndtrain sft):
     packing: str = "bfd"  # bfd: several examples per row (best-fit decreasing); none: one per row, padded
     truncate: str = "keep_start"  # an example longer than train.seq_len: keep_start (cut its end) | drop
@@ -383,6 +388,45 @@ def _coerce_value(key: str, value: Any, tp) -> Any:
     return value
 
 
+# --------------------------------------------------------------------------- data.sources
+
+SOURCE_KEYS = {"name": str, "path": str, "weight": (int, float), "text_key": str, "repeat": bool}
+
+
+def coerce_sources(value: Any, from_text: bool) -> list[dict]:
+    """The sources as plain dicts with every key: name (default: the path's stem), path,
+    weight (default 1), text_key ("" = data.jsonl_key), repeat (default true)."""
+    if from_text:
+        try:
+            value = json.loads(value) if value.strip() else []
+        except json.JSONDecodeError:
+            raise ConfigError("data.sources", value, "on the command line, a JSON list of tables, e.g. "
+                              "'[{\"path\": \"web/\", \"weight\": 0.7}, {\"path\": \"code.jsonl.zst\", "
+                              "\"weight\": 0.3}]' (or [[data.sources]] tables in the TOML file)") from None
+    if not isinstance(value, list):
+        raise ConfigError("data.sources", value, "expected a list of tables ([[data.sources]] in TOML)")
+    return [_coerce_source(i, item) for i, item in enumerate(value)]
+
+
+def _coerce_source(i: int, item: Any) -> dict:
+    key = f"data.sources[{i}]"
+    if not isinstance(item, dict):
+        raise ConfigError(key, item, "expected a table with path (and name, weight, text_key, repeat)")
+    for k, v in item.items():
+        if k not in SOURCE_KEYS:
+            raise ConfigError(f"{key}.{k}", v, f"unknown key; a source has {', '.join(SOURCE_KEYS)}")
+        kind = SOURCE_KEYS[k]
+        if not isinstance(v, kind) or (kind != bool and isinstance(v, bool)):
+            what = {str: "a string", bool: "true or false"}.get(kind, "a number")
+            raise ConfigError(f"{key}.{k}", v, f"expected {what}")
+    if "path" not in item:
+        raise ConfigError(f"{key}.path", "", "every source needs a path")
+    stem = item["path"].rstrip("/").rsplit("/", 1)[-1].split(".")[0]
+    return {"name": item.get("name", re.sub(r"[^A-Za-z0-9_-]", "_", stem) or f"source{i}"),
+            "path": item["path"], "weight": float(item.get("weight", 1.0)),
+            "text_key": item.get("text_key", ""), "repeat": item.get("repeat", True)}
+
+
 def set_key(cfg: Config, key: str, value: Any, *, from_text: bool) -> None:
     """Set the dotted `key`, its value converted to the key's type (`from_text`: a command-line
     string; else a typed value, as from TOML) or refused with a ConfigError."""
@@ -393,6 +437,9 @@ def set_key(cfg: Config, key: str, value: Any, *, from_text: bool) -> None:
     obj = getattr(cfg, section)
     if name not in {f.name for f in fields(obj)}:
         raise _unknown_key(key, value)
+    if key == "data.sources":
+        setattr(obj, name, coerce_sources(value, from_text))
+        return
     tp = _field_type(section, name)
     value = _coerce_text(key, value, tp) if from_text else _coerce_value(key, value, tp)
     setattr(obj, name, value)

@@ -4,6 +4,7 @@ the layout across sections (layout.py), the Hugging Face families' features (fam
 
 from __future__ import annotations
 
+from ndtrain.config.data_sources import check_sources
 from ndtrain.config.family import check_family, check_family_keys
 from ndtrain.config.layout import (check_context, check_fp8, check_heads, check_moe, check_pipeline,
                                    check_sequence, check_tensor, resolve_layout)
@@ -41,6 +42,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     if check_paths:
         check_files(cfg)
     check_data(cfg.data)
+    check_sources(cfg.data.sources, cfg.data.path, check_paths)
     check_sft(cfg.sft)
     check_rl(cfg.rl)
     return cfg

@@ -196,14 +196,14 @@ class Trainer:
         return Lazy(lambda t: {k: [int(row[i]) for row in t.tolist()] for i, k in enumerate(mine)}, (table,))
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, split: str = "val") -> float:
         """Mean loss per target over the task's fixed validation batches (`train.eval_batches`,
-        or fewer if the task has fewer)."""
+        or fewer if the task has fewer) of `split` (a mixture's: val.<source>)."""
         self.par.model.eval()
         total, count = 0.0, 0
         for k in range(self.task.eval_batches(self.cfg.train.eval_batches)):
             supervisor.heartbeat()
-            batch = self.local_batch("val", k)
+            batch = self.local_batch(split, k)
             total += float(self.par.evaluate(batch.micro_batches))
             count += batch.n_targets
         self.par.model.train()
@@ -313,7 +313,8 @@ class Trainer:
     def finish(self) -> dict:
         """Rank 0: loss plot and summary.json."""
         task = self.task
-        val = next((r["val_loss"] for r in reversed(self.history) if "val_loss" in r), None)
+        last_eval = next((r for r in reversed(self.history) if "val_loss" in r), {})
+        val = last_eval.get("val_loss")
         steady = self.history[len(self.history) // 5:] or self.history  # skip warm-up steps
         summary = {
             "steps": self.step,
@@ -329,6 +330,10 @@ class Trainer:
             "checkpoint": str(store.latest(self.run_dir)),
             "stopped": self.stopped,
         }
+        if self.history and "source_tokens" in self.history[-1]:  # a mixture: per source
+            summary["source_tokens"] = self.history[-1]["source_tokens"]
+            summary["source_val_loss"] = {k.split(".", 1)[1]: v for k, v in last_eval.items()
+                                          if k.startswith("val_loss.")}
         if self.cfg.train.precision == "fp8":
             t = self.cfg.train
             summary["fp8"] = fp8.describe(self.args, t.fp8_recipe, t.fp8_base)["text"]
