@@ -136,6 +136,12 @@ def save(run_dir, step: int, par, optimizer: torch.optim.Optimizer, tie_embeddin
          keep: int = 0):
     """Write the layout's training state as a checkpoint of global tensors. Refuses (on
     every rank) to write NaN or inf. Collective."""
+    return store.save(run_dir, step, *share(step, par, optimizer, tie_embeddings, meta), keep)
+
+
+def share(step: int, par, optimizer: torch.optim.Optimizer, tie_embeddings: bool, meta: dict) -> tuple[list, dict]:
+    """What this rank writes of the layout's training state, (key, piece, live 1-D data)
+    each, and meta.json's facts. Refuses (on every rank) NaN or inf. Collective."""
     pieces = held(par.states, tie_embeddings, optimizer.state, ("weight",) + MOMENTS)
     mine = my_share(pieces, par.mesh)
     if not all_finite(mine, par.mesh.device):
@@ -147,7 +153,7 @@ def save(run_dir, step: int, par, optimizer: torch.optim.Optimizer, tie_embeddin
     mesh = par.mesh
     meta = {**meta, "optimizer_step": steps.pop() if steps else 0,
             "mesh": dict(zip(DIMS, mesh.shape.sizes))}
-    return store.save(run_dir, step, [(h.key, h.piece, h.data) for h in mine], meta, keep)
+    return [(h.key, h.piece, h.data) for h in mine], meta
 
 
 @torch.no_grad()

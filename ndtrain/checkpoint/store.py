@@ -17,7 +17,9 @@ renames it to `step_N/` and fsyncs `checkpoints/`. Then every rank checks the ne
 as a resume would (`problem`: sizes and SHA-256), and only then does rank 0 point `latest`
 at it and prune older ones. A crash at any moment (a machine's included: nothing is renamed
 before its bytes are on the disk) leaves the previous good checkpoints complete, and at most
-a `.tmp` folder, which the next save removes.
+a `.tmp` folder, which the next save removes. Each of these phases ends with the ranks
+agreeing (`_together`): an error on one rank is raised on every rank. `run.async_save` runs
+this same `save` in a thread, over a process group of its own (checkpoint/background.py).
 
 A write that fails (a full disk: ENOSPC, a quota: EDQUOT, any other OSError) raises
 `CheckpointWriteError`, one line naming the path and, for a full disk, the bytes this
@@ -35,6 +37,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -180,17 +183,17 @@ def size_problem(path: Path, meta: dict) -> str | None:
     return None
 
 
-def _world() -> tuple[int, int]:
+def _world(group=None) -> tuple[int, int]:
     if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
-def problem(path: Path) -> str | None:
-    """Why the checkpoint at `path` cannot be used, or None. Collective when distributed:
-    every rank checks sizes, each file's SHA-256 is computed by one rank, and every rank
-    returns the same answer."""
-    rank, world = _world()
+def problem(path: Path, group=None) -> str | None:
+    """Why the checkpoint at `path` cannot be used, or None. Collective when distributed
+    (over `group`, None: the default one): every rank checks sizes, each file's SHA-256 is
+    computed by one rank, and every rank returns the same answer."""
+    rank, world = _world(group)
     try:
         meta = read_meta(path)
         reason = size_problem(path, meta)
@@ -206,7 +209,7 @@ def problem(path: Path) -> str | None:
         reason = f"{path}: {e}"
     if world > 1:
         reasons = [None] * world
-        dist.all_gather_object(reasons, reason)
+        dist.all_gather_object(reasons, reason, group=group)
         reason = next((r for r in reasons if r), None)
     return reason
 
@@ -224,52 +227,31 @@ def select(run_dir: Path, report=print) -> Path | None:
 
 
 def save(run_dir: Path, step: int, entries: list[tuple[str, Piece, torch.Tensor]], meta: dict,
-         keep: int = 0) -> Path:
+         keep: int = 0, group=None) -> Path:
     """Write a checkpoint: `entries` are this rank's share, (global tensor key, piece,
-    1-D data). Collective. `keep` > 0 prunes all but the newest `keep` checkpoints, once
-    the new one is durable and checked. Raises CheckpointError (older ones untouched) when
-    the new one does not read back."""
-    rank, world = _world()
+    1-D data). Collective over `group` (None: the default group). `keep` > 0 prunes all but
+    the newest `keep` checkpoints, once the new one is durable and checked. Raises
+    CheckpointError (older ones untouched) when the new one does not read back. Each phase
+    ends with the ranks agreeing (`_together`): an error on one rank (a full disk) is raised
+    on every rank, and nothing is renamed or pointed at after it."""
+    rank, world = _world(group)
     final = step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    _barrier()
-    index, files = _write_share(tmp, rank, step, entries)
-    gathered = [None] * world
-    if world > 1:
-        dist.all_gather_object(gathered, (index, files))  # after it, every rank's file is on the disk
-    else:
-        gathered = [(index, files)]
-    if rank == 0:
-        text = json.dumps(_meta(step, meta, gathered), indent=1)
-        try:
-            write_durably(tmp / "meta.json", text)
-            fsync_dir(tmp)
-            _publish(tmp, final)
-        except OSError as e:
-            raise write_error(e, Path(e.filename or tmp / "meta.json"), len(text), step) from None
-    _barrier()
-    reason = problem(final)  # collective: what a resume would check, read back from the disk
+    _together(lambda: rank == 0 and tmp.exists() and shutil.rmtree(tmp), group)
+    # after it, every rank's file is on the disk
+    gathered = _together(lambda: _write_share(tmp, rank, step, entries), group)
+    _together(lambda: rank == 0 and _commit(tmp, final, _meta(step, meta, gathered), step), group)
+    reason = problem(final, group=group)  # collective: what a resume would check, read back from the disk
     if reason is not None:
         raise CheckpointError(f"step {step}: the checkpoint just written does not read back ({reason}); "
                               "the previous checkpoints are kept")
-    if rank == 0:
-        pointer = final.parent / "latest.partial"
-        try:
-            write_durably(pointer, final.name + "\n")
-        except OSError as e:  # the new checkpoint is complete and checked: a resume finds it by its name
-            raise write_error(e, pointer, len(final.name) + 1, step) from None
-        os.replace(pointer, final.parent / "latest")
-        fsync_dir(final.parent)
-        prune(run_dir, step, keep)
-    _barrier()
+    _together(lambda: rank == 0 and _point_latest(final, run_dir, step, keep), group)
     return final
 
 
 def _write_share(tmp: Path, rank: int, step: int, entries: list) -> tuple[list, dict]:
-    """This rank's file in `tmp`: its index entries and {name: size and SHA-256}. A failed
-    write removes the partial file and raises CheckpointWriteError."""
+    """This rank's file in `tmp` (fsynced), and its part of the index. A failed write
+    removes the partial file and raises CheckpointWriteError."""
     name = f"rank-{rank:05d}.safetensors"
     need = sum(data.numel() * data.element_size() for _, _, data in entries)
     try:
@@ -281,8 +263,62 @@ def _write_share(tmp: Path, rank: int, step: int, entries: list) -> tuple[list, 
     except OSError as e:
         (tmp / name).unlink(missing_ok=True)
         raise write_error(e, Path(e.filename or tmp / name), need, step) from None
-    index = [(key, name, piece, DTYPES[data.dtype]) for key, piece, data in entries]
-    return index, {name: {"bytes": size, "sha256": digest}}
+    return [(key, name, piece, DTYPES[data.dtype]) for key, piece, data in entries], \
+        {name: {"bytes": size, "sha256": digest}}
+
+
+def _commit(tmp: Path, final: Path, meta: dict, step: int) -> None:
+    """Rank 0, once every file is durable: meta.json, the folder, the rename."""
+    text = json.dumps(meta, indent=1)
+    try:
+        write_durably(tmp / "meta.json", text)
+        fsync_dir(tmp)
+        _publish(tmp, final)
+    except OSError as e:
+        raise write_error(e, Path(e.filename or tmp / "meta.json"), len(text), step) from None
+
+
+def _point_latest(final: Path, run_dir: Path, step: int, keep: int) -> None:
+    """Rank 0, once the new checkpoint reads back: `latest` names it, older ones pruned."""
+    pointer = final.parent / "latest.partial"
+    try:
+        write_durably(pointer, final.name + "\n")
+    except OSError as e:  # the new checkpoint is complete and checked: a resume finds it by its name
+        raise write_error(e, pointer, len(final.name) + 1, step) from None
+    os.replace(pointer, final.parent / "latest")
+    fsync_dir(final.parent)
+    prune(run_dir, step, keep)
+
+
+def _together(fn, group=None) -> list:
+    """Run `fn` on this rank, then agree: every rank's result (a list by rank), or, where any
+    rank raised, that error raised on every rank (this rank's own first, else the lowest
+    rank's). One all-gather when distributed; none alone."""
+    rank, world = _world(group)
+    if world == 1:
+        return [fn()]
+    try:
+        mine, error = fn(), None
+    except Exception as e:  # a crash (BaseException) is not agreed: the process is going
+        mine, error = None, _portable(e)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (mine, error), group=group)
+    if error is not None:
+        raise error
+    first = next((e for _, e in gathered if e is not None), None)
+    if first is not None:
+        raise first
+    return [m for m, _ in gathered]
+
+
+def _portable(e: Exception) -> Exception:
+    """`e` if it survives pickling (to reach the other ranks as itself: an OSError keeps its
+    errno and path), else a CheckpointError with its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return CheckpointError(f"{type(e).__name__}: {e}")
 
 
 def _meta(step: int, meta: dict, gathered: list) -> dict:
@@ -330,8 +366,3 @@ def prune(run_dir: Path, current: int, keep: int) -> None:
     if keep > 0:
         for path in older[keep - 1:]:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

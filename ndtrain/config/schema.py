@@ -226,6 +226,7 @@ class RunConfig:
     max_restarts: int = 0  # local launcher: restart every rank this often after one dies or hangs (last good checkpoint)
     heartbeat_s: float = 600.0  # local launcher: a rank that reports no progress for this long is hung; 0 = never
     collective_timeout_s: float = 600.0  # a collective not complete after this fails, naming it, its group and the rank
+    async_save: bool = False  # write checkpoints in a background thread; the step waits only for the copy to the host
     progress: bool = True
     plot: bool = True
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from ndtrain import supervisor
 from ndtrain.checkpoint import layout, sources, store
+from ndtrain.checkpoint.background import FAILED, RUNNING, BackgroundSave, save_group
 from ndtrain.checkpoint.resume import check_resume_config
 from ndtrain.checkpoint.store import CheckpointError, CheckpointWriteError
 from ndtrain.comm.ops import all_reduce_bookkeeping, all_reduce_scalars
@@ -82,6 +83,10 @@ class Trainer:
         self.is_logger = mesh.rank == 0
         self.history: list[dict] = []
         self.refused: list[str] = []  # checkpoints `start` skipped, and why
+        # run.async_save: checkpoints written behind training, coordinated over a gloo group
+        # of their own (checkpoint/background.py); made here, by every rank in the same order.
+        self.saver = BackgroundSave(mesh.device, save_group(cfg.run.collective_timeout_s)) \
+            if cfg.run.async_save else None
 
     def report(self, message: str) -> None:
         """A line for the person running the job (rank 0, stderr)."""
@@ -261,6 +266,7 @@ class Trainer:
                 done = due and not self.stopped and self.task.done(window[-1])  # every rank evaluated alike
                 self._write(window)
                 window = []
+                self._poll_save()
                 if save:
                     saved = self.save()
                 if done or self.stopped:
@@ -269,12 +275,16 @@ class Trainer:
                 if asked:
                     self.stopped = asked == STOP_SIGNAL
                     break
+            if self.run_dir is not None and (saved is None or store.step_of(saved) != self.step):
+                self.save()
+            self.wait_save()  # run.async_save: the last checkpoint is complete before the summary
+        except BaseException as e:
+            self._abandon_save(e)
+            raise
         finally:
             self._progress.close()
             if self._metrics:
                 self._metrics.close()
-        if self.run_dir is not None and (saved is None or store.step_of(saved) != self.step):
-            self.save()
         return self.finish() if log else {}
 
     def _flush(self, window: list[dict]) -> None:
@@ -413,12 +423,60 @@ class Trainer:
                 "scaler": scaler.state_dict() if scaler else None}
         supervisor.heartbeat()
         try:
-            return layout.save(self.run_dir, self.step, self.par, self.stepper.optimizer, self.args.tie_embeddings,
-                               meta, keep=t.keep_checkpoints)
-        except CheckpointWriteError as e:  # a full disk: say where and how much, no advice on the learning rate
-            raise TrainingError(f"{e}; stopping ({self._last_checkpoint()})") from None
+            entries, meta = layout.share(self.step, self.par, self.stepper.optimizer, self.args.tie_embeddings, meta)
         except CheckpointError as e:
             raise TrainingError(f"{e} ({self._last_checkpoint()}). Try a lower train.lr or train.grad_clip.") from None
+        if self.saver is not None:  # waits for the previous one, then only for the copy to the host
+            return self._saving(lambda: self.saver.start(self.run_dir, self.step, entries, meta, t.keep_checkpoints))
+        return self._saving(lambda: store.save(self.run_dir, self.step, entries, meta, t.keep_checkpoints))
+
+    def _saving(self, fn):
+        """Run `fn` (a save, or a wait for one written behind training); its failure becomes
+        one line naming the last good checkpoint (TrainingError)."""
+        try:
+            return fn()
+        except CheckpointWriteError as e:  # a full disk: say where and how much
+            raise TrainingError(f"{e}; stopping ({self._last_checkpoint()})") from None
+        except CheckpointError as e:
+            raise TrainingError(f"{e} ({self._last_checkpoint()})") from None
+        except OSError as e:
+            step = self.saver.step if self.saver is not None else self.step
+            raise TrainingError(f"step {step}: the checkpoint could not be written: {e} "
+                                f"({self._last_checkpoint()})") from None
+
+    def wait_save(self) -> Path | None:
+        """Wait for the checkpoint being written behind training, if any; its error, raised."""
+        return self._saving(self.saver.wait) if self.saver is not None else None
+
+    def _poll_save(self) -> None:
+        """At a window end, while a checkpoint is written behind training: the ranks agree
+        (one all-reduce) whether it finished or failed anywhere; a failure stops the run here,
+        on every rank. The background agrees on its own outcome, so every rank raises it."""
+        if self.saver is None or not self.saver.pending:
+            return
+        state = self.saver.outcome()
+        flags = torch.tensor([state == FAILED, state == RUNNING], dtype=torch.float32, device=self.mesh.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags)
+        failed, running = flags.tolist()
+        if failed or not running:
+            self.wait_save()
+
+    def _abandon_save(self, error: BaseException) -> None:
+        """The loop stops on `error` while a checkpoint is written behind training: on an
+        interrupt, say that it may be incomplete (the next start checks it); otherwise wait
+        for it, and report its own failure without hiding `error`."""
+        if self.saver is None or not self.saver.pending:
+            return
+        step = self.saver.step
+        if isinstance(error, KeyboardInterrupt):
+            self.report(f"interrupted while the checkpoint of step {step} was written in the background; the next "
+                        f"start checks it and falls back to the previous one if it is incomplete")
+            return
+        try:
+            self.wait_save()
+        except Exception as e:
+            self.report(f"the checkpoint of step {step} written in the background failed too: {e}")
 
     def resume(self, path: Path) -> None:
         """Load a checkpoint written by any layout: weights, AdamW's moments, the step, the
