@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The RL study of docs/rl.md: from one SFT warm-start (the default job's, cached), for each
 # seed, one run after the other on 2 CPU processes:
-#   grpo      the default job's GRPO                       (ndtrain rl)
+#   grpo      the default job's GRPO, at the 300 updates it had when the study was measured
 #   shuffled  the same with rewards permuted over the batch (rl.shuffle_rewards=true)
 #   sft       more SFT from the warm-start at a constant lr $SFT_LR (default 3e-4, where the
 #             warm-up's schedule ended), stopped by run.stop_after_s after as many seconds of
@@ -39,7 +39,7 @@ for s in $seeds; do
     t0=$(date +%s.%N)
     if [ $arm != sft ]; then
       extra=(); [ $arm = shuffled ] && extra=(rl.shuffle_rewards=true)
-      $nd rl model.init_from=run:"$warm" train.seed=$s data.cache_dir="$cache" run.dir="$out/$arm-$s" "${extra[@]}" \
+      $nd rl model.init_from=run:"$warm" train.steps=300 train.seed=$s data.cache_dir="$cache" run.dir="$out/$arm-$s" "${extra[@]}" \
         > "$out/$arm-$s.log"
       record $arm $s "$out/$arm-$s" $t0 $(date +%s.%N)
       continue

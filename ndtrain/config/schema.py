@@ -201,7 +201,7 @@ class RLConfig:
     # stopped at the first check whose held-out greedy pass@1 reaches warmup_target
     warmup_steps: int = 600  # at most (its cosine schedule spans them all)
     warmup_examples: int = 20000
-    warmup_target: float = 0.3  # 0 = train all warmup_steps
+    warmup_target: float = 0.35  # 0 = train all warmup_steps
     warmup_check_every: int = 5
 
 
@@ -320,7 +320,7 @@ SFT_DEFAULTS = ["data.path=stdlib-functions", "train.seq_len=256", "train.steps=
 # `ndtrain rl`'s own defaults (configs/rl.toml lists them): a batch of 64 prompts × 8
 # completions, a constant learning rate, held-out evaluation every 25 updates; the rows'
 # length (train.seq_len) follows from the task unless given.
-RL_DEFAULTS = ["train.steps=300", "train.global_batch=512", "train.lr=1e-4", "train.warmup=0", "train.min_lr_ratio=1.0",
+RL_DEFAULTS = ["train.steps=500", "train.global_batch=512", "train.lr=1e-4", "train.warmup=0", "train.min_lr_ratio=1.0",
                "train.weight_decay=0.0", "train.eval_every=25", "train.eval_batches=0", "train.log_every=5"]
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
