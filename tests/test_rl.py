@@ -383,6 +383,28 @@ def test_rl_command_end_to_end(tmp_path, capsys):
     assert "starting from the cached SFT warm-up" in out and "held-out pass@1" in out
 
 
+def test_warmup_stops_at_the_first_check_reaching_its_target(tmp_path):
+    """The default job's warm-up (train/rl/job.py): SFT ends at the first check whose held-out
+    pass@1 reaches rl.warmup_target (equal counts), never without a check or with target 0;
+    its one line names the step and the check, or that rl.warmup_steps ran out."""
+    from types import SimpleNamespace
+
+    from ndtrain.config import load_config
+    from ndtrain.train.rl.job import PASS_KEY, Warmup, describe_warmup
+    cfg = load_config(None, [])
+    target = cfg.rl.warmup_target
+    stub = SimpleNamespace(cfg=cfg)
+    assert Warmup.done(stub, {PASS_KEY: target}) and Warmup.done(stub, {PASS_KEY: 0.9})
+    assert not Warmup.done(stub, {PASS_KEY: target - 0.005}) and not Warmup.done(stub, {"val_loss": 0.5})
+    assert not Warmup.done(SimpleNamespace(cfg=load_config(None, ["rl.warmup_target=0"])), {PASS_KEY: 1.0})
+    checks = [{"step": 4, PASS_KEY: 0.1}, {"step": 9, "loss": 1.0}, {"step": 9, PASS_KEY: target + 0.1}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in checks))
+    line = describe_warmup(cfg, tmp_path)
+    assert f"stopped after 10 steps at held-out pass@1 {target + 0.1:.3f}: reached rl.warmup_target = {target:g}" in line
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(checks[0]) + "\n")
+    assert "did not reach (rl.warmup_steps ran out)" in describe_warmup(cfg, tmp_path)
+
+
 def test_rl_toml_lists_the_commands_defaults():
     from pathlib import Path
 
