@@ -8,7 +8,7 @@
 #      and warm-up settings, a checkpoint every 10 steps
 #   3. the start: the first checkpoint whose held-out greedy pass@1 (ndtrain rl --evaluate, on the
 #      held-out split) reaches 0.3, found by bisection over the checkpoints
-#   4. ndtrain rl model.init_from=run:THAT rl.data=FILE rl.reward=$REWARD (the default GRPO job)
+#   4. ndtrain rl model.init_from=run:THAT rl.data=FILE rl.reward=$REWARD (the default GRPO job, at the 300 updates it had when measured)
 # Usage: [REWARD=exact] bash docs/rl-data-study.sh OUT     Results: OUT/result.json
 set -euo pipefail
 out=${1:?usage: rl-data-study.sh OUT}
@@ -46,7 +46,7 @@ while [ $lo -lt $hi ]; do  # the first checkpoint reaching 0.3, assuming pass@1 
 done
 start=${ckpts[$lo]}
 echo "start: $start" >> "$out/checks.txt"
-$nd rl model.init_from=run:"$start" rl.data="$file" rl.reward="$reward" data.cache_dir="$out/cache" \
+$nd rl model.init_from=run:"$start" train.steps=300 rl.data="$file" rl.reward="$reward" data.cache_dir="$out/cache" \
   run.dir="$out/rl" run.progress=false > "$out/rl.log" 2>&1
 python - "$out" "$start" <<'PY'
 import json, sys
