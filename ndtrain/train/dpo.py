@@ -184,7 +184,7 @@ class DPO(Task):
     def set_reference(self, reference: dict[str, Tensor]) -> None:
         """The rows' `ref_logprobs`: each answer's reference log-probability on its first target."""
         for split, rows in self.pair_rows.items():
-            ref = reference[split]
+            ref = reference[split].double()
             if ref.shape != (len(rows), 2):
                 raise TrainingError(f"the stored reference log-probabilities hold {ref.shape[0]} {split} pairs, the "
                                     f"data {len(rows)}: the run's data changed")
@@ -261,6 +261,10 @@ def optimise(trainer, task: DPO, data: PreferenceData, cfg: Config, run: Path) -
                    final={k: v for k, v in final.items() if k.startswith("val_")},
                    reference_likelihood_accuracy=float((ref[:, 0] > ref[:, 1]).double().mean()),
                    val_pairs=len(data.val), train_pairs=len(data.train))
+    if data.val:  # the closing hint: a held-out prompt, as the template shows it
+        chosen = data.val[0][0]
+        first = int(chosen.trained.argmax())
+        summary["sample"] = {"prompt": data.template.decode(chosen.tokens[:first].tolist()), "max_new_tokens": 128}
     if cfg.run.plot:
         summary["dpo_plot"] = str(plot_dpo(run / "metrics.jsonl", run / "dpo.png",
                                            title=f"DPO (β = {cfg.dpo.beta:g}) · {trainer.mesh.describe()}"
