@@ -299,10 +299,10 @@ RL_DEFAULTS = ["train.steps=300", "train.global_batch=512", "train.lr=1e-4", "tr
 
 # `ndtrain dpo`'s own defaults (configs/dpo.toml lists them): the embedded preference pairs
 # (stdlib function bodies against the same lines in reverse order), rows holding both answers
-# of a pair, a tenth of the files held out, evaluation every 15 steps over every held-out pair.
-DPO_DEFAULTS = ["data.path=stdlib-pairs", "data.val_fraction=0.1", "train.seq_len=256", "train.global_batch=16",
+# of a pair, a fifth of the files held out, evaluation every 20 steps over every held-out pair.
+DPO_DEFAULTS = ["data.path=stdlib-pairs", "data.val_fraction=0.2", "train.seq_len=256", "train.global_batch=16",
                 "train.steps=60", "train.lr=3e-4", "train.warmup=5", "train.min_lr_ratio=1.0",
-                "train.weight_decay=0.0", "train.eval_every=15", "train.eval_batches=64", "train.log_every=5"]
+                "train.weight_decay=0.0", "train.eval_every=20", "train.eval_batches=64", "train.log_every=5"]
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
 _SECTION_CLASSES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
