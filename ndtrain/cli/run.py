@@ -152,7 +152,7 @@ def print_summary(s: dict) -> None:
     run = Path(s["run_dir"])
     lines = []
     if s.get("val_loss") is not None:
-        lines.append(f"validation loss {s['val_loss']:.4f} nats/token vs {s['baseline']} "
+        lines.append(f"validation loss {s['val_loss']:.4f} {s.get('loss_unit', 'nats/token')} vs {s['baseline']} "
                      f"{s['baseline_val_loss']:.4f} after {s['steps']} steps")
     mfu = f"MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "MFU n/a"
     if s.get("tokens_per_s"):

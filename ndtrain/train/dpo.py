@@ -148,6 +148,8 @@ class DPO(Task):
     def evaluate(self, trainer) -> dict:
         """Every held-out pair once (up to train.eval_batches batches), through the training
         layout's forward."""
+        if not self.cfg.train.eval_batches:
+            return {}
         self.before_update(trainer.step, trainer)
         stats, likelihood = torch.zeros(len(STATS), dtype=torch.float64), 0.0
         beta = self.cfg.dpo.beta
@@ -257,7 +259,8 @@ def optimise(trainer, task: DPO, data: PreferenceData, cfg: Config, run: Path) -
     summary = dict(summary)
     final = next((r for r in reversed(trainer.history) if "val_pref_accuracy" in r), {})
     ref = task.reference["val"]
-    summary.update(task="dpo", data=data.describe(), beta=cfg.dpo.beta, shuffled=cfg.dpo.shuffle,
+    summary.update(task="dpo", data=data.describe(), loss_unit="nats/pair", beta=cfg.dpo.beta,
+                   shuffled=cfg.dpo.shuffle,
                    final={k: v for k, v in final.items() if k.startswith("val_")},
                    reference_likelihood_accuracy=float((ref[:, 0] > ref[:, 1]).double().mean()),
                    val_pairs=len(data.val), train_pairs=len(data.train))
