@@ -305,7 +305,7 @@ def warmup_folder(cfg: Config) -> Path:
     everything that decides its result."""
     import hashlib
     from ndtrain.train.rl.job import MODEL_KEYS
-    what = {"data": cfg.data.path, "val_fraction": cfg.data.val_fraction, "vocab": cfg.data.vocab_size,
+    what = {"data": cfg.data.path, "answers": "chosen and rejected", "val_fraction": cfg.data.val_fraction, "vocab": cfg.data.vocab_size,
             "steps": cfg.dpo.warmup_steps, "seed": cfg.train.seed, "settings": WARMUP_SETTINGS,
             "model": {k: getattr(cfg.model, k) for k in MODEL_KEYS}}
     key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
@@ -313,13 +313,15 @@ def warmup_folder(cfg: Config) -> Path:
 
 
 def write_warmup_data(cfg: Config, folder: Path) -> None:
-    """The warm-up's examples: the training split's prompts with their chosen answers."""
+    """The warm-up's examples: the training split's prompts, each with its chosen and with its
+    rejected answer, so the reference learns both forms and prefers neither: the preference
+    is left for DPO to learn from the labels (and a shuffled control has none to find)."""
     from ndtrain.data.preference import stdlib_pairs
     from ndtrain.data.sft import split
     folder.mkdir(parents=True, exist_ok=True)
     train, _ = split(stdlib_pairs(cfg.data.cache_dir), cfg.data.val_fraction)
-    lines = "".join(json.dumps({"messages": [{"role": t.role, "content": t.content} for t in p.chosen.turns]}) + "\n"
-                    for p in train)
+    lines = "".join(json.dumps({"messages": [{"role": t.role, "content": t.content} for t in conv.turns]}) + "\n"
+                    for p in train for conv in (p.chosen, p.rejected))
     (folder / "train.jsonl").write_text(lines)
 
 
