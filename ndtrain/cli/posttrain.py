@@ -1,5 +1,5 @@
 """`ndtrain sft`, `ndtrain rl` and `ndtrain dpo`, and the runs their default jobs start from:
-the default pretraining run (sft), the SFT warm-up on the task (rl) and on the chosen answers
+the default pretraining run (sft), the SFT warm-up on the task (rl) and on the pairs' answers
 (dpo), each trained once through the CLI itself (`ndtrain.cli.main`) when none is found."""
 
 from __future__ import annotations
@@ -203,8 +203,8 @@ def cmd_dpo(args) -> int:
 
 def default_dpo_warmup(cfg, world) -> Path:
     """The default DPO job's starting point (and reference): SFT from random weights on the
-    training split's prompts and chosen answers of the embedded pairs, run now unless a
-    finished one is cached."""
+    training split's prompts, each with its chosen and its rejected answer, of the embedded
+    pairs, run now unless a finished one is cached."""
     from ndtrain.config import ConfigError
     from ndtrain.data.preference import EMBEDDED_NAME
     from ndtrain.train import dpo
@@ -215,7 +215,8 @@ def default_dpo_warmup(cfg, world) -> Path:
         raise ConfigError("dpo.warmup_steps", 0, "no warm-up and no model.init_from: set model.init_from=run:DIR, "
                           "or model.init_from=scratch for random weights")
     folder = dpo.warmup_folder(cfg)
-    return _cached_warmup(cfg, world, "dpo", folder, f"on the chosen answers ({cfg.dpo.warmup_steps} steps",
+    return _cached_warmup(cfg, world, "dpo", folder,
+                          f"on both answers of the training pairs ({cfg.dpo.warmup_steps} steps",
                           lambda: dpo.write_warmup_data(cfg, folder), dpo.warmup_overrides(cfg, folder))
 
 

@@ -203,7 +203,7 @@ class RLConfig:
 class DPOConfig:
     beta: float = 0.1  # the sigmoid loss's β: how far the policy may move from the reference
     shuffle: bool = False  # a negative control: chosen and rejected swapped in a seeded random half of the training pairs
-    warmup_steps: int = 100  # the default job (model.init_from unset): SFT steps on the chosen answers, cached
+    warmup_steps: int = 100  # the default job (model.init_from unset): SFT steps on both answers of the training pairs, cached
 
 
 @dataclass

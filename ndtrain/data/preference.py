@@ -150,7 +150,8 @@ def _render(template, pairs: list[Pair], seq_len: int) -> tuple[list[tuple[Examp
     return kept, PairCounts(len(kept), len(pairs) - len(kept))
 
 
-def load_pairs(source: str, on_bad_record: str = "error", cache_dir: str = "~/.cache/ndtrain") -> tuple[list[Pair], list[str]]:
+def load_pairs(source: str, on_bad_record: str = "error",
+               cache_dir: str = "~/.cache/ndtrain") -> tuple[list[Pair], list[str]]:
     """Every pair of `source` (a JSONL file, a folder of them, or the embedded set) and the
     records skipped. Raises DataError on a bad record (data.on_bad_record=error)."""
     embedded = {EMBEDDED_NAME: lambda: stdlib_pairs(cache_dir)}

@@ -281,12 +281,14 @@ def describe_summary(s: dict) -> str:
     f = s.get("final") or {}
     if f:
         lines.append(f"held-out preference accuracy 0.500 (the reference) → {f['val_pref_accuracy']:.3f} after "
-                     f"{s['steps']} steps on {s['val_pairs']:,} held-out pairs; reward margin {f['val_reward_margin']:.3f} "
+                     f"{s['steps']} steps on {s['val_pairs']:,} held-out pairs; reward margin "
+                     f"{f['val_reward_margin']:.3f} "
                      f"(chosen {f['val_reward_chosen']:.3f}, rejected {f['val_reward_rejected']:.3f})")
         lines.append(f"chosen answer more likely outright: {s['reference_likelihood_accuracy']:.3f} of held-out pairs "
                      f"under the reference → {f['val_likelihood_accuracy']:.3f} under the policy")
     if s.get("shuffled"):
-        lines.append("dpo.shuffle: chosen and rejected were swapped in a random half of the training pairs (the control)")
+        lines.append("dpo.shuffle: chosen and rejected were swapped in a random half of the training pairs "
+                     "(the control)")
     if s.get("dpo_plot"):
         lines.append(f"DPO curves     {s['dpo_plot']}")
     return "\n".join(lines)
@@ -305,7 +307,8 @@ def warmup_folder(cfg: Config) -> Path:
     everything that decides its result."""
     import hashlib
     from ndtrain.train.rl.job import MODEL_KEYS
-    what = {"data": cfg.data.path, "answers": "chosen and rejected", "val_fraction": cfg.data.val_fraction, "vocab": cfg.data.vocab_size,
+    what = {"data": cfg.data.path, "answers": "chosen and rejected", "val_fraction": cfg.data.val_fraction,
+            "vocab": cfg.data.vocab_size,
             "steps": cfg.dpo.warmup_steps, "seed": cfg.train.seed, "settings": WARMUP_SETTINGS,
             "model": {k: getattr(cfg.model, k) for k in MODEL_KEYS}}
     key = hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:12]
