@@ -315,3 +315,17 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case, dpo_files, tmp_path,
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and expect in err, err
     assert set(tmp_path.iterdir()) == before
+
+
+def test_embedded_pairs_prefer_double_quotes(monkeypatch):
+    """stdlib-pairs: a body with quotes becomes a pair, its quotes written " (chosen) and '
+    (rejected), the same prompt; bodies without quotes, too long or too many lines are left out."""
+    from ndtrain.data import instructions, preference
+    from ndtrain.data.chat import Conversation, Turn
+    bodies = ["    return 'a' + \"b\"\n", "    return x\n", "    s = 'x'\n" * 9, "    return '" + "y" * 400 + "'\n"]
+    convs = [Conversation(f"m{i}.py", [Turn("user", "def f():"), Turn("assistant", b, True)])
+             for i, b in enumerate(bodies)]
+    monkeypatch.setattr(instructions, "stdlib_functions", lambda cache_dir: convs)
+    (pair,) = preference.stdlib_pairs("unused")
+    assert pair.key == "m0.py" and pair.chosen.turns[0] == pair.rejected.turns[0] == convs[0].turns[0]
+    assert pair.chosen.answer == "    return \"a\" + \"b\"\n" and pair.rejected.answer == "    return 'a' + 'b'\n"

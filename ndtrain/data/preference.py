@@ -21,8 +21,8 @@ attends to the rejected one. Per target, `weights` is +1 on the chosen answer's 
 longer than the row is left out, and counted.
 
 The embedded set `stdlib-pairs` (`stdlib_pairs`): functions of the standard library with a
-short body (data/instructions.py), the chosen answer the body, the rejected one the same
-lines in reverse order.
+short body holding a quote (data/instructions.py), the chosen answer the body with its
+quotes written `"`, the rejected one the same body with them written `'`.
 """
 
 from __future__ import annotations
@@ -86,21 +86,23 @@ def parse_pair(record, key: str) -> Pair:
 
 
 def stdlib_pairs(cache_dir: str, max_lines: int = 8, max_chars: int = 320) -> list[Pair]:
-    """The embedded set: each function of the standard library whose body has 2 to
-    `max_lines` non-blank lines and at most `max_chars` characters (and a prompt of at most
-    `max_chars`), its body chosen over the same lines in reverse order (when that differs)."""
+    """The embedded set: each function of the standard library whose body has 1 to
+    `max_lines` non-blank lines, at most `max_chars` characters and a quote character (and
+    a prompt of at most `max_chars`): the chosen answer is the body with every quote written
+    `"`, the rejected one the same body with every quote written `'`. A style the pairs teach
+    and the reference (which is fine-tuned on both forms) does not prefer."""
     out = []
     for conv in instructions.stdlib_functions(cache_dir):
         prompt, body = conv.turns[0].content, conv.answer
-        lines = body.rstrip("\n").split("\n")
-        if not 2 <= sum(1 for x in lines if x.strip()) <= max_lines or len(body) > max_chars or len(prompt) > max_chars:
+        lines = sum(1 for x in body.splitlines() if x.strip())
+        if not 1 <= lines <= max_lines or len(body) > max_chars or len(prompt) > max_chars:
             continue
-        reverse = "\n".join(reversed(lines)) + "\n"
-        if reverse == body:
+        double, single = body.replace("'", '"'), body.replace('"', "'")
+        if double == single:
             continue
         head = [Turn("user", prompt)]
-        out.append(Pair(conv.key, Conversation(conv.key, head + [Turn("assistant", body, True)]),
-                        Conversation(conv.key, head + [Turn("assistant", reverse, True)])))
+        out.append(Pair(conv.key, Conversation(conv.key, head + [Turn("assistant", double, True)]),
+                        Conversation(conv.key, head + [Turn("assistant", single, True)])))
     return out
 
 

@@ -307,7 +307,7 @@ def warmup_folder(cfg: Config) -> Path:
     everything that decides its result."""
     import hashlib
     from ndtrain.train.rl.job import MODEL_KEYS
-    what = {"data": cfg.data.path, "answers": "chosen and rejected", "val_fraction": cfg.data.val_fraction,
+    what = {"data": cfg.data.path, "pairs": "quotes", "answers": "chosen and rejected", "val_fraction": cfg.data.val_fraction,
             "vocab": cfg.data.vocab_size,
             "steps": cfg.dpo.warmup_steps, "seed": cfg.train.seed, "settings": WARMUP_SETTINGS,
             "model": {k: getattr(cfg.model, k) for k in MODEL_KEYS}}
