@@ -303,7 +303,7 @@ RL_DEFAULTS = ["train.steps=300", "train.global_batch=512", "train.lr=1e-4", "tr
                "train.weight_decay=0.0", "train.eval_every=25", "train.eval_batches=0", "train.log_every=5"]
 
 # `ndtrain dpo`'s own defaults (configs/dpo.toml lists them): the embedded preference pairs
-# (stdlib function bodies against the same lines in reverse order), rows holding both answers
+# (stdlib function bodies with " quotes against the same with '), rows holding both answers
 # of a pair, a fifth of the files held out, evaluation every 20 steps over every held-out pair.
 DPO_DEFAULTS = ["data.path=stdlib-pairs", "data.val_fraction=0.2", "train.seq_len=256", "train.global_batch=16",
                 "train.steps=60", "train.lr=3e-4", "train.warmup=5", "train.min_lr_ratio=1.0",
