@@ -305,9 +305,13 @@ def _build(out: Path, source: str, tokenizer: str, vocab_size: int, val_fraction
                 chunk = []
         _encode_chunk(tok, chunk, writers)
         bar.advance(task, len(chunk))
+    write_meta(out, tok, writers, source)
+
+
+def write_meta(out: Path, tok: TextTokenizer, writers: dict, source: str) -> None:
+    """Close the splits' writers and write meta.json: the last file of a prepared directory."""
     for w in writers.values():
         w.close()
-
     meta = {
         "format": FORMAT, "version": VERSION, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
         "train_tokens": writers["train"].total, "val_tokens": writers["val"].total,
@@ -339,12 +343,14 @@ def prepare_data(
     jsonl_key: str = "text",
     progress: bool = True,
     shard_tokens: int = 1 << 24,
+    build_tokens=None,
 ) -> Path:
     """Return a prepared directory for ``source``, building it only if the cache lacks it.
 
     ``source`` is ``"stdlib"``, a corpus file or directory, or an already prepared
     directory (returned as is). ``tokenizer`` is a ``tokenizer.json`` to use, or ``""``
     to train a byte-level BPE of ``vocab_size`` on the training documents.
+    ``build_tokens``: a source of token files is prepared by it (token_files.prepare_source).
     """
     source = str(source)
     if source != STDLIB and _is_prepared_dir(Path(source).expanduser()):
@@ -354,6 +360,8 @@ def prepare_data(
     if shard_tokens < 1:
         raise DataError(f"shard_tokens {shard_tokens}: must be at least 1")
 
+    if build_tokens is not None and not tokenizer:
+        raise DataError(f"source {source}: holds token ids; name the tokenizer that made them (data.tokenizer)")
     name = _cache_name(source, tokenizer, vocab_size, val_fraction, jsonl_key, shard_tokens)
     final = Path(cache_dir).expanduser() / "data" / name
     if final.exists():
@@ -365,7 +373,10 @@ def prepare_data(
         print(f"preparing {what} once: {'BPE tokenizer, ' if not tokenizer else ''}token shards → {final}", flush=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=final.parent))
     try:
-        _build(tmp, source, tokenizer, vocab_size, val_fraction, jsonl_key, progress, shard_tokens)
+        if build_tokens is not None:  # token ids already: split and copied (data/token_files.py)
+            build_tokens(tmp, source, tokenizer, val_fraction, shard_tokens)
+        else:
+            _build(tmp, source, tokenizer, vocab_size, val_fraction, jsonl_key, progress, shard_tokens)
         os.chmod(tmp, 0o755)  # mkdtemp makes the directory private
         try:
             os.rename(tmp, final)
