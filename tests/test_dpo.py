@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from helpers import TINY, assert_proof, proof_in_rank, reference_in_rank
 from ndtrain.cli import main
 from ndtrain.data.chat import BadRecord
-from ndtrain.data.preference import CHOSEN, REJECTED, pair_rows, parse_pair, prepare_preferences, swap_half
+from ndtrain.data.preference import CHOSEN, REJECTED, pair_rows, parse_pair, prepare_preferences
 from ndtrain.data.template import BuiltinTemplate
 from ndtrain.data.tokenizer import TextTokenizer
 from ndtrain.model.loss import IGNORE
@@ -108,15 +108,31 @@ def test_a_row_holds_the_pair_with_plus_and_minus_one_on_the_answers_only(dpo_fi
         assert (rows.weights[r][rows.targets[r] == IGNORE] == 0).all()
 
 
-def test_shuffled_control_swaps_about_half_and_is_seeded(dpo_files, template):
-    data = prepare_preferences(dpo_files[0], template, 96, 0.2)
-    pairs = data.train * 10
-    ids = lambda ps: [(id(a), id(b)) for a, b in ps]  # noqa: E731
-    swapped = swap_half(pairs, 0)
-    flips = sum(s[0] is p[1] for s, p in zip(swapped, pairs))
-    assert 0.35 < flips / len(pairs) < 0.65
-    assert ids(swap_half(pairs, 0)) == ids(swapped) and ids(swap_half(pairs, 1)) != ids(swapped)
-    assert all({id(a), id(b)} == {id(c), id(d)} for (a, b), (c, d) in zip(swapped, pairs))
+def test_shuffled_control_swaps_exactly_half_of_every_batch(dpo_files):
+    """dpo.shuffle: each training batch's rows have their weights negated (chosen and
+    rejected swapped) in exactly half the rows (an odd batch: one more or one fewer, by a
+    coin), which rows varying with step and seed, the same for every micro-batch split; the
+    held-out rows keep their labels."""
+    from ndtrain.config import load_config
+    from ndtrain.data.preference import control_signs
+    g = 8
+    make = lambda *extra: _dpo_task(*dpo_files, load_config(None, TINY + [  # noqa: E731
+        "train.seq_len=96", f"train.global_batch={g}", *extra]))
+    plain, control = make(), make("dpo.shuffle=true")
+    swapped = []
+    for step in range(6):
+        a, b = plain.rows("train", step, 0, g), control.rows("train", step, 0, g)
+        sign = (b.weights * a.weights).sum(-1).sign()
+        assert torch.equal(b.weights.abs(), a.weights.abs()) and int((sign < 0).sum()) == g // 2
+        assert torch.equal(torch.cat([control.rows("train", step, i, i + 2).weights for i in range(0, g, 2)]),
+                           b.weights)  # micro-batches see the same swaps
+        swapped.append((sign < 0).tolist())
+    assert len({tuple(x) for x in swapped}) > 1  # other rows at other steps
+    assert torch.equal(control.rows("val", 0, 0, g).weights, plain.rows("val", 0, 0, g).weights)
+    assert torch.equal(control_signs(0, 3, g), control_signs(0, 3, g))
+    assert not torch.equal(control_signs(0, 3, g), control_signs(1, 3, g))
+    odd = torch.stack([control_signs(0, step, 7) for step in range(200)])
+    assert set((odd < 0).sum(-1).tolist()) == {3, 4}
 
 
 # --------------------------------------------------------------------------- the loss against a direct computation
@@ -203,27 +219,33 @@ def _dpo_rows(files, rows):
     make = functools.partial(_dpo_task, *files)
     out = {}
     for name, overrides in rows:
-        run = (reference_in_rank if name == "single" else proof_in_rank)(DPO_TEST + overrides, "", make_task=make)
+        run = (reference_in_rank if name.startswith("single") else proof_in_rank)(DPO_TEST + overrides, "", make_task=make)
         run["figures"] = [{k: r[k] for k in ("pref_accuracy", "reward_margin")} for r in run.pop("history")]
         out[name] = run
     return out
 
 
-DPO_LAYOUTS = [("dp2", ["parallel.dp=2", "train.micro_batch=1"]),
-               ("zero3-dp2", ["parallel.zero=3", "train.micro_batch=2"]),
-               ("tp2-sp", ["parallel.tp=2", "train.micro_batch=2"]),
-               ("pp2-1f1b", ["parallel.pp=2", "train.micro_batch=2"])]
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.init=random"]  # B drawn too: A has a gradient at step 1
+# name, overrides, the one-process reference it must equal
+DPO_LAYOUTS = [("dp2", ["parallel.dp=2", "train.micro_batch=1"], "single"),
+               ("tp2-sp-lora", ["parallel.tp=2", "train.micro_batch=2", *LORA], "single-lora")]
+DPO_LAYOUTS_SLOW = [("zero3-dp2", ["parallel.zero=3", "train.micro_batch=2"], "single"),
+                    ("pp2-1f1b", ["parallel.pp=2", "train.micro_batch=2"], "single"),
+                    ("zero3-dp2-lora", ["parallel.zero=3", "train.micro_batch=2", *LORA], "single-lora"),
+                    ("pp2-1f1b-lora", ["parallel.pp=2", "train.micro_batch=2", *LORA], "single-lora")]
 
 
-def test_dpo_layouts_equal_one_process_in_fp64(dpo_files):
-    """dp2 (with accumulation), ZeRO-3, TP (+SP) and PP against one process in fp64 under the
-    tolerance rule (tests/helpers.assert_proof), each computing its own reference
-    log-probabilities with its own forward; the steps' preference figures agree too."""
-    ref = run_ranks(_dpo_rows, 1, dpo_files, [("single", [])])[0]["single"]
-    # the first loss is log 2 (policy = reference); later ones move away from it
-    assert ref["losses"][0] == pytest.approx(math.log(2), abs=1e-12) and abs(ref["losses"][-1] - math.log(2)) > 1e-3
-    runs = run_ranks(_dpo_rows, 2, dpo_files, DPO_LAYOUTS, timeout=600)[0]
-    for name, _ in DPO_LAYOUTS:
+def _check_dpo_layouts(dpo_files, layouts):
+    """Each layout against its one-process reference in fp64 under the tolerance rule
+    (tests/helpers.assert_proof), each computing its own reference log-probabilities with
+    its own forward; the steps' preference figures agree too. One launch per world size."""
+    singles = sorted({ref for _, _, ref in layouts})
+    refs = run_ranks(_dpo_rows, 1, dpo_files, [(n, [] if n == "single" else LORA) for n in singles])[0]
+    for ref in refs.values():  # the first loss is log 2 (policy = reference); later ones move away from it
+        assert ref["losses"][0] == pytest.approx(math.log(2), abs=1e-12) and abs(ref["losses"][-1] - math.log(2)) > 1e-3
+    runs = run_ranks(_dpo_rows, 2, dpo_files, [(n, o) for n, o, _ in layouts], timeout=600)[0]
+    for name, _, ref_name in layouts:
+        ref = refs[ref_name]
         try:
             assert_proof(runs[name], ref)
         except AssertionError as e:
@@ -233,6 +255,23 @@ def test_dpo_layouts_equal_one_process_in_fp64(dpo_files):
         for step, (a, b) in enumerate(zip(runs[name]["figures"], ref["figures"])):
             assert step == 0 or a["pref_accuracy"] == b["pref_accuracy"], (name, step)
             assert abs(a["reward_margin"] - b["reward_margin"]) <= 1e-9 * max(abs(b["reward_margin"]), 1e-3), name
+    if "single-lora" in refs:  # the base is frozen: only the adapters have gradients
+        grads = refs["single-lora"]["grads"]
+        assert grads and all(k.endswith((".lora.a", ".lora.b")) for k in grads), sorted(grads)[:4]
+        assert all(g.abs().max() > 0 for g in grads.values())
+        assert set(runs[next(n for n, _, r in layouts if r == "single-lora")]["grads"]) == set(grads)
+
+
+def test_dpo_layouts_equal_one_process_in_fp64(dpo_files):
+    """dp2 with accumulation, and tp2 with SP under LoRA (frozen base, adapters split with
+    their layer), against one process in fp64."""
+    _check_dpo_layouts(dpo_files, DPO_LAYOUTS)
+
+
+@pytest.mark.slow
+def test_dpo_layouts_equal_one_process_zero3_pp_in_fp64(dpo_files):
+    """ZeRO-3 dp2 and pp2 (1F1B), with and without LoRA, against one process in fp64."""
+    _check_dpo_layouts(dpo_files, DPO_LAYOUTS_SLOW)
 
 
 # --------------------------------------------------------------------------- the command
@@ -290,12 +329,26 @@ def _bad_jsonl(tmp_path, lines):
     return path
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "beta-zero", "beta-negative", "cp", "seq-len"])
+@pytest.mark.parametrize("case", ["no-file", "not-json", "no-chosen", "missing", "empty", "beta-zero", "beta-negative",
+                                  "cp", "seq-len", "user-folder"])
 def test_bad_input_is_one_line_exit_2_nothing_written(case, dpo_files, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     good = {"prompt": "q", "chosen": "a", "rejected": "b"}
     files, extra = dpo_files, []
-    if case == "missing":
+    if case == "no-file":
+        files, expect = (tmp_path / "nope.jsonl", dpo_files[1]), "nope.jsonl': path does not exist"
+    elif case == "not-json":
+        files = (_bad_jsonl(tmp_path, [good]), dpo_files[1])
+        files[0].write_text(files[0].read_text() + "{not json\n")
+        expect = "bad.jsonl:2: not valid JSON"
+    elif case == "no-chosen":
+        files = (_bad_jsonl(tmp_path, [{"prompt": "q", "rejected": "b"}]), dpo_files[1])
+        expect = "bad.jsonl:1: a preference record needs 'chosen' and 'rejected' (missing chosen)"
+    elif case == "user-folder":  # run.dir: a folder of the user's, neither empty nor an ndtrain run
+        (tmp_path / "mine").mkdir()
+        (tmp_path / "mine" / "notes.txt").write_text("mine")
+        extra, expect = [f"run.dir={tmp_path / 'mine'}"], "is a folder that is neither empty nor an ndtrain run"
+    elif case == "missing":
         files = (_bad_jsonl(tmp_path, [good, {"prompt": "q", "chosen": "a"}]), dpo_files[1])
         expect = "bad.jsonl:2: a preference record needs 'chosen' and 'rejected' (missing rejected)"
     elif case == "empty":
@@ -309,23 +362,33 @@ def test_bad_input_is_one_line_exit_2_nothing_written(case, dpo_files, tmp_path,
         extra, expect = ["--nproc", "2", "parallel.cp=2"], "parallel.cp = 2: ndtrain dpo needs each pair's whole row"
     else:
         extra, expect = ["train.seq_len=8"], "train.seq_len = 8: is smaller than the shortest pair"
-    before = set(tmp_path.iterdir())
+    before = set(tmp_path.rglob("*"))
     code = main(_cli(files, tmp_path, *extra)[:]) if case != "cp" else main(
         [a for a in _cli(files, tmp_path) if a not in ("--nproc", "1")] + extra)
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and expect in err, err
-    assert set(tmp_path.iterdir()) == before
+    assert set(tmp_path.rglob("*")) == before
 
 
-def test_embedded_pairs_prefer_double_quotes(monkeypatch):
-    """stdlib-pairs: a body with quotes becomes a pair, its quotes written " (chosen) and '
-    (rejected), the same prompt; bodies without quotes, too long or too many lines are left out."""
+def test_embedded_pairs_prefer_the_quotes_the_prompt_asks_for(monkeypatch):
+    """stdlib-pairs: a body with quotes becomes a pair whose prompt asks for " or ' quotes, in
+    turn within a file (from a coin per file), its chosen answer the body with every quote
+    written as asked and the rejected one the other way; bodies without quotes, too long or
+    with too many lines are left out."""
     from ndtrain.data import instructions, preference
     from ndtrain.data.chat import Conversation, Turn
-    bodies = ["    return 'a' + \"b\"\n", "    return x\n", "    s = 'x'\n" * 9, "    return '" + "y" * 400 + "'\n"]
-    convs = [Conversation(f"m{i}.py", [Turn("user", "def f():"), Turn("assistant", b, True)])
+    bodies = ["    return 'a' + \"b\"\n", "    return x\n", "    s = 'x'\n" * 9, "    return '" + "y" * 400 + "'\n",
+              "    return \"c\"\n", "    return 'd'\n"]
+    convs = [Conversation("m.py", [Turn("user", f"def f{i}():\n"), Turn("assistant", b, True)])
              for i, b in enumerate(bodies)]
     monkeypatch.setattr(instructions, "stdlib_functions", lambda cache_dir: convs)
-    (pair,) = preference.stdlib_pairs("unused")
-    assert pair.key == "m0.py" and pair.chosen.turns[0] == pair.rejected.turns[0] == convs[0].turns[0]
-    assert pair.chosen.answer == "    return \"a\" + \"b\"\n" and pair.rejected.answer == "    return 'a' + 'b'\n"
+    pairs = preference.stdlib_pairs("unused")
+    assert [p.chosen.turns[0].content.split("\n")[0] for p in pairs] == ["def f0():", "def f4():", "def f5():"]
+    asked = [preference.asked_quote("m.py", i) for i in range(3)]
+    assert asked[0] != asked[1] != asked[2]  # in turn
+    for pair, quote, body in zip(pairs, asked, (bodies[0], bodies[4], bodies[5])):
+        other = "'" if quote == '"' else '"'
+        prompt = pair.chosen.turns[0]
+        assert prompt == pair.rejected.turns[0] and prompt.content.endswith(preference.QUOTE_ASKS[quote])
+        assert pair.chosen.answer == body.replace(other, quote) and pair.rejected.answer == body.replace(quote, other)
+    assert {preference.asked_quote(f"f{i}.py", 0) for i in range(8)} == {'"', "'"}  # a coin per file

@@ -21,12 +21,14 @@ attends to the rejected one. Per target, `weights` is +1 on the chosen answer's 
 longer than the row is left out, and counted.
 
 The embedded set `stdlib-pairs` (`stdlib_pairs`): functions of the standard library with a
-short body holding a quote (data/instructions.py), the chosen answer the body with its
-quotes written `"`, the rejected one the same body with them written `'`.
+short body holding a quote (data/instructions.py), the prompt asking for `"` or `'` quotes
+(a coin per function), the chosen answer the body with its quotes written as asked, the
+rejected one the same body with them written the other way.
 """
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,24 +87,40 @@ def parse_pair(record, key: str) -> Pair:
     return Pair(key, *(_choice(w[:-1], [Turn("assistant", w[-1].content, True)], key, True) for w in whole))
 
 
+QUOTE_ASKS = {'"': 'Write its strings in double quotes (").', "'": "Write its strings in single quotes (')."}
+
+
+def asked_quote(key: str, index: int) -> str:
+    """The quote the prompt of a file's `index`-th pair asks for: `"` and `'` in turn, from a
+    fair coin per file (`key`), so both splits (made by file) ask for each about equally."""
+    return '"' if (hashlib.sha256(key.encode()).digest()[0] + index) % 2 == 0 else "'"
+
+
 def stdlib_pairs(cache_dir: str, max_lines: int = 8, max_chars: int = 320) -> list[Pair]:
     """The embedded set: each function of the standard library whose body has 1 to
     `max_lines` non-blank lines, at most `max_chars` characters and a quote character (and
-    a prompt of at most `max_chars`): the chosen answer is the body with every quote written
-    `"`, the rejected one the same body with every quote written `'`. A style the pairs teach
-    and the reference (which is fine-tuned on both forms) does not prefer."""
-    out = []
+    a prompt of at most `max_chars`). The prompt ends by asking for one quote style (a coin
+    in turn within a file, `asked_quote`); the chosen answer is the body with every quote written in
+    that style, the rejected one the same body in the other. Half the pairs prefer each
+    style, so a drift towards either style, which training on labels that say nothing can
+    still cause, moves as many held-out pairs one way as the other: only following the
+    request, which the reference (fine-tuned on both answers) does not do, raises the
+    held-out accuracy."""
+    out, per_file = [], {}
     for conv in instructions.stdlib_functions(cache_dir):
         prompt, body = conv.turns[0].content, conv.answer
         lines = sum(1 for x in body.splitlines() if x.strip())
         if not 1 <= lines <= max_lines or len(body) > max_chars or len(prompt) > max_chars:
             continue
-        double, single = body.replace("'", '"'), body.replace('"', "'")
-        if double == single:
+        forms = {'"': body.replace("'", '"'), "'": body.replace('"', "'")}
+        if forms['"'] == forms["'"]:
             continue
-        head = [Turn("user", prompt)]
-        out.append(Pair(conv.key, Conversation(conv.key, head + [Turn("assistant", double, True)]),
-                        Conversation(conv.key, head + [Turn("assistant", single, True)])))
+        per_file[conv.key] = index = per_file.get(conv.key, -1) + 1
+        asked = asked_quote(conv.key, index)
+        other = "'" if asked == '"' else '"'
+        head = [Turn("user", prompt.rstrip("\n") + "\n" + QUOTE_ASKS[asked])]
+        out.append(Pair(conv.key, Conversation(conv.key, head + [Turn("assistant", forms[asked], True)]),
+                        Conversation(conv.key, head + [Turn("assistant", forms[other], True)])))
     return out
 
 
@@ -184,8 +202,15 @@ def pair_rows(pairs: list[tuple[Example, Example]], seq_len: int, pad_id: int):
     return rows
 
 
-def swap_half(pairs: list[tuple[Example, Example]], seed: int) -> list[tuple[Example, Example]]:
-    """The negative control: chosen and rejected exchanged in a seeded random half of the
-    pairs (each pair by a fair coin), so the labels say nothing."""
-    flip = np.random.default_rng([seed, 0xD90]).random(len(pairs)) < 0.5
-    return [(r, c) if f else (c, r) for (c, r), f in zip(pairs, flip)]
+def control_signs(seed: int, step: int, global_batch: int) -> torch.Tensor:
+    """The negative control's labels for `step`'s global batch: +1 keeps a row's pair as it
+    is, −1 swaps chosen and rejected (its weights negated). Exactly half the rows of every
+    batch are swapped (an odd batch's last one by a fair coin), which ones drawn from
+    (seed, step): the labels the control trains on carry no preference for any feature of
+    the answers, not even a net one of a few percent, as independent coins would."""
+    rng = np.random.default_rng([seed, step, 0xD90])
+    order = rng.permutation(global_batch)
+    swapped = global_batch // 2 + int(global_batch % 2 == 1 and rng.random() < 0.5)
+    signs = np.ones(global_batch)
+    signs[order[:swapped]] = -1.0
+    return torch.from_numpy(signs)

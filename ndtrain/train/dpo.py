@@ -36,6 +36,7 @@ from __future__ import annotations
 import json
 import math
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -50,7 +51,7 @@ from ndtrain.comm import ops
 from ndtrain.config import Config
 from ndtrain.data.batch import MicroBatch
 from ndtrain.data.loader import RowLoader
-from ndtrain.data.preference import PreferenceData, pair_rows, swap_half
+from ndtrain.data.preference import PreferenceData, control_signs, pair_rows
 from ndtrain.deferred import Lazy
 from ndtrain.train.tasks import Task
 from ndtrain.train.trainer import TrainingError
@@ -117,9 +118,8 @@ class DPO(Task):
         t = cfg.train
         self.cfg, self.vocab_size = cfg, data.vocab_size
         self.baseline = math.log(2.0)  # every pair's loss before the first update (margin 0)
-        train = swap_half(data.train, t.seed) if cfg.dpo.shuffle else data.train
         pad = data.template.pad_id
-        self.pair_rows = {"train": pair_rows(train, t.seq_len, pad), "val": pair_rows(data.val, t.seq_len, pad)}
+        self.pair_rows = {"train": pair_rows(data.train, t.seq_len, pad), "val": pair_rows(data.val, t.seq_len, pad)}
         self.loaders = {"train": RowLoader(self.pair_rows["train"], t.global_batch, t.seed),
                         "val": RowLoader(self.pair_rows["val"], t.global_batch, t.seed, shuffle=False, wrap=False)}
         self.objective = PreferenceObjective(cfg.dpo.beta)
@@ -127,7 +127,13 @@ class DPO(Task):
 
     # -- the task interface ---------------------------------------------------------
     def rows(self, split: str, step: int, start: int, stop: int) -> MicroBatch:
-        return self.loaders[split].batch(step, start, stop)
+        """`dpo.shuffle` (the control): exactly half of each training batch's pairs swapped,
+        chosen for rejected (their weights negated: data/preference.control_signs)."""
+        mb = self.loaders[split].batch(step, start, stop)
+        if split == "train" and self.cfg.dpo.shuffle:
+            signs = control_signs(self.cfg.train.seed, step, self.cfg.train.global_batch)[start:stop]
+            mb = replace(mb, weights=mb.weights * signs[:, None])
+        return mb
 
     def targets(self, mb: MicroBatch) -> int:
         return int((mb.weights != 0).any(-1).sum())  # one per pair: the loss is a mean over pairs
@@ -287,8 +293,8 @@ def describe_summary(s: dict) -> str:
         lines.append(f"chosen answer more likely outright: {s['reference_likelihood_accuracy']:.3f} of held-out pairs "
                      f"under the reference → {f['val_likelihood_accuracy']:.3f} under the policy")
     if s.get("shuffled"):
-        lines.append("dpo.shuffle: chosen and rejected were swapped in a random half of the training pairs "
-                     "(the control)")
+        lines.append("dpo.shuffle: chosen and rejected were swapped in exactly half of every training batch's pairs "
+                     "(the control); the held-out pairs keep their labels")
     if s.get("dpo_plot"):
         lines.append(f"DPO curves     {s['dpo_plot']}")
     return "\n".join(lines)
@@ -307,7 +313,7 @@ def warmup_folder(cfg: Config) -> Path:
     everything that decides its result."""
     import hashlib
     from ndtrain.train.rl.job import MODEL_KEYS
-    what = {"data": cfg.data.path, "pairs": "quotes", "answers": "chosen and rejected", "val_fraction": cfg.data.val_fraction,
+    what = {"data": cfg.data.path, "pairs": "quotes as asked", "answers": "chosen and rejected", "val_fraction": cfg.data.val_fraction,
             "vocab": cfg.data.vocab_size,
             "steps": cfg.dpo.warmup_steps, "seed": cfg.train.seed, "settings": WARMUP_SETTINGS,
             "model": {k: getattr(cfg.model, k) for k in MODEL_KEYS}}
