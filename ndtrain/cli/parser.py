@@ -133,12 +133,11 @@ def _add_dpo(sub) -> None:
                                    "messages, or chosen and rejected as two whole chats whose last assistant turn is "
                                    "the choice. Held-out pairs report val_pref_accuracy and reward margins. Any "
                                    "layout but context parallelism. With no arguments: pairs from the standard "
-                                   "library (a function body with its quotes written \" chosen over the same body with "
-                                   "them written ', a style the reference has no preference for), after a short "
-                                   "SFT warm-up on both answers of the training pairs (run through `ndtrain sft` "
-                                   "once, cached), on 2 CPU processes (or every local GPU). dpo.shuffle=true: the "
-                                   "control, with chosen "
-                                   "and rejected swapped in a random half of the training pairs.")
+                                   "library (the prompt asks for \" or ' quotes, in turn; the body written as asked "
+                                   "is chosen over the same body written the other way), after a short SFT warm-up "
+                                   "on both answers of the training pairs (run through `ndtrain sft` once, cached), "
+                                   "on 2 CPU processes (or every local GPU). dpo.shuffle=true: the control, with "
+                                   "chosen and rejected swapped in exactly half of every training batch's pairs.")
     _with_nproc(p)
     _with_config(p)
 

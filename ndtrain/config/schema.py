@@ -208,7 +208,7 @@ class RLConfig:
 @dataclass
 class DPOConfig:
     beta: float = 0.1  # the sigmoid loss's β: how far the policy may move from the reference
-    shuffle: bool = False  # a negative control: chosen and rejected swapped in a seeded random half of the training pairs
+    shuffle: bool = False  # a negative control: chosen and rejected swapped in exactly half of every training batch's pairs (seeded)
     warmup_steps: int = 100  # the default job (model.init_from unset): SFT steps on both answers of the training pairs, cached
 
 
@@ -332,10 +332,11 @@ RL_DEFAULTS = ["train.steps=300", "train.global_batch=512", "train.lr=1e-4", "tr
                "train.weight_decay=0.0", "train.eval_every=25", "train.eval_batches=0", "train.log_every=5"]
 
 # `ndtrain dpo`'s own defaults (configs/dpo.toml lists them): the embedded preference pairs
-# (stdlib function bodies with " quotes against the same with '), rows holding both answers
+# (a stdlib function's body with its quotes written as the prompt asks, " or ', against the
+# same body written the other way), rows holding both answers
 # of a pair, a fifth of the files held out, evaluation every 20 steps over every held-out pair.
 DPO_DEFAULTS = ["data.path=stdlib-pairs", "data.val_fraction=0.2", "train.seq_len=256", "train.global_batch=16",
-                "train.steps=60", "train.lr=3e-4", "train.warmup=5", "train.min_lr_ratio=1.0",
+                "train.steps=200", "train.lr=3e-4", "train.warmup=5", "train.min_lr_ratio=1.0",
                 "train.weight_decay=0.0", "train.eval_every=20", "train.eval_batches=64", "train.log_every=5"]
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
