@@ -23,6 +23,8 @@ from ndtrain.data.tokenizer import TextTokenizer
 from ndtrain.model.loss import IGNORE
 from ndtrain.testing import run_ranks
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
+
 WORDS = "the value of each item is returned when the list is empty or the key is missing".split()
 
 
@@ -279,7 +281,7 @@ def test_dpo_layouts_equal_one_process_zero3_pp_in_fp64(dpo_files):
 
 def _cli(dpo_files, tmp_path, *extra):
     return ["dpo", "--nproc", "1", f"data.path={dpo_files[0]}", f"data.tokenizer={dpo_files[1]}",
-            "model.init_from=scratch", "model.preset=tiny", "run.device=cpu", "train.seq_len=64",
+            "model.init_from=scratch", "model.preset=tiny", "run.device=cpu", "run.threads=1", "train.seq_len=64",
             "train.global_batch=8", "train.eval_every=4", "run.progress=false", f"data.cache_dir={tmp_path / 'c'}",
             *extra]
 
