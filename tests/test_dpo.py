@@ -317,6 +317,45 @@ def test_reference_is_stored_and_resume_reads_it(dpo_files, tmp_path, monkeypatc
     assert "held-out preference accuracy 0.500 (the reference) →" in out and "--temperature 0" in out
 
 
+def test_sigterm_stops_dpo_with_a_checkpoint_and_the_printed_command_continues_it(dpo_files, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """SIGTERM (as Kubernetes or scancel send it) stops `ndtrain dpo` at a step boundary with a
+    checkpoint, exit 143, as for sft (tests/test_stop.py); the printed command continues the
+    run from the step saved, reading the stored reference instead of computing it again."""
+    import os
+    import shlex
+    import signal
+    import threading
+
+    from ndtrain.checkpoint import store
+    from ndtrain.train import dpo
+    from test_stop import _assert_stopped_by_sigterm, wait_for
+    run = tmp_path / "run"
+    argv = _cli(dpo_files, tmp_path, "train.steps=100000", "train.log_every=1", "train.eval_every=0",
+                "run.plot=false", f"run.dir={run}")
+    metrics = run / "metrics.jsonl"
+
+    def terminate():
+        wait_for(lambda: metrics.exists() and metrics.read_text(), what="a step")
+        os.kill(os.getpid(), signal.SIGTERM)
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # no stray SIGTERM may reach pytest
+    try:
+        threading.Thread(target=terminate, daemon=True).start()
+        code = main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    err = capsys.readouterr().err
+    step = _assert_stopped_by_sigterm(code, err, run)
+    command = err.split("continue the run with: ")[1].splitlines()[0]
+    assert shlex.split(command) == ["ndtrain", *argv]
+
+    def refuse(self, trainer):
+        raise AssertionError("the reference was computed again on resume")
+    monkeypatch.setattr(dpo.DPO, "compute_reference", refuse)
+    assert main(shlex.split(command)[1:] + ["run.stop_after=1"]) == 0
+    assert store.read_meta(store.latest(run))["step"] == step + 1
+
+
 def test_dpo_toml_lists_the_commands_defaults():
     from pathlib import Path
 
