@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 from dataclasses import dataclass
@@ -123,6 +124,20 @@ def _store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def release_groups() -> None:
+    """Free the process groups a finished rank left behind, while the interpreter is alive.
+    `destroy_process_group` forgets the groups, but each lives on until the objects that
+    hold it (mesh, trainer: reference cycles) are collected, and with it its gloo worker
+    threads. Left to the interpreter's exit, a worker thread still releasing the tensors of a
+    finished collective asks for the GIL that finalization no longer gives, and the process
+    aborts ("terminate called without an active exception", SIGABRT): a rank that trained
+    to the end would count as failed, and torchrun's agents would then wait at their exit
+    barrier. Collected here, each group's destructor joins its threads first. Called once
+    the rank's work has returned (its frames, and their references, are gone): by the
+    command line's `main` and by a launched rank (supervisor.py)."""
+    gc.collect()
 
 
 def launch_local(nproc: int, fn, *args, max_restarts: int = 0, heartbeat_s: float = 0.0,

@@ -32,6 +32,7 @@ agent forwards the terminal's signal as well, so two signals within half a secon
 
 from __future__ import annotations
 
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -149,6 +150,8 @@ def _rank_main(fn, args, rank: int, world: int, port: int, attempt: int, parent:
     except BaseException as e:  # noqa: BLE001 - every failure must reach the parent
         lines = str(e).strip().splitlines()
         results.put((rank, False, (f"{type(e).__name__}: {lines[0] if lines else ''}".strip(), traceback.format_exc())))
+    finally:  # the rank's process groups, freed before the interpreter exits (launch.release_groups)
+        gc.collect()
 
 
 # --------------------------------------------------------------------------- the parent
