@@ -1,7 +1,8 @@
 """DPO: preference records and their errors, a pair per row with answer-only ±1 weights, the
 loss and its figures against a direct computation on the chosen and rejected sequences
-alone (fp64), the reference kept with the run and never recomputed on resume, the shuffled
-control, dp2, tp2, pp2 and ZeRO-3 equal to one process in fp64, and the command's bad input."""
+alone (fp64), the reference kept with the run and never recomputed on resume or after
+SIGTERM, the shuffled control, dp2, tp2, pp2 and ZeRO-3 (with and without LoRA) equal to one
+process in fp64, and the command's bad input."""
 
 from __future__ import annotations
 
