@@ -74,13 +74,18 @@ def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool
     ]
     for key in ("pp_schedule", "pp_virtual", "pp_split"):
         rules.append((f"parallel.{key}", p.pp == 1, "needs pipeline parallelism (parallel.pp > 1)"))
-    sft_keys = ["data.packing", "data.truncate", "data.on_bad_record", "data.template", "sft.generate",
-                "sft.max_new_tokens", "sft.score"]
-    rules += [(key, command not in ("sft", "rl-warmup") and not (command == "rl" and key == "data.template"),
-               "only ndtrain sft reads it") for key in sft_keys]
+    sft_keys = ["data.packing", "data.truncate", "sft.generate", "sft.max_new_tokens", "sft.score"]
+    rules += [(key, command not in ("sft", "rl-warmup"), "only ndtrain sft reads it") for key in sft_keys]
+    rules += [(key, command not in ("sft", "rl-warmup", "dpo") and not (command == "rl" and key == "data.template"),
+               "only ndtrain sft and dpo read it") for key in ("data.on_bad_record", "data.template")]
+    rules += [(f"dpo.{k}", command != "dpo", "only ndtrain dpo reads it") for k in ("beta", "shuffle", "warmup_steps")]
+    rules.append(("dpo.warmup_steps", command == "dpo" and "model.init_from" in cfg.explicit,
+                  "model.init_from is set: there is no default warm-up"))
     rules += [(f"sft.{k}", cfg.sft.generate == 0, "sft.generate = 0 generates nothing") for k in ("max_new_tokens", "score")]
-    rules.append(("data.jsonl_key", command in ("sft", "rl-warmup"), "SFT records are read whole (messages, or prompt and completion)"))
-    rules.append(("data.sources", command in ("sft", "rl", "rl-warmup"), "only ndtrain train reads a mixture; sft reads data.path"))
+    rules.append(("data.jsonl_key", command in ("sft", "rl-warmup", "dpo"), "SFT and DPO records are read whole "
+                  "(messages, or prompt and completion / chosen and rejected)"))
+    rules.append(("data.sources", command in ("sft", "rl", "rl-warmup", "dpo"), "only ndtrain train reads a mixture; "
+                  "sft and dpo read data.path"))
     rules += _rl_rules(cfg, command)
     return rules
 

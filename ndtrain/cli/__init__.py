@@ -1,7 +1,7 @@
-"""The `ndtrain` command: train, sft, rl, prepare, generate, trace, plan, convert, checkpoint, bench.
+"""The `ndtrain` command: train, sft, rl, dpo, prepare, generate, trace, plan, convert, checkpoint, bench.
 
 `main` parses the command line (parser.py) and runs the command, each family in its own
-module: train.py (train, prepare), posttrain.py (sft, rl), generate.py (generate, trace),
+module: train.py (train, prepare), posttrain.py (sft, rl, dpo), generate.py (generate, trace),
 plan.py, checkpoint.py (convert, checkpoint) and bench.py; run.py holds what the training
 commands share.
 
@@ -18,12 +18,12 @@ from ndtrain.cli.checkpoint import cmd_checkpoint, cmd_convert
 from ndtrain.cli.generate import cmd_generate, cmd_trace
 from ndtrain.cli.parser import EPILOG, build_parser, parse
 from ndtrain.cli.plan import cmd_plan
-from ndtrain.cli.posttrain import cmd_rl, cmd_sft, default_pretraining_run, default_warmup
+from ndtrain.cli.posttrain import cmd_dpo, cmd_rl, cmd_sft, default_pretraining_run, default_warmup
 from ndtrain.cli.run import Stopped, check_resume, open_data, print_summary, warn_before_start
 from ndtrain.cli.train import cmd_prepare, cmd_train, dry_run
 
 __all__ = [
-    "BENCH_ROUNDS_STEPS", "EPILOG", "build_parser", "check_resume", "cmd_bench", "cmd_checkpoint", "cmd_convert",
+    "BENCH_ROUNDS_STEPS", "EPILOG", "build_parser", "check_resume", "cmd_bench", "cmd_checkpoint", "cmd_convert", "cmd_dpo",
     "cmd_generate", "cmd_plan", "cmd_prepare", "cmd_rl", "cmd_sft", "cmd_trace", "cmd_train", "default_pretraining_run",
     "default_warmup", "dry_run", "fail", "main", "open_data", "parse", "print_summary", "warn_before_start",
 ]
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from ndtrain.train.errors import TrainingError
 
     try:
-        return {"train": cmd_train, "sft": cmd_sft, "rl": cmd_rl, "prepare": cmd_prepare, "generate": cmd_generate,
+        return {"train": cmd_train, "sft": cmd_sft, "rl": cmd_rl, "dpo": cmd_dpo, "prepare": cmd_prepare, "generate": cmd_generate,
                 "bench": cmd_bench, "trace": cmd_trace, "convert": cmd_convert,
                 "checkpoint": cmd_checkpoint, "plan": cmd_plan}[args.command](args)
     except (ConfigError, DataError) as e:

@@ -26,6 +26,9 @@ examples:
   ndtrain rl                                     the embedded default: SFT warm-up on addition (cached), then GRPO
   ndtrain rl rl.loss=dapo rl.task=sort           DAPO on sorting lists (after an SFT warm-up on sorting)
   ndtrain rl --evaluate model.init_from=run:DIR  held-out pass@1 and pass@k of a run's model on rl.task
+  ndtrain dpo                                    the embedded default: SFT warm-up (cached), then DPO on stdlib pairs
+  ndtrain dpo data.path=pairs.jsonl model.init_from=run:DIR dpo.beta=0.1
+                                                 DPO on your preference pairs from a fine-tuned run
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain train --nproc 4 parallel.tp=2 run.dir=runs/x   resume runs/x on another layout (any layout reads any checkpoint)
   ndtrain train --nproc 2 model.init_from=hf:DIR data.path=my.jsonl   start from a Hugging Face Llama/Qwen model
@@ -117,6 +120,25 @@ def _add_rl(sub) -> None:
     p.add_argument("--evaluate", action="store_true",
                    help="only evaluate model.init_from's policy on held-out prompts (pass@1, pass@k) and exit; "
                         "writes nothing")
+    _with_config(p)
+
+
+def _add_dpo(sub) -> None:
+    p = sub.add_parser("dpo", help="direct preference optimisation on JSONL preference pairs (no arguments: the "
+                                   "embedded default job)",
+                       description="Train a policy to prefer each pair's chosen answer over its rejected one with the "
+                                   "sigmoid DPO loss −log σ(β · margin) (dpo.beta), against a frozen reference (the "
+                                   "starting model, whose answer log-probabilities are computed once before training "
+                                   "and kept with the run). Records: prompt, chosen and rejected as strings, as "
+                                   "messages, or chosen and rejected as two whole chats whose last assistant turn is "
+                                   "the choice. Held-out pairs report val_pref_accuracy and reward margins. Any "
+                                   "layout but context parallelism. With no arguments: pairs from the standard "
+                                   "library (the prompt asks for \" or ' quotes, in turn; the body written as asked "
+                                   "is chosen over the same body written the other way), after a short SFT warm-up "
+                                   "on both answers of the training pairs (run through `ndtrain sft` once, cached), "
+                                   "on 2 CPU processes (or every local GPU). dpo.shuffle=true: the control, with "
+                                   "chosen and rejected swapped in exactly half of every training batch's pairs.")
+    _with_nproc(p)
     _with_config(p)
 
 
@@ -270,8 +292,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--version", action="version", version=f"ndtrain {__version__}")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND")
-    for add in (_add_train, _add_sft, _add_rl, _add_prepare, _add_generate, _add_trace, _add_plan, _add_convert,
-                _add_checkpoint, _add_bench):
+    for add in (_add_train, _add_sft, _add_rl, _add_dpo, _add_prepare, _add_generate, _add_trace, _add_plan,
+                _add_convert, _add_checkpoint, _add_bench):
         add(sub)
     return ap
 

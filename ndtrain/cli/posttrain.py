@@ -1,6 +1,6 @@
-"""`ndtrain sft` and `ndtrain rl`, and the runs their default jobs start from: the default
-pretraining run (sft) and the SFT warm-up on the task (rl), each trained once through the
-CLI itself (`ndtrain.cli.main`) when none is found."""
+"""`ndtrain sft`, `ndtrain rl` and `ndtrain dpo`, and the runs their default jobs start from:
+the default pretraining run (sft), the SFT warm-up on the task (rl) and on the pairs' answers
+(dpo), each trained once through the CLI itself (`ndtrain.cli.main`) when none is found."""
 
 from __future__ import annotations
 
@@ -133,31 +133,107 @@ def check_row_length(cfg, need: int) -> None:
 def default_warmup(cfg, world) -> Path:
     """The default RL job's starting point: its SFT warm-up (`ndtrain sft` on problems of the
     task), run now unless a finished one is cached."""
-    from ndtrain.cli.parser import parse
     from ndtrain.config import ConfigError
     from ndtrain.train.rl import job
     if cfg.rl.warmup_steps == 0:
         raise ConfigError("rl.warmup_steps", 0, "no warm-up and no model.init_from: set model.init_from=run:DIR, "
                           "or model.init_from=scratch for random weights")
     folder = job.warmup_folder(cfg)
+    return _cached_warmup(cfg, world, "rl", folder, f"on {cfg.rl.task} ({cfg.rl.warmup_steps} steps",
+                          lambda: job.write_warmup_data(cfg, folder), job.warmup_overrides(cfg, folder),
+                          job.Warmup, job.describe_warmup)
+
+
+def _cached_warmup(cfg, world, command: str, folder: Path, what: str, write_data, overrides: list[str],
+                   make_task=None, describe=None) -> Path:
+    """`folder`/run, the SFT warm-up a default job starts from: cached, or trained now through
+    `ndtrain sft` (with `make_task`'s task, if given) on the data `write_data()` writes."""
+    from ndtrain.cli.parser import parse
+    from ndtrain.config import ConfigError
+    from ndtrain.train.rl.job import finished
     run = folder / "run"
-    if job.finished(run):
-        print(f"ndtrain rl: starting from the cached SFT warm-up {run}", flush=True)
+    if finished(run):
+        print(f"ndtrain {command}: starting from the cached SFT warm-up {run}", flush=True)
         return run
     if world is not None:
-        raise ConfigError("model.init_from", "", "the default SFT warm-up is not cached yet; under torchrun, run "
-                          "`ndtrain rl` locally once first or set model.init_from=run:DIR")
-    print(f"ndtrain rl: SFT warm-up on {cfg.rl.task} ({cfg.rl.warmup_steps} steps, once; cached in {folder})",
-          flush=True)
-    job.write_warmup_data(cfg, folder)
+        raise ConfigError("model.init_from", "", f"the default SFT warm-up is not cached yet; under torchrun, run "
+                          f"`ndtrain {command}` locally once first or set model.init_from=run:DIR")
+    print(f"ndtrain {command}: SFT warm-up {what}, once; cached in {folder})", flush=True)
+    write_data()
     nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
-    code = cmd_sft(parse(["sft", *nproc, *job.warmup_overrides(cfg, folder)]), job.Warmup)
-    if code > 128:  # stopped by a signal, with a checkpoint: the same rl command resumes the warm-up
-        raise Stopped(code, "the SFT warm-up was stopped; the same `ndtrain rl` command continues it, then the job")
-    if code != 0 or not job.finished(run):
+    code = cmd_sft(parse(["sft", *nproc, *overrides]), make_task)
+    if code > 128:  # stopped by a signal, with a checkpoint: the same command resumes the warm-up
+        raise Stopped(code, f"the SFT warm-up was stopped; the same `ndtrain {command}` command continues it, "
+                      "then the job")
+    if code != 0 or not finished(run):
         raise ConfigError("model.init_from", "", f"the default SFT warm-up in {folder} failed")
-    print(job.describe_warmup(cfg, run), flush=True)
+    if describe is not None:
+        print(describe(cfg, run), flush=True)
     return run
+
+
+def cmd_dpo(args) -> int:
+    from ndtrain.checkpoint.sources import resolve_init_from
+    from ndtrain.config import DPO_DEFAULTS, ConfigError, check_dpo_job, load_config, validate
+    from ndtrain.data import preference
+    from ndtrain.data.sft import ShortSequence
+    from ndtrain.launch import external_world
+    from ndtrain.train import dpo
+    from ndtrain.train.sft import make_template
+
+    cfg = with_nproc(load_config(args.config, args.overrides, defaults=DPO_DEFAULTS), args)
+    world = external_world()
+    scratch = cfg.model.init_from == "scratch"  # random weights; "" means the default SFT warm-up
+    if scratch:
+        cfg.model.init_from = ""
+    validate(cfg, world=world)
+    check_dpo_job(cfg)
+    d, t = cfg.data, cfg.train
+    preference.load_pairs(d.path, d.on_bad_record, d.cache_dir)  # a bad record fails here, before any warm-up
+    if not scratch and not cfg.model.init_from:
+        cfg.model.init_from = f"run:{default_dpo_warmup(cfg, world)}"
+    resolve_init_from(cfg)  # the model and tokenizer of model.init_from
+    validate(cfg, world=world)
+    check_fits(cfg, world)
+    warn_before_start(cfg, world, "dpo")
+    template = make_template(cfg, progress=cfg.run.progress)
+    if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
+        cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
+    try:
+        data = preference.prepare_preferences(d.path, template, t.seq_len, d.val_fraction, d.on_bad_record,
+                                              d.cache_dir)
+    except ShortSequence as e:
+        raise ConfigError("train.seq_len", t.seq_len, f"is smaller than the shortest pair (its prompt with both "
+                          f"answers: {e.shortest} positions, {e.key}): a row holds a whole pair") from None
+    run_dir = choose_run_dir(cfg, "dpo")
+    resumed = check_resume(cfg, run_dir)
+    p = cfg.parallel
+    banner = [f"ndtrain dpo: β = {cfg.dpo.beta:g}, {cfg.model.preset} model from "
+              f"{cfg.model.init_from or 'random weights'}, {p.world} process{'es' if p.world > 1 else ''} "
+              f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {t.steps} steps of {t.global_batch} pairs → {run_dir}"
+              + (f" (resuming {resumed.name})" if resumed else "")
+              + (" · control: chosen and rejected shuffled" if cfg.dpo.shuffle else ""), data.describe()]
+    return run_task(cfg, world, run_dir, dpo.dpo_worker, (cfg.to_dict(), str(run_dir), data),
+                    ("ndtrain.train.dpo", "ndtrain.train.trainer"), banner, dpo.describe_summary, args.argv)
+
+
+def default_dpo_warmup(cfg, world) -> Path:
+    """The default DPO job's starting point (and reference): SFT from random weights on the
+    training split's prompts, each with its chosen and its rejected answer, of the embedded
+    pairs, run now unless a finished one is cached."""
+    from ndtrain.config import ConfigError
+    from ndtrain.data.preference import EMBEDDED_NAME
+    from ndtrain.train import dpo
+    if cfg.data.path != EMBEDDED_NAME:
+        raise ConfigError("model.init_from", "", f"set the model to start from (run:DIR, hf:DIR, or scratch): the "
+                          f"default SFT warm-up is the embedded {EMBEDDED_NAME}'s, not data.path's")
+    if cfg.dpo.warmup_steps == 0:
+        raise ConfigError("dpo.warmup_steps", 0, "no warm-up and no model.init_from: set model.init_from=run:DIR, "
+                          "or model.init_from=scratch for random weights")
+    folder = dpo.warmup_folder(cfg)
+    return _cached_warmup(cfg, world, "dpo", folder,
+                          f"on both answers of the training pairs ({cfg.dpo.warmup_steps} steps",
+                          lambda: dpo.write_warmup_data(cfg, folder), dpo.warmup_overrides(cfg, folder))
 
 
 def default_pretraining_run(cfg, world) -> Path:

@@ -169,7 +169,7 @@ def print_summary(s: dict) -> None:
     run = Path(s["run_dir"])
     lines = []
     if s.get("val_loss") is not None:
-        lines.append(f"validation loss {s['val_loss']:.4f} nats/token vs {s['baseline']} "
+        lines.append(f"validation loss {s['val_loss']:.4f} {s.get('loss_unit', 'nats/token')} vs {s['baseline']} "
                      f"{s['baseline_val_loss']:.4f} after {s['steps']} steps")
     if s.get("source_tokens"):  # a mixture: each source's share of the tokens, its validation loss
         total = sum(s["source_tokens"].values()) or 1

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ndtrain.config.schema import Config, ConfigError
 
-EMBEDDED_DATA = ("stdlib", "stdlib-functions")  # pretraining corpus, SFT instruction set
+EMBEDDED_DATA = ("stdlib", "stdlib-functions", "stdlib-pairs")  # pretraining corpus, SFT instruction set, DPO pairs
 # What ndtrain makes first in a folder it runs in: the run's lock (cli/run.py, before anything
 # else), the checkpoints of `convert --from-hf`. A folder holding either is an ndtrain run.
 RUN_MARKS = (".lock", "checkpoints")
@@ -21,7 +21,8 @@ def check_files(cfg: Config) -> None:
     d, r = cfg.data, cfg.run
     if d.path not in EMBEDDED_DATA and not Path(os.path.expanduser(d.path)).exists():
         raise ConfigError("data.path", d.path, "path does not exist (use \"stdlib\" for the embedded corpus, "
-                          "\"stdlib-functions\" for the embedded instruction set)")
+                          "\"stdlib-functions\" for the embedded instruction set, \"stdlib-pairs\" for the embedded "
+                          "preference pairs)")
     if d.tokenizer and not Path(os.path.expanduser(d.tokenizer)).is_file():
         raise ConfigError("data.tokenizer", d.tokenizer, "file does not exist")
     if r.dir:  # the default, runs/<task>-<time>, is checked where the CLI names it

@@ -206,6 +206,13 @@ class RLConfig:
 
 
 @dataclass
+class DPOConfig:
+    beta: float = 0.1  # the sigmoid loss's β: how far the policy may move from the reference
+    shuffle: bool = False  # a negative control: chosen and rejected swapped in exactly half of every training batch's pairs (seeded)
+    warmup_steps: int = 100  # the default job (model.init_from unset): SFT steps on both answers of the training pairs, cached
+
+
+@dataclass
 class LoRAConfig:
     rank: int = 0  # rank r of the adapters; 0 = no LoRA (every weight trains)
     alpha: float = 16.0  # the update is (alpha / rank)·B·A·x
@@ -239,6 +246,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     lora: LoRAConfig = field(default_factory=LoRAConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -323,9 +331,18 @@ SFT_DEFAULTS = ["data.path=stdlib-functions", "train.seq_len=256", "train.steps=
 RL_DEFAULTS = ["train.steps=500", "train.global_batch=512", "train.lr=1e-4", "train.warmup=0", "train.min_lr_ratio=1.0",
                "train.weight_decay=0.0", "train.eval_every=25", "train.eval_batches=0", "train.log_every=5"]
 
+# `ndtrain dpo`'s own defaults (configs/dpo.toml lists them): the embedded preference pairs
+# (a stdlib function's body with its quotes written as the prompt asks, " or ', against the
+# same body written the other way), rows holding both answers
+# of a pair, a fifth of the files held out, evaluation every 20 steps over every held-out pair.
+DPO_DEFAULTS = ["data.path=stdlib-pairs", "data.val_fraction=0.2", "train.seq_len=256", "train.global_batch=16",
+                "train.steps=200", "train.lr=3e-4", "train.warmup=5", "train.min_lr_ratio=1.0",
+                "train.weight_decay=0.0", "train.eval_every=20", "train.eval_batches=64", "train.log_every=5"]
+
 SECTIONS = {f.name: f.type for f in fields(Config)}
 _SECTION_CLASSES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-                    "data": DataConfig, "sft": SFTConfig, "rl": RLConfig, "lora": LoRAConfig, "run": RunConfig}
+                    "data": DataConfig, "sft": SFTConfig, "rl": RLConfig, "dpo": DPOConfig,
+                    "lora": LoRAConfig, "run": RunConfig}
 
 
 def all_keys() -> list[str]:

@@ -1,11 +1,12 @@
-"""Validation of the task sections: the sft and rl keys on their own (`validate` checks them
-for every command), and `check_rl_job`, what `ndtrain rl` needs of a validated config."""
+"""Validation of the task sections: the sft, rl and dpo keys on their own (`validate` checks
+them for every command), and `check_rl_job` and `check_dpo_job`, what `ndtrain rl` and
+`ndtrain dpo` need of a validated config."""
 
 from __future__ import annotations
 
 import re
 
-from ndtrain.config.schema import Config, ConfigError, RLConfig, SFTConfig
+from ndtrain.config.schema import Config, ConfigError, DPOConfig, RLConfig, SFTConfig
 from ndtrain.config.sections import positive
 
 RL_TASKS = ("addition", "reverse", "sort", "countdown")
@@ -88,3 +89,17 @@ def check_rl_job(cfg: Config) -> None:
         raise ConfigError("rl.generate_tp", g, f"tensor parallelism of generation splits the heads "
                           f"({a.n_heads}, {a.n_kv_heads} key/value) and the MLP ({a.ffn_dim}): each must be divisible by "
                           "it (key/value heads may instead divide it)")
+
+
+def check_dpo(d: DPOConfig) -> None:
+    if not d.beta > 0:
+        raise ConfigError("dpo.beta", d.beta, "must be > 0 (the loss is −log σ(β · margin); β = 0 learns nothing)")
+    positive("dpo.warmup_steps", d.warmup_steps, zero_ok=True)
+
+
+def check_dpo_job(cfg: Config) -> None:
+    """What `ndtrain dpo` needs of a validated config: each pair's loss is a function of its
+    whole answers' summed log-probabilities, so a row may not be cut over ranks."""
+    if cfg.parallel.cp > 1:
+        raise ConfigError("parallel.cp", cfg.parallel.cp, "ndtrain dpo needs each pair's whole row on one rank (its "
+                          "loss is a function of both answers' summed log-probabilities); use dp, zero, tp or pp")

@@ -13,7 +13,7 @@ from ndtrain.config.paths import check_files
 from ndtrain.config.schema import Config
 from ndtrain.config.sections import (check_compile, check_data, check_model, check_parallel, check_run, check_train,
                                      positive)
-from ndtrain.config.tasks import check_rl, check_sft
+from ndtrain.config.tasks import check_dpo, check_rl, check_sft
 from ndtrain.model.args import PRESETS
 
 
@@ -47,4 +47,5 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     check_sources(cfg.data.sources, cfg.data.path, check_paths)
     check_sft(cfg.sft)
     check_rl(cfg.rl)
+    check_dpo(cfg.dpo)
     return cfg

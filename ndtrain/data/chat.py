@@ -159,6 +159,12 @@ def _lines(path: Path) -> Iterator[tuple[int, str]]:
 
 def read_jsonl(path: str | Path, key_prefix: str, on_bad_record: str = "error") -> Records:
     """Every record of a JSONL file; blank lines are ignored."""
+    return read_records(path, key_prefix, lambda record, key: Conversation(key, *parse_record(record)), on_bad_record)
+
+
+def read_records(path: str | Path, key_prefix: str, build, on_bad_record: str = "error") -> Records:
+    """`build(record, key)` of every record of a JSONL file (it raises BadRecord on a bad
+    one), in `Records.conversations`; blank lines are ignored."""
     if on_bad_record not in BAD_RECORD_POLICIES:
         raise DataError(f"on_bad_record {on_bad_record!r}: choose error or skip")
     path = Path(path)
@@ -173,12 +179,12 @@ def read_jsonl(path: str | Path, key_prefix: str, on_bad_record: str = "error") 
                 raise BadRecord(f"not valid JSON ({e.msg} at column {e.colno})") from None
             except RecursionError:
                 raise BadRecord("JSON nested too deeply to read") from None
-            turns, chat = parse_record(record)
+            item = build(record, f"{key_prefix}:{lineno}")
         except BadRecord as e:
             where = f"{path}:{lineno}: {e}"
             if on_bad_record == "error":
                 raise DataError(where + " (data.on_bad_record=skip leaves such records out)") from None
             out.skipped.append(where)
             continue
-        out.conversations.append(Conversation(f"{key_prefix}:{lineno}", turns, chat))
+        out.conversations.append(item)
     return out

@@ -104,6 +104,8 @@ class Rows:
     doc_ids: torch.Tensor | None  # None: one document per row
     used: torch.Tensor  # [rows] positions holding examples; padding fills each row's rest
     examples: int  # examples held
+    weights: torch.Tensor | None = None  # [rows, seq_len] per-target loss weights (DPO: +1 chosen, −1 rejected)
+    ref_logprobs: torch.Tensor | None = None  # [rows, seq_len] what the objective subtracts (DPO: the reference's)
 
     def __len__(self) -> int:
         return self.tokens.shape[0]
@@ -117,12 +119,16 @@ class Rows:
         index = torch.as_tensor(index, dtype=torch.long)
         empty = index < 0
         pick = lambda t: None if t is None else t[index.clamp_min(0)]  # noqa: E731
-        mb = MicroBatch(pick(self.tokens), pick(self.targets).clone(), pick(self.positions), pick(self.doc_ids))
+        mb = MicroBatch(pick(self.tokens), pick(self.targets).clone(), pick(self.positions), pick(self.doc_ids),
+                        weights=pick(self.weights), ref_logprobs=pick(self.ref_logprobs))
         if empty.any():
             mb.targets[empty] = IGNORE
             if mb.doc_ids is not None:
                 mb.doc_ids = mb.doc_ids.clone()
                 mb.doc_ids[empty] = PAD_DOC
+            for name in ("weights", "ref_logprobs"):
+                if getattr(mb, name) is not None:
+                    setattr(mb, name, getattr(mb, name).masked_fill(empty.unsqueeze(1), 0))
         return mb
 
 
@@ -131,12 +137,16 @@ def _inputs_and_targets(ex: Example) -> tuple[np.ndarray, np.ndarray]:
     return ex.tokens[:-1], targets
 
 
-def pack(examples: list[Example], seq_len: int, packing: str, pad_id: int) -> Rows:
-    """Rows of `seq_len` positions holding `examples` (which must fit: see fit_examples)."""
+def pack(examples: list[Example], seq_len: int, packing: str, pad_id: int,
+         groups: list[list[int]] | None = None) -> Rows:
+    """Rows of `seq_len` positions holding `examples` (which must fit: see fit_examples).
+    `groups`: the examples of each row, in order, chosen by the caller (DPO: a pair per row),
+    laid out as packed rows."""
     if packing not in PACKINGS:
         raise DataError(f"packing {packing!r}: choose {' or '.join(PACKINGS)}")
-    groups = (best_fit_decreasing([ex.length for ex in examples], seq_len) if packing == "bfd"
-              else [[i] for i in range(len(examples))])
+    if groups is None:
+        groups = (best_fit_decreasing([ex.length for ex in examples], seq_len) if packing == "bfd"
+                  else [[i] for i in range(len(examples))])
     n = len(groups)
     tokens = np.full((n, seq_len), pad_id, dtype=np.int64)
     targets = np.full((n, seq_len), IGNORE, dtype=np.int64)

@@ -49,7 +49,7 @@ class SFTData:
         return "\n".join(lines)
 
 
-def jsonl_files(source: str) -> list[Path]:
+def jsonl_files(source: str, what: str = "SFT data", embedded: tuple[str, ...] = EMBEDDED) -> list[Path]:
     path = Path(source).expanduser()
     if path.is_dir():
         files = sorted(p for p in path.rglob("*.jsonl") if not any(part.startswith(".") for part in p.parts))
@@ -57,31 +57,38 @@ def jsonl_files(source: str) -> list[Path]:
             raise DataError(f"{source}: no .jsonl files in this folder")
         return files
     if not path.is_file():
-        raise DataError(f"{source}: no such file or folder (nor an embedded set: {', '.join(EMBEDDED)})")
+        raise DataError(f"{source}: no such file or folder (nor an embedded set: {', '.join(embedded)})")
     if path.suffix != ".jsonl":
-        raise DataError(f"{source}: SFT data is JSONL (one record per line, .jsonl)")
+        raise DataError(f"{source}: {what} is JSONL (one record per line, .jsonl)")
     return [path]
+
+
+def load_records(source: str, on_bad_record: str, read, embedded: dict, what: str) -> tuple[list, list[str]]:
+    """Every record of `source`, `read(path, key_prefix, on_bad_record)` file by file (or
+    the embedded set `embedded[source]()`), and the records skipped."""
+    if source in embedded:
+        return embedded[source](), []
+    items, skipped = [], []
+    files = jsonl_files(source, what, tuple(embedded))
+    root = Path(source).expanduser() if Path(source).expanduser().is_dir() else files[0].parent
+    for path in files:
+        records = read(path, path.relative_to(root).as_posix(), on_bad_record)
+        items += records.conversations
+        skipped += records.skipped
+    if not items:
+        raise DataError(f"{source}: no usable records" + (f" ({len(skipped)} skipped, first: {skipped[0]})" if skipped else ""))
+    return items, skipped
 
 
 def load_conversations(source: str, on_bad_record: str, cache_dir: str) -> tuple[list[Conversation], list[str]]:
     """Every conversation of `source`, and the records skipped."""
-    if source in EMBEDDED:
-        return instructions.stdlib_functions(cache_dir), []
-    conversations, skipped = [], []
-    files = jsonl_files(source)
-    root = Path(source).expanduser() if Path(source).expanduser().is_dir() else files[0].parent
-    for path in files:
-        records = read_jsonl(path, path.relative_to(root).as_posix(), on_bad_record)
-        conversations += records.conversations
-        skipped += records.skipped
-    if not conversations:
-        raise DataError(f"{source}: no usable records" + (f" ({len(skipped)} skipped, first: {skipped[0]})" if skipped else ""))
-    return conversations, skipped
+    embedded = {instructions.NAME: lambda: instructions.stdlib_functions(cache_dir)}
+    return load_records(source, on_bad_record, read_jsonl, embedded, "SFT data")
 
 
-def split(conversations: list[Conversation], val_fraction: float) -> tuple[list[Conversation], list[Conversation]]:
-    """By key; when the hash leaves a split empty, the key nearest the threshold moves over
-    (as data/prepare.py does for documents)."""
+def split(conversations: list, val_fraction: float) -> tuple[list, list]:
+    """Conversations (or anything with a `key`) by key; when the hash leaves a split empty,
+    the key nearest the threshold moves over (as data/prepare.py does for documents)."""
     keys = sorted({c.key for c in conversations})
     if len(keys) < 2:
         raise DataError(f"{len(conversations)} record(s) under {len(keys)} key(s): need at least two to hold one out")

@@ -103,6 +103,44 @@ def plot_rl(metrics_path: Path, out: Path, start: dict | None = None, title: str
     return Path(out)
 
 
+def plot_dpo(metrics_path: Path, out: Path, title: str = "") -> Path:
+    """A DPO run in three panels against steps, each held-out figure from 0 (the reference:
+    accuracy 0.5, margins 0, loss log 2): preference accuracy (held-out, and the training
+    batches' smoothed) against chance, the held-out reward margin and the chosen and rejected
+    answers' rewards, and the loss (training and held-out)."""
+    import math
+    records = read_metrics(metrics_path)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), dpi=110)
+    start = {"val_pref_accuracy": 0.5, "val_reward_margin": 0.0, "val_reward_chosen": 0.0,
+             "val_reward_rejected": 0.0, "val_loss": math.log(2.0)}
+    panels = [(axes[0], "preference accuracy", "pref_accuracy", [("val_pref_accuracy", "held-out")]),
+              (axes[1], "implicit reward β·(log π − log π_ref)", "reward_margin",
+               [("val_reward_margin", "held-out margin"), ("val_reward_chosen", "held-out chosen"),
+                ("val_reward_rejected", "held-out rejected")]),
+              (axes[2], "loss −log σ(margin)", "loss", [("val_loss", "held-out")])]
+    for ax, name, train_key, keys in panels:
+        steps, values = _series(records, train_key)
+        if values:
+            ax.plot(steps, _smooth(values), lw=1.2, alpha=0.6, color="C0", label="training batches (smoothed)")
+        for i, (key, label) in enumerate(keys):
+            s, v = _series(records, key)
+            if v:
+                ax.plot([0] + s, [start[key]] + v, "o-", ms=3, color=f"C{i + 1}", label=label)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].axhline(0.5, color="gray", ls="--", lw=1, label="chance")
+    axes[0].set_ylim(0.3, 1.02)
+    axes[2].axhline(math.log(2.0), color="gray", ls="--", lw=1, label="log 2 (the reference)")
+    for ax in axes:
+        ax.legend(fontsize=7)
+    fig.suptitle(title or "ndtrain dpo")
+    fig.tight_layout()
+    fig.savefig(out)
+    plt.close(fig)
+    return Path(out)
+
+
 def plot_moe_load(metrics_path: Path, out: Path) -> Path:
     """MoE load per expert over steps, one panel per MoE block: each expert's share of the
     block's routed slots (1/E is perfect balance), as a heat map of step × expert."""

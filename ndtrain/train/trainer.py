@@ -20,6 +20,7 @@ from ndtrain.checkpoint import layout, sources, store
 from ndtrain.checkpoint.background import FAILED, RUNNING, BackgroundSave, save_group
 from ndtrain.checkpoint.resume import check_resume_config
 from ndtrain.checkpoint.store import CheckpointError, CheckpointWriteError
+from ndtrain.comm import ops
 from ndtrain.comm.ops import all_reduce_bookkeeping, all_reduce_scalars
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
@@ -136,6 +137,20 @@ class Trainer:
         out = torch.cat(self.par.logprobs(local.split(self.cfg.train.micro_batch)))
         self.par.model.train(was_training)
         return context.unshard(out, cp) if cp.active else out
+
+    def logprobs_everywhere(self, batch: MicroBatch) -> torch.Tensor:
+        """log p(target) [rows, S] of every row of a global `batch`, on every rank (on the
+        host, fp64): each data-parallel rank computes its own share of the rows (`logprobs`),
+        then the shares are all-gathered over dp. Collective."""
+        mesh, per_rank = self.mesh, batch.size // self.mesh.dp_size
+        start = mesh.dp_rank * per_rank
+        mine = self.logprobs(batch.rows(start, start + per_rank)).to(mesh.device, torch.float64)
+        dp = mesh.group("dp")
+        if not dp.active:
+            return mine.cpu()
+        parts = mine.new_empty((dp.size * mine.shape[0], *mine.shape[1:]))
+        ops.all_gather(parts, mine.contiguous(), dp)
+        return parts.cpu()
 
     # -- one step -------------------------------------------------------------------
     def train_step(self, step: int) -> dict:

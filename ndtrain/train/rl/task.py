@@ -295,21 +295,8 @@ class RL(Task):
                 ref[row, at] = gen.ref_logprobs[i, :c]
         batch = MicroBatch(tokens, targets, weights=weights, advantages=advantages,
                            ref_logprobs=ref if rounds[0][2].ref_logprobs is not None else None)
-        batch.old_logprobs = self._old_logprobs(batch, trainer)
+        batch.old_logprobs = trainer.logprobs_everywhere(batch)  # the training forward's, every row on every rank
         return batch, rollout
-
-    def _old_logprobs(self, batch: MicroBatch, trainer) -> Tensor:
-        """The training forward's log-probabilities of every row, on every rank: each dp
-        rank computes its own rows, then they are all-gathered over dp."""
-        mesh, per_rank = trainer.mesh, batch.size // trainer.mesh.dp_size
-        start = mesh.dp_rank * per_rank
-        mine = trainer.logprobs(batch.rows(start, start + per_rank)).to(mesh.device, torch.float64)
-        dp = mesh.group("dp")
-        if not dp.active:
-            return mine.cpu()
-        parts = mine.new_empty((dp.size * mine.shape[0], *mine.shape[1:]))
-        ops.all_gather(parts, mine.contiguous(), dp)
-        return parts.cpu()
 
     def _metrics(self, rounds, batch: MicroBatch, rollout_logp: Tensor, trainer) -> dict:
         r = self.cfg.rl
