@@ -107,8 +107,10 @@ class TrainConfig:
     micro_batch: int = 0  # sequences per forward/backward on one rank; 0 = no accumulation
     seq_len: int = 128
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 30
+    min_lr_ratio: float = 0.1  # the rate the schedule decays to, as a fraction of train.lr
+    warmup: int = 30  # steps of linear warmup from lr/warmup to lr (every schedule)
+    schedule: str = "cosine"  # after warmup: cosine | wsd (stable, then linear decay) | linear | constant
+    decay_fraction: float = 0.2  # wsd: the last fraction of train.steps over which the rate decays
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95

@@ -85,6 +85,7 @@ def check_train(t: TrainConfig, device: str) -> None:
     positive("train.eps", t.eps)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError("train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    _check_schedule(t)
     for key in ("beta1", "beta2"):
         if not 0.0 <= getattr(t, key) < 1.0:
             raise ConfigError(f"train.{key}", getattr(t, key), "must be in [0, 1)")
@@ -94,6 +95,21 @@ def check_train(t: TrainConfig, device: str) -> None:
         raise ConfigError("train.recompute", t.recompute, "choose none, full, selective or every:K")
     if match.group(2) is not None and int(match.group(2)) < 1:
         raise ConfigError("train.recompute", t.recompute, "every:K needs K >= 1 (every:1 = full)")
+
+
+LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
+
+
+def _check_schedule(t: TrainConfig) -> None:
+    """train.schedule is known; wsd's decay fits after its warmup."""
+    if t.schedule not in LR_SCHEDULES:
+        raise ConfigError("train.schedule", t.schedule, f"choose one of {', '.join(LR_SCHEDULES)}")
+    if not 0.0 < t.decay_fraction <= 1.0:
+        raise ConfigError("train.decay_fraction", t.decay_fraction, "must be in (0, 1]")
+    if t.schedule == "wsd" and t.warmup + round(t.decay_fraction * t.steps) > t.steps:
+        raise ConfigError("train.decay_fraction", t.decay_fraction,
+                          f"wsd: train.warmup ({t.warmup}) plus the decay ({round(t.decay_fraction * t.steps)} of "
+                          f"{t.steps} steps) must fit in train.steps")
 
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
