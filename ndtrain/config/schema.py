@@ -210,6 +210,10 @@ class RunConfig:
     collective_timeout_s: float = 600.0  # a collective not complete after this fails, naming it, its group and the rank
     progress: bool = True
     plot: bool = True
+    tensorboard: bool = False  # also write metrics.jsonl's scalars as TensorBoard events under run.dir/tensorboard/ (extra: .[tensorboard])
+    wandb: str = ""  # "" = off | offline (a W&B run folder under run.dir/wandb/) | online (extra: .[wandb])
+    wandb_project: str = "ndtrain"
+    wandb_name: str = ""  # "" = the run directory's name
 
 
 @dataclass

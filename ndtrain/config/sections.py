@@ -180,6 +180,20 @@ def _uses_cuda(device: str) -> bool:
     return torch.cuda.is_available()
 
 
+WANDB_MODES = ("", "offline", "online")
+
+
+def _check_dashboards(r: RunConfig) -> None:
+    """run.wandb is a known mode; a dashboard asked for has its package (an optional extra)."""
+    import importlib.util
+    if r.wandb not in WANDB_MODES:
+        raise ConfigError("run.wandb", r.wandb, "choose \"\" (off), offline or online")
+    for key, value, extra in (("run.tensorboard", r.tensorboard, "tensorboard"), ("run.wandb", r.wandb, "wandb")):
+        if value and importlib.util.find_spec(extra) is None:
+            raise ConfigError(key, value, f"needs the {extra} package, which is not installed: "
+                                          f"pip install -e \".[{extra}]\" (or pip install {extra})")
+
+
 def check_run(r: RunConfig) -> None:
     if r.device not in ("auto", "cpu", "cuda"):
         raise ConfigError("run.device", r.device, "choose auto, cpu or cuda")
@@ -199,6 +213,7 @@ def check_run(r: RunConfig) -> None:
     positive("run.max_restarts", r.max_restarts, zero_ok=True)
     positive("run.heartbeat_s", r.heartbeat_s, zero_ok=True)
     positive("run.collective_timeout_s", r.collective_timeout_s)
+    _check_dashboards(r)
 
 
 def check_data(d: DataConfig) -> None:
