@@ -24,7 +24,8 @@ def warn_before_start(cfg, world: int | None, command: str = "train") -> None:
 def _data_kwargs(cfg) -> dict:
     d = cfg.data
     return dict(source=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
-                val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key)
+                val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key, workers=d.workers,
+                on_bad_record=d.on_bad_record)
 
 
 def open_data(cfg, progress: bool):

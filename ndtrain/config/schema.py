@@ -145,15 +145,16 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     path: str = "stdlib"  # "stdlib", a text/JSONL file or folder, or a prepared folder
-    tokenizer: str = ""  # "" = train a byte-level BPE on the training split; or a tokenizer.json
+    tokenizer: str = ""  # "" = train a byte-level BPE on the training split; a tokenizer.json; hf:DIR (a HF model folder's, with its BOS/EOS rules)
     vocab_size: int = 4096  # size of the BPE trained when no tokenizer is given
     val_fraction: float = 0.05
     jsonl_key: str = "text"
     cache_dir: str = "~/.cache/ndtrain"
+    workers: int = 0  # processes that tokenize in prepare; 0 = one per core (fewer for a small corpus)
     # Supervised fine-tuning (ndtrain sft):
     packing: str = "bfd"  # bfd: several examples per row (best-fit decreasing); none: one per row, padded
     truncate: str = "keep_start"  # an example longer than train.seq_len: keep_start (cut its end) | drop
-    on_bad_record: str = "error"  # a malformed record: error (stop, naming file:line) | skip (count it)
+    on_bad_record: str = "error"  # a malformed record (prepare, sft): error (stop, naming file:line) | skip (count it)
     template: str = "auto"  # builtin (our special tokens) | hf (the tokenizer's chat_template) | auto
 
 

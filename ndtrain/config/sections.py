@@ -219,6 +219,7 @@ def check_run(r: RunConfig) -> None:
 def check_data(d: DataConfig) -> None:
     """The data keys' values (paths.py checks the paths they name)."""
     positive("data.vocab_size", d.vocab_size)
+    positive("data.workers", d.workers, zero_ok=True)
     if d.vocab_size < 257:
         raise ConfigError("data.vocab_size", d.vocab_size, "must be at least 257 (256 bytes + end of text)")
     if not 0.0 < d.val_fraction <= 0.5:

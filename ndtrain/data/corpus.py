@@ -15,7 +15,7 @@ import json
 import os
 import sysconfig
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ndtrain.data.shards import DataError
@@ -93,7 +93,8 @@ def _read_text(path: Path) -> str:
         raise DataError(f"corpus file {path}: cannot read ({e.strerror})") from None
 
 
-def _jsonl_documents(path: Path, key: str, jsonl_key: str) -> Iterator[tuple[str, str]]:
+def _jsonl_documents(path: Path, key: str, jsonl_key: str,
+                     bad: Callable[[str], None] | None = None) -> Iterator[tuple[str, str]]:
     # Only "\n" ends a line: a JSON string may hold U+2028 and friends unescaped.
     with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
         for lineno, line in enumerate(f, start=1):
@@ -102,26 +103,31 @@ def _jsonl_documents(path: Path, key: str, jsonl_key: str) -> Iterator[tuple[str
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or not isinstance(record.get(jsonl_key), str):
-                raise DataError(
-                    f"{path}:{lineno}: each line must be a JSON object with a string field {jsonl_key!r}"
-                )
-            yield f"{key}:{lineno}", record[jsonl_key]
+                problem = f"{path}:{lineno}: not valid JSON ({e.msg})"
+            else:
+                if isinstance(record, dict) and isinstance(record.get(jsonl_key), str):
+                    yield f"{key}:{lineno}", record[jsonl_key]
+                    continue
+                problem = f"{path}:{lineno}: each line must be a JSON object with a string field {jsonl_key!r}"
+            if bad is None:
+                raise DataError(problem)
+            bad(problem)
 
 
-def iter_documents(source: str, jsonl_key: str = "text") -> Iterator[tuple[str, str]]:
+def iter_documents(source: str, jsonl_key: str = "text",
+                   bad: Callable[[str], None] | None = None) -> Iterator[tuple[str, str]]:
     """Yield ``(key, text)`` for every document of ``source``.
 
     ``source`` is ``"stdlib"``, a ``.txt``/``.md``/``.py`` file (one document), a
     ``.jsonl`` file (one document per line, field ``jsonl_key``) or a directory of such
     files. Text is decoded as UTF-8, undecodable bytes replaced rather than fatal: one
-    stray byte should not stop a corpus of thousands of files.
+    stray byte should not stop a corpus of thousands of files. A malformed record is a
+    DataError naming file:line, or, given `bad`, handed to it and skipped.
     """
     root, files = source_files(source)
     for path in files:
         key = path.relative_to(root).as_posix()
         if path.name.endswith(JSONL_SUFFIX):
-            yield from _jsonl_documents(path, key, jsonl_key)
+            yield from _jsonl_documents(path, key, jsonl_key, bad)
         else:
             yield key, _read_text(path)
