@@ -135,6 +135,42 @@ def _jsonl_of(corpus: Path, path: Path, megabytes: float) -> Path:
     return path
 
 
+UNDER_A_LIMIT = """
+import resource, sys
+from ndtrain.data import encode
+from ndtrain.data.prepare import prepare_data
+encode.CHUNK_BYTES = 1 << 16
+mapped = int([l for l in open("/proc/self/status") if l.startswith("VmSize")][0].split()[1]) * 1024
+limit = mapped + (int(sys.argv[4]) << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+out = prepare_data(source=sys.argv[1], tokenizer=sys.argv[2], shard_tokens=1 << 16, cache_dir=sys.argv[3],
+                   workers=1, progress=False)
+print(out)
+"""
+
+
+def test_a_corpus_larger_than_the_memory_left_is_prepared(corpus, tokenizer_file, tmp_path):
+    """A process whose address space may grow by only 16 MB past what it has mapped after its
+    imports (RLIMIT_AS) prepares a 24 MB corpus into more than 16 MB of shards.
+    One process (workers = 1) with tokenizers' threads off and one malloc arena: RLIMIT_AS
+    counts address space reserved, not used, and every thread reserves a 64 MB arena and its
+    stack; with the threads the same build needs no more memory, only more reservations.
+    Every document is in the shards (one end of text each), which pass their checksums."""
+    source = _jsonl_of(corpus, tmp_path / "corpus.jsonl", 24)
+    env = {"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin", "MALLOC_ARENA_MAX": "1", "TOKENIZERS_PARALLELISM": "false"}
+    run = lambda cache, headroom: subprocess.run(  # noqa: E731
+        [sys.executable, "-c", UNDER_A_LIMIT, str(source), str(tokenizer_file), str(cache), str(headroom)],
+        capture_output=True, text=True, env=env, timeout=600)
+    limited = run(tmp_path / "limited", 16)
+    assert limited.returncode == 0, limited.stderr[-2000:]
+    data = PreparedData.open(limited.stdout.strip())
+    data.verify()
+    documents = sum(1 for _ in open(source))
+    tokens = np.concatenate([read_shard(data.path / n) for n in data.meta["train_shards"] + data.meta["val_shards"]])
+    assert (tokens == data.eot_id).sum() == documents and len(tokens) * 2 > 16 << 20  # > 16 MB as uint16
+
+
+@pytest.mark.slow
 def test_memory_does_not_grow_with_the_corpus(corpus, tokenizer_file, tmp_path):
     """The peak RSS of a prepare (one process, chunks of 64 KB, shards of 65,536 tokens) of a
     16 MB corpus is within 4 MB of that of a 2 MB one: holding the 14 MB more text, or its
