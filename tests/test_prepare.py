@@ -272,3 +272,23 @@ def test_hf_tokenizer_without_tokenizer_json_is_a_config_error(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="data.tokenizer = 'hf:.*': hf:DIR needs a Hugging Face model folder"):
         validate(load_config(None, [f"data.tokenizer=hf:{tmp_path / 'empty'}", "run.device=cpu"]))
+
+
+def test_bench_prepare_runs_both_sides_on_the_same_tokens(corpus, tokenizer_file, tmp_path, capsys):
+    """One round: the ratio line last; the bare loop writes as many tokens as ours (the same
+    documents, each ending with its end of text); a key neither side reads is refused."""
+    import re
+
+    from ndtrain.bench.prepare import bare_encode
+    from ndtrain.cli import main
+    argv = ["bench", "prepare", "--rounds", "1", f"data.path={corpus}", f"data.tokenizer={tokenizer_file}",
+            f"data.cache_dir={tmp_path / 'cache'}"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.strip()
+    assert re.search(r"\nndtrain prepare/encode_batch throughput ratio: \d+\.\d\d$", out), out
+    ours = PreparedData.open(prepare_data(source=str(corpus), tokenizer=str(tokenizer_file),
+                                          cache_dir=tmp_path / "cache", progress=False))
+    bare = bare_encode(str(corpus), tokenizer_file, "text", tmp_path / "bare.bin")
+    assert bare == ours.meta["train_tokens"] + ours.meta["val_tokens"]
+    assert main(["bench", "prepare", "train.steps=5"]) == 2
+    assert "train.steps = 5: bench prepare cannot apply it" in capsys.readouterr().err

@@ -50,6 +50,7 @@ examples:
   ndtrain bench compile                          the default job's step compiled (train.compile=true) against eager
   ndtrain bench gpu [--dry-run]                  the first GPU run: CUDA tests, 1B MFU eager and compiled, one-GPU
                                                  benches, each with its own time limit → docs/benchmarks-gpu.md
+  ndtrain bench prepare                          ndtrain prepare (a process per core) vs a bare tokenizers encode_batch loop
   ndtrain bench checkpoint                       our checkpoint save/load against torch.distributed.checkpoint (125M, 2 ranks)
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
   ndtrain train --nproc 4 model.preset=tiny-moe parallel.ep=2 parallel.dp=4
@@ -220,7 +221,8 @@ def _add_bench(sub) -> None:
                                      "replicated), generate (KV cache vs recomputing the prefix, one process), "
                                      "plan (the planner's step time against the engine's, each layout on this "
                                      "machine), fp8 (bf16 vs each fp8 recipe; on a CPU, the emulation), compile "
-                                     "(train.compile=true vs eager, same layout), gpu (the "
+                                     "(train.compile=true vs eager, same layout), prepare (ndtrain prepare on "
+                                     "data.workers processes vs a bare tokenizers encode_batch loop, MB/s), gpu (the "
                                      "one-GPU acceptance run: CUDA tests, 1B MFU eager/compiled, one-GPU benches; "
                                      "--dry-run lists them); "
                                      "KEY=VALUE reaches both sides or is refused",
@@ -230,7 +232,7 @@ def _add_bench(sub) -> None:
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "checkpoint", "ep",
-                                    "generate", "plan", "fp8", "compile", "gpu"])
+                                    "generate", "plan", "fp8", "compile", "prepare", "gpu"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--dry-run", action="store_true", help="gpu: print the steps and their time budgets, run nothing")
     p.add_argument("--rounds", type=int, help="alternating A/B rounds (default 10; generate 5)")

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 CHUNK_BYTES = 1 << 20
-MIN_BYTES_PER_WORKER = 8 << 20
+MIN_BYTES_PER_WORKER = 2 << 20
 IN_FLIGHT_PER_WORKER = 2
 
 
