@@ -27,13 +27,20 @@ from pathlib import Path
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ndtrain.data.corpus import is_validation, iter_documents
+from ndtrain.data.corpus import STDLIB, is_validation, iter_documents
 from ndtrain.data.encode import ChunkEncoder, encode_stream
 from ndtrain.data.shards import DataError, write_shard
 from ndtrain.data.tokenizer import TextTokenizer
 
+FORMAT = "ndtrain-tokens"
+VERSION = 1
 SPLITS = ("train", "val")
 PROGRESS = "progress.json"
+
+
+def source_label(source: str) -> str:
+    """The source as meta.json records it: "stdlib", or the corpus's absolute path."""
+    return source if source == STDLIB else str(Path(source).expanduser().resolve())
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,7 +299,6 @@ def build(out: Path, s: BuildSettings) -> dict:
 
 def _write_meta(out: Path, s: BuildSettings, tok: TextTokenizer, writers: dict[str, ShardWriter],
                 plan: SplitPlan) -> None:
-    from ndtrain.data.prepare import FORMAT, VERSION, source_label
     meta = {
         "format": FORMAT, "version": VERSION, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
         "eot_token": tok.id_to_token(tok.eot_id), "bos_ids": list(tok.bos_ids),

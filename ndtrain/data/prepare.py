@@ -29,7 +29,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from ndtrain.data.build import SPLITS, BuildSettings
+from ndtrain.data.build import FORMAT, SPLITS, VERSION, BuildSettings, source_label
 from ndtrain.data.build import build as _build
 from ndtrain.data.corpus import STDLIB, source_files
 from ndtrain.data.encode import worker_count
@@ -37,8 +37,6 @@ from ndtrain.data.loader import TokenStream
 from ndtrain.data.shards import DataError, read_shard
 from ndtrain.data.tokenizer import HF_PREFIX, TextTokenizer, hf_tokenizer_config
 
-FORMAT = "ndtrain-tokens"
-VERSION = 1
 
 
 # ---------------------------------------------------------------------------------------
@@ -123,11 +121,6 @@ def _check_meta(meta_path: Path, meta: dict) -> None:
             raise DataError(f"prepared data {meta_path}: listed shard {name} does not exist")
     if not (meta_path.parent / "tokenizer.json").is_file():
         raise DataError(f"prepared data {meta_path.parent}: tokenizer.json is missing")
-
-
-def source_label(source: str) -> str:
-    """The source as meta.json records it: "stdlib", or the corpus's absolute path."""
-    return source if source == STDLIB else str(Path(source).expanduser().resolve())
 
 
 def _is_prepared_dir(path: Path) -> bool:
