@@ -1,16 +1,17 @@
 """Tokenizing a stream of documents on worker processes, in order, in bounded memory.
 
 The reading process cuts the stream into chunks of about `CHUNK_BYTES` of text and hands
-them to `workers` processes (spawned, each with its own copy of the tokenizer and
-tokenizers' own thread pool turned off: one process per core, not cores × threads). Each
+them to `workers` processes (forked, see `_context`; each builds its own tokenizer, with
+tokenizers' own thread pool off: one process per core, not cores × threads). Each
 worker encodes its chunk with `encode_batch_fast` and returns the chunk's tokens as one
 uint32 array per split, each document as `bos_ids + ids + [eot_id]`. Results come back in
 the order the chunks went out, so the shards are the same for any number of workers, and at
 most `2 × workers` chunks are in flight: memory is bounded by the chunk size, not the corpus.
 
 With one worker the chunks are encoded in the reading process (tokenizers' threads then do
-what parallelism there is), which is also what a small corpus gets: starting processes
-costs more than they save below `MIN_BYTES_PER_WORKER` of text each.
+what parallelism there is), which is also what a small corpus gets: below
+`MIN_BYTES_PER_WORKER` of text each, starting processes and copying the text to them costs
+more than it saves. A worker that dies (killed for memory) is a DataError, not a hang.
 """
 
 from __future__ import annotations
@@ -18,10 +19,14 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
+
+from ndtrain.data.shards import DataError
 
 CHUNK_BYTES = 1 << 20
 MIN_BYTES_PER_WORKER = 2 << 20
@@ -66,10 +71,25 @@ class ChunkEncoder:
 _WORKER: ChunkEncoder | None = None
 
 
-def _start_worker(spec: tuple) -> None:
+def _start_worker(spec: tuple, parent: int) -> None:
     global _WORKER
+    _die_with(parent)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one process per core: no threads inside
     _WORKER = ChunkEncoder(*spec)
+
+
+def _die_with(parent: int) -> None:
+    """A worker ends when the reading process does, even killed (SIGKILL has no cleanup, and
+    a forked worker holds the write end of its own task queue, so it would wait forever):
+    Linux's PR_SET_PDEATHSIG, then a check that the parent did not die before it was set."""
+    try:
+        import ctypes
+        import signal
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the pool's own shutdown still ends workers
+        return
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def _encode_in_worker(chunk: list[tuple[bool, str]]) -> Encoded:
@@ -97,15 +117,32 @@ def encode_stream(encoder: ChunkEncoder, documents: Iterable[tuple[bool, str]], 
         for chunk in chunks(documents, chunk_bytes):
             yield encoder(chunk)
         return
-    ctx = mp.get_context("spawn")  # no fork: the reading process may hold threads (torch, tokenizers)
-    with ctx.Pool(workers, initializer=_start_worker, initargs=(encoder.spec,)) as pool:
+    with ProcessPoolExecutor(workers, mp_context=_context(), initializer=_start_worker,
+                             initargs=(encoder.spec, os.getpid())) as pool:
         pending: deque = deque()
-        for chunk in chunks(documents, chunk_bytes):
-            pending.append(pool.apply_async(_encode_in_worker, (chunk,)))
-            if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
-                yield pending.popleft().get()
-        while pending:
-            yield pending.popleft().get()
+        try:
+            for chunk in chunks(documents, chunk_bytes):
+                pending.append(pool.submit(_encode_in_worker, chunk))
+                if len(pending) >= IN_FLIGHT_PER_WORKER * workers:
+                    yield pending.popleft().result()
+            while pending:
+                yield pending.popleft().result()
+        except BrokenProcessPool:
+            raise DataError(f"a tokenizing worker process died (out of memory?); with data.workers = "
+                            f"{workers}, try fewer") from None
+        finally:
+            for future in pending:
+                future.cancel()
+
+
+def _context():
+    """fork where there is one: a worker starts in milliseconds, imports nothing, and cannot
+    run the caller's script again (spawn re-imports `__main__`, and a script without an
+    `if __name__ == "__main__"` guard would prepare again in every worker). The reading
+    process may hold threads (torch's, tokenizers'): the worker uses none of their state (it
+    builds its own tokenizer, with tokenizers' threads off), as torch's DataLoader workers,
+    forked from the same kind of process, do not."""
+    return mp.get_context("fork" if "fork" in mp.get_all_start_methods() else "spawn")
 
 
 def worker_count(requested: int, corpus_bytes: int) -> int:
