@@ -18,7 +18,9 @@ sft_lr=${SFT_LR:-3e-4}
 mkdir -p "$out"
 nd="python -m ndtrain.cli"
 cache="$out/cache"
-[ -f "$out/start.log" ] || $nd rl --evaluate data.cache_dir="$cache" > "$out/start.log"  # the warm-up, once (cached)
+# the warm-up, once (cached): the former fixed 350 steps, unchecked, which this study used
+[ -f "$out/start.log" ] || $nd rl --evaluate rl.warmup_target=0 rl.warmup_steps=350 data.cache_dir="$cache" \
+  > "$out/start.log"
 warm=$(ls -d "$cache"/rl-warmup/*/run | head -1)
 record() {  # record ARM SEED RUN_DIR T0 T1 [EVAL_LOG]: one line of results.jsonl
   python - "$@" >> "$out/results.jsonl" <<'PY'

@@ -71,9 +71,10 @@ def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool
         rules.append((f"parallel.{key}", p.pp == 1, "needs pipeline parallelism (parallel.pp > 1)"))
     sft_keys = ["data.packing", "data.truncate", "data.on_bad_record", "data.template", "sft.generate",
                 "sft.max_new_tokens", "sft.score"]
-    rules += [(key, command != "sft", "only ndtrain sft reads it") for key in sft_keys]
+    rules += [(key, command not in ("sft", "rl-warmup") and not (command == "rl" and key == "data.template"),
+               "only ndtrain sft reads it") for key in sft_keys]
     rules += [(f"sft.{k}", cfg.sft.generate == 0, "sft.generate = 0 generates nothing") for k in ("max_new_tokens", "score")]
-    rules.append(("data.jsonl_key", command == "sft", "SFT records are read whole (messages, or prompt and completion)"))
+    rules.append(("data.jsonl_key", command in ("sft", "rl-warmup"), "SFT records are read whole (messages, or prompt and completion)"))
     rules += _rl_rules(cfg, command)
     return rules
 
@@ -83,19 +84,27 @@ def _rl_rules(cfg: Config, command: str) -> list[tuple[str, bool, str]]:
 
     from ndtrain.config import RLConfig
     r = cfg.rl
+    if command == "rl-warmup":  # ndtrain sft, as the default RL job's warm-up: it reads the task's rl keys
+        return []
     rules = [(f"rl.{f.name}", command != "rl", "only ndtrain rl reads it") for f in fields(RLConfig)]
     if command != "rl":
         return rules
     ratio = "reinforce has no importance ratio to clip"
     rules += [
-        *((f"data.{k}", True, "ndtrain rl draws its prompts from rl.task") for k in
-          ("path", "vocab_size", "val_fraction", "jsonl_key", "packing", "truncate", "on_bad_record")),
+        *((f"data.{k}", True, "ndtrain rl draws its prompts from rl.task or rl.data") for k in
+          ("path", "vocab_size", "jsonl_key", "packing", "truncate")),
+        *((f"data.{k}", not r.data, "ndtrain rl draws its prompts from rl.task (rl.data is not set)") for k in
+          ("val_fraction", "on_bad_record")),
+        *((f"rl.{k}", bool(r.data), "rl.data gives the prompts") for k in ("task", "size")),
         ("rl.clip_low", r.loss == "reinforce", ratio), ("rl.clip_high", r.loss == "reinforce", ratio),
         ("rl.max_refills", r.loss != "dapo", "dynamic sampling (refilling groups) is dapo's"),
-        ("rl.reverse_answer", r.task != "addition", "it writes addition's answers backwards"),
-        ("rl.format_reward", r.reward != "builtin", "it adds to the builtin reward; rl.reward is your function"),
+        ("rl.reverse_answer", r.task != "addition" or bool(r.data), "it writes addition's answers backwards"),
+        ("rl.format_reward", r.reward not in ("builtin", "exact", "math"),
+         "it adds to a checked reward; rl.reward is your function"),
         *((f"rl.{k}", "model.init_from" in cfg.explicit, "model.init_from is set: there is no default warm-up")
-          for k in ("warmup_steps", "warmup_examples")),
+          for k in ("warmup_steps", "warmup_examples", "warmup_target", "warmup_check_every")),
+        ("rl.warmup_check_every", "model.init_from" not in cfg.explicit and r.warmup_target == 0,
+         "rl.warmup_target = 0: the warm-up runs all rl.warmup_steps, unchecked"),
         ("rl.pass_k", r.eval_prompts == 0, "rl.eval_prompts = 0 evaluates nothing"),
     ]
     return rules

@@ -215,7 +215,7 @@ RL_PROOF = ["train.steps=8", "train.global_batch=8", "train.seq_len=16",
             "rl.reward=test_rl:length_reward", "rl.kl_coef=0.05", "rl.ppo_epochs=2", "rl.eval_prompts=0",
             "train.lr=3e-3", "rl.clip_low=0.02"]
 CYCLE = ("grpo", "dapo", "dr_grpo", "reinforce")
-METRICS = ("reward_mean", "logprob_gap", "kl", "clip_fraction", "reward_errors", "refills", "entropy")
+METRICS = ("reward_mean", "logprob_gap", "kl", "clip_fraction", "reward_errors", "refills", "entropy", "moe")
 
 
 def _rl_task(cfg):
@@ -324,7 +324,12 @@ def broken_reward(prompt: str, completion: str, answer: str):
     (["rl.loss=reinforce", "rl.ppo_epochs=2"], "rl.ppo_epochs = 2: reinforce has no importance ratio"),
     (["rl.size=12"], "rl.size = 12: must be in [1, 9] for rl.task = addition"),
     (["train.seq_len=8"], "train.seq_len = 8: must hold the task's longest prompt"),
-    (["model.preset=tiny-moe"], "model.preset = 'tiny-moe': is a mixture-of-experts model: ndtrain rl does not"),
+    (["model.dropout=0.1"], "model.dropout = 0.1: RL compares the sampler's log-probabilities (no dropout)"),
+    (["model.preset=tiny-moe", "model.moe_capacity=1.25"], "model.moe_capacity = 1.25: dropping tokens over an"),
+    (["rl.generate_tp=3"], "rl.generate_tp = 3: must divide the 2 processes"),
+    (["rl.reward=fuzzy"], "rl.reward = 'fuzzy': choose builtin, exact, math, or MODULE:FUNCTION"),
+    (["rl.warmup_target=1.5"], "rl.warmup_target = 1.5: must be in [0, 1]"),
+    (["rl.data=missing.jsonl"], "rl.data missing.jsonl: no such file or folder"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(extra, expect, tmp_path, capsys, monkeypatch):
     from ndtrain.cli import main
@@ -342,7 +347,7 @@ def test_a_failing_reward_scores_zero_and_says_why():
     from ndtrain.config import load_config
     cfg = load_config(None, ["rl.reward=test_rl:length_reward"])
     env = Environment(cfg, BuiltinTemplate(char_tokenizer()))
-    problem = draw_problems(env.task, 0, "x", 1, "train")[0]
+    problem = env.draw(0, "x", 1, "train")[0]
     ids = char_tokenizer().encode("17")
     reward, fmt, correct, error, why = env.score(problem, ids)
     assert (reward, correct, error) == (0.0, 0.0, 1.0) and math.isnan(fmt) and why == "raised ValueError: no sevens"

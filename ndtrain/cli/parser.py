@@ -102,8 +102,10 @@ def _add_rl(sub) -> None:
                                    "completions per prompt, a program scores them, and a policy-gradient loss "
                                    "(rl.loss: reinforce, grpo, dr_grpo, dapo) reinforces them by their advantage. "
                                    "Starts from model.init_from; with no arguments, from a short SFT warm-up on "
-                                   "multi-digit addition (run through `ndtrain sft` once, cached), then GRPO on 2 "
-                                   "CPU processes (or every local GPU). model.init_from=scratch: random weights.")
+                                   "multi-digit addition (run through `ndtrain sft` once, cached, stopped when its "
+                                   "held-out pass@1 reaches rl.warmup_target), then GRPO on 2 CPU processes (or "
+                                   "every local GPU). model.init_from=scratch: random weights. rl.data=FILE: your "
+                                   "own prompts and answers (JSONL or parquet) instead of a built-in task.")
     _with_nproc(p)
     p.add_argument("--evaluate", action="store_true",
                    help="only evaluate model.init_from's policy on held-out prompts (pass@1, pass@k) and exit; "

@@ -9,7 +9,8 @@ from pathlib import Path
 from ndtrain.cli.run import check_fits, check_resume, choose_run_dir, run_task, warn_before_start, with_nproc
 
 
-def cmd_sft(args) -> int:
+def cmd_sft(args, make_task=None) -> int:
+    """`ndtrain sft`; `make_task(cfg, data)` replaces the SFT task (the RL warm-up's)."""
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import SFT_DEFAULTS, ConfigError, load_config, validate
     from ndtrain.data.sft import ShortSequence, prepare_sft
@@ -26,7 +27,7 @@ def cmd_sft(args) -> int:
     resolve_init_from(cfg)  # the model and tokenizer of model.init_from
     validate(cfg, world=world)
     check_fits(cfg, world)
-    warn_before_start(cfg, world, "sft")
+    warn_before_start(cfg, world, "sft" if make_task is None else "rl-warmup")
     sft.load_score(cfg.sft.score)  # a bad scoring function fails here, not after training
     d, t = cfg.data, cfg.train
     template = sft.make_template(cfg, progress=cfg.run.progress)
@@ -47,7 +48,7 @@ def cmd_sft(args) -> int:
               f"{p.world} process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), "
               f"{t.steps} steps, packing {d.packing} → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""), data.describe()]
-    return run_task(cfg, world, run_dir, sft.sft_worker, (cfg.to_dict(), str(run_dir), data),
+    return run_task(cfg, world, run_dir, sft.sft_worker, (cfg.to_dict(), str(run_dir), data, make_task),
                     ("ndtrain.train.sft", "ndtrain.train.trainer"), banner, sft.describe_summary)
 
 
@@ -65,22 +66,26 @@ def cmd_rl(args) -> int:
         cfg.model.init_from = ""
     validate(cfg, world=world)  # every key's own rules, the job's and the reward's, before anything runs
     check_rl_job(cfg)
-    job.check_reward(cfg)
-    if "train.seq_len" in cfg.explicit and cfg.train.seq_len < job.row_length(cfg, rounded=False):
-        raise ConfigError("train.seq_len", cfg.train.seq_len, f"must hold the task's longest prompt and "
-                          f"rl.max_new_tokens = {cfg.rl.max_new_tokens} new tokens: at least "
-                          f"{job.row_length(cfg, rounded=False)} (leave it unset to get that)")
-    if scratch and not cfg.data.tokenizer:
+    job.check_reward(cfg)  # rl.data is read here: a bad file stops the command before anything is written
+    if not cfg.rl.data:
+        check_row_length(cfg, job.row_length(cfg, rounded=False))
+    if scratch and not cfg.data.tokenizer and not cfg.rl.data:
         cfg.data.tokenizer = str(job.char_tokenizer_file(cfg.data.cache_dir))
     elif not scratch and not cfg.model.init_from:
+        if cfg.rl.data:
+            raise ConfigError("model.init_from", "", "rl.data has no default warm-up: fine-tune on its training split "
+                              f"first (ndtrain sft data.path={cfg.rl.data}), then set model.init_from=run:DIR")
         cfg.model.init_from = f"run:{default_warmup(cfg, world)}"
     resolve_init_from(cfg)  # the model and tokenizer of model.init_from
+    template = make_template(cfg, progress=cfg.run.progress)
+    need = job.row_length(cfg, rounded=False, template=template)
+    if cfg.rl.data:
+        check_row_length(cfg, need)
     if "train.seq_len" not in cfg.explicit:
-        cfg.train.seq_len = job.row_length(cfg)
+        cfg.train.seq_len = -(-need // 8) * 8
     validate(cfg, world=world)
     check_rl_job(cfg)  # again: model.init_from's shape (an MoE source) is known now
     warn_before_start(cfg, world, "rl")
-    template = make_template(cfg, progress=cfg.run.progress)
     if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
         cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
     p, r = cfg.parallel, cfg.rl
@@ -90,11 +95,12 @@ def cmd_rl(args) -> int:
         else:
             result = launch_local(p.world, job.rl_worker, cfg.to_dict(), "", template, True)[0]
         if result:
-            print(job.describe_eval(f"{cfg.model.init_from} on {r.task}", result), flush=True)
+            print(job.describe_eval(f"{cfg.model.init_from} on {r.data or r.task}", result), flush=True)
         return 0
     run_dir = choose_run_dir(cfg, "rl")
     resumed = check_resume(cfg, run_dir)
-    banner = (f"ndtrain rl: {r.loss} on {r.task} (size {r.size}), {cfg.model.preset} model from "
+    asked = f"{r.data} (rl.reward {r.reward})" if r.data else f"{r.task} (size {r.size})"
+    banner = (f"ndtrain rl: {r.loss} on {asked}, {cfg.model.preset} model from "
               f"{cfg.model.init_from or 'random weights'}, {p.world} process{'es' if p.world > 1 else ''} "
               f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} updates of "
               f"{cfg.train.global_batch // r.group_size} prompts × {r.group_size} completions → {run_dir}"
@@ -103,10 +109,19 @@ def cmd_rl(args) -> int:
                     ("ndtrain.train.rl.job", "ndtrain.train.trainer"), [banner], job.describe_summary)
 
 
+def check_row_length(cfg, need: int) -> None:
+    """An explicit train.seq_len must hold the longest prompt and rl.max_new_tokens."""
+    from ndtrain.config import ConfigError
+    if "train.seq_len" in cfg.explicit and cfg.train.seq_len < need:
+        raise ConfigError("train.seq_len", cfg.train.seq_len, f"must hold the task's longest prompt and "
+                          f"rl.max_new_tokens = {cfg.rl.max_new_tokens} new tokens: at least {need} (leave it "
+                          "unset to get that)")
+
+
 def default_warmup(cfg, world) -> Path:
     """The default RL job's starting point: its SFT warm-up (`ndtrain sft` on problems of the
     task), run now unless a finished one is cached."""
-    from ndtrain.cli import main
+    from ndtrain.cli.parser import parse
     from ndtrain.config import ConfigError
     from ndtrain.train.rl import job
     if cfg.rl.warmup_steps == 0:
@@ -124,8 +139,9 @@ def default_warmup(cfg, world) -> Path:
           flush=True)
     job.write_warmup_data(cfg, folder)
     nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
-    if main(["sft", *nproc, *job.warmup_overrides(cfg, folder)]) != 0 or not job.finished(run):
+    if cmd_sft(parse(["sft", *nproc, *job.warmup_overrides(cfg, folder)]), job.Warmup) != 0 or not job.finished(run):
         raise ConfigError("model.init_from", "", f"the default SFT warm-up in {folder} failed")
+    print(job.describe_warmup(cfg, run), flush=True)
     return run
 
 

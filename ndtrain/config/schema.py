@@ -48,7 +48,7 @@ class ModelConfig:
     qkv_bias: bool | None = None  # biases on q, k, v (Qwen2)
     qk_norm: bool | None = None  # RMSNorm of each query and key head (Qwen3)
     dropout: float = 0.0
-    # Mixture of experts (model/moe.py): only on an MoE preset (tiny-moe, olmoe-1b-7b).
+    # Mixture of experts (model/moe.py): only on an MoE preset (tiny-moe, small-moe, olmoe-1b-7b).
     moe_experts: int | None = None
     moe_top_k: int | None = None
     moe_shared_experts: int | None = None
@@ -171,7 +171,8 @@ class RLConfig:
     task: str = "addition"  # addition | reverse | sort | countdown
     size: int = 2  # digits per operand (addition), letters (reverse), list length (sort), numbers (countdown)
     reverse_answer: bool = True  # addition: the sum's digits least significant first
-    reward: str = "builtin"  # builtin (the task's check) | MODULE:FUNCTION(prompt, completion, answer) -> number
+    data: str = ""  # your prompts instead of rl.task: a JSONL or parquet file or folder of {prompt | messages, answer}
+    reward: str = "builtin"  # builtin (rl.task's check; exact with rl.data) | exact | math | MODULE:FUNCTION(prompt, completion, answer) -> number
     format_reward: float = 0.0  # builtin: added for a well-formed answer (correctness scores 1)
     # Rollouts
     group_size: int = 8  # completions sampled per prompt
@@ -179,6 +180,7 @@ class RLConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0 = the whole vocabulary
     top_p: float = 1.0
+    generate_tp: int = 0  # tensor parallelism of generation (0 = parallel.tp); the other ranks generate data-parallel
     # The update
     loss: str = "grpo"  # reinforce | grpo | dr_grpo | dapo
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]
@@ -192,9 +194,12 @@ class RLConfig:
     # Evaluation on held-out prompts (every train.eval_every steps and at the end)
     eval_prompts: int = 200  # held-out prompts, answered greedily (pass@1) and pass_k times
     pass_k: int = 4  # samples per prompt for pass@k (0 = none)
-    # The default job's warm-up (model.init_from empty): SFT on the task through the SFT task
-    warmup_steps: int = 350
+    # The default job's warm-up (model.init_from empty): SFT on the task through the SFT task,
+    # stopped at the first check whose held-out greedy pass@1 reaches warmup_target
+    warmup_steps: int = 600  # at most (its cosine schedule spans them all)
     warmup_examples: int = 20000
+    warmup_target: float = 0.3  # 0 = train all warmup_steps
+    warmup_check_every: int = 5
 
 
 @dataclass

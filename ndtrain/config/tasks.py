@@ -31,15 +31,19 @@ def check_rl(r: RLConfig) -> None:
         raise ConfigError("rl.size", r.size, f"must be in [{lo}, {hi}] for rl.task = {r.task}")
     if r.loss not in RL_LOSSES:
         raise ConfigError("rl.loss", r.loss, f"choose one of {', '.join(RL_LOSSES)}")
-    if r.reward != "builtin" and not _SCORE.match(r.reward):
-        raise ConfigError("rl.reward", r.reward, "choose builtin, or MODULE:FUNCTION (a function of prompt, "
-                          "completion and answer that returns a number)")
+    if r.reward not in ("builtin", "math") and not _SCORE.match(r.reward):
+        raise ConfigError("rl.reward", r.reward, "choose builtin, exact, math, or MODULE:FUNCTION (a function of "
+                          "prompt, completion and answer that returns a number)")
     for key in ("group_size", "max_new_tokens", "ppo_epochs", "logprob_tol"):
         positive(f"rl.{key}", getattr(r, key))
     for key in ("top_k", "kl_coef", "max_refills", "overlong_buffer", "eval_prompts", "pass_k", "warmup_steps",
                 "format_reward", "temperature"):
         positive(f"rl.{key}", getattr(r, key), zero_ok=True)
     positive("rl.warmup_examples", r.warmup_examples)
+    positive("rl.warmup_check_every", r.warmup_check_every)
+    if not 0.0 <= r.warmup_target <= 1.0:
+        raise ConfigError("rl.warmup_target", r.warmup_target, "must be in [0, 1] (a held-out pass@1; 0 = train all "
+                          "rl.warmup_steps)")
     if not 0.0 < r.top_p <= 1.0:
         raise ConfigError("rl.top_p", r.top_p, "must be in (0, 1]")
     if not 0.0 <= r.clip_low < 1.0:
@@ -68,7 +72,19 @@ def check_rl_job(cfg: Config) -> None:
     if r.loss == "reinforce" and r.ppo_epochs > 1:
         raise ConfigError("rl.ppo_epochs", r.ppo_epochs, "reinforce has no importance ratio, so it cannot reuse a "
                           "batch; use grpo, dr_grpo or dapo for several updates per rollout")
-    if cfg.model_args().is_moe:
-        raise ConfigError("model.preset", cfg.model.preset, "is a mixture-of-experts model: ndtrain rl does not "
-                          "generate with experts yet (its generation layout copies parameters, not the routers' "
-                          "biases, and does not gather experts split by parallel.ep); use a dense model")
+    a = cfg.model_args()
+    if a.dropout > 0:
+        raise ConfigError("model.dropout", a.dropout, "RL compares the sampler's log-probabilities (no dropout) with "
+                          "the training forward's and trains on their ratio: with dropout they disagree; use 0")
+    if a.is_moe and a.moe_capacity > 0:
+        raise ConfigError("model.moe_capacity", a.moe_capacity, "dropping tokens over an expert's capacity depends "
+                          "on the tokens of each forward, which differ between sampling (one token at a time) and "
+                          "the update: their log-probabilities would disagree; use 0 (dropless)")
+    if r.generate_tp and (p.world % r.generate_tp or r.generate_tp > p.world):
+        raise ConfigError("rl.generate_tp", r.generate_tp, f"must divide the {p.world} processes (consecutive ranks "
+                          "generate together; the groups of them generate data-parallel)")
+    g = r.generate_tp
+    if g > 1 and (a.n_heads % g or (a.n_kv_heads % g and g % a.n_kv_heads) or a.ffn_dim % g):
+        raise ConfigError("rl.generate_tp", g, f"tensor parallelism of generation splits the heads "
+                          f"({a.n_heads}, {a.n_kv_heads} key/value) and the MLP ({a.ffn_dim}): each must be divisible by "
+                          "it (key/value heads may instead divide it)")

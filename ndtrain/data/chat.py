@@ -1,10 +1,15 @@
 """Supervised fine-tuning records: chat conversations read from JSONL, checked line by line.
 
-A line holds one record in either shape:
+A line holds one record in one of these shapes:
 - `{"messages": [{"role": "system" | "user" | "assistant", "content": "..."}, ...]}`, a chat;
 - `{"prompt": ..., "completion": ...}`: two strings (plain text, no chat template: the
   completion follows the prompt directly, as in TRL), or two lists of messages (a chat
-  whose last turns, the completion, are the answer).
+  whose last turns, the completion, are the answer);
+- `{"prompt": ..., "answer": ...}` or `{"messages": [...], "answer": ...}`: a question and
+  its reference answer (RL's `rl.data`, whose SFT warm-up reads the same file), a chat: the
+  prompt (a string is one user turn; messages are the turns before the answer, their
+  assistant turns context) then the answer as the assistant's turn. A number answer is
+  written as text.
 
 A record is bad when its line is not JSON, has neither shape, names a role the template
 does not know, has an empty answer, has no assistant turn to learn from, opens with the
@@ -83,7 +88,9 @@ def parse_record(record) -> tuple[list[Turn], bool]:
     """(turns, chat) of one decoded JSON line; raises BadRecord with the reason."""
     if not isinstance(record, dict):
         raise BadRecord("a record must be a JSON object")
-    if "messages" in record:
+    if "answer" in record and "completion" not in record:
+        turns, chat = _question(record), True
+    elif "messages" in record:
         turns, chat = _messages(record["messages"], "messages", "assistant"), True
     elif "prompt" in record and "completion" in record:
         prompt, completion = record["prompt"], record["completion"]
@@ -97,9 +104,29 @@ def parse_record(record) -> tuple[list[Turn], bool]:
         else:
             raise BadRecord("'prompt' and 'completion' must both be strings or both be lists of messages")
     else:
-        raise BadRecord("a record needs 'messages', or 'prompt' and 'completion'")
+        raise BadRecord("a record needs 'messages', or 'prompt' and 'completion' (or 'answer')")
     _check_turns(turns)
     return turns, chat
+
+
+def _question(record: dict) -> list[Turn]:
+    """The turns of a prompt/answer record: the prompt's, then the answer's."""
+    answer = record["answer"]
+    if isinstance(answer, (int, float)) and not isinstance(answer, bool):
+        answer = str(answer)
+    if not isinstance(answer, str):
+        raise BadRecord("'answer' must be a string (or a number)")
+    if "messages" in record:
+        turns = _messages(record["messages"], "messages", None)
+    elif isinstance(record.get("prompt"), str):
+        turns = [Turn("user", record["prompt"])]
+    elif isinstance(record.get("prompt"), list):
+        turns = _messages(record["prompt"], "prompt", None)
+    else:
+        raise BadRecord("a record with 'answer' needs 'prompt' (a string or a list of messages) or 'messages'")
+    if turns[-1].role == "assistant":
+        raise BadRecord("the prompt ends with the assistant's turn; the answer is the assistant's")
+    return turns + [Turn("assistant", answer, True)]
 
 
 def _check_turns(turns: list[Turn]) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import ast
 import random
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ndtrain.data.tokenizer import EOT, TextTokenizer
 
@@ -37,6 +37,9 @@ HELD_OUT_PERCENT = 10
 class Problem:
     prompt: str
     answer: str  # a reference answer (for countdown: one of possibly many)
+    # rl.data's record (data/chat.Conversation) the chat template renders; None: the prompt
+    # is given as it is (the built-in tasks)
+    conversation: object = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

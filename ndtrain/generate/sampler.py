@@ -10,10 +10,15 @@ forward per new token reads only that token.
 Each row draws from its own random stream (`seeds`), by inverse transform sampling: a
 uniform number u from the row's generator, and the first token whose cumulative
 probability exceeds u. A row's continuation therefore depends on its prompt and its seed,
-never on which other rows share its batch or on which rank generates it. What a row
-records besides its tokens: the log-probability of each under the model *without*
-temperature or filtering (the policy RL trains: it equals what a training forward
-computes), and the entropy of that distribution.
+never on which other rows share its batch or on which rank generates it. Each row's numbers
+for every step are drawn before the first step, in one go (the same numbers, in the same
+order, whatever the batch). What a row records besides its tokens: the log-probability of
+each under the model *without* temperature or filtering (the policy RL trains: it equals
+what a training forward computes), and the entropy of that distribution.
+
+Everything a step computes stays on the device: the host reads one boolean per step
+(whether any row is still running, to stop early), and the rows' tokens, log-probabilities
+and entropies once, at the end.
 """
 
 from __future__ import annotations
@@ -33,6 +38,11 @@ class Generated:
     logprobs: list[list[float]]  # log p of each new token under the untempered, unfiltered model
     entropies: list[list[float]]  # entropy (nats) of the model's distribution at each new token
     stopped: list[bool]  # the row ended with a stop token (else it ran to max_new_tokens)
+    # The same as tensors on the host, [b, max_new_tokens] (pad_id, 0 after a row's length):
+    token_ids: Tensor | None = None
+    lengths: Tensor | None = None  # [b]
+    logprob_table: Tensor | None = None  # fp64
+    entropy_table: Tensor | None = None  # fp64
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -52,15 +62,13 @@ def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
     return logits
 
 
-def draw(logits: Tensor, temperature: float, top_k: int, top_p: float,
-         generators: Sequence[torch.Generator]) -> Tensor:
+def draw(logits: Tensor, temperature: float, top_k: int, top_p: float, u: Tensor | None) -> Tensor:
     """One token per row of `logits` [b, V]: the argmax when temperature is 0, else a draw
-    from softmax(filtered logits / temperature), with one uniform number from each row's
-    generator."""
+    from softmax(filtered logits / temperature) with each row's uniform number `u` [b]
+    (fp64, on the logits' device)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(filter_logits(widened(logits) / temperature, top_k, top_p), dim=-1)
-    u = torch.cat([torch.rand(1, generator=g, dtype=torch.float64) for g in generators]).to(probs.device)
     cdf = torch.cumsum(probs.double(), dim=-1)
     token = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
     return token.clamp_max(logits.shape[-1] - 1)
@@ -100,43 +108,60 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, tempe
         raise ValueError(f"generate: prompts of up to {width} tokens and {max_new_tokens} new ones exceed the "
                          f"model's max_seq_len {model.args.max_seq_len}")
     device = next(model.parameters()).device
-    generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    stops = torch.tensor(sorted(set(stop_ids)) or [-1], device=device)
     b = len(prompts)
-    out = Generated([[] for _ in range(b)], [[] for _ in range(b)], [[] for _ in range(b)], [False] * b)
     if max_new_tokens <= 0:
-        return out
+        return Generated([[] for _ in range(b)], [[] for _ in range(b)], [[] for _ in range(b)], [False] * b)
+    u = None
+    if temperature != 0:  # every row's numbers for every step, from its own stream
+        u = torch.stack([torch.rand(max_new_tokens, generator=torch.Generator().manual_seed(int(s)),
+                                    dtype=torch.float64) for s in seeds]).to(device)
+    stops = torch.tensor(sorted(set(stop_ids)) or [-1], device=device)
     was_training = model.training
     model.eval()
     try:
-        cache = KVCache(width + max_new_tokens) if use_cache else None
-        tokens, positions, doc_ids = left_pad(prompts, pad_id, device)
-        seen = (tokens, positions, doc_ids)  # without a cache: everything so far, every step
-        next_pos = positions[:, -1] + 1
-        running = torch.ones(b, dtype=torch.bool, device=device)
-        for step in range(max_new_tokens):
-            logits = widened(model(tokens, positions=positions, cache=cache, doc_ids=doc_ids)[:, -1])
-            token = draw(logits, temperature, top_k, top_p, generators)
-            logp = torch.log_softmax(logits, dim=-1)
-            chosen = logp.gather(-1, token[:, None]).squeeze(-1)
-            entropy = -(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)
-            for i in running.nonzero().flatten().tolist():
-                out.tokens[i].append(int(token[i]))
-                out.logprobs[i].append(float(chosen[i]))
-                out.entropies[i].append(float(entropy[i]))
-            running &= ~torch.isin(token, stops)
-            if not bool(running.any()) or step == max_new_tokens - 1:
-                break
-            tokens = token.masked_fill(~running, pad_id)[:, None]
-            positions, doc_ids = next_pos[:, None], torch.ones_like(tokens)
-            next_pos = next_pos + 1
-            if cache is None:
-                seen = tuple(torch.cat([old, new], dim=1) for old, new in zip(seen, (tokens, positions, doc_ids)))
-                tokens, positions, doc_ids = seen
-        out.stopped = [bool(t) and t[-1] in set(stop_ids) for t in out.tokens]
-        return out
+        table = _sample(model, prompts, max_new_tokens, temperature, top_k, top_p, u, stops, pad_id, use_cache, device)
     finally:
         model.train(was_training)
+    token_ids, logprobs, entropies, lengths = (t.cpu() for t in table)  # the one transfer of the results
+    stop_set = set(stop_ids)
+    tokens = [row[:n] for row, n in zip(token_ids.tolist(), lengths.tolist())]
+    return Generated(tokens, [logprobs[i, :len(t)].tolist() for i, t in enumerate(tokens)],
+                     [entropies[i, :len(t)].tolist() for i, t in enumerate(tokens)],
+                     [bool(t) and t[-1] in stop_set for t in tokens], token_ids, lengths, logprobs, entropies)
+
+
+def _sample(model, prompts, max_new_tokens: int, temperature: float, top_k: int, top_p: float, u: Tensor | None,
+            stops: Tensor, pad_id: int, use_cache: bool, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The decoding loop on the device: tokens [b, M], their log-probabilities and the
+    entropies [b, M] (fp64), and each row's length [b]."""
+    b, width = len(prompts), max(len(p) for p in prompts)
+    cache = KVCache(width + max_new_tokens) if use_cache else None
+    tokens, positions, doc_ids = left_pad(prompts, pad_id, device)
+    seen = (tokens, positions, doc_ids)  # without a cache: everything so far, every step
+    next_pos = positions[:, -1] + 1
+    out_tokens = torch.full((b, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    out_logp = torch.zeros((b, max_new_tokens), dtype=torch.float64, device=device)
+    out_entropy = torch.zeros_like(out_logp)
+    lengths = torch.zeros(b, dtype=torch.long, device=device)
+    running = torch.ones(b, dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        logits = widened(model(tokens, positions=positions, cache=cache, doc_ids=doc_ids, last=True)[:, -1])
+        token = draw(logits, temperature, top_k, top_p, u[:, step] if u is not None else None)
+        logp = torch.log_softmax(logits, dim=-1)
+        out_tokens[:, step] = token.masked_fill(~running, pad_id)
+        out_logp[:, step] = logp.gather(-1, token[:, None]).squeeze(-1).double().masked_fill(~running, 0.0)
+        out_entropy[:, step] = (-(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)).double().masked_fill(~running, 0.0)
+        lengths += running.long()
+        running &= ~torch.isin(token, stops)
+        if step == max_new_tokens - 1 or not bool(running.any()):  # the host's one read of this step
+            break
+        tokens = token.masked_fill(~running, pad_id)[:, None]
+        positions, doc_ids = next_pos[:, None], torch.ones_like(tokens)
+        next_pos = next_pos + 1
+        if cache is None:
+            seen = tuple(torch.cat([old, new], dim=1) for old, new in zip(seen, (tokens, positions, doc_ids)))
+            tokens, positions, doc_ids = seen
+    return out_tokens, out_logp, out_entropy, lengths
 
 
 def sample(model, prompt_ids: list[int], max_new_tokens: int,

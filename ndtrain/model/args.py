@@ -117,6 +117,10 @@ PRESETS: dict[str, ModelArgs] = {
     # For tests: tiny with 8 experts of half the MLP's width in every block, top-2.
     "tiny-moe": ModelArgs(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=512,
                           max_seq_len=256, moe_experts=8, moe_top_k=2, moe_ffn_dim=64),
+    # The default RL job's model as a mixture of experts: small with 8 experts of half its MLP's
+    # width in every block, top-2 (as many active MLP weights per token as small's).
+    "small-moe": ModelArgs(dim=128, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=384, vocab_size=4096,
+                           max_seq_len=512, tie_embeddings=True, moe_experts=8, moe_top_k=2, moe_ffn_dim=192),
     # OLMoE-1B-7B's proportions (arXiv 2409.02060): 64 experts of 1024, 8 per token, softmax
     # router without renormalisation; 6.9 B parameters, 1.3 B active. (OLMoE also normalises q
     # and k, which this decoder does not.)

@@ -353,14 +353,15 @@ class Transformer(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 cache: KVCache | None = None, doc_ids: Tensor | None = None,
-                routing: RoutingLog | None = None) -> Tensor:
+                routing: RoutingLog | None = None, last: bool = False) -> Tensor:
         """x: tokens [b, s] (or hidden states without the embedding). positions: [s] or
         [b, s], the RoPE position of each token (default 0..s-1, after the cache);
         a packed row restarts them at each document. doc_ids: [b, s], see AttentionCore; with
         a cache, the documents of the new positions (KVCache keeps those of the old).
         routing: a training step's log, which the MoE blocks fill with their load-balancing
         loss and routing statistics (model/moe.py); None (evaluation, generation): nothing
-        is recorded."""
+        is recorded. last: the output at the last position only ([b, 1, ...]: what sampling
+        reads, without the logits of a whole prompt)."""
         s = x.shape[1]
         if positions is None:
             start = cache.pos if cache is not None else 0
@@ -378,6 +379,8 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin, cache, key, doc_ids=doc_ids, routing=routing)
         if cache is not None:
             cache.advance(s)
+        if last:
+            h = h[:, -1:]
         if self.output is not None:
             h = self.output(self.norm(h))
         return h

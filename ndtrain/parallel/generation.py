@@ -1,29 +1,32 @@
 """The generation layout: the model RL samples from, made from the training layout.
 
 Sampling one token at a time wants every weight of a layer at hand and no collective per
-token beyond tensor parallelism's. So generation runs under its own layout, derived from
-the training one:
+token beyond tensor parallelism's. So generation runs under its own layout
+(`GenerationLayout`): tensor parallelism of `rl.generate_tp` ranks (by default the
+training's tp), and data parallelism over the `world / generate_tp` groups of consecutive
+ranks, each holding the whole model (its tp shard of it, every expert) and generating its
+own share of the rows:
 
-- **tensor parallelism stays**: a tp group generates together, tensor-parallel, each rank
-  with its shard of every weight and the KV cache of its heads; the logits are gathered
-  over tp (`GatheredLogits`) so every rank of the group draws the same token. Sequence
-  parallelism is off (one new token cannot be split along the sequence).
-- **every other dimension becomes data parallelism**: each rank holds the whole model (its
-  tp shard of it) and generates its own share of the rows. Under DP and ZeRO-1/2 that is
-  the training model itself; under context parallelism (whose attention expects the zigzag
-  shard of a whole sequence) and sequence parallelism, a plain copy of the rank's own
-  weights; under ZeRO-3 and pipeline parallelism, whose ranks hold part of the model, the
-  weights are gathered (`Parallelized.full_model_state`, then broadcast), once per rollout
-  phase, into a copy that is dropped after it: the training states are never touched.
+- **tensor parallelism**: a group generates together, each rank with its shard of every
+  weight and the KV cache of its heads; the logits are gathered over the group
+  (`GatheredLogits`) so every rank of it draws the same token. Sequence parallelism is off
+  (one new token cannot be split along the sequence); a mixture of experts runs whole on
+  every rank of the group (experts are never split by tp).
+- **the training model itself** generates where it already has that form: the same tp,
+  no pipeline, ZeRO below 3, no context parallelism, no sequence parallelism under tp, and
+  for an MoE model no tp and no expert parallelism (whose blocks split the tokens or the
+  experts of each forward). Otherwise the generation model is a copy, made once, whose
+  weights are refilled from the training layout by collectives on the shards before each
+  rollout (parallel/weight_sync.py), timed and counted (`Transfer`).
 
-`generation_model` picks the cheapest of the three; `frozen_copy` always copies (RL's
-reference policy). Rows are dealt to the `world / tp` *generation ranks* (`generation_rank`)
-and their results gathered back to every rank (`gather_rows`).
+`frozen_copy` always copies (RL's reference policy). Rows are dealt to the generation
+ranks and every rank receives every row (`gather_rows`).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ndtrain.comm import ops
@@ -31,10 +34,11 @@ from ndtrain.config import Config
 from ndtrain.mesh import Group, ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
-from ndtrain.parallel import tensor
+from ndtrain.parallel import expert, tensor
 from ndtrain.parallel.construct import replace_parameters
 from ndtrain.parallel.parallelize import Parallelized
 from ndtrain.parallel.precision import compute_dtype
+from ndtrain.parallel.weight_sync import Transfer, sync_weights
 
 
 class GatheredLogits(nn.Module):
@@ -58,10 +62,41 @@ def sampling_view(model: nn.Module, group: Group) -> nn.Module:
     return GatheredLogits(model, group) if group.active else model
 
 
-def empty_generation_model(par: Parallelized, cfg: Config, args: ModelArgs) -> Transformer:
-    """A generation-layout model (plain, or tensor-parallel without SP) in the compute
-    dtype, its weights still to be filled."""
-    tp, device = par.mesh.group("tp"), par.mesh.device
+class GenerationLayout:
+    """The generation ranks and their tensor-parallel groups: `rl.generate_tp` consecutive
+    ranks each (the training tp group when the sizes agree). Every rank creates every new
+    group, in the same order, as `new_group` requires."""
+
+    def __init__(self, mesh: ParallelMesh, cfg: Config):
+        self.mesh = mesh
+        size = cfg.rl.generate_tp or mesh.size("tp")
+        self.tp = self._tp_group(mesh, size)
+        self.rank, self.count = mesh.rank // size, mesh.world // size
+        self.world = (Group("world", list(range(mesh.world)), mesh.rank, dist.group.WORLD, mesh.stats, mesh.device)
+                      if mesh.world > 1 else Group("world", [0], 0, None, mesh.stats, mesh.device))
+
+    @staticmethod
+    def _tp_group(mesh: ParallelMesh, size: int) -> Group:
+        if size == mesh.size("tp"):
+            return mesh.group("tp")
+        mine = None
+        for first in range(0, mesh.world, size):
+            ranks = list(range(first, first + size))
+            pg = dist.new_group(ranks) if size > 1 else None
+            if mesh.rank in ranks:
+                mine = Group("generate_tp", ranks, ranks.index(mesh.rank), pg, mesh.stats, mesh.device)
+        return mine
+
+    @property
+    def ranks(self) -> tuple[int, int]:
+        """(this rank's index among the generation ranks, their number)."""
+        return self.rank, self.count
+
+
+def empty_generation_model(par: Parallelized, cfg: Config, args: ModelArgs, tp: Group) -> Transformer:
+    """A generation-layout model (plain, or tensor-parallel over `tp` without SP) in the
+    compute dtype, its weights still to be filled, the routers' biases zero."""
+    device = par.mesh.device
     if tp.active:
         model = tensor.build(args, tp, sp=False)
     else:
@@ -70,77 +105,53 @@ def empty_generation_model(par: Parallelized, cfg: Config, args: ModelArgs) -> T
     dtype = compute_dtype(cfg.train.precision, cfg.train.fp8_base)
     replace_parameters(model, lambda p: torch.empty(p.shape, dtype=dtype, device=device))
     model.reset_rope(device)
+    expert.materialize_buffers(model, device)
     return model
 
 
-@torch.no_grad()
-def _copy_local(source: nn.Module, target: nn.Module) -> None:
-    """Parameters by name: the same layout of weights (CP and SP change modules, not weights)."""
-    mine = dict(source.named_parameters())
-    for name, p in target.named_parameters():
-        p.copy_(mine[name])
-
-
-@torch.no_grad()
-def _copy_gathered(par: Parallelized, target: nn.Module, args: ModelArgs) -> None:
-    """The whole model gathered on rank 0 (`full_model_state`), broadcast to every rank
-    (over tp, then dp × cp, then pp: rank 0 is first in each), each rank keeping its tp
-    slice. Collective."""
-    mesh, tp = par.mesh, par.mesh.group("tp")
-    state = par.full_model_state()
-    with torch.device("meta"):
-        shapes = {name: p.shape for name, p in Transformer(args).named_parameters()}
-    for name, p in target.named_parameters():  # a tied head once, under the embedding's name
-        buf = (state[name].to(mesh.device, p.dtype) if state is not None else
-               torch.empty(shapes[name], dtype=p.dtype, device=mesh.device))
-        for dim in ("tp", "dp_cp", "pp"):
-            ops.broadcast(buf, mesh.group(dim), src=0)
-        split = tensor.split_of(p)
-        p.copy_(tensor.local_slice(buf, split, tp) if split is not None else buf)
-
-
-def is_generation_ready(par: Parallelized, cfg: Config) -> bool:
-    """The training model can generate as it is: whole on each rank (or its tp shard),
-    plain attention, no sequence split."""
+def is_generation_ready(cfg: Config, args: ModelArgs) -> bool:
+    """The training model can generate as it is (the module's doc)."""
     p = cfg.parallel
-    return p.pp == 1 and p.zero < 3 and p.cp == 1 and not (p.tp > 1 and p.sp)
+    same_tp = cfg.rl.generate_tp in (0, p.tp)
+    moe_ok = not args.is_moe or (p.tp == 1 and p.ep == 1)
+    return same_tp and moe_ok and p.pp == 1 and p.zero < 3 and p.cp == 1 and not (p.tp > 1 and p.sp)
 
 
-def generation_model(par: Parallelized, cfg: Config, args: ModelArgs) -> nn.Module:
-    """The model to sample from under the generation layout (see the module's doc), with
-    the training model's current weights. Collective under ZeRO-3 and pipeline
-    parallelism."""
-    if is_generation_ready(par, cfg):
-        return sampling_view(par.model, par.mesh.group("tp"))
-    return frozen_copy(par, cfg, args)
+class Generator:
+    """The model rollouts sample from, under the generation layout, with the training
+    model's current weights (`model()`, collective when it copies), and the last
+    transfer's time and bytes."""
+
+    def __init__(self, par: Parallelized, cfg: Config, args: ModelArgs, layout: GenerationLayout):
+        self.par, self.cfg, self.args, self.layout = par, cfg, args, layout
+        self.copy: Transformer | None = None
+        self.transfer = Transfer()
+
+    def model(self) -> nn.Module:
+        if is_generation_ready(self.cfg, self.args):
+            self.transfer = Transfer()
+            return sampling_view(self.par.model, self.layout.tp)
+        if self.copy is None:
+            self.copy = empty_generation_model(self.par, self.cfg, self.args, self.layout.tp).requires_grad_(False)
+        self.transfer = sync_weights(self.par, self.cfg, self.args, self.copy, self.layout.tp)
+        return sampling_view(self.copy, self.layout.tp)
 
 
-def frozen_copy(par: Parallelized, cfg: Config, args: ModelArgs) -> nn.Module:
+def frozen_copy(par: Parallelized, cfg: Config, args: ModelArgs, layout: GenerationLayout) -> nn.Module:
     """A copy of the current weights under the generation layout, that training does not
-    change. Collective under ZeRO-3 and pipeline parallelism."""
-    model = empty_generation_model(par, cfg, args)
-    if cfg.parallel.pp == 1 and cfg.parallel.zero < 3:
-        _copy_local(par.model, model)
-    else:
-        _copy_gathered(par, model, args)
-    return sampling_view(model.requires_grad_(False), par.mesh.group("tp"))
+    change. Collective."""
+    model = empty_generation_model(par, cfg, args, layout.tp).requires_grad_(False)
+    sync_weights(par, cfg, args, model, layout.tp)
+    return sampling_view(model, layout.tp)
 
 
-def generation_rank(mesh: ParallelMesh) -> tuple[int, int]:
-    """(this rank's index among the generation ranks, their number): the ranks of one tp
-    group generate together; tp is the innermost mesh dimension."""
-    tp = mesh.size("tp")
-    return mesh.rank // tp, mesh.world // tp
-
-
-def gather_rows(mine: Tensor, mesh: ParallelMesh) -> Tensor:
+def gather_rows(mine: Tensor, layout: GenerationLayout) -> Tensor:
     """Every generation rank's `mine` [n, ...] (the same n everywhere), concatenated in
-    generation-rank order, on every rank: all-gathered over dp × cp, then over pp."""
-    out = mine
-    for name in ("dp_cp", "pp"):
-        group = mesh.group(name)
-        if group.active:
-            parts = out.new_empty((group.size * out.shape[0], *out.shape[1:]))
-            ops.all_gather(parts, out.contiguous(), group)
-            out = parts
-    return out
+    generation-rank order, on every rank (all-gathered over the world; the ranks of a
+    generation tp group hold the same rows, so one of each group is kept)."""
+    world = layout.world
+    if not world.active:
+        return mine
+    parts = mine.new_empty((world.size * mine.shape[0], *mine.shape[1:]))
+    ops.all_gather(parts, mine.contiguous(), world)
+    return parts.view(world.size, *mine.shape)[::layout.tp.size].flatten(0, 1)

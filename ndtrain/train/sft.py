@@ -119,15 +119,16 @@ def full_model(trainer) -> Transformer | None:
 
 # ----------------------------------------------------------------------------- one rank
 
-def sft_worker(cfg_dict: dict, run_dir: str, data: SFTData) -> dict:
+def sft_worker(cfg_dict: dict, run_dir: str, data: SFTData, make_task=None) -> dict:
     """Entry point of one rank of `ndtrain sft`. Returns the summary on rank 0 ({} elsewhere).
-    Stops and restarts like `train`'s ranks (supervisor.py)."""
+    Stops and restarts like `train`'s ranks (supervisor.py). `make_task(cfg, data)`: the
+    task (default `SFT`; the default RL job's warm-up passes its own, train/rl/job.py)."""
     control = supervisor.control()
     with nullcontext() if control.watched else supervisor.stop_signals():
-        return _sft(config_mod.from_dict(cfg_dict), run_dir, data, control)
+        return _sft(config_mod.from_dict(cfg_dict), run_dir, data, control, make_task or SFT)
 
 
-def _sft(cfg: Config, run_dir: str, data: SFTData, control) -> dict:
+def _sft(cfg: Config, run_dir: str, data: SFTData, control, make_task) -> dict:
     from ndtrain.launch import init_process, set_collective_timeout, shutdown
     from ndtrain.mesh import ParallelMesh
     from ndtrain.train.trainer import Trainer
@@ -137,7 +138,7 @@ def _sft(cfg: Config, run_dir: str, data: SFTData, control) -> dict:
     try:
         run = Path(from_rank_0(run_dir))
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        task = SFT(cfg, data)
+        task = make_task(cfg, data)
         trainer = Trainer(cfg, mesh, task, run, local_world=env.local_world, control=control)
         set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
         trainer.start()  # resume run.dir's checkpoint, or load model.init_from

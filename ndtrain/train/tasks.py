@@ -25,6 +25,8 @@ what the rows hold. A task provides:
   `val_loss`, unless train.eval_batches = 0); RL: held-out pass@1 and pass@k;
 - `step_metrics(trainer)`: what it adds to each step's record (RL: rewards, lengths,
   entropy, KL, clipping, the rollout's time);
+- `done(record)`: after an evaluation, whether training has reached its goal and stops
+  there (the default RL job's warm-up stops on a held-out pass@1);
 - `baseline`, `baseline_label`: a reference loss for the summary and the plot.
 """
 
@@ -84,6 +86,11 @@ class Task:
     def evaluate(self, trainer) -> dict:
         """Called on every rank on evaluation steps; returns the record's evaluation keys."""
         return {"val_loss": trainer.evaluate()} if trainer.cfg.train.eval_batches else {}
+
+    def done(self, record: dict) -> bool:
+        """Called on every rank after an evaluation step's `evaluate`, with the step's record:
+        True ends training there (with a checkpoint), as if it were the last step."""
+        return False
 
 
 class Pretrain(Task):

@@ -1,8 +1,8 @@
 """Generating rows across the ranks: each generation rank samples its share, scores it,
 and every rank receives every row.
 
-Under the generation layout (parallel/generation.py) the `world / tp` generation ranks
-hold the whole model (or their tp shard of it). `generate_everywhere` deals the rows out
+Under the generation layout (parallel/generation.py) the `world / rl.generate_tp`
+generation ranks hold the whole model (or their tp shard of it). `generate_everywhere` deals the rows out
 in contiguous shares, one per generation rank; each samples its share in one batch
 (generate/sampler.py: left-padded prompts, a KV cache, one random stream per row, so a
 row's completion depends on its prompt and seed only), scores each completion with the
@@ -21,11 +21,22 @@ import torch
 from torch import Tensor, nn
 
 from ndtrain.generate.sampler import generate
-from ndtrain.mesh import ParallelMesh
-from ndtrain.model.llama import widened
-from ndtrain.parallel.generation import gather_rows, generation_rank
+from ndtrain.model.loss import IGNORE, token_nll
+from ndtrain.parallel.generation import GenerationLayout, gather_rows
 
 SCORE_FIELDS = ("reward", "format", "correct", "error")
+# A sampling step holds a few [rows, vocabulary] tensors (logits, probabilities, their fp64
+# cumulative sum, log-probabilities: about 32 bytes per row and token of the vocabulary); a
+# generation rank samples its share in batches of at most SAMPLE_BYTES / (32 · V) rows, so
+# that holds under SAMPLE_BYTES whatever the batch (all rows at once for a small vocabulary,
+# 64 at 128k).
+SAMPLE_BYTES = 2**28
+
+
+def sampling_batches(lo: int, hi: int, vocab_size: int) -> list[tuple[int, int]]:
+    """Rows lo..hi-1 in batches of at most SAMPLE_BYTES / (32 · vocab_size) rows."""
+    step = max(1, SAMPLE_BYTES // (32 * vocab_size))
+    return [(a, min(hi, a + step)) for a in range(lo, hi, step)]
 
 
 @dataclass
@@ -54,56 +65,62 @@ class Generations:
 
 @torch.no_grad()
 def completion_logprobs(model: nn.Module, prompts: list[list[int]], completions: list[list[int]],
-                        width: int, pad_id: int) -> Tensor:
-    """log p [n, width] of each completion's tokens after its prompt, under `model` (a plain
-    forward of the right-padded rows: what a training forward computes)."""
-    rows = [p + c for p, c in zip(prompts, completions)]
-    length = max(len(r) for r in rows)
+                        width: int, pad_id: int, rows_per_forward: int) -> Tensor:
+    """log p [n, width] (fp64, on the host) of each completion's tokens after its prompt
+    under `model`: a plain forward of the right-padded rows, each token's log-probability
+    minus its cross-entropy as the training step computes it (model/loss.token_nll), on the
+    model's device, `rows_per_forward` rows at a time: the logits of more rows never exist
+    at once, and only [rows, width] numbers reach the host."""
     device = next(model.parameters()).device
-    tokens = torch.full((len(rows), length), pad_id, dtype=torch.long)
-    for i, r in enumerate(rows):
-        tokens[i, :len(r)] = torch.tensor(r)
+    out = torch.zeros((len(prompts), width), dtype=torch.float64)
     was_training = model.training
     model.eval()
-    logp = torch.log_softmax(widened(model(tokens.to(device))), dim=-1).double().cpu()
+    for lo in range(0, len(prompts), rows_per_forward):
+        ps, cs = prompts[lo:lo + rows_per_forward], completions[lo:lo + rows_per_forward]
+        length = max(len(p) + len(c) for p, c in zip(ps, cs))
+        tokens = torch.full((len(ps), length), pad_id, dtype=torch.long)
+        targets = torch.full((len(ps), length), IGNORE, dtype=torch.long)
+        at = torch.zeros((len(ps), width), dtype=torch.long)  # where each completion token is a target
+        for i, (p, c) in enumerate(zip(ps, cs)):
+            tokens[i, :len(p) + len(c)] = torch.tensor(p + c)
+            targets[i, len(p) - 1:len(p) - 1 + len(c)] = torch.tensor(c, dtype=torch.long)
+            at[i] = (torch.arange(width) + len(p) - 1).clamp_max(length - 1)
+        nll = token_nll(model(tokens.to(device)), targets.to(device)).view(len(ps), length)
+        logp = (-nll).gather(1, at.to(device)).double().cpu()
+        valid = torch.arange(width)[None, :] < torch.tensor([len(c) for c in cs])[:, None]
+        out[lo:lo + len(ps)] = logp.masked_fill(~valid, 0.0)
     model.train(was_training)
-    out = torch.zeros((len(rows), width), dtype=torch.float64)
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        at = torch.arange(len(p) - 1, len(p) - 1 + len(c))
-        out[i, :len(c)] = logp[i, at, torch.tensor(c, dtype=torch.long)]
     return out
 
 
-def generate_everywhere(model: nn.Module, mesh: ParallelMesh, prompts: list[list[int]], seeds: list[int],
+def generate_everywhere(model: nn.Module, layout: GenerationLayout, prompts: list[list[int]], seeds: list[int],
                         sampling: Sampling, stop_ids, pad_id: int,
                         score: Callable[[int, list[int]], tuple[float, float, float, float]],
-                        reference: nn.Module | None = None) -> Generations:
-    """Sample a completion for every prompt (row i with seed i), scored by
-    `score(i, completion)` → (reward, format, correct, error), every row on every rank.
-    Collective (every rank calls it with the same arguments)."""
+                        reference: nn.Module | None = None, rows_per_forward: int = 8) -> Generations:
+    """Sample a completion for every prompt (row i with seed i) under the generation
+    `layout`, scored by `score(i, completion)` → (reward, format, correct, error), every
+    row on every rank. Collective (every rank calls it with the same arguments)."""
     n, width = len(prompts), sampling.max_new_tokens
-    me, ranks = generation_rank(mesh)
-    share = math.ceil(n / ranks)
+    me, count = layout.ranks
+    share = math.ceil(n / count)
     lo, hi = min(n, me * share), min(n, (me + 1) * share)
     cols = 3 * width + 2 + len(SCORE_FIELDS) + (width if reference is not None else 0)
     mine = torch.zeros((share, cols), dtype=torch.float64)
-    if hi > lo:
-        out = generate(model, prompts[lo:hi], width, sampling.temperature, sampling.top_k, sampling.top_p,
-                       seeds[lo:hi], stop_ids, pad_id)
-        for j, i in enumerate(range(lo, hi)):
-            c = len(out.tokens[j])
-            row = mine[j]
-            row[:width] = pad_id
-            row[:c] = torch.tensor(out.tokens[j], dtype=torch.float64)
-            row[width:width + c] = torch.tensor(out.logprobs[j], dtype=torch.float64)
-            row[2 * width:2 * width + c] = torch.tensor(out.entropies[j], dtype=torch.float64)
-            row[3 * width], row[3 * width + 1] = c, float(out.stopped[j])
-            at = 3 * width + 2
-            row[at:at + len(SCORE_FIELDS)] = torch.tensor(score(i, out.tokens[j]), dtype=torch.float64)
+    for a, b in sampling_batches(lo, hi, model.args.vocab_size):
+        out = generate(model, prompts[a:b], width, sampling.temperature, sampling.top_k, sampling.top_p,
+                       seeds[a:b], stop_ids, pad_id)
+        rows, at = slice(a - lo, b - lo), 3 * width + 2
+        mine[rows, :width] = out.token_ids.double()
+        mine[rows, width:2 * width] = out.logprob_table
+        mine[rows, 2 * width:3 * width] = out.entropy_table
+        mine[rows, 3 * width] = out.lengths.double()
+        mine[rows, 3 * width + 1] = torch.tensor(out.stopped, dtype=torch.float64)
+        mine[rows, at:at + len(SCORE_FIELDS)] = torch.tensor([score(i, t) for i, t in zip(range(a, b), out.tokens)],
+                                                             dtype=torch.float64)
         if reference is not None:
-            ref = completion_logprobs(reference, prompts[lo:hi], out.tokens, width, pad_id)
-            mine[:hi - lo, cols - width:] = ref
-    rows = gather_rows(mine.to(mesh.device), mesh).cpu()[:n]
+            mine[rows, cols - width:] = completion_logprobs(reference, prompts[a:b], out.tokens, width, pad_id,
+                                                            rows_per_forward)
+    rows = gather_rows(mine.to(layout.mesh.device), layout).cpu()[:n]
     at = 3 * width + 2
     return Generations(
         tokens=rows[:, :width].long(), lengths=rows[:, 3 * width].long(), stopped=rows[:, 3 * width + 1] > 0,

@@ -36,9 +36,12 @@ from ndtrain.comm import ops
 from ndtrain.config import Config, rl_clip_high, rl_overlong_buffer
 from ndtrain.data.batch import MicroBatch
 from ndtrain.data.chat import Conversation, Turn
-from ndtrain.data.verifiable import Problem, draw_problems, make_task
+from ndtrain.data import answers
+from ndtrain.data.prompts import prompt_source
+from ndtrain.data.verifiable import Problem
 from ndtrain.model.loss import IGNORE
-from ndtrain.parallel.generation import empty_generation_model, frozen_copy, generation_model, sampling_view
+from ndtrain.parallel.generation import (GenerationLayout, Generator, empty_generation_model, frozen_copy,
+                                         sampling_view)
 from ndtrain.train.rl import losses
 from ndtrain.train.rl.rollout import Generations, Sampling, generate_everywhere
 from ndtrain.train.tasks import Task, load_function
@@ -47,28 +50,45 @@ from ndtrain.train.trainer import TrainingError
 PRECISE = ("fp32", "fp64")  # where the rollout/training log-prob gap is enforced
 
 
-def builtin_reward(task, format_reward: float):
+def checked_reward(check, format_reward: float):
+    """A reward from a check giving a Score (format, correct): correct + format_reward · format."""
     def reward(prompt: str, completion: str, answer: str) -> tuple[float, float, float]:
-        s = task.score(prompt, completion, answer)
+        s = check(prompt, completion, answer)
         return s.correct + format_reward * s.format, s.format, s.correct
     return reward
 
 
 @dataclass
 class Environment:
-    """What the policy is asked and how it is scored, shared by every rank."""
+    """What the policy is asked (rl.task's problems or rl.data's records) and how it is
+    scored (rl.reward), shared by every rank."""
 
     template: object  # data/template.BuiltinTemplate | HFTemplate
-    task: object  # data/verifiable task
+    prompts: object  # data/prompts.TaskPrompts | FilePrompts
 
-    def __init__(self, cfg: Config, template):
+    def __init__(self, cfg: Config, template, prompts=None):
         r = cfg.rl
         self.template = template
-        self.task = make_task(r.task, r.size, r.reverse_answer)
-        self.custom = None if r.reward == "builtin" else load_function("rl.reward", r.reward)
-        self.builtin = builtin_reward(self.task, r.format_reward)
+        self.prompts = prompts if prompts is not None else prompt_source(cfg)
+        task = getattr(self.prompts, "task", None)
+        kind = "exact" if r.reward == "builtin" and task is None else r.reward
+        self.custom = None
+        if kind == "builtin":
+            self.check = checked_reward(task.score, r.format_reward)
+        elif kind in answers.CHECKS:
+            check = answers.CHECKS[kind]
+            self.check = checked_reward(lambda prompt, completion, answer: check(completion, answer), r.format_reward)
+        else:
+            self.custom = load_function("rl.reward", r.reward)
+
+    def draw(self, seed: int, key: str, n: int, split: str) -> list[Problem]:
+        return self.prompts.draw(seed, key, n, split)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
+        """rl.data's record as the chat template renders it for the answer (as `ndtrain sft`
+        trained on it); a built-in task's prompt as it is."""
+        if problem.conversation is not None:
+            return self.template.prompt_ids(problem.conversation)
         conv = Conversation("rl", [Turn("user", problem.prompt), Turn("assistant", problem.answer, True)], chat=False)
         return self.template.prompt_ids(conv)
 
@@ -83,7 +103,7 @@ class Environment:
         unknown (nan) and a completion is correct when its reward reaches 1."""
         text = self.completion_text(ids)
         if self.custom is None:
-            return (*self.builtin(problem.prompt, text, problem.answer), 0.0, None)
+            return (*self.check(problem.prompt, text, problem.answer), 0.0, None)
         try:
             value = self.custom(problem.prompt, text, problem.answer)
         except Exception as e:  # noqa: BLE001 - a user's function may raise anything
@@ -91,6 +111,16 @@ class Environment:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             return 0.0, float("nan"), 0.0, 1.0, f"returned {value!r}, not a number"
         return float(value), float("nan"), float(value >= 1.0), 0.0, None
+
+
+def greedy_pass_at_1(generator: Generator, cfg: Config, env: Environment, problems: list[Problem]) -> float:
+    """The share of `problems` the training model answers correctly, greedily (the default
+    job's warm-up checks it). Collective."""
+    t = env.template
+    gen = generate_everywhere(generator.model(), generator.layout, [env.prompt_ids(p) for p in problems],
+                              [0] * len(problems), Sampling(cfg.rl.max_new_tokens, 0.0), t.stop_ids, t.pad_id,
+                              lambda i, ids: env.score(problems[i], ids)[:4])
+    return float(gen.score("correct").mean())
 
 
 def row_seed(*parts) -> int:
@@ -107,9 +137,10 @@ class RL(Task):
         self.objective = losses.PolicyObjective(r.loss, r.clip_low, rl_clip_high(r), r.kl_coef)
         self.sampling = Sampling(r.max_new_tokens, r.temperature, r.top_k, r.top_p)
         self.reference = None
+        self.generator: Generator | None = None
         self.batch: MicroBatch | None = None
         self.metrics: dict = {}
-        self.eval_problems = draw_problems(env.task, 0, "evaluation", r.eval_prompts, "held_out")
+        self.eval_problems = env.draw(0, "evaluation", r.eval_prompts, "held_out")
 
     # -- the task interface ---------------------------------------------------------
     def rows(self, split: str, step: int, start: int, stop: int) -> MicroBatch:
@@ -142,7 +173,7 @@ class RL(Task):
         if not self.eval_problems:
             return {}
         t0 = time.perf_counter()
-        model = generation_model(trainer.par, self.cfg, trainer.args)
+        model = self._generator(trainer).model()
         prompts = [self.env.prompt_ids(p) for p in self.eval_problems]
         greedy = self._generate(trainer, model, self.eval_problems, prompts, [0] * len(prompts),
                                 Sampling(r.max_new_tokens, 0.0))
@@ -172,27 +203,34 @@ class RL(Task):
                       f"(completion {self.env.completion_text(ids)!r}); scored 0", file=sys.stderr, flush=True)
             return tuple(values)
         t = self.env.template
-        return generate_everywhere(model, trainer.mesh, prompts, seeds, sampling, t.stop_ids, t.pad_id, score,
-                                   reference)
+        return generate_everywhere(model, self.generator.layout, prompts, seeds, sampling, t.stop_ids, t.pad_id,
+                                   score, reference, self.cfg.train.micro_batch)
+
+    def _generator(self, trainer) -> Generator:
+        if self.generator is None:
+            self.generator = Generator(trainer.par, self.cfg, trainer.args, GenerationLayout(trainer.mesh, self.cfg))
+        return self.generator
 
     def _reference(self, trainer):
         """The frozen reference: the starting policy (model.init_from's weights, else the
         weights before the first update), under the generation layout."""
         if self.reference is None:
             init = self.cfg.model.init_from
+            gen = self._generator(trainer).layout
             if init:
-                model = empty_generation_model(trainer.par, self.cfg, trainer.args)
+                model = empty_generation_model(trainer.par, self.cfg, trainer.args, gen.tp)
                 source = sources.open_init_source(init, trainer.report)
                 sources.grow_vocab(source, trainer.args.vocab_size)
                 layout.load_model(source, model)
-                self.reference = sampling_view(model.requires_grad_(False), trainer.mesh.group("tp"))
+                self.reference = sampling_view(model.requires_grad_(False), gen.tp)
             else:
-                self.reference = frozen_copy(trainer.par, self.cfg, trainer.args)
+                self.reference = frozen_copy(trainer.par, self.cfg, trainer.args, gen)
         return self.reference
 
     def rollout(self, index: int, trainer) -> tuple[MicroBatch, dict]:
         r, t = self.cfg.rl, self.cfg.train
-        model = generation_model(trainer.par, self.cfg, trainer.args)
+        generator = self._generator(trainer)
+        model = generator.model()
         reference = self._reference(trainer)
         n_groups, g = t.global_batch // r.group_size, r.group_size
         dynamic = r.loss == "dapo"
@@ -200,7 +238,7 @@ class RL(Task):
         rounds = []  # (problems, generations, shaped rewards [n_groups, g])
         kept: list[tuple[int, int]] = []  # (round, group)
         for k in range(1 + (r.max_refills if dynamic else 0)):
-            problems = draw_problems(self.env.task, t.seed, f"rollout/{index}/{k}", n_groups, "train")
+            problems = self.env.draw(t.seed, f"rollout/{index}/{k}", n_groups, "train")
             rows = [p for p in problems for _ in range(g)]
             prompts = [self.env.prompt_ids(p) for p in rows]
             seeds = [row_seed(t.seed, index, k, i) for i in range(len(rows))]
@@ -217,7 +255,8 @@ class RL(Task):
             kept += spare[:n_groups - len(kept)]
         batch, rollout_logp = self._batch(rounds, kept, index, trainer)
         metrics = self._metrics(rounds, batch, rollout_logp, trainer)
-        metrics["refills"] = len(rounds) - 1
+        sent = ops.all_reduce_scalars([generator.transfer.bytes], generator.layout.world)[0]
+        metrics.update(refills=len(rounds) - 1, weight_sync_s=generator.transfer.seconds, weight_sync_bytes=sent)
         return batch, metrics
 
     def _batch(self, rounds, kept, index: int, trainer) -> tuple[MicroBatch, Tensor]:
