@@ -109,3 +109,14 @@ def test_an_unknown_wandb_mode_is_refused(capsys):
     from ndtrain.cli import main
     assert main(["train", "run.wandb=cloud", "run.device=cpu"]) == 2
     assert "run.wandb = 'cloud': choose \"\" (off), offline or online" in capsys.readouterr().err
+
+
+def test_scalar_names_are_metrics_jsonl_keys_nested_with_a_slash():
+    """A mixture's record (issue 23's source_tokens and val_loss.<name>), per-group comm bytes
+    and memory per rank: each number under its metrics.jsonl name; nulls and flags left out."""
+    record = {"step": 7, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 900.0, "mfu": None,
+              "skipped": False, "val_loss": 2.75, "val_loss.web": 2.5, "source_tokens": {"web": 70, "code": 30},
+              "comm": {"dp_cp.all_reduce": 4096}, "memory": {"peak": [10, 12]}}
+    assert scalars(record) == {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 900.0, "val_loss": 2.75,
+                               "val_loss.web": 2.5, "source_tokens/web": 70.0, "source_tokens/code": 30.0,
+                               "comm/dp_cp.all_reduce": 4096.0, "memory/peak/0": 10.0, "memory/peak/1": 12.0}

@@ -115,8 +115,11 @@ def _add_rl(sub) -> None:
 
 def _add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="tokenize a corpus into token shards (cached)",
-                       description="Train or load the tokenizer and write memory-mapped token shards. "
-                                   "`ndtrain train` does this itself when needed.")
+                       description="Train or load the tokenizer (data.tokenizer: a tokenizer.json, or hf:DIR for a "
+                                   "Hugging Face model folder's) and write memory-mapped token shards, streaming the "
+                                   "corpus on data.workers processes (0: one per core); an interrupted prepare "
+                                   "continues where it stopped; data.on_bad_record decides a malformed record. "
+                                   "`ndtrain train` does this itself when needed. docs/prepare.md.")
     _with_config(p)
 
 
