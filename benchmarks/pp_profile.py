@@ -38,10 +38,12 @@ def _breakdown(events) -> dict:
     parts = {k: sum(e.end - e.start for e in events if e.kind in kinds)
              for k, kinds in (("compute", ("F", "B", "W")), ("wait", ("wait", "wait_F", "wait_B")), ("post", ("post",)))}
     parts["between"] = span - sum(parts.values())
+    for kind in ("F", "B", "W"):
+        parts[kind] = sum(e.end - e.start for e in events if e.kind == kind)
     return parts
 
 
-def _worker(cfg_dict: dict, steps: int) -> list:
+def _worker(cfg_dict: dict, steps: int, only: str = "") -> list:
     import torch.distributed as dist
 
     from ndtrain.bench import pp
@@ -64,6 +66,8 @@ def _worker(cfg_dict: dict, steps: int) -> list:
         contests = pp._contests() if hasattr(pp, "_contests") else pp.CONTESTS
         rows = []
         for name, anchor, third in contests:
+            if only and name not in only.split(","):
+                continue
             c = pp._with_schedule(cfg, name, third)
             par = build(args, mesh, c)
 
@@ -73,18 +77,20 @@ def _worker(cfg_dict: dict, steps: int) -> list:
             theirs = pp._anchor(c, args, mesh, anchor, x, y, n, len(micro))
             ours(), theirs()
             counts = (_counts(ours), _counts(theirs))
-            walls, parts = ([], []), []
+            walls, cpus, parts = ([], []), ([], []), []
             for _ in range(steps):
                 for side, step in enumerate((ours, theirs)):
                     dist.barrier()
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     step()
+                    cpus[side].append(time.process_time() - c0)
                     dist.barrier()
                     walls[side].append(time.perf_counter() - t0)
                     if side == 0:
                         parts.append(_breakdown(par.schedule.timeline.events))
             median = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
-            rows.append((name, anchor, counts, [statistics.median(w) for w in walls], median))
+            rows.append((name, anchor, counts, [statistics.median(w) for w in walls], median,
+                         [statistics.median(c) for c in cpus]))
         return rows
     finally:
         shutdown()
@@ -144,6 +150,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--split-runs", type=int, default=20)
+    ap.add_argument("--only", default="", help="comma-separated schedules (default: every pair of bench pp)")
     ap.add_argument("overrides", nargs="*")
     opts = ap.parse_args()
     from ndtrain.bench import pp
@@ -152,17 +159,21 @@ def main() -> None:
 
     ns = argparse.Namespace(config=None, overrides=opts.overrides, nproc=2, rounds=1, steps=1, out="")
     cfg = bench_config(ns, pp.BENCH)
-    ranks = launch_local(2, _worker, cfg.to_dict(), opts.steps)
+    ranks = launch_local(2, _worker, cfg.to_dict(), opts.steps, opts.only)
     print(f"per step; counts: rank 0 | rank 1 (one step under cProfile); wall: median of {opts.steps} steps, "
-          "alternating, rank 0; ours split by its timeline on rank 0 | rank 1")
+          "alternating, rank 0; cpu: the process's CPU time (all its threads; less sensitive to other "
+          "jobs' load than wall), rank 0 | rank 1; ours split by its timeline on rank 0 | rank 1")
     print(f"{'schedule':<12}{'Python calls ours':>20}{'torch':>16}{'autograd calls ours':>22}{'torch':>12}"
-          f"{'wall ms ours':>14}{'torch':>8}  {'ours: compute / wait / post / between (ms)':<44}")
-    for (name, anchor, (c0o, c0t), wall, p0), (_, _, (c1o, c1t), _, p1) in zip(ranks[0], ranks[1]):
-        split = " | ".join("/".join(f"{1e3 * p[k]:.0f}" for k in ("compute", "wait", "post", "between"))
+          f"{'wall ms ours':>14}{'torch':>8}{'cpu ms ours':>18}{'torch':>14}  "
+          f"{'ours: compute (F+B+W) / wait / post / between (ms)':<44}")
+    for (name, anchor, (c0o, c0t), wall, p0, cpu0), (_, _, (c1o, c1t), _, p1, cpu1) in zip(ranks[0], ranks[1]):
+        split = " | ".join(f"{1e3 * p['compute']:.0f} ({'+'.join(f'{1e3 * p[k]:.0f}' for k in 'FBW')})/"
+                           + "/".join(f"{1e3 * p[k]:.0f}" for k in ("wait", "post", "between"))
                            for p in (p0, p1))
         print(f"{name:<12}{c0o['calls']:>10,.0f} |{c1o['calls']:>7,.0f}{c0t['calls']:>8,.0f} |{c1t['calls']:>7,.0f}"
               f"{c0o['engine']:>14,.0f} |{c1o['engine']:>6,.0f}{c0t['engine']:>6,.0f} |{c1t['engine']:>5,.0f}"
-              f"{1e3 * wall[0]:>14.1f}{1e3 * wall[1]:>8.1f}  {split}")
+              f"{1e3 * wall[0]:>14.1f}{1e3 * wall[1]:>8.1f}{1e3 * cpu0[0]:>10.0f} |{1e3 * cpu1[0]:>5.0f}"
+              f"{1e3 * cpu0[1]:>7.0f} |{1e3 * cpu1[1]:>5.0f}  {split}")
     print(_split_bench(opts.split_runs))
 
 

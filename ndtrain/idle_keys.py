@@ -18,9 +18,16 @@ from ndtrain.config import Config, is_prepared_folder
 _DEFAULTS = Config()
 
 
+def _value(cfg: Config, key: str):
+    """The value as the user gave it (run.nproc = 0 in a file, which validation resolves to
+    the process count), else as it is now."""
+    section, name = key.split(".")
+    return cfg.given[key] if key in cfg.given else getattr(getattr(cfg, section), name)
+
+
 def _is_default(cfg: Config, key: str) -> bool:
     section, name = key.split(".")
-    return getattr(getattr(cfg, section), name) == getattr(getattr(_DEFAULTS, section), name)
+    return _value(cfg, key) == getattr(getattr(_DEFAULTS, section), name)
 
 
 def _is_moe(cfg: Config) -> bool:
@@ -75,6 +82,7 @@ def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool
                "only ndtrain sft reads it") for key in sft_keys]
     rules += [(f"sft.{k}", cfg.sft.generate == 0, "sft.generate = 0 generates nothing") for k in ("max_new_tokens", "score")]
     rules.append(("data.jsonl_key", command in ("sft", "rl-warmup"), "SFT records are read whole (messages, or prompt and completion)"))
+    rules.append(("data.sources", command in ("sft", "rl", "rl-warmup"), "only ndtrain train reads a mixture; sft reads data.path"))
     rules += _rl_rules(cfg, command)
     return rules
 
@@ -118,7 +126,6 @@ def idle_keys(cfg: Config, world: int | None = None, command: str = "train") -> 
     for key, idle, why in _rules(cfg, world, command):
         if idle and key in cfg.explicit and key not in seen and not _is_default(cfg, key):
             seen.add(key)
-            section, name = key.split(".")
-            value = getattr(getattr(cfg, section), name)
+            value = _value(cfg, key)
             lines.append(f"{key} = {value!r} has no effect here: {why}")
     return lines

@@ -22,7 +22,9 @@ would fail every attempt alike, so it is never restarted.
 Signals. A terminal's Ctrl-C reaches the whole process group: the ranks ignore SIGINT and
 take SIGTERM as "stop", and the parent turns its first SIGINT or SIGTERM into one SIGTERM per
 rank. A rank that is asked to stop finishes its step; the trainer agrees on stopping with the
-other ranks at the step boundary, saves a checkpoint and returns. A second SIGINT to the
+other ranks at the next log step (at most `train.log_every` steps on), saves a checkpoint and
+returns; an RL rollout under way is cut short within a token (`Interrupted`) and its step
+redone on resume. A second SIGINT to the
 parent kills the ranks at once. Without this parent (torchrun, or one process in the
 command's own process) the rank arms SIGINT and SIGTERM itself (`stop_signals`); torchrun's
 agent forwards the terminal's signal as well, so two signals within half a second count once.
@@ -91,6 +93,11 @@ def stop_requested() -> bool:
     return _CONTROL.stop
 
 
+class Interrupted(Exception):
+    """A stop request ended a long phase inside a step (an RL rollout) early, on every rank
+    together: the trainer abandons the step and saves the one before it."""
+
+
 @contextmanager
 def stop_signals(signals=(signal.SIGINT, signal.SIGTERM)):
     """While inside: the first signal asks to stop at the next step boundary; another one
@@ -131,7 +138,7 @@ def _rank_main(fn, args, rank: int, world: int, port: int, attempt: int, parent:
     global _CONTROL
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _CONTROL = RankControl(rank, beats, steps)
-    signal.signal(signal.SIGTERM, lambda *_: setattr(_CONTROL, "stop", True))
+    signal.signal(signal.SIGTERM, lambda *_: _CONTROL.__dict__.update(stop=True, stop_signal=signal.SIGTERM))
     heartbeat()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -184,7 +191,7 @@ class _Signals:
     def handle(self, signum, frame) -> None:
         if not self.stop:
             self.stop = signum
-            self.log("stopping: every rank saves a checkpoint at the next step boundary "
+            self.log(f"{signal.Signals(signum).name}: stopping; every rank saves a checkpoint at the next log step "
                      "(Ctrl-C again to quit at once)")
         elif signum == signal.SIGINT:
             self.kill = True
@@ -211,7 +218,7 @@ def launch(nproc: int, fn, args: tuple, *, max_restarts: int = 0, heartbeat_s: f
     a fault of the run itself; KeyboardInterrupt after a second SIGINT."""
     ctx = mp.get_context("forkserver")
     # The fork server imports these once (the first start in this process decides).
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "ndtrain.supervisor", *preload])
+    ctx.set_forkserver_preload(["ndtrain.forkserver", "torch", "torch.distributed", "ndtrain.supervisor", *preload])
     signals = _Signals(log=log)
     installed = {}
     if threading.current_thread() is threading.main_thread():

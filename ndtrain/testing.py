@@ -19,8 +19,8 @@ import time
 import traceback
 from typing import Any, Callable
 
-PRELOAD = ["torch", "torch.distributed", "numpy", "ndtrain.parallel.parallelize", "ndtrain.train.trainer",
-           "torch.distributed.pipelining"]  # the pipeline tests' anchor: ~2 s to import, once
+PRELOAD = ["ndtrain.forkserver", "torch", "torch.distributed", "numpy", "ndtrain.parallel.parallelize",
+           "ndtrain.train.trainer", "torch.distributed.pipelining"]  # the pipeline tests' anchor: ~2 s to import, once
 
 
 class RankError(AssertionError):

@@ -11,22 +11,22 @@ import torch
 from helpers import TINY
 
 
-def make_trainer(overrides: list[str], data_dir: str, run_dir: str | None):
+def make_trainer(overrides: list[str], data_dir: str | list[str], run_dir: str | None):
+    """`data_dir`: a prepared directory, or one per source of the config's data.sources."""
     import torch.distributed as dist
 
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import load_config, validate
-    from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
     from ndtrain.train.tasks import Pretrain
     from ndtrain.train.trainer import Trainer
-    from ndtrain.train.worker import mesh_shape, resolve_vocab
+    from ndtrain.train.worker import mesh_shape, open_prepared, resolve_vocab
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     cfg = load_config(None, TINY + overrides)
     resolve_init_from(cfg)
     validate(cfg, world=world)
-    data = PreparedData.open(data_dir)
+    data = open_prepared(cfg, data_dir)
     resolve_vocab(cfg, data)
     mesh = ParallelMesh.build(mesh_shape(cfg))
     return Trainer(cfg, mesh, Pretrain(cfg, data), Path(run_dir) if run_dir else None)
@@ -40,7 +40,7 @@ def full_state(trainer) -> dict | None:
     return {k: v.detach().to(dtype).clone() for k, v in full.items()} if full is not None else None
 
 
-def train(overrides: list[str], data_dir: str, run_dir: str | None, before_fit=None):
+def train(overrides: list[str], data_dir: str | list[str], run_dir: str | None, before_fit=None):
     """Start (resume or init_from) and train; (losses of the steps run, full weights on rank 0,
     the trainer)."""
     trainer = make_trainer(overrides, data_dir, run_dir)

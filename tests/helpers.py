@@ -228,3 +228,20 @@ def assert_losses_close(a: list[float], b: list[float], rtol: float = 1e-5) -> N
     assert len(a) == len(b)
     for i, (x, y) in enumerate(zip(a, b)):
         assert abs(x - y) <= rtol * abs(y), f"step {i}: {x} vs {y}"
+
+
+def refused(argv, root: Path, capsys, fragment: str, code: int = 2) -> str:
+    """`ndtrain argv` (in this process) exits `code` with one line on stderr holding
+    `fragment`, no traceback, and writes nothing under `root`. Returns the line."""
+    from ndtrain.cli import main
+
+    def tree():
+        return sorted(str(p.relative_to(root)) for p in Path(root).rglob("*"))
+    before = tree()
+    got = main(argv)
+    err = capsys.readouterr().err
+    assert got == code, err
+    assert err.count("\n") == 1 and err.startswith("ndtrain: error: ") and "Traceback" not in err, err
+    assert fragment in err, err
+    assert tree() == before, "something was written"
+    return err

@@ -1,7 +1,17 @@
 """What the Hugging Face tests share: a chat tokenizer as instruct models ship them (a BOS its
-post-processor adds, ChatML special tokens, a chat template), built here without a download."""
+post-processor adds, ChatML special tokens, a chat template), built here without a download;
+and tiny HF model folders made from our own models (no `transformers`), which the bad-input
+tests damage."""
 
 from __future__ import annotations
+
+import json
+
+import torch
+
+from ndtrain.model import hf
+from ndtrain.model.args import ModelArgs
+from ndtrain.model.llama import Transformer
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -25,3 +35,26 @@ def chat_tokenizer(vocab: int = 300):
                                                        special_tokens=[("<|begin|>", begin)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|begin|>", eos_token="<|im_end|>",
                                    pad_token="<|endoftext|>", chat_template=CHATML)
+
+
+DENSE = ModelArgs(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, vocab_size=300, max_seq_len=64)
+MOE = DENSE.with_(moe_experts=4, moe_top_k=2, moe_ffn_dim=32, moe_norm_topk=True)  # a Mixtral
+
+
+def make_hf(folder, args=DENSE, tensors=None, config=None):
+    """A HF folder of a random model of `args`; `tensors(state)` and `config(dict)` damage it."""
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(0)
+    state = {}
+    for name, t in Transformer(args).named_parameters():
+        for part in hf.hf_parts(name, args):
+            state[part.hf] = (t if part.expert is None else t[part.expert]).detach().clone()
+    if tensors:
+        tensors(state)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    cfg = hf.hf_config_json(args, "float32")
+    if config:
+        config(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+    return folder

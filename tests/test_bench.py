@@ -24,6 +24,8 @@ from ndtrain.testing import run_ranks
     (["tp", "model.tie_embeddings=true"], "model.tie_embeddings = True: DTensor's plan cannot shard"),
     (["pp", "--nproc", "4"], "--nproc = 4: bench pp compares pipelines alone: use --nproc 2"),
     (["sft", "data.packing=none"], "data.packing = 'none': bench sft cannot apply it"),
+    (["lora", "sft.generate=2"], "sft.generate = 2: bench lora cannot apply it"),
+    (["lora", "lora.rank=0"], "lora.rank = 0: bench lora compares adapters of rank > 0"),
     (["fp8", "train.precision=bf16"], "train.precision = 'bf16': bench fp8 cannot apply it"),
 ])
 def test_a_key_that_would_reach_one_side_only_is_refused(argv, fragment, capsys):

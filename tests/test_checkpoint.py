@@ -165,7 +165,7 @@ def cli_run(tiny_data, tmp_path_factory):
 @pytest.mark.parametrize("overrides, fragment", [
     (["model.init_from=nowhere"], "model.init_from = 'nowhere': expected run:DIR"),
     (["model.init_from=run:/no/such/run"], "model.init_from = 'run:/no/such/run': no such directory"),
-    (["model.init_from=hf:EMPTY"], "Hugging Face model EMPTY: no .safetensors weights"),
+    (["model.init_from=hf:EMPTY"], "Hugging Face model EMPTY = '*.safetensors': none there"),
     (["model.init_from=run:EMPTY"], "EMPTY holds no usable checkpoint"),
     (["model.head_dim=15"], "model.head_dim = 15: head dim 15 must be even for RoPE"),
     (["model.qkv_bias=true", "model.qk_norm=true"], "model.qk_norm = True: with model.qkv_bias as well"),
@@ -225,24 +225,26 @@ def _crash_at(monkeypatch_target, attr, when):
     return lambda: setattr(monkeypatch_target, attr, original)
 
 
-def _crash_and_resume(data_dir, root):
+def _crash_and_resume(data_dir, root, extra):
     """One process, a checkpoint every 2 of 8 steps and only the newest kept. The save of
     step 6 dies (a) between writing and the rename, (b) right after the rename, before the
     read-back and the pruning, with the new files then truncated (what a machine crash does to
     bytes not yet on the disk). Each run is resumed by a fresh trainer, as the command line
-    does."""
+    does. `extra`: run.async_save=true dies in the background thread, and the crash reaches
+    the training loop when it next looks at the save."""
     import os
 
     from ndtrain.checkpoint import store
     root = Path(root)
-    out = {"straight": train(KEEP_ONE, data_dir, str(root / "straight"))[:2]}
+    keep_one = KEEP_ONE + extra
+    out = {"straight": train(keep_one, data_dir, str(root / "straight"))[:2]}
     crashes = {"before-rename": (os, "replace", lambda src, dst: Path(src).name == "step_0000006.tmp"),
                "after-rename": (store, "problem", lambda path: Path(path).name == "step_0000006")}
     for name, (target, attr, when) in crashes.items():
         run = root / name
         restore = _crash_at(target, attr, when)
         try:
-            train(KEEP_ONE, data_dir, str(run))
+            train(keep_one, data_dir, str(run))
             raise AssertionError(f"{name}: the save of step 6 did not crash")
         except Crash:
             pass
@@ -252,17 +254,18 @@ def _crash_and_resume(data_dir, root):
         if name == "after-rename":
             victim = store.step_dir(run, 6) / "rank-00000.safetensors"
             victim.write_bytes(victim.read_bytes()[:100])
-        losses, state, trainer = train(KEEP_ONE, data_dir, str(run))
+        losses, state, trainer = train(keep_one, data_dir, str(run))
         out[name] = {"left": left, "losses": losses, "state": state, "refused": trainer.refused}
     return out
 
 
-def test_a_crash_while_saving_resumes_from_the_previous_good_checkpoint(tiny_data, tmp_path):
+@pytest.mark.parametrize("extra", [[], ["run.async_save=true"]], ids=["sync", "async"])
+def test_a_crash_while_saving_resumes_from_the_previous_good_checkpoint(tiny_data, tmp_path, extra):
     """Issue 19: the previous checkpoint is pruned only once the new one is durable and reads
     back. Whether the save dies before or after its rename, the newest good checkpoint (step
     4) is still there, and the resumed run ends with the losses and weights of a run that
-    never crashed, bit for bit."""
-    out = run_ranks(_crash_and_resume, 1, tiny_data, str(tmp_path), timeout=300)[0]
+    never crashed, bit for bit; the same when the save is written behind training (issue 20)."""
+    out = run_ranks(_crash_and_resume, 1, tiny_data, str(tmp_path), extra, timeout=300)[0]
     straight_losses, straight_state = out["straight"]
     assert out["before-rename"]["left"] == ["latest", "step_0000004", "step_0000006.tmp"]
     assert out["after-rename"]["left"] == ["latest", "step_0000004", "step_0000006"]

@@ -116,6 +116,7 @@ def test_dead_rank_is_named_and_nothing_hangs():
     assert time.monotonic() - t0 < 120
 
 
+@pytest.mark.slow  # heavy and not a layout proof: the slow tier (issue 19 suite budget)
 def test_under_torchrun_ndtrain_is_one_rank_and_resumes_after_an_elastic_restart(tmp_path):
     """torchrun starts the processes; ndtrain reads RANK/WORLD_SIZE and writes a full run dir.
     A worker killed after the first checkpoint makes torchrun restart the group
@@ -345,6 +346,7 @@ def test_stop_after_s_must_be_a_nonnegative_number(tmp_path, capsys, monkeypatch
              "run.stop_after_s = -1.0: must be >= 0")
 
 
+@pytest.mark.slow  # heavy and not a layout proof: the slow tier (issue 19 suite budget)
 def test_resuming_with_model_init_from_warns_that_the_checkpoint_wins(trained_run, tmp_path, capsys):
     """A run started from another run's weights and stopped is resumed by the same command:
     its own checkpoint wins, and model.init_from is named as having no effect."""

@@ -267,8 +267,12 @@ def test_an_idle_key_in_a_file_is_named_too(tmp_path):
     assert [line.split(" = ")[0] for line in lines] == ["parallel.sp", "train.loss_scale_min"]
 
 
-def test_run_nproc_is_idle_under_a_launcher():
-    assert idle(["run.nproc=4"], world=2)[0].startswith("run.nproc = 2 has no effect here: the launcher")
+def test_run_nproc_is_idle_under_a_launcher(tmp_path):
+    """The value named is the one given (4), not the launcher's count validation put in its
+    place; and `nproc = 0` in a file (its default) stays silent although validation
+    resolves it to 2 (issue 27)."""
+    assert idle(["run.nproc=4"], world=2)[0].startswith("run.nproc = 4 has no effect here: the launcher")
+    assert idle([], "[run]\nnproc = 0\n", tmp_path, world=2) == []
 
 
 @pytest.mark.parametrize("overrides", [

@@ -255,7 +255,7 @@ def test_ctrl_c_saves_at_the_step_boundary_and_one_run_holds_a_run_dir(tmp_path,
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 130, err[-2000:]
-    assert "Traceback" not in err and "stopped by a signal after step" in err, err[-2000:]
+    assert "Traceback" not in err and "stopped by SIGINT after step" in err, err[-2000:]
     done = read_metrics(run / "metrics.jsonl")[-1]["step"] + 1
     assert store.read_meta(store.latest(run))["step"] == done  # not a step lost
     wait_for(lambda: not [p for p in ranks if alive(p)], timeout=30, what="the ranks to be gone")
@@ -289,5 +289,5 @@ def test_ctrl_c_in_a_single_process_run_saves_at_the_step_boundary(tiny_data, tm
         presser.join(timeout=30)
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert code == 130 and "stopped by a signal after step" in capsys.readouterr().err
+    assert code == 130 and "stopped by SIGINT after step" in capsys.readouterr().err
     assert store.read_meta(store.latest(run))["step"] == read_metrics(metrics)[-1]["step"] + 1

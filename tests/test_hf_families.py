@@ -237,6 +237,7 @@ def _sft_from(folders: dict, data_path: str, root: str) -> dict:
     return out
 
 
+@pytest.mark.slow  # heavy and not a layout proof: the slow tier (issue 19 suite budget)
 def test_a_short_sft_from_each_family(hf_models, tmp_path, capsys):
     import math
 

@@ -11,7 +11,7 @@ import ndtrain
 
 ROOT = Path(ndtrain.__file__).parent
 LEVELS = {
-    0: ("comm", "data", "deferred", "kernels", "supervisor", "testing", "__init__"),
+    0: ("comm", "data", "deferred", "forkserver", "kernels", "supervisor", "testing", "__init__"),
     1: ("mesh", "model", "launch"),
     2: ("config", "idle_keys"),
     3: ("parallel",),

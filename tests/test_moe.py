@@ -148,6 +148,7 @@ def test_expert_matmul_and_its_gradient_with_empty_groups():
     torch.testing.assert_close(out, torch.cat([x[:2] @ w[0].t(), x[2:] @ w[2].t()]))
 
 
+@pytest.mark.slow  # heavy and not a layout proof: the slow tier (issue 19 suite budget)
 def test_recomputation_reports_each_forward_once():
     """A recomputed block runs its forward twice; the log records the first run only, and
     the gradients are those without recomputation."""

@@ -180,7 +180,7 @@ def test_the_trace_simulates_a_step_from_its_own_costs():
         if name in ("1f1b", "interleaved"):
             w = [0.0] * len(w)
         plan = build_schedule(name, 2, v, 8)
-        rules = [action_costs(f, b, w)(actions) for actions in plan]
+        rules = [action_costs(f, b, w, defer=True)(actions) for actions in plan]  # as the executor runs
         sim = compute_parts(timeline(plan, lambda r, a: rules[r](a)), lambda r, a: f[a.chunk])
         ranks = []
         for rank in sim:
@@ -188,9 +188,36 @@ def test_the_trace_simulates_a_step_from_its_own_costs():
             idle = [Event("wait_F", x.chunk, x.micro, x.end, y.start) for x, y in zip(events, events[1:]) if y.start > x.end]
             ranks.append(events + idle)
         got_f, got_b, got_w, post = chunk_costs(ranks, 2 * v)
+        if name in ("zb", "dualpipev"):  # the first chunk's split backwards are deferred: B nothing, W whole
+            b, w = [0.0] + b[1:], [b[0] + w[0]] + w[1:]
         assert got_f == pytest.approx(f) and got_b == pytest.approx(b) and got_w == pytest.approx(w) and post == 0
         step, _ = simulated_step(ranks, name, 2, v, 8)
         assert step == pytest.approx(measured_step(ranks), rel=1e-12), name
+
+
+def test_deferred_backwards_are_those_nobody_reads_before_their_w():
+    """lists.deferred: a split backward whose input gradient is neither sent nor used by the
+    chunk before it until its W runs: the first chunk's everywhere, and in ZB-V the turn
+    chunk's (its gradient stays on the last rank); never one whose gradient another rank waits
+    for. Simulated as the executor runs them (B free, W whole), they can only shorten the step
+    (what they save on a CPU, the split's own cost, is not in these unit costs)."""
+    from ndtrain.parallel.pipeline.lists import deferred
+    from ndtrain.parallel.pipeline.schedules import B, SEND_B, W, Action, parts
+    lists = build_schedule("zbv", 2, 2, 8)
+    assert deferred(lists[0]) == {(0, i) for i in range(8)} and deferred(lists[1]) == {(2, i) for i in range(8)}
+    zb = build_schedule("zb", 4, 1, 8)
+    assert [deferred(r) for r in zb] == [{(0, i) for i in range(8)}, set(), set(), set()]
+    for name, pp in (("zbv", 2), ("zbv", 4), ("dualpipev", 4), ("zb", 4)):
+        lists = build_schedule(name, pp, 2 if name != "zb" else 1, 8)
+        for r, actions in enumerate(lists):  # every deferred key's gradient is read after its W, if at all
+            flat = [p for a in actions for p in parts(a)]
+            for c, i in deferred(actions):
+                at_w = flat.index(Action(W, c, i))
+                readers = [k for k, a in enumerate(flat) if (a.kind, a.chunk, a.micro) in
+                           ((SEND_B, c, i), (B, c - 1, i))]
+                assert all(k > at_w for k in readers), (name, pp, r, c, i)
+        plain, defer = simulate(lists, 1, 1, 1)[0], simulate(lists, 1, 1, 1, defer=True)[0]
+        assert defer <= plain + 1e-12, (name, pp)
 
 
 def test_partition_counts_the_head_and_can_be_overridden():

@@ -57,6 +57,7 @@ def test_the_planner_uses_the_calibration_of_its_process_count(tmp_path):
 @pytest.mark.parametrize("argv, fragment", [
     (["--nproc", "1"], "--nproc = 1: every layout needs at least 2 ranks"),
     (["parallel.tp=2"], "parallel.tp = '2': bench plan sets the layouts itself"),
+    (["--only", "xx"], "--only = 'xx': matches no layout; names: dp2, zero3 dp2"),
 ])
 def test_bench_plan_refuses(argv, fragment, capsys):
     assert main(["bench", "plan", *argv]) == 2

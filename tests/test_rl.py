@@ -317,7 +317,7 @@ def broken_reward(prompt: str, completion: str, answer: str):
     (["train.global_batch=12"], "train.global_batch = 12: must be divisible by rl.group_size × dp = 8 × 2 = 16"),
     (["rl.reward=no_such_module:f"], "rl.reward = 'no_such_module:f': cannot import it (ModuleNotFoundError"),
     (["rl.reward=test_rl:no_such_function"], "rl.reward = 'test_rl:no_such_function': cannot import it"),
-    (["rl.reward=test_rl:text_reward"], "rl.reward = 'test_rl:text_reward': returned 'good' (str) on a sample"),
+    (["rl.reward=test_rl:text_reward"], "rl.reward = 'test_rl:text_reward': returned 'good' (str), not a number on a sample"),
     (["rl.reward=test_rl:broken_reward"], "rl.reward = 'test_rl:broken_reward': raised KeyError"),
     (["rl.loss=bandit"], "rl.loss = 'bandit': choose one of reinforce, grpo, dr_grpo, dapo"),
     (["rl.temperature=0"], "rl.temperature = 0.0: greedy sampling gives a group the same completion"),

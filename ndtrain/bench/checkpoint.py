@@ -14,13 +14,23 @@ place with `dcp.load`.
   files into the same tensors.
 
 Rounds alternate (ours, DCP); each save goes to a fresh folder, removed after the round, out
-of the timing. Throughput is the state's bytes over the wall time of the slowest rank.
-The last line is the save throughput ratio (above 1.00: ours is faster).
+of the timing. Throughput is the state's bytes over the wall time of the slowest rank; the
+save throughput ratio is above 1.00 where ours is faster.
+
+Then the stall of training per save, synchronous against `run.async_save` (checkpoint/
+background.py). A round is `--steps` training steps after a save at its start, timed on the
+slowest rank: with no save (the baseline), a synchronous save, and an async save (waited for
+at the round's end, as the next save would wait for it); rounds alternate after a warm-up
+round. The stall per save is a kind's median round less the baseline's median, so it holds
+what the save costs the steps beside it too (the background thread shares the cores). The
+last line is the async/sync stall ratio (lower is better: below 1.00, async saves stall
+training less).
 """
 
 from __future__ import annotations
 
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +40,7 @@ import torch.distributed as dist
 
 from ndtrain.bench.common import Bench, Contest, announce, bench_config, describe, report
 from ndtrain.checkpoint import layout, store
+from ndtrain.checkpoint.background import BackgroundSave, save_group
 from ndtrain.checkpoint.sources import CheckpointSource
 from ndtrain.launch import launch_local, shutdown
 
@@ -59,7 +70,7 @@ def _timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _worker(cfg_dict: dict, rounds: int, root: str) -> str:
+def _worker(cfg_dict: dict, rounds: int, steps: int, root: str) -> str:
     import torch.distributed.checkpoint as dcp
 
     c = Contest.start(cfg_dict)
@@ -103,9 +114,50 @@ def _worker(cfg_dict: dict, rounds: int, root: str) -> str:
                        "ndtrain/torch-dcp load", numerator="ndtrain load", denominator="torch-dcp load")
         saves = report({k: times[k] for k in ("ndtrain save", "torch-dcp save")}, mb, "MB/s",
                        "ndtrain/torch-dcp save", numerator="ndtrain save", denominator="torch-dcp save")
-        return "\n".join([head, loads, saves])
+        return "\n".join([head, loads, saves, _stall(c, root, rounds, steps)])
     finally:
         shutdown()
+
+
+def _stall(c, root: Path, rounds: int, steps: int) -> str:
+    """Seconds of training per round of `steps` steps with no save, a synchronous save or an
+    async one at its start (module docstring); the table and the stall ratio line."""
+    par, optimizer, tie = c.ours.par, c.ours.optimizer, c.args.tie_embeddings
+    saver = BackgroundSave(par.mesh.device, save_group(600.0))
+    meta = {"model_args": c.args.to_dict()}
+
+    def save_async(folder):
+        entries, facts = layout.share(1, par, optimizer, tie, meta)
+        saver.start(folder, 1, entries, facts)
+
+    kinds = {"no save": lambda folder: None,
+             "sync save": lambda folder: layout.save(folder, 1, par, optimizer, tie, meta),
+             "async save": save_async}
+    times: dict[str, list[float]] = {k: [] for k in kinds}
+    for k in range(rounds + 1):  # round 0 warms up (and allocates the async side's host buffers)
+        for name, save in kinds.items():
+            folder = root / f"stall{k}-{name.split()[0]}"
+
+            def round_():
+                save(folder)
+                for _ in range(steps):
+                    c.step_ours()
+                saver.wait()
+            t = _timed(round_)
+            if dist.get_rank() == 0:
+                shutil.rmtree(folder, ignore_errors=True)
+            dist.barrier()
+            if k:
+                times[name].append(t)
+    med = {n: statistics.median(v) for n, v in times.items()}
+    stall = {n: med[n] - med["no save"] for n in ("sync save", "async save")}
+    lines = [f"training stall per save: rounds of {steps} steps after a save, seconds (slowest rank)",
+             "round  " + "  ".join(f"{n:>10}" for n in kinds)]
+    lines += [f"{i + 1:>5}  " + "  ".join(f"{times[n][i]:>10.3f}" for n in kinds) for i in range(rounds)]
+    lines.append("median " + "  ".join(f"{med[n]:>10.3f}" for n in kinds))
+    lines.append(f"stall per save: sync {stall['sync save']:.3f} s, async {stall['async save']:.3f} s")
+    lines.append(f"ndtrain async/sync checkpoint stall ratio: {stall['async save'] / stall['sync save']:.2f}")
+    return "\n".join(lines)
 
 
 def run(args) -> int:
@@ -114,7 +166,7 @@ def run(args) -> int:
     announce(args, cfg, f"bench checkpoint: {args.nproc} ranks, dp={cfg.parallel.dp} · {describe(cfg)} · "
                         f"{args.rounds} rounds, alternating · {root}")
     try:
-        print(launch_local(args.nproc, _worker, cfg.to_dict(), args.rounds, str(root))[0])
+        print(launch_local(args.nproc, _worker, cfg.to_dict(), args.rounds, args.steps, str(root))[0])
     finally:
         if not args.out:
             shutil.rmtree(root, ignore_errors=True)

@@ -13,7 +13,6 @@ object: tokens_per_s, mfu, step_s, first_step_s, peak_memory_gib.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 
@@ -83,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"ndtrain: {e}", file=sys.stderr)
         return 2
-    print(json.dumps(result), flush=True)
+    from ndtrain.observe.metrics import strict_json
+    print(strict_json(result), flush=True)
     return 0
 
 

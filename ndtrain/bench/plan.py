@@ -58,7 +58,11 @@ def configs(args) -> list[tuple[str, dict]]:
     """Each row's configuration, validated for --nproc ranks; the user's keys (model.*,
     train.*) apply to every row (model.moe_* to the mixture of experts only)."""
     rows = []
-    for name, overrides in layouts(args.nproc):
+    only = [x.strip() for x in (getattr(args, "only", None) or "").split(",") if x.strip()]
+    chosen = [(name, o) for name, o in layouts(args.nproc) if not only or any(name.startswith(x) for x in only)]
+    if not chosen:
+        raise ConfigError("--only", args.only, f"matches no layout; names: {', '.join(n for n, _ in layouts(args.nproc))}")
+    for name, overrides in chosen:
         moe = "model.preset=olmoe-1b-7b" in overrides
         mine = [o for o in args.overrides if moe or not o.strip().startswith("model.moe_")]
         cfg = load_config(args.config, [*SETTINGS, *overrides, *mine])

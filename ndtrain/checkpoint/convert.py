@@ -22,6 +22,7 @@ import torch
 
 from ndtrain import config as config_mod
 from ndtrain.checkpoint import hf_files, store
+from ndtrain.checkpoint.adapter import adapted, base_model_path, check_adapter, merged_fetch, write_adapter
 from ndtrain.checkpoint.files import write_safetensors
 from ndtrain.checkpoint.slices import Piece
 from ndtrain.checkpoint.sources import MOE_KEYS, SHAPE_KEYS, CheckpointSource, HFSource
@@ -30,6 +31,7 @@ from ndtrain.config import ConfigError
 from ndtrain.data.tokenizer import TextTokenizer
 from ndtrain.model import hf
 from ndtrain.model.args import ModelArgs
+from ndtrain.model.lora import is_adapter
 
 DTYPE_NAMES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 HF_DTYPE = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64"}
@@ -49,12 +51,18 @@ def checkpoint_of(path: Path, report=print) -> Path:
     return found
 
 
-def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrite: bool = False) -> Path:
+def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrite: bool = False,
+          adapter: bool = False) -> Path:
     """Export the newest good checkpoint of `run` as a Hugging Face model folder `out`: in
     the family and dtype the model came from (unless `dtype`), with the run's tokenizer
-    files and generation config. A non-empty `out` is refused unless `overwrite`, which
-    clears its model files first. Every refusal comes before anything is written."""
-    path = checkpoint_of(run, report)
+    files and generation config; a LoRA run's adapters merged into their weights, or with
+    `adapter`, only the adapters, as a PEFT adapter folder (checkpoint/adapter.py). A
+    non-empty `out` is refused unless `overwrite`, which clears its model files first.
+    Every refusal comes before anything is written."""
+    try:
+        path = checkpoint_of(run, report)
+    except CheckpointError as e:  # no checkpoint of the run given can be read: bad input, nothing written
+        raise ConfigError("--to-hf", str(run), str(e)) from None
     meta = store.read_meta(path)
     args = ModelArgs(**meta["model_args"])
     run_dir = path.parent.parent
@@ -66,12 +74,18 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrit
     if ((meta.get("config") or {}).get("train") or {}).get("moe_bias_rate"):
         raise ConfigError("--to-hf", str(run), "the routers' selection bias (train.moe_bias_rate > 0) has no place "
                           "in a Hugging Face Mixtral or Qwen3-MoE; exporting would change which experts tokens choose")
+    if adapter:
+        check_adapter(args, family, run)
+    check_output_dir("--out", out, run, run_dir, path)
     try:
         hf_files.clear_for_export(out, overwrite)
     except ValueError as e:
         raise ConfigError("--out", str(out), str(e)) from None
     source = CheckpointSource(path, meta)
     weights = {k[len("weight/"):]: t for k, t in meta["tensors"].items() if k.startswith("weight/")}
+    if adapter:
+        out.mkdir(parents=True, exist_ok=True)
+        return write_adapter(source, weights, args, family, base_model_path(meta), out)
     target = _export_dtype(dtype, base, weights)
     out.mkdir(parents=True, exist_ok=True)
     write_safetensors(out / "model.safetensors", _hf_entries(source, weights, args, family, target), {"format": "pt"})
@@ -101,11 +115,15 @@ def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family
     ours, one expert of a stack, or (Phi-3) ours stacked by rows."""
     pieces: dict[str, list] = {}
     for name, t in weights.items():
+        if is_adapter(name):  # folded into its base weight (merged_fetch)
+            continue
         shape = tuple(t["shape"])
         for part in hf.hf_parts(name, args, family):
             stored = shape if part.expert is None else shape[1:]
-            pieces.setdefault(part.hf, []).append((part.rows or (0, stored[0]), stored,
-                                                   _fetch(source, f"weight/{name}", shape, part.expert, target)))
+            fetch = _fetch(source, f"weight/{name}", shape, part.expert, target)
+            if f"{adapted(name)}.lora.a" in weights:
+                fetch = merged_fetch(source, name, weights, args, target)
+            pieces.setdefault(part.hf, []).append((part.rows or (0, stored[0]), stored, fetch))
     entries = []
     for hf_name, parts in pieces.items():
         parts.sort(key=lambda p: p[0])
@@ -128,9 +146,19 @@ def _fetch(source: CheckpointSource, key: str, shape: tuple, expert: int | None,
     return read
 
 
+def check_output_dir(key: str, out: Path, *sources: Path) -> None:
+    """Refuse an output folder that cannot be written, is a file, or is a source itself."""
+    config_mod.check_writable_dir(key, str(out))
+    for source in sources:
+        if Path(out).expanduser().resolve() == Path(source).expanduser().resolve():
+            raise ConfigError(key, str(out), f"is the folder being converted ({source}); write to a new folder")
+
+
 def from_hf(folder: Path, run: Path) -> Path:
     """A run directory whose step-0 checkpoint holds the weights of the HF model `folder`."""
     source = HFSource(folder)
+    check_output_dir("--to", run, folder)
+    source.check()  # every tensor against config.json, and finite, before a byte is written
     if store.steps_of(run):
         raise ConfigError("--to", str(run), "already holds checkpoints; choose another directory")
     tensors = []
@@ -142,7 +170,7 @@ def from_hf(folder: Path, run: Path) -> Path:
     cfg = config_mod.Config()
     for key in SHAPE_KEYS + ("max_seq_len",) + (MOE_KEYS if args.is_moe else ()):
         setattr(cfg.model, key, config_mod.model_key_value(args, key))
-    run.mkdir(parents=True, exist_ok=True)
+    (run / "checkpoints").mkdir(parents=True, exist_ok=True)  # first: it marks an ndtrain run (config/paths.py)
     if (Path(folder) / "tokenizer.json").is_file():
         shutil.copyfile(Path(folder) / "tokenizer.json", run / "tokenizer.json")
         cfg.data.tokenizer = str((run / "tokenizer.json").resolve())

@@ -107,11 +107,67 @@ def sha256_of(path: Path) -> str:
     return digest.hexdigest()
 
 
+MAX_HEADER = 100 << 20  # what the safetensors library itself accepts
+
+
+class SafetensorsError(ValueError):
+    """A file that is not a readable safetensors file: `reason` says why, `str` adds its name."""
+
+    def __init__(self, path: Path, reason: str):
+        self.reason = reason
+        super().__init__(f"{Path(path).name}: {reason}")
+
+
 def header_of(path: Path) -> dict:
-    """The JSON header of a safetensors file (no tensor is read)."""
+    """The JSON header of a safetensors file (no tensor is read), every entry checked
+    against the file: a known dtype, a shape of non-negative integers, and a byte range
+    inside the file whose length is the shape's. Raises ValueError naming what is wrong (a
+    truncated or corrupt file, a header length no file has): SafetensorsError."""
+    header, _ = _header_and_start(Path(path))
+    return header
+
+
+def _header_and_start(path: Path) -> tuple[dict, int]:
+    size = path.stat().st_size
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
+        head = f.read(8)
+        if len(head) < 8:
+            raise SafetensorsError(path, f"not a safetensors file ({size} bytes, shorter than its header length)")
+        (n,) = struct.unpack("<Q", head)
+        if n > min(MAX_HEADER, size - 8):
+            raise SafetensorsError(path, f"not a safetensors file, or truncated: its header claims {n} bytes, "
+                                         f"the file has {size}")
+        try:
+            header = json.loads(f.read(n).decode())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise SafetensorsError(path, "not a safetensors file: its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(path, "not a safetensors file: its header is not a JSON object")
+    data = size - 8 - n
+    for key, info in header.items():
+        if key != "__metadata__":
+            problem = _entry_problem(info, data)
+            if problem:
+                raise SafetensorsError(path, f"tensor {key!r} {problem} (a corrupt or truncated file)")
+    return header, 8 + n
+
+
+def _entry_problem(info, data_bytes: int) -> str | None:
+    """Why a header entry cannot be read from `data_bytes` bytes of data (None: it can)."""
+    if not isinstance(info, dict) or info.get("dtype") not in NAMES:
+        return f"has no dtype of {', '.join(NAMES)}"
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                              for d in shape):
+        return f"has the shape {shape!r}, not a list of non-negative integers"
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) for o in offsets)):
+        return f"has the byte range {offsets!r}"
+    nbytes = math.prod(shape) * torch.empty((), dtype=NAMES[info["dtype"]]).element_size()
+    if not 0 <= offsets[0] <= offsets[1] or offsets[1] - offsets[0] != nbytes:
+        return f"has the byte range {offsets}, its shape {shape} and dtype {info['dtype']} need {nbytes} bytes"
+    if offsets[1] > data_bytes:
+        return f"ends at byte {offsets[1]} of the data, the file holds {data_bytes}"
+    return None
 
 
 class Reader:
@@ -124,13 +180,11 @@ class Reader:
 
     def _file(self, path: Path):
         if path not in self._open:
-            with open(path, "rb") as f:
-                (n,) = struct.unpack("<Q", f.read(8))
-                header = json.loads(f.read(n))
+            header, start = _header_and_start(Path(path))
             size = path.stat().st_size
-            data = np.memmap(path, dtype=np.uint8, mode="c", offset=8 + n, shape=(size - 8 - n,)) \
-                if size > 8 + n else np.zeros(0, np.uint8)
-            self._open[path] = (data, header, 8 + n)
+            data = np.memmap(path, dtype=np.uint8, mode="c", offset=start, shape=(size - start,)) \
+                if size > start else np.zeros(0, np.uint8)
+            self._open[path] = (data, header, start)
         return self._open[path]
 
     def read(self, path: Path, key: str, lo: int, hi: int) -> torch.Tensor:

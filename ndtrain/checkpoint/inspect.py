@@ -36,6 +36,13 @@ def _cheap_problem(folder: Path) -> str | None:
 
 def _one(folder: Path, verify: bool) -> str:
     meta = store.read_meta(folder)
+    try:
+        return _describe(folder, meta, verify)
+    except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+        raise CheckpointError(f"checkpoint {folder}: meta.json is damaged ({type(e).__name__}: {e})") from None
+
+
+def _describe(folder: Path, meta: dict, verify: bool) -> str:
     a = meta["model_args"]
     layout = " × ".join(f"{d}={n}" for d, n in meta.get("mesh", {}).items() if n > 1) or "single process"
     saved = datetime.datetime.fromtimestamp(meta["saved_at"]).isoformat(" ", "seconds")

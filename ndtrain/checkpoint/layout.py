@@ -9,7 +9,9 @@ plus a few numbers in meta.json (the step, AdamW's step count, the fp16 loss sca
 What a rank holds of them comes from two facts each dimension states about itself:
 - `states.optim_slices()` (parallel/states.py, parallel/zero.py): each tensor the
   optimizer updates, and the flat range of which local parameter it holds (a ZeRO shard
-  holds a range of its flat buffer, the parameter or its master holds all of it);
+  holds a range of its flat buffer, the parameter or its master holds all of it); and
+  `states.frozen_slices()`, the same for the weights that do not train (LoRA's base), which
+  have no moments;
 - `placement.region_of(param)`: where that local parameter sits in the global one (a
   tensor-parallel chunk; a pipeline stage holds whole parameters under global names).
 A new dimension that splits parameters only marks their regions; one that shards states
@@ -36,6 +38,7 @@ from ndtrain.checkpoint import store
 from ndtrain.checkpoint.slices import Piece
 from ndtrain.checkpoint.store import CheckpointError
 from ndtrain.mesh import DIMS, ParallelMesh
+from ndtrain.model.lora import is_adapter
 from ndtrain.parallel.placement import is_duplicate, region_of, shard_dims
 from ndtrain.parallel.states import persistent_buffers
 
@@ -61,12 +64,14 @@ def held(states, tie_embeddings: bool, moments=None, kinds=("weight",)) -> list[
     With the weights come the model's persistent buffers (`buffer/NAME`: an MoE router's
     bias), whole on every rank of a stage."""
     out = []
-    for s in states.optim_slices():
+    # The weights the optimizer does not update (LoRA's base) are stored too, without moments.
+    frozen = [(s, ("weight",)) for s in states.frozen_slices()] if "weight" in kinds else []
+    for s, its_kinds in [(s, kinds) for s in states.optim_slices()] + frozen:
         region = region_of(s.param)
         piece = Piece(region.shape, region.offsets, tuple(s.param.shape), s.start, s.stop)
         name = TIED.get(s.name, s.name) if tie_embeddings else s.name
         replicated = replicated_dims(s.holder)
-        for kind in kinds:
+        for kind in its_kinds:
             t = s.holder if kind == "weight" else (moments or {}).get(s.holder, {}).get(kind)
             if t is not None:
                 data = t.detach().view(-1)[s.at:s.at + s.stop - s.start]
@@ -131,6 +136,12 @@ def save(run_dir, step: int, par, optimizer: torch.optim.Optimizer, tie_embeddin
          keep: int = 0):
     """Write the layout's training state as a checkpoint of global tensors. Refuses (on
     every rank) to write NaN or inf. Collective."""
+    return store.save(run_dir, step, *share(step, par, optimizer, tie_embeddings, meta), keep)
+
+
+def share(step: int, par, optimizer: torch.optim.Optimizer, tie_embeddings: bool, meta: dict) -> tuple[list, dict]:
+    """What this rank writes of the layout's training state, (key, piece, live 1-D data)
+    each, and meta.json's facts. Refuses (on every rank) NaN or inf. Collective."""
     pieces = held(par.states, tie_embeddings, optimizer.state, ("weight",) + MOMENTS)
     mine = my_share(pieces, par.mesh)
     if not all_finite(mine, par.mesh.device):
@@ -142,7 +153,7 @@ def save(run_dir, step: int, par, optimizer: torch.optim.Optimizer, tie_embeddin
     mesh = par.mesh
     meta = {**meta, "optimizer_step": steps.pop() if steps else 0,
             "mesh": dict(zip(DIMS, mesh.shape.sizes))}
-    return store.save(run_dir, step, [(h.key, h.piece, h.data) for h in mine], meta, keep)
+    return [(h.key, h.piece, h.data) for h in mine], meta
 
 
 @torch.no_grad()
@@ -160,8 +171,8 @@ def load(source, par, tie_embeddings: bool, optimizer: torch.optim.Optimizer | N
         moments = {t: {k: _moment(optimizer.state.get(t, {}).get(k), t) for k in MOMENTS} for t in holders}
     kinds = ("weight",) + (MOMENTS if with_moments else ())
     for h in held(par.states, tie_embeddings, moments, kinds):
-        if h.key.startswith("buffer/") and not source.holds(h.key):
-            continue  # a source without the buffer (HF weights): it keeps its initial value
+        if (h.key.startswith("buffer/") or is_adapter(h.key)) and not source.holds(h.key):
+            continue  # a source without the buffer (HF weights) or the LoRA adapter: its initial value
         source.fill(h.key, h.piece, h.data)
     if with_moments:
         install_moments(optimizer, moments, optimizer_step)
@@ -192,6 +203,9 @@ def load_model(source, model: torch.nn.Module) -> None:
     convert), or one whose split parameters carry their regions (a tensor-parallel one: RL's
     generation layout), each reading only its box."""
     for name, p in model.named_parameters():  # a tied parameter once, under its first name
+        if is_adapter(name) and not source.holds(f"weight/{name}"):
+            p.zero_()  # a source without LoRA adapters (the base model): they add nothing
+            continue
         region = region_of(p)
         data = torch.empty(p.numel(), dtype=p.dtype)
         source.fill(f"weight/{name}", Piece(region.shape, region.offsets, tuple(p.shape)), data)

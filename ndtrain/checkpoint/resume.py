@@ -16,12 +16,14 @@ from dataclasses import fields
 from ndtrain.config import Config, ConfigError
 from ndtrain.model.args import ModelArgs
 
-FIXED = ("data.path", "data.tokenizer", "data.vocab_size", "data.val_fraction", "data.jsonl_key",
+FIXED = ("data.path", "data.sources", "data.tokenizer", "data.vocab_size", "data.val_fraction", "data.jsonl_key",
          "train.seq_len", "train.global_batch", "train.seed")
 FREE_ARGS = ("max_seq_len", "dropout")  # change what is computed, not what the weights are
 
 
 def _normal(key: str, value):
+    if key == "data.sources":  # a mixture: its sources, their paths absolute
+        return [{**s, "path": _normal("data.path", s["path"])} for s in value]
     if key in ("data.path", "data.tokenizer") and value and value != "stdlib":
         return os.path.abspath(os.path.expanduser(value))
     return value

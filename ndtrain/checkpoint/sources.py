@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ndtrain.checkpoint import store
-from ndtrain.checkpoint.files import Reader, header_of
+from ndtrain.checkpoint.files import Reader, SafetensorsError, header_of
 from ndtrain.checkpoint.slices import Piece, copy_overlap, real_numel
 from ndtrain.checkpoint.store import CheckpointError
 from ndtrain.config import FAMILY_KEYS, Config, ConfigError, model_key_value
@@ -40,6 +41,7 @@ class Source:
     def __init__(self):
         self.reader = Reader()
         self.index: dict[str, tuple[tuple[int, ...], list[tuple[Piece, object]]]] = {}
+        self.dtypes: dict[str, set[str]] = {}  # the dtypes each tensor is stored in
 
     def has(self, kind: str) -> bool:
         return any(key.startswith(kind + "/") for key in self.index)
@@ -70,6 +72,7 @@ class CheckpointSource(Source):
             parts = [(Piece.from_json(t["shape"], p), partial(self.reader.read, self.path / p["file"], p["key"]))
                      for p in t["pieces"]]
             self.index[key] = (tuple(t["shape"]), parts)
+            self.dtypes[key] = {t.get("dtype")}
 
 
 class HFSource(Source):
@@ -86,9 +89,17 @@ class HFSource(Source):
         self.config = hf_config_of(self.folder)
         self.args = hf_args(self.folder, self.config)
         self.family = hf.family_of_config(self.config)
+        self.hf_name: dict[str, str] = {}  # our key -> the HF tensor that holds it
+        self.found: list[str] = []  # the HF tensors of the files
         found: dict[str, Path] = {}
         for file in files:
-            for name, info in header_of(file).items():
+            try:
+                header = header_of(file)
+            except SafetensorsError as e:
+                raise ConfigError(self.where, file.name, e.reason) from None
+            except OSError as e:
+                raise ConfigError(self.where, file.name, f"cannot be read ({e.strerror})") from None
+            for name, info in header.items():
                 if name == "__metadata__":
                     continue
                 if name in found:
@@ -96,9 +107,30 @@ class HFSource(Source):
                                       "is in two files; with no model.safetensors.index.json every *.safetensors "
                                       "file of the folder is read: remove the stray one")
                 found[name] = file
-                self._add(file, name, tuple(info["shape"]))
+                self.found.append(name)
+                self._add(file, name, tuple(info["shape"]), info["dtype"])
 
-    def _add(self, file: Path, name: str, stored: tuple[int, ...]) -> None:
+    def check(self, finite: bool = True) -> None:
+        """Refuse, naming the tensor, weights that are not the model config.json describes
+        (checkpoint/imports.py); with `finite`, also any NaN or infinite value."""
+        from ndtrain.checkpoint.imports import check_finite, check_tensors, expected_shapes, missing_error
+        wanted = {part.hf for key in expected_shapes(self.args) if key != "weight/output.weight" or
+                  not self.args.tie_embeddings for part in hf.hf_parts(key[len("weight/"):], self.args, self.family)}
+        missing = wanted - set(self.found)
+        if missing:
+            raise missing_error(self.where, missing, self.args)
+        name_of = partial(self._hf_name_of)
+        check_tensors(self, self.args, self.where, name_of)
+        if finite:
+            check_finite(self, self.where, name_of)
+
+    def _hf_name_of(self, key: str) -> str:
+        if key in self.hf_name:
+            return self.hf_name[key]
+        parts = hf.hf_parts(key[len("weight/"):], self.args, self.family)
+        return parts[0].hf if len(parts) == 1 else f"{parts[0].hf} (experts 0-{len(parts) - 1})"
+
+    def _add(self, file: Path, name: str, stored: tuple[int, ...], dtype: str) -> None:
         try:
             parts = hf.our_parts(name, self.args, self.family)
         except KeyError:
@@ -106,6 +138,12 @@ class HFSource(Source):
                               f"{self.family.model_type} model; a stray .safetensors file, or a model this "
                               "family does not describe") from None
         for ours, part in parts:
+            self.dtypes.setdefault(f"weight/{ours}", set()).add(dtype)
+            self.hf_name.setdefault(f"weight/{ours}", name if part.expert is None else
+                                    re.sub(r"experts\.\d+\.", "experts.{j}.", name))
+            if part.expert is not None and not 0 <= part.expert < self.args.moe_experts:
+                raise ConfigError(f"{self.where}: {file.name}", name, f"an expert the config does not have (it "
+                                  f"has {self.args.moe_experts})")
             if ours == "output.weight" and self.args.tie_embeddings:
                 continue
             read = partial(self.reader.read, file, name)
@@ -141,13 +179,21 @@ def hf_config_of(folder: Path) -> dict:
     """config.json of a HF model folder, refusing a LoRA adapter's folder first."""
     folder = Path(folder)
     refuse_adapter(folder)
-    try:
-        config = json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"Hugging Face model {folder}: config.json unreadable ({e})") from None
+    config = json_object(folder / "config.json", f"Hugging Face model {folder}")
     if not isinstance(config, dict):
-        raise CheckpointError(f"Hugging Face model {folder}: config.json is not a JSON object")
+        raise ConfigError(f"Hugging Face model {folder}", "config.json", "is not a JSON object")
     return config
+
+
+def json_object(path: Path, where: str):
+    """The JSON value of a file; a missing, unreadable or non-JSON file is a ConfigError."""
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise ConfigError(where, Path(path).name, "is missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ConfigError(where, Path(path).name, f"is not a JSON file ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0] if str(e) else 'unreadable'})") from None
 
 
 def hf_args(folder: Path, config: dict | None = None) -> ModelArgs:
@@ -162,15 +208,23 @@ def hf_args(folder: Path, config: dict | None = None) -> ModelArgs:
 def weight_files(folder: Path) -> list[Path]:
     index = Path(folder) / "model.safetensors.index.json"
     if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        weight_map = (json_object(index, f"Hugging Face model {folder}") or {})
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) and v and Path(v).name == v
+                                                       for v in weight_map.values()):
+            raise ConfigError(f"Hugging Face model {folder}", index.name, "has no weight_map naming each tensor's "
+                              "file of this folder (a JSON object of names to file names)")
+        names = sorted(set(weight_map.values()))
         files = [Path(folder) / n for n in names]
     else:
         files = sorted(Path(folder).glob("*.safetensors"))
     if not files:
-        raise CheckpointError(f"Hugging Face model {folder}: no .safetensors weights (only safetensors are read)")
+        raise ConfigError(f"Hugging Face model {folder}", "*.safetensors", "none there (only safetensors weights "
+                          "are read)")
     missing = [f.name for f in files if not f.is_file()]
     if missing:
-        raise CheckpointError(f"Hugging Face model {folder}: {missing[0]} is missing")
+        raise ConfigError(f"Hugging Face model {folder}", missing[0], "is missing (model.safetensors.index.json "
+                          "names it)")
     return files
 
 
@@ -245,17 +299,35 @@ def source_args(value: str) -> tuple[ModelArgs, Path | None]:
     if not path.is_dir():
         raise ConfigError("model.init_from", value, "no such directory")
     try:
-        if kind == "hf":  # the tensor names too (headers only), so a stray file is refused before launch
+        if kind == "hf":  # every tensor checked here, so a bad folder is refused before anything is written
             tokenizer = path / "tokenizer.json"
-            return HFSource(path).args, tokenizer if tokenizer.is_file() else None
+            source = HFSource(path)
+            source.check()
+            return source.args, tokenizer if tokenizer.is_file() else None
         checkpoint = init_checkpoint(path)
         if checkpoint is None:
             raise CheckpointError(f"{path} holds no usable checkpoint")
         run_dir = path if checkpoint != path else path.parent.parent
         tokenizer = run_dir / "tokenizer.json"
-        return ModelArgs(**store.read_meta(checkpoint)["model_args"]), tokenizer if tokenizer.is_file() else None
+        return checked_run_source(checkpoint), tokenizer if tokenizer.is_file() else None
     except CheckpointError as e:
         raise ConfigError("model.init_from", value, str(e)) from None
+
+
+def checked_run_source(checkpoint: Path) -> ModelArgs:
+    """The model of a checkpoint of ours, after the checks an import gets (checkpoint/imports.py)."""
+    from ndtrain.checkpoint.imports import check_args, check_finite, check_tensors
+    meta = store.read_meta(checkpoint)
+    where = f"checkpoint {checkpoint}"
+    try:
+        args = ModelArgs(**meta["model_args"])
+        source = CheckpointSource(checkpoint, meta)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise CheckpointError(f"{where}: meta.json is damaged ({type(e).__name__}: {e})") from None
+    check_args(args, where, "meta.json model_args")
+    check_tensors(source, args, where)
+    check_finite(source, where)
+    return args
 
 
 def resolve_init_from(cfg: Config) -> None:
@@ -264,6 +336,9 @@ def resolve_init_from(cfg: Config) -> None:
     if not cfg.model.init_from:
         return
     args, tokenizer = source_args(cfg.model.init_from)
+    if args.lora_rank:  # its base weights alone are not the model it trained
+        raise ConfigError("model.init_from", cfg.model.init_from, "holds LoRA adapters; start from its merged "
+                          "weights: ndtrain convert --to-hf RUN --out DIR, then model.init_from=hf:DIR")
     for key in SHAPE_KEYS + (MOE_KEYS if args.is_moe else ()):
         mine, theirs = getattr(cfg.model, key), model_key_value(args, key)
         if mine is not None and mine != theirs:

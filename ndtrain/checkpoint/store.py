@@ -17,7 +17,14 @@ renames it to `step_N/` and fsyncs `checkpoints/`. Then every rank checks the ne
 as a resume would (`problem`: sizes and SHA-256), and only then does rank 0 point `latest`
 at it and prune older ones. A crash at any moment (a machine's included: nothing is renamed
 before its bytes are on the disk) leaves the previous good checkpoints complete, and at most
-a `.tmp` folder, which the next save removes.
+a `.tmp` folder, which the next save removes. Each of these phases ends with the ranks
+agreeing (`_together`): an error on one rank is raised on every rank. `run.async_save` runs
+this same `save` in a thread, over a process group of its own (checkpoint/background.py).
+
+A write that fails (a full disk: ENOSPC, a quota: EDQUOT, any other OSError) raises
+`CheckpointWriteError`, one line naming the path and, for a full disk, the bytes this
+rank's share needs and the bytes free; the failing rank removes its partial file, `latest`
+still names the previous good checkpoint, and the trainer stops (train/trainer.py).
 
 Checking (`problem`): meta.json must parse and be of this format, every file must exist
 with its recorded size (cheap, before anything heavier), and its SHA-256 must match (each
@@ -27,8 +34,10 @@ first that passes, naming the file that disqualified each one it skips.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -39,6 +48,7 @@ import torch.distributed as dist
 
 from ndtrain.checkpoint.files import DTYPES, fsync_dir, sha256_of, write_durably, write_safetensors
 from ndtrain.checkpoint.slices import Piece
+from ndtrain.model.args import ModelArgs, shape_problem
 
 FORMAT, VERSION = "ndtrain-checkpoint", 2
 _STEP = re.compile(r"step_(\d+)")
@@ -46,6 +56,25 @@ _STEP = re.compile(r"step_(\d+)")
 
 class CheckpointError(RuntimeError):
     """A checkpoint that cannot be used; the message names the file."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A checkpoint could not be written (a full disk); the previous ones are untouched."""
+
+
+def write_error(e: OSError, path: Path, need: int, step: int) -> CheckpointWriteError:
+    """One line for a failed write of `path`, where this rank's share needs `need` bytes."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        probe = Path(path)
+        while not probe.exists() and probe != probe.parent:
+            probe = probe.parent
+        free = shutil.disk_usage(probe).free
+        return CheckpointWriteError(f"step {step}: no space left on the device writing {path}: this rank's share "
+                                    f"of the checkpoint needs {need:,} bytes, {free:,} are free; the previous "
+                                    "checkpoints are kept (free space, or lower train.keep_checkpoints, and run "
+                                    "the command again to continue)")
+    return CheckpointWriteError(f"step {step}: writing {path} failed ({e.strerror or e}); the previous checkpoints "
+                                "are kept")
 
 
 def step_dir(run_dir: Path, step: int) -> Path:
@@ -89,7 +118,57 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"checkpoint {path}: meta.json is not an {FORMAT} file")
     if meta.get("version") != VERSION:
         raise CheckpointError(f"checkpoint {path}: format version {meta.get('version')}, this ndtrain reads {VERSION}")
+    reason = meta_problem(meta)
+    if reason:
+        raise CheckpointError(f"checkpoint {path}: meta.json is damaged: {reason}")
     return meta
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _ints(x) -> bool:
+    return isinstance(x, list) and all(_is_int(v) and v >= 0 for v in x)
+
+
+def _model_args_problem(args) -> str | None:
+    if not isinstance(args, dict):
+        return "model_args is not an object"
+    try:
+        problem = shape_problem(ModelArgs(**args))
+    except (TypeError, ValueError, ZeroDivisionError) as e:
+        return f"model_args is not a model ({type(e).__name__}: {e})"
+    return f"model_args {problem[0]} = {problem[1]!r}: {problem[2]}" if problem else None
+
+
+def meta_problem(meta: dict) -> str | None:
+    """What in a parsed meta.json is not of the type its readers need (None: nothing): the
+    step, the model's args, each file's size and hash, each tensor's shape, dtype and pieces."""
+    if not _is_int(meta.get("step")) or meta["step"] < 0:
+        return f"step is {meta.get('step')!r}, not a non-negative integer"
+    if not isinstance(meta.get("saved_at", 0), (int, float)):
+        return f"saved_at is {meta.get('saved_at')!r}, not a number"
+    if "model_args" in meta:  # (a training checkpoint's; the store itself does not need one)
+        problem = _model_args_problem(meta["model_args"])
+        if problem:
+            return problem
+    files, tensors = meta.get("files"), meta.get("tensors")
+    if not isinstance(files, dict) or not all(isinstance(f, dict) and _is_int(f.get("bytes")) and isinstance(
+            f.get("sha256"), str) for f in files.values()):
+        return "files is not an object of {name: {bytes, sha256}}"
+    if not isinstance(tensors, dict):
+        return "tensors is not an object"
+    for key, t in tensors.items():
+        if not (isinstance(t, dict) and _ints(t.get("shape")) and t.get("dtype") in DTYPES.values()
+                and isinstance(t.get("pieces"), list)):
+            return f"tensor {key!r} has no shape (a list of sizes), dtype ({', '.join(DTYPES.values())}) and pieces"
+        for piece in t["pieces"]:
+            if not (isinstance(piece, dict) and piece.get("file") in files and isinstance(piece.get("key"), str)
+                    and _ints(piece.get("offsets")) and _ints(piece.get("box")) and _is_int(piece.get("start"))
+                    and _is_int(piece.get("stop"))):
+                return f"a piece of tensor {key!r} has no file of this checkpoint, key, offsets, box, start and stop"
+    return None
 
 
 def size_problem(path: Path, meta: dict) -> str | None:
@@ -104,17 +183,17 @@ def size_problem(path: Path, meta: dict) -> str | None:
     return None
 
 
-def _world() -> tuple[int, int]:
+def _world(group=None) -> tuple[int, int]:
     if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
     return 0, 1
 
 
-def problem(path: Path) -> str | None:
-    """Why the checkpoint at `path` cannot be used, or None. Collective when distributed:
-    every rank checks sizes, each file's SHA-256 is computed by one rank, and every rank
-    returns the same answer."""
-    rank, world = _world()
+def problem(path: Path, group=None) -> str | None:
+    """Why the checkpoint at `path` cannot be used, or None. Collective when distributed
+    (over `group`, None: the default one): every rank checks sizes, each file's SHA-256 is
+    computed by one rank, and every rank returns the same answer."""
+    rank, world = _world(group)
     try:
         meta = read_meta(path)
         reason = size_problem(path, meta)
@@ -130,7 +209,7 @@ def problem(path: Path) -> str | None:
         reason = f"{path}: {e}"
     if world > 1:
         reasons = [None] * world
-        dist.all_gather_object(reasons, reason)
+        dist.all_gather_object(reasons, reason, group=group)
         reason = next((r for r in reasons if r), None)
     return reason
 
@@ -148,47 +227,98 @@ def select(run_dir: Path, report=print) -> Path | None:
 
 
 def save(run_dir: Path, step: int, entries: list[tuple[str, Piece, torch.Tensor]], meta: dict,
-         keep: int = 0) -> Path:
+         keep: int = 0, group=None) -> Path:
     """Write a checkpoint: `entries` are this rank's share, (global tensor key, piece,
-    1-D data). Collective. `keep` > 0 prunes all but the newest `keep` checkpoints, once
-    the new one is durable and checked. Raises CheckpointError (older ones untouched) when
-    the new one does not read back."""
-    rank, world = _world()
+    1-D data). Collective over `group` (None: the default group). `keep` > 0 prunes all but
+    the newest `keep` checkpoints, once the new one is durable and checked. Raises
+    CheckpointError (older ones untouched) when the new one does not read back. Each phase
+    ends with the ranks agreeing (`_together`): an error on one rank (a full disk) is raised
+    on every rank, and nothing is renamed or pointed at after it."""
+    rank, world = _world(group)
     final = step_dir(run_dir, step)
     tmp = final.with_name(final.name + ".tmp")
-    if rank == 0 and tmp.exists():
-        shutil.rmtree(tmp)
-    _barrier()
-    tmp.mkdir(parents=True, exist_ok=True)
-    index, files = [], {}
-    if entries:
-        name = f"rank-{rank:05d}.safetensors"
-        plan = [(key, data.dtype, (data.numel(),), lambda d=data: d) for key, _, data in entries]
-        size, digest = write_safetensors(tmp / name, plan, {"format": FORMAT})
-        files[name] = {"bytes": size, "sha256": digest}
-        index = [(key, name, piece, DTYPES[data.dtype]) for key, piece, data in entries]
-    gathered = [None] * world
-    if world > 1:
-        dist.all_gather_object(gathered, (index, files))  # after it, every rank's file is on the disk
-    else:
-        gathered = [(index, files)]
-    if rank == 0:
-        write_durably(tmp / "meta.json", json.dumps(_meta(step, meta, gathered), indent=1))
-        fsync_dir(tmp)
-        _publish(tmp, final)
-    _barrier()
-    reason = problem(final)  # collective: what a resume would check, read back from the disk
+    _together(lambda: rank == 0 and tmp.exists() and shutil.rmtree(tmp), group)
+    # after it, every rank's file is on the disk
+    gathered = _together(lambda: _write_share(tmp, rank, step, entries), group)
+    _together(lambda: rank == 0 and _commit(tmp, final, _meta(step, meta, gathered), step), group)
+    reason = problem(final, group=group)  # collective: what a resume would check, read back from the disk
     if reason is not None:
         raise CheckpointError(f"step {step}: the checkpoint just written does not read back ({reason}); "
                               "the previous checkpoints are kept")
-    if rank == 0:
-        pointer = final.parent / "latest.partial"
-        write_durably(pointer, final.name + "\n")
-        os.replace(pointer, final.parent / "latest")
-        fsync_dir(final.parent)
-        prune(run_dir, step, keep)
-    _barrier()
+    _together(lambda: rank == 0 and _point_latest(final, run_dir, step, keep), group)
     return final
+
+
+def _write_share(tmp: Path, rank: int, step: int, entries: list) -> tuple[list, dict]:
+    """This rank's file in `tmp` (fsynced), and its part of the index. A failed write
+    removes the partial file and raises CheckpointWriteError."""
+    name = f"rank-{rank:05d}.safetensors"
+    need = sum(data.numel() * data.element_size() for _, _, data in entries)
+    try:
+        tmp.mkdir(parents=True, exist_ok=True)
+        if not entries:
+            return [], {}
+        plan = [(key, data.dtype, (data.numel(),), lambda d=data: d) for key, _, data in entries]
+        size, digest = write_safetensors(tmp / name, plan, {"format": FORMAT})
+    except OSError as e:
+        (tmp / name).unlink(missing_ok=True)
+        raise write_error(e, Path(e.filename or tmp / name), need, step) from None
+    return [(key, name, piece, DTYPES[data.dtype]) for key, piece, data in entries], \
+        {name: {"bytes": size, "sha256": digest}}
+
+
+def _commit(tmp: Path, final: Path, meta: dict, step: int) -> None:
+    """Rank 0, once every file is durable: meta.json, the folder, the rename."""
+    text = json.dumps(meta, indent=1)
+    try:
+        write_durably(tmp / "meta.json", text)
+        fsync_dir(tmp)
+        _publish(tmp, final)
+    except OSError as e:
+        raise write_error(e, Path(e.filename or tmp / "meta.json"), len(text), step) from None
+
+
+def _point_latest(final: Path, run_dir: Path, step: int, keep: int) -> None:
+    """Rank 0, once the new checkpoint reads back: `latest` names it, older ones pruned."""
+    pointer = final.parent / "latest.partial"
+    try:
+        write_durably(pointer, final.name + "\n")
+    except OSError as e:  # the new checkpoint is complete and checked: a resume finds it by its name
+        raise write_error(e, pointer, len(final.name) + 1, step) from None
+    os.replace(pointer, final.parent / "latest")
+    fsync_dir(final.parent)
+    prune(run_dir, step, keep)
+
+
+def _together(fn, group=None) -> list:
+    """Run `fn` on this rank, then agree: every rank's result (a list by rank), or, where any
+    rank raised, that error raised on every rank (this rank's own first, else the lowest
+    rank's). One all-gather when distributed; none alone."""
+    rank, world = _world(group)
+    if world == 1:
+        return [fn()]
+    try:
+        mine, error = fn(), None
+    except Exception as e:  # a crash (BaseException) is not agreed: the process is going
+        mine, error = None, _portable(e)
+    gathered = [None] * world
+    dist.all_gather_object(gathered, (mine, error), group=group)
+    if error is not None:
+        raise error
+    first = next((e for _, e in gathered if e is not None), None)
+    if first is not None:
+        raise first
+    return [m for m, _ in gathered]
+
+
+def _portable(e: Exception) -> Exception:
+    """`e` if it survives pickling (to reach the other ranks as itself: an OSError keeps its
+    errno and path), else a CheckpointError with its text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return CheckpointError(f"{type(e).__name__}: {e}")
 
 
 def _meta(step: int, meta: dict, gathered: list) -> dict:
@@ -236,8 +366,3 @@ def prune(run_dir: Path, current: int, keep: int) -> None:
     if keep > 0:
         for path in older[keep - 1:]:
             shutil.rmtree(path, ignore_errors=True)
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()

@@ -19,7 +19,7 @@ from ndtrain.cli.generate import cmd_generate, cmd_trace
 from ndtrain.cli.parser import EPILOG, build_parser, parse
 from ndtrain.cli.plan import cmd_plan
 from ndtrain.cli.posttrain import cmd_rl, cmd_sft, default_pretraining_run, default_warmup
-from ndtrain.cli.run import check_resume, open_data, print_summary, warn_before_start
+from ndtrain.cli.run import Stopped, check_resume, open_data, print_summary, warn_before_start
 from ndtrain.cli.train import cmd_prepare, cmd_train, dry_run
 
 __all__ = [
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     from ndtrain.config import ConfigError
     from ndtrain.data.shards import DataError
     from ndtrain.launch import RankFailure
+    from ndtrain.train.errors import TrainingError
 
     try:
         return {"train": cmd_train, "sft": cmd_sft, "rl": cmd_rl, "prepare": cmd_prepare, "generate": cmd_generate,
@@ -47,14 +48,22 @@ def main(argv: list[str] | None = None) -> int:
                 "checkpoint": cmd_checkpoint, "plan": cmd_plan}[args.command](args)
     except (ConfigError, DataError) as e:
         return fail(str(e))
-    except CheckpointError as e:
+    except (CheckpointError, TrainingError) as e:  # a fault of the run in this process: one line, exit 1
         return fail(str(e), 1)
     except RankFailure as e:
         if e.traceback and not _known_fault(e.summary):
             print(e.traceback, file=sys.stderr)
         return fail(str(e), 2 if e.summary.startswith(("DataError", "ConfigError")) else 1)
+    except Stopped as e:
+        print(f"ndtrain: {e}", file=sys.stderr, flush=True)
+        return e.code
     except KeyboardInterrupt:
         return fail("interrupted", 130)
+    except Exception as e:  # a run of this process that stopped on a fault it names (trainer.TrainingError)
+        trainer = sys.modules.get("ndtrain.train.trainer")
+        if trainer is not None and isinstance(e, trainer.TrainingError):
+            return fail(str(e), 1)
+        raise
 
 
 def _known_fault(summary: str) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 # 256 new tokens without a cache is about 20 s there (docs/benchmarks.md); bench plan times
 # nine layouts and calibrates the machine in every round.
 BENCH_ROUNDS_STEPS = {"generate": (5, 1), "plan": (5, 2), "prepare": (5, 1)}
+CALIBRATING = ("matmul", "comm", "plan")  # benchmarks that save a calibration in data.cache_dir
 
 
 def cmd_bench(args) -> int:
@@ -18,15 +19,22 @@ def cmd_bench(args) -> int:
     for flag, value in (("--nproc", args.nproc), ("--rounds", args.rounds), ("--steps", args.steps)):
         if value <= 0:
             raise ConfigError(flag, value, "must be > 0")
+    if args.only is not None and args.what != "plan":
+        raise ConfigError("--only", args.only, "only bench plan chooses its layouts")
     if args.out:
         check_writable_dir("--out", args.out)
+    if args.what in CALIBRATING:  # they save what they measure there: refused before measuring for minutes
+        from ndtrain.config import load_config
+        given = [o for o in getattr(args, "overrides", []) if o.partition("=")[0].strip() == "data.cache_dir"]
+        check_writable_dir("data.cache_dir", load_config(args.config, given).data.cache_dir)
     if args.what == "matmul":
         from ndtrain.bench.matmul import run_matmul_bench
         return run_matmul_bench(args)
     if args.what == "gpu":
         from ndtrain.bench.gpu import run as run_gpu
         return run_gpu(args)
-    from ndtrain.bench import checkpoint, comm, compile, cp, dp, ep, fp8, generate, plan, pp, prepare, sft, tp, zero
-    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft,
+    from ndtrain.bench import (checkpoint, comm, compile, cp, dp, ep, fp8, generate, lora, plan, pp, prepare, sft,
+                               tp, zero)
+    return {"dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft, "lora": lora,
             "checkpoint": checkpoint, "ep": ep, "generate": generate, "plan": plan, "fp8": fp8,
             "compile": compile, "prepare": prepare}[args.what].run(args)

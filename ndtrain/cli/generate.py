@@ -29,6 +29,11 @@ def cmd_generate(args) -> int:
         raise ConfigError("--temperature", args.temperature, "must be a finite number >= 0 (0 = greedy)")
     if args.top_k < 0:
         raise ConfigError("--top-k", args.top_k, "must be >= 0 (0 = the whole vocabulary)")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError("--prompt", args.prompt, f"is not UTF-8 text (position {e.start} is a byte that is no "
+                          "character, or half of a surrogate pair)") from None
     run = Path(args.run)
     if not run.is_dir():
         raise ConfigError("--run", args.run, "directory does not exist")
@@ -55,10 +60,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_trace(args) -> int:
-    from ndtrain.config import ConfigError, check_writable_dir, load_config, validate
+    from ndtrain.checkpoint.lock import RunLock
+    from ndtrain.config import ConfigError, check_run_folder, check_writable_dir, load_config, validate
     from ndtrain.launch import launch_local
     from ndtrain.train.trace import trace_worker
-    from ndtrain.train.worker import resolve_vocab
+    from ndtrain.train.worker import prepared_paths, resolve_vocab
 
     if args.steps <= 0:
         raise ConfigError("--steps", args.steps, "must be > 0")
@@ -72,6 +78,7 @@ def cmd_trace(args) -> int:
                           "context-parallel attention (parallel.cp > 1); set one of them")
     if args.out:
         check_writable_dir("--out", args.out)
+        check_run_folder("--out", args.out)
     warn_before_start(cfg, None)
     out = Path(args.out) if args.out else choose_run_dir(cfg, "trace")
     data = open_data(cfg, False)
@@ -81,7 +88,8 @@ def cmd_trace(args) -> int:
                 + f", {m} micro-batches"] if p.pp > 1 else []) + ([f"attention {p.cp_impl}"] if p.cp > 1 else [])
     print(f"ndtrain trace: {cfg.model.preset} model, pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}, {', '.join(watched)}, "
           f"{t.steps} steps, the last one recorded → {out}", flush=True)
-    r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), str(data.path))[0]
+    with RunLock(out):  # its .lock marks the folder as ndtrain's (config/paths.py): a second trace may reuse it
+        r = launch_local(p.world, trace_worker, cfg.to_dict(), str(out), prepared_paths(data))[0]
     if p.pp > 1:
         ms = " ".join(f"{k} {v:.1f} ms" for k, v in r["mean_ms"].items())
         print(f"bubble    {r['measured_bubble']:.3f} measured vs {r['theory_bubble']:.3f} theory {r['theory']} "

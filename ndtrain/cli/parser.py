@@ -29,10 +29,17 @@ examples:
   ndtrain generate --run runs/train-... --prompt "def main("
   ndtrain train --nproc 4 parallel.tp=2 run.dir=runs/x   resume runs/x on another layout (any layout reads any checkpoint)
   ndtrain train --nproc 2 model.init_from=hf:DIR data.path=my.jsonl   start from a Hugging Face Llama/Qwen model
+  ndtrain train --config mix.toml                pretrain on [[data.sources]]: parquet folders, .jsonl.zst, text, token
+                                                 files, each with a weight (docs/data.md)
   ndtrain convert --to-hf runs/x --out hf/x      export a run as a Hugging Face model folder
   ndtrain checkpoint inspect runs/x              steps, layout, tensors and bytes per rank of a run's checkpoints
   ndtrain train --nproc 4 run.max_restarts=3 train.save_every=20   restart every rank (from the last good
-                                                 checkpoint) when one dies or hangs; Ctrl-C saves, then exits
+                                                 checkpoint) when one dies or hangs
+  Ctrl-C or SIGTERM (timeout, systemd, scancel, Kubernetes): every rank saves a checkpoint within train.log_every
+                                                 steps (an RL rollout is cut short at once), exit 130 or 143, and the
+                                                 command that continues the run is printed (with run.dir= added)
+  run.dir=DIR                                    a new or empty folder, or an ndtrain run, which is continued; any
+                                                 other folder (your own files in it) is refused, nothing written
   ndtrain trace --nproc 2 parallel.pp=2 train.micro_batch=1    a pipeline schedule as a picture
   ndtrain trace --nproc 2 parallel.cp=2 train.seq_len=512      context-parallel ring steps and their overlap
   ndtrain bench dp                               our DP against torch DDP, side by side
@@ -43,6 +50,7 @@ examples:
   ndtrain bench zero model.preset=125M train.global_batch=8
                                                  the same on a preset's shape (every benchmark takes model.preset)
   ndtrain bench sft                              fine-tuning on packed against padded rows, answer tokens/s
+  ndtrain bench lora                             a LoRA step (rank 16) against a full fine-tuning step, tokens/s and states
   ndtrain bench cp                               context parallelism: ring vs allgather vs ulysses vs one process
   ndtrain bench generate                         batched generation with a KV cache against recomputing the prefix
   ndtrain bench ep                               experts split over 2 ranks (ep=2) against replicated (ep=1)
@@ -148,7 +156,8 @@ def _add_trace(sub) -> None:
                                    "of the last step as ring-trace.json and ring.png, and the share of message time "
                                    "hidden behind attention compute. Writes no checkpoint.")
     _with_nproc(p)
-    p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>)")
+    p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>): a new or empty "
+                                                "folder, or an earlier run's or trace's")
     p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default 3)")
     _with_config(p)
 
@@ -176,10 +185,12 @@ def _add_plan(sub) -> None:
                                                           "included, over the peak)")
     p.add_argument("--hfu-tflops", type=float, metavar="X", help="an achieved hardware TFLOP/s per GPU, recomputation "
                                                                  "included (Megatron's published rates)")
-    p.add_argument("--tokens", metavar="N", help="tokens to train on (e.g. 15T, 300B, 2e12): prints the days")
+    p.add_argument("--tokens", metavar="N", help="tokens to train on (e.g. 15T, 300B, 2e12; positive and finite): "
+                                                 "prints the days")
     p.add_argument("--moe-imbalance", type=float, metavar="X", help="mixture of experts: the busiest rank's routed "
                                                                     "slots over the average (default 1: balanced)")
-    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table (strict JSON: a value "
+                                                       "that is not finite is null)")
     p.add_argument("--search", action="store_true", help="list the fastest layouts that fit (model, batch, "
                                                           "sequence and precision as configured)")
     p.add_argument("--top", type=int, default=10, metavar="K", help="--search: how many layouts (default 10)")
@@ -194,9 +205,11 @@ def _add_convert(sub) -> None:
                                    "model.init_from=run:RUN_DIR). --to-hf RUN_DIR --out DIR: the run's newest good "
                                    "checkpoint as a HF model folder (model.safetensors, config.json, the tokenizer "
                                    "files with the chat template, generation_config.json), in the family and dtype "
-                                   "the model came from. Supported families and what is refused: docs/hf.md.")
+                                   "the model came from (a LoRA run: the adapters merged, or with --adapter a PEFT adapter folder, docs/lora.md). "
+                                   "Supported families and what is refused: docs/hf.md.")
     p.add_argument("--from-hf", metavar="DIR", help="a Hugging Face model folder (config.json, *.safetensors)")
-    p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create")
+    p.add_argument("--to", metavar="RUN_DIR", help="with --from-hf: the run directory to create (a new or empty "
+                                                   "folder; another folder is refused)")
     p.add_argument("--to-hf", metavar="RUN_DIR", help="an ndtrain run directory (or one checkpoint folder)")
     p.add_argument("--out", metavar="DIR", help="with --to-hf: the HF model folder to write")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"],
@@ -204,6 +217,10 @@ def _add_convert(sub) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="--to-hf: write into a non-empty --out, removing its weights, config and tokenizer files "
                         "first (without it a non-empty folder is refused)")
+    p.add_argument("--adapter", action="store_true",
+                   help="--to-hf of a LoRA run (lora.rank > 0): write only the adapters, as a PEFT adapter folder "
+                        "(adapter_config.json, adapter_model.safetensors) for the base model; without it the "
+                        "adapters are merged into the exported weights")
 
 
 def _add_checkpoint(sub) -> None:
@@ -222,7 +239,8 @@ def _add_bench(sub) -> None:
                                      "bubbles), cp (ring vs allgather vs ulysses vs 1 process at two sequence lengths), "
                                      "comm (every collective's bus bandwidth, our ring all-reduce vs the backend's), "
                                      "sft (packed vs padded fine-tuning rows), checkpoint (our save/load vs "
-                                     "torch.distributed.checkpoint, MB/s), ep (experts split over --nproc ranks vs "
+                                     "torch.distributed.checkpoint, MB/s; then the training stall per save, sync vs "
+                                     "run.async_save, last line their ratio, lower is better), ep (experts split over --nproc ranks vs "
                                      "replicated), generate (KV cache vs recomputing the prefix, one process), "
                                      "plan (the planner's step time against the engine's, each layout on this "
                                      "machine), fp8 (bf16 vs each fp8 recipe; on a CPU, the emulation), compile "
@@ -236,7 +254,7 @@ def _add_bench(sub) -> None:
                                    "throughputs. Every key a benchmark accepts (model.*, train.precision, "
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
-    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "checkpoint", "ep",
+    p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "lora", "checkpoint", "ep",
                                     "generate", "plan", "fp8", "compile", "prepare", "gpu"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--dry-run", action="store_true", help="gpu: print the steps and their time budgets, run nothing")
@@ -245,6 +263,8 @@ def _add_bench(sub) -> None:
     p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR; "
                                                "comm: the picture and figures (default runs/bench-comm-<date>); "
                                                "checkpoint: write the checkpoints there (default: a temporary folder)")
+    p.add_argument("--only", metavar="PREFIX[,PREFIX]", help="plan: only the layouts whose name starts with one "
+                                                            "of these, e.g. pp (every pipeline schedule)")
     p.add_argument("--sizes", nargs="+", metavar="SIZE", help="comm: message sizes, e.g. 1K 4M 64M "
                                                               "(default 1 KB to 256 MB by powers of 4)")
     _with_config(p)
@@ -273,4 +293,5 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unrecognized arguments: {' '.join(stray)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    args.argv = argv  # the command line, for the command that continues a stopped run
     return args

@@ -4,9 +4,11 @@ CLI itself (`ndtrain.cli.main`) when none is found."""
 
 from __future__ import annotations
 
+import signal
+import sys
 from pathlib import Path
 
-from ndtrain.cli.run import check_fits, check_resume, choose_run_dir, run_task, warn_before_start, with_nproc
+from ndtrain.cli.run import Stopped, check_fits, check_resume, choose_run_dir, run_task, warn_before_start, with_nproc
 
 
 def cmd_sft(args, make_task=None) -> int:
@@ -41,6 +43,7 @@ def cmd_sft(args, make_task=None) -> int:
     if args.show_example:
         print(sft.show_example(data), flush=True)
         return 0
+    sft.check_score(cfg.sft.score, data)  # a scoring function that raises or returns no number fails here
     run_dir = choose_run_dir(cfg, "sft")
     resumed = check_resume(cfg, run_dir)
     p = cfg.parallel
@@ -49,10 +52,11 @@ def cmd_sft(args, make_task=None) -> int:
               f"{t.steps} steps, packing {d.packing} → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""), data.describe()]
     return run_task(cfg, world, run_dir, sft.sft_worker, (cfg.to_dict(), str(run_dir), data, make_task),
-                    ("ndtrain.train.sft", "ndtrain.train.trainer"), banner, sft.describe_summary)
+                    ("ndtrain.train.sft", "ndtrain.train.trainer"), banner, sft.describe_summary, args.argv)
 
 
 def cmd_rl(args) -> int:
+    from ndtrain import supervisor
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import RL_DEFAULTS, ConfigError, check_rl_job, load_config, validate
     from ndtrain.launch import external_world, launch_local
@@ -85,6 +89,8 @@ def cmd_rl(args) -> int:
         cfg.train.seq_len = -(-need // 8) * 8
     validate(cfg, world=world)
     check_rl_job(cfg)  # again: model.init_from's shape (an MoE source) is known now
+    check_fits(cfg, world, "train.seq_len" if "train.seq_len" in cfg.explicit else "rl.max_new_tokens",
+               cfg.train.global_batch // cfg.parallel.dp)
     warn_before_start(cfg, world, "rl")
     if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
         cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
@@ -92,8 +98,14 @@ def cmd_rl(args) -> int:
     if args.evaluate:
         if world is not None:
             result = job.rl_worker(cfg.to_dict(), "", template, True)
+            signum = supervisor.control().stop_signal
         else:
-            result = launch_local(p.world, job.rl_worker, cfg.to_dict(), "", template, True)[0]
+            results = launch_local(p.world, job.rl_worker, cfg.to_dict(), "", template, True)
+            result, signum = results[0], results.stop_signal
+        if result.get("interrupted"):
+            name = signal.Signals(signum or signal.SIGTERM)
+            print(f"ndtrain: stopped by {name.name} during the evaluation (nothing to save)", file=sys.stderr)
+            return 0 if world is not None else 128 + int(name)
         if result:
             print(job.describe_eval(f"{cfg.model.init_from} on {r.data or r.task}", result), flush=True)
         return 0
@@ -106,7 +118,7 @@ def cmd_rl(args) -> int:
               f"{cfg.train.global_batch // r.group_size} prompts × {r.group_size} completions → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""))
     return run_task(cfg, world, run_dir, job.rl_worker, (cfg.to_dict(), str(run_dir), template),
-                    ("ndtrain.train.rl.job", "ndtrain.train.trainer"), [banner], job.describe_summary)
+                    ("ndtrain.train.rl.job", "ndtrain.train.trainer"), [banner], job.describe_summary, args.argv)
 
 
 def check_row_length(cfg, need: int) -> None:
@@ -139,7 +151,10 @@ def default_warmup(cfg, world) -> Path:
           flush=True)
     job.write_warmup_data(cfg, folder)
     nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
-    if cmd_sft(parse(["sft", *nproc, *job.warmup_overrides(cfg, folder)]), job.Warmup) != 0 or not job.finished(run):
+    code = cmd_sft(parse(["sft", *nproc, *job.warmup_overrides(cfg, folder)]), job.Warmup)
+    if code > 128:  # stopped by a signal, with a checkpoint: the same rl command resumes the warm-up
+        raise Stopped(code, "the SFT warm-up was stopped; the same `ndtrain rl` command continues it, then the job")
+    if code != 0 or not job.finished(run):
         raise ConfigError("model.init_from", "", f"the default SFT warm-up in {folder} failed")
     print(job.describe_warmup(cfg, run), flush=True)
     return run
@@ -159,6 +174,10 @@ def default_pretraining_run(cfg, world) -> Path:
                           "`ndtrain train` first or set model.init_from=run:DIR")
     print("ndtrain sft: no finished default pretraining run under runs/; running `ndtrain train` first", flush=True)
     nproc = ["--nproc", str(cfg.run.nproc)] if cfg.run.nproc else []
-    if main(["train", *nproc, f"run.device={cfg.run.device}"]) != 0:
+    code = main(["train", *nproc, f"run.device={cfg.run.device}"])
+    if code > 128:  # stopped by a signal: a bare `ndtrain sft` would start another pretraining run
+        raise Stopped(code, "the default pretraining run was stopped; finish it with the command above, then run "
+                      "`ndtrain sft` again")
+    if code != 0:
         raise ConfigError("model.init_from", "", "the default pretraining run failed")
     return find_default_run(Path("runs"))

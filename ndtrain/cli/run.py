@@ -13,6 +13,15 @@ from contextlib import nullcontext
 from pathlib import Path
 
 
+class Stopped(Exception):
+    """A run started on the way (sft's default pretraining run, rl's SFT warm-up) was stopped
+    by a signal: the command ends with its status (`code`) and says what continues it."""
+
+    def __init__(self, code: int, message: str):
+        self.code = code
+        super().__init__(message)
+
+
 def warn_before_start(cfg, world: int | None, command: str = "train") -> None:
     """Keys that do nothing in this layout, and more CPU processes than cores."""
     from ndtrain.idle_keys import idle_keys
@@ -21,18 +30,11 @@ def warn_before_start(cfg, world: int | None, command: str = "train") -> None:
     warn(idle_keys(cfg, world, command) + [oversubscribed(local, cfg.run.device)])
 
 
-def _data_kwargs(cfg) -> dict:
-    d = cfg.data
-    return dict(source=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
-                val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key, workers=d.workers,
-                on_bad_record=d.on_bad_record)
-
-
 def open_data(cfg, progress: bool):
-    """The prepared data of `cfg` (prepared now if the cache lacks it), every shard checked
-    against its checksum and its ids against the vocabulary."""
-    from ndtrain.data.prepare import PreparedData, prepare_data
-    data = PreparedData.open(prepare_data(**_data_kwargs(cfg), progress=progress))
+    """The prepared data of `cfg` (prepared now if the cache lacks it; a mixture's sources
+    each), every shard checked against its checksum and its ids against the vocabulary."""
+    from ndtrain.train.worker import prepare
+    data = prepare(cfg, progress)
     data.verify()
     return data
 
@@ -90,12 +92,13 @@ def with_nproc(cfg, args):
 
 
 def run_task(cfg, world: int | None, run_dir: Path, worker, worker_args: tuple, preload: tuple[str, ...] = (),
-             banner: list[str] = (), describe=None) -> int:
+             banner: list[str] = (), describe=None, argv: list[str] = ()) -> int:
     """A task's ranks under the run directory's lock: this process as one rank (torchrun,
     SLURM: rank 0 takes the lock), or ranks started here after printing `banner`. Then rank
     0's summary (`describe(summary)` first), and the exit status: 128 + the signal that
     stopped the run, or 0 (always 0 under torchrun, which would take another status for a
-    failure to restart)."""
+    failure to restart). `argv`: the command's arguments, for the command that continues a
+    stopped run."""
     from ndtrain import supervisor
     from ndtrain.checkpoint.lock import RunLock
     if world is not None:
@@ -112,7 +115,7 @@ def run_task(cfg, world: int | None, run_dir: Path, worker, worker_args: tuple, 
     if describe is not None:
         print(describe(summary), flush=True)
     print_summary(summary)
-    code = _stopped(summary, stop_signal)
+    code = _stopped(summary, stop_signal, continue_command(cfg, run_dir, argv, world))
     return 0 if world is not None else code
 
 
@@ -131,22 +134,35 @@ def _run_ranks(cfg, worker, args: tuple, preload: tuple[str, ...]) -> tuple[dict
     return results[0], results.stop_signal
 
 
-def _stopped(summary: dict, stop_signal: int) -> int:
+def continue_command(cfg, run_dir: Path, argv: list[str], world: int | None) -> str:
+    """What continues this run: the same command, with `run.dir=` added when the run chose
+    its folder itself (a bare command would start a new runs/<task>-<time>)."""
+    extra = [] if cfg.run.dir else [f"run.dir={run_dir}"]
+    if world is not None:  # torchrun or srun started this process: we cannot spell their command
+        return "the same launch" + (f" with {shlex.join(extra)}" if extra else "")
+    return shlex.join(["ndtrain", *argv, *extra])
+
+
+def _stopped(summary: dict, stop_signal: int, resume: str) -> int:
     """Exit status 0, or 128 + the signal that stopped the run at a step boundary."""
     if not summary.get("stopped"):
         return 0
-    stop_signal = stop_signal or signal.SIGTERM
-    print(f"ndtrain: stopped by a signal after step {summary['steps']}, checkpoint saved; the same command "
-          "continues the run", file=sys.stderr, flush=True)
+    stop_signal = signal.Signals(stop_signal or signal.SIGTERM)
+    print(f"ndtrain: stopped by {stop_signal.name} after step {summary['steps']}, checkpoint saved; continue the "
+          f"run with: {resume}", file=sys.stderr, flush=True)
     return 128 + int(stop_signal)
 
 
-def check_fits(cfg, world: int | None) -> None:
-    """Refuse, before any process starts, a model whose states alone overflow the device."""
-    from ndtrain.plan.fit import check_model_states_fit
+def check_fits(cfg, world: int | None, key: str = "train.seq_len", rollout_rows: int = 0) -> None:
+    """Refuse, before any process starts, a model whose states alone overflow the device,
+    and a sequence (set by `key`) whose logits and rotary tables alone would."""
+    from ndtrain.plan.fit import check_model_states_fit, check_sequence_fits
     from ndtrain.train.dry_run import vocab_size
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world)) if world else cfg.parallel.world
-    check_model_states_fit(cfg, vocab_size(cfg), local)
+    vocab = vocab_size(cfg)
+    check_model_states_fit(cfg, vocab, local)
+    section, name = key.split(".")
+    check_sequence_fits(cfg, vocab, local, key, getattr(getattr(cfg, section), name), rollout_rows)
 
 
 def print_summary(s: dict) -> None:
@@ -155,6 +171,12 @@ def print_summary(s: dict) -> None:
     if s.get("val_loss") is not None:
         lines.append(f"validation loss {s['val_loss']:.4f} nats/token vs {s['baseline']} "
                      f"{s['baseline_val_loss']:.4f} after {s['steps']} steps")
+    if s.get("source_tokens"):  # a mixture: each source's share of the tokens, its validation loss
+        total = sum(s["source_tokens"].values()) or 1
+        val = s.get("source_val_loss") or {}
+        lines += [f"  source {name}: {n:,} tokens ({100 * n / total:.1f}%)"
+                  + (f" · validation loss {val[name]:.4f}" if name in val else "")
+                  for name, n in s["source_tokens"].items()]
     mfu = f"MFU {100 * s['mfu']:.1f}%" if s.get("mfu") is not None else "MFU n/a"
     if s.get("tokens_per_s"):
         lines.append(f"throughput {s['tokens_per_s']:,.0f} tokens/s · {mfu} ({s['mfu_peak_source']})")

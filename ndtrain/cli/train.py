@@ -13,7 +13,8 @@ def cmd_train(args) -> int:
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import load_config, validate
     from ndtrain.launch import external_world
-    from ndtrain.train.worker import resolve_vocab, train_worker
+    from ndtrain.train.tasks import Pretrain
+    from ndtrain.train.worker import prepared_paths, resolve_vocab, train_worker
 
     cfg = with_nproc(load_config(args.config, args.overrides), args)
     world = external_world()
@@ -30,15 +31,16 @@ def cmd_train(args) -> int:
               "which is resumed"])
 
     if world is not None:  # torchrun / SLURM started us: this process is one rank
-        return run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), None))
+        return run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), None), argv=args.argv)
     data = open_data(cfg, cfg.run.progress)
     resolve_vocab(cfg, data)  # fails here, before any process starts or file is written
+    warn(Pretrain(cfg, data).notes)  # a mixture's source that repeats; one that may not and would: DataError
     p = cfg.parallel
     banner = (f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
               f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}" + (f" ep={p.ep}" if p.ep > 1 else "")
               + f"), {cfg.train.steps} steps → {run_dir}" + (f" (resuming {resumed.name})" if resumed else ""))
-    return run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), str(data.path)),
-                    ("ndtrain.train.worker", "ndtrain.train.trainer"), [banner])
+    return run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), prepared_paths(data)),
+                    ("ndtrain.train.worker", "ndtrain.train.trainer"), [banner], argv=args.argv)
 
 
 def dry_run(cfg, world: int | None) -> int:
@@ -60,7 +62,9 @@ def cmd_prepare(args) -> int:
     cfg = load_config(args.config, args.overrides)
     validate(cfg)
     data = open_data(cfg, cfg.run.progress)
-    m = data.meta
-    print(f"prepared {data.path}\n  vocabulary {data.vocab_size} · train {m['train_tokens']:,} tokens · "
-          f"validation {m['val_tokens']:,} tokens · unigram validation loss {data.unigram_val_loss:.4f}")
+    for name, d in getattr(data, "sources", None) and [(s.name, s.data) for s in data.sources] or [("", data)]:
+        m = d.meta
+        print(f"prepared {f'source {name}: ' if name else ''}{d.path}\n  vocabulary {d.vocab_size} · "
+              f"train {m['train_tokens']:,} tokens · validation {m['val_tokens']:,} tokens · "
+              f"unigram validation loss {d.unigram_val_loss:.4f}")
     return 0

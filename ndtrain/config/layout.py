@@ -174,6 +174,10 @@ def check_moe(cfg: Config, a: ModelArgs) -> None:
                                   f"(no experts); choose an MoE preset ({moe})")
     for key in ("moe_aux_loss", "moe_bias_rate"):
         positive(f"train.{key}", getattr(t, key), zero_ok=True)
+    if m.moe_experts is not None and m.moe_experts <= 0 and (PRESETS[m.preset].is_moe or m.init_from):
+        dense = ", ".join(n for n, pa in PRESETS.items() if not pa.is_moe)
+        raise ConfigError("model.moe_experts", m.moe_experts, f"must be > 0: model.preset = {m.preset!r} is a "
+                          f"mixture of experts; for a dense model choose a dense preset ({dense})")
     if not a.is_moe:
         if p.ep != 1:
             raise ConfigError("parallel.ep", p.ep, f"model.preset = {m.preset!r} has no experts to split; use 1")
@@ -186,6 +190,9 @@ def check_moe(cfg: Config, a: ModelArgs) -> None:
         positive(f"model.{key}", getattr(a, key), zero_ok=True)
     if a.moe_top_k > a.moe_experts:
         raise ConfigError("model.moe_top_k", a.moe_top_k, f"must be at most model.moe_experts = {a.moe_experts}")
+    if a.moe_every > a.n_layers:
+        raise ConfigError("model.moe_every", a.moe_every, f"must be at most model.n_layers = {a.n_layers}: "
+                          "block i has experts when (i + 1) is a multiple of it, so no block would")
     if a.moe_router not in ROUTERS:
         raise ConfigError("model.moe_router", a.moe_router, f"choose one of {', '.join(ROUTERS)}")
     if a.moe_router == "topk_softmax" and a.moe_norm_topk:

@@ -40,12 +40,22 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple = (
         set_key(cfg, key.strip(), value, from_text=True)
         explicit.add(key.strip())
     cfg.explicit = frozenset(explicit)
+    cfg.given = {k: _value(cfg, k) for k in explicit}
     return cfg
+
+
+def _value(cfg: Config, key: str):
+    section, name = key.split(".", 1)
+    return getattr(getattr(cfg, section, None), name, None)
 
 
 # --------------------------------------------------------------------------- TOML output
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, list):  # data.sources: an array of inline tables
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):

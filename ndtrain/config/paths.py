@@ -1,6 +1,6 @@
 """The files and folders a config names: the data, tokenizer, run and cache paths checked
 before anything starts (`check_files`), whether a folder is prepared data, whether a
-directory can be written."""
+directory can be written, whether a folder may become a run directory."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ from pathlib import Path
 from ndtrain.config.schema import Config, ConfigError
 
 EMBEDDED_DATA = ("stdlib", "stdlib-functions")  # pretraining corpus, SFT instruction set
+# What ndtrain makes first in a folder it runs in: the run's lock (cli/run.py, before anything
+# else), the checkpoints of `convert --from-hf`. A folder holding either is an ndtrain run.
+RUN_MARKS = (".lock", "checkpoints")
 
 
 def check_files(cfg: Config) -> None:
@@ -27,6 +30,7 @@ def check_files(cfg: Config) -> None:
         raise ConfigError("data.tokenizer", d.tokenizer, "file does not exist")
     if r.dir:  # the default, runs/<task>-<time>, is checked where the CLI names it
         check_writable_dir("run.dir", r.dir)
+        check_run_folder("run.dir", r.dir)
     if not is_prepared_folder(d.path):
         check_writable_dir("data.cache_dir", d.cache_dir)
 
@@ -34,6 +38,20 @@ def check_files(cfg: Config) -> None:
 def is_prepared_folder(path: str) -> bool:
     """A folder `ndtrain prepare` wrote (read as is: no tokenizer training, no cache)."""
     return path != "stdlib" and (Path(path).expanduser() / "meta.json").is_file()
+
+
+def check_run_folder(key: str, value: str) -> None:
+    """A run writes only into a new folder, an empty one, or an ndtrain run (where the
+    resume rules apply): raise ConfigError for any other existing folder, naming a few of
+    the files ndtrain would write beside, or over (a user's own config.toml)."""
+    path = Path(os.path.expanduser(value))
+    if not path.is_dir() or any((path / mark).exists() for mark in RUN_MARKS):
+        return
+    held = sorted(p.name for p in path.iterdir())
+    if held:
+        shown = ", ".join(held[:3]) + (f" and {len(held) - 3} more" if len(held) > 3 else "")
+        raise ConfigError(key, value, f"is a folder that is neither empty nor an ndtrain run (it holds {shown}); "
+                          "choose a new or empty folder")
 
 
 def check_writable_dir(key: str, value: str, path: str | Path | None = None) -> None:

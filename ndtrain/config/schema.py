@@ -1,4 +1,4 @@
-"""The configuration's schema: seven sections of plain dataclasses, every key with its type,
+"""The configuration's schema: eight sections of plain dataclasses, every key with its type,
 its default and what it means, and `from_dict`, which builds a `Config` from plain values,
 each checked against its key's type.
 
@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
+from types import MappingProxyType
 from typing import Any
 
 from ndtrain.model.args import PRESETS, ModelArgs
@@ -151,6 +154,9 @@ class DataConfig:
     jsonl_key: str = "text"
     cache_dir: str = "~/.cache/ndtrain"
     workers: int = 0  # processes that tokenize in prepare; 0 = one per core (fewer for a small corpus)
+    # A weighted mixture instead of data.path: [[data.sources]] tables of name, path, weight
+    # (relative), text_key ("" = jsonl_key) and repeat (config/data_sources.py, docs/data.md)
+    sources: list[dict] = field(default_factory=list)
     # Supervised fine-tuning (ndtrain sft):
     packing: str = "bfd"  # bfd: several examples per row (best-fit decreasing); none: one per row, padded
     truncate: str = "keep_start"  # an example longer than train.seq_len: keep_start (cut its end) | drop
@@ -203,6 +209,15 @@ class RLConfig:
 
 
 @dataclass
+class LoRAConfig:
+    rank: int = 0  # rank r of the adapters; 0 = no LoRA (every weight trains)
+    alpha: float = 16.0  # the update is (alpha / rank)·B·A·x
+    dropout: float = 0.0  # dropout on the adapters' input (training only)
+    targets: str = "wq,wk,wv,wo,w1,w2,w3"  # the linear layers that get adapters (attention wq wk wv wo, MLP w1 w2 w3)
+    init: str = "zero_b"  # zero_b: B = 0, training starts at the base model | random: B drawn too (tests, PEFT's init_lora_weights=false)
+
+
+@dataclass
 class RunConfig:
     dir: str = ""  # "" = runs/<task>-<date>-<time>
     resume: str = "auto"  # auto: continue if run.dir holds a checkpoint; true: must; false: must not
@@ -214,6 +229,7 @@ class RunConfig:
     max_restarts: int = 0  # local launcher: restart every rank this often after one dies or hangs (last good checkpoint)
     heartbeat_s: float = 600.0  # local launcher: a rank that reports no progress for this long is hung; 0 = never
     collective_timeout_s: float = 600.0  # a collective not complete after this fails, naming it, its group and the rank
+    async_save: bool = False  # write checkpoints in a background thread; the step waits only for the copy to the host
     progress: bool = True
     plot: bool = True
     tensorboard: bool = False  # also write metrics.jsonl's scalars as TensorBoard events under run.dir/tensorboard/ (extra: .[tensorboard])
@@ -230,18 +246,22 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rl: RLConfig = field(default_factory=RLConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     # The dotted keys the user set (in the file or on the command line), filled by
     # `load_config`; not a field, so it stays out of `to_dict` and config.toml.
     explicit = frozenset()
+    # Their values as given, before validation resolves run.nproc, parallel.dp and the like
+    # (what idle_keys compares with the defaults and names).
+    given = MappingProxyType({})
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     def copy(self) -> "Config":
         out = from_dict(self.to_dict())
-        out.explicit = self.explicit
+        out.explicit, out.given = self.explicit, dict(self.given)
         return out
 
     def model_args(self, vocab_size: int | None = None) -> ModelArgs:
@@ -256,7 +276,16 @@ class Config:
             changes["window_layers"] = window_layers_of(changes["window_layers"])
         if "max_seq_len" not in changes:
             changes["max_seq_len"] = max(base.max_seq_len, self.train.seq_len)
+        lora = self.lora
+        if lora.rank:
+            changes.update(lora_rank=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                           lora_targets=lora_targets(lora.targets), lora_init=lora.init)
         return base.with_(**changes)
+
+
+def lora_targets(text: str) -> tuple[str, ...]:
+    """lora.targets ("wq,wv") as ModelArgs holds it."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 FAMILY_KEYS = ("rope_scaling", "sliding_window", "window_layers", "norm_offset", "sandwich_norm", "mlp_act",
@@ -303,7 +332,7 @@ RL_DEFAULTS = ["train.steps=300", "train.global_batch=512", "train.lr=1e-4", "tr
 
 SECTIONS = {f.name: f.type for f in fields(Config)}
 _SECTION_CLASSES = {"model": ModelConfig, "parallel": ParallelConfig, "train": TrainConfig,
-                    "data": DataConfig, "sft": SFTConfig, "rl": RLConfig, "run": RunConfig}
+                    "data": DataConfig, "sft": SFTConfig, "rl": RLConfig, "lora": LoRAConfig, "run": RunConfig}
 
 
 def all_keys() -> list[str]:
@@ -389,6 +418,45 @@ def _coerce_value(key: str, value: Any, tp) -> Any:
     return value
 
 
+# --------------------------------------------------------------------------- data.sources
+
+SOURCE_KEYS = {"name": str, "path": str, "weight": (int, float), "text_key": str, "repeat": bool}
+
+
+def coerce_sources(value: Any, from_text: bool) -> list[dict]:
+    """The sources as plain dicts with every key: name (default: the path's stem), path,
+    weight (default 1), text_key ("" = data.jsonl_key), repeat (default true)."""
+    if from_text:
+        try:
+            value = json.loads(value) if value.strip() else []
+        except json.JSONDecodeError:
+            raise ConfigError("data.sources", value, "on the command line, a JSON list of tables, e.g. "
+                              "'[{\"path\": \"web/\", \"weight\": 0.7}, {\"path\": \"code.jsonl.zst\", "
+                              "\"weight\": 0.3}]' (or [[data.sources]] tables in the TOML file)") from None
+    if not isinstance(value, list):
+        raise ConfigError("data.sources", value, "expected a list of tables ([[data.sources]] in TOML)")
+    return [_coerce_source(i, item) for i, item in enumerate(value)]
+
+
+def _coerce_source(i: int, item: Any) -> dict:
+    key = f"data.sources[{i}]"
+    if not isinstance(item, dict):
+        raise ConfigError(key, item, "expected a table with path (and name, weight, text_key, repeat)")
+    for k, v in item.items():
+        if k not in SOURCE_KEYS:
+            raise ConfigError(f"{key}.{k}", v, f"unknown key; a source has {', '.join(SOURCE_KEYS)}")
+        kind = SOURCE_KEYS[k]
+        if not isinstance(v, kind) or (kind != bool and isinstance(v, bool)):
+            what = {str: "a string", bool: "true or false"}.get(kind, "a number")
+            raise ConfigError(f"{key}.{k}", v, f"expected {what}")
+    if "path" not in item:
+        raise ConfigError(f"{key}.path", "", "every source needs a path")
+    stem = item["path"].rstrip("/").rsplit("/", 1)[-1].split(".")[0]
+    return {"name": item.get("name", re.sub(r"[^A-Za-z0-9_-]", "_", stem) or f"source{i}"),
+            "path": item["path"], "weight": float(item.get("weight", 1.0)),
+            "text_key": item.get("text_key", ""), "repeat": item.get("repeat", True)}
+
+
 def set_key(cfg: Config, key: str, value: Any, *, from_text: bool) -> None:
     """Set the dotted `key`, its value converted to the key's type (`from_text`: a command-line
     string; else a typed value, as from TOML) or refused with a ConfigError."""
@@ -399,6 +467,9 @@ def set_key(cfg: Config, key: str, value: Any, *, from_text: bool) -> None:
     obj = getattr(cfg, section)
     if name not in {f.name for f in fields(obj)}:
         raise _unknown_key(key, value)
+    if key == "data.sources":
+        setattr(obj, name, coerce_sources(value, from_text))
+        return
     tp = _field_type(section, name)
     value = _coerce_text(key, value, tp) if from_text else _coerce_value(key, value, tp)
     setattr(obj, name, value)

@@ -1,12 +1,14 @@
 """`validate`: everything that can be checked before a process starts, in a fixed order, so
 the mistake reported is always the first one found: each section's own keys (sections.py),
-the layout across sections (layout.py), the Hugging Face families' features (family.py), the paths (paths.py), the task sections (tasks.py)."""
+the layout across sections (layout.py), the Hugging Face families' features (family.py), the paths (paths.py), the task sections (tasks.py), LoRA (lora.py)."""
 
 from __future__ import annotations
 
+from ndtrain.config.data_sources import check_sources
 from ndtrain.config.family import check_family, check_family_keys
 from ndtrain.config.layout import (check_context, check_fp8, check_heads, check_moe, check_pipeline,
                                    check_sequence, check_tensor, resolve_layout)
+from ndtrain.config.lora import check_lora
 from ndtrain.config.paths import check_files
 from ndtrain.config.schema import Config
 from ndtrain.config.sections import (check_compile, check_data, check_model, check_parallel, check_run, check_train,
@@ -37,10 +39,12 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     check_context(cfg, a)
     check_family(cfg, a)
     check_fp8(cfg, a)
+    check_lora(cfg)
 
     if check_paths:
         check_files(cfg)
     check_data(cfg.data)
+    check_sources(cfg.data.sources, cfg.data.path, check_paths)
     check_sft(cfg.sft)
     check_rl(cfg.rl)
     return cfg

@@ -288,23 +288,24 @@ def build(out: Path, s: BuildSettings) -> dict:
                 generation += 1
                 save_progress(out, done, writers, generation)
         seconds = time.perf_counter() - t0
-    for w in writers.values():
-        w.close()
-    _write_meta(out, s, tok, writers, plan)
+    write_meta(out, tok, writers, s.source, plan.bad.count)
     for leftover in [*out.glob("*.npy"), out / PROGRESS]:
         leftover.unlink(missing_ok=True)
     return {"documents": total, "text_bytes": text_bytes, "tokens": tokens, "seconds": seconds,
             "workers": s.workers, "bad": plan.bad}
 
 
-def _write_meta(out: Path, s: BuildSettings, tok: TextTokenizer, writers: dict[str, ShardWriter],
-                plan: SplitPlan) -> None:
+def write_meta(out: Path, tok: TextTokenizer, writers: dict[str, ShardWriter], source: str,
+               skipped_records: int = 0) -> None:
+    """Close the splits' writers and write meta.json: the last file of a prepared directory."""
+    for w in writers.values():
+        w.close()
     meta = {
         "format": FORMAT, "version": VERSION, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
         "eot_token": tok.id_to_token(tok.eot_id), "bos_ids": list(tok.bos_ids),
         "train_tokens": writers["train"].total, "val_tokens": writers["val"].total,
         "train_shards": writers["train"].names, "val_shards": writers["val"].names,
-        "source": source_label(s.source), "skipped_records": plan.bad.count,
+        "source": source_label(source), "skipped_records": skipped_records,
         "unigram_val_loss": unigram_loss(writers["train"].counts, writers["val"].counts),
     }
     (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")

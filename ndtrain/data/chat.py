@@ -141,6 +141,11 @@ def _check_turns(turns: list[Turn]) -> None:
     for t in turns:
         if t.trained and not t.content.strip():
             raise BadRecord("an assistant turn is empty")
+        try:
+            t.content.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise BadRecord(f"a {t.role} turn holds a lone surrogate escape (\\u{ord(e.object[e.start]):04x}), "
+                            "half of a UTF-16 pair, not a character") from None
 
 
 def _lines(path: Path) -> Iterator[tuple[int, str]]:
@@ -166,6 +171,8 @@ def read_jsonl(path: str | Path, key_prefix: str, on_bad_record: str = "error") 
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise BadRecord(f"not valid JSON ({e.msg} at column {e.colno})") from None
+            except RecursionError:
+                raise BadRecord("JSON nested too deeply to read") from None
             turns, chat = parse_record(record)
         except BadRecord as e:
             where = f"{path}:{lineno}: {e}"

@@ -61,16 +61,18 @@ class TokenStream:
 
 class EpochOrder:
     """Which of `n` items global sample `k` reads: epoch k // n visits every item once, in an
-    order drawn from ``np.random.default_rng([seed, epoch])`` (or in order, unshuffled)."""
+    order drawn from ``np.random.default_rng([seed, epoch])`` (or in order, unshuffled).
+    `seed` may be a tuple of integers (a mixture's source j draws from ``[seed, j, epoch]``)."""
 
-    def __init__(self, n: int, seed: int, shuffle: bool = True):
+    def __init__(self, n: int, seed: int | tuple[int, ...], shuffle: bool = True):
         self.n, self.seed, self.shuffle = n, seed, shuffle
+        self._key = list(seed) if isinstance(seed, tuple) else [seed]
         self._perms: OrderedDict[int, np.ndarray] = OrderedDict()
 
     def _permutation(self, epoch: int) -> np.ndarray:
         perm = self._perms.get(epoch)
         if perm is None:
-            perm = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+            perm = np.random.default_rng(self._key + [epoch]).permutation(self.n)
             self._perms[epoch] = perm
             if len(self._perms) > PERMUTATIONS_CACHED:
                 self._perms.popitem(last=False)
@@ -124,11 +126,19 @@ class BatchLoader:
         first = step * self.global_batch
         batch = np.empty((stop - start, self.seq_len + 1), dtype=np.int64)
         for row, sample in enumerate(range(first + start, first + stop)):
-            w = self.window_of(sample)
-            batch[row] = self.stream.slice(w * self.seq_len, w * self.seq_len + self.seq_len + 1)
-        inputs = torch.from_numpy(np.ascontiguousarray(batch[:, :-1]))
-        targets = torch.from_numpy(np.ascontiguousarray(batch[:, 1:]))
-        return inputs, targets
+            batch[row] = self.window(self.window_of(sample))
+        return shifted(batch)
+
+    def window(self, w: int) -> np.ndarray:
+        """The ``seq_len + 1`` tokens of window ``w``."""
+        return self.stream.slice(w * self.seq_len, w * self.seq_len + self.seq_len + 1)
+
+
+def shifted(batch: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and targets of rows of ``seq_len + 1`` tokens: each row without its last token,
+    and without its first."""
+    return (torch.from_numpy(np.ascontiguousarray(batch[:, :-1])),
+            torch.from_numpy(np.ascontiguousarray(batch[:, 1:])))
 
 
 class RowLoader:

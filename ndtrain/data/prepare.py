@@ -38,7 +38,6 @@ from ndtrain.data.shards import DataError, read_shard
 from ndtrain.data.tokenizer import HF_PREFIX, TextTokenizer, hf_tokenizer_config
 
 
-
 # ---------------------------------------------------------------------------------------
 # Reading a prepared directory
 
@@ -198,6 +197,7 @@ def prepare_data(
     shard_tokens: int = 1 << 24,
     workers: int = 0,
     on_bad_record: str = "error",
+    build_tokens=None,
 ) -> Path:
     """Return a prepared directory for ``source``, building it only if the cache lacks it.
 
@@ -207,7 +207,8 @@ def prepare_data(
     BPE of ``vocab_size`` on the training documents. ``workers`` processes tokenize (0: one
     per core, fewer for a small corpus); the result does not depend on how many.
     ``on_bad_record``: a malformed record stops the build naming file:line (``error``) or is
-    counted and skipped (``skip``).
+    counted and skipped (``skip``). ``build_tokens``: a source of token files is prepared by
+    it (token_files.prepare_source), which splits and copies them.
 
     The build writes into ``.<name>.partial`` beside its final place, under a lock, and
     records its progress there: a build that was interrupted continues where it stopped.
@@ -222,6 +223,8 @@ def prepare_data(
     if on_bad_record not in ("error", "skip"):
         raise DataError(f"on_bad_record {on_bad_record!r}: must be error or skip")
 
+    if build_tokens is not None and not tokenizer:
+        raise DataError(f"source {source}: holds token ids; name the tokenizer that made them (data.tokenizer)")
     name = _cache_name(source, tokenizer, vocab_size, val_fraction, jsonl_key, shard_tokens, on_bad_record)
     final = Path(cache_dir).expanduser() / "data" / name
     if final.exists():
@@ -232,15 +235,19 @@ def prepare_data(
             return PreparedData.open(final).path
         partial = final.parent / f".{name}.partial"
         partial.mkdir(exist_ok=True)
-        n = worker_count(workers, sum(p.stat().st_size for p in source_files(source)[1]))
+        n = 1 if build_tokens else worker_count(workers, sum(p.stat().st_size for p in source_files(source)[1]))
         if progress:  # a log (no terminal, no bar) should still say what these seconds are
             what = "the standard library" if source == STDLIB else source
-            print(f"preparing {what} once: {'BPE tokenizer, ' if not tokenizer else ''}token shards on {n} "
-                  f"process{'es' if n > 1 else ''} → {final}", flush=True)
+            how = "token files split and copied" if build_tokens else (
+                f"{'BPE tokenizer, ' if not tokenizer else ''}token shards on {n} process{'es' if n > 1 else ''}")
+            print(f"preparing {what} once: {how} → {final}", flush=True)
         settings = BuildSettings(source, tokenizer, vocab_size, val_fraction, jsonl_key, shard_tokens, n,
                                  on_bad_record == "skip", progress)
         try:
-            done = _build(partial, settings)
+            if build_tokens is not None:  # token ids already: split and copied (data/token_files.py)
+                done = build_tokens(partial, source, tokenizer, val_fraction, shard_tokens)
+            else:
+                done = _build(partial, settings)
         except DataError:  # bad input: nothing is left behind (an interruption keeps its progress)
             shutil.rmtree(partial, ignore_errors=True)
             _lock_path(final).unlink(missing_ok=True)
@@ -250,7 +257,7 @@ def prepare_data(
         # Whoever waits on this lock finds `final` when it gets it; whoever comes later, before
         # taking a lock.
         _lock_path(final).unlink(missing_ok=True)
-    if progress:
+    if progress and done is not None:
         _report(done)
     return PreparedData.open(final).path
 

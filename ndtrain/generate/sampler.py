@@ -23,7 +23,7 @@ and entropies once, at the end.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +43,7 @@ class Generated:
     lengths: Tensor | None = None  # [b]
     logprob_table: Tensor | None = None  # fp64
     entropy_table: Tensor | None = None  # fp64
+    interrupted: bool = False  # `should_stop` ended the generation early: the rows are unfinished
 
 
 def filter_logits(logits: Tensor, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -91,13 +92,16 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[Ten
 @torch.no_grad()
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, seeds: Sequence[int] | None = None,
-             stop_ids: Collection[int] = (), pad_id: int = 0, use_cache: bool = True) -> Generated:
+             stop_ids: Collection[int] = (), pad_id: int = 0, use_cache: bool = True,
+             should_stop: Callable[[], bool] | None = None) -> Generated:
     """Continue every prompt by up to `max_new_tokens` tokens, a row ending after any of
     `stop_ids`. `model(tokens, positions=, cache=, doc_ids=)` returns logits [b, s, V] (a
     `Transformer`, or a tensor-parallel one that gathers its vocabulary); `seeds`: one per
     row (default: the row's index). Prompt plus continuation must fit in
     `model.args.max_seq_len`. `use_cache=False` recomputes every position at every step
-    (the same tokens, for `ndtrain bench generate`)."""
+    (the same tokens, for `ndtrain bench generate`). `should_stop()`, asked after every
+    token, ends the generation early with `interrupted` set (a stop request during an RL
+    rollout; it must answer alike on every rank of a tensor-parallel model)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
@@ -119,7 +123,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, tempe
     was_training = model.training
     model.eval()
     try:
-        table = _sample(model, prompts, max_new_tokens, temperature, top_k, top_p, u, stops, pad_id, use_cache, device)
+        *table, interrupted = _sample(model, prompts, max_new_tokens, temperature, top_k, top_p, u, stops, pad_id,
+                                      use_cache, device, should_stop)
     finally:
         model.train(was_training)
     token_ids, logprobs, entropies, lengths = (t.cpu() for t in table)  # the one transfer of the results
@@ -127,13 +132,15 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, tempe
     tokens = [row[:n] for row, n in zip(token_ids.tolist(), lengths.tolist())]
     return Generated(tokens, [logprobs[i, :len(t)].tolist() for i, t in enumerate(tokens)],
                      [entropies[i, :len(t)].tolist() for i, t in enumerate(tokens)],
-                     [bool(t) and t[-1] in stop_set for t in tokens], token_ids, lengths, logprobs, entropies)
+                     [bool(t) and t[-1] in stop_set for t in tokens], token_ids, lengths, logprobs, entropies,
+                     interrupted)
 
 
 def _sample(model, prompts, max_new_tokens: int, temperature: float, top_k: int, top_p: float, u: Tensor | None,
-            stops: Tensor, pad_id: int, use_cache: bool, device) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+            stops: Tensor, pad_id: int, use_cache: bool, device,
+            should_stop=None) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
     """The decoding loop on the device: tokens [b, M], their log-probabilities and the
-    entropies [b, M] (fp64), and each row's length [b]."""
+    entropies [b, M] (fp64), each row's length [b], and whether `should_stop` ended it."""
     b, width = len(prompts), max(len(p) for p in prompts)
     cache = KVCache(width + max_new_tokens) if use_cache else None
     tokens, positions, doc_ids = left_pad(prompts, pad_id, device)
@@ -155,13 +162,15 @@ def _sample(model, prompts, max_new_tokens: int, temperature: float, top_k: int,
         running &= ~torch.isin(token, stops)
         if step == max_new_tokens - 1 or not bool(running.any()):  # the host's one read of this step
             break
+        if should_stop is not None and should_stop():
+            return out_tokens, out_logp, out_entropy, lengths, True
         tokens = token.masked_fill(~running, pad_id)[:, None]
         positions, doc_ids = next_pos[:, None], torch.ones_like(tokens)
         next_pos = next_pos + 1
         if cache is None:
             seen = tuple(torch.cat([old, new], dim=1) for old, new in zip(seen, (tokens, positions, doc_ids)))
             tokens, positions, doc_ids = seen
-    return out_tokens, out_logp, out_entropy, lengths
+    return out_tokens, out_logp, out_entropy, lengths, False
 
 
 def sample(model, prompt_ids: list[int], max_new_tokens: int,

@@ -58,12 +58,20 @@ class ModelArgs:
     query_pre_attn_scalar: float = 0.0
     attn_softcap: float = 0.0
     logit_softcap: float = 0.0
+    # LoRA adapters (model/lora.py, config [lora]): rank 0 = none. Each linear layer named in
+    # lora_targets adds scale·B·A·x, scale = lora_alpha / lora_rank, and only A and B train.
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple[str, ...] = ()
+    lora_init: str = "zero_b"  # zero_b: B starts at 0 (the base model's output) | random: B too (tests)
 
     def __post_init__(self):
-        if self.head_dim is None:
-            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
+        if self.head_dim is None:  # no heads: 0, which shape_problem names
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads if self.n_heads else 0)
         if self.window_layers is not None:  # a list from JSON (a checkpoint's meta) or the config
             object.__setattr__(self, "window_layers", tuple(int(i) for i in self.window_layers))
+        object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
 
     def window_of(self, layer: int) -> int:
         """The sliding window of block `layer` (0: it sees every earlier key)."""
@@ -96,6 +104,36 @@ class ModelArgs:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+COUNTS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "head_dim")
+
+
+def shape_problem(a: ModelArgs) -> tuple[str, object, str] | None:
+    """(field, value, rule) of the first thing that makes these args no model (None: they
+    are one): counts that are not positive integers, heads that do not divide the width (or
+    query heads the key/value heads), an expert count, top-k or MoE spacing out of range,
+    a norm epsilon or rotary base that is not a positive finite number."""
+    for key in COUNTS:
+        value = getattr(a, key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            return key, value, "must be a positive integer"
+    if a.n_heads % a.n_kv_heads:
+        return "n_kv_heads", a.n_kv_heads, f"must divide n_heads = {a.n_heads}"
+    for key in ("norm_eps", "rope_theta"):
+        value = getattr(a, key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+            return key, value, "must be a positive finite number"
+    if a.moe_experts:
+        for key in ("moe_experts", "moe_top_k", "moe_every"):
+            value = getattr(a, key)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                return key, value, "must be a positive integer"
+        if a.moe_top_k > a.moe_experts:
+            return "moe_top_k", a.moe_top_k, f"must be at most moe_experts = {a.moe_experts}"
+        if a.moe_every > a.n_layers:
+            return "moe_every", a.moe_every, f"must be at most n_layers = {a.n_layers} (no block would have experts)"
+    return None
 
 
 # vocab_size in a preset is the size the shape was published with. A run on our own data

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from .args import ModelArgs
+from .args import ModelArgs, shape_problem
 from .rope import KINDS, REQUIRED, scaling_problem
 
 
@@ -118,6 +118,23 @@ def _get(c: dict, family: Family, key: str):
     raise HFConfigError(key, None, f"missing from config.json, and {family.model_type} has no default for it")
 
 
+def _count(c: dict, family: Family, key: str, *null):
+    """A count of config.json: a positive integer; with `null` given, a null (or a missing
+    key without a family default) is that instead."""
+    value = c.get(key, family.defaults.get(key, *null)) if null else _get(c, family, key)
+    if null and value is None:
+        return null[0]
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise HFConfigError(key, value, "must be a positive integer")
+    return value
+
+
+def _positive(value, key: str) -> float:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < float("inf"):
+        raise HFConfigError(key, value, "must be a positive finite number")
+    return float(value)
+
+
 def family_of_config(c: dict) -> Family:
     model_type = c.get("model_type")
     if model_type is None:
@@ -143,22 +160,27 @@ def args_from_hf_config(config) -> ModelArgs:
     act = _get(c, family, act_key)
     if act not in ACTIVATIONS or (ACTIVATIONS[act] == "gelu_tanh") != family.gemma:
         raise HFConfigError(act_key, act, "not supported: silu (SwiGLU), or gelu_pytorch_tanh in Gemma 2")
-    heads = _get(c, family, "num_attention_heads")
-    dim = _get(c, family, "hidden_size")
-    head_dim = _get(c, family, "head_dim") or dim // heads
-    n_layers = _get(c, family, "num_hidden_layers")
-    max_len = _get(c, family, "max_position_embeddings")
+    heads, dim = _count(c, family, "num_attention_heads"), _count(c, family, "hidden_size")
+    head_dim = _count(c, family, "head_dim", None)
+    if head_dim is None and dim % heads:
+        raise HFConfigError("num_attention_heads", heads, f"must divide hidden_size = {dim} (no head_dim is given)")
+    head_dim = head_dim or dim // heads
+    n_layers = _count(c, family, "num_hidden_layers")
+    max_len = _count(c, family, "max_position_embeddings")
+    kv_heads = _count(c, family, "num_key_value_heads", None) or heads
+    if heads % kv_heads:
+        raise HFConfigError("num_key_value_heads", kv_heads, f"must divide num_attention_heads = {heads}")
     rope = _rope(c, family, head_dim, max_len)
     if rope.get("rope_type") == "dynamic":  # transformers' max_position_embeddings is where it starts
         max_len = int(rope["factor"] * max_len)
-    return ModelArgs(
+    args = ModelArgs(
         dim=dim, n_layers=n_layers, n_heads=heads,
-        n_kv_heads=_get(c, family, "num_key_value_heads") or heads,
-        ffn_dim=_get(c, family, "intermediate_size"),
-        vocab_size=_get(c, family, "vocab_size"),
+        n_kv_heads=kv_heads,
+        ffn_dim=_count(c, family, "intermediate_size"),
+        vocab_size=_count(c, family, "vocab_size"),
         max_seq_len=max_len,
-        rope_theta=float(_rope_theta(c, family)),
-        norm_eps=_get(c, family, "rms_norm_eps"),
+        rope_theta=_positive(_rope_theta(c, family), "rope_theta"),
+        norm_eps=_positive(_get(c, family, "rms_norm_eps"), "rms_norm_eps"),
         tie_embeddings=bool(_get(c, family, "tie_word_embeddings")),
         head_dim=head_dim,
         qkv_bias=family.qkv_bias,
@@ -168,6 +190,15 @@ def args_from_hf_config(config) -> ModelArgs:
         **_gemma(c, family, dim),
         **_moe_args(family, c),
     )
+    problem = shape_problem(args)
+    if problem:  # what the keys cannot say one by one: top-k above the expert count, experts on no layer
+        key, value, rule = problem
+        raise HFConfigError(_HF_KEYS.get(key, key), value, rule.replace("moe_experts", "the expert count").replace(
+            "n_layers", "num_hidden_layers"))
+    return args
+
+
+_HF_KEYS = {"moe_top_k": "num_experts_per_tok", "moe_every": "decoder_sparse_step", "moe_experts": "num_experts"}
 
 
 def _rope_params(c: dict) -> dict:
@@ -264,13 +295,13 @@ def _gemma(c: dict, family: Family, dim: int) -> dict:
 def _moe_args(family: Family, c: dict) -> dict:
     """The MoE fields of `ModelArgs` from a Mixtral or Qwen3-MoE config."""
     if family.model_type == "mixtral":
-        return dict(moe_experts=_get(c, family, "num_local_experts"),
-                    moe_top_k=_get(c, family, "num_experts_per_tok"),
-                    moe_ffn_dim=_get(c, family, "intermediate_size"), moe_norm_topk=True)
+        return dict(moe_experts=_count(c, family, "num_local_experts"),
+                    moe_top_k=_count(c, family, "num_experts_per_tok"),
+                    moe_ffn_dim=_count(c, family, "intermediate_size"), moe_norm_topk=True)
     if family.model_type == "qwen3_moe":
-        experts = c.get("num_experts") or c.get("num_local_experts") or family.defaults["num_experts"]
-        return dict(moe_experts=experts, moe_top_k=_get(c, family, "num_experts_per_tok"),
-                    moe_ffn_dim=_get(c, family, "moe_intermediate_size"),
+        key = "num_experts" if c.get("num_experts") is not None or "num_local_experts" not in c else "num_local_experts"
+        return dict(moe_experts=_count(c, family, key), moe_top_k=_count(c, family, "num_experts_per_tok"),
+                    moe_ffn_dim=_count(c, family, "moe_intermediate_size"),
                     moe_norm_topk=bool(_get(c, family, "norm_topk_prob")),
-                    moe_every=_get(c, family, "decoder_sparse_step") or 1)
+                    moe_every=_count(c, family, "decoder_sparse_step", None) or 1)
     return {}

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor
 
 from .args import ModelArgs
+from .lora import a_std
 
 _MASK32 = 0xFFFFFFFF
 _MUL = 0xD256D193  # Philox2x32's multiplier
@@ -155,6 +156,8 @@ def init_std(name: str, args: ModelArgs) -> float:
     """Standard deviation of a weight's initial values (norm weights start at 1 instead).
     The projections that write into the residual stream are scaled down by depth, so the
     residual's variance does not grow with the number of layers (GPT-2)."""
+    if name.endswith(".lora.a"):
+        return a_std(name, args)
     if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         return 0.02 / math.sqrt(2 * args.n_layers)
     return 0.02
@@ -170,7 +173,8 @@ def initial_values(name: str, region: Region, args: ModelArgs, seed: int, lo: in
     initial value (fp32, on `device`): a function of the seed, the name and each element's
     global index only, so every layout, stage and shard agrees with one process."""
     hi = region.numel if hi is None else hi
-    if name.endswith("norm.weight") or name.endswith(".bias"):  # a norm's scale of 1 (Gemma: 1 − offset)
+    zero_b = name.endswith(".lora.b") and args.lora_init == "zero_b"  # an adapter that starts at no change
+    if name.endswith("norm.weight") or name.endswith(".bias") or zero_b:  # a norm's scale of 1 (Gemma: 1 − offset)
         fill = 1.0 - args.norm_offset if name.endswith("norm.weight") else 0.0
         out = torch.full((hi - lo,), fill, device=device)
         if region.contiguous_start() is None or region.valid_run() < hi:

@@ -27,6 +27,7 @@ from torch import Tensor
 from .args import ModelArgs
 from .dtypes import widened
 from .init import initial_value
+from .lora import linear
 from .moe import MoE, RoutingLog
 from .rope import Rotary, rope_tables  # noqa: F401 (rope_tables: re-exported)
 
@@ -231,10 +232,10 @@ class Attention(nn.Module):
         scalar = args.query_pre_attn_scalar
         self.q_scale = math.sqrt(args.head_dim / scalar) if scalar and scalar != args.head_dim else 1.0
         kv_dim = args.n_kv_heads * args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
-        self.wk = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
-        self.wv = nn.Linear(args.dim, kv_dim, bias=args.qkv_bias)
-        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        self.wq = linear(args, "wq", args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
+        self.wk = linear(args, "wk", args.dim, kv_dim, bias=args.qkv_bias)
+        self.wv = linear(args, "wv", args.dim, kv_dim, bias=args.qkv_bias)
+        self.wo = linear(args, "wo", args.n_heads * args.head_dim, args.dim)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         self.core = AttentionCore(args.window_of(layer), args.attn_softcap)
@@ -262,9 +263,9 @@ class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.act = ACTIVATIONS[args.mlp_act]
-        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
-        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+        self.w1 = linear(args, "w1", args.dim, args.ffn_dim)  # gate
+        self.w3 = linear(args, "w3", args.dim, args.ffn_dim)  # up
+        self.w2 = linear(args, "w2", args.ffn_dim, args.dim)  # down
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(self.act(self.w1(x)) * self.w3(x))

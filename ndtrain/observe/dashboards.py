@@ -74,6 +74,12 @@ class Dashboards:
             self._tb.close()
         if self._wandb is not None:
             self._wandb.finish()
+            # finish() can return before W&B's service has flushed the run's record file;
+            # its teardown waits for that, so the run folder is complete when the run ends.
+            import wandb
+            teardown = getattr(wandb, "teardown", None)
+            if teardown is not None:
+                teardown()
 
 
 def _wandb_run(run, run_dir: Path, config: dict):

@@ -13,7 +13,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ndtrain.parallel.pipeline.lists import build_schedule
+from ndtrain.parallel.pipeline.lists import build_schedule, deferred
 from ndtrain.parallel.pipeline.schedules import parts
 from ndtrain.parallel.pipeline.simulate import bubble, simulate, theory_bubble, timeline
 from ndtrain.parallel.pipeline.timeline import COMPUTE_KINDS, Event, measured_bubble
@@ -145,7 +145,7 @@ def simulated_step(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: 
     with modelled costs."""
     stages = [ranks[i] for i in (pipeline or range(pp))]
     f, b, w, post = chunk_costs(stages, pp * v)
-    return simulate(build_schedule(schedule, pp, v, m), f, b, w, message_time(stages), post=post)
+    return simulate(build_schedule(schedule, pp, v, m), f, b, w, message_time(stages), post=post, defer=True)
 
 
 def measured_step(ranks: list[list[Event]], pipeline: list[int] | None = None) -> float:
@@ -154,11 +154,11 @@ def measured_step(ranks: list[list[Event]], pipeline: list[int] | None = None) -
     return max(e.end for r in stages for e in r) - min(e.start for r in stages for e in r)
 
 
-def _theory_costs(ranks: list[list[Event]], means: dict[str, float]) -> tuple[float, float, float]:
-    """F, B, W for a theory of equal stages: the means, except that the first chunk's
-    backward is not split (its B does nothing, its W is whole), so B and W come from the
-    other chunks' split backwards."""
-    keys = {(e.chunk, e.micro) for rank in ranks for e in rank if e.kind == "W" and e.chunk > 0}
+def _theory_costs(ranks: list[list[Event]], means: dict[str, float], late: set) -> tuple[float, float, float]:
+    """F, B, W for a theory of equal stages: the means, except that the executor's deferred
+    backwards (`late`, lists.deferred: the first chunk's, a V's turn: B nothing, W whole) are
+    not split, so B and W come from the other split backwards."""
+    keys = {(e.chunk, e.micro) for rank in ranks for e in rank if e.kind == "W"} - late
     if not keys:
         return means.get("F", 1.0), means.get("B", 1.0), 0.0
     done = {}
@@ -171,7 +171,8 @@ def _theory_costs(ranks: list[list[Event]], means: dict[str, float]) -> tuple[fl
 def bubble_report(ranks: list[list[Event]], schedule: str, pp: int, v: int, m: int,
                   pipeline: list[int] | None = None) -> dict:
     measured, means = measured_bubble(ranks)
-    theory = theory_bubble(schedule, pp, v, m, *_theory_costs(ranks, means))
+    late = {key for actions in build_schedule(schedule, pp, v, m) for key in deferred(actions)}
+    theory = theory_bubble(schedule, pp, v, m, *_theory_costs(ranks, means, late))
     step, simulated = simulated_step(ranks, schedule, pp, v, m, pipeline)
     return {"schedule": schedule, "pp": pp, "virtual": v, "micro_batches": m, "measured_bubble": measured,
             "replayed_bubble": replayed_bubble(ranks, schedule, pp, v, m, pipeline),

@@ -313,7 +313,7 @@ def gather_experts(model: nn.Module, state: dict[str, Tensor] | None, mesh: Para
     if not ep.active or mesh.coord("edp_shard") != 0:
         return state
     for name, p in model.named_parameters():
-        if expert_slice(p) is None:
+        if expert_slice(p) is None or name not in state:  # not an expert's, or frozen (no gradient)
             continue
         local = state[name].contiguous()
         full = local.new_empty((ep.size * local.shape[0], *local.shape[1:]))

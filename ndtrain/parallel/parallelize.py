@@ -11,7 +11,9 @@ Order of the transformations (each one is a no-op when its dimension has size 1)
 1. tensor/sequence parallel module swaps   (parallel/tensor.py)
 2. context-parallel attention cores        (parallel/context/)
 3. MoE blocks: token split, this rank's experts, all-to-all dispatch (parallel/expert.py)
-   then, under train.precision = fp8, the block linears' fp8 matmuls (parallel/fp8.py)
+   then, under train.precision = fp8, the block linears' fp8 matmuls (parallel/fp8.py);
+   with LoRA (model/lora.py) every parameter but the adapters' is frozen here, so the
+   gradient synchronisation below gives the base weights no buffer and no optimizer state
 4. regional compilation of each block      (parallel/compile.py, train.compile), then the
    activation recomputation wrappers around it (parallel/recompute.py)
 5. gradient synchronisation over dp × cp (expert weights: over edp): DP buckets
@@ -40,6 +42,7 @@ from ndtrain.deferred import Lazy
 from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
+from ndtrain.model.lora import freeze_base
 from ndtrain.model.loss import TokenLoss, token_nll, weighted_sum
 from ndtrain.parallel import context, expert, fp8, tensor
 from ndtrain.parallel.compile import compile_blocks, compile_loss
@@ -161,6 +164,8 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
         expert.parallelize(model, mesh, cfg.parallel.sp)
         if cfg.train.precision == "fp8":
             fp8.apply(model, mesh, cfg.train.fp8_recipe)
+        if args.lora_rank:  # only the adapters train: no gradient, buffer or optimizer state for the rest
+            freeze_base(model)
         return model
     return make
 
@@ -207,7 +212,7 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
         cast_parameters(list(model.parameters()), dtype)
         bucket_bytes = int(p.bucket_mb * 2**20)
         accum = torch.float32 if has_masters(dtype) else None  # gradients add up in fp32 under bf16/fp16
-        dense, experts = expert.expert_params(model.parameters())
+        dense, experts = expert.expert_params(p for p in model.parameters() if p.requires_grad)
         grad_sync = DataParallel(dense, mesh.group("dp_cp"), bucket_bytes, rdtype, accum)
         if experts:  # summed over the ranks holding the same experts
             grad_sync = GradSyncs([grad_sync, DataParallel(experts, mesh.group("edp"), bucket_bytes, rdtype, accum)])
@@ -216,7 +221,8 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
         chunk.reset_rope(mesh.device)
         expert.materialize_buffers(chunk, mesh.device)
     if pipelined:
-        tied = TiedEmbedding(mesh, model, states.summed_grad, vshape(p.pp_schedule)) if args.tie_embeddings else None
+        tied_trains = args.tie_embeddings and not args.lora_rank  # LoRA: a frozen embedding needs no sum
+        tied = TiedEmbedding(mesh, model, states.summed_grad, vshape(p.pp_schedule)) if tied_trains else None
         schedule = PipelineSchedule(chunks, mesh, p.pp_schedule, p.pp_virtual, loss_fn, tied)
     else:
         schedule = SingleStage(model, loss_fn)

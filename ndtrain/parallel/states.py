@@ -88,6 +88,12 @@ class ReplicatedStates:
                 out.append(OptimSlice(name, p, holder, 0, 0, p.numel()))
         return out
 
+    def frozen_slices(self) -> list[OptimSlice]:
+        """The parameters the optimizer does not update (a LoRA run's base weights), each
+        whole: what checkpoints store and load besides `optim_slices`."""
+        return [OptimSlice(name, p, p, 0, 0, p.numel()) for name, p in self.model.named_parameters()
+                if not p.requires_grad]
+
     def buffers(self) -> dict[str, torch.Tensor]:
         return persistent_buffers(self.model)
 
@@ -101,7 +107,8 @@ class ReplicatedStates:
         """The optimizer's gradients (synchronised, unclipped) by parameter name."""
         out = {}
         for name, p in self.model.named_parameters():
-            out[name] = self.masters.master_of(p).grad if self.masters is not None else self.grad_sync.grad_of(p)
+            if p.requires_grad:
+                out[name] = self.masters.master_of(p).grad if self.masters is not None else self.grad_sync.grad_of(p)
         return out
 
     # -- memory accounting (experts=True: only the routed experts' states) --------

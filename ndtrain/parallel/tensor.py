@@ -47,6 +47,11 @@ Where each piece sits:
 - Biases and q/k norms (Qwen2, Qwen3): a column-parallel bias is split with the rows it
   adds to; a q/k norm weight is shared by all heads, so every rank keeps it whole and its
   gradient is partial over tp (marked like a sequence-parallel norm weight).
+- LoRA adapters (model/lora.py) follow their base layer: a column-parallel layer's B is
+  split by output rows and A stays whole, a row-parallel layer's A by input columns and B
+  stays whole (its product joins the partial sums before g); the whole one's gradient is
+  partial over tp, completed like a sequence-parallel norm weight's.
+- The loss from vocabulary-split logits lives in parallel/vocab_loss.py.
 - Split parameters carry `mark_sharded(p, ("tp",))` for the global gradient norm, their
   split (`split_of`) for `full_state`, which gathers the whole model, and their place in
   the whole tensor (`mark_region`) for checkpoints, which read and write any layout.
@@ -65,7 +70,6 @@ from fnmatch import fnmatchcase
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -73,8 +77,10 @@ from ndtrain.comm import ops
 from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import MoE, RMSNorm, Transformer, rms_norm, softcap, widened
-from ndtrain.model.loss import IGNORE
+from ndtrain.model.lora import LoRA
 from ndtrain.parallel.placement import mark_partial, mark_region, mark_sharded
+from ndtrain.parallel.vocab_loss import (VocabParallelCrossEntropy, VocabParallelNLL,  # noqa: F401 (re-exported)
+                                         vocab_parallel_cross_entropy)
 
 # ---------------------------------------------------------------------------------------
 # The conjugate operators. The residual stream is [b, s, h]; SP splits dimension 1.
@@ -225,12 +231,13 @@ class ColumnParallelLinear(nn.Module):
 
     linear = staticmethod(F.linear)  # the product; parallel/fp8.py may put an fp8 one here
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None = None, lora: LoRA | None = None):
         super().__init__()
-        self.weight, self.bias = weight, bias
+        self.weight, self.bias, self.lora = weight, bias, lora
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear(x, self.weight, self.bias)
+        y = self.linear(x, self.weight, self.bias)
+        return y if self.lora is None else y + self.lora(x)
 
 
 class RowParallelLinear(nn.Module):
@@ -239,12 +246,15 @@ class RowParallelLinear(nn.Module):
 
     linear = staticmethod(F.linear)
 
-    def __init__(self, weight: nn.Parameter, group: Group, sp: bool):
+    def __init__(self, weight: nn.Parameter, group: Group, sp: bool, lora: LoRA | None = None):
         super().__init__()
-        self.weight, self.group, self.sp = weight, group, sp
+        self.weight, self.group, self.sp, self.lora = weight, group, sp, lora
 
     def forward(self, x: Tensor) -> Tensor:
-        return leave_region(self.linear(x, self.weight, None), self.group, self.sp)
+        y = self.linear(x, self.weight, None)
+        if self.lora is not None:  # B·(A_r·x_r): a partial sum too, completed by the same reduction
+            y = y + self.lora(x)
+        return leave_region(y, self.group, self.sp)
 
 
 class ReplicatedHeadsLinear(nn.Module):
@@ -257,15 +267,19 @@ class ReplicatedHeadsLinear(nn.Module):
     """
 
     def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, head_dim: int, n_kv_heads: int,
-                 group: Group):
+                 group: Group, lora: LoRA | None = None):
         super().__init__()
         self.weight, self.group = mark_partial(weight, ("tp",)), group
         self.bias = mark_partial(bias, ("tp",)) if bias is not None else None
         head = group.rank // (group.size // n_kv_heads)  # query heads are split contiguously
         self.rows = slice(head * head_dim, (head + 1) * head_dim)
+        self.lora = lora
+        if lora is not None:
+            lora.rows = self.rows
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight[self.rows], self.bias[self.rows] if self.bias is not None else None)
+        y = F.linear(x, self.weight[self.rows], self.bias[self.rows] if self.bias is not None else None)
+        return y if self.lora is None else y + self.lora(x)
 
 
 class RegionEntryNorm(nn.Module):
@@ -404,20 +418,36 @@ def _entry_norm(m: RMSNorm, c: Context) -> nn.Module:
     return RegionEntryNorm(c.param(m.weight), m.eps, c.group, c.sp, m.offset)
 
 
+def _adapter(m: nn.Linear, c: Context, a_dim: int | None, b_dim: int | None) -> LoRA | None:
+    """The LoRA adapter of `m`, if it has one, split with its base weight: a column-parallel
+    layer's B by its output rows (A whole), a row-parallel layer's A by its input columns (B
+    whole). The whole one sees the sum of every rank's part of its gradient only after the
+    step's tp reduction: it is marked partial, like a sequence-parallel norm weight."""
+    lora = getattr(m, "lora", None)
+    if not isinstance(lora, LoRA):
+        return None
+    a, b = c.param(lora.a, a_dim), c.param(lora.b, b_dim)
+    for p, dim in ((a, a_dim), (b, b_dim)):
+        if dim is None:
+            mark_partial(p, ("tp",))
+    return LoRA(a, b, lora.scale, lora.dropout)
+
+
 def _column(m: nn.Linear, c: Context) -> nn.Module:
     bias = c.param(m.bias, 0) if m.bias is not None else None  # split with the rows it adds to
-    return ColumnParallelLinear(c.param(m.weight, 0), bias)
+    return ColumnParallelLinear(c.param(m.weight, 0), bias, _adapter(m, c, None, 0))
 
 
 def _row(m: nn.Linear, c: Context) -> nn.Module:
-    return RowParallelLinear(c.param(m.weight, 1), c.group, c.sp)
+    return RowParallelLinear(c.param(m.weight, 1), c.group, c.sp, _adapter(m, c, 1, None))
 
 
 def _kv(m: nn.Linear, c: Context) -> nn.Module:
     if c.args.n_kv_heads % c.group.size == 0:
         return _column(m, c)
     bias = c.param(m.bias) if m.bias is not None else None
-    return ReplicatedHeadsLinear(c.param(m.weight), bias, c.args.head_dim, c.args.n_kv_heads, c.group)
+    return ReplicatedHeadsLinear(c.param(m.weight), bias, c.args.head_dim, c.args.n_kv_heads, c.group,
+                                 _adapter(m, c, None, None))
 
 
 def _head_norm(m: RMSNorm, c: Context) -> nn.Module:
@@ -526,63 +556,3 @@ def full_state(model: nn.Module, state: dict[str, Tensor], group: Group) -> dict
         chunks = chunks.view(group.size, *t.shape).unbind(0)
         out[name] = torch.cat(chunks, dim=split.dim).narrow(split.dim, 0, split.full)
     return out
-
-
-# ---------------------------------------------------------------------------------------
-# The loss from vocab-split logits
-
-
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Per-token cross-entropy of targets [n] from logits [n, V/t] split over the vocabulary.
-
-    Forward: the max over the vocabulary (all-reduce MAX of n numbers), then the sum of
-    exponentials and the target's logit (one all-reduce of 2n numbers): loss = log Σ exp −
-    target logit, shifted by the max. No rank ever holds more than its V/t columns.
-    Backward: no communication: the gradient of this rank's logits is softmax − one-hot on
-    its own columns.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, group: Group) -> Tensor:
-        n_local, dtype = logits.shape[-1], logits.dtype
-        logits = widened(logits)
-        top = logits.max(dim=-1).values
-        ops.all_reduce(top, group, op=dist.ReduceOp.MAX)
-        shifted = logits - top.unsqueeze(-1)
-        local = targets - group.rank * n_local
-        mine = (local >= 0) & (local < n_local)  # IGNORE (negative) is never anyone's
-        local = local.masked_fill(~mine, 0)
-        # where, not × mine: a shard of padding only gathers −inf, and −inf × 0 is NaN
-        target_logit = torch.where(mine, shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1), 0.0)
-        exp = shifted.exp_()
-        sums = torch.stack([exp.sum(dim=-1), target_logit])
-        ops.all_reduce(sums, group)
-        valid = targets != IGNORE
-        loss = (sums[0].log() - sums[1]) * valid
-        ctx.save_for_backward(exp.div_(sums[0].unsqueeze(-1)), local, mine, valid)
-        ctx.dtype = dtype
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        softmax, local, mine, valid = ctx.saved_tensors
-        g = grad * valid
-        out = softmax.mul_(g.unsqueeze(-1))  # saved tensors are not used again
-        out.scatter_add_(-1, local.unsqueeze(-1), -(g * mine).unsqueeze(-1))
-        return out.to(ctx.dtype), None, None
-
-
-def vocab_parallel_cross_entropy(logits: Tensor, targets: Tensor, group: Group) -> Tensor:
-    return VocabParallelCrossEntropy.apply(logits.flatten(0, -2), targets.flatten(), group)
-
-
-@dataclass
-class VocabParallelNLL:
-    """The layout's half of the loss under TP (model/loss.TokenLoss): each position's
-    cross-entropy [b·s], from this rank's logit columns. The same values on every rank of
-    the group."""
-
-    group: Group
-
-    def __call__(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return vocab_parallel_cross_entropy(logits, targets, self.group)

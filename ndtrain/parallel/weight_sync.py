@@ -81,7 +81,7 @@ class StageValues:
         states = par.states
         self.flats = {}  # name -> (flat, param) under ZeRO-3
         if getattr(states, "stage", 0) == 3:
-            self.flats = {states.names[id(p)]: (f, p) for f in states.flats for p in f.params}
+            self.flats = {states.names[id(p)]: (f, p) for f in states.flats + states.frozen for p in f.params}
         self.gathered: dict[int, tuple[Tensor, int]] = {}  # id(flat) -> (whole buffer, parameters still to read)
 
     @torch.no_grad()

@@ -40,6 +40,13 @@ DESIGN.md asks of dense gradients. Routed experts' weights (placement `expert_sl
 flats of their own, sharded over `edp_shard` (the ranks of dp_shard × cp holding the same
 experts, mesh.py) and reduced over `edp_shard × dp_replicate`, each flat with its own group.
 
+Frozen parameters (LoRA's base weights) go into flats of their own (`FlatParam.frozen`):
+sharded and, under stage 3, gathered and freed with their unit like the others, but without
+master, gradient buffer, reduction or optimizer state. `flats` lists the flats that train,
+`frozen` the others. A stage-3 unit holding frozen weights is freed when the gradient of its
+input is complete (its frozen matmuls may still need their weights after its last trainable
+gradient), or at the end of the backward pass.
+
 Gradients are stored in the compute dtype and reduced in `reduce_dtype` (fp32 by default,
 parallel/precision.py). Stage 1 accumulates micro-batches locally and reduces once per step;
 stages 2 and 3 reduce after every micro-batch's backward (that is what keeps the full
@@ -107,17 +114,25 @@ class ZeRO:
             names.update({id(p): n for _, _, named in decoder for n, p in named})
             self.units += units
             backward_order = link_units(units) + backward_order  # later decoders run backward first
-        self.flats = [f for u in backward_order for f in u.flats]
+        # The flats that train (what is reduced and updated, in the order gradients complete)
+        # and those that do not (LoRA's base weights: gathered and freed with their units only).
+        everything = [f for u in backward_order for f in u.flats]
+        self.flats = [f for f in everything if not f.frozen]
+        self.frozen = [f for f in everything if f.frozen]
         # Every parameter becomes a view into its flat buffer (construct.py: new objects).
-        new = {old: q for f in self.flats for old, q in f.replacements.items()}
+        new = {old: q for f in everything for old, q in f.replacements.items()}
         swap_parameters(model, new)
-        for f in self.flats:
+        for f in everything:
             f.adopt()
         self.names = {id(new[old]): n for old, n in names.items()}
         self._flat_of = {id(p): f for f in self.flats for p in f.params}
         self._unit_of = {id(f): u for u in self.units for f in u.flats}
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for f in self.flats for p in f.params]
+        # A unit holding frozen weights still needs them after its last trainable gradient
+        # (the input gradient of a frozen matmul can come later): it is freed once the
+        # gradient of its input is complete, or at the end of the backward pass.
+        self._free_on_input_grad = {id(u) for u in self.units if any(f.frozen for f in u.flats)}
         if stage == 3:
             for unit in self.units:
                 self._hooks.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
@@ -133,12 +148,13 @@ class ZeRO:
         by_key: dict[tuple, list[nn.Parameter]] = {}
         for _, p in named:
             fp8 = id(p) in self.fp8_weights and not is_expert(p)
-            key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device, fp8)
+            key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device, fp8, p.requires_grad)
             by_key.setdefault(key, []).append(p)
         flats = []
-        for (dims, dup, experts, decay, _, _, fp8), params in by_key.items():
+        for (dims, dup, experts, decay, _, _, fp8, trains), params in by_key.items():
             name = ".".join([unit_name, "decay" if decay else "no_decay", *dims] + (["duplicate"] if dup else [])
-                            + (["experts"] if experts else []) + (["fp8"] if fp8 else []))
+                            + (["experts"] if experts else []) + (["fp8"] if fp8 else [])
+                            + ([] if trains else ["frozen"]))
             group, group_dims = (self.expert_group, self.expert_dims) if experts else (self.group, SHARD_DIMS)
             flats.append(FlatParam(name, params, self.stage, group, compute_dtype, reduce_dtype, init, device,
                                    group_dims, fp8))
@@ -231,7 +247,7 @@ class ZeRO:
             self._launch_ready_prefix()
             if self.stage == 3:
                 unit = self._unit_of[id(flat)]
-                if all(f.complete for f in unit.flats):
+                if id(unit) not in self._free_on_input_grad and all(f.complete for f in unit.flats):
                     self._reshard(unit)  # its backward is over
 
     def _launch_ready_prefix(self) -> None:
@@ -340,6 +356,15 @@ class ZeRO:
         self._wait(unit)
         if unit.next is not None:
             self._gather(unit.next)  # prefetch: overlaps this unit's forward
+        x = args[0] if args else None
+        trains = torch.is_grad_enabled() and not self.defer
+        if trains and id(unit) in self._free_on_input_grad and isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(functools.partial(self._input_grad_done, unit))
+
+    def _input_grad_done(self, unit: Unit, grad: torch.Tensor) -> None:
+        """The gradient of a unit's input is complete: its backward used its weights for the
+        last time."""
+        self._reshard(unit)
 
     def _post_forward(self, unit: Unit, module, args, output) -> None:
         if torch.is_grad_enabled():
@@ -360,24 +385,34 @@ class ZeRO:
     def optim_slices(self) -> list[OptimSlice]:
         """What this rank's masters hold: for each parameter overlapping the rank's slice
         [lo, hi) of a flat buffer, the part of it there (checkpoint/layout.py)."""
+        return [s for f in self.flats for s in self._slices(f, f.master)]
+
+    def _slices(self, f: FlatParam, holder: torch.Tensor) -> list[OptimSlice]:
         out = []
-        for f in self.flats:
-            lo, hi = f.group.rank * f.shard_numel, (f.group.rank + 1) * f.shard_numel
-            for p in f.params:
-                start, n = f.slot[id(p)]
-                a, b = max(start, lo), min(start + n, hi)
-                if a < b:
-                    out.append(OptimSlice(self.names[id(p)], p, f.master, a - lo, a - start, b - start))
+        lo, hi = f.group.rank * f.shard_numel, (f.group.rank + 1) * f.shard_numel
+        for p in f.params:
+            start, n = f.slot[id(p)]
+            a, b = max(start, lo), min(start + n, hi)
+            if a < b:
+                out.append(OptimSlice(self.names[id(p)], p, holder, a - lo, a - start, b - start))
         return out
+
+    def frozen_slices(self) -> list[OptimSlice]:
+        """What this rank holds of the parameters that do not train (LoRA's base weights),
+        for checkpoints: stage 3, its slices of their flat buffers; stages 1-2, each whole."""
+        if self.stage < 3:
+            return [OptimSlice(self.names[id(p)], p, p, 0, 0, p.numel()) for f in self.frozen for p in f.params]
+        return [s for f in self.frozen for s in self._slices(f, f.shard)]
 
     def local_state(self) -> dict[str, torch.Tensor]:
         """Stage 3: this rank's slices by flat-buffer name; stages 1-2: the (replicated)
         parameters by name, copied out of the flat buffers. And the model's buffers (an MoE
         router's bias), by name."""
+        flats = self.flats + self.frozen
         if self.stage == 3:
-            state = {f.name: f.shard for f in self.flats}
+            state = {f.name: f.shard for f in flats}
         else:
-            state = {self.names[id(p)]: p.detach().clone() for f in self.flats for p in f.params}
+            state = {self.names[id(p)]: p.detach().clone() for f in flats for p in f.params}
         return {**state, **self.buffers()}
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -391,7 +426,7 @@ class ZeRO:
         first = self.group.rank == 0 or self.expert_group.rank == 0
         if self.stage < 3:
             return self.local_state() if first else None
-        out = self._gather_flats(lambda f: f.shard)
+        out = self._gather_flats(lambda f: f.shard, self.flats + self.frozen)
         return {**out, **self.buffers()} if first else None
 
     @torch.no_grad()
@@ -399,12 +434,13 @@ class ZeRO:
         """The optimizer's gradients (summed, unclipped), whole over each flat's shard
         group, by parameter name, on that group's rank 0 (None elsewhere). Collective over
         the shard groups."""
-        out = self._gather_flats(lambda f: f.master.grad if f.master.grad is not None else torch.zeros_like(f.master))
+        out = self._gather_flats(lambda f: f.master.grad if f.master.grad is not None else torch.zeros_like(f.master),
+                                 self.flats)
         return out if self.group.rank == 0 or self.expert_group.rank == 0 else None
 
-    def _gather_flats(self, slice_of) -> dict[str, torch.Tensor]:
+    def _gather_flats(self, slice_of, flats: list[FlatParam]) -> dict[str, torch.Tensor]:
         out = {}
-        for f in self.flats:
+        for f in flats:
             part = slice_of(f)
             full = torch.empty(f.full.numel(), dtype=part.dtype, device=part.device)
             ops.all_gather(full, part.contiguous(), f.group)
@@ -413,12 +449,13 @@ class ZeRO:
         return out
 
     # -- memory accounting ---------------------------------------------------------
-    def _flats_of(self, experts: bool) -> list[FlatParam]:
-        return [f for f in self.flats if is_expert(f.params[0]) or not experts]
+    def _flats_of(self, experts: bool, flats: list[FlatParam] | None = None) -> list[FlatParam]:
+        return [f for f in (self.flats if flats is None else flats) if is_expert(f.params[0]) or not experts]
 
     def param_tensors(self, experts: bool = False) -> list[torch.Tensor]:
         """The parameters' buffers: gathered, this rank's slices, and their fp8 copies."""
-        return [t for f in self._flats_of(experts) for t in (f.full, f.shard) + ((f.shard_fp8,) if f.fp8 else ())]
+        flats = self._flats_of(experts, self.flats + self.frozen)
+        return [t for f in flats for t in (f.full, f.shard) + ((f.shard_fp8,) if f.fp8 else ())]
 
     def grad_tensors(self, experts: bool = False) -> list[torch.Tensor]:
         return [t for f in self._flats_of(experts) for t in (f.grad_full, f.grad_shard) if t is not None]

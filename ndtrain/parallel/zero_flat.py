@@ -54,6 +54,9 @@ class FlatParam:
     grad_shard: this rank's slice of the summed gradient, in accum_dtype (the master's
       gradient); stage 1, a view into grad_full; stages 2-3, allocated by the step's first
       reduction, freed by zero_grad.
+    frozen: parameters that do not train (a LoRA run's base weights): `full` and `shard` as
+      above (stage 3 gathers and frees them with their unit), and nothing else: no master,
+      no gradient accumulator, no reduction.
     """
 
     def __init__(self, name: str, params: list[nn.Parameter], stage: int, group: Group,
@@ -97,19 +100,24 @@ class FlatParam:
             self.shard_fp8 = torch.zeros(self.shard_numel, dtype=E4M3, device=device)
             self.fp8_views = [self.view_of(self.full, p) for p in params]  # made while it has memory
             free_storage(self.full)
+        self.grad_full: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
+        self.ready = 0  # parameters whose gradient arrived in this backward pass
+        self.pending: tuple | None = None  # (work, output, input) of a reduce-scatter in flight
+        self.frozen = not params[0].requires_grad
+        if self.frozen:  # no master, no gradient: only this rank's slice, marked as a master would be
+            self.master = None
+            copy_placement(params[0], self.shard)
+            mark_sharded(self.shard, shard_dims(params[0]) + group_dims)
+            return
         # A separate master starts from the fp32 initial values, not from their rounding.
         master = initial if stage == 3 else initial.clone()
         self.master = nn.Parameter(master if has_masters(compute_dtype) else self.shard)
         copy_placement(params[0], self.master)
         mark_sharded(self.master, shard_dims(params[0]) + group_dims)
-
-        self.grad_full: torch.Tensor | None = None
-        self.grad_shard: torch.Tensor | None = None
         if stage == 1:
             self.grad_full = self._zeros(self.full.numel())
             self.grad_shard = self.grad_full[lo:hi]
-        self.ready = 0  # parameters whose gradient arrived in this backward pass
-        self.pending: tuple | None = None  # (work, output, input) of a reduce-scatter in flight
 
     @torch.no_grad()
     def _initial(self, init: Callable, lo: int, hi: int, device: torch.device) -> torch.Tensor:
@@ -129,7 +137,7 @@ class FlatParam:
         self.params = [self.replacements[id(p)] for p in self.params]
         self.slot = {id(q): self.slot[old] for q, old in zip(self.params, list(self.slot))}
         del self.replacements
-        if self.stage == 1 and self.accum_dtype == self.compute_dtype:
+        if self.stage == 1 and self.accum_dtype == self.compute_dtype and not self.frozen:
             for p in self.params:
                 p.grad = self.view_of(self.grad_full, p)
 
@@ -209,7 +217,7 @@ def decoder_units(model: nn.Module, decoders: dict[str, nn.Module] | None = None
     def claim(params):
         out = []
         for p in params:
-            if p.requires_grad and id(p) not in claimed:
+            if id(p) not in claimed:
                 claimed.add(id(p))
                 out.append((named[id(p)], p))
         return out

@@ -25,13 +25,14 @@ the peak.
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ndtrain.config import ConfigError
-from ndtrain.plan.calibration import LinkFit, load, nearest
+from ndtrain.plan.calibration import LinkFit, calibration_file, load, nearest
 from ndtrain.plan.compute import Measured, Peak
 
 GB, TB = 1e9, 1e12
@@ -123,8 +124,12 @@ def this_machine(cache_dir: str) -> Cluster:
     if not path.is_file():
         raise ConfigError("--cluster", THIS_MACHINE, "this machine is not calibrated: run `ndtrain bench matmul` "
                           "(its peak) and `ndtrain bench comm` (its links) first")
-    flops = float(json.loads(path.read_text())["flops"])
-    fits = load(cache_dir)
+    flops = _calibration(path, lambda data: float(data["flops"]))
+    if not 0 < flops < math.inf:
+        raise ConfigError("--cluster", THIS_MACHINE, f"the calibration {path} holds a peak of {flops} FLOP/s: "
+                          "run `ndtrain bench matmul` again")
+    fits = _calibration(calibration_file(cache_dir), lambda _: load(cache_dir)) \
+        if calibration_file(cache_dir).is_file() else {}
     if not fits:
         raise ConfigError("--cluster", THIS_MACHINE, "no interconnect calibration: run `ndtrain bench comm` "
                           "(or `ndtrain bench plan`, which also measures the compute) first")
@@ -132,18 +137,30 @@ def this_machine(cache_dir: str) -> Cluster:
     from ndtrain.plan.compute import compute_file
     measured = {}
     if compute_file(cache_dir).is_file():
-        data = json.loads(compute_file(cache_dir).read_text())
-        measured = {int(n): Measured.from_json(v) for n, v in data.items()}
+        measured = _calibration(compute_file(cache_dir),
+                                lambda data: {int(n): Measured.from_json(v) for n, v in data.items()})
     return Cluster(THIS_MACHINE, {"fp32": flops, "bf16": flops, "fp16": flops, "fp64": flops / 2},
                    float(physical_memory()), os.cpu_count() or 1, link, link, shared_node=True, fits=fits,
                    source="measured: bench matmul, bench comm" + (", bench plan" if measured else ""),
                    measured=measured)
 
 
+def _calibration(path: Path, read):
+    """`read(the JSON of path)`; a damaged calibration file is a ConfigError saying how to redo it."""
+    import json
+    try:
+        return read(json.loads(Path(path).read_text()))
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError("--cluster", THIS_MACHINE, f"the calibration {path} is damaged ({type(e).__name__}); "
+                          "remove it and run `ndtrain bench matmul` / `ndtrain bench plan` again") from None
+
+
 def _number(data: dict, key: str, where: str, positive: bool = True) -> float:
     value = data.get(key)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or (positive and value <= 0):
-        raise ConfigError(f"{where}{key}", value, "expected a positive number")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or (
+            value < 0 or (positive and value == 0)):
+        raise ConfigError(f"{where}{key}", value, f"expected a {'positive' if positive else 'non-negative'} "
+                          "finite number")
     return float(value)
 
 
@@ -151,7 +168,11 @@ def from_toml(path: Path) -> Cluster:
     """A cluster file: name, gpus_per_node, memory_gb, [peak_tflops] bf16/fp16/fp32,
     [links] intra_gbps, inter_gbps, intra_latency_us, inter_latency_us; efficiency."""
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise ConfigError("--cluster", str(path), "is not a UTF-8 text file (a TOML cluster file is UTF-8)") from None
+    except OSError as e:
+        raise ConfigError("--cluster", str(path), f"cannot be read ({e.strerror})") from None
     except tomllib.TOMLDecodeError as e:
         raise ConfigError("--cluster", str(path), f"not valid TOML ({e})") from None
     known = {"name", "gpus_per_node", "memory_gb", "peak_tflops", "links", "efficiency", "headroom"}
@@ -165,6 +186,9 @@ def from_toml(path: Path) -> Cluster:
     peak.setdefault("fp16", peak["bf16"])
     peak.setdefault("fp32", peak["bf16"])
     links = data.get("links", {})
+    if not isinstance(links, dict):
+        raise ConfigError(f"--cluster {path}: links", links, "expected a table of intra_gbps, inter_gbps, "
+                          "intra_latency_us, inter_latency_us")
     efficiency = _number(data, "efficiency", "") if "efficiency" in data else 0.6
     if efficiency > 1:
         raise ConfigError("efficiency", efficiency, "must be in (0, 1]")

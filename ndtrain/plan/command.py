@@ -3,6 +3,7 @@ best layouts that fit. Nothing starts, nothing is written."""
 
 from __future__ import annotations
 
+import math
 import re
 
 from ndtrain.config import ConfigError, load_config
@@ -13,9 +14,10 @@ _SCALE = {"": 1, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12}
 def parse_tokens(text: str) -> float:
     """"15T", "300B", "2e12" → a number of tokens."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?(?:[eE]\d+)?)\s*([KMBGT]?)\s*", text.upper())
-    if not m or float(m.group(1)) <= 0:
-        raise ConfigError("--tokens", text, "expected a positive number of tokens, e.g. 2e12, 300B or 15T")
-    return float(m.group(1)) * _SCALE[m.group(2)]
+    tokens = float(m.group(1)) * _SCALE[m.group(2)] if m else 0.0
+    if not 0 < tokens < math.inf:
+        raise ConfigError("--tokens", text, "expected a positive, finite number of tokens, e.g. 2e12, 300B or 15T")
+    return tokens
 
 
 def given_rate(args):
@@ -26,6 +28,8 @@ def given_rate(args):
              ((args.mfu, True, False), (args.tflops, False, False), (args.hfu, True, True),
               (args.hfu_tflops, False, True)) if v is not None]
     for r in given:
+        if not math.isfinite(r.value):
+            raise ConfigError(r.flag, r.value, "must be a finite number")
         if r.utilization and not 0 < r.value <= 1:
             raise ConfigError(r.flag, r.value, "must be in (0, 1], a fraction of the peak")
         if not r.utilization and r.value <= 0:
@@ -55,6 +59,8 @@ def run(args) -> int:
             if hasattr(t, key):
                 setattr(t, key, type(t).__dataclass_fields__[key].default)
     imbalance = moe_imbalance(args, cfg)
+    if args.search and args.top <= 0:
+        raise ConfigError("--top", args.top, "must be > 0 (how many layouts to list)")
     if args.search:
         return _search(cfg, cluster, args, tokens, fp8, imbalance)
     cfg, device = plan_config(cfg, cluster, args.gpus)
@@ -67,7 +73,7 @@ def moe_imbalance(args, cfg) -> float:
     value = getattr(args, "moe_imbalance", None)
     if value is None:
         return 1.0
-    if not value >= 1:
+    if not 1 <= value < math.inf:
         raise ConfigError("--moe-imbalance", value, "must be ≥ 1 (the busiest rank's routed slots over the average)")
     if not cfg.model_args().is_moe:
         raise ConfigError("--moe-imbalance", value, f"model.preset = {cfg.model.preset!r} has no experts")
@@ -75,8 +81,7 @@ def moe_imbalance(args, cfg) -> float:
 
 
 def _search(cfg, cluster, args, tokens, fp8, imbalance) -> int:
-    import json
-
+    from ndtrain.observe.metrics import strict_json
     from ndtrain.plan.planner import plan_config
     from ndtrain.plan.search import render, search
 
@@ -97,7 +102,7 @@ def _search(cfg, cluster, args, tokens, fp8, imbalance) -> int:
                           f"per rank found is {smallest_text}, the device has {device.usable_memory / 2**30:,.1f} GiB "
                           f"(less {device.headroom:.0%} headroom)")
     if args.json:
-        print(json.dumps([{"overrides": f.overrides, **f.plan.as_json()} for f in found]))
+        print(strict_json([{"overrides": f.overrides, **f.plan.as_json()} for f in found]))
     else:
         print(render(found, device, gpus))
     return 0

@@ -46,3 +46,33 @@ def check_model_states_fit(cfg: Config, vocab_size: int, local_processes: int) -
     raise ConfigError(key, value, f"the model states alone (parameters, gradients, optimizer) need "
                       f"{need / gib:,.1f} GiB per rank{share}, more than the {have / gib:,.1f} GiB of {what} "
                       "(see `ndtrain plan --search` for a layout that fits)")
+
+
+def sequence_floor(cfg: Config, vocab_size: int, rollout_rows: int = 0) -> float:
+    """Bytes one rank needs for one sequence whatever the layout: its fp32 logits and their
+    gradient, the rotary tables (cos and sin of max_seq_len positions, and the angles they
+    are computed from), and for RL the key/value cache of the rollout's `rollout_rows` rows."""
+    a = cfg.model_args(vocab_size=vocab_size)
+    s = cfg.train.seq_len
+    logits = 2 * 4 * s * vocab_size
+    rope = 6 * a.max_seq_len * a.head_dim
+    cache = 4 * rollout_rows * a.n_layers * 2 * a.n_kv_heads * a.head_dim * s
+    return float(logits + rope + cache)
+
+
+def check_sequence_fits(cfg: Config, vocab_size: int, local_processes: int, key: str, value,
+                        rollout_rows: int = 0) -> None:
+    """Refuse a sequence length whose logits, rotary tables (and RL's key/value cache) alone,
+    beside the model states, exceed the device: such a run would only allocate for minutes
+    and die. `key`, `value`: the setting that made the sequence this long."""
+    floor = sequence_floor(cfg, vocab_size, rollout_rows)
+    states = model_states_per_rank(cfg, vocab_size)
+    have, what, shared = device_memory(cfg)
+    if (floor + states) * (local_processes if shared else 1) <= have:
+        return
+    gib = 2**30
+    parts = "its logits and rotary tables" + (", the rollout's key/value cache" if rollout_rows else "")
+    raise ConfigError(key, value, f"a sequence of {cfg.train.seq_len:,} positions needs {floor / gib:,.1f} GiB per rank "
+                      f"for {parts} alone, beside {states / gib:,.1f} GiB of model states: more than the "
+                      f"{have / gib:,.1f} GiB of {what}" + (f" shared by {local_processes} processes"
+                                                             if shared and local_processes > 1 else ""))

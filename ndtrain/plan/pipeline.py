@@ -13,7 +13,9 @@ simulation gives for equal stages (tests/test_plan_time.py).
 `costs[c]` holds chunk c's seconds for one micro-batch: F (forward), B (backward; under the
 split schedules, zb, zbv and dualpipev, the input gradients only: a B the list does not
 split, as most of DualPipeV's, costs B + W) and W (the weight gradients), each with the
-messages its rank sends after it.
+messages its rank sends after it. As the executor runs them, a split backward whose input
+gradient nobody reads before its W (the first chunk's, a V's turn: `lists.deferred`)
+costs nothing at B and B + W at W.
 
 Past a warm-up the lists repeat with a period of pp micro-batches, and once the ranks have
 settled into it the step grows by the same amount for each further period: for many
@@ -35,7 +37,7 @@ Costs = tuple[tuple[float, float, float], ...]  # per chunk: (F, B, W) seconds
 
 def _simulated(name: str, pp: int, v: int, m: int, costs: Costs) -> float:
     f, b, w = ([c[k] for c in costs] for k in range(3))
-    return schedule_time(name, pp, v, m, f, b, w)[0]
+    return schedule_time(name, pp, v, m, f, b, w, defer=True)[0]
 
 
 @functools.lru_cache(maxsize=8192)

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import json
-
 from ndtrain.model.args import PRESETS, param_count
+from ndtrain.observe.metrics import strict_json
 from ndtrain.plan.planner import Plan
 
 GiB = 2**30
@@ -104,4 +103,4 @@ def render(plan: Plan) -> str:
 
 
 def to_json(plan: Plan) -> str:
-    return json.dumps(plan.as_json())
+    return strict_json(plan.as_json())

@@ -179,10 +179,8 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster, fp8: Fp8 | None = 
         st.optimizer = cluster.compute_model(t.precision).optimizer_seconds(optimizer_params(cfg, args, chunks))
         stages.append(st)
     if p.pp > 1:
-        costs = [(times[c].forward, times[c].backward, times[c].weights) for c in range(n_chunks)]
-        if p.pp_schedule in SPLIT:  # the first chunk is not split (executor.py): B nothing, W whole
-            costs[0] = (costs[0][0], 0.0, costs[0][1] + costs[0][2])
-        costs = tuple(costs)
+        # the first chunk's B (nothing) and W (whole) follow from lists.deferred in the simulation
+        costs = tuple((times[c].forward, times[c].backward, times[c].weights) for c in range(n_chunks))
         span, fraction = bubble_fraction(p.pp_schedule, p.pp, p.pp_virtual, m, costs)
     else:
         span, fraction = stages[0].busy, 0.0

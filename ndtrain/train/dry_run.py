@@ -71,12 +71,14 @@ def measure(cfg: Config, mesh: ParallelMesh) -> dict:
     unique = {id(p): p for p in par.model.parameters()}.values()
     psi = sum(p.numel() for p in unique)
     psi_experts = sum(p.numel() for p in unique if is_expert(p))
+    frozen = [p for p in unique if not p.requires_grad]  # LoRA's base: parameters only, no gradient or state
     memory = step.memory
     experts = [memory.expert_params or 0, memory.expert_grads or 0, memory.expert_optimizer or 0]
     mine = [psi, psi_experts, construction, kept] + [getattr(memory, c) for c in COLUMNS] + experts
-    mine.append(memory.fp8_saved or 0)
+    mine += [memory.fp8_saved or 0, sum(p.numel() for p in frozen), sum(p.numel() for p in frozen if is_expert(p))]
     table = per_rank(mine, mesh.device)
-    keys = ("psi", "psi_experts", "construction", "kept") + COLUMNS + EXPERT_COLUMNS + ("fp8_saved",)
+    keys = ("psi", "psi_experts", "construction", "kept") + COLUMNS + EXPERT_COLUMNS + ("fp8_saved", "psi_frozen",
+                                                                                          "psi_frozen_experts")
     return {"ranks": [dict(zip(keys, map(int, row))) for row in table], "layout": mesh.describe(),
             "n_shard": mesh.size("dp_shard_cp"), "n_expert_shard": mesh.size("edp_shard"), "moe": args.is_moe,
             **construction_bounds(args)}
@@ -156,8 +158,13 @@ def render(cfg: Config, result: dict) -> str:
 def split_formula(r: dict, zero: int, result: dict, c: int) -> tuple[float, float]:
     """The ZeRO formula for a rank's dense parameters (sharded over dp_shard × cp) and for
     its experts (sharded over the ranks of dp_shard × cp holding the same experts)."""
-    dense = sum(model_state_bytes(r["psi"] - r.get("psi_experts", 0), zero, result["n_shard"], c).values())
-    experts = sum(model_state_bytes(r.get("psi_experts", 0), zero, result.get("n_expert_shard", 1), c).values())
+    frozen_experts = r.get("psi_frozen_experts", 0)
+    frozen = r.get("psi_frozen", 0) - frozen_experts
+    dense = sum(model_state_bytes(r["psi"] - r.get("psi_experts", 0) - frozen, zero, result["n_shard"], c).values())
+    dense += model_state_bytes(frozen, zero, result["n_shard"], c)["params"]
+    n_experts = result.get("n_expert_shard", 1)
+    experts = sum(model_state_bytes(r.get("psi_experts", 0) - frozen_experts, zero, n_experts, c).values())
+    experts += model_state_bytes(frozen_experts, zero, n_experts, c)["params"]
     return dense, experts
 
 

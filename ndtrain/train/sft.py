@@ -14,6 +14,7 @@ greedy answers to that many held-out prompts, scored by `sft.score`.
 from __future__ import annotations
 
 import json
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -32,8 +33,9 @@ from ndtrain.data.template import BuiltinTemplate, HFTemplate
 from ndtrain.data.tokenizer import TextTokenizer
 from ndtrain.generate.sampler import sample
 from ndtrain.model.llama import Transformer
+from ndtrain.observe.metrics import strict_json
 from ndtrain.parallel.states import load_unique_state
-from ndtrain.train.tasks import Task, load_function
+from ndtrain.train.tasks import Task, call_scorer, load_function, probe_scorer
 
 
 def make_template(cfg: Config, progress: bool = False):
@@ -86,6 +88,18 @@ def load_score(spec: str):
     return exact_match if spec == "exact" else load_function("sft.score", spec)
 
 
+def check_score(spec: str, data) -> None:
+    """sft.score imports and returns a finite number for a held-out example's own answer
+    (ConfigError otherwise), before anything starts."""
+    score = load_score(spec)
+    if spec == "exact" or not data.held_out:
+        return
+    conv = data.held_out[0]
+    prompt = data.template.decode(data.template.prompt_ids(conv))
+    probe_scorer("sft.score", spec, score, (prompt, conv.answer, conv.answer),
+                 f"held-out example {conv.key} (its own answer as the completion)")
+
+
 def answer_held_out(model: Transformer, data: SFTData, cfg: Config) -> dict:
     """Greedy answers to `sft.generate` held-out prompts spread evenly over the validation
     set, and their mean score."""
@@ -100,9 +114,12 @@ def answer_held_out(model: Transformer, data: SFTData, cfg: Config) -> dict:
             new = new[:-1]
         prompt, completion = template.decode(ids), template.decode(new)
         question = conv.prompt_turns[-1].content if conv.prompt_turns else ""
+        value, why = call_scorer(score, prompt, completion, conv.answer)
+        if why is not None:
+            print(f"ndtrain: sft.score {s.score} {why} on held-out prompt {conv.key}; scored 0", file=sys.stderr,
+                  flush=True)
         samples.append({"key": conv.key, "prompt": prompt, "question": question, "completion": completion,
-                        "reference": conv.answer,
-                        "score": float(score(prompt, completion, conv.answer))})
+                        "reference": conv.answer, "score": value if why is None else 0.0})
     mean = sum(x["score"] for x in samples) / len(samples) if samples else None
     return {"samples": samples, "score": mean, "score_fn": s.score}
 
@@ -162,7 +179,7 @@ def fine_tune(trainer, task: SFT, data: SFTData, cfg: Config, run: Path | None) 
         if trainer.is_logger and cfg.run.progress:
             print(f"base model: validation loss {task.baseline:.4f} nats per answer token", flush=True)
         if base_file is not None and trainer.is_logger:
-            base_file.write_text(json.dumps({"val_loss": task.baseline}) + "\n")
+            base_file.write_text(strict_json({"val_loss": task.baseline}) + "\n")
     elif base_file is not None and base_file.is_file():
         task.baseline = json.loads(base_file.read_text())["val_loss"]
     summary = trainer.fit(stop_after=cfg.run.stop_after)
@@ -179,7 +196,7 @@ def fine_tune(trainer, task: SFT, data: SFTData, cfg: Config, run: Path | None) 
         with torch.no_grad():
             summary.update(answer_held_out(model, data, cfg))
     if run is not None:
-        (run / "summary.json").write_text(json.dumps(summary, indent=1))
+        (run / "summary.json").write_text(strict_json(summary, indent=1))
     return summary
 
 

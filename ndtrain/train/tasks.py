@@ -33,12 +33,15 @@ what the rows hold. A task provides:
 from __future__ import annotations
 
 import importlib
+import math
 from dataclasses import dataclass
 
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
 from ndtrain.data.loader import BatchLoader
+from ndtrain.data.mixture import MixtureLoader, PreparedMixture
 from ndtrain.data.prepare import PreparedData
+from ndtrain.data.shards import DataError
 from ndtrain.model.loss import count_targets, weighted_sum
 
 
@@ -48,11 +51,33 @@ def load_function(key: str, spec: str):
     module, _, name = spec.partition(":")
     try:
         fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 - importing a user's module runs its code, which may raise anything
         raise ConfigError(key, spec, f"cannot import it ({type(e).__name__}: {e})") from None
     if not callable(fn):
         raise ConfigError(key, spec, "is not callable")
     return fn
+
+
+def call_scorer(fn, *args) -> tuple[float | None, str | None]:
+    """(the finite number a user's scoring function returns, None), or (None, why not): it
+    raised, or returned something that is not a finite number."""
+    try:
+        value = fn(*args)
+    except Exception as e:  # noqa: BLE001 - a user's function may raise anything
+        return None, f"raised {type(e).__name__}: {e}"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None, f"returned {value!r} ({type(value).__name__}), not a number"
+    if not math.isfinite(value):
+        return None, f"returned {value}, not a finite number"
+    return float(value), None
+
+
+def probe_scorer(key: str, spec: str, fn, args: tuple, sample: str) -> None:
+    """Call a user's scoring function once on `sample` before anything starts: ConfigError
+    naming `key` unless it returns a finite number."""
+    _, why = call_scorer(fn, *args)
+    if why is not None:
+        raise ConfigError(key, spec, f"{why} on {sample}: it must return a finite number")
 
 
 @dataclass
@@ -94,16 +119,47 @@ class Task:
 
 
 class Pretrain(Task):
-    """Next-token prediction on windows of a token stream (data/loader.BatchLoader)."""
+    """Next-token prediction on windows of a token stream (data/loader.BatchLoader), or of
+    a weighted mixture of streams (data/mixture.MixtureLoader): then each step's record
+    carries `source_tokens` and each evaluation `val_loss.<name>` per source, `val_loss`
+    being their mean weighted as the sources are."""
 
     baseline_label = "unigram baseline"
 
-    def __init__(self, cfg: Config, data: PreparedData):
+    def __init__(self, cfg: Config, data: PreparedData | PreparedMixture):
         t = cfg.train
         self.vocab_size = data.vocab_size
         self.baseline = data.unigram_val_loss
-        self.loaders = {"train": BatchLoader(data.stream("train"), t.seq_len, t.global_batch, t.seed),
-                        "val": BatchLoader(data.stream("val"), t.seq_len, t.global_batch, t.seed, shuffle=False)}
+        self.notes: list[str] = []  # what the command says before the start (a source that repeats)
+        self.mixture = data.sources if isinstance(data, PreparedMixture) else None
+        if self.mixture is None:
+            self.loaders = {"train": BatchLoader(data.stream("train"), t.seq_len, t.global_batch, t.seed),
+                            "val": BatchLoader(data.stream("val"), t.seq_len, t.global_batch, t.seed, shuffle=False)}
+            return
+        names = [s.name for s in self.mixture]
+        train = MixtureLoader([s.data.stream("train") for s in self.mixture], [s.weight for s in self.mixture],
+                              t.seq_len, t.global_batch, t.seed, names)
+        self.notes = train.passes(t.steps, [s.repeat for s in self.mixture])
+        self.loaders = {"train": train}
+        for s in self.mixture:
+            try:
+                self.loaders[f"val.{s.name}"] = BatchLoader(s.data.stream("val"), t.seq_len, t.global_batch, t.seed,
+                                                            shuffle=False)
+            except DataError as e:
+                raise DataError(f"data source {s.name!r}, validation split: {e}") from None
 
     def rows(self, split: str, step: int, start: int, stop: int) -> MicroBatch:
         return MicroBatch(*self.loaders[split].rows(step, start, stop))
+
+    def step_metrics(self, trainer) -> dict:
+        if self.mixture is None:
+            return {}
+        return {"source_tokens": self.loaders["train"].source_tokens(trainer.step + 1)}  # trainer.step: this step
+
+    def evaluate(self, trainer) -> dict:
+        if self.mixture is None or not trainer.cfg.train.eval_batches:
+            return super().evaluate(trainer)
+        out = {f"val_loss.{s.name}": trainer.evaluate(f"val.{s.name}") for s in self.mixture}
+        total = sum(s.weight for s in self.mixture)
+        out["val_loss"] = sum(s.weight / total * out[f"val_loss.{s.name}"] for s in self.mixture)
+        return out

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 from ndtrain import config as config_mod
-from ndtrain.data.prepare import PreparedData
 from ndtrain.launch import init_process, shutdown
 from ndtrain.mesh import ParallelMesh
 from ndtrain.observe.ring_trace import draw_ring
@@ -20,17 +19,17 @@ from ndtrain.parallel.context.recorder import COMPUTE, RingTimeline, overlap
 from ndtrain.parallel.pipeline.timeline import gather
 from ndtrain.train.tasks import Pretrain
 from ndtrain.train.trainer import Trainer
-from ndtrain.train.worker import mesh_shape
+from ndtrain.train.worker import mesh_shape, open_prepared
 
 
-def trace_worker(cfg_dict: dict, out_dir: str, data_dir: str) -> dict:
+def trace_worker(cfg_dict: dict, out_dir: str, data_dir: str | list[str]) -> dict:
     """One rank: train `train.steps` steps (no checkpoint), then gather the last step's
     timelines on rank 0, which draws them (`trace_run`). Returns the report on rank 0."""
     cfg = config_mod.from_dict(cfg_dict)
     env = init_process(cfg.run.device, cfg.run.threads)
     try:
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        return trace_run(cfg, mesh, PreparedData.open(data_dir), Path(out_dir))
+        return trace_run(cfg, mesh, open_prepared(cfg, data_dir), Path(out_dir))
     finally:
         shutdown()
 

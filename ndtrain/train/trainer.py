@@ -17,17 +17,20 @@ import torch.distributed as dist
 
 from ndtrain import supervisor
 from ndtrain.checkpoint import layout, sources, store
+from ndtrain.checkpoint.background import FAILED, RUNNING, BackgroundSave, save_group
 from ndtrain.checkpoint.resume import check_resume_config
-from ndtrain.checkpoint.store import CheckpointError
+from ndtrain.checkpoint.store import CheckpointError, CheckpointWriteError
 from ndtrain.comm.ops import all_reduce_bookkeeping, all_reduce_scalars
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
 from ndtrain.mesh import DIMS, ParallelMesh
 from ndtrain.model.args import flops_per_token
+from ndtrain.model.llama import Transformer
+from ndtrain.model.lora import is_adapter
 from ndtrain.deferred import Lazy, settle
 from ndtrain.observe.memory import per_rank_table
 from ndtrain.observe.dashboards import Dashboards
-from ndtrain.observe.metrics import MetricsLog, read_metrics
+from ndtrain.observe.metrics import MetricsLog, read_metrics, strict_json
 from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss, plot_moe_load
 from ndtrain.observe.progress import TrainProgress
@@ -35,14 +38,20 @@ from ndtrain.parallel import context, fp8
 from ndtrain.parallel.parallelize import Parallelized, build
 from ndtrain.parallel.precision import LossScaleExhausted, LossScaler
 from ndtrain.train.optim import lr_at
+from ndtrain.train.errors import TrainingError
 from ndtrain.train.step import TrainStep
 from ndtrain.train.tasks import StepData, Task
 
 STOP_TIME, STOP_SIGNAL = 1, 2  # why the ranks agreed to stop early (Trainer.stop_agreed): the larger wins
 
 
-class TrainingError(RuntimeError):
-    """A runtime fault of the run itself (divergence, bad resume): shown without traceback."""
+def param_counts(args) -> dict[str, int]:
+    """The whole model's parameters, and those that train (all of them without LoRA)."""
+    with torch.device("meta"):
+        named = dict(Transformer(args).named_parameters())  # a tied weight once
+    total = sum(p.numel() for p in named.values())
+    trainable = sum(p.numel() for n, p in named.items() if is_adapter(n)) if args.lora_rank else total
+    return {"trainable_params": trainable, "total_params": total}
 
 
 class Trainer:
@@ -53,6 +62,7 @@ class Trainer:
         # (tests): nobody asks, and no step pays the agreement on stopping.
         self.control = control
         self.stopped = False
+        self._counted = False  # whether a metrics line carried the parameter counts yet
         self.run_dir = Path(run_dir) if run_dir is not None else None
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -61,6 +71,7 @@ class Trainer:
         self.par: Parallelized = build(self.args, mesh, cfg, task.objective)
         self.stepper = TrainStep(self.par, cfg)
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
+        self.param_counts = param_counts(self.args)  # trainable_params, total_params (LoRA: the adapters train)
         self.peak, self.peak_source = peak_flops(mesh.device, t.precision, cfg.data.cache_dir)
         # A CPU peak is a whole machine's; a GPU peak is one device's.
         self.n_peak_units = mesh.world // local_world if mesh.device.type == "cpu" else mesh.world
@@ -73,6 +84,10 @@ class Trainer:
         self.is_logger = mesh.rank == 0
         self.history: list[dict] = []
         self.refused: list[str] = []  # checkpoints `start` skipped, and why
+        # run.async_save: checkpoints written behind training, coordinated over a gloo group
+        # of their own (checkpoint/background.py); made here, by every rank in the same order.
+        self.saver = BackgroundSave(mesh.device, save_group(cfg.run.collective_timeout_s)) \
+            if cfg.run.async_save else None
 
     def report(self, message: str) -> None:
         """A line for the person running the job (rank 0, stderr)."""
@@ -160,6 +175,9 @@ class Trainer:
         record.update(task_metrics)
         if self.par.routing_stats is not None:
             record["moe"] = self.par.routing_stats
+        if not self._counted:  # this process's first line
+            record.update(self.param_counts)
+            self._counted = True
         return record
 
     def is_log_step(self, step: int) -> bool:
@@ -192,14 +210,14 @@ class Trainer:
         return Lazy(lambda t: {k: [int(row[i]) for row in t.tolist()] for i, k in enumerate(mine)}, (table,))
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, split: str = "val") -> float:
         """Mean loss per target over the task's fixed validation batches (`train.eval_batches`,
-        or fewer if the task has fewer)."""
+        or fewer if the task has fewer) of `split` (a mixture's: val.<source>)."""
         self.par.model.eval()
         total, count = 0.0, 0
         for k in range(self.task.eval_batches(self.cfg.train.eval_batches)):
             supervisor.heartbeat()
-            batch = self.local_batch("val", k)
+            batch = self.local_batch(split, k)
             total += float(self.par.evaluate(batch.micro_batches))
             count += batch.n_targets
         self.par.model.train()
@@ -229,11 +247,12 @@ class Trainer:
                 try:
                     window.append(self.train_step(step))
                 except LossScaleExhausted as e:
-                    if window:  # the steps before it keep their lines
-                        self.settle_records(window, time.perf_counter())
-                        self._check(window)
-                        self._write(window)
+                    self._flush(window)  # the steps before it keep their lines
                     raise TrainingError(f"step {step}: {e}; stopping ({self._last_checkpoint()})") from None
+                except supervisor.Interrupted:  # every rank: a rollout cut short; this step is redone on resume
+                    self._flush(window)
+                    self.stopped = True
+                    break
                 self.step = step + 1
                 due = (t.eval_every and self.step % t.eval_every == 0) or self.step == t.steps
                 save = t.save_every and self.step % t.save_every == 0 and self.step != stop
@@ -242,32 +261,47 @@ class Trainer:
                 self.settle_records(window, time.perf_counter())
                 self._check(window)
                 if due:
-                    window[-1].update(self.task.evaluate(self))
-                done = due and self.task.done(window[-1])  # every rank evaluated alike: they agree
+                    try:
+                        window[-1].update(self.task.evaluate(self))
+                    except supervisor.Interrupted:  # the evaluation's rollout: the step itself is done
+                        self.stopped = True
+                done = due and not self.stopped and self.task.done(window[-1])  # every rank evaluated alike
                 self._write(window)
                 window = []
+                self._poll_save()
                 if save:
                     saved = self.save()
-                if done:
+                if done or self.stopped:
                     break
                 asked = self.stop_agreed(out_of_time=time.monotonic() > deadline)
                 if asked:
                     self.stopped = asked == STOP_SIGNAL
                     break
+            if self.run_dir is not None and (saved is None or store.step_of(saved) != self.step):
+                self.save()
+            self.wait_save()  # run.async_save: the last checkpoint is complete before the summary
+        except BaseException as e:
+            self._abandon_save(e)
+            raise
         finally:
             self._progress.close()
             if self._metrics:
                 self._metrics.close()
-        if self.run_dir is not None and (saved is None or store.step_of(saved) != self.step):
-            self.save()
         return self.finish() if log else {}
 
+    def _flush(self, window: list[dict]) -> None:
+        """Settle, check and write the steps of a window cut short."""
+        if window:
+            self.settle_records(window, time.perf_counter())
+            self._check(window)
+            self._write(window)
+
     def _check(self, window: list[dict]) -> None:
-        """A settled window: stop at the first non-finite loss (the steps before it are
-        written), report skipped fp16 steps."""
+        """A settled window: stop at the first non-finite loss (its step's line and the ones
+        before it are written), report skipped fp16 steps."""
         for record in window:
-            if not math.isfinite(record["loss"]):
-                self._write([r for r in window if r["step"] < record["step"]])
+            if not math.isfinite(record["loss"]):  # its line too: "loss": null, "nonfinite": ["loss"]
+                self._write([r for r in window if r["step"] <= record["step"]])
                 raise TrainingError(self._diverged_message(record["step"], record["loss"]))
             if record.get("skipped"):
                 self._progress.print(f"step {record['step']}: fp16 gradients overflowed; step skipped, loss scale "
@@ -305,7 +339,8 @@ class Trainer:
     def finish(self) -> dict:
         """Rank 0: loss plot and summary.json."""
         task = self.task
-        val = next((r["val_loss"] for r in reversed(self.history) if "val_loss" in r), None)
+        last_eval = next((r for r in reversed(self.history) if "val_loss" in r), {})
+        val = last_eval.get("val_loss")
         steady = self.history[len(self.history) // 5:] or self.history  # skip warm-up steps
         summary = {
             "steps": self.step,
@@ -316,11 +351,16 @@ class Trainer:
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady) if steady else None,
             "mfu": (statistics.median(r["mfu"] for r in steady) if steady and steady[0]["mfu"] is not None else None),
             "mfu_peak_source": self.peak_source,
+            **self.param_counts,
             "layout": self.mesh.describe(),
             "run_dir": str(self.run_dir),
             "checkpoint": str(store.latest(self.run_dir)),
             "stopped": self.stopped,
         }
+        if self.history and "source_tokens" in self.history[-1]:  # a mixture: per source
+            summary["source_tokens"] = self.history[-1]["source_tokens"]
+            summary["source_val_loss"] = {k.split(".", 1)[1]: v for k, v in last_eval.items()
+                                          if k.startswith("val_loss.")}
         if self.cfg.train.precision == "fp8":
             t = self.cfg.train
             summary["fp8"] = fp8.describe(self.args, t.fp8_recipe, t.fp8_base)["text"]
@@ -330,7 +370,7 @@ class Trainer:
             summary["plot"] = str(png)
             if self.args.is_moe:
                 summary["moe_plot"] = str(plot_moe_load(self.run_dir / "metrics.jsonl", self.run_dir / "moe_load.png"))
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+        (self.run_dir / "summary.json").write_text(strict_json(summary, indent=1))
         return summary
 
     # -- checkpoints ----------------------------------------------------------------
@@ -368,7 +408,7 @@ class Trainer:
         record = {"restart": count, "checkpoint": path.name if path else None, "resumed_step": self.step,
                   "reached_step": reached, "steps_lost": max(0, reached - self.step), "time_lost_s": lost_s}
         with open(self.run_dir / "restarts.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(strict_json(record) + "\n")
         lost = f"{record['steps_lost']} step{'s' if record['steps_lost'] != 1 else ''}"
         self.report(f"restart {count}: " + (f"resumed step {self.step} from {path.name}; {lost} and "
                                             f"{lost_s:.1f} s lost" if path else f"no checkpoint yet, starting over; {lost} lost"))
@@ -385,10 +425,60 @@ class Trainer:
                 "scaler": scaler.state_dict() if scaler else None}
         supervisor.heartbeat()
         try:
-            return layout.save(self.run_dir, self.step, self.par, self.stepper.optimizer, self.args.tie_embeddings,
-                               meta, keep=t.keep_checkpoints)
+            entries, meta = layout.share(self.step, self.par, self.stepper.optimizer, self.args.tie_embeddings, meta)
         except CheckpointError as e:
             raise TrainingError(f"{e} ({self._last_checkpoint()}). Try a lower train.lr or train.grad_clip.") from None
+        if self.saver is not None:  # waits for the previous one, then only for the copy to the host
+            return self._saving(lambda: self.saver.start(self.run_dir, self.step, entries, meta, t.keep_checkpoints))
+        return self._saving(lambda: store.save(self.run_dir, self.step, entries, meta, t.keep_checkpoints))
+
+    def _saving(self, fn):
+        """Run `fn` (a save, or a wait for one written behind training); its failure becomes
+        one line naming the last good checkpoint (TrainingError)."""
+        try:
+            return fn()
+        except CheckpointWriteError as e:  # a full disk: say where and how much
+            raise TrainingError(f"{e}; stopping ({self._last_checkpoint()})") from None
+        except CheckpointError as e:
+            raise TrainingError(f"{e} ({self._last_checkpoint()})") from None
+        except OSError as e:
+            step = self.saver.step if self.saver is not None else self.step
+            raise TrainingError(f"step {step}: the checkpoint could not be written: {e} "
+                                f"({self._last_checkpoint()})") from None
+
+    def wait_save(self) -> Path | None:
+        """Wait for the checkpoint being written behind training, if any; its error, raised."""
+        return self._saving(self.saver.wait) if self.saver is not None else None
+
+    def _poll_save(self) -> None:
+        """At a window end, while a checkpoint is written behind training: the ranks agree
+        (one all-reduce) whether it finished or failed anywhere; a failure stops the run here,
+        on every rank. The background agrees on its own outcome, so every rank raises it."""
+        if self.saver is None or not self.saver.pending:
+            return
+        state = self.saver.outcome()
+        flags = torch.tensor([state == FAILED, state == RUNNING], dtype=torch.float32, device=self.mesh.device)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(flags)
+        failed, running = flags.tolist()
+        if failed or not running:
+            self.wait_save()
+
+    def _abandon_save(self, error: BaseException) -> None:
+        """The loop stops on `error` while a checkpoint is written behind training: on an
+        interrupt, say that it may be incomplete (the next start checks it); otherwise wait
+        for it, and report its own failure without hiding `error`."""
+        if self.saver is None or not self.saver.pending:
+            return
+        step = self.saver.step
+        if isinstance(error, KeyboardInterrupt):
+            self.report(f"interrupted while the checkpoint of step {step} was written in the background; the next "
+                        f"start checks it and falls back to the previous one if it is incomplete")
+            return
+        try:
+            self.wait_save()
+        except Exception as e:
+            self.report(f"the checkpoint of step {step} written in the background failed too: {e}")
 
     def resume(self, path: Path) -> None:
         """Load a checkpoint written by any layout: weights, AdamW's moments, the step, the

@@ -11,8 +11,12 @@ import torch.distributed as dist
 from ndtrain import config as config_mod
 from ndtrain import supervisor
 from ndtrain.checkpoint import hf_files
-from ndtrain.data.prepare import PreparedData, prepare_data
-from ndtrain.launch import init_process, set_collective_timeout, shutdown
+from ndtrain.data.mix_prepare import SourceSpec, open_mixture, prepare_mixture
+from ndtrain.data.mixture import PreparedMixture
+from ndtrain.data.prepare import PreparedData
+from ndtrain.data.sources import check_source
+from ndtrain.data.token_files import prepare_source
+from ndtrain.launch import init_process, set_collective_timeout, shutdown, warn
 from ndtrain.mesh import MeshShape, ParallelMesh
 
 
@@ -21,27 +25,71 @@ def mesh_shape(cfg: config_mod.Config) -> MeshShape:
     return MeshShape(pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, ep=p.ep)
 
 
-def prepare_on_each_node(cfg: config_mod.Config, local_rank: int) -> Path:
-    """Under torchrun every node prepares its own copy once (local rank 0), the others wait."""
+def source_specs(cfg: config_mod.Config) -> list[SourceSpec]:
+    """data.sources as the data package takes them (text_key "" is data.jsonl_key)."""
+    return [SourceSpec(s["name"], s["path"], s["weight"], s["text_key"] or cfg.data.jsonl_key, s["repeat"])
+            for s in cfg.data.sources]
+
+
+def prepare(cfg: config_mod.Config, progress: bool) -> PreparedData | PreparedMixture:
+    """The prepared data of `cfg`, prepared now if the cache lacks it: data.path's directory,
+    or a mixture of data.sources' directories sharing one tokenizer."""
     d = cfg.data
-    kwargs = dict(source=d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
-                  val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key)
-    path = None
+    if d.sources:
+        return prepare_mixture(source_specs(cfg), d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir, progress,
+                               d.workers, d.on_bad_record)
+    if d.path != "stdlib" and not config_mod.is_prepared_folder(d.path):  # before anything is written
+        check_source(Path(d.path).expanduser().resolve(), d.jsonl_key)
+    return PreparedData.open(prepare_source(d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
+                                          val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key,
+                                          progress=progress, workers=d.workers, on_bad_record=d.on_bad_record))
+
+
+def prepared_paths(data: PreparedData | PreparedMixture) -> str | list[str]:
+    """What the ranks get to open the data again (open_prepared): a directory, or one per source."""
+    if isinstance(data, PreparedMixture):
+        return [str(s.data.path) for s in data.sources]
+    return str(data.path)
+
+
+def open_prepared(cfg: config_mod.Config, paths: str | list[str]) -> PreparedData | PreparedMixture:
+    if isinstance(paths, list):
+        return open_mixture(source_specs(cfg), paths)
+    return PreparedData.open(paths)
+
+
+def prepare_on_each_node(cfg: config_mod.Config, local_rank: int) -> PreparedData | PreparedMixture:
+    """Under torchrun every node prepares its own copy once (local rank 0), the others wait."""
+    data = None
     if local_rank == 0:  # a failure here ends the job: torchrun stops the waiting ranks
-        path = prepare_data(**kwargs, progress=True)
-        PreparedData.open(path).verify()
+        data = prepare(cfg, progress=True)
+        data.verify()
     if dist.is_initialized():
         dist.barrier()
-    return path or prepare_data(**kwargs, progress=False)
+    return data or prepare(cfg, progress=False)
 
 
 def resolve_vocab(cfg: config_mod.Config, data: PreparedData) -> None:
-    """model.vocab_size from the tokenizer, or check that the one given covers it."""
+    """model.vocab_size from the tokenizer, or check that the one given covers it; and that
+    the corpus holds a sequence of train.seq_len."""
     if cfg.model.vocab_size is None:
         cfg.model.vocab_size = data.vocab_size
     elif cfg.model.vocab_size < data.vocab_size:
         raise config_mod.ConfigError("model.vocab_size", cfg.model.vocab_size,
                                      f"must be at least the tokenizer's vocabulary, {data.vocab_size}")
+    check_corpus_length(cfg, data)
+
+
+def check_corpus_length(cfg: config_mod.Config, data: PreparedData) -> None:
+    """Both splits hold at least one sequence of train.seq_len + 1 tokens (ConfigError,
+    before any process starts or the run directory is written)."""
+    need = cfg.train.seq_len + 1
+    for split in ("train", "val"):
+        have = int(data.meta[f"{split}_tokens"])
+        if have < need:
+            raise config_mod.ConfigError("train.seq_len", cfg.train.seq_len, f"is longer than the corpus' {split} split "
+                                         f"({have:,} tokens of {data.path.name}): one sequence needs seq_len + 1 = "
+                                         f"{need:,}; use a shorter train.seq_len or more data")
 
 
 def write_run_files(cfg: config_mod.Config, data: PreparedData, run_dir: Path) -> None:
@@ -65,7 +113,7 @@ def from_rank_0(value: str) -> str:
     return box[0]
 
 
-def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | None, before_fit=None) -> dict:
+def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | list[str] | None, before_fit=None) -> dict:
     """Entry point of one rank. Returns the run summary on rank 0 ({} elsewhere).
     `before_fit(trainer)` runs after the start (tests install faults with it)."""
     control = supervisor.control()
@@ -82,12 +130,13 @@ def _train(cfg: config_mod.Config, run_dir: str, data_dir: str | None, before_fi
     env = init_process(cfg.run.device, cfg.run.threads, cfg.run.collective_timeout_s)
     try:
         run_dir = from_rank_0(run_dir)
-        data_path = Path(data_dir) if data_dir else prepare_on_each_node(cfg, env.local_rank)
-        data = PreparedData.open(data_path)
+        data = open_prepared(cfg, data_dir) if data_dir else prepare_on_each_node(cfg, env.local_rank)
         resolve_vocab(cfg, data)
         mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        trainer = Trainer(cfg, mesh, Pretrain(cfg, data), Path(run_dir), local_world=env.local_world,
-                          control=control)
+        task = Pretrain(cfg, data)
+        if not data_dir:  # torchrun: the command line did not say it (launch.warn: rank 0 only)
+            warn(task.notes)
+        trainer = Trainer(cfg, mesh, task, Path(run_dir), local_world=env.local_world, control=control)
         set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
         trainer.start()
         if env.rank == 0:

@@ -12,9 +12,10 @@ A step walks this rank's action list (schedules.py) in order:
   last chunk;
 - B runs the backward of one micro-batch of one chunk, from the loss, from the received
   output gradient, or from this rank's next chunk's input gradient; where the list has a W
-  for it, only the input gradient (weightgrad.py), and W the weight gradients later. The
-  first chunk's input is token ids: nobody waits for its B, which does nothing, and its W
-  is the whole backward (no graph to split, no work moved before the W it was planned as);
+  for it, only the input gradient (weightgrad.py), and W the weight gradients later. Where
+  nobody reads that input gradient before the W (the first chunk, whose input is token ids;
+  a V's turn, whose gradient stays on the rank: `lists.deferred`), B does nothing and W is
+  the whole backward: no graph to split, no work moved before the W it was planned as;
 - FB runs a forward and a backward together through `overlap(forward, backward)`: by
   default one after the other; a hook can interleave them, e.g. to hide one's messages (the
   MoE all-to-all under expert parallelism) behind the other's compute;
@@ -39,7 +40,7 @@ from ndtrain.comm import ops
 from ndtrain.mesh import ParallelMesh
 from ndtrain.parallel.pipeline.partition import owner
 from ndtrain.parallel.pipeline.p2p import StageLinks
-from ndtrain.parallel.pipeline.lists import build_schedule
+from ndtrain.parallel.pipeline.lists import build_schedule, deferred
 from ndtrain.parallel.pipeline.schedules import (B, COMPUTE, F, MESSAGES, RECV_B, RECV_F, SEND_B, SEND_F, W,
                                                  Action, parts, peer, vshape)
 from ndtrain.parallel.pipeline.stage import TiedEmbedding
@@ -158,6 +159,8 @@ class PipelineSchedule:
                 start = timeline.now()
                 step.grad_sync.set_sync(plan.last_backward[a.chunk] == k)
                 step.split.pop((a.chunk, a.micro)).weights()
+                if a.chunk > 0 and (a.chunk, a.micro) in plan.deferred:  # the whole backward ran here
+                    step.input_grads[(a.chunk, a.micro)] = step.inputs[(a.chunk, a.micro)].grad
                 self._release(a, step)
                 timeline.add(W, a.chunk, a.micro, start)
             else:  # FB
@@ -189,7 +192,7 @@ class PipelineSchedule:
             grad = self._take(RECV_B, a, step)
         start = self.timeline.now()
         step.grad_sync.set_sync(plan.last_backward[a.chunk] == k)
-        self._backward(a, grad, step, key in plan.split)
+        self._backward(a, grad, step, key in plan.split, key in plan.deferred)
         self.timeline.add(B, a.chunk, a.micro, start)
 
     def _input(self, a: Action, step: _Step, mb: MicroBatch, train: bool) -> torch.Tensor:
@@ -229,13 +232,17 @@ class PipelineSchedule:
         step.held += 1
         step.peak = max(step.peak, step.held)
 
-    def _backward(self, a: Action, grad: torch.Tensor | None, step: _Step, split: bool) -> None:
+    def _backward(self, a: Action, grad: torch.Tensor | None, step: _Step, split: bool, defer: bool) -> None:
+        """`split`: B now, W later (weightgrad.py); `defer`: a split backward whose input
+        gradient nobody reads before its W (lists.deferred): nothing now, the whole backward at W."""
         key = (a.chunk, a.micro)
         x, out = step.inputs[key], step.outputs[key]
         needs_input_grad = a.chunk > 0
         if split:
-            work = SplitBackward(out, x, grad)
+            work = SplitBackward(out, None if defer else x, grad)
             step.split[key] = work
+            if defer:
+                return
             if needs_input_grad:
                 step.input_grads[key] = work.input_grad
             return
@@ -335,6 +342,7 @@ class _Plan:
         self.groups, self.pp, self.v_shape = groups, pp, v_shape
         computed = [p for g in groups if g[0].kind in COMPUTE for p in parts(g[0])]
         self.split = {(p.chunk, p.micro) for p in computed if p.kind == W}  # backwards split into B and W
+        self.deferred = deferred([a for g in groups for a in g])  # of them: nothing at B, whole at W
         self.last_backward: dict[int, int] = {}  # chunk -> index of the group of its last backward
         for k, g in enumerate(groups):
             for p in (parts(g[0]) if g[0].kind in COMPUTE else ()):

@@ -95,6 +95,27 @@ def _align_receives(lists: list[list[Action]], pp: int, v_shape: bool) -> list[l
     return out
 
 
+def deferred(actions: list[Action]) -> set[tuple[int, int]]:
+    """(chunk, micro) of the split backwards on one rank's list whose input gradient nobody
+    reads before their W: no send of it and no backward of the chunk before (a V's turn, on
+    this rank) between the B and the W. The executor runs nothing at such a B and the whole
+    backward at its W: the actions between them start earlier, nothing waits longer, and the
+    split's own cost (B and W together take more than a whole backward) is not paid. The
+    first chunk's backwards are always among them (a token id has no gradient)."""
+    from ndtrain.parallel.pipeline.schedules import W, parts
+    flat = [p for a in actions for p in (parts(a) if a.kind == FB else (a,))]
+    at_w = {(a.chunk, a.micro): k for k, a in enumerate(flat) if a.kind == W}
+    out = set()
+    for k, a in enumerate(flat):
+        key = (a.chunk, a.micro)
+        if a.kind != B or key not in at_w:
+            continue
+        readers = {(SEND_B, a.chunk, a.micro), (B, a.chunk - 1, a.micro)}
+        if not any((x.kind, x.chunk, x.micro) in readers for x in flat[k + 1:at_w[key]]):
+            out.add(key)
+    return out
+
+
 def build_schedule(name: str, pp: int, v: int, m: int, *, train: bool = True) -> list[list[Action]]:
     """The full action list of every pipeline rank (compute and messages)."""
     orders = compute_orders(name, pp, v, m)

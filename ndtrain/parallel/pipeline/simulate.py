@@ -42,16 +42,22 @@ def _per_chunk(x: Cost) -> Callable[[int], float]:
     return lambda c: float(x[c])
 
 
-def action_costs(f: Cost, b: Cost, w: Cost, overlap: Callable[[float, float], float] | None = None):
+def action_costs(f: Cost, b: Cost, w: Cost, overlap: Callable[[float, float], float] | None = None,
+                 defer: bool = False):
     """`cost(rank_actions)` → a function (action) → seconds for one rank's list: the rule of
-    the module docstring."""
+    the module docstring. `defer`: as the executor runs them, a split backward whose input
+    gradient nobody reads before its W (`lists.deferred`) costs nothing at B and B + W at W."""
+    from ndtrain.parallel.pipeline.lists import deferred
     fc, bc, wc = _per_chunk(f), _per_chunk(b), _per_chunk(w)
     together = overlap or (lambda fwd, bwd: fwd + bwd)
 
     def for_rank(actions: list[Action]) -> Callable[[Action], float]:
         split = {(a.chunk, a.micro) for a in actions if a.kind == W}
+        late = deferred(actions) if defer else set()
 
         def backward(a: Action) -> float:
+            if (a.chunk, a.micro) in late:
+                return 0.0
             return bc(a.chunk) + (0.0 if (a.chunk, a.micro) in split else wc(a.chunk))
 
         def cost(a: Action) -> float:
@@ -60,7 +66,7 @@ def action_costs(f: Cost, b: Cost, w: Cost, overlap: Callable[[float, float], fl
             if a.kind == B:
                 return backward(a)
             if a.kind == W:
-                return wc(a.chunk)
+                return wc(a.chunk) + (bc(a.chunk) if (a.chunk, a.micro) in late else 0.0)
             fwd, bwd = parts(a)
             return together(fc(fwd.chunk), backward(bwd))
         return cost
@@ -126,12 +132,14 @@ def bubble(ranks: list[list[tuple[object, float, float]]]) -> float:
 
 def simulate(lists: list[list[Action]], f: Cost, b: Cost, w: Cost = 0.0,
              p2p: float | Callable[[Action], float] = 0.0,
-             overlap: Callable[[float, float], float] | None = None, post: float = 0.0) -> tuple[float, float]:
+             overlap: Callable[[float, float], float] | None = None, post: float = 0.0,
+             defer: bool = False) -> tuple[float, float]:
     """(step time, bubble) of the schedule `lists` (one list per pipeline rank, as
     `build_schedule` gives them) with per-chunk costs f, b, w (seconds; a number, or a
     sequence indexed by chunk), `p2p` seconds per message and `post` seconds of a rank's
-    time per group of messages it posts."""
-    rule = action_costs(f, b, w, overlap)
+    time per group of messages it posts; `defer`: the executor's deferred backwards (see
+    `action_costs`), for predicting what it runs rather than the schedule's theory."""
+    rule = action_costs(f, b, w, overlap, defer)
     per_rank = [rule(actions) for actions in lists]
     ranks = timeline(lists, lambda r, a: per_rank[r](a), p2p, post)
     end = max(t[2] for rank in ranks for t in rank)
@@ -164,10 +172,11 @@ def _lists(name: str, pp: int, v: int, m: int) -> tuple:
 
 def schedule_time(name: str, pp: int, v: int, m: int, f: Cost, b: Cost, w: Cost = 0.0,
                   p2p: float | Callable[[Action], float] = 0.0,
-                  overlap: Callable[[float, float], float] | None = None, post: float = 0.0) -> tuple[float, float]:
+                  overlap: Callable[[float, float], float] | None = None, post: float = 0.0,
+                  defer: bool = False) -> tuple[float, float]:
     """`simulate` of the named schedule's lists (built once per shape): what the planner
     calls for a layout's pipeline, with its modelled per-chunk costs."""
-    return simulate([list(rank) for rank in _lists(name, pp, v, m)], f, b, w, p2p, overlap, post)
+    return simulate([list(rank) for rank in _lists(name, pp, v, m)], f, b, w, p2p, overlap, post, defer)
 
 
 def theory_bubble(name: str, pp: int, v: int, m: int, f: float = 1.0, b: float = 1.0, w: float = 1.0) -> float:

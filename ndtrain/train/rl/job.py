@@ -26,11 +26,11 @@ from ndtrain.checkpoint import hf_files
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.prompts import prompt_source
 from ndtrain.data.verifiable import char_tokenizer, draw_problems, make_task
-from ndtrain.observe.metrics import read_metrics
+from ndtrain.observe.metrics import read_metrics, strict_json
 from ndtrain.parallel.generation import GenerationLayout, Generator
 from ndtrain.train.rl.task import RL, Environment, greedy_pass_at_1
 from ndtrain.train.sft import SFT
-from ndtrain.train.tasks import load_function
+from ndtrain.train.tasks import load_function, probe_scorer
 
 # The warm-up's own settings (ndtrain sft keys), after the RL job's model, seed and device.
 WARMUP_SETTINGS = ["train.seq_len=64", "train.global_batch=32", "train.lr=3e-3", "train.warmup=20",
@@ -144,13 +144,7 @@ def check_reward(cfg: Config) -> None:
     fn = load_function("rl.reward", r.reward)
     p = source.draw(0, "probe", 1, "train")[0]
     sample = f"a sample (prompt {p.prompt!r}, completion {p.answer!r}, answer {p.answer!r})"
-    try:
-        value = fn(p.prompt, p.answer, p.answer)
-    except Exception as e:  # noqa: BLE001 - a user's function may raise anything
-        raise ConfigError("rl.reward", r.reward, f"raised {type(e).__name__}: {e} on {sample}") from None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError("rl.reward", r.reward, f"returned {value!r} ({type(value).__name__}) on {sample}: "
-                          "a reward must be a number")
+    probe_scorer("rl.reward", r.reward, fn, (p.prompt, p.answer, p.answer), sample)
 
 
 def finished(run: Path) -> bool:
@@ -185,7 +179,10 @@ def _rl(cfg: Config, run_dir: str, template, evaluate_only: bool, control) -> di
         set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
         trainer.start()  # resume run.dir's checkpoint, or load model.init_from
         if evaluate_only:
-            result = task.evaluate(trainer)
+            try:
+                result = task.evaluate(trainer)
+            except supervisor.Interrupted:  # a stop request: nothing to save
+                result = {"interrupted": True}
             return result if mesh.rank == 0 else {}
         if env.rank == 0:
             (run / "config.toml").write_text(config_mod.to_toml(cfg))
@@ -201,9 +198,12 @@ def reinforce(trainer, task: RL, cfg: Config, run: Path) -> dict:
     rank 0."""
     start_file = run / "start_eval.json"
     if trainer.step == 0:
-        start = task.evaluate(trainer)
-        if trainer.is_logger:
-            start_file.write_text(json.dumps(start) + "\n")
+        try:
+            start = task.evaluate(trainer)
+        except supervisor.Interrupted:  # a stop request: fit() stops at its first rollout and saves step 0
+            start = {}
+        if trainer.is_logger and start:
+            start_file.write_text(strict_json(start) + "\n")
             if cfg.run.progress:
                 print(describe_eval("starting policy", start), flush=True)
     else:
@@ -227,7 +227,7 @@ def reinforce(trainer, task: RL, cfg: Config, run: Path) -> dict:
         summary["rl_plot"] = str(plot_rl(run / "metrics.jsonl", run / "rl.png", start,
                                          title=f"{cfg.rl.loss} on {task.env.prompts.name} · "
                                                f"{trainer.mesh.describe()}"))
-    (run / "summary.json").write_text(json.dumps(summary, indent=1))
+    (run / "summary.json").write_text(strict_json(summary, indent=1))
     return summary
 
 

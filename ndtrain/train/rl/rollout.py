@@ -9,6 +9,13 @@ row's completion depends on its prompt and seed only), scores each completion wi
 reward function, computes the frozen reference's log-probabilities of it, and the shares
 are all-gathered (`gather_rows`), so every rank holds the same rows. What a row holds
 travels as one fp64 tensor of fixed width (the token ids are exact in fp64).
+
+A stop request (Ctrl-C, SIGTERM: supervisor.py) during a rollout ends it within a token:
+the ranks of a generation tp group agree after every token (one all-reduce of a flag, when
+its size is above 1), and each row carries whether its share was cut short, so after the
+gather every rank raises `supervisor.Interrupted` together. The trainer then abandons the
+step and saves the one before it; the resumed run draws the same rollout again (each row's
+completion is a function of its prompt and seed).
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
+from ndtrain import supervisor
+from ndtrain.comm.group import Group
+from ndtrain.comm.ops import all_reduce_scalars
 from ndtrain.generate.sampler import generate
 from ndtrain.model.loss import IGNORE, token_nll
 from ndtrain.parallel.generation import GenerationLayout, gather_rows
@@ -104,11 +114,14 @@ def generate_everywhere(model: nn.Module, layout: GenerationLayout, prompts: lis
     me, count = layout.ranks
     share = math.ceil(n / count)
     lo, hi = min(n, me * share), min(n, (me + 1) * share)
-    cols = 3 * width + 2 + len(SCORE_FIELDS) + (width if reference is not None else 0)
-    mine = torch.zeros((share, cols), dtype=torch.float64)
+    cols = 3 * width + 2 + len(SCORE_FIELDS) + (width if reference is not None else 0) + 1
+    mine = torch.zeros((share, cols), dtype=torch.float64)  # the last column: the share was cut short
     for a, b in sampling_batches(lo, hi, model.args.vocab_size):
         out = generate(model, prompts[a:b], width, sampling.temperature, sampling.top_k, sampling.top_p,
-                       seeds[a:b], stop_ids, pad_id)
+                       seeds[a:b], stop_ids, pad_id, should_stop=_stop_agreed_in(layout.tp))
+        if out.interrupted:  # every rank of this tp group agreed: the gather tells the others
+            mine[:, -1] = 1.0
+            break
         rows, at = slice(a - lo, b - lo), 3 * width + 2
         mine[rows, :width] = out.token_ids.double()
         mine[rows, width:2 * width] = out.logprob_table
@@ -118,12 +131,23 @@ def generate_everywhere(model: nn.Module, layout: GenerationLayout, prompts: lis
         mine[rows, at:at + len(SCORE_FIELDS)] = torch.tensor([score(i, t) for i, t in zip(range(a, b), out.tokens)],
                                                              dtype=torch.float64)
         if reference is not None:
-            mine[rows, cols - width:] = completion_logprobs(reference, prompts[a:b], out.tokens, width, pad_id,
-                                                            rows_per_forward)
-    rows = gather_rows(mine.to(layout.mesh.device), layout).cpu()[:n]
+            mine[rows, cols - 1 - width:cols - 1] = completion_logprobs(reference, prompts[a:b], out.tokens, width,
+                                                                        pad_id, rows_per_forward)
+    rows = gather_rows(mine.to(layout.mesh.device), layout).cpu()
+    if rows[:, -1].any():
+        raise supervisor.Interrupted("a stop request cut the rollout short")
+    rows = rows[:n]
     at = 3 * width + 2
     return Generations(
         tokens=rows[:, :width].long(), lengths=rows[:, 3 * width].long(), stopped=rows[:, 3 * width + 1] > 0,
         logprobs=rows[:, width:2 * width], entropies=rows[:, 2 * width:3 * width],
-        ref_logprobs=rows[:, cols - width:] if reference is not None else None,
+        ref_logprobs=rows[:, cols - 1 - width:cols - 1] if reference is not None else None,
         scores=rows[:, at:at + len(SCORE_FIELDS)])
+
+
+def _stop_agreed_in(tp: Group) -> Callable[[], bool]:
+    """Whether any rank of this generation tp group was asked to stop: they generate
+    together, so they must end at the same token."""
+    if not tp.active:
+        return supervisor.stop_requested
+    return lambda: all_reduce_scalars([float(supervisor.stop_requested())], tp)[0] > 0

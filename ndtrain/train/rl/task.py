@@ -44,7 +44,7 @@ from ndtrain.parallel.generation import (GenerationLayout, Generator, empty_gene
                                          sampling_view)
 from ndtrain.train.rl import losses
 from ndtrain.train.rl.rollout import Generations, Sampling, generate_everywhere
-from ndtrain.train.tasks import Task, load_function
+from ndtrain.train.tasks import Task, call_scorer, load_function
 from ndtrain.train.trainer import TrainingError
 
 PRECISE = ("fp32", "fp64")  # where the rollout/training log-prob gap is enforced
@@ -80,6 +80,7 @@ class Environment:
             self.check = checked_reward(lambda prompt, completion, answer: check(completion, answer), r.format_reward)
         else:
             self.custom = load_function("rl.reward", r.reward)
+        self.last_failure: str | None = None  # why the user's reward last failed
 
     def draw(self, seed: int, key: str, n: int, split: str) -> list[Problem]:
         return self.prompts.draw(seed, key, n, split)
@@ -104,13 +105,11 @@ class Environment:
         text = self.completion_text(ids)
         if self.custom is None:
             return (*self.check(problem.prompt, text, problem.answer), 0.0, None)
-        try:
-            value = self.custom(problem.prompt, text, problem.answer)
-        except Exception as e:  # noqa: BLE001 - a user's function may raise anything
-            return 0.0, float("nan"), 0.0, 1.0, f"raised {type(e).__name__}: {e}"
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            return 0.0, float("nan"), 0.0, 1.0, f"returned {value!r}, not a number"
-        return float(value), float("nan"), float(value >= 1.0), 0.0, None
+        value, why = call_scorer(self.custom, problem.prompt, text, problem.answer)
+        if why is not None:
+            self.last_failure = why
+            return 0.0, float("nan"), 0.0, 1.0, why
+        return value, float("nan"), float(value >= 1.0), 0.0, None
 
 
 def greedy_pass_at_1(generator: Generator, cfg: Config, env: Environment, problems: list[Problem]) -> float:
@@ -243,6 +242,10 @@ class RL(Task):
             prompts = [self.env.prompt_ids(p) for p in rows]
             seeds = [row_seed(t.seed, index, k, i) for i in range(len(rows))]
             gen = self._generate(trainer, model, rows, prompts, seeds, self.sampling, reference)
+            if self.env.custom is not None and bool((gen.score("error") > 0).all()):
+                raise TrainingError(f"rl.reward = {r.reward!r} failed on all {len(rows)} completions of rollout "
+                                    f"{index} (it {self.env.last_failure}): stopping rather than training on "
+                                    "rewards of 0")
             rewards = gen.score("reward") + losses.overlong_penalty(gen.lengths, r.max_new_tokens, buffer)
             rewards = rewards.view(n_groups, g)
             rounds.append((rows, prompts, gen, rewards))

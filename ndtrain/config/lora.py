@@ -1,0 +1,30 @@
+"""Validation of the [lora] section (model/lora.py) and the layouts it runs under."""
+
+from __future__ import annotations
+
+from ndtrain.config.schema import Config, ConfigError, lora_targets
+from ndtrain.model.lora import INITS, TARGETS
+
+
+def check_lora(cfg: Config) -> None:
+    lora, t, p = cfg.lora, cfg.train, cfg.parallel
+    if lora.rank < 0:
+        raise ConfigError("lora.rank", lora.rank, "must be >= 0 (0 = no LoRA)")
+    if not lora.rank:
+        return
+    if lora.alpha <= 0:
+        raise ConfigError("lora.alpha", lora.alpha, "must be > 0 (the update is alpha / rank · B·A·x)")
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError("lora.dropout", lora.dropout, "must be in [0, 1)")
+    targets = lora_targets(lora.targets)
+    unknown = [x for x in targets if x not in TARGETS]
+    if not targets or unknown:
+        raise ConfigError("lora.targets", lora.targets, f"expected a comma-separated list of {', '.join(TARGETS)}")
+    if lora.init not in INITS:
+        raise ConfigError("lora.init", lora.init, f"expected one of {', '.join(INITS)}")
+    if t.precision == "fp8":
+        raise ConfigError("train.precision", t.precision, "LoRA adapters have no fp8 product; use bf16 with lora.rank > 0")
+    if lora.dropout and (p.tp > 1 or p.cp > 1):
+        key, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.cp", p.cp)
+        raise ConfigError(key, value, "lora.dropout > 0 draws its mask on this rank's part of a layer's input, "
+                          "which under tp or cp is not the mask one process draws; set lora.dropout = 0 here")

@@ -1,0 +1,349 @@
+"""LoRA (model/lora.py): the frozen base holds no gradient, buffer or optimizer state in any
+layout, every layout trains the adapters exactly as one process does (fp64 proofs), and the
+export (merged weights, a PEFT adapter folder) gives the logits our model gives.
+
+The proofs start from `lora.init=random`: with B = 0 (the default) the first step's gradient
+of every A is exactly zero, so a layout that lost or double-counted A's gradient would still
+pass the first-update comparison. The control below shows a defect of exactly that kind (A
+of a column-parallel layer not summed over tp) failing the proof with B drawn.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from helpers import GRAD_TOL, TINY, assert_proof, proof_in_rank, reference_in_rank, tensor_gap, train_in_rank
+from ndtrain.testing import run_ranks
+
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.init=random"]
+MOE = ["model.preset=tiny-moe", "train.moe_aux_loss=0.01"]
+SMALL = ["model.preset=small"]
+REFERENCES = {"tiny": [], "moe": MOE, "small": SMALL}
+
+# (name, overrides, reference): each row against the one-process run of its reference. The
+# default tier keeps one row of every family; "slow" adds ZeRO-1, EP (an MoE model's attention
+# adapters; alone and with ZeRO-3), PP with the small model's tied embedding, and "four" the
+# 4-rank compositions.
+ROWS = {
+    "default": [("dp2-accumulation", ["parallel.dp=2", "train.micro_batch=1"], "tiny"),
+                ("zero2-accumulation", ["parallel.zero=2", "train.micro_batch=2"], "tiny"),
+                ("zero3-accumulation", ["parallel.zero=3", "train.micro_batch=2"], "tiny"),
+                ("tp2-sp", ["parallel.tp=2"], "tiny"),
+                ("tp2", ["parallel.tp=2", "parallel.sp=false"], "tiny"),
+                ("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch=2"], "tiny"),
+                ("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring"], "tiny")],
+    "slow": [("zero1", ["parallel.zero=1"], "tiny"),
+             ("ep2-moe", ["parallel.ep=2", *MOE], "moe"),
+             ("ep2-zero3-moe", ["parallel.ep=2", "parallel.zero=3", "train.micro_batch=2", *MOE], "moe"),
+             # the default job's shape: a frozen tied embedding held on both ends of the pipeline
+             ("pp2-small-tied", ["parallel.pp=2", "train.micro_batch=2", *SMALL], "small")],
+    "four": [("tp4-replicated-kv-heads", ["parallel.tp=4"], "tiny"),
+             ("tp2-dp2-zero3", ["parallel.tp=2", "parallel.zero=3"], "tiny"),
+             ("pp2-dp2-zero3-zb", ["parallel.pp=2", "parallel.pp_schedule=zb", "parallel.zero=3",
+                                   "train.micro_batch=2"], "tiny"),
+             ("zero3-recompute-full", ["parallel.zero=3", "train.recompute=full", "train.micro_batch=1"], "tiny"),
+             ("hsdp2x2-zero2", ["parallel.zero=2", "parallel.dp_replicate=2"], "tiny"),
+             ("pp2-cp2-ep2-moe", ["parallel.pp=2", "parallel.cp=2", "parallel.ep=2", "train.micro_batch=2", *MOE],
+              "moe")],
+}
+
+
+def _reference(data_dir, overrides):
+    return reference_in_rank(LORA + overrides, data_dir)
+
+
+def _unsummed_column_a():
+    """The defect of the control: a column-parallel layer's A whole on every rank but its
+    gradient left unsummed over tp (no partial mark)."""
+    from ndtrain.parallel import tensor
+    original = tensor._adapter
+
+    def defect(m, c, a_dim, b_dim):
+        lora = original(m, c, a_dim, b_dim)
+        if lora is not None and a_dim is None and b_dim == 0:
+            lora.a.__dict__.pop("_ndtrain_partial_dims", None)
+        return lora
+    tensor._adapter = defect
+    return original
+
+
+def _layouts(data_dir, rows, control: bool):
+    out = {name: proof_in_rank(LORA + o, data_dir) for name, o, _ in rows}
+    if control:
+        from ndtrain.parallel import tensor
+        original = _unsummed_column_a()
+        try:
+            out["control"] = proof_in_rank(LORA + ["parallel.tp=2", "parallel.sp=false"], data_dir)
+        finally:
+            tensor._adapter = original
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tiny_data):
+    return {"tiny": run_ranks(_reference, 1, tiny_data, [])[0]}
+
+
+def _check(tier, world, tiny_data, references, control=False):
+    rows = ROWS[tier]
+    for ref in {ref for _, _, ref in rows} - set(references):
+        references[ref] = run_ranks(_reference, 1, tiny_data, REFERENCES[ref])[0]
+    proofs = run_ranks(_layouts, world, tiny_data, rows, control, timeout=900)[0]
+    for name, _, ref in rows:
+        try:
+            assert_proof(proofs[name], references[ref])
+        except AssertionError as e:
+            raise AssertionError(f"layout {name} (fp64, LoRA): {e}") from None
+    return proofs
+
+
+def test_lora_layouts_equal_one_process_in_fp64(tiny_data, references):
+    """DP, ZeRO-2/3, TP (column: B split; row: A split), PP and CP each equal one process;
+    and the control: A's tp sum left out fails."""
+    proofs = _check("default", 2, tiny_data, references, control=True)
+    ref = references["tiny"]
+    assert set(proofs["dp2-accumulation"]["grads"]) == {k for k in ref["state"] if k.endswith((".lora.a", ".lora.b"))}
+    assert all(ref["grads"][k].abs().max() > 0 for k in ref["grads"]), "every adapter has a gradient at step 1"
+    control = proofs["control"]
+    with pytest.raises(AssertionError, match="step 1 loss|first-step gradient"):
+        assert_proof(control, ref)
+    for name in ref["grads"]:  # the defect shows in exactly the gradients it touches, far above 1e-10
+        gap = tensor_gap({name: control["grads"][name]}, {name: ref["grads"][name]})
+        column_a = name.endswith(".lora.a") and name.split(".")[-3] in ("wq", "wk", "wv", "w1", "w3")
+        assert gap > 1e-3 if column_a else gap <= GRAD_TOL, (name, gap)
+
+
+@pytest.mark.slow
+def test_lora_layouts_equal_one_process_zero1_and_ep(tiny_data, references):
+    _check("slow", 2, tiny_data, references)
+
+
+@pytest.mark.slow
+def test_lora_layouts_equal_one_process_on_four_ranks(tiny_data, references):
+    _check("four", 4, tiny_data, references)
+
+
+# -- frozen base: no gradients, no buffers, no optimizer state ------------------------------
+
+def _states(data_dir, zero):
+    _, _, trainer = train_in_rank(["train.steps=2", "lora.rank=4", f"parallel.zero={zero}"], data_dir)
+    states = trainer.par.states
+    model = trainer.par.model
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    trainable = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    held = sum(t.numel() for t in states.master_tensors()) if zero else sum(trainable.values())
+    optim = trainer.stepper.optimizer
+    moments = sum(s["exp_avg"].numel() for s in optim.state.values())
+    grads = sum(t.numel() for t in states.grad_tensors())
+    params = sum(p.numel() for p in model.parameters())
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in states.param_tensors()}
+    return {"frozen_with_grad": sum(p.grad is not None for p in frozen), "trainable": sorted(trainable),
+            "optim": sum(p.numel() for p in states.optim_params()), "moments": moments, "grads": grads,
+            "held": held, "params": params, "resident": sum(storages.values())}
+
+
+@pytest.mark.parametrize("zero", [0, 3])
+def test_frozen_base_has_no_gradient_buffer_or_optimizer_state(tiny_data, zero):
+    """Only the adapters train: every other parameter has no .grad, and the gradient buffers
+    (DP buckets, ZeRO flats), the optimizer's tensors and AdamW's moments hold the adapters'
+    elements only (ZeRO: this rank's slice of them, with alignment padding)."""
+    from ndtrain.model.args import PRESETS
+    a = PRESETS["tiny"]
+    kv = a.n_kv_heads * a.head_dim  # rank 4 × (in + out) of wq, wo, wk, wv, w1, w3, w2 in each block
+    adapters = a.n_layers * 4 * (2 * (a.dim + a.dim) + 2 * (a.dim + kv) + 3 * (a.dim + a.ffn_dim))
+    for rank in run_ranks(_states, 2 if zero else 1, tiny_data, zero):
+        assert rank["frozen_with_grad"] == 0
+        assert rank["trainable"] and all(n.endswith((".lora.a", ".lora.b")) for n in rank["trainable"])
+        if zero:  # each rank's slice: about half, never the base's elements
+            assert adapters / 2 <= rank["optim"] <= adapters / 2 + 64 * 40
+            assert rank["moments"] == rank["optim"] and rank["grads"] <= 2 * rank["optim"]
+        else:
+            assert rank["optim"] == rank["moments"] == adapters
+            assert adapters <= rank["grads"] <= adapters + 64 * 60
+        if zero == 3:  # the base weights are sharded too, outside the forward: about half on each rank
+            assert rank["resident"] <= 0.55 * rank["params"] * 4
+
+
+# -- config ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("overrides, message", [
+    (["lora.rank=-1"], "lora.rank = -1: must be >= 0"),
+    (["lora.rank=4", "lora.targets=wq,q_proj"], "lora.targets = 'wq,q_proj': expected a comma-separated list"),
+    (["lora.rank=4", "lora.alpha=0"], "lora.alpha = 0.0: must be > 0"),
+    (["lora.rank=4", "lora.dropout=1.0"], "lora.dropout = 1.0: must be in [0, 1)"),
+    (["lora.rank=4", "lora.init=gaussian"], "lora.init = 'gaussian': expected one of zero_b, random"),
+    (["lora.rank=4", "train.precision=fp8"], "train.precision = 'fp8': LoRA adapters have no fp8 product"),
+    (["lora.rank=4", "lora.dropout=0.1", "parallel.tp=2", "run.nproc=2"], "parallel.tp = 2: lora.dropout > 0"),
+])
+def test_bad_lora_config_is_one_line(overrides, message):
+    from ndtrain.config import ConfigError, load_config, validate
+    with pytest.raises(ConfigError) as e:
+        validate(load_config(None, TINY + overrides), check_paths=False)
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_bad_lora_on_the_command_line_exits_2_and_writes_nothing(tmp_path, capsys):
+    from ndtrain.cli import main
+    run = tmp_path / "run"
+    assert main(["sft", "lora.rank=4", "lora.targets=attention", f"run.dir={run}"]) == 2
+    err = capsys.readouterr().err
+    assert "lora.targets = 'attention'" in err and "Traceback" not in err
+    assert not run.exists()
+
+
+def test_zero_b_starts_at_the_base_model_and_counts_are_reported(tiny_data, tmp_path):
+    """lora.init=zero_b: the first loss equals the base model's; the summary and the first
+    metrics line carry trainable_params and total_params."""
+    base = run_ranks(_first_loss, 1, tiny_data, [], None)[0]
+    lora = run_ranks(_first_loss, 1, tiny_data, ["lora.rank=4"], str(tmp_path / "run"))[0]
+    assert lora["loss"] == base["loss"]
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for record in (first, summary):
+        assert record["trainable_params"] == lora["trainable"]
+        assert record["total_params"] == lora["total"] == base["total"] + lora["trainable"]
+
+
+def _first_loss(data_dir, overrides, run_dir):
+    losses, _, trainer = train_in_rank(["train.steps=1", *overrides], data_dir, run_dir=run_dir)
+    trainable = sum(p.numel() for p in trainer.par.model.parameters() if p.requires_grad)
+    return {"loss": losses[0], "trainable": trainable, "total": sum(p.numel() for p in trainer.par.model.parameters())}
+
+
+# -- export: merged weights and a PEFT adapter, with our logits ----------------------------
+
+def _pretrain_then_lora(data_dir, base_dir, lora_dir):
+    train_in_rank(["train.steps=1"], data_dir, run_dir=base_dir)
+    train_in_rank(["train.steps=1", *LORA, f"model.init_from=run:{base_dir}"], data_dir, run_dir=lora_dir,
+                  before_fit=lambda trainer: trainer.start())  # loads the base (the adapters: no such keys)
+
+
+def _our_logits(run_dir, tokens):
+    from ndtrain.checkpoint import layout, store
+    from ndtrain.checkpoint.sources import CheckpointSource
+    from ndtrain.model.args import ModelArgs
+    from ndtrain.model.llama import Transformer
+    path = store.latest(run_dir)
+    meta = store.read_meta(path)
+    model = Transformer(ModelArgs(**meta["model_args"])).eval()
+    layout.load_model(CheckpointSource(path, meta), model)
+    with torch.no_grad():
+        return model(tokens)
+
+
+def test_merged_export_and_peft_adapter_give_our_logits(tiny_data, tmp_path, capsys):
+    """`convert --to-hf` of a LoRA run writes W + (alpha/r)·B·A; `--to-hf --adapter` writes a
+    PEFT folder that peft loads onto the base model (the starting run, exported) with our
+    logits, in fp32 to 1e-5 as the HF parity tests."""
+    pytest.importorskip("peft")
+    import transformers
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    from ndtrain.cli import main
+    base, lora = tmp_path / "base", tmp_path / "lora"
+    run_ranks(_pretrain_then_lora, 1, tiny_data, str(base), str(lora))
+    for args in (["--to-hf", str(base), "--out", str(tmp_path / "hf-base")],
+                 ["--to-hf", str(lora), "--out", str(tmp_path / "hf-merged")],
+                 ["--to-hf", str(lora), "--out", str(tmp_path / "adapter"), "--adapter"]):
+        assert main(["convert", *args]) == 0
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["r"] == 4 and config["lora_alpha"] == 8
+    assert "model.layers.0.self_attn.q_proj" in config["target_modules"]
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as f:
+        assert "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight" in f.keys()
+    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
+    ours = _our_logits(lora, tokens)
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base").float().eval()
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged").float().eval()
+    with torch.no_grad():
+        base_logits = hf_base(input_ids=tokens).logits
+        peft_logits = PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()(input_ids=tokens).logits
+        merged_logits = merged(input_ids=tokens).logits
+    assert (ours - base_logits).abs().max() > 1e-2, "the adapters change the logits"
+    assert main(["train", f"model.init_from=run:{lora}", f"run.dir={tmp_path / 'next'}"]) == 2  # start from merged
+    assert "holds LoRA adapters" in capsys.readouterr().err and not (tmp_path / "next").exists()
+    torch.testing.assert_close(peft_logits, ours, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(merged_logits, ours, atol=1e-5, rtol=1e-5)
+
+
+def test_adapter_export_of_a_run_without_lora_is_refused(tiny_data, tmp_path, capsys):
+    from ndtrain.cli import main
+    run_ranks(_first_loss, 1, tiny_data, [], str(tmp_path / "run"))
+    assert main(["convert", "--to-hf", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--adapter"]) == 2
+    assert "--adapter" in capsys.readouterr().err and not (tmp_path / "out").exists()
+
+
+# -- RL with LoRA: rollouts from the adapted model, in every generation layout -------------
+
+RL_LORA_LAYOUTS = {"default": [("zero3-dp2", ["parallel.zero=3", "train.micro_batch=2"])],
+                   "slow": [("tp2", ["parallel.tp=2"]), ("pp2", ["parallel.pp=2", "train.micro_batch=2"])]}
+
+
+@pytest.mark.parametrize("tier", ["default", pytest.param("slow", marks=pytest.mark.slow)])
+def test_rl_with_lora_equals_one_process_in_fp64(tier):
+    """GRPO and the other losses (tests/test_rl.py's cycling proof) with adapters on a frozen
+    model: the rollouts come from the adapted weights (gathered under ZeRO-3 and PP, split
+    under TP) and the updates equal one process's, rewards included."""
+    from test_rl import _rl_rows
+    ref = run_ranks(_rl_rows, 1, [("single", LORA, "reference")], timeout=300)[0]["single"]
+    assert all(k.endswith((".lora.a", ".lora.b")) for k in ref["grads"])
+    rows = RL_LORA_LAYOUTS[tier]
+    runs = run_ranks(_rl_rows, 2, [(n, LORA + o, "proof") for n, o in rows], timeout=600)[0]
+    for name, _ in rows:
+        assert [m["reward_mean"] for m in runs[name]["metrics"]] == [m["reward_mean"] for m in ref["metrics"]], name
+        assert max(m["logprob_gap"] for m in runs[name]["metrics"][::2]) < 1e-10, name
+        try:
+            assert_proof(runs[name], ref)
+        except AssertionError as e:
+            raise AssertionError(f"RL with LoRA, {name}: {e}") from None
+
+
+def _dry_run(overrides):
+    import torch.distributed as dist
+
+    from ndtrain.config import load_config, validate
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.dry_run import measure
+    from ndtrain.train.worker import mesh_shape
+    cfg = validate(load_config(None, TINY + overrides), world=dist.get_world_size())
+    return measure(cfg, ParallelMesh.build(mesh_shape(cfg)))
+
+
+@pytest.mark.parametrize("zero", [pytest.param(1, marks=pytest.mark.slow), 3])
+def test_dry_run_model_states_follow_the_formula_with_a_frozen_base(zero):
+    """bf16 with adapters: the parameters (the base too, sharded under ZeRO-3) and the
+    adapters' gradients and optimizer state, each within 2% of the ZeRO formula with the
+    frozen Ψ counted as parameters only, far below full training's."""
+    from ndtrain.parallel.zero import model_state_bytes
+    from ndtrain.train.dry_run import state_formula
+    result = run_ranks(_dry_run, 2, ["lora.rank=8", "train.precision=bf16", f"parallel.zero={zero}"])[0]
+    for r in result["ranks"]:
+        trainable = r["psi"] - r["psi_frozen"]
+        assert 0 < trainable < r["psi"] / 10
+        states = r["params"] + r["grads"] + r["optimizer"]
+        assert states == pytest.approx(state_formula(r, zero, result, 2), rel=0.02)
+        assert r["grads"] + r["optimizer"] == pytest.approx(
+            sum(v for k, v in model_state_bytes(trainable, zero, 2, 2).items() if k != "params"), rel=0.02)
+        assert states < 0.4 * sum(model_state_bytes(r["psi"], zero, 2, 2).values())
+
+
+def _dropout_losses(data_dir):
+    out = {}
+    for p in (0.0, 0.5):
+        before = []
+        losses, _, _ = train_in_rank(["train.steps=1", *LORA, f"lora.dropout={p}"], data_dir,
+                                     before_fit=lambda trainer: before.append(trainer.evaluate()))
+        out[p] = (losses[0], before[0])
+    return out
+
+
+def test_lora_dropout_acts_in_training_only(tiny_data):
+    """lora.dropout masks the adapters' input while training (the first loss moves) and not
+    in evaluation (the same initial weights give the same validation loss)."""
+    out = run_ranks(_dropout_losses, 1, tiny_data)[0]
+    assert out[0.5][0] != out[0.0][0]
+    assert out[0.5][1] == out[0.0][1]
