@@ -48,9 +48,11 @@ def bare_encode(source: str, tokenizer_json: Path, jsonl_key: str, out: Path) ->
     tokens, batch = 0, []
     with open(out, "wb") as f:
         def flush() -> int:
-            ids = [e.ids + [eot] for e in encode(batch, add_special_tokens=False)]
-            flat = np.fromiter((i for doc in ids for i in doc), dtype=np.uint32)
-            flat.tofile(f)
+            flat: list[int] = []
+            for e in encode(batch, add_special_tokens=False):
+                flat += e.ids
+                flat.append(eot)
+            np.array(flat, dtype=np.uint32).tofile(f)
             batch.clear()
             return len(flat)
 
@@ -69,6 +71,21 @@ def bare_encode(source: str, tokenizer_json: Path, jsonl_key: str, out: Path) ->
         if batch:
             tokens += flush()
     return tokens
+
+
+def _cpu_timed(fn, into: list[float]):
+    """`fn`, recording the CPU seconds of this process and its finished children per call."""
+    import resource
+
+    def cpu() -> float:
+        return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                     resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    def timed() -> None:
+        start = cpu()
+        fn()
+        into.append(cpu() - start)
+    return timed
 
 
 def run(args) -> int:
@@ -102,10 +119,15 @@ def run(args) -> int:
             bare_encode(d.path, tokenizer, d.jsonl_key, scratch / "bare.bin")
             (scratch / "bare.bin").unlink()
 
-        times = alternate({"ndtrain prepare": ours, "encode_batch": bare}, args.rounds, args.steps,
+        cpu = {"ndtrain prepare": [], "encode_batch": []}
+        times = alternate({name: _cpu_timed(fn, cpu[name]) for name, fn in
+                           (("ndtrain prepare", ours), ("encode_batch", bare))}, args.rounds, args.steps,
                           torch.device("cpu"))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+    # CPU seconds do not depend on what else the machine runs as much as wall time does.
+    print("CPU time per pass (the process and its workers), median: " + ", ".join(
+        f"{name} {float(np.median(c)):.2f} s" for name, c in cpu.items()), flush=True)
     print(report(times, corpus_bytes / 1e3, "kB/s", "ndtrain prepare/encode_batch", "ndtrain prepare",
                  "encode_batch"), flush=True)
     return 0

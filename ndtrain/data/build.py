@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from ndtrain.data.corpus import STDLIB, is_validation, iter_documents
+from ndtrain.data.corpus import STDLIB, is_validation, iter_document_sizes, iter_documents
 from ndtrain.data.encode import ChunkEncoder, encode_stream
 from ndtrain.data.shards import DataError, write_shard
 from ndtrain.data.tokenizer import TextTokenizer
@@ -71,7 +71,6 @@ class SplitPlan:
     val_fraction: float
     force_val: str | None = None
     force_train: str | None = None
-    text_chars: int = 0
     bad: BadRecords = field(default_factory=lambda: BadRecords())
 
     def is_val(self, key: str) -> bool:
@@ -94,19 +93,20 @@ class SplitPlan:
 
 
 def plan_split(source: str, jsonl_key: str, val_fraction: float, skip_bad: bool) -> SplitPlan:
-    """One pass over the corpus, holding only counts and the two extreme hashes.
+    """One pass over the corpus's document keys, holding only counts and the two extreme
+    hashes; whole-file documents are not read (`iter_document_sizes`).
 
     When the hash leaves a split empty, the document nearest to the threshold moves across
     (the first of equals in corpus order), so the choice is as stable as the hash itself.
     A malformed record stops here (data.on_bad_record = error), or is counted and skipped.
     """
     bad = BadRecords()
-    count = n_val = chars = length = 0
+    count = n_val = 0
     lo = hi = None  # (crc32, key) of the lowest and highest hash
-    for key, text in iter_documents(source, jsonl_key, bad if skip_bad else None):
-        if not text:
+    for key, size in iter_document_sizes(source, jsonl_key, bad if skip_bad else None):
+        if not size:
             continue
-        count, length, chars = count + 1, len(text), chars + len(text)
+        count += 1
         score = zlib.crc32(key.encode("utf-8"))
         n_val += is_validation(key, val_fraction)
         if lo is None or score < lo[0]:
@@ -115,8 +115,9 @@ def plan_split(source: str, jsonl_key: str, val_fraction: float, skip_bad: bool)
             hi = (score, key)
     if not count:
         raise DataError(f"source {source}: no non-empty documents found")
-    plan = SplitPlan(count, count == 1, val_fraction, text_chars=chars, bad=bad)
+    plan = SplitPlan(count, count == 1, val_fraction, bad=bad)
     if count == 1:
+        length = len(next(text for _, text in iter_documents(source, jsonl_key, lambda problem: None) if text))
         if length < 2:
             raise DataError(f"source {source}: a single document of {length} character cannot be split")
     elif n_val == 0:

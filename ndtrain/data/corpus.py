@@ -74,3 +74,13 @@ def iter_documents(source: str, jsonl_key: str = "text",
     root, files = source_files(source)
     for path in files:
         yield from sources.file_documents(path, path.relative_to(root).as_posix(), jsonl_key, bad)
+
+
+def iter_document_sizes(source: str, jsonl_key: str = "text",
+                        bad: Callable[[str], None] | None = None) -> Iterator[tuple[str, int]]:
+    """``(key, size)`` for every document of ``source``, as `iter_documents` yields them; size
+    is 0 exactly for an empty document. Whole-file documents are not read (their size is
+    the file's), so a split plan over a folder of files costs a directory walk."""
+    root, files = source_files(source)
+    for path in files:
+        yield from sources.file_document_sizes(path, path.relative_to(root).as_posix(), jsonl_key, bad)

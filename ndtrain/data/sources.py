@@ -216,6 +216,21 @@ def file_documents(path: Path, key: str, text_key: str,
             raise DataError(f"corpus file {path}: cannot read ({e.strerror})") from None
 
 
+def file_document_sizes(path: Path, key: str, text_key: str,
+                        bad: Callable[[str], None] | None = None) -> Iterator[tuple[str, int]]:
+    """``(key, size)`` for every document of one file, size > 0 exactly when its text is not
+    empty: a whole-file document's bytes from the file system (nothing read: a file of n > 0
+    bytes decodes to at least one character), a record's characters."""
+    if path.name.endswith(DOCUMENT_SUFFIXES):
+        try:
+            yield key, path.stat().st_size
+        except OSError as e:
+            raise DataError(f"corpus file {path}: cannot read ({e.strerror})") from None
+        return
+    for k, text in file_documents(path, key, text_key, bad):
+        yield k, len(text)
+
+
 def check_source(path: Path, text_key: str) -> None:
     """Cheap checks before anything is prepared: the source exists and holds readable files,
     and each file has the text field (a columnar file's schema, a JSONL file's first
