@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import sys
 from dataclasses import dataclass
@@ -88,6 +89,9 @@ def oversubscribed(processes: int, device: str) -> str | None:
             f"than with {cores}, and each process takes its own memory")
 
 
+_joined: list[int] = []  # this process's rank, once it has joined a group (release_groups)
+
+
 def init_process(device_kind: str = "auto", threads: int = 0, timeout_s: float = 600.0) -> ProcessEnv:
     """Join the process group this process was started for (none when alone)."""
     _adopt_slurm_env()
@@ -106,6 +110,7 @@ def init_process(device_kind: str = "auto", threads: int = 0, timeout_s: float =
         timeout = datetime.timedelta(seconds=timeout_s)
         dist.init_process_group(backend, store=_store(rank, world, timeout), rank=rank, world_size=world,
                                 timeout=timeout, **kwargs)
+        _joined.append(rank)
     return ProcessEnv(rank, world, local_rank, local_world, device)
 
 
@@ -123,6 +128,24 @@ def _store(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def release_groups() -> None:
+    """Free the process groups a finished rank left behind, while the interpreter is alive.
+    `destroy_process_group` forgets the groups, but each lives on until the objects that
+    hold it (mesh, trainer: reference cycles) are collected, and with it its gloo worker
+    threads. Left to the interpreter's exit, a worker thread still releasing the tensors of a
+    finished collective asks for the GIL that finalization no longer gives, and the process
+    aborts ("terminate called without an active exception", SIGABRT): a rank that trained
+    to the end would count as failed, and torchrun's agents would then wait at their exit
+    barrier. Collected here, each group's destructor joins its threads first. Called once
+    the rank's work has returned (its frames, and their references, are gone), by the
+    command line's `main`; a process that never joined a group (a test calling `main`, a
+    command of one process) skips the collection. The ranks our launcher starts need none:
+    multiprocessing ends them with `os._exit`, without a finalization."""
+    if _joined:
+        _joined.clear()
+        gc.collect()
 
 
 def launch_local(nproc: int, fn, *args, max_restarts: int = 0, heartbeat_s: float = 0.0,

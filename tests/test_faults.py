@@ -71,17 +71,21 @@ def _sigkill_rank_1():
 
 
 def _hang_rank_1():
-    """Rank 1 goes silent (no heartbeat); rank 0 waits for it in a barrier, beating."""
+    """Rank 1 goes silent (no heartbeat after its start); rank 0 waits for it to join the
+    group, beating all along from a thread of its own (beating only once joined, a loaded
+    machine could delay rank 0's first beat past heartbeat_s and blame the wrong rank)."""
     import torch.distributed as dist
 
     from ndtrain import supervisor
-    dist.init_process_group("gloo")
-    if dist.get_rank() == 1:
+    if os.environ["RANK"] == "1":
         time.sleep(600)
-    work = dist.barrier(async_op=True)
-    while not work.is_completed():
-        supervisor.heartbeat()
-        time.sleep(0.05)
+
+    def beat():
+        while True:
+            supervisor.heartbeat()
+            time.sleep(0.05)
+    threading.Thread(target=beat, daemon=True).start()
+    dist.init_process_group("gloo")
 
 
 def test_a_killed_or_hung_rank_ends_the_group_named():

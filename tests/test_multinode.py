@@ -10,6 +10,7 @@ layout, dp 2, does the same arithmetic).
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def test_two_torchrun_agents_from_the_sbatch_example_train_like_two_local_proces
     corpus = make_tiny_corpus(tmp_path)
     keys = ["model.preset=tiny", "train.steps=4", "train.global_batch=4", "train.seq_len=32", "train.eval_batches=1",
             f"data.path={corpus}", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}", "run.device=cpu",
-            "run.plot=false", "run.progress=false", "run.threads=1"]
+            "run.plot=false", "run.progress=false", "run.threads=1", "run.collective_timeout_s=90"]
     shims, logs = tmp_path / "shims", tmp_path / "logs"
     shims.mkdir()
     logs.mkdir()
@@ -67,10 +68,16 @@ def test_two_torchrun_agents_from_the_sbatch_example_train_like_two_local_proces
            "SLURM_JOB_NAME": "ndtrain", "NPROC_PER_NODE": "1", "RDZV_PORT": str(_free_port()), "MAX_RESTARTS": "0",
            "RUN_DIR": str(run), "SHIM_LOGS": str(logs),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run(["bash", str(SBATCH), *keys], env=env, cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    errors = {p.name: p.read_text()[-2000:] for p in sorted(logs.iterdir())}
-    assert proc.returncode == 0, (proc.stderr[-2000:], errors)
+    # its own session, so that a hang ends with every agent and rank killed and their logs shown
+    proc = subprocess.Popen(["bash", str(SBATCH), *keys], env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+    errors = {p.name: p.read_text()[-3000:] for p in sorted(logs.iterdir())}
+    assert proc.returncode == 0, (proc.returncode, stderr[-2000:], errors)
     assert "validation loss" in (logs / "node0.out").read_text() + (logs / "node1.out").read_text(), errors
     assert (run / "checkpoints" / "latest").is_file() and "dp = 2" in (run / "config.toml").read_text()
 

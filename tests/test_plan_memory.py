@@ -8,7 +8,7 @@ measured: observe/memory.py) on every row of that size; the planner (plan/memory
 predicts each rank from the configuration alone. Tolerance: 5% on each model state
 (parameters, gradients, optimizer) and on the rank's peak (the states held when the step
 begins plus the activation peak: `total` against the dry run's `peak`), and 15% on the
-activation peak alone (measured within 5.5% for the matrix and 8.5% for the rows beside it,
+activation peak alone (measured within 5.9% for the matrix and 8.5% for the rows beside it,
 full recomputation under CP being the least closely modelled; the CPU peak of a step also
 moves by a tensor or two from run to run with the timing of asynchronous collectives). The
 largest activation gap of each world size is printed (-s).

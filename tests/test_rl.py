@@ -381,6 +381,12 @@ def test_rl_command_end_to_end(tmp_path, capsys):
     assert main(["rl", *tiny, "--evaluate"]) == 0
     out = capsys.readouterr().out
     assert "starting from the cached SFT warm-up" in out and "held-out pass@1" in out
+    # continued to 4 updates, the summary's reward trend spans the whole run, not the part since the resume
+    assert main(["rl", *tiny, "train.steps=4", "train.eval_every=1", f"run.dir={run}"]) == 0
+    out = capsys.readouterr().out
+    trend = json.loads((run / "summary.json").read_text())["reward_trend"]
+    assert trend["of"] == 4 and trend["first"] == records[0]["reward_mean"], trend
+    assert re.search(r"in updates 1–1 → \d\.\d{3} in updates 4–4", out), out
 
 
 def test_rl_toml_lists_the_commands_defaults():

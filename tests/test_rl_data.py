@@ -74,17 +74,15 @@ def test_question_records_split_as_sft_splits_them(tmp_path):
     assert source.draw(9, "evaluation", 1000, "held_out") == held  # every held-out prompt, whatever the key
 
 
-def test_rl_data_reads_parquet_with_pyarrow_or_says_it_needs_it(tmp_path):
+def test_rl_data_reads_parquet_and_names_a_corrupt_file(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from ndtrain.data.prompts import FilePrompts
     from ndtrain.data.shards import DataError
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError:
-        (tmp_path / "q.parquet").write_bytes(b"PAR1")
-        with pytest.raises(DataError, match=r"reading parquet needs pyarrow, which is not installed"):
-            FilePrompts(str(tmp_path / "q.parquet"), 0.1)
-        return
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not a table")
+    with pytest.raises(DataError, match=r"bad.parquet: not a readable parquet file"):
+        FilePrompts(str(tmp_path / "bad.parquet"), 0.1)
     pq.write_table(pa.table({"prompt": [f"{a}+1=" for a in range(40)], "answer": [str(a + 1) for a in range(40)]}),
                    tmp_path / "q.parquet")
     source = FilePrompts(str(tmp_path / "q.parquet"), 0.1)

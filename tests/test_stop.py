@@ -170,6 +170,34 @@ def test_a_full_disk_during_a_checkpoint_is_one_line_and_keeps_the_previous_one(
     assert store.latest(run).name == "step_0000002" and store.problem(store.latest(run)) is None
 
 
+def test_a_full_disk_writing_the_metrics_is_one_line_naming_the_file_and_the_last_checkpoint(
+        tiny_data, tmp_path, capsys, monkeypatch):
+    """metrics.jsonl's write fails with ENOSPC at step 3 (a patched log): one line naming the
+    file and the newest checkpoint (exit 1, no traceback), and that checkpoint passes every
+    check, so running the command again continues from it."""
+    import errno
+
+    from ndtrain.checkpoint import store
+    from ndtrain.cli import main
+    from ndtrain.observe import metrics
+    real = metrics.MetricsLog.write
+
+    def disk_fills_at_step_3(self, record):
+        if record["step"] == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(self, record)
+    monkeypatch.setattr(metrics.MetricsLog, "write", disk_fills_at_step_3)
+    run = tmp_path / "run"
+    code = main(["train", "--nproc", "1", *TINY, "train.steps=4", "train.save_every=2", f"data.path={tiny_data}",
+                 f"run.dir={run}"])
+    err = capsys.readouterr().err.strip()
+    last = store.latest(run)
+    assert code == 1 and err == (f"ndtrain: error: step 3: writing {run / 'metrics.jsonl'} failed (No space left on "
+                                 f"device); last good checkpoint: {last}; free space and run the command again to "
+                                 "continue"), err
+    assert store.problem(last) is None and last.name == "step_0000002"  # step 3's line would be lost after step 4
+
+
 # --------------------------------------------------------------------------- a user's folder
 
 @pytest.mark.parametrize("command", ["train", "sft", "rl", "convert"])

@@ -109,10 +109,11 @@ class Layout:
         """An MoE layout's routing imbalance in the last step (from the engine's own counts, not
         its time): per block, the slots the busiest expert-parallel rank ran over the mean,
         averaged over the blocks (every rank waits for the busiest at each all-to-all)."""
-        stats = self.step.par.routing_stats
+        lazy = self.step.par.routing_stats
         ep = self.cfg.parallel.ep
-        if not stats or ep == 1:
+        if lazy is None or ep == 1:
             return 1.0
+        stats = lazy.value()
         ratios = []
         for counts in stats["tokens_per_expert"]:
             per = len(counts) // ep

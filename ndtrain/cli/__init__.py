@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     from ndtrain.checkpoint.store import CheckpointError
     from ndtrain.config import ConfigError
     from ndtrain.data.shards import DataError
-    from ndtrain.launch import RankFailure
+    from ndtrain.launch import RankFailure, release_groups
     from ndtrain.train.errors import TrainingError
 
     try:
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
         if trainer is not None and isinstance(e, trainer.TrainingError):
             return fail(str(e), 1)
         raise
+    finally:  # a rank of torchrun / srun: its process groups freed before the interpreter exits
+        release_groups()
 
 
 def _known_fault(summary: str) -> bool:

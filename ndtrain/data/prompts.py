@@ -100,13 +100,10 @@ def read_prompts(source: str, on_bad_record: str = "error") -> tuple[list[Conver
 
 
 def read_parquet(path: Path, key_prefix: str, on_bad_record: str = "error"):
-    """The records of a parquet file, one per row (needs pyarrow)."""
+    """The records of a parquet file, one per row (a prompt file fits in memory)."""
+    import pyarrow.parquet as pq
+
     from ndtrain.data.chat import Records
-    try:
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"rl.data {path}: reading parquet needs pyarrow, which is not installed "
-                        "(pip install pyarrow), or give the records as JSONL") from None
     try:
         rows = pq.read_table(path).to_pylist()
     except Exception as e:  # noqa: BLE001 - pyarrow raises many kinds on a corrupt file

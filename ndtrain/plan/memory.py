@@ -11,13 +11,14 @@ bytes where the engine allocates and frees them:
   block from the last, each with its working tensors (the incoming gradient, the MLP's
   gradients, one weight's gradient) and, when recomputed, its forward run again; the
   block's saved tensors go when its backward ends (zero bubble: when its W ends, plus the
-  gradients kept at the split nodes until then);
+  gradients kept at the split nodes until then; a backward the executor defers,
+  `lists.deferred`, keeps nothing there: its B does nothing, its W the whole backward);
 - communication buffers: ZeRO-3's gathered units (the current one, the prefetched one, the
   chunk's root), ZeRO-2/3's full-size reduce buffers, each from a unit's first gradient
   until the next unit's reduction starts (the engine waits for the one in flight then),
   and the gradient shards they leave;
   DP's and ZeRO-1's reduce-dtype staging copies under bf16/fp16; the pipeline's messages,
-  which the executor keeps until the end of the step.
+  which the executor keeps until the end of the step (a V's turn hands them over: `turns`).
 `activations` is the highest sum over the step of everything but the model states that
 exist when it begins, the quantity `train --dry-run` measures (observe/memory.py); `total`
 is that plus those states, the rank's peak.
@@ -30,12 +31,13 @@ from dataclasses import dataclass, field
 
 from ndtrain.config import Config
 from ndtrain.model.args import ModelArgs
-from ndtrain.parallel.pipeline.partition import Chunk
-from ndtrain.parallel.pipeline.schedules import B, F, W, Action, compute_orders
+from ndtrain.parallel.pipeline.partition import Chunk, owner
+from ndtrain.parallel.pipeline.schedules import B, F, W, Action, compute_orders, vshape
 from ndtrain.plan.activations import (block_bytes_per_token, head_bytes_per_token, kv_width,
                                       llama_mlp_bytes_per_token, recomputed, wide)
 from ndtrain.plan.params import (BYTES, block_experts, block_local, block_weight_groups, padded_vocab, root_local,
                                  stage_chunks, stage_params, stage_states)
+from ndtrain.plan.pipeline import deferred_backwards
 
 SAVED = "saved activations"
 
@@ -323,10 +325,14 @@ class Replay:
         # zero bubble: the backwards split into B and W (DualPipeV splits only some); `split`
         # says whether the backward being replayed is one of them
         self.split_keys = {(a.chunk, a.micro) for a in self.actions if a.kind == W}
+        # of them, those the executor defers (lists.deferred: the first chunk's, a V's turn's):
+        # B does nothing and W the whole backward, so nothing waits at split nodes in between
+        self.deferred = deferred_backwards(p.pp_schedule, p.pp, p.pp_virtual, m, rank) if self.split_keys else frozenset()
         self.split = False
         self.last_backward = {a.chunk: k for k, a in enumerate(self.actions) if a.kind in (B, W)}
         self.book = Ledger()
         self.held: dict[tuple[int, int], float] = {}  # (chunk, micro) → saved bytes not yet freed
+        self.handed: dict[tuple[int, int], float] = {}  # (chunk, micro) → its input gradient from this rank
         self.passes: Counter = Counter()  # backward passes per chunk (ZeRO-2/3 keep shards after the first)
         self.kept = 0.0  # ZeRO-3 units kept gathered from forward to backward
         self.fp8 = fp8
@@ -337,13 +343,19 @@ class Replay:
     def run(self) -> Ledger:
         for k, a in enumerate(self.actions):
             self.book.in_flight = len(self.held) + (a.kind == F)
-            if a.kind != F and self.chunks[a.chunk].embed and (a.chunk, a.micro) in self.split_keys:
-                # the first chunk is not split (executor.py): its B does nothing, its W is whole
+            if a.kind != F and (a.chunk, a.micro) in self.deferred:  # B nothing, W the whole backward
                 if a.kind == W:
                     self.backward(a, k, whole=True)
                 continue
             {F: self.forward, B: self.backward, W: self.weights}[a.kind](a, k)
         return self.book
+
+    def turns(self, chunk: int) -> bool:
+        """Whether the chunk after `chunk` is on the same rank (a V's turn): its output is the
+        next chunk's input, which that chunk's first block saves (counted there, not as a
+        message); the input gradient coming back is held until the chunk's last backward."""
+        p = self.cfg.parallel
+        return owner(chunk, p.pp, vshape(p.pp_schedule)) == owner(chunk + 1, p.pp, vshape(p.pp_schedule))
 
     # -- sizes ----------------------------------------------------------------------------
     def gathered(self, unit: Unit) -> float:
@@ -387,6 +399,11 @@ class Replay:
             return 0.0, (0.0, 0.0)
         return 0.0, (convert, r if zero == 1 else 0.0)
 
+    def _release(self, key) -> None:
+        """The last backward of (chunk, micro): its saved tensors go, and a handed-over gradient."""
+        self.book.add(SAVED, -self.held.pop(key))
+        self.book.add("input gradients", -self.handed.pop(key, 0.0))
+
     def _keep(self, key, n: float) -> None:
         self.book.add(SAVED, n)
         self.held[key] += n
@@ -416,7 +433,7 @@ class Replay:
             running, kept = _loss_forward(s)
             book.moment(gathered_parameters=self.kept + root_g, loss=running)
             book.add("loss", kept)
-        else:  # the output sent on: the executor keeps the send until the step ends
+        elif not self.turns(ch.index):  # the output sent on: the executor keeps the send until the step ends
             book.add("pipeline messages", self.hidden)
         if self.keep_gathered:
             self.kept += root_g
@@ -442,7 +459,7 @@ class Replay:
             staged += self._first_gradient((ch.index, "root"), root, first)
             book.moment(working=s.c * s.vocab_local() * self.args.dim, gradient_buffers=staged)
         staged += self._launch(ch, root, first, launched)
-        book.add(SAVED, -self.held.pop(key))
+        self._release(key)
         self._after_reduction(ch)
 
     def _first_gradient(self, key, unit: Unit, first: float) -> float:
@@ -499,7 +516,6 @@ class Replay:
         for done, i in enumerate(reversed(ch.layer_ids)):
             staged += self._first_gradient((ch.index, i), units.block[i], first)
             now = self.gathered_in_backward(ch, len(ch.layer_ids) - done)
-            rerun = 0.0
             mode = recomputed(self.cfg.train.recompute, i)
             rerun = s.rerun_kept(i)
             if mode == "full":  # the block's forward again, then its backward: the rerun stays throughout
@@ -531,10 +547,13 @@ class Replay:
             # and what recomputed regions ran again
             self._keep(key, sum(s.split_kept(i) + s.rerun_kept(i) for i in ch.layer_ids))
         else:
-            book.add(SAVED, -self.held.pop(key))
+            self._release(key)
             self._after_reduction(ch)
-        if ch.index > 0:
+        if ch.index > 0 and not self.turns(ch.index - 1):
             book.add("pipeline messages", self.hidden)  # the input's gradient, sent and kept
+        elif ch.index > 0:  # a V's turn: handed to the chunk before (`turns`)
+            self.handed[(ch.index - 1, a.micro)] = self.hidden
+            book.add("input gradients", self.hidden)
         if self.keep_gathered:
             self.kept = 0.0  # the end of a backward pass reshards every unit
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 
+from ndtrain.parallel.pipeline.lists import build_schedule, deferred
 from ndtrain.parallel.pipeline.partition import local_chunks
 from ndtrain.parallel.pipeline.schedules import vshape
 from ndtrain.parallel.pipeline.simulate import schedule_time
@@ -59,3 +60,10 @@ def bubble_fraction(name: str, pp: int, v: int, m: int, costs: Costs) -> tuple[f
     busy = max(sum(sum(costs[c]) for c in local_chunks(r, pp, v, vshape(name))) for r in range(pp)) * m
     span = makespan(name, pp, v, m, costs)
     return span, (span - busy) / busy if busy > 0 else 0.0
+
+
+@functools.lru_cache(maxsize=1024)
+def deferred_backwards(name: str, pp: int, v: int, m: int, rank: int) -> frozenset:
+    """(chunk, micro) of the split backwards rank `rank` defers (`lists.deferred`): B does
+    nothing, W the whole backward. The memory replay (plan/memory.py) runs them so."""
+    return frozenset(deferred(build_schedule(name, pp, v, m)[rank]))

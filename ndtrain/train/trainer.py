@@ -311,7 +311,12 @@ class Trainer:
         for record in records:
             self.history.append(record)
             if self._metrics:
-                self._metrics.write(record)
+                try:
+                    self._metrics.write(record)
+                except OSError as e:  # a full disk: one line, the checkpoints so far kept
+                    raise TrainingError(f"step {record['step']}: writing {self._metrics.path} failed "
+                                        f"({e.strerror or e}); {self._last_checkpoint()}; free space and run "
+                                        "the command again to continue") from None
             self._progress.update(record)
 
     def stop_agreed(self, out_of_time: bool = False) -> int:

@@ -214,7 +214,8 @@ def reinforce(trainer, task: RL, cfg: Config, run: Path) -> dict:
     from ndtrain.observe.plots import plot_rl
     final = next((r for r in reversed(trainer.history) if "pass@1" in r), {})
     summary = dict(summary)
-    rewards = [r["reward_mean"] for r in trainer.history if "reward_mean" in r]
+    # the whole run's updates: a resumed run's history holds only the updates since its resume
+    rewards = [r["reward_mean"] for r in read_metrics(run / "metrics.jsonl") if "reward_mean" in r]
     tenth = max(1, len(rewards) // 10)
     if rewards:  # the rise (or not) of the training reward, in one line of the summary
         summary["reward_trend"] = {"updates": tenth, "of": len(rewards), "first": sum(rewards[:tenth]) / tenth,
