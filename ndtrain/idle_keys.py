@@ -63,6 +63,8 @@ def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool
          "it only permits train.precision = fp16 with train.loss_scaler = false"),
         *((f"train.{k}", not fp16 or not t.loss_scaler,
            "loss scaling is for train.precision = fp16 with train.loss_scaler = true only") for k in scaling),
+        ("train.decay_fraction", t.schedule != "wsd", "only train.schedule = wsd decays over a fraction of the steps"),
+        ("train.min_lr_ratio", t.schedule == "constant", "train.schedule = constant never decays"),
         ("train.eval_every", t.eval_batches == 0 and command != "rl", "train.eval_batches = 0 turns evaluation off"),
         ("train.moe_aux_loss", not _is_moe(cfg), f"model.preset = {cfg.model.preset!r} has no experts to balance"),
         ("data.vocab_size", bool(d.tokenizer) or prepared,

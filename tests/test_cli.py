@@ -1,6 +1,7 @@
 """The command line end to end: train on 2 local processes, the run directory, generate,
 and a rank that dies."""
 
+import importlib.util
 import json
 import time
 
@@ -18,9 +19,22 @@ def trained_run(tmp_path_factory):
     code = main(["train", "--nproc", "2", f"data.path={corpus}", "data.vocab_size=400",
                  f"data.cache_dir={root / 'cache'}", "model.preset=tiny", "train.steps=6",
                  "train.global_batch=4", "train.seq_len=32", "train.eval_every=3", "train.eval_batches=1",
-                 f"run.dir={run}", "run.device=cpu"])
+                 f"run.dir={run}", "run.device=cpu"] + DASHBOARD)
     assert code == 0
     return run
+
+
+# TensorBoard events from the 2-process run when the package is there (the test extra has it).
+DASHBOARD = ["run.tensorboard=true"] if importlib.util.find_spec("tensorboard") else []
+
+
+@pytest.mark.skipif(not DASHBOARD, reason="tensorboard is not installed")
+def test_only_rank_0_writes_tensorboard_events(trained_run):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    (events,) = (trained_run / "tensorboard").iterdir()  # one file: rank 1 writes none
+    acc = EventAccumulator(str(events))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("loss")] == list(range(6))
 
 
 def test_train_writes_the_run_directory(trained_run, capsys):

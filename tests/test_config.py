@@ -85,6 +85,10 @@ def test_written_config_round_trips(tmp_path):
      "model.moe_capacity = 1.25: dropping tokens would depend on how tp and cp split the sequence"),
     (["model.preset=tiny-moe", "train.moe_aux_loss=-1"], "train.moe_aux_loss = -1.0: must be >= 0"),
     (["model.preset=tiny-moe", "model.moe_every=0"], "model.moe_every = 0: must be > 0"),
+    (["train.schedule=step"], "train.schedule = 'step': choose one of cosine, wsd, linear, constant"),
+    (["train.decay_fraction=0"], "train.decay_fraction = 0.0: must be in (0, 1]"),
+    (["train.schedule=wsd", "train.steps=100", "train.warmup=30", "train.decay_fraction=0.8"],
+     "train.decay_fraction = 0.8: wsd: train.warmup (30) plus the decay (80 of 100 steps) must fit in train.steps"),
 ])
 def test_each_error_is_one_clear_line(overrides, fragment):
     if fragment.startswith("head dim"):
@@ -249,6 +253,8 @@ def idle(overrides, file_text=None, tmp_path=None, world=None):
     (["train.reduce_fp32=false"], "train.reduce_fp32"),
     (["train.reduce_fp32=false", "train.precision=fp64"], "train.reduce_fp32"),
     (["train.eval_every=5", "train.eval_batches=0"], "train.eval_every"),
+    (["train.decay_fraction=0.1"], "train.decay_fraction"),
+    (["train.schedule=constant", "train.min_lr_ratio=0.5"], "train.min_lr_ratio"),
     (["data.vocab_size=1000", "data.tokenizer=" + __file__], "data.vocab_size"),
 ])
 def test_an_idle_key_gets_one_line_naming_it(overrides, key):

@@ -157,9 +157,10 @@ def test_train_records_source_tokens_and_val_loss_per_source(mix, capsys):
     (lambda s: s[0].update(path=s[0]["path"] + "-missing"), r"data.sources\[0\].path = '.*-missing': path does not exist"),
     (lambda s: s[0].update(text_key="body"), "data source 'web': .*no column 'body'"),
     (lambda s: s[1].update(weight=0), r"data.sources\[1\].weight = 0.0: must be a finite number > 0"),
+    (lambda s: s[2].update(weight=-0.5), r"data.sources\[2\].weight = -0.5: must be a finite number > 0"),
     (lambda s: s[1].update(name="web"), r"data.sources\[1\].name = 'web': another source has this name"),
     (lambda s: s[2].update(colour="red"), r"data.sources\[2\].colour = 'red': unknown key"),
-], ids=["missing file", "unknown column", "weight 0", "same name", "unknown key"])
+], ids=["missing file", "unknown column", "weight 0", "weight < 0", "same name", "unknown key"])
 def test_bad_sources_one_line_exit_2_nothing_written(tmp_path, change, message, capsys):
     import re
     sources = mixture_sources(tmp_path)

@@ -26,6 +26,45 @@ def test_lr_warmup_then_cosine_to_floor():
     assert all(a >= b for a, b in zip(values, values[1:]))
 
 
+def _torch_schedule(t, kind: str) -> list[float]:
+    """The same schedule composed from torch.optim.lr_scheduler: the PyTorch-native anchor."""
+    import warnings
+    from torch.optim.lr_scheduler import ConstantLR, CosineAnnealingLR, LinearLR, SequentialLR
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=t.lr)
+    rest = t.steps - 1 - t.warmup
+    warm = LinearLR(opt, 1 / t.warmup, 1.0, total_iters=t.warmup - 1)
+    after, milestones = {
+        "cosine": ([CosineAnnealingLR(opt, T_max=rest, eta_min=t.lr * t.min_lr_ratio)], [t.warmup]),
+        "linear": ([LinearLR(opt, 1.0, t.min_lr_ratio, total_iters=rest)], [t.warmup]),
+        "constant": ([ConstantLR(opt, 1.0, total_iters=0)], [t.warmup]),
+        "wsd": ([ConstantLR(opt, 1.0, total_iters=0), LinearLR(opt, 1.0, t.min_lr_ratio, total_iters=20)],
+                [t.warmup, t.steps - 20 - 1]),
+    }[kind]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SequentialLR's deprecation notes about step order
+        sched = SequentialLR(opt, [warm, *after], milestones=milestones)
+        out = []
+        for _ in range(t.steps):
+            out.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+    return out
+
+
+@pytest.mark.parametrize("kind", ["cosine", "wsd", "linear", "constant"])
+def test_each_lr_schedule_equals_torch_schedulers(kind):
+    """Every train.schedule equals its composition from torch.optim.lr_scheduler at every
+    step, to rounding (1e-12 of lr: the closed forms against torch's recursive updates);
+    wsd holds lr exactly until its last decay_fraction·steps = 20 steps."""
+    t = TrainConfig(steps=100, lr=1.0, warmup=10, min_lr_ratio=0.1, schedule=kind, decay_fraction=0.2)
+    ours = [lr_at(s, t) for s in range(t.steps)]
+    assert ours == pytest.approx(_torch_schedule(t, kind), abs=1e-12)
+    assert ours[0] == pytest.approx(0.1) and ours[9] == 1.0
+    assert ours[-1] == pytest.approx(1.0 if kind == "constant" else 0.1)
+    if kind == "wsd":
+        assert ours[10:80] == [1.0] * 70 and ours[80] < 1.0
+
+
 def test_clip_equals_torch_on_one_process():
     torch.manual_seed(0)
     a = [torch.nn.Parameter(torch.randn(5, 3)) for _ in range(3)]

@@ -61,6 +61,7 @@ examples:
   ndtrain bench compile                          the default job's step compiled (train.compile=true) against eager
   ndtrain bench gpu [--dry-run]                  the first GPU run: CUDA tests, 1B MFU eager and compiled, one-GPU
                                                  benches, each with its own time limit → docs/benchmarks-gpu.md
+  ndtrain bench prepare                          ndtrain prepare (a process per core) vs a bare tokenizers encode_batch loop
   ndtrain bench checkpoint                       our checkpoint save/load against torch.distributed.checkpoint (125M, 2 ranks)
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
   ndtrain train --nproc 4 model.preset=tiny-moe parallel.ep=2 parallel.dp=4
@@ -144,8 +145,11 @@ def _add_dpo(sub) -> None:
 
 def _add_prepare(sub) -> None:
     p = sub.add_parser("prepare", help="tokenize a corpus into token shards (cached)",
-                       description="Train or load the tokenizer and write memory-mapped token shards. "
-                                   "`ndtrain train` does this itself when needed.")
+                       description="Train or load the tokenizer (data.tokenizer: a tokenizer.json, or hf:DIR for a "
+                                   "Hugging Face model folder's) and write memory-mapped token shards, streaming the "
+                                   "corpus on data.workers processes (0: one per core); an interrupted prepare "
+                                   "continues where it stopped; data.on_bad_record decides a malformed record. "
+                                   "`ndtrain train` does this itself when needed. docs/prepare.md.")
     _with_config(p)
 
 
@@ -262,7 +266,8 @@ def _add_bench(sub) -> None:
                                      "replicated), generate (KV cache vs recomputing the prefix, one process), "
                                      "plan (the planner's step time against the engine's, each layout on this "
                                      "machine), fp8 (bf16 vs each fp8 recipe; on a CPU, the emulation), compile "
-                                     "(train.compile=true vs eager, same layout), gpu (the "
+                                     "(train.compile=true vs eager, same layout), prepare (ndtrain prepare on "
+                                     "data.workers processes vs a bare tokenizers encode_batch loop, MB/s), gpu (the "
                                      "one-GPU acceptance run: CUDA tests, 1B MFU eager/compiled, one-GPU benches; "
                                      "--dry-run lists them); "
                                      "KEY=VALUE reaches both sides or is refused",
@@ -272,7 +277,7 @@ def _add_bench(sub) -> None:
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "lora", "checkpoint", "ep",
-                                    "generate", "plan", "fp8", "compile", "gpu"])
+                                    "generate", "plan", "fp8", "compile", "prepare", "gpu"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--dry-run", action="store_true", help="gpu: print the steps and their time budgets, run nothing")
     p.add_argument("--rounds", type=int, help="alternating A/B rounds (default 10; generate 5)")

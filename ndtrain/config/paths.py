@@ -23,7 +23,11 @@ def check_files(cfg: Config) -> None:
         raise ConfigError("data.path", d.path, "path does not exist (use \"stdlib\" for the embedded corpus, "
                           "\"stdlib-functions\" for the embedded instruction set, \"stdlib-pairs\" for the embedded "
                           "preference pairs)")
-    if d.tokenizer and not Path(os.path.expanduser(d.tokenizer)).is_file():
+    if d.tokenizer.startswith("hf:"):
+        if not (Path(os.path.expanduser(d.tokenizer[3:])) / "tokenizer.json").is_file():
+            raise ConfigError("data.tokenizer", d.tokenizer, "hf:DIR needs a Hugging Face model folder with a "
+                                                             "tokenizer.json")
+    elif d.tokenizer and not Path(os.path.expanduser(d.tokenizer)).is_file():
         raise ConfigError("data.tokenizer", d.tokenizer, "file does not exist")
     if r.dir:  # the default, runs/<task>-<time>, is checked where the CLI names it
         check_writable_dir("run.dir", r.dir)

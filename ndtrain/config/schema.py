@@ -110,8 +110,10 @@ class TrainConfig:
     micro_batch: int = 0  # sequences per forward/backward on one rank; 0 = no accumulation
     seq_len: int = 128
     lr: float = 3e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 30
+    min_lr_ratio: float = 0.1  # the rate the schedule decays to, as a fraction of train.lr
+    warmup: int = 30  # steps of linear warmup from lr/warmup to lr (every schedule)
+    schedule: str = "cosine"  # after warmup: cosine | wsd (stable, then linear decay) | linear | constant
+    decay_fraction: float = 0.2  # wsd: the last fraction of train.steps over which the rate decays
     weight_decay: float = 0.1
     beta1: float = 0.9
     beta2: float = 0.95
@@ -146,18 +148,19 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     path: str = "stdlib"  # "stdlib", a text/JSONL file or folder, or a prepared folder
-    tokenizer: str = ""  # "" = train a byte-level BPE on the training split; or a tokenizer.json
+    tokenizer: str = ""  # "" = train a byte-level BPE on the training split; a tokenizer.json; hf:DIR (a HF model folder's, with its BOS/EOS rules)
     vocab_size: int = 4096  # size of the BPE trained when no tokenizer is given
     val_fraction: float = 0.05
     jsonl_key: str = "text"
     cache_dir: str = "~/.cache/ndtrain"
+    workers: int = 0  # processes that tokenize in prepare; 0 = one per core (fewer for a small corpus)
     # A weighted mixture instead of data.path: [[data.sources]] tables of name, path, weight
     # (relative), text_key ("" = jsonl_key) and repeat (config/data_sources.py, docs/data.md)
     sources: list[dict] = field(default_factory=list)
     # Supervised fine-tuning (ndtrain sft):
     packing: str = "bfd"  # bfd: several examples per row (best-fit decreasing); none: one per row, padded
     truncate: str = "keep_start"  # an example longer than train.seq_len: keep_start (cut its end) | drop
-    on_bad_record: str = "error"  # a malformed record: error (stop, naming file:line) | skip (count it)
+    on_bad_record: str = "error"  # a malformed record (prepare, sft): error (stop, naming file:line) | skip (count it)
     template: str = "auto"  # builtin (our special tokens) | hf (the tokenizer's chat_template) | auto
 
 
@@ -236,6 +239,10 @@ class RunConfig:
     async_save: bool = False  # write checkpoints in a background thread; the step waits only for the copy to the host
     progress: bool = True
     plot: bool = True
+    tensorboard: bool = False  # also write metrics.jsonl's scalars as TensorBoard events under run.dir/tensorboard/ (extra: .[tensorboard])
+    wandb: str = ""  # "" = off | offline (a W&B run folder under run.dir/wandb/) | online (extra: .[wandb])
+    wandb_project: str = "ndtrain"
+    wandb_name: str = ""  # "" = the run directory's name
 
 
 @dataclass

@@ -85,6 +85,7 @@ def check_train(t: TrainConfig, device: str) -> None:
     positive("train.eps", t.eps)
     if not 0.0 <= t.min_lr_ratio <= 1.0:
         raise ConfigError("train.min_lr_ratio", t.min_lr_ratio, "must be in [0, 1]")
+    _check_schedule(t)
     for key in ("beta1", "beta2"):
         if not 0.0 <= getattr(t, key) < 1.0:
             raise ConfigError(f"train.{key}", getattr(t, key), "must be in [0, 1)")
@@ -94,6 +95,21 @@ def check_train(t: TrainConfig, device: str) -> None:
         raise ConfigError("train.recompute", t.recompute, "choose none, full, selective or every:K")
     if match.group(2) is not None and int(match.group(2)) < 1:
         raise ConfigError("train.recompute", t.recompute, "every:K needs K >= 1 (every:1 = full)")
+
+
+LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
+
+
+def _check_schedule(t: TrainConfig) -> None:
+    """train.schedule is known; wsd's decay fits after its warmup."""
+    if t.schedule not in LR_SCHEDULES:
+        raise ConfigError("train.schedule", t.schedule, f"choose one of {', '.join(LR_SCHEDULES)}")
+    if not 0.0 < t.decay_fraction <= 1.0:
+        raise ConfigError("train.decay_fraction", t.decay_fraction, "must be in (0, 1]")
+    if t.schedule == "wsd" and t.warmup + round(t.decay_fraction * t.steps) > t.steps:
+        raise ConfigError("train.decay_fraction", t.decay_fraction,
+                          f"wsd: train.warmup ({t.warmup}) plus the decay ({round(t.decay_fraction * t.steps)} of "
+                          f"{t.steps} steps) must fit in train.steps")
 
 
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
@@ -164,6 +180,20 @@ def _uses_cuda(device: str) -> bool:
     return torch.cuda.is_available()
 
 
+WANDB_MODES = ("", "offline", "online")
+
+
+def _check_dashboards(r: RunConfig) -> None:
+    """run.wandb is a known mode; a dashboard asked for has its package (an optional extra)."""
+    import importlib.util
+    if r.wandb not in WANDB_MODES:
+        raise ConfigError("run.wandb", r.wandb, "choose \"\" (off), offline or online")
+    for key, value, extra in (("run.tensorboard", r.tensorboard, "tensorboard"), ("run.wandb", r.wandb, "wandb")):
+        if value and importlib.util.find_spec(extra) is None:
+            raise ConfigError(key, value, f"needs the {extra} package, which is not installed: "
+                                          f"pip install -e \".[{extra}]\" (or pip install {extra})")
+
+
 def check_run(r: RunConfig) -> None:
     if r.device not in ("auto", "cpu", "cuda"):
         raise ConfigError("run.device", r.device, "choose auto, cpu or cuda")
@@ -183,11 +213,13 @@ def check_run(r: RunConfig) -> None:
     positive("run.max_restarts", r.max_restarts, zero_ok=True)
     positive("run.heartbeat_s", r.heartbeat_s, zero_ok=True)
     positive("run.collective_timeout_s", r.collective_timeout_s)
+    _check_dashboards(r)
 
 
 def check_data(d: DataConfig) -> None:
     """The data keys' values (paths.py checks the paths they name)."""
     positive("data.vocab_size", d.vocab_size)
+    positive("data.workers", d.workers, zero_ok=True)
     if d.vocab_size < 257:
         raise ConfigError("data.vocab_size", d.vocab_size, "must be at least 257 (256 bytes + end of text)")
     if not 0.0 < d.val_fraction <= 0.5:

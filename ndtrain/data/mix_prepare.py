@@ -20,7 +20,8 @@ from pathlib import Path
 
 from ndtrain.data import sources as formats
 from ndtrain.data.mixture import PreparedMixture, Source
-from ndtrain.data.prepare import FORMAT, PreparedData, _is_prepared_dir, _plan_split, _source_identity
+from ndtrain.data.build import FORMAT, plan_split
+from ndtrain.data.prepare import PreparedData, _is_prepared_dir, _source_identity
 from ndtrain.data.shards import DataError
 from ndtrain.data.token_files import prepare_source
 from ndtrain.data.tokenizer import TextTokenizer
@@ -48,7 +49,8 @@ def check_specs(specs: Sequence[SourceSpec]) -> None:
             raise DataError(f"data source {s.name!r}: {e}") from None
 
 
-def _train_tokenizer(specs, vocab_size: int, val_fraction: float, cache_dir, progress: bool) -> str:
+def _train_tokenizer(specs, vocab_size: int, val_fraction: float, cache_dir, progress: bool,
+                     skip_bad: bool) -> str:
     inputs = {"format": FORMAT, "vocab_size": vocab_size, "val_fraction": val_fraction,
               "sources": [[_source_identity(s.path), s.text_key] for s in specs]}
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
@@ -60,8 +62,8 @@ def _train_tokenizer(specs, vocab_size: int, val_fraction: float, cache_dir, pro
         print(f"training a BPE tokenizer of {vocab_size} on the training documents of {len(specs)} sources once "
               f"→ {final}", flush=True)
     texts = itertools.chain.from_iterable(
-        (text for split, text in _plan_split(s.path, s.text_key, val_fraction).assign(s.path, s.text_key)
-         if split == "train") for s in specs)
+        (text for is_val, text in plan_split(s.path, s.text_key, val_fraction, skip_bad).assign(
+            s.path, s.text_key, skip_bad) if not is_val) for s in specs)
     tok = TextTokenizer.train(texts, vocab_size)
     fd, tmp = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)
     os.close(fd)
@@ -74,7 +76,8 @@ def _train_tokenizer(specs, vocab_size: int, val_fraction: float, cache_dir, pro
     return str(final)
 
 
-def shared_tokenizer(specs, tokenizer: str, vocab_size: int, val_fraction: float, cache_dir, progress: bool) -> str:
+def shared_tokenizer(specs, tokenizer: str, vocab_size: int, val_fraction: float, cache_dir, progress: bool,
+                     skip_bad: bool = False) -> str:
     """The tokenizer.json every source of the mixture is tokenized with."""
     if tokenizer:
         return tokenizer
@@ -84,20 +87,22 @@ def shared_tokenizer(specs, tokenizer: str, vocab_size: int, val_fraction: float
     ids = [s.name for s in specs if formats.is_token_source(s.path)]
     if ids:
         raise DataError(f"data source {ids[0]!r} holds token ids: name the tokenizer that made them (data.tokenizer)")
-    return _train_tokenizer(specs, vocab_size, val_fraction, cache_dir, progress)
+    return _train_tokenizer(specs, vocab_size, val_fraction, cache_dir, progress, skip_bad)
 
 
 def prepare_mixture(specs: Sequence[SourceSpec], tokenizer: str = "", vocab_size: int = 4096,
                     val_fraction: float = 0.05, cache_dir: str | Path = "~/.cache/ndtrain",
-                    progress: bool = True) -> PreparedMixture:
-    """Every source prepared (or found in the cache) with one tokenizer."""
+                    progress: bool = True, workers: int = 0, on_bad_record: str = "error") -> PreparedMixture:
+    """Every source prepared (or found in the cache) with one tokenizer, one after another,
+    each on `workers` processes (prepare.prepare_data)."""
     check_specs(specs)
-    tok = shared_tokenizer(specs, tokenizer, vocab_size, val_fraction, cache_dir, progress)
+    tok = shared_tokenizer(specs, tokenizer, vocab_size, val_fraction, cache_dir, progress, on_bad_record == "skip")
     paths = []
     for s in specs:
         try:
             paths.append(prepare_source(s.path, tokenizer=tok, vocab_size=vocab_size, val_fraction=val_fraction,
-                                      cache_dir=cache_dir, jsonl_key=s.text_key, progress=progress))
+                                      cache_dir=cache_dir, jsonl_key=s.text_key, progress=progress,
+                                      workers=workers, on_bad_record=on_bad_record))
         except DataError as e:
             raise DataError(f"data source {s.name!r}: {e}") from None
     return open_mixture(specs, paths)

@@ -6,39 +6,36 @@ of every input that determines its content, so a second run with the same inputs
 a directory lookup, and a changed input (another Python, an edited file, another
 vocabulary size) gets a directory of its own.
 
-A prepared directory appears whole or not at all: it is built in a temporary directory
-beside its final place and renamed into it. When two processes prepare the same data at
-once, the first rename wins and the other process adopts the winner's directory.
+A prepared directory appears whole or not at all: it is built in ``.<name>.partial``
+beside its final place and renamed into it. One process builds it at a time (a lock file
+beside it); another that asks for the same data meanwhile waits and then reads the result.
+A build that was interrupted (a crash, ^C, a killed job) continues where it stopped the next
+time the same data is asked for (data/build.py records its progress after every shard).
 
-The corpus is read in three streaming passes (split plan, tokenizer training,
-tokenization), so a corpus larger than memory can be prepared.
+The corpus is read in streaming passes (split plan, tokenizer training, tokenization) and
+tokenized on worker processes (data/encode.py), so a corpus larger than memory can be
+prepared, in memory bounded by the chunk and shard sizes.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
 import re
 import shutil
 import sys
-import tempfile
-import zlib
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-from ndtrain.data.corpus import STDLIB, is_validation, iter_documents, source_files
+from ndtrain.data.build import FORMAT, SPLITS, VERSION, BuildSettings, source_label
+from ndtrain.data.build import build as _build
+from ndtrain.data.corpus import STDLIB, source_files
+from ndtrain.data.encode import worker_count
 from ndtrain.data.loader import TokenStream
-from ndtrain.data.shards import DataError, read_shard, write_shard
-from ndtrain.data.tokenizer import TextTokenizer
-
-FORMAT = "ndtrain-tokens"
-VERSION = 1
-SPLITS = ("train", "val")
-ENCODE_CHUNK_DOCS = 512  # documents per encode_batch call: enough to keep every thread busy
+from ndtrain.data.shards import DataError, read_shard
+from ndtrain.data.tokenizer import HF_PREFIX, TextTokenizer, hf_tokenizer_config
 
 
 # ---------------------------------------------------------------------------------------
@@ -69,7 +66,10 @@ class PreparedData:
         return cls(path, meta)
 
     def tokenizer(self) -> TextTokenizer:
-        tok = TextTokenizer.from_file(self.path / "tokenizer.json")
+        # meta.json names the end of text of a Hugging Face tokenizer (hf:DIR), whose name
+        # need not be one TextTokenizer.from_file recognises; older directories do not.
+        tok = TextTokenizer.from_file(self.path / "tokenizer.json", eot_token=self.meta.get("eot_token"))
+        tok.bos_ids = tuple(self.meta.get("bos_ids", ()))
         if tok.eot_id != self.eot_id:
             raise DataError(
                 f"prepared data {self.path}: tokenizer.json ends text with id {tok.eot_id} "
@@ -144,190 +144,42 @@ def _source_identity(source: str) -> dict:
     return {"files": [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files]}
 
 
-def _cache_name(source: str, tokenizer: str, vocab_size: int, val_fraction: float,
-                jsonl_key: str, shard_tokens: int) -> str:
-    if tokenizer:
-        tok_path = Path(tokenizer).expanduser()
-        try:
-            tok_id = hashlib.sha256(tok_path.read_bytes()).hexdigest()
-        except OSError as e:
-            raise DataError(f"tokenizer {tok_path}: cannot read ({e.strerror})") from None
+def _tokenizer_identity(tokenizer: str, vocab_size: int) -> str:
+    """A hash of the files that decide the tokens: tokenizer.json, and for hf:DIR its config
+    (the BOS/EOS rules)."""
+    if not tokenizer:
+        return f"bpe-{vocab_size}"
+    if tokenizer.startswith(HF_PREFIX):
+        folder = Path(tokenizer[len(HF_PREFIX):]).expanduser()
+        hf_tokenizer_config(folder)  # a folder without tokenizer.json is refused by name
+        paths = [folder / "tokenizer.json", folder / "tokenizer_config.json"]
     else:
-        tok_id = f"bpe-{vocab_size}"
+        paths = [Path(tokenizer).expanduser()]
+    digest = hashlib.sha256()
+    for i, path in enumerate(paths):
+        if i and not path.exists():  # an HF folder need not have a tokenizer_config.json
+            continue
+        try:
+            digest.update(path.read_bytes())
+        except OSError as e:
+            raise DataError(f"tokenizer {path}: cannot read ({e.strerror})") from None
+    return ("hf-" if tokenizer.startswith(HF_PREFIX) else "") + digest.hexdigest()
+
+
+def _cache_name(source: str, tokenizer: str, vocab_size: int, val_fraction: float,
+                jsonl_key: str, shard_tokens: int, on_bad_record: str = "error") -> str:
     inputs = {
-        "format": [FORMAT, VERSION], "source": _source_identity(source), "tokenizer": tok_id,
+        "format": [FORMAT, VERSION], "source": _source_identity(source),
+        "tokenizer": _tokenizer_identity(tokenizer, vocab_size),
         "val_fraction": val_fraction, "jsonl_key": jsonl_key, "shard_tokens": shard_tokens,
     }
+    if on_bad_record != "error":  # skipping changes the content; erroring leaves nothing to name
+        inputs["on_bad_record"] = on_bad_record
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     # A readable prefix helps a user find their data in the cache; the hash decides.
     label = STDLIB if source == STDLIB else Path(source).expanduser().resolve().name
     label = re.sub(r"[^A-Za-z0-9._-]", "_", label)[:40] or "data"
     return f"{label}-{digest}"
-
-
-# ---------------------------------------------------------------------------------------
-# The split plan
-
-
-@dataclass
-class SplitPlan:
-    """Which documents are held out. A lone document is cut in two instead."""
-
-    val_keys: set[str]
-    documents: int
-    cut_single: bool
-    val_fraction: float
-
-    def assign(self, source: str, jsonl_key: str):
-        """Yield ``(split, text)`` for every non-empty document, in corpus order."""
-        for key, text in iter_documents(source, jsonl_key):
-            if not text:
-                continue
-            if self.cut_single:
-                cut = _cut_point(text, self.val_fraction)
-                yield "train", text[:cut]
-                yield "val", text[cut:]
-            else:
-                yield ("val" if key in self.val_keys else "train"), text
-
-
-def _plan_split(source: str, jsonl_key: str, val_fraction: float) -> SplitPlan:
-    """Split by ``is_validation``, then make sure both splits have a document.
-
-    When the hash leaves a split empty, the document nearest to the threshold moves
-    across, so the choice is as stable as the hash itself.
-    """
-    scores, lengths = {}, {}
-    for key, text in iter_documents(source, jsonl_key):
-        if text:
-            scores[key] = zlib.crc32(key.encode("utf-8"))
-            lengths[key] = len(text)
-    if not scores:
-        raise DataError(f"source {source}: no non-empty documents found")
-    if len(scores) == 1:
-        (length,) = lengths.values()
-        if length < 2:
-            raise DataError(f"source {source}: a single document of {length} character cannot be split")
-        return SplitPlan(set(), 1, True, val_fraction)
-    val_keys = {k for k in scores if is_validation(k, val_fraction)}
-    if not val_keys:
-        val_keys = {min(scores, key=scores.get)}
-    elif len(val_keys) == len(scores):
-        val_keys.discard(max(scores, key=scores.get))
-    return SplitPlan(val_keys, len(scores), False, val_fraction)
-
-
-def _cut_point(text: str, val_fraction: float) -> int:
-    """Where to cut a lone document: at a line start near ``1 - val_fraction`` of it."""
-    target = min(max(int(len(text) * (1 - val_fraction)), 1), len(text) - 1)
-    newline = text.rfind("\n", 0, target)
-    return newline + 1 if newline >= 0 else target
-
-
-# ---------------------------------------------------------------------------------------
-# Writing
-
-
-class _ShardWriter:
-    """Accumulates one split's tokens and writes them in shards of ``shard_tokens``."""
-
-    def __init__(self, directory: Path, split: str, shard_tokens: int, vocab_size: int):
-        self.directory, self.split, self.shard_tokens = directory, split, shard_tokens
-        self.pending: list[np.ndarray] = []
-        self.pending_tokens = 0
-        self.names: list[str] = []
-        self.total = 0
-        self.counts = np.zeros(vocab_size, dtype=np.int64)
-
-    def add(self, tokens: np.ndarray) -> None:
-        self.pending.append(tokens)
-        self.pending_tokens += len(tokens)
-        self.total += len(tokens)
-        if self.pending_tokens >= self.shard_tokens:
-            self._flush(final=False)
-
-    def _flush(self, final: bool) -> None:
-        buffer = np.concatenate(self.pending) if self.pending else np.empty(0, np.uint32)
-        while len(buffer) >= self.shard_tokens or (final and len(buffer)):
-            self._write(buffer[: self.shard_tokens])
-            buffer = buffer[self.shard_tokens :]
-        self.pending, self.pending_tokens = [buffer], len(buffer)
-
-    def _write(self, tokens: np.ndarray) -> None:
-        name = f"{self.split}-{len(self.names):05d}.bin"
-        write_shard(self.directory / name, tokens)
-        self.counts += np.bincount(tokens, minlength=len(self.counts))
-        self.names.append(name)
-
-    def close(self) -> None:
-        self._flush(final=True)
-
-
-def unigram_loss(train_counts: np.ndarray, val_counts: np.ndarray) -> float:
-    """Cross-entropy (nats/token) of the val tokens under an add-one unigram of the train tokens.
-
-    This is the loss of a model that has learnt token frequencies and nothing else: a
-    trained language model that does not beat it has learnt nothing about context.
-    """
-    log_p = np.log(train_counts + 1.0) - np.log(train_counts.sum() + len(train_counts))
-    return float(-(val_counts * log_p).sum() / max(val_counts.sum(), 1))
-
-
-def _progress(enabled: bool) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-        TextColumn("documents"), TimeElapsedColumn(), transient=True, disable=not enabled,
-    )
-
-
-def _build(out: Path, source: str, tokenizer: str, vocab_size: int, val_fraction: float,
-           jsonl_key: str, progress: bool, shard_tokens: int) -> None:
-    """Write a complete prepared directory into ``out``."""
-    plan = _plan_split(source, jsonl_key, val_fraction)
-    with _progress(progress) as bar:
-        if tokenizer:
-            tok = TextTokenizer.from_file(tokenizer)
-        else:
-            training = bar.add_task("training BPE tokenizer", total=None)
-            tok = TextTokenizer.train((t for s, t in plan.assign(source, jsonl_key) if s == "train"), vocab_size)
-            bar.remove_task(training)
-        tok.save(out / "tokenizer.json")
-
-        writers = {s: _ShardWriter(out, s, shard_tokens, tok.vocab_size) for s in SPLITS}
-        total = 2 if plan.cut_single else plan.documents
-        task = bar.add_task("tokenizing", total=total)
-        chunk: list[tuple[str, str]] = []
-        for item in plan.assign(source, jsonl_key):
-            chunk.append(item)
-            if len(chunk) == ENCODE_CHUNK_DOCS:
-                _encode_chunk(tok, chunk, writers)
-                bar.advance(task, len(chunk))
-                chunk = []
-        _encode_chunk(tok, chunk, writers)
-        bar.advance(task, len(chunk))
-    write_meta(out, tok, writers, source)
-
-
-def write_meta(out: Path, tok: TextTokenizer, writers: dict, source: str) -> None:
-    """Close the splits' writers and write meta.json: the last file of a prepared directory."""
-    for w in writers.values():
-        w.close()
-    meta = {
-        "format": FORMAT, "version": VERSION, "vocab_size": tok.vocab_size, "eot_id": tok.eot_id,
-        "train_tokens": writers["train"].total, "val_tokens": writers["val"].total,
-        "train_shards": writers["train"].names, "val_shards": writers["val"].names,
-        "source": source if source == STDLIB else str(Path(source).expanduser().resolve()),
-        "unigram_val_loss": unigram_loss(writers["train"].counts, writers["val"].counts),
-    }
-    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
-
-
-def _encode_chunk(tok: TextTokenizer, chunk: list[tuple[str, str]], writers: dict) -> None:
-    if not chunk:
-        return
-    for (split, _), ids in zip(chunk, tok.encode_batch([text for _, text in chunk])):
-        ids.append(tok.eot_id)
-        writers[split].add(np.asarray(ids, dtype=np.uint32))
 
 
 # ---------------------------------------------------------------------------------------
@@ -343,14 +195,23 @@ def prepare_data(
     jsonl_key: str = "text",
     progress: bool = True,
     shard_tokens: int = 1 << 24,
+    workers: int = 0,
+    on_bad_record: str = "error",
     build_tokens=None,
 ) -> Path:
     """Return a prepared directory for ``source``, building it only if the cache lacks it.
 
     ``source`` is ``"stdlib"``, a corpus file or directory, or an already prepared
-    directory (returned as is). ``tokenizer`` is a ``tokenizer.json`` to use, or ``""``
-    to train a byte-level BPE of ``vocab_size`` on the training documents.
-    ``build_tokens``: a source of token files is prepared by it (token_files.prepare_source).
+    directory (returned as is). ``tokenizer`` is a ``tokenizer.json`` to use, ``hf:DIR`` (a
+    Hugging Face model folder's, with its family's BOS/EOS), or ``""`` to train a byte-level
+    BPE of ``vocab_size`` on the training documents. ``workers`` processes tokenize (0: one
+    per core, fewer for a small corpus); the result does not depend on how many.
+    ``on_bad_record``: a malformed record stops the build naming file:line (``error``) or is
+    counted and skipped (``skip``). ``build_tokens``: a source of token files is prepared by
+    it (token_files.prepare_source), which splits and copies them.
+
+    The build writes into ``.<name>.partial`` beside its final place, under a lock, and
+    records its progress there: a build that was interrupted continues where it stopped.
     """
     source = str(source)
     if source != STDLIB and _is_prepared_dir(Path(source).expanduser()):
@@ -359,31 +220,71 @@ def prepare_data(
         raise DataError(f"val_fraction {val_fraction}: must lie strictly between 0 and 1")
     if shard_tokens < 1:
         raise DataError(f"shard_tokens {shard_tokens}: must be at least 1")
+    if on_bad_record not in ("error", "skip"):
+        raise DataError(f"on_bad_record {on_bad_record!r}: must be error or skip")
 
     if build_tokens is not None and not tokenizer:
         raise DataError(f"source {source}: holds token ids; name the tokenizer that made them (data.tokenizer)")
-    name = _cache_name(source, tokenizer, vocab_size, val_fraction, jsonl_key, shard_tokens)
+    name = _cache_name(source, tokenizer, vocab_size, val_fraction, jsonl_key, shard_tokens, on_bad_record)
     final = Path(cache_dir).expanduser() / "data" / name
     if final.exists():
         return PreparedData.open(final).path
-
     final.parent.mkdir(parents=True, exist_ok=True)
-    if progress:  # a log (no terminal, no bar) should still say what these seconds are
-        what = "the standard library" if source == STDLIB else source
-        print(f"preparing {what} once: {'BPE tokenizer, ' if not tokenizer else ''}token shards → {final}", flush=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", suffix=".tmp", dir=final.parent))
-    try:
-        if build_tokens is not None:  # token ids already: split and copied (data/token_files.py)
-            build_tokens(tmp, source, tokenizer, val_fraction, shard_tokens)
-        else:
-            _build(tmp, source, tokenizer, vocab_size, val_fraction, jsonl_key, progress, shard_tokens)
-        os.chmod(tmp, 0o755)  # mkdtemp makes the directory private
+    with _build_lock(final, progress):
+        if final.exists():  # another process built it while this one waited
+            return PreparedData.open(final).path
+        partial = final.parent / f".{name}.partial"
+        partial.mkdir(exist_ok=True)
+        n = 1 if build_tokens else worker_count(workers, sum(p.stat().st_size for p in source_files(source)[1]))
+        if progress:  # a log (no terminal, no bar) should still say what these seconds are
+            what = "the standard library" if source == STDLIB else source
+            how = "token files split and copied" if build_tokens else (
+                f"{'BPE tokenizer, ' if not tokenizer else ''}token shards on {n} process{'es' if n > 1 else ''}")
+            print(f"preparing {what} once: {how} → {final}", flush=True)
+        settings = BuildSettings(source, tokenizer, vocab_size, val_fraction, jsonl_key, shard_tokens, n,
+                                 on_bad_record == "skip", progress)
         try:
-            os.rename(tmp, final)
-        except OSError:
-            if not final.exists():
-                raise
-            # Another process finished first; its directory has the same content.
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+            if build_tokens is not None:  # token ids already: split and copied (data/token_files.py)
+                done = build_tokens(partial, source, tokenizer, val_fraction, shard_tokens)
+            else:
+                done = _build(partial, settings)
+        except DataError:  # bad input: nothing is left behind (an interruption keeps its progress)
+            shutil.rmtree(partial, ignore_errors=True)
+            _lock_path(final).unlink(missing_ok=True)
+            raise
+        os.chmod(partial, 0o755)
+        os.rename(partial, final)
+        # Whoever waits on this lock finds `final` when it gets it; whoever comes later, before
+        # taking a lock.
+        _lock_path(final).unlink(missing_ok=True)
+    if progress and done is not None:
+        _report(done)
     return PreparedData.open(final).path
+
+
+def _lock_path(final: Path) -> Path:
+    return final.parent / f".{final.name}.lock"
+
+
+@contextmanager
+def _build_lock(final: Path, progress: bool):
+    """One build of a directory at a time: a second process waits, then finds it built."""
+    with open(_lock_path(final), "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            if progress:
+                print(f"waiting for another process preparing {final.name}", flush=True)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
+def _report(done: dict) -> None:
+    rate = done["text_bytes"] / max(done["seconds"], 1e-9)
+    print(f"tokenized {done['text_bytes'] / 1e6:,.1f} MB ({done['tokens']:,} tokens) in {done['seconds']:.1f} s: "
+          f"{rate / 1e6:.1f} MB/s, {done['tokens'] / max(done['seconds'], 1e-9):,.0f} tokens/s on "
+          f"{done['workers']} process{'es' if done['workers'] > 1 else ''}", flush=True)
+    bad = done["bad"]
+    if bad.count:
+        print(f"skipped {bad.count:,} malformed record{'s' if bad.count > 1 else ''} (data.on_bad_record = skip); "
+              f"first: {bad.first[0]}", flush=True)

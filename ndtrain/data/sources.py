@@ -33,7 +33,7 @@ from __future__ import annotations
 import io
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ndtrain.data.shards import DataError, read_shard
@@ -105,32 +105,45 @@ def is_token_source(source: str) -> bool:
 def _text_stream(path: Path):
     """A text reader of a possibly compressed file; only "\\n" ends a line (a JSON string may
     hold U+2028 and friends unescaped)."""
-    import pyarrow as pa
     codec = CODECS.get(path.suffix)
-    if codec is None:
+    if codec is None:  # no pyarrow import for a plain file: it maps ~100 MB of libraries
         return open(path, encoding="utf-8", errors="replace", newline="\n")
+    import pyarrow as pa
     return io.TextIOWrapper(pa.CompressedInputStream(pa.OSFile(str(path)), codec), encoding="utf-8",
                             errors="replace", newline="\n")
 
 
-def _jsonl_documents(path: Path, key: str, text_key: str) -> Iterator[tuple[str, str]]:
+def _jsonl_documents(path: Path, key: str, text_key: str,
+                     bad: Callable[[str], None] | None = None) -> Iterator[tuple[str, str]]:
+    """A malformed line is a DataError naming file:line, or, given `bad`, handed to it and
+    skipped (data.on_bad_record = skip); an unreadable file is always an error."""
     try:
         with _text_stream(path) as f:
             for lineno, line in enumerate(f, start=1):
                 if not line.strip():
                     continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-                except RecursionError:
-                    raise DataError(f"{path}:{lineno}: JSON nested too deeply to read") from None
-                if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
-                    raise DataError(f"{path}:{lineno}: each line must be a JSON object with a string field "
-                                    f"{text_key!r} (the source's text_key)")
-                yield f"{key}:{lineno}", _without_lone_surrogates(record[text_key])
+                text, problem = _parse_record(line, text_key)
+                if problem is None:
+                    yield f"{key}:{lineno}", _without_lone_surrogates(text)
+                    continue
+                if bad is None:
+                    raise DataError(f"{path}:{lineno}: {problem}")
+                bad(f"{path}:{lineno}: {problem}")
     except OSError as e:  # pyarrow raises OSError for a corrupt compressed stream
         raise DataError(f"{path}: cannot read ({str(e).splitlines()[0] if str(e) else type(e).__name__})") from None
+
+
+def _parse_record(line: str, text_key: str) -> tuple[str, str | None]:
+    """One JSONL line's text and None, or "" and what is wrong with the line."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        return "", f"not valid JSON ({e.msg})"
+    except RecursionError:
+        return "", "JSON nested too deeply to read"
+    if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
+        return "", f"each line must be a JSON object with a string field {text_key!r} (the source's text_key)"
+    return record[text_key], None
 
 
 def _without_lone_surrogates(text: str) -> str:
@@ -186,13 +199,14 @@ def _columnar_documents(path: Path, key: str, text_key: str) -> Iterator[tuple[s
                 yield f"{key}:{row}", text
 
 
-def file_documents(path: Path, key: str, text_key: str) -> Iterator[tuple[str, str]]:
-    """``(key, text)`` for every document of one file of a source."""
+def file_documents(path: Path, key: str, text_key: str,
+                   bad: Callable[[str], None] | None = None) -> Iterator[tuple[str, str]]:
+    """``(key, text)`` for every document of one file of a source; `bad`: see `_jsonl_documents`."""
     name = path.name
     if name.endswith(TOKEN_SUFFIX):
         raise DataError(f"{path}: holds token ids, not text")
     if name.endswith(JSONL_SUFFIXES):
-        yield from _jsonl_documents(path, key, text_key)
+        yield from _jsonl_documents(path, key, text_key, bad)
     elif name.endswith(COLUMNAR_SUFFIXES):
         yield from _columnar_documents(path, key, text_key)
     else:
@@ -200,6 +214,21 @@ def file_documents(path: Path, key: str, text_key: str) -> Iterator[tuple[str, s
             yield key, path.read_bytes().decode("utf-8", errors="replace")
         except OSError as e:
             raise DataError(f"corpus file {path}: cannot read ({e.strerror})") from None
+
+
+def file_document_sizes(path: Path, key: str, text_key: str,
+                        bad: Callable[[str], None] | None = None) -> Iterator[tuple[str, int]]:
+    """``(key, size)`` for every document of one file, size > 0 exactly when its text is not
+    empty: a whole-file document's bytes from the file system (nothing read: a file of n > 0
+    bytes decodes to at least one character), a record's characters."""
+    if path.name.endswith(DOCUMENT_SUFFIXES):
+        try:
+            yield key, path.stat().st_size
+        except OSError as e:
+            raise DataError(f"corpus file {path}: cannot read ({e.strerror})") from None
+        return
+    for k, text in file_documents(path, key, text_key, bad):
+        yield k, len(text)
 
 
 def check_source(path: Path, text_key: str) -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from ndtrain.data.prepare import SPLITS, STDLIB, _ShardWriter, prepare_data, write_meta
+from ndtrain.data.build import SPLITS, ShardWriter, write_meta
+from ndtrain.data.prepare import STDLIB, prepare_data
 from ndtrain.data.shards import DataError, read_shard
 from ndtrain.data.sources import is_token_source, source_files
 from ndtrain.data.tokenizer import TextTokenizer
@@ -38,9 +39,9 @@ def cut_point(tokens: np.ndarray, val_fraction: float, eot_id: int) -> int:
 
 def build_from_tokens(out: Path, source: str, tokenizer: str, val_fraction: float, shard_tokens: int) -> None:
     """Write a prepared directory into `out` from the token files of `source`."""
-    tok = TextTokenizer.from_file(tokenizer)
+    tok = TextTokenizer.load(tokenizer)
     tok.save(out / "tokenizer.json")
-    writers = {s: _ShardWriter(out, s, shard_tokens, tok.vocab_size) for s in SPLITS}
+    writers = {s: ShardWriter(out, s, shard_tokens, tok.vocab_size) for s in SPLITS}
     for path in source_files(Path(source).expanduser().resolve()):
         tokens = read_shard(path, verify=True)
         if len(tokens) < 2:

@@ -23,15 +23,41 @@ EOT = "<|endoftext|>"
 # Names that common tokenizers give their end-of-text / end-of-sequence token.
 EOT_CANDIDATES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 BYTE_ALPHABET = 256
+HF_PREFIX = "hf:"
+
+
+def hf_tokenizer_config(folder: Path) -> dict:
+    """A Hugging Face model folder's tokenizer_config.json ({} when it has none)."""
+    import json
+    if not (folder / "tokenizer.json").is_file():
+        raise DataError(f"tokenizer hf:{folder}: no tokenizer.json in the folder")
+    path = folder / "tokenizer_config.json"
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise DataError(f"tokenizer {path}: unreadable ({e})") from None
+    if not isinstance(config, dict):
+        raise DataError(f"tokenizer {path}: not a JSON object")
+    return config
+
+
+def _token_name(value) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or {"content": ...}."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
 
 
 class TextTokenizer:
     """Encode and decode text; knows its vocabulary size and end-of-text id."""
 
-    def __init__(self, tokenizer: Tokenizer, eot_id: int):
+    def __init__(self, tokenizer: Tokenizer, eot_id: int, bos_ids: tuple[int, ...] = ()):
         self._tok = tokenizer
         self._tok.encode_special_tokens = True
         self.eot_id = eot_id
+        # What starts every pretraining document: a Hugging Face family's BOS (Llama, Gemma,
+        # Mistral) or nothing (Qwen, GPT-2, our own BPE). Every document ends with eot_id.
+        self.bos_ids = tuple(bos_ids)
         # The embedding must cover every id the tokenizer can emit, and a user's ids
         # need not be contiguous (added tokens may sit above the base vocabulary).
         self.vocab_size = max(tokenizer.get_vocab(with_added_tokens=True).values()) + 1
@@ -49,6 +75,9 @@ class TextTokenizer:
         finally:
             self._tok.encode_special_tokens = True
 
+    def to_json(self) -> str:
+        return self._tok.to_str()
+
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """Encode many texts at once on tokenizers' own thread pool."""
         # encode_batch_fast skips computing character offsets, which we never use.
@@ -60,6 +89,9 @@ class TextTokenizer:
 
     def save(self, path: str | Path) -> None:
         self._tok.save(str(path))
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
 
     def token_id(self, text: str) -> int:
         found = self._tok.token_to_id(text)
@@ -75,14 +107,46 @@ class TextTokenizer:
         return TextTokenizer(tok, self.eot_id)
 
     @classmethod
-    def from_file(cls, path: str | Path) -> TextTokenizer:
-        """Load a ``tokenizer.json``; its end-of-text token must be one we recognise."""
+    def load(cls, spec: str | Path) -> TextTokenizer:
+        """`data.tokenizer`: a ``tokenizer.json``, or ``hf:DIR``, a Hugging Face model folder."""
+        spec = str(spec)
+        return cls.from_hf(spec[3:]) if spec.startswith(HF_PREFIX) else cls.from_file(spec)
+
+    @classmethod
+    def from_hf(cls, folder: str | Path) -> TextTokenizer:
+        """The tokenizer of a Hugging Face model folder, with its family's document rules:
+        documents end with tokenizer_config.json's ``eos_token`` (else a name we recognise)
+        and start with its ``bos_token`` when ``add_bos_token`` says so, or, where the config
+        does not say, when the tokenizer's post-processor puts one in front of a text (Llama 3's
+        template adds <|begin_of_text|>; Qwen's adds nothing)."""
+        folder = Path(folder).expanduser()
+        config = hf_tokenizer_config(folder)
+        eos = _token_name(config.get("eos_token"))
+        tok = cls.from_file(folder / "tokenizer.json", eot_token=eos)
+        bos = _token_name(config.get("bos_token"))
+        if "add_bos_token" in config:
+            add = bool(config["add_bos_token"]) and bos is not None
+            tok.bos_ids = (tok.token_id(bos),) if add else ()
+        else:
+            plain = tok._tok.encode("a", add_special_tokens=False).ids
+            marked = tok._tok.encode("a", add_special_tokens=True).ids
+            tok.bos_ids = tuple(marked[: len(marked) - len(plain)]) if marked[-len(plain):] == plain else ()
+        return tok
+
+    @classmethod
+    def from_file(cls, path: str | Path, eot_token: str | None = None) -> TextTokenizer:
+        """Load a ``tokenizer.json``; its end-of-text token is `eot_token`, else one we recognise."""
         path = Path(path).expanduser()
         try:
             tok = Tokenizer.from_file(str(path))
         except Exception as e:  # tokenizers raises a bare Exception for bad files
             first_line = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise DataError(f"tokenizer {path}: cannot load ({first_line})") from None
+        if eot_token is not None:
+            eot_id = tok.token_to_id(eot_token)
+            if eot_id is None:
+                raise DataError(f"tokenizer {path}: has no token {eot_token!r}, the end of text its config names")
+            return cls(tok, eot_id)
         for name in EOT_CANDIDATES:
             eot_id = tok.token_to_id(name)
             if eot_id is not None:

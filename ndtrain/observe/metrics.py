@@ -48,8 +48,11 @@ def metrics_line(record: dict) -> str:
 
 
 class MetricsLog:
-    def __init__(self, path: Path, resume_step: int = 0):
+    """metrics.jsonl, and the dashboards (observe/dashboards.py) that get the same records."""
+
+    def __init__(self, path: Path, resume_step: int = 0, dashboards=None):
         self.path = Path(path)
+        self.dashboards = dashboards
         if resume_step and self.path.exists():
             kept = [metrics_line(r) for r in read_metrics(self.path) if r.get("step", 0) < resume_step]
             self.path.write_text("".join(line + "\n" for line in kept))
@@ -59,9 +62,13 @@ class MetricsLog:
 
     def write(self, record: dict) -> None:
         self._file.write(metrics_line(record) + "\n")
+        if self.dashboards is not None:
+            self.dashboards.write(record)
 
     def close(self) -> None:
         self._file.close()
+        if self.dashboards is not None:
+            self.dashboards.close()
 
 
 def read_metrics(path: Path) -> list[dict]:

@@ -11,7 +11,6 @@ prepared (the vocabulary is `model.vocab_size`, else the tokenizer's, else
 
 from __future__ import annotations
 
-import os
 
 import torch
 
@@ -33,7 +32,7 @@ def vocab_size(cfg: Config) -> int:
         return cfg.model.vocab_size
     if cfg.data.tokenizer:
         from ndtrain.data.tokenizer import TextTokenizer
-        return TextTokenizer.from_file(os.path.expanduser(cfg.data.tokenizer)).vocab_size
+        return TextTokenizer.load(cfg.data.tokenizer).vocab_size
     return cfg.data.vocab_size
 
 

@@ -1,4 +1,4 @@
-"""AdamW on whatever the layout's states hand it, and the warmup + cosine LR schedule.
+"""AdamW on whatever the layout's states hand it, and the learning-rate schedules (`train.schedule`).
 (Which parameters decay, and in which groups, is parallel/states.py's: ZeRO groups its flat
 shards by the same rule.)"""
 
@@ -18,13 +18,32 @@ def build_optimizer(groups: list[dict], t: TrainConfig, device: torch.device) ->
 
 
 def lr_at(step: int, t: TrainConfig) -> float:
-    """Linear warmup over `warmup` steps to `lr`, then cosine decay to `lr·min_lr_ratio`
-    at the last step. `step` counts from 0."""
+    """The learning rate of step `step` (counting from 0) under `train.schedule`.
+
+    Every schedule warms up linearly over `warmup` steps to `lr` (step 0 gets lr/warmup),
+    then, with `floor = lr·min_lr_ratio` reached at the last step:
+    cosine: half a cosine from lr down to floor;
+    linear: a straight line from lr down to floor;
+    constant: lr to the end (min_lr_ratio unused);
+    wsd (warmup-stable-decay): lr until the last `decay_fraction` of the steps, then a
+    straight line down to floor over them. A run stopped before the decay (a stable-phase
+    checkpoint) can be continued or decayed later, which is what WSD is for."""
     if step < t.warmup:
         return t.lr * (step + 1) / t.warmup
-    span = max(1, t.steps - 1 - t.warmup)
-    progress = min(1.0, (step - t.warmup) / span)
     floor = t.lr * t.min_lr_ratio
+    last = t.steps - 1
+    if t.schedule == "constant":
+        return t.lr
+    if t.schedule == "wsd":
+        decay = max(1, round(t.decay_fraction * t.steps))
+        start = max(t.warmup, t.steps - decay)  # the first step below lr; the last step reaches floor
+        if step < start:
+            return t.lr
+        progress = min(1.0, (step - start + 1) / max(1, last - start + 1))
+        return t.lr + (floor - t.lr) * progress
+    progress = min(1.0, (step - t.warmup) / max(1, last - t.warmup))
+    if t.schedule == "linear":
+        return t.lr + (floor - t.lr) * progress
     return floor + 0.5 * (t.lr - floor) * (1.0 + math.cos(math.pi * progress))
 
 

@@ -51,7 +51,7 @@ def make_template(cfg: Config, progress: bool = False):
             raise ConfigError("data.template", d.template, "needs model.init_from=hf:DIR (a tokenizer with a chat_template)")
         return HFTemplate.from_dir(where)
     if d.tokenizer:
-        return BuiltinTemplate(TextTokenizer.from_file(d.tokenizer))
+        return BuiltinTemplate(TextTokenizer.load(d.tokenizer))
     from ndtrain.data.prepare import PreparedData, prepare_data
     prepared = prepare_data(source=STDLIB, vocab_size=d.vocab_size, val_fraction=d.val_fraction,
                             cache_dir=d.cache_dir, progress=progress)

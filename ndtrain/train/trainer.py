@@ -30,6 +30,7 @@ from ndtrain.model.llama import Transformer
 from ndtrain.model.lora import is_adapter
 from ndtrain.deferred import Lazy, settle
 from ndtrain.observe.memory import per_rank_table
+from ndtrain.observe.dashboards import Dashboards
 from ndtrain.observe.metrics import MetricsLog, read_metrics, strict_json
 from ndtrain.observe.mfu import peak_flops
 from ndtrain.observe.plots import plot_loss, plot_moe_load
@@ -247,7 +248,8 @@ class Trainer:
         t, run = self.cfg.train, self.cfg.run
         stop = min(t.steps, self.step + stop_after) if stop_after else t.steps
         log = self.is_logger and self.run_dir is not None
-        self._metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.step) if log else None
+        self._metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.step,
+                                   Dashboards(run, self.run_dir, self.step, self.cfg.to_dict())) if log else None
         self._progress = TrainProgress(t.steps, self.step, enabled=self.is_logger and run.progress,
                                        log_every=t.log_every)
         self.par.model.train()

@@ -36,12 +36,13 @@ def prepare(cfg: config_mod.Config, progress: bool) -> PreparedData | PreparedMi
     or a mixture of data.sources' directories sharing one tokenizer."""
     d = cfg.data
     if d.sources:
-        return prepare_mixture(source_specs(cfg), d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir, progress)
+        return prepare_mixture(source_specs(cfg), d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir, progress,
+                               d.workers, d.on_bad_record)
     if d.path != "stdlib" and not config_mod.is_prepared_folder(d.path):  # before anything is written
         check_source(Path(d.path).expanduser().resolve(), d.jsonl_key)
     return PreparedData.open(prepare_source(d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
                                           val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key,
-                                          progress=progress))
+                                          progress=progress, workers=d.workers, on_bad_record=d.on_bad_record))
 
 
 def prepared_paths(data: PreparedData | PreparedMixture) -> str | list[str]:
