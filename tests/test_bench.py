@@ -87,6 +87,7 @@ def _training_benches(cfg_dicts: dict) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_training_benchmarks_run_end_to_end():
     """bf16, recomputation and two micro-batches: the anchors' autocast or mixed-precision
     policy, checkpointing and gradient accumulation all run."""

@@ -17,9 +17,9 @@ MOE = ["model.preset=tiny-moe"]
 DEFAULT_ROWS = {
     "zero3": ["parallel.zero=3"],
     "tp2-sp": ["parallel.tp=2"],
-    "pp2-1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch=2"],
 }
 SLOW_ROWS = {
+    "pp2-1f1b": ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch=2"],
     "dp2-accumulation": ["parallel.dp=2", "train.micro_batch=2"],
     "cp2-ring": ["parallel.cp=2", "parallel.cp_impl=ring"],
     "ep2-moe": ["parallel.ep=2", *MOE],

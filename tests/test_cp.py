@@ -580,7 +580,8 @@ def _ring_trace(data_dir, out, overrides):
 
 
 @pytest.mark.parametrize("world, overrides, layers", [(2, ["parallel.cp=2"], 4),
-                                                       (4, ["parallel.cp=2", "parallel.pp=2"], 2)],
+                                                       pytest.param(4, ["parallel.cp=2", "parallel.pp=2"], 2,
+                                                                    marks=pytest.mark.slow)],
                          ids=["cp2", "pp2-cp2"])
 def test_trace_shows_every_ring_step_and_message(world, overrides, layers, tiny_data, tmp_path):
     """Two micro-batches; with a pipeline, its schedule is drawn too and a rank holds half
@@ -641,6 +642,7 @@ def _bench_cp(cfg_dict):
     return cp.render(cp._worker(cfg_dict, 1, 1))
 
 
+@pytest.mark.slow
 def test_bench_cp_runs_every_contender():
     from types import SimpleNamespace
 

@@ -122,7 +122,7 @@ def _stuck_collective(kind):
     return "completed"
 
 
-@pytest.mark.parametrize("kind", ["sync", "async"])
+@pytest.mark.parametrize("kind", ["sync", pytest.param("async", marks=pytest.mark.slow)])
 def test_a_collective_that_does_not_complete_names_the_op_group_and_rank(kind):
     message = run_ranks(_stuck_collective, 4, kind, timeout=120)[0]
     op = "all_reduce" if kind == "sync" else "reduce_scatter"

@@ -113,6 +113,7 @@ def test_a_model_that_fits_nowhere(capsys):
     assert "the smallest memory per rank found is" in err and "GiB (parallel.tp=" in err and "the device has 33.5 GiB (less 10% headroom)" in err
 
 
+@pytest.mark.slow
 def test_search_proposes_only_layouts_train_accepts(capsys):
     cfg = load_config(None, ["model.preset=125M", "train.precision=bf16", "train.seq_len=1024",
                              "train.global_batch=4"])

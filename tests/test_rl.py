@@ -419,6 +419,7 @@ def test_rl_toml_lists_the_commands_defaults():
     assert load_config(path).to_dict() == load_config(None, [], defaults=RL_DEFAULTS).to_dict()
 
 
+@pytest.mark.slow
 def test_bench_generate_compares_the_same_tokens_and_ends_with_the_ratio(capsys):
     from ndtrain.cli import main
     assert main(["bench", "generate", "--nproc", "3"]) == 2

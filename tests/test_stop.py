@@ -123,6 +123,7 @@ def reward_then_sigterm(prompt: str, completion: str, answer: str) -> float:
 RL_SHARE = 8  # rows each of the 2 ranks scores per update: 16 rows / 2
 
 
+@pytest.mark.slow
 def test_sigterm_cuts_an_rl_rollout_short_and_saves_the_update_before_it(tmp_path):
     """train.log_every=100 puts the next agreement on stopping past the end (step 39): the
     stop comes from a rollout cut short instead, on every rank together: rank 1's share of
