@@ -214,7 +214,7 @@ def _relative(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.detach() - ref.detach()).abs().max() / ref.detach().abs().max())
 
 
-@pytest.mark.parametrize("cp", [2, 3, 4])
+@pytest.mark.parametrize("cp", [2, pytest.param(3, marks=pytest.mark.slow), 4])
 def test_attention_kernels_equal_full_attention_fp64(cp):
     per_rank = run_ranks(_kernels_on_ranks, cp, cp)
     worst = 0.0

@@ -361,7 +361,7 @@ def _assert_same_training(name, ours, ref):
         assert moe["dead_fraction"] == r_moe["dead_fraction"], (name, step)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_moe_layouts_train_like_one_process(world, tiny_data, references, tmp_path):
     """And on 2 ranks (ep=2), the run directory: load statistics in metrics.jsonl, the
     load plot, expert and dense memory, a checkpoint that fresh trainers load exactly, on

@@ -417,6 +417,7 @@ def _special_layouts_and_counts(data_dir):
     return runs, peaks, traffic, grad_sync, activation_bytes
 
 
+@pytest.mark.slow
 def test_interleaved_pp4_and_tied_embeddings_match_one_process(tiny_data):
     refs = run_ranks(_references, 1, tiny_data)[0]
     results = run_ranks(_special_layouts_and_counts, 4, tiny_data, timeout=600)

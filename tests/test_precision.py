@@ -47,6 +47,7 @@ def _train_precisions(data_dir):
     return out
 
 
+@pytest.mark.slow
 def test_bf16_and_fp16_track_fp32(tiny_data):
     results = run_ranks(_train_precisions, 2, tiny_data)[0]
     ref, _, ref_dtypes = results["fp32"]

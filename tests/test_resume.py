@@ -24,7 +24,8 @@ def _straight_vs_resumed(data_dir, root, extra, first_part=5):
 # parameters, sharded masters and moments, the loss scaler's state.
 @pytest.mark.parametrize("world, extra", [(1, []), (2, []),
                                           (2, ["parallel.zero=3", "train.precision=bf16"]),
-                                          (2, ["parallel.zero=1", "train.precision=fp16", "train.loss_scale_window=3"]),
+                                          pytest.param(2, ["parallel.zero=1", "train.precision=fp16",
+                                                           "train.loss_scale_window=3"], marks=pytest.mark.slow),
                                           # TP: local shards, the dropout stream a tp group shares
                                           (2, ["parallel.tp=2", "model.dropout=0.1", "train.micro_batch=4"])],
                          ids=["single", "dp2", "zero3-bf16", "zero1-fp16", "tp2-sp-dropout"])
