@@ -232,7 +232,8 @@ LORA = ["lora.rank=4", "lora.alpha=8", "lora.init=random"]  # B drawn too: A has
 # name, overrides, the one-process reference it must equal
 DPO_LAYOUTS = [("dp2", ["parallel.dp=2", "train.micro_batch=1"], "single"),
                ("tp2-sp-lora", ["parallel.tp=2", "train.micro_batch=2", *LORA], "single-lora")]
-DPO_LAYOUTS_SLOW = [("zero3-dp2", ["parallel.zero=3", "train.micro_batch=2"], "single"),
+DPO_LAYOUTS_SLOW = [("tp2-sp", ["parallel.tp=2", "train.micro_batch=2"], "single"),
+                    ("zero3-dp2", ["parallel.zero=3", "train.micro_batch=2"], "single"),
                     ("pp2-1f1b", ["parallel.pp=2", "train.micro_batch=2"], "single"),
                     ("zero3-dp2-lora", ["parallel.zero=3", "train.micro_batch=2", *LORA], "single-lora"),
                     ("pp2-1f1b-lora", ["parallel.pp=2", "train.micro_batch=2", *LORA], "single-lora")]
