@@ -38,7 +38,7 @@ from ndtrain.data import instructions
 from ndtrain.data.batch import IGNORE
 from ndtrain.data.chat import BadRecord, Conversation, Turn, _check_turns, _messages, read_records
 from ndtrain.data.packing import pack
-from ndtrain.data.sft import ShortSequence, load_records, split
+from ndtrain.data.sft import Described, ShortSequence, load_records, split
 from ndtrain.data.shards import DataError
 from ndtrain.data.template import Example, render
 
@@ -135,7 +135,7 @@ class PairCounts:
 
 
 @dataclass
-class PreferenceData:
+class PreferenceData(Described):
     """Both splits as rendered (chosen, rejected) examples, and what was left out."""
 
     template: object  # data/template.BuiltinTemplate | HFTemplate
@@ -143,17 +143,6 @@ class PreferenceData:
     val: list[tuple[Example, Example]]
     counts: dict[str, PairCounts] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
-
-    @property
-    def vocab_size(self) -> int:
-        return self.template.vocab_size
-
-    def describe(self) -> str:
-        lines = [f"train {self.counts['train'].describe()}", f"validation {self.counts['val'].describe()}"]
-        if self.skipped:
-            lines.append(f"skipped {len(self.skipped):,} bad records (data.on_bad_record=skip; all in the run's "
-                         f"skipped_records.txt), first: {self.skipped[0]}")
-        return "\n".join(lines)
 
 
 def _read(path, key_prefix: str, on_bad_record: str):

@@ -26,16 +26,9 @@ from ndtrain.data.template import Example, render
 EMBEDDED = (instructions.NAME,)
 
 
-@dataclass
-class SFTData:
-    """Both splits, ready to pack, and what was left out on the way."""
-
-    template: object  # data/template.BuiltinTemplate | HFTemplate
-    train: list[Example]
-    val: list[Example]
-    held_out: list[Conversation]  # the validation conversations, for generation
-    counts: dict[str, FitCounts] = field(default_factory=dict)
-    skipped: list[str] = field(default_factory=list)  # "file:line: why" of records left out
+class Described:
+    """What SFT and preference data say of themselves: the tokenizer's vocabulary, and one
+    line per split (plus the records left out). Needs `template`, `counts`, `skipped`."""
 
     @property
     def vocab_size(self) -> int:
@@ -47,6 +40,19 @@ class SFTData:
             lines.append(f"skipped {len(self.skipped):,} bad records (data.on_bad_record=skip; all in the run's "
                          f"skipped_records.txt), first: {self.skipped[0]}")
         return "\n".join(lines)
+
+
+@dataclass
+class SFTData(Described):
+    """Both splits, ready to pack, and what was left out on the way."""
+
+    template: object  # data/template.BuiltinTemplate | HFTemplate
+    train: list[Example]
+    val: list[Example]
+    held_out: list[Conversation]  # the validation conversations, for generation
+    counts: dict[str, FitCounts] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)  # "file:line: why" of records left out
+
 
 
 def jsonl_files(source: str, what: str = "SFT data", embedded: tuple[str, ...] = EMBEDDED) -> list[Path]:
