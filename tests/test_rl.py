@@ -24,16 +24,9 @@ from ndtrain.model.loss import IGNORE
 from ndtrain.testing import run_ranks
 from ndtrain.train.rl import losses
 
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """One torch thread in this process: on a shared 2-core machine two threads per tiny
-    matmul cost more in contention than they gain (measured: 20× slower under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# One torch thread in this process (conftest.py's one_thread): on a shared 2-core machine two
+# threads per tiny matmul cost more in contention than they gain (measured: 20× slower under load).
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------- the losses

@@ -13,12 +13,7 @@ from helpers import TINY
 from ndtrain.testing import run_ranks
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest.py's: one torch thread here
 
 
 class _Stub:

@@ -40,7 +40,7 @@ from ndtrain.comm import ops
 from ndtrain.mesh import ParallelMesh
 from ndtrain.parallel.pipeline.partition import owner
 from ndtrain.parallel.pipeline.p2p import StageLinks
-from ndtrain.parallel.pipeline.lists import build_schedule, deferred
+from ndtrain.parallel.pipeline.lists import build_schedule, deferred, for_async_messages
 from ndtrain.parallel.pipeline.schedules import (B, COMPUTE, F, MESSAGES, RECV_B, RECV_F, SEND_B, SEND_F, W,
                                                  Action, parts, peer, vshape)
 from ndtrain.parallel.pipeline.stage import TiedEmbedding
@@ -86,9 +86,13 @@ class PipelineSchedule:
         self.peak_held = 0
         # `overlap(forward, backward)` runs the two halves of an F&B action (see module docstring)
         self.overlap: Callable[[Callable[[], None], Callable[[], None]], None] = run_in_turn
-        self._plans: dict[tuple[int, bool], _Plan] = {}
+        self._plans: dict[tuple[int, bool, bool], _Plan] = {}
         self._probed: tuple | None = None
         self._positions: torch.Tensor | None = None  # 0..s-1, for micro-batches that give none
+        # gloo (the CPU): posting a message blocks nothing, so forwards' outputs leave at once
+        # and receives are posted a compute action early (lists.for_async_messages); NCCL
+        # runs a communicator's messages in order on its stream: the lists as verified
+        self.async_p2p = mesh.device.type == "cpu"
         # NCCL: the first operation on a group must involve all of its ranks.
         ops.all_reduce_scalars([0.0], mesh.group("pp"))
 
@@ -98,11 +102,15 @@ class PipelineSchedule:
     # -- plans ---------------------------------------------------------------------
     def plan(self, m: int, train: bool) -> "_Plan":
         """This rank's actions in groups (a message group, or one compute action), verified."""
-        key = (m, train)
+        split_fb = self.overlap is run_in_turn  # an overlap hook keeps its F&Bs whole
+        key = (m, train, split_fb)
         if key not in self._plans:
             schedule = build_schedule(self.name, self.pp, self.v, m, train=train)
             verify(schedule, self.pp, self.v, m, train=train, v_shape=self.vshape)
-            self._plans[key] = _Plan(groups(schedule[self.rank]), self.pp, self.vshape)
+            mine = schedule[self.rank]
+            if self.async_p2p:
+                mine = for_async_messages(mine, split_fb=split_fb)
+            self._plans[key] = _Plan(groups(mine), self.pp, self.vshape)
         return self._plans[key]
 
     # -- shapes, once per run ----------------------------------------------------------
