@@ -86,12 +86,12 @@ class PipelineSchedule:
         self.peak_held = 0
         # `overlap(forward, backward)` runs the two halves of an F&B action (see module docstring)
         self.overlap: Callable[[Callable[[], None], Callable[[], None]], None] = run_in_turn
-        self._plans: dict[tuple[int, bool, bool], _Plan] = {}
+        self._plans: dict[tuple[int, bool], _Plan] = {}
         self._probed: tuple | None = None
         self._positions: torch.Tensor | None = None  # 0..s-1, for micro-batches that give none
-        # gloo (the CPU): posting a message blocks nothing, so forwards' outputs leave at once
-        # and receives are posted a compute action early (lists.for_async_messages); NCCL
-        # runs a communicator's messages in order on its stream: the lists as verified
+        # gloo (the CPU): posting a message blocks nothing, so receives are posted a compute
+        # action early (lists.for_async_messages); NCCL runs a communicator's messages in
+        # order on its stream: there the lists run as verified
         self.async_p2p = mesh.device.type == "cpu"
         # NCCL: the first operation on a group must involve all of its ranks.
         ops.all_reduce_scalars([0.0], mesh.group("pp"))
@@ -102,14 +102,13 @@ class PipelineSchedule:
     # -- plans ---------------------------------------------------------------------
     def plan(self, m: int, train: bool) -> "_Plan":
         """This rank's actions in groups (a message group, or one compute action), verified."""
-        split_fb = self.overlap is run_in_turn  # an overlap hook keeps its F&Bs whole
-        key = (m, train, split_fb)
+        key = (m, train)
         if key not in self._plans:
             schedule = build_schedule(self.name, self.pp, self.v, m, train=train)
             verify(schedule, self.pp, self.v, m, train=train, v_shape=self.vshape)
             mine = schedule[self.rank]
             if self.async_p2p:
-                mine = for_async_messages(mine, split_fb=split_fb)
+                mine = for_async_messages(mine)
             self._plans[key] = _Plan(groups(mine), self.pp, self.vshape)
         return self._plans[key]
 

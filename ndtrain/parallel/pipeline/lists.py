@@ -116,23 +116,18 @@ def deferred(actions: list[Action]) -> set[tuple[int, int]]:
     return out
 
 
-def for_async_messages(actions: list[Action], split_fb: bool = True, ahead: int = 1) -> list[Action]:
+def for_async_messages(actions: list[Action], ahead: int = 1) -> list[Action]:
     """One rank's list as it runs where point-to-point messages are asynchronous one by one
     (gloo: posting a message blocks nothing; a rank waits only where it consumes a buffer,
-    and for its sends at the end of the step). Two changes, neither touching the compute
-    order or any link's message order:
-    - `split_fb`: an F&B whose halves run one after the other (no overlap hook) becomes its
-      forward, the forward's send, then its backward: the activation leaves as soon as it
-      exists instead of after the backward (measured: the neighbour waited that backward
-      out, ~13 ms, at every F&B of interleaved 1F1B on this CPU);
-    - each receive is posted `ahead` compute actions before its group, receives keeping
-      their order, so the message arrives while the compute before its consumer runs.
-    Under the in-order rendezvous that `verify` checks (NCCL's stream) either change can
-    block a later message behind an earlier one, so the executor uses this only where
-    messages are asynchronous; the lists it starts from are verified as they are."""
+    and for its sends at the end of the step): each receive posted `ahead` compute actions
+    before its group, receives keeping their order, so the message arrives while the
+    compute before its consumer runs instead of being asked for just before it is needed.
+    No compute action and no link's message order changes, so the simulator (which never
+    makes a send wait for its receive) predicts these lists as it predicts the verified
+    ones. Under the in-order rendezvous that `verify` checks (NCCL's stream) an earlier
+    receive can hold back the sends after it, so the executor uses this only where messages
+    are asynchronous; the list it starts from is verified as it is."""
     from ndtrain.parallel.pipeline.schedules import COMPUTE
-    if split_fb:
-        actions = _split_fb(actions)
     out: list[Action] = []
     computes: list[int] = []  # positions in `out` of the compute actions
     floor = 0  # just after the last receive placed: receives keep their order
@@ -145,35 +140,6 @@ def for_async_messages(actions: list[Action], split_fb: bool = True, ahead: int 
             continue
         if a.kind in COMPUTE:
             computes.append(len(out))
-        out.append(a)
-    return out
-
-
-def _split_fb(actions: list[Action]) -> list[Action]:
-    """Each F&B as F, its forward's send (from the group after it, if any), then B."""
-    from ndtrain.parallel.pipeline.schedules import parts
-    out: list[Action] = []
-    moved: set[Action] = set()
-    for k, a in enumerate(actions):
-        if a in moved:
-            continue
-        if a.kind != FB:
-            out.append(a)
-            continue
-        fwd, bwd = parts(a)
-        sends = [x for x in _group_after(actions, k) if x == Action(SEND_F, fwd.chunk, fwd.micro)]
-        moved.update(sends)
-        out += [fwd, *sends, bwd]
-    return out
-
-
-def _group_after(actions: list[Action], k: int) -> list[Action]:
-    """The messages right after position k (up to the next compute action)."""
-    from ndtrain.parallel.pipeline.schedules import COMPUTE
-    out = []
-    for a in actions[k + 1:]:
-        if a.kind in COMPUTE:
-            break
         out.append(a)
     return out
 
