@@ -144,8 +144,27 @@ def release_groups() -> None:
     command of one process) skips the collection. The ranks our launcher starts need none:
     multiprocessing ends them with `os._exit`, without a finalization."""
     if _joined:
-        _joined.clear()
         gc.collect()
+
+
+def end_rank(code: int) -> None:
+    """End a process that joined a process group (a rank of torchrun or srun) with `code`,
+    now, without the interpreter's finalization: the collection in `release_groups` frees
+    the groups it can reach, but one still referenced from elsewhere keeps its gloo worker
+    threads into finalization, where one of them can still abort the process (seen once in
+    a loaded test suite after the collection, 27 Nov 2026). The rank's work has returned and
+    closed what it wrote (metrics, checkpoints, dashboards); the standard streams and
+    logging are flushed here. A process that never joined a group returns normally."""
+    if not _joined:
+        return
+    import logging
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def launch_local(nproc: int, fn, *args, max_restarts: int = 0, heartbeat_s: float = 0.0,

@@ -182,15 +182,26 @@ class Results(list):
     stop_signal: int = 0
 
 
+# Whether the ranks of a launch have something to save when asked to stop (training: a
+# checkpoint at the next log step). A command with nothing to save (`ndtrain bench`) sets it
+# False: its first SIGINT/SIGTERM ends the ranks at once.
+STOP_SAVES = True
+
+
 @dataclass
 class _Signals:
     stop: int = 0  # the first SIGINT/SIGTERM received
-    kill: bool = False  # a second SIGINT: end now
+    kill: bool = False  # a second SIGINT (or the first, with nothing to save): end now
     log: object = print
+    saves: bool = True
 
     def handle(self, signum, frame) -> None:
         if not self.stop:
             self.stop = signum
+            if not self.saves:
+                self.kill = True
+                self.log(f"{signal.Signals(signum).name}: stopping now (nothing to save)")
+                return
             self.log(f"{signal.Signals(signum).name}: stopping; every rank saves a checkpoint at the next log step "
                      "(Ctrl-C again to quit at once)")
         elif signum == signal.SIGINT:
@@ -219,7 +230,7 @@ def launch(nproc: int, fn, args: tuple, *, max_restarts: int = 0, heartbeat_s: f
     ctx = mp.get_context("forkserver")
     # The fork server imports these once (the first start in this process decides).
     ctx.set_forkserver_preload(["ndtrain.forkserver", "torch", "torch.distributed", "ndtrain.supervisor", *preload])
-    signals = _Signals(log=log)
+    signals = _Signals(log=log, saves=STOP_SAVES)
     installed = {}
     if threading.current_thread() is threading.main_thread():
         installed = {s: signal.signal(s, signals.handle) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -257,8 +268,8 @@ def _run_attempt(ctx, nproc, fn, args, attempt, heartbeat_s, signals: _Signals):
     stop_sent, first_failure = False, None
     try:
         while len(run.out) < nproc:
-            if signals.kill:
-                raise KeyboardInterrupt
+            if signals.kill:  # the signal that ended it: the command exits 128 + it
+                raise KeyboardInterrupt(signals.stop or signal.SIGINT)
             if signals.stop and not stop_sent:
                 for p in procs:
                     if p.is_alive():

@@ -159,3 +159,16 @@ def test_bench_fp8_runs_bf16_and_every_recipe():
     for recipe in ("rowwise", "blockwise"):
         assert re.search(rf"\nfp8 {recipe}/bf16 throughput ratio: \d+\.\d\d\n", out), out
     assert re.search(r"\nfp8 tensorwise/bf16 throughput ratio: \d+\.\d\d$", out), out
+
+
+def test_rounds_alternate_the_order_of_the_contenders():
+    """A B, then B A: no contender always runs right after the same other one (in bench pp
+    that had our side of every pair run after torch's previous schedule, round after round)."""
+    import torch
+
+    from ndtrain.bench.common import alternate
+    calls = []
+    times = alternate({name: (lambda n=name: calls.append(n)) for name in "ABC"}, rounds=3, steps=2,
+                      device=torch.device("cpu"), warmup_rounds=1)
+    assert "".join(calls) == "AABBCC" + "CCBBAA" + "AABBCC" + "CCBBAA"
+    assert list(times) == ["A", "B", "C"] and all(len(t) == 3 for t in times.values())

@@ -66,6 +66,32 @@ def test_sigterm_to_the_group_stops_train_with_a_checkpoint_and_exit_143(tmp_pat
     wait_for(lambda: not [p for p in ranks if alive(p)], timeout=30, what="every process to be gone")
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def test_sigterm_ends_a_benchmark_at_once_with_exit_143(tmp_path):
+    """A benchmark has nothing to save: SIGTERM ends its ranks at once (it used to say a
+    checkpoint would be saved at the next log step, and then run every round to the end)."""
+    def ranks_run() -> bool:  # the fork server has started both ranks (it ignores SIGTERM only once ready)
+        servers = [pid for pid in descendants(proc.pid) if b"forkserver" in _cmdline(pid)]
+        return bool(servers) and len(descendants(servers[0])) >= 2
+
+    proc = _ndtrain("bench", "dp", "--rounds", "100000", "--steps", "1", "model.preset=tiny", "train.seq_len=32",
+                    "train.global_batch=4", "run.device=cpu")
+    wait_for(ranks_run, what="the benchmark's ranks")
+    ranks = descendants(proc.pid)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out, err = _finish(proc)
+    assert proc.returncode == 143, err[-3000:]
+    assert "SIGTERM: stopping now (nothing to save)" in err and "stopped by SIGTERM" in err, err[-3000:]
+    assert "Traceback" not in err and "checkpoint" not in err, err[-3000:]
+    wait_for(lambda: not [p for p in ranks if alive(p)], timeout=30, what="every process to be gone")
+
+
 def test_sigterm_stops_sft_in_the_commands_own_process_and_the_printed_command_continues_it(
         tiny_data, tmp_path, capsys, monkeypatch):
     """One process, in the command's own (as under torchrun): it arms SIGTERM itself. The

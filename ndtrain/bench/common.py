@@ -1,4 +1,4 @@
-"""Side-by-side timing (A B A B rounds, medians, ratio) and what keeps a contest fair.
+"""Side-by-side timing (A B / B A rounds, medians, ratio) and what keeps a contest fair.
 
 The machine is shared and noisy, so a benchmark never compares against a number measured
 earlier: both contenders run in the same processes, interleaved round by round, and only the
@@ -34,11 +34,15 @@ def _sync(device: torch.device) -> None:
 
 def alternate(contenders: dict[str, Callable[[], None]], rounds: int, steps: int,
               device: torch.device, warmup_rounds: int = 1) -> dict[str, list[float]]:
-    """Seconds per step of each contender, one figure per round, rounds interleaved.
-    Every rank runs this; the times are those of the slowest rank (barriers around)."""
+    """Seconds per step of each contender, one figure per round, rounds interleaved, every
+    other round in reverse order (A B, then B A), so that no contender always runs right
+    after the same other one: what a step leaves behind (freed memory of another shape,
+    caches) falls on both sides alike. Every rank runs this; the times are those of the
+    slowest rank (barriers around)."""
     times: dict[str, list[float]] = {name: [] for name in contenders}
     for r in range(warmup_rounds + rounds):
-        for name, fn in contenders.items():
+        order = list(contenders.items())
+        for name, fn in (reversed(order) if r % 2 else order):
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(steps):

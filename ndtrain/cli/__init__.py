@@ -35,6 +35,13 @@ def fail(message: str, code: int = 2) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from ndtrain.launch import end_rank
+    code = _main(argv)
+    end_rank(code)  # a rank of torchrun or srun ends here, without the interpreter's finalization
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     args = parse(argv)
     from ndtrain.checkpoint.store import CheckpointError
     from ndtrain.config import ConfigError
@@ -57,8 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     except Stopped as e:
         print(f"ndtrain: {e}", file=sys.stderr, flush=True)
         return e.code
-    except KeyboardInterrupt:
-        return fail("interrupted", 130)
+    except KeyboardInterrupt as e:  # a launch's ranks ended at once (supervisor: the signal as its argument)
+        import signal
+        signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+        return fail("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}",
+                    128 + int(signum))
     except Exception as e:  # a run of this process that stopped on a fault it names (trainer.TrainingError)
         trainer = sys.modules.get("ndtrain.train.trainer")
         if trainer is not None and isinstance(e, trainer.TrainingError):

@@ -12,7 +12,9 @@ CALIBRATING = ("matmul", "comm", "plan")  # benchmarks that save a calibration i
 
 
 def cmd_bench(args) -> int:
+    from ndtrain import supervisor
     from ndtrain.config import ConfigError, check_writable_dir
+    supervisor.STOP_SAVES = False  # a benchmark has nothing to save: SIGINT/SIGTERM end it at once
     rounds, steps = BENCH_ROUNDS_STEPS.get(args.what, (10, 3))
     args.rounds = rounds if args.rounds is None else args.rounds
     args.steps = steps if args.steps is None else args.steps
