@@ -324,28 +324,16 @@ def test_sigterm_stops_dpo_with_a_checkpoint_and_the_printed_command_continues_i
     """SIGTERM (as Kubernetes or scancel send it) stops `ndtrain dpo` at a step boundary with a
     checkpoint, exit 143, as for sft (tests/test_stop.py); the printed command continues the
     run from the step saved, reading the stored reference instead of computing it again."""
-    import os
     import shlex
-    import signal
-    import threading
 
     from ndtrain.checkpoint import store
     from ndtrain.train import dpo
-    from test_stop import _assert_stopped_by_sigterm, wait_for
+    from test_stop import _assert_stopped_by_sigterm, main_until_sigterm
     run = tmp_path / "run"
     argv = _cli(dpo_files, tmp_path, "train.steps=100000", "train.log_every=1", "train.eval_every=0",
                 "run.plot=false", f"run.dir={run}")
     metrics = run / "metrics.jsonl"
-
-    def terminate():
-        wait_for(lambda: metrics.exists() and metrics.read_text(), what="a step")
-        os.kill(os.getpid(), signal.SIGTERM)
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # no stray SIGTERM may reach pytest
-    try:
-        threading.Thread(target=terminate, daemon=True).start()
-        code = main(argv)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    code = main_until_sigterm(argv, lambda: metrics.exists() and metrics.read_text())
     err = capsys.readouterr().err
     step = _assert_stopped_by_sigterm(code, err, run)
     command = err.split("continue the run with: ")[1].splitlines()[0]

@@ -49,6 +49,23 @@ def _assert_stopped_by_sigterm(code: int, err: str, run: Path) -> int:
 
 # --------------------------------------------------------------------------- SIGTERM
 
+def main_until_sigterm(argv: list[str], started) -> int:
+    """`ndtrain ARGV` in this process, sent SIGTERM (as a job scheduler sends it) once
+    `started()` is true; returns its exit status. pytest's own SIGTERM handling is off
+    meanwhile, so no stray signal reaches it."""
+    from ndtrain.cli import main
+
+    def terminate():
+        wait_for(started, what="a step")
+        os.kill(os.getpid(), signal.SIGTERM)
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)
+    try:
+        threading.Thread(target=terminate, daemon=True).start()
+        return main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def test_sigterm_to_the_group_stops_train_with_a_checkpoint_and_exit_143(tmp_path):
     """SIGTERM to the whole process group (the fork server included, which used to die of
     it, so that rank 0's clean stop read as "exited with code 255 without a report", exit 1):
@@ -116,15 +133,7 @@ def test_sigterm_stops_sft_in_the_commands_own_process_and_the_printed_command_c
     def metrics():
         return list(Path("runs").glob("sft-*/metrics.jsonl"))
 
-    def terminate():
-        wait_for(lambda: metrics() and metrics()[0].read_text(), what="a step")
-        os.kill(os.getpid(), signal.SIGTERM)
-    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # no stray SIGTERM may reach pytest
-    try:
-        threading.Thread(target=terminate, daemon=True).start()
-        code = main(argv)
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    code = main_until_sigterm(argv, lambda: metrics() and metrics()[0].read_text())
     err = capsys.readouterr().err
     run = metrics()[0].parent
     step = _assert_stopped_by_sigterm(code, err, run)

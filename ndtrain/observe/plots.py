@@ -42,7 +42,13 @@ def plot_loss(metrics_path: Path, out: Path, baseline: float | None = None, titl
     ax.set_title(title or "ndtrain loss")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
+    return _save(fig, out)
+
+
+def _save(fig, out: Path, layout: bool = True) -> Path:
+    """Write the figure to `out` (laid out first, unless it places itself) and free it."""
+    if layout:
+        fig.tight_layout()
     fig.savefig(out)
     plt.close(fig)
     return Path(out)
@@ -97,10 +103,7 @@ def plot_rl(metrics_path: Path, out: Path, start: dict | None = None, title: str
         if ax.get_legend_handles_labels()[0]:
             ax.legend(fontsize=7)
     fig.suptitle(title or "ndtrain rl")
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return Path(out)
+    return _save(fig, out)
 
 
 def plot_dpo(metrics_path: Path, out: Path, title: str = "") -> Path:
@@ -135,10 +138,7 @@ def plot_dpo(metrics_path: Path, out: Path, title: str = "") -> Path:
     for ax in axes:
         ax.legend(fontsize=7)
     fig.suptitle(title or "ndtrain dpo")
-    fig.tight_layout()
-    fig.savefig(out)
-    plt.close(fig)
-    return Path(out)
+    return _save(fig, out)
 
 
 def plot_moe_load(metrics_path: Path, out: Path) -> Path:
@@ -170,6 +170,4 @@ def plot_moe_load(metrics_path: Path, out: Path) -> Path:
     if image is not None:
         fig.colorbar(image, ax=axes, shrink=0.8, label="share of slots (1/E = balanced)")
     fig.suptitle("MoE load per expert", fontsize=10)
-    fig.savefig(out)
-    plt.close(fig)
-    return Path(out)
+    return _save(fig, out, layout=False)

@@ -46,7 +46,6 @@ from torch import Tensor
 
 from ndtrain import config as config_mod
 from ndtrain import supervisor
-from ndtrain.checkpoint import hf_files
 from ndtrain.comm import ops
 from ndtrain.config import Config
 from ndtrain.data.batch import MicroBatch
@@ -226,31 +225,22 @@ def dpo_worker(cfg_dict: dict, run_dir: str, data: PreferenceData) -> dict:
 
 
 def _dpo(cfg: Config, run_dir: str, data: PreferenceData, control) -> dict:
-    from ndtrain.launch import init_process, set_collective_timeout, shutdown
-    from ndtrain.mesh import ParallelMesh
-    from ndtrain.train.trainer import Trainer
-    from ndtrain.train.worker import from_rank_0, mesh_shape
+    from ndtrain.launch import init_process, shutdown
+    from ndtrain.train.worker import from_rank_0, start_trainer, write_posttrain_files
 
     env = init_process(cfg.run.device, cfg.run.threads, cfg.run.collective_timeout_s)
     try:
         run = Path(from_rank_0(run_dir))
-        mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        task = DPO(cfg, data)
-        trainer = Trainer(cfg, mesh, task, run, local_world=env.local_world, control=control)
-        set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
-        trainer.start()  # resume run.dir's checkpoint, or load model.init_from
+        trainer = start_trainer(cfg, env, lambda: DPO(cfg, data), run, control)
+        task = trainer.task
         if trainer.step == 0:
             task.set_reference(task.compute_reference(trainer))  # the starting model's, once
         else:
             task.load_reference(run)
         if env.rank == 0:
-            (run / "config.toml").write_text(config_mod.to_toml(cfg))
+            write_posttrain_files(cfg, run, data.template, data.skipped)
             if trainer.step == 0:
                 task.save_reference(run)
-            data.template.save(run)
-            hf_files.carry(cfg.model.init_from, run, data.template.stop_ids)
-            if data.skipped:
-                (run / "skipped_records.txt").write_text("".join(line + "\n" for line in data.skipped))
         return optimise(trainer, task, data, cfg, run)
     finally:
         shutdown()

@@ -22,7 +22,6 @@ import torch
 
 from ndtrain import config as config_mod
 from ndtrain import supervisor
-from ndtrain.checkpoint import hf_files
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
 from ndtrain.data.corpus import STDLIB
@@ -146,26 +145,16 @@ def sft_worker(cfg_dict: dict, run_dir: str, data: SFTData, make_task=None) -> d
 
 
 def _sft(cfg: Config, run_dir: str, data: SFTData, control, make_task) -> dict:
-    from ndtrain.launch import init_process, set_collective_timeout, shutdown
-    from ndtrain.mesh import ParallelMesh
-    from ndtrain.train.trainer import Trainer
-    from ndtrain.train.worker import from_rank_0, mesh_shape
+    from ndtrain.launch import init_process, shutdown
+    from ndtrain.train.worker import from_rank_0, start_trainer, write_posttrain_files
 
     env = init_process(cfg.run.device, cfg.run.threads, cfg.run.collective_timeout_s)
     try:
         run = Path(from_rank_0(run_dir))
-        mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        task = make_task(cfg, data)
-        trainer = Trainer(cfg, mesh, task, run, local_world=env.local_world, control=control)
-        set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
-        trainer.start()  # resume run.dir's checkpoint, or load model.init_from
-        if env.rank == 0:  # once started: a refused resume leaves the run's files as they were
-            (run / "config.toml").write_text(config_mod.to_toml(cfg))
-            data.template.save(run)
-            hf_files.carry(cfg.model.init_from, run, data.template.stop_ids)
-            if data.skipped:
-                (run / "skipped_records.txt").write_text("".join(line + "\n" for line in data.skipped))
-        return fine_tune(trainer, task, data, cfg, run)
+        trainer = start_trainer(cfg, env, lambda: make_task(cfg, data), run, control)
+        if env.rank == 0:
+            write_posttrain_files(cfg, run, data.template, data.skipped)
+        return fine_tune(trainer, trainer.task, data, cfg, run)
     finally:
         shutdown()
 

@@ -103,6 +103,29 @@ def write_run_files(cfg: config_mod.Config, data: PreparedData, run_dir: Path) -
     hf_files.carry(cfg.model.init_from, run_dir)
 
 
+def start_trainer(cfg: config_mod.Config, env, make_task, run: Path | None, control):
+    """The mesh, the trainer of `make_task()` (built once the mesh exists) writing to `run`,
+    every group's collective timeout, and the start: resume `run`'s checkpoint, or load
+    model.init_from. What every task's rank does first."""
+    from ndtrain.train.trainer import Trainer
+    mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
+    trainer = Trainer(cfg, mesh, make_task(), run, local_world=env.local_world, control=control)
+    set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
+    trainer.start()
+    return trainer
+
+
+def write_posttrain_files(cfg: config_mod.Config, run: Path, template, skipped: list[str] = ()) -> None:
+    """What a fine-tuning run (sft, dpo, rl) keeps beside its checkpoints, written by rank 0
+    once started (a refused resume leaves the run's files as they were): the config, the
+    chat template, the Hugging Face files of model.init_from, and the records skipped."""
+    (run / "config.toml").write_text(config_mod.to_toml(cfg))
+    template.save(run)
+    hf_files.carry(cfg.model.init_from, run, template.stop_ids)
+    if skipped:
+        (run / "skipped_records.txt").write_text("".join(line + "\n" for line in skipped))
+
+
 def from_rank_0(value: str) -> str:
     """Rank 0's `value` on every rank. Under torchrun each process chose its run directory
     itself, and a default one comes from that process's clock: rank 0's choice wins."""
@@ -125,20 +148,15 @@ def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | list[str] | None,
 
 def _train(cfg: config_mod.Config, run_dir: str, data_dir: str | None, before_fit, control) -> dict:
     from ndtrain.train.tasks import Pretrain
-    from ndtrain.train.trainer import Trainer
 
     env = init_process(cfg.run.device, cfg.run.threads, cfg.run.collective_timeout_s)
     try:
         run_dir = from_rank_0(run_dir)
         data = open_prepared(cfg, data_dir) if data_dir else prepare_on_each_node(cfg, env.local_rank)
         resolve_vocab(cfg, data)
-        mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        task = Pretrain(cfg, data)
+        trainer = start_trainer(cfg, env, lambda: Pretrain(cfg, data), Path(run_dir), control)
         if not data_dir:  # torchrun: the command line did not say it (launch.warn: rank 0 only)
-            warn(task.notes)
-        trainer = Trainer(cfg, mesh, task, Path(run_dir), local_world=env.local_world, control=control)
-        set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
-        trainer.start()
+            warn(trainer.task.notes)
         if env.rank == 0:
             write_run_files(cfg, data, Path(run_dir))
         if before_fit is not None:

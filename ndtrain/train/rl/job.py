@@ -22,7 +22,6 @@ from pathlib import Path
 
 from ndtrain import config as config_mod
 from ndtrain import supervisor
-from ndtrain.checkpoint import hf_files
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.prompts import prompt_source
 from ndtrain.data.verifiable import char_tokenizer, draw_problems, make_task
@@ -165,19 +164,14 @@ def rl_worker(cfg_dict: dict, run_dir: str, template, evaluate_only: bool = Fals
 
 
 def _rl(cfg: Config, run_dir: str, template, evaluate_only: bool, control) -> dict:
-    from ndtrain.launch import init_process, set_collective_timeout, shutdown
-    from ndtrain.mesh import ParallelMesh
-    from ndtrain.train.trainer import Trainer
-    from ndtrain.train.worker import from_rank_0, mesh_shape
+    from ndtrain.launch import init_process, shutdown
+    from ndtrain.train.worker import from_rank_0, start_trainer, write_posttrain_files
 
     env = init_process(cfg.run.device, cfg.run.threads, cfg.run.collective_timeout_s)
     try:
         run = Path(from_rank_0(run_dir)) if not evaluate_only else None
-        mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-        task = RL(cfg, Environment(cfg, template))
-        trainer = Trainer(cfg, mesh, task, run, local_world=env.local_world, control=control)
-        set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
-        trainer.start()  # resume run.dir's checkpoint, or load model.init_from
+        trainer = start_trainer(cfg, env, lambda: RL(cfg, Environment(cfg, template)), run, control)
+        task, mesh = trainer.task, trainer.mesh
         if evaluate_only:
             try:
                 result = task.evaluate(trainer)
@@ -185,9 +179,7 @@ def _rl(cfg: Config, run_dir: str, template, evaluate_only: bool, control) -> di
                 result = {"interrupted": True}
             return result if mesh.rank == 0 else {}
         if env.rank == 0:
-            (run / "config.toml").write_text(config_mod.to_toml(cfg))
-            template.save(run)
-            hf_files.carry(cfg.model.init_from, run, template.stop_ids)
+            write_posttrain_files(cfg, run, template)
         return reinforce(trainer, task, cfg, run)
     finally:
         shutdown()
