@@ -64,6 +64,38 @@ def _adopt_slurm_env() -> None:
     os.environ.setdefault("MASTER_PORT", "29500")
 
 
+ALLOC_CONF = "expandable_segments:True"
+
+
+def allocator_defaults() -> None:
+    """The CUDA caching allocator with expandable segments (fewer fragmentation OOMs when
+    sequence lengths or micro-batches vary), unless the user configured it. Read by torch at
+    the allocator's first use, so set before this process allocates on a GPU."""
+    if not any(k in os.environ for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = ALLOC_CONF
+
+
+def configure_numerics(device: torch.device, tf32: bool, deterministic: bool) -> None:
+    """Process-wide numerics, before the first matmul: on CUDA, fp32 matmuls on TF32 tensor
+    cores or not (train.tf32; the CPU is left alone, its proofs run in full precision); with
+    run.deterministic, torch's deterministic algorithms and cuBLAS's fixed workspace, so a
+    rerun on a GPU gives the same bits (torch warns, naming the op, where it has no
+    deterministic kernel)."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high" if tf32 else "highest")
+        torch.backends.cudnn.allow_tf32 = tf32
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cudnn.benchmark = False
+
+
+def local_rank() -> int:
+    """This process's rank on its node, before any process group exists (torchrun, srun, ours)."""
+    _adopt_slurm_env()
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
 def pick_device(kind: str, local_rank: int) -> torch.device:
     if kind in ("auto", "cuda") and torch.cuda.is_available():
         return torch.device("cuda", local_rank % torch.cuda.device_count())
@@ -101,6 +133,7 @@ def init_process(device_kind: str = "auto", threads: int = 0, timeout_s: float =
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     device = pick_device(device_kind, local_rank)
     if device.type == "cuda":
+        allocator_defaults()
         torch.cuda.set_device(device)
     else:
         torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))

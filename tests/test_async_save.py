@@ -230,8 +230,8 @@ def test_an_error_in_the_loop_waits_for_the_save_in_flight(scenarios):
 
 def _staging(device: torch.device):
     """Two saves' staging of the same share: each a copy (the training steps after it
-    change the weights in place; the staged values must not move), into the same host
-    buffers (allocated once), pinned where the data are on CUDA."""
+    change the weights in place; the staged values must not move), into views of one host
+    slab (allocated once, not one allocation per tensor), pinned where the data are on CUDA."""
     from ndtrain.checkpoint.background import BackgroundSave
     data = [torch.arange(6.0, device=device), torch.arange(4, device=device, dtype=torch.int64)]
     saver = BackgroundSave(device)
@@ -241,12 +241,13 @@ def _staging(device: torch.device):
         t.add_(1)
     assert all(torch.equal(s, k) for (_, _, s), k in zip(first, kept))
     second = saver.stage([("a", None, data[0]), ("b", None, data[1])])
+    assert len({s.untyped_storage().data_ptr() for _, _, s in second}) == 1  # one slab
     assert [s.data_ptr() for _, _, s in second] == [s.data_ptr() for _, _, s in first]
     assert all(s.device.type == "cpu" and torch.equal(s, d.cpu()) for (_, _, s), d in zip(second, data))
     return [s.is_pinned() for _, _, s in second]
 
 
-def test_staging_copies_the_share_into_host_buffers_reused_by_the_next_save():
+def test_staging_copies_the_share_into_one_host_slab_reused_by_the_next_save():
     assert _staging(torch.device("cpu")) == [False, False]
 
 

@@ -2,26 +2,79 @@
 one line and exit 2, and a step that crashes or hangs is a row of the table, not the end of
 the run."""
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+
+from ndtrain.config.sections import PP_SCHEDULES
 
 from ndtrain.bench import gpu
 
 
-def test_dry_run_lists_every_step_within_the_budget(monkeypatch, capsys):
+def test_dry_run_lists_every_step_within_the_budgets(capsys):
     from ndtrain.cli import main
 
     assert main(["bench", "gpu", "--dry-run"]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    steps = gpu.steps()
-    assert len(lines) == len(steps) + 2 and lines[-1].split()[1] == str(sum(s.budget_s for s in steps))
-    assert any("pytest -m cuda" in line for line in lines) and any("train.compile=true" in line for line in lines)
-    assert sum(s.budget_s for s in steps) <= gpu.TOTAL_BUDGET_S
-    # fp8 joins as soon as train.precision accepts it, and the whole still fits
-    import ndtrain.config
-    monkeypatch.setattr(ndtrain.config, "PRECISIONS", (*ndtrain.config.PRECISIONS, "fp8"))
-    with_fp8 = gpu.steps()
-    assert any("fp8" in s.name for s in with_fp8) and sum(s.budget_s for s in with_fp8) <= gpu.TOTAL_BUDGET_S
+    one, multi = gpu.one_gpu_steps(), [s for s in gpu.steps() if s.multi_gpu]
+    assert len(lines) == 1 + len(one) + 1 + len(multi) + 1
+    assert lines[len(one) + 1].split()[3] == str(sum(s.budget_s for s in one))
+    assert sum(s.budget_s for s in one) <= gpu.TOTAL_BUDGET_S and sum(s.budget_s for s in multi) <= gpu.MULTI_BUDGET_S
+    for what in ("gpu_probe", "pytest -m cuda -v", "precision=bf16 train.compile=true",
+                 "precision=fp8 train.compile=true", "pp_schedule=dualpipev", "parallel.cp=2", "parallel.ep=2"):
+        assert any(what in line for line in lines), what
+    compiled = {s.name: s.budget_s for s in one if "compiled" in s.name}
+    assert len(set(compiled.values())) == 1, compiled  # fp8 compiles the quantizers too: never less time than bf16
+
+
+def test_every_multi_gpu_row_is_a_valid_layout_with_a_reference():
+    """Each row of the multi-GPU stage passes the config validation `train` runs, for its
+    process count, and names a one-process run as its reference."""
+    from ndtrain.config import load_config, validate
+
+    rows = gpu.multi_gpu_steps(Path("runs/x"))
+    names = {s.name: s for s in rows}
+    assert {"dp2", "tp2 + SP", "cp2 ring", "ZeRO-3", "MoE, ep2"} <= names.keys()
+    assert {n.split()[1] for n in names if n.startswith("pp2")} == set(PP_SCHEDULES)
+    for step in rows:
+        nproc, overrides, reference = gpu.LAYOUTS[step.name]
+        assert reference is None or gpu.LAYOUTS[reference][0] == 1 and reference in names
+        keys = list(step.argv[step.argv.index(str(nproc)) + 1:])
+        validate(load_config(None, keys + ["run.device=cpu"]), world=nproc, check_paths=False)
+
+
+def _write_losses(folder: Path, losses: list[float]) -> None:
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "loss": x}) + "\n"
+                                                  for i, x in enumerate(losses)))
+
+
+def test_a_row_is_ok_only_within_the_loss_tolerance(tmp_path):
+    _write_losses(tmp_path / "ref", [8.0, 7.0, 6.0])
+    _write_losses(tmp_path / "near", [8.0, 7.0 * (1 + gpu.LOSS_RTOL / 2), 6.0])
+    _write_losses(tmp_path / "far", [8.0, 7.0 * (1 + 2 * gpu.LOSS_RTOL), 6.0])
+    assert "worst relative difference" in gpu._compare(tmp_path / "near", tmp_path / "ref")("")
+    with pytest.raises(ValueError, match="worst relative difference"):
+        gpu._compare(tmp_path / "far", tmp_path / "ref")("")
+
+
+def test_a_killed_pytest_step_says_what_it_had_done():
+    out = ("tests/test_a.py::test_one PASSED\ntests/test_a.py::test_two FAILED\n"
+           "tests/test_b.py::test_three SKIPPED (needs two GPUs)\ntests/test_c.py::test_slow \n")
+    assert gpu._pytest_progress(out) == ("1 passed, 1 failed, 1 skipped; running tests/test_c.py::test_slow; "
+                                         "failed: tests/test_a.py::test_two")
+
+
+@pytest.mark.slow
+def test_the_multi_gpu_stage_runs_on_gloo(tmp_path):
+    """Three rows of the stage on CPU processes (gloo, bf16): the reference, dp2 and a
+    pipeline with two chunks a rank, each within the tolerance of the one-process run."""
+    rows = {s.name: s for s in gpu.multi_gpu_steps(tmp_path, ("run.device=cpu",))}
+    for name in ("1 GPU", "dp2", "pp2 zbv (2 chunks a rank)"):
+        r = gpu.run_step(rows[name], tmp_path / f"{len(name)}.log")
+        assert r["status"] == "ok", (name, r)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

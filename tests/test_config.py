@@ -57,7 +57,7 @@ def test_written_config_round_trips(tmp_path):
     (["model.n_kv_heads=3"], "model.n_kv_heads = 3: must divide model.n_heads = 4"),
     (["model.n_heads=8", "model.dim=64"], "head dim 64/8 = 8"),  # passes: even head dim
     (["parallel.dp_replicate=3", "parallel.dp=4"], "parallel.dp_replicate = 3: must divide parallel.dp = 4"),
-    (["train.precision=fp4"], "train.precision = 'fp4': choose one of fp32, bf16, fp16, fp64, fp8"),
+    (["train.precision=fp4"], "train.precision = 'fp4': choose auto or one of fp32, bf16, fp16, fp64, fp8"),
     (["train.recompute=every:x"], "choose none, full, selective or every:K"),
     (["parallel.pp_schedule=gpipe"], "parallel.pp_schedule = 'gpipe': unknown schedule"),
     (["run.resume=maybe"], "run.resume = 'maybe': choose auto, true or false"),

@@ -1,17 +1,27 @@
-"""`ndtrain bench gpu`: the first run on a GPU, as one command (run it from the repository root).
+"""`ndtrain bench gpu`: the first run on GPUs, as one command (run it from the repository root).
 
-On one CUDA device, within `TOTAL_BUDGET_S` in all, it runs `STEPS` in order, each in a
-process of its own with its own time limit, so a crash, a hang or a timeout is one failed
-row and the next step still runs: the CUDA-marked tests, the 1B preset at seq 2048 in bf16
-eager and compiled (tokens/s and MFU, `bench/mfu.py`), fp8 once `train.precision=fp8`
-exists, and the benchmarks that run on one device. It writes a markdown table (device,
-driver, torch and CUDA versions, each step's time, status and figures) to
-docs/benchmarks-gpu.md and each step's output next to it, under runs/bench-gpu-<time>/.
-`--dry-run` prints the steps and their budgets and runs nothing (it needs no GPU); without a
-CUDA device the command says so in one line and exits 2.
+It runs `steps()` in order, each in a process of its own with its own time limit, so a
+crash, a hang or a timeout is one failed row and the next step still runs.
 
-A step is a command line and a reader of its output: adding one (a precision, a preset) is
-one more `Step` in `steps()`.
+One GPU (within `TOTAL_BUDGET_S`): the probe of every CUDA-only call (bench/gpu_probe.py),
+the CUDA-marked tests (one line per test in the log, so a step killed at its limit still
+says what passed), the 1B preset at seq 2048 in bf16 and fp8, eager and compiled (tokens/s
+and MFU, bench/mfu.py), and generation with and without the KV cache.
+
+Two or more GPUs add a stage (within `MULTI_BUDGET_S`): 3 bf16 steps of the small model on
+one GPU, then the same under dp2, tp2, pp2 with every schedule, cp2 (ring), ZeRO-3, and
+(the MoE preset against its own one-GPU run) ep2; a row is ok when every loss is within
+`LOSS_RTOL` of the one-GPU run's.
+
+It writes a markdown table (device, driver, torch and CUDA versions, each step's time,
+status and figures) to runs/bench-gpu-<time>/report.md beside each step's output, and
+prints it; docs/benchmarks-gpu.md keeps the tables of the runs so far. `--dry-run` prints
+the steps and their budgets and runs nothing (it needs no GPU); without a CUDA device the
+command says so in one line and exits 2.
+
+Budgets: what each step took on the first H200 (docs/benchmarks-gpu.md: the probe 20 s, the
+1B eager steps 12-15 s including the model's construction) with room for a slower machine;
+a compiled row gets the most, the same for fp8 as for bf16 (fp8 compiles the quantizers too).
 """
 
 from __future__ import annotations
@@ -27,8 +37,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-TOTAL_BUDGET_S = 480
-REPORT = Path("docs/benchmarks-gpu.md")
+TOTAL_BUDGET_S = 540  # the one-GPU steps, all killed at their limits
+MULTI_BUDGET_S = 600  # the multi-GPU stage, likewise
+# bf16 against fp32 moves the small model's losses by <= 2e-3 over 10 steps in every layout
+# (tests/test_precision.py LOSS_RTOL); two bf16 runs each within it of fp32 differ by <= 2×.
+LOSS_RTOL = 4e-3
 
 
 def _last_json(out: str) -> str:
@@ -46,11 +59,31 @@ def _last_line(out: str) -> str:
     return out.strip().splitlines()[-1]
 
 
+def _probe_summary(out: str) -> str:
+    data = json.loads(_last_line(out))
+    failed = [name for name, status in data["status"].items() if status != "ok"]
+    return f"{data['probes_ok']}/{data['probes']} calls ok" + (f"; failed: {'; '.join(failed)}" if failed else "")
+
+
 def _pytest_summary(out: str) -> str:
     found = re.findall(r"=+ (.*(?:passed|failed|skipped|error|deselected).*) =+", out)
     if not found:
         raise ValueError("no pytest summary")
-    return found[-1]
+    return found[-1] + _failures(out)
+
+
+def _pytest_progress(out: str) -> str:
+    """What a killed pytest run had done: its per-test lines (-v) counted."""
+    outcomes = re.findall(r"^(tests/\S+) (PASSED|FAILED|SKIPPED|ERROR)", out, re.M)
+    counts = {k: sum(o == k for _, o in outcomes) for k in ("PASSED", "FAILED", "SKIPPED", "ERROR")}
+    done = ", ".join(f"{n} {k.lower()}" for k, n in counts.items() if n)
+    running = re.findall(r"^(tests/\S+) *$", out, re.M)
+    return (done or "no test finished") + (f"; running {running[-1]}" if running else "") + _failures(out)
+
+
+def _failures(out: str) -> str:
+    failed = re.findall(r"^(tests/\S+) (?:FAILED|ERROR)", out, re.M)
+    return f"; failed: {', '.join(failed)}" if failed else ""
 
 
 @dataclass(frozen=True)
@@ -59,38 +92,91 @@ class Step:
     budget_s: int
     argv: tuple[str, ...]  # after `python -m`
     result: Callable[[str], str]  # the figures, from the step's output
+    progress: Callable[[str], str] | None = None  # what a step killed at its limit had done
+    multi_gpu: bool = False
 
 
 def _mfu(name: str, budget_s: int, *overrides: str) -> Step:
     return Step(name, budget_s, ("ndtrain.bench.mfu", "model.preset=1B", "train.seq_len=2048", *overrides), _last_json)
 
 
-def steps() -> list[Step]:
-    from ndtrain.config import PRECISIONS
-
-    out = [
-        Step("CUDA tests (pytest -m cuda)", 100, ("pytest", "-m", "cuda", "-q", "-p", "no:cacheprovider", "tests"),
-             _pytest_summary),
-        _mfu("1B, seq 2048, bf16, eager", 50, "train.precision=bf16"),
-        _mfu("1B, seq 2048, bf16, compiled", 140, "train.precision=bf16", "train.compile=true"),
-    ]
-    if "fp8" in PRECISIONS:  # another engineer's precision; on the GPU as soon as it exists
-        out.append(_mfu("1B, seq 2048, fp8, compiled", 60, "train.precision=fp8", "train.compile=true"))
-    out += [
-        Step("bench generate (KV cache vs none)", 40,
+def one_gpu_steps() -> list[Step]:
+    return [
+        Step("CUDA calls (bench/gpu_probe.py)", 45, ("ndtrain.bench.gpu_probe",), _probe_summary),
+        Step("CUDA tests (pytest -m cuda)", 110, ("pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "tests"),
+             _pytest_summary, _pytest_progress),
+        _mfu("1B, seq 2048, bf16, eager", 40, "train.precision=bf16"),
+        _mfu("1B, seq 2048, bf16, compiled", 130, "train.precision=bf16", "train.compile=true"),
+        _mfu("1B, seq 2048, fp8 tensorwise, eager", 40, "train.precision=fp8"),
+        _mfu("1B, seq 2048, fp8 tensorwise, compiled", 130, "train.precision=fp8", "train.compile=true"),
+        Step("bench generate (KV cache vs none)", 35,
              ("ndtrain.cli", "bench", "generate", "--rounds", "3", "train.precision=bf16"), _last_line),
-        Step("bench compile (125M, bf16, 1 GPU)", 90,
-             ("ndtrain.cli", "bench", "compile", "--nproc", "1", "--rounds", "5", "model.preset=125M",
-              "train.precision=bf16", "train.seq_len=1024", "train.global_batch=8"), _last_line),
     ]
+
+
+# The multi-GPU stage: the small model, 3 steps of 8 rows of 256 tokens in 4 micro-batches.
+MULTI_COMMON = ("model.preset=small", "train.steps=3", "train.precision=bf16", "train.seq_len=256",
+                "train.global_batch=8", "train.micro_batch=2", "train.eval_every=0", "train.eval_batches=1",
+                "run.progress=false", "run.plot=false")
+LAYOUTS = {  # name: (processes, overrides, reference)
+    "1 GPU": (1, (), None),
+    "dp2": (2, (), "1 GPU"),
+    "tp2 + SP": (2, ("parallel.tp=2",), "1 GPU"),
+    **{f"pp2 {s}": (2, ("parallel.pp=2", f"parallel.pp_schedule={s}"), "1 GPU") for s in ("afab", "1f1b", "zb")},
+    **{f"pp2 {s} (2 chunks a rank)": (2, ("parallel.pp=2", f"parallel.pp_schedule={s}", "parallel.pp_virtual=2"),
+                                      "1 GPU") for s in ("interleaved", "zbv", "dualpipev")},
+    "cp2 ring": (2, ("parallel.cp=2",), "1 GPU"),
+    "ZeRO-3": (2, ("parallel.zero=3",), "1 GPU"),
+    "MoE, 1 GPU": (1, ("model.preset=tiny-moe",), None),
+    "MoE, ep2": (2, ("model.preset=tiny-moe", "parallel.ep=2"), "MoE, 1 GPU"),
+}
+
+
+def _losses(run_dir: Path) -> list[float]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line)["loss"] for line in lines if '"loss"' in line]
+
+
+def _compare(run_dir: Path, reference: Path | None) -> Callable[[str], str]:
+    def result(out: str) -> str:
+        losses = _losses(run_dir)
+        if not losses:
+            raise ValueError("no losses")
+        shown = ", ".join(f"{x:.4f}" for x in losses)
+        if reference is None:
+            return f"losses {shown}"
+        ref = _losses(reference)
+        worst = max(abs(a - b) / abs(b) for a, b in zip(losses, ref))
+        if len(ref) != len(losses) or worst > LOSS_RTOL:
+            raise ValueError(f"losses {shown} against {', '.join(f'{x:.4f}' for x in ref)}: "
+                             f"worst relative difference {worst:.1e} > {LOSS_RTOL:g}")
+        return f"losses {shown}; worst relative difference from one GPU {worst:.1e} (≤ {LOSS_RTOL:g})"
+    return result
+
+
+def multi_gpu_steps(logs: Path, extra: tuple[str, ...] = ()) -> list[Step]:
+    """`extra`: overrides for every row (the CPU check of this stage runs it on gloo)."""
+    def folder(name: str) -> Path:
+        return logs / re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+    out = []
+    for name, (nproc, overrides, reference) in LAYOUTS.items():
+        argv = ("ndtrain.cli", "train", "--nproc", str(nproc), *MULTI_COMMON, *overrides, *extra,
+                "run.resume=false", f"run.dir={folder(name)}")
+        out.append(Step(name, 45, argv, _compare(folder(name), reference and folder(reference)), multi_gpu=True))
     return out
+
+
+def steps(logs: Path = Path("runs/bench-gpu-<time>")) -> list[Step]:
+    return one_gpu_steps() + multi_gpu_steps(logs)
 
 
 def plan(chosen: list[Step]) -> str:
     lines = [f"{'step':<40} {'budget':>8}  command"]
-    lines += [f"{s.name:<40} {s.budget_s:>6} s  python -m {' '.join(s.argv)}" for s in chosen]
-    total = sum(s.budget_s for s in chosen)
-    lines.append(f"{'total':<40} {total:>6} s  (limit {TOTAL_BUDGET_S} s)")
+    for stage, limit, title in ((False, TOTAL_BUDGET_S, "one GPU"), (True, MULTI_BUDGET_S, "2+ GPUs only")):
+        part = [s for s in chosen if s.multi_gpu == stage]
+        lines += [f"{s.name:<40} {s.budget_s:>6} s  python -m {' '.join(s.argv)}" for s in part]
+        lines.append(f"{'total, ' + title:<40} {sum(s.budget_s for s in part):>6} s  (limit {limit} s)")
     return "\n".join(lines)
 
 
@@ -109,11 +195,13 @@ def run_step(step: Step, log: Path) -> dict:
     took = time.perf_counter() - t0
     out = log.read_text(errors="replace")
     if code is None:
-        return {"status": "timeout", "took": took, "result": f"killed after {step.budget_s} s"}
+        done = f": {step.progress(out)}" if step.progress else ""
+        return {"status": "timeout", "took": took, "result": f"killed after {step.budget_s} s{done}"}
     try:
         result = step.result(out)
-    except (ValueError, KeyError, IndexError, json.JSONDecodeError):
-        result = (out.strip().splitlines() or ["no output"])[-1][:200]
+    except (ValueError, KeyError, IndexError, OSError, json.JSONDecodeError) as e:
+        result = str(e) if isinstance(e, ValueError) and code == 0 else \
+            (out.strip().splitlines() or ["no output"])[-1][:200]
         return {"status": f"failed (exit {code})", "took": took, "result": result}
     return {"status": "ok" if code == 0 else f"failed (exit {code})", "took": took, "result": result}
 
@@ -129,14 +217,14 @@ def environment() -> dict[str, str]:
         pass
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     props = torch.cuda.get_device_properties(0)
-    return {"device": f"{props.name} ({props.total_memory / 2**30:.0f} GiB)", "driver": driver,
-            "torch": torch.__version__, "CUDA": torch.version.cuda or "?", "commit": commit or "?",
-            "date": time.strftime("%Y-%m-%d %H:%M")}
+    return {"device": f"{torch.cuda.device_count()} × {props.name} ({props.total_memory / 2**30:.0f} GiB)",
+            "driver": driver, "torch": torch.__version__, "CUDA": torch.version.cuda or "?",
+            "commit": commit or "?", "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
 def table(env: dict[str, str], rows: list[tuple[Step, dict]], logs: Path) -> str:
     head = " · ".join(f"{k} {v}" for k, v in env.items())
-    lines = ["# ndtrain on one GPU (`ndtrain bench gpu`)", "", head, "",
+    lines = ["# ndtrain on GPUs (`ndtrain bench gpu`)", "", head, "",
              "| step | budget | took | status | result |", "|---|---:|---:|---|---|"]
     for step, r in rows:
         lines.append(f"| {step.name} | {step.budget_s} s | {r['took']:.0f} s | {r['status']} | "
@@ -146,9 +234,8 @@ def table(env: dict[str, str], rows: list[tuple[Step, dict]], logs: Path) -> str
 
 
 def run(args) -> int:
-    chosen = steps()
     if getattr(args, "dry_run", False):
-        print(plan(chosen))
+        print(plan(steps()))
         return 0
     import torch
     if not torch.cuda.is_available():
@@ -157,15 +244,18 @@ def run(args) -> int:
         return 2
     logs = Path("runs") / time.strftime("bench-gpu-%Y%m%d-%H%M%S")
     logs.mkdir(parents=True, exist_ok=True)
+    chosen = one_gpu_steps() + (multi_gpu_steps(logs) if torch.cuda.device_count() >= 2 else [])
     env = environment()
-    print(f"bench gpu: {env['device']} · {len(chosen)} steps within {sum(s.budget_s for s in chosen)} s", flush=True)
+    print(f"bench gpu: {env['device']} · {len(chosen)} steps within {sum(s.budget_s for s in chosen)} s"
+          + ("" if torch.cuda.device_count() >= 2 else " (one GPU: no multi-GPU stage)"), flush=True)
     rows = []
+    report = logs / "report.md"
     for i, step in enumerate(chosen):
         r = run_step(step, logs / f"{i + 1:02d}.log")
         rows.append((step, r))
         print(f"{step.name}: {r['status']} in {r['took']:.0f} s · {r['result']}", flush=True)
-        REPORT.parent.mkdir(parents=True, exist_ok=True)
-        REPORT.write_text(table(env, rows, logs))  # after every step: a later crash keeps the rows so far
+        report.write_text(table(env, rows, logs))  # after every step: a later crash keeps the rows so far
     ok = sum(r["status"] == "ok" for _, r in rows)
-    print(f"ndtrain bench gpu: {ok}/{len(rows)} steps ok, table in {REPORT}")
+    print(table(env, rows, logs), flush=True)
+    print(f"ndtrain bench gpu: {ok}/{len(rows)} steps ok, table in {report} (add it to docs/benchmarks-gpu.md)")
     return 0 if ok == len(rows) else 1

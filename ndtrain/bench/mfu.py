@@ -27,7 +27,7 @@ def measure(overrides: list[str], steps: int) -> dict:
     from ndtrain.bench.common import synthetic_batch
     from ndtrain.config import load_config, validate
     from ndtrain.data.batch import MicroBatch
-    from ndtrain.launch import init_process
+    from ndtrain.launch import configure_numerics, init_process
     from ndtrain.mesh import ParallelMesh
     from ndtrain.model.args import flops_per_token
     from ndtrain.observe.mfu import peak_flops
@@ -37,6 +37,7 @@ def measure(overrides: list[str], steps: int) -> dict:
 
     cfg = validate(load_config(None, DEFAULTS + overrides), world=1, check_paths=False)
     env = init_process(cfg.run.device, cfg.run.threads)
+    configure_numerics(env.device, cfg.train.tf32, cfg.run.deterministic)
     t, args = cfg.train, cfg.model_args()
     stepper = TrainStep(build(args, ParallelMesh.build(mesh_shape(cfg), env.device), cfg), cfg)
     x, y = synthetic_batch(args, t.global_batch, t.seq_len, 0, env.device)
@@ -64,7 +65,7 @@ def measure(overrides: list[str], steps: int) -> dict:
         torch.cuda.reset_peak_memory_stats(env.device)
     seconds = timed(steps) / steps
     tokens_per_s = t.global_batch * t.seq_len / seconds
-    peak, source = peak_flops(env.device, t.precision, cfg.data.cache_dir)
+    peak, source = peak_flops(env.device, t.precision, cfg.data.cache_dir, t.tf32)
     memory = torch.cuda.max_memory_allocated(env.device) / 2**30 if env.device.type == "cuda" else None
     return {"tokens_per_s": tokens_per_s, "mfu": flops_per_token(args, t.seq_len) * tokens_per_s / peak if peak else None,
             "step_s": seconds, "first_step_s": first, "peak_memory_gib": memory, "peak_source": source,

@@ -1,9 +1,11 @@
 """Checkpoints written behind training (`run.async_save = true`).
 
 The step waits only for the copy of this rank's share of the state into host memory
-(`stage`: pinned buffers on CUDA, copied with `non_blocking` and waited for once; plain
-copies on the CPU). The buffers are kept and reused by the next save, so a run holds one
-extra copy of its share in host memory. A thread then runs the same `store.save` as a
+(`stage`: one host slab per rank, pinned on CUDA, each tensor a view of it, copied with
+`non_blocking` and waited for once; plain copies on the CPU). One slab rather than one
+pinned buffer per tensor: pinning is a slow, page-locking system call per allocation, and
+thousands of small pinned blocks fragment the pinned pool. The slab is kept and reused by
+the next save, so a run holds one extra copy of its share in host memory. A thread then runs the same `store.save` as a
 synchronous save (write and hash, fsync, meta.json, rename, read back, `latest`, prune),
 so what lands on the disk is the same, byte for byte, and a crash at any moment of it
 leaves what a crash of a synchronous save leaves: the previous good checkpoint.
@@ -39,7 +41,7 @@ class BackgroundSave:
         self._thread: threading.Thread | None = None
         self._result: Path | None = None
         self._error: BaseException | None = None
-        self._buffers: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []  # views of one slab
 
     @property
     def pending(self) -> bool:
@@ -59,12 +61,11 @@ class BackgroundSave:
         return store.step_dir(run_dir, step)
 
     def stage(self, entries: list) -> list:
-        """`entries` with their data copied into this object's host buffers (allocated at
-        the first save, pinned on CUDA); returns once the copies are complete."""
+        """`entries` with their data copied into views of this object's host slab (allocated
+        at the first save, pinned on CUDA); returns once the copies are complete."""
         shapes = [(data.numel(), data.dtype) for _, _, data in entries]
         if [(b.numel(), b.dtype) for b in self._buffers] != shapes:
-            pin = self.device.type == "cuda" and torch.cuda.is_available()
-            self._buffers = [torch.empty(n, dtype=dtype, pin_memory=pin) for n, dtype in shapes]
+            self._buffers = slab_views(shapes, pin=self.device.type == "cuda" and torch.cuda.is_available())
         cuda = False
         for buf, (_, _, data) in zip(self._buffers, entries):
             cuda |= data.device.type == "cuda"
@@ -96,6 +97,19 @@ class BackgroundSave:
         if error is not None:
             raise error
         return self._result
+
+
+ALIGN = 64  # bytes: every view starts on a cache line (and on its dtype's size)
+
+
+def slab_views(shapes: list[tuple[int, torch.dtype]], pin: bool) -> list[torch.Tensor]:
+    """One host allocation holding a 1-D tensor of each (numel, dtype), as views of it."""
+    offsets, total = [], 0
+    for n, dtype in shapes:
+        offsets.append(total)
+        total += -(-n * dtype.itemsize // ALIGN) * ALIGN
+    slab = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    return [slab[o:o + n * dtype.itemsize].view(dtype) for o, (n, dtype) in zip(offsets, shapes)]
 
 
 def save_group(timeout_s: float):

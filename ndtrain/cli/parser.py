@@ -59,8 +59,8 @@ examples:
   ndtrain bench ep                               experts split over 2 ranks (ep=2) against replicated (ep=1)
   ndtrain bench fp8 --nproc 1                    bf16 against fp8 tensorwise, rowwise, blockwise (CPU: the emulation)
   ndtrain bench compile                          the default job's step compiled (train.compile=true) against eager
-  ndtrain bench gpu [--dry-run]                  the first GPU run: CUDA tests, 1B MFU eager and compiled, one-GPU
-                                                 benches, each with its own time limit → docs/benchmarks-gpu.md
+  ndtrain bench gpu [--dry-run]                  the first GPU run: CUDA calls probed, CUDA tests, 1B MFU eager and
+                                                 compiled, 2+ GPUs: every layout vs one GPU → runs/bench-gpu-*/report.md
   ndtrain bench prepare                          ndtrain prepare (a process per core) vs a bare tokenizers encode_batch loop
   ndtrain bench checkpoint                       our checkpoint save/load against torch.distributed.checkpoint (125M, 2 ranks)
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2

@@ -8,7 +8,8 @@ import signal
 import sys
 from pathlib import Path
 
-from ndtrain.cli.run import Stopped, check_fits, check_resume, choose_run_dir, run_task, warn_before_start, with_nproc
+from ndtrain.cli.run import (Stopped, check_fits, check_resume, choose_run_dir, layout_words, run_task,
+                             warn_before_start, with_nproc)
 
 
 def cmd_sft(args, make_task=None) -> int:
@@ -46,10 +47,8 @@ def cmd_sft(args, make_task=None) -> int:
     sft.check_score(cfg.sft.score, data)  # a scoring function that raises or returns no number fails here
     run_dir = choose_run_dir(cfg, "sft")
     resumed = check_resume(cfg, run_dir)
-    p = cfg.parallel
     banner = [f"ndtrain sft: {cfg.model.preset} model from {cfg.model.init_from or 'random weights'}, "
-              f"{p.world} process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), "
-              f"{t.steps} steps, packing {d.packing} → {run_dir}"
+              f"{layout_words(cfg)}, {t.steps} steps, packing {d.packing} → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""), data.describe()]
     return run_task(cfg, world, run_dir, sft.sft_worker, (cfg.to_dict(), str(run_dir), data, make_task),
                     ("ndtrain.train.sft", "ndtrain.train.trainer"), banner, sft.describe_summary, args.argv)
@@ -113,8 +112,7 @@ def cmd_rl(args) -> int:
     resumed = check_resume(cfg, run_dir)
     asked = f"{r.data} (rl.reward {r.reward})" if r.data else f"{r.task} (size {r.size})"
     banner = (f"ndtrain rl: {r.loss} on {asked}, {cfg.model.preset} model from "
-              f"{cfg.model.init_from or 'random weights'}, {p.world} process{'es' if p.world > 1 else ''} "
-              f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {cfg.train.steps} updates of "
+              f"{cfg.model.init_from or 'random weights'}, {layout_words(cfg)}, {cfg.train.steps} updates of "
               f"{cfg.train.global_batch // r.group_size} prompts × {r.group_size} completions → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""))
     return run_task(cfg, world, run_dir, job.rl_worker, (cfg.to_dict(), str(run_dir), template),
@@ -207,10 +205,9 @@ def cmd_dpo(args) -> int:
                           f"answers: {e.shortest} positions, {e.key}): a row holds a whole pair") from None
     run_dir = choose_run_dir(cfg, "dpo")
     resumed = check_resume(cfg, run_dir)
-    p = cfg.parallel
     banner = [f"ndtrain dpo: β = {cfg.dpo.beta:g}, {cfg.model.preset} model from "
-              f"{cfg.model.init_from or 'random weights'}, {p.world} process{'es' if p.world > 1 else ''} "
-              f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}), {t.steps} steps of {t.global_batch} pairs → {run_dir}"
+              f"{cfg.model.init_from or 'random weights'}, {layout_words(cfg)}, {t.steps} steps of "
+              f"{t.global_batch} pairs → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else "")
               + (" · control: chosen and rejected shuffled" if cfg.dpo.shuffle else ""), data.describe()]
     return run_task(cfg, world, run_dir, dpo.dpo_worker, (cfg.to_dict(), str(run_dir), data),

@@ -22,6 +22,24 @@ class Stopped(Exception):
         super().__init__(message)
 
 
+def layout_words(cfg) -> str:
+    """'2 processes (pp=1 dp=2 cp=1 tp=1), fp32': the banner's layout and the precision that
+    runs (after validation resolved train.precision = auto for the device)."""
+    p, t = cfg.parallel, cfg.train
+    precision = t.precision
+    if precision == "fp8":
+        precision = f"fp8 {t.fp8_recipe} (the rest {t.fp8_base})"
+    elif precision == "fp32" and t.tf32 and cfg.run.device != "cpu" and _has_cuda():
+        precision = "fp32 (matmuls on TF32)"
+    return (f"{p.world} process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}"
+            + (f" ep={p.ep}" if p.ep > 1 else "") + f"), {precision}")
+
+
+def _has_cuda() -> bool:
+    import torch
+    return torch.cuda.is_available()
+
+
 def warn_before_start(cfg, world: int | None, command: str = "train") -> None:
     """Keys that do nothing in this layout, and more CPU processes than cores."""
     from ndtrain.idle_keys import idle_keys

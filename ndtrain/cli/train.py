@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from ndtrain.launch import warn
-from ndtrain.cli.run import (check_fits, check_resume, choose_run_dir, open_data, run_task, warn_before_start,
-                             with_nproc)
+from ndtrain.cli.run import (check_fits, check_resume, choose_run_dir, layout_words, open_data, run_task,
+                             warn_before_start, with_nproc)
 
 
 def cmd_train(args) -> int:
@@ -35,10 +35,8 @@ def cmd_train(args) -> int:
     data = open_data(cfg, cfg.run.progress)
     resolve_vocab(cfg, data)  # fails here, before any process starts or file is written
     warn(Pretrain(cfg, data).notes)  # a mixture's source that repeats; one that may not and would: DataError
-    p = cfg.parallel
-    banner = (f"ndtrain: {cfg.model.preset} model, {p.world} process{'es' if p.world > 1 else ''} "
-              f"(pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}" + (f" ep={p.ep}" if p.ep > 1 else "")
-              + f"), {cfg.train.steps} steps → {run_dir}" + (f" (resuming {resumed.name})" if resumed else ""))
+    banner = (f"ndtrain: {cfg.model.preset} model, {layout_words(cfg)}, {cfg.train.steps} steps → {run_dir}"
+              + (f" (resuming {resumed.name})" if resumed else ""))
     return run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), prepared_paths(data)),
                     ("ndtrain.train.worker", "ndtrain.train.trainer"), [banner], argv=args.argv)
 

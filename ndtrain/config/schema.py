@@ -120,7 +120,8 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 0
-    precision: str = "fp32"  # compute dtype: fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs) | fp8 (block matmuls in fp8, the rest in fp8_base)
+    precision: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on the CPU) | fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs) | fp8 (block matmuls in fp8, the rest in fp8_base)
+    tf32: bool = True  # CUDA: matmuls that stay fp32 run on TF32 tensor cores (10-bit mantissa); false: full fp32
     fp8_recipe: str = "tensorwise"  # precision = fp8: tensorwise | rowwise | blockwise (DeepSeek-V3's 1×128 / 128×128)
     fp8_all_gather: bool = False  # precision = fp8, tensorwise, zero = 3: gather weights in fp8 (half of bf16's bytes)
     fp8_base: str = "bf16"  # precision = fp8: the dtype of everything not in fp8: bf16 | fp32 | fp64 (CPU proofs)
@@ -236,6 +237,7 @@ class RunConfig:
     max_restarts: int = 0  # local launcher: restart every rank this often after one dies or hangs (last good checkpoint)
     heartbeat_s: float = 600.0  # local launcher: a rank that reports no progress for this long is hung; 0 = never
     collective_timeout_s: float = 600.0  # a collective not complete after this fails, naming it, its group and the rank
+    deterministic: bool = False  # torch's deterministic algorithms (and cuBLAS's fixed workspace on CUDA): bit-identical reruns on a GPU, somewhat slower
     async_save: bool = False  # write checkpoints in a background thread; the step waits only for the copy to the host
     progress: bool = True
     plot: bool = True

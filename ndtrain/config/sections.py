@@ -149,10 +149,18 @@ def _check_fp8_keys(t: TrainConfig, device: str) -> None:
         raise ConfigError("train.fp8_base", "fp64", "fp64 is for the CPU layout proofs (run.device=cpu)")
 
 
+def resolve_precision(t: TrainConfig, cuda: bool) -> None:
+    """train.precision = auto: bf16 on CUDA (fp32 there trains ~10× slower), fp32 on the CPU
+    (where bf16 has no fast matmul and the proofs want full precision)."""
+    if t.precision == "auto":
+        t.precision = "bf16" if cuda else "fp32"
+
+
 def _check_precision(t: TrainConfig, device: str) -> None:
-    """train.precision and the fp16 loss scaler."""
+    """train.precision (auto resolved here) and the fp16 loss scaler."""
+    resolve_precision(t, _uses_cuda(device))
     if t.precision not in PRECISIONS:
-        raise ConfigError("train.precision", t.precision, f"choose one of {', '.join(PRECISIONS)}")
+        raise ConfigError("train.precision", t.precision, f"choose auto or one of {', '.join(PRECISIONS)}")
     if t.precision == "fp64" and _uses_cuda(device):
         raise ConfigError("train.precision", t.precision, "fp64 is for the CPU layout proofs (run.device=cpu); "
                           "on a GPU use fp32, bf16 or fp16")

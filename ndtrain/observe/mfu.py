@@ -15,20 +15,20 @@ from pathlib import Path
 
 import torch
 
-# Dense TFLOP/s: (fp32 without tensor cores, bf16/fp16 tensor cores).
+# Dense TFLOP/s: (fp32 without tensor cores, TF32 tensor cores, bf16/fp16 tensor cores).
 GPU_PEAKS = {
-    "H200": (67e12, 989e12),
-    "H100 SXM": (67e12, 989e12),
-    "H100 NVL": (60e12, 835e12),
-    "H100 PCIe": (51e12, 756e12),
-    "H100": (67e12, 989e12),
-    "B200": (80e12, 2250e12),
-    "A100": (19.5e12, 312e12),
-    "A10G": (31.2e12, 125e12),
-    "L40S": (91.6e12, 362e12),
-    "L4": (30.3e12, 121e12),
-    "RTX 4090": (82.6e12, 165e12),
-    "V100": (15.7e12, 125e12),
+    "H200": (67e12, 494.7e12, 989e12),
+    "H100 SXM": (67e12, 494.7e12, 989e12),
+    "H100 NVL": (60e12, 417.5e12, 835e12),
+    "H100 PCIe": (51e12, 378e12, 756e12),
+    "H100": (67e12, 494.7e12, 989e12),
+    "B200": (80e12, 1100e12, 2250e12),
+    "A100": (19.5e12, 156e12, 312e12),
+    "A10G": (31.2e12, 62.5e12, 125e12),
+    "L40S": (91.6e12, 183e12, 362e12),
+    "L4": (30.3e12, 60e12, 121e12),
+    "RTX 4090": (82.6e12, 82.6e12, 165e12),
+    "V100": (15.7e12, 15.7e12, 125e12),  # no TF32: fp32 stays fp32
 }
 
 
@@ -60,18 +60,28 @@ def save_cpu_peak(cache_dir: str | Path, flops: float, n: int, threads: int) -> 
     return path
 
 
-def peak_flops(device: torch.device, precision: str, cache_dir: str | Path) -> tuple[float | None, str]:
+def peak_flops(device: torch.device, precision: str, cache_dir: str | Path,
+               tf32: bool = False) -> tuple[float | None, str]:
     """(peak FLOP/s of one device, where the figure comes from); (None, why) if unknown.
-    On the CPU the "device" is the whole machine."""
+    On the CPU the "device" is the whole machine. An fp32 run with train.tf32 multiplies on
+    TF32 tensor cores, so its MFU is quoted against their peak, not plain fp32's (which
+    would flatter it 7×)."""
     if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        for key, (fp32, low) in GPU_PEAKS.items():
-            if key in name:
-                shown = "bf16 (fp8 runs are quoted against the bf16 peak)" if precision == "fp8" else precision
-                return (fp32 if precision == "fp32" else low), f"{name} datasheet, {shown}"
-        return None, f"unknown GPU {name!r}"
+        return gpu_peak(torch.cuda.get_device_name(device), precision, tf32)
     path = cpu_peak_file(cache_dir)
     if path.is_file():
         data = json.loads(path.read_text())
         return float(data["flops"]), f"peak = CPU matmul rate measured by `ndtrain bench matmul`, {path}"
     return None, "CPU peak unknown: run `ndtrain bench matmul` once to measure it"
+
+
+def gpu_peak(name: str, precision: str, tf32: bool) -> tuple[float | None, str]:
+    """The datasheet peak of the GPU called `name` at `precision`, and its label."""
+    for key, (fp32, tf32_peak, low) in GPU_PEAKS.items():
+        if key in name:
+            if precision == "fp32":
+                return (tf32_peak, f"{name} datasheet, fp32 on TF32 tensor cores (train.tf32)") if tf32 \
+                    else (fp32, f"{name} datasheet, fp32")
+            shown = "bf16 (fp8 runs are quoted against the bf16 peak)" if precision == "fp8" else precision
+            return low, f"{name} datasheet, {shown}"
+    return None, f"unknown GPU {name!r}"

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ndtrain.config import Config, ConfigError, validate
+from ndtrain.config.sections import resolve_precision
 from ndtrain.model.args import ModelArgs, param_count
 from ndtrain.plan.cluster import THIS_MACHINE, Cluster
 from ndtrain.plan.flops import hardware_flops_per_step, model_flops_per_step
@@ -172,6 +173,7 @@ def plan_config(cfg: Config, cluster: Cluster, gpus: int | None) -> tuple[Config
                           f"must equal the GPU count, {gpus} (--gpus)")
     if not p.dp and gpus % fixed:
         raise ConfigError("--gpus", gpus, f"must be a multiple of pp×cp×tp = {p.pp}×{p.cp}×{p.tp} = {fixed}")
+    resolve_precision(cfg.train, cuda=cluster.name != THIS_MACHINE)  # auto: what `train` would pick there
     if cfg.train.precision == "fp64" and cluster.name != THIS_MACHINE:
         raise ConfigError("train.precision", "fp64", "fp64 is for the CPU layout proofs; on GPUs use fp32, bf16 or fp16")
     cfg.run.device, cfg.run.nproc = "cpu", 0  # the planner never touches a device

@@ -73,7 +73,7 @@ class Trainer:
         self.stepper = TrainStep(self.par, cfg)
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
         self.param_counts = param_counts(self.args)  # trainable_params, total_params (LoRA: the adapters train)
-        self.peak, self.peak_source = peak_flops(mesh.device, t.precision, cfg.data.cache_dir)
+        self.peak, self.peak_source = peak_flops(mesh.device, t.precision, cfg.data.cache_dir, t.tf32)
         # A CPU peak is a whole machine's; a GPU peak is one device's.
         self.n_peak_units = mesh.world // local_world if mesh.device.type == "cpu" else mesh.world
         self.step = 0

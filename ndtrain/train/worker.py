@@ -16,7 +16,7 @@ from ndtrain.data.mixture import PreparedMixture
 from ndtrain.data.prepare import PreparedData
 from ndtrain.data.sources import check_source
 from ndtrain.data.token_files import prepare_source
-from ndtrain.launch import init_process, set_collective_timeout, shutdown, warn
+from ndtrain.launch import configure_numerics, init_process, local_rank, set_collective_timeout, shutdown, warn
 from ndtrain.mesh import MeshShape, ParallelMesh
 
 
@@ -58,15 +58,17 @@ def open_prepared(cfg: config_mod.Config, paths: str | list[str]) -> PreparedDat
     return PreparedData.open(paths)
 
 
-def prepare_on_each_node(cfg: config_mod.Config, local_rank: int) -> PreparedData | PreparedMixture:
-    """Under torchrun every node prepares its own copy once (local rank 0), the others wait."""
-    data = None
-    if local_rank == 0:  # a failure here ends the job: torchrun stops the waiting ranks
-        data = prepare(cfg, progress=True)
+def prepare_before_the_group(cfg: config_mod.Config) -> PreparedData | PreparedMixture:
+    """Under torchrun or srun, before the process group exists: every process asks for the
+    data; the first of a node to take the cache's build lock (data/prepare.py) prepares it,
+    the others wait on that lock and then open what it built. No collective waits meanwhile,
+    so a cold cache on a large corpus takes as long as it takes (inside a NCCL barrier it
+    would meet the collective timeout). Local rank 0 shows the progress and verifies."""
+    first = local_rank() == 0
+    data = prepare(cfg, progress=first)
+    if first:
         data.verify()
-    if dist.is_initialized():
-        dist.barrier()
-    return data or prepare(cfg, progress=False)
+    return data
 
 
 def resolve_vocab(cfg: config_mod.Config, data: PreparedData) -> None:
@@ -108,6 +110,7 @@ def start_trainer(cfg: config_mod.Config, env, make_task, run: Path | None, cont
     every group's collective timeout, and the start: resume `run`'s checkpoint, or load
     model.init_from. What every task's rank does first."""
     from ndtrain.train.trainer import Trainer
+    configure_numerics(env.device, cfg.train.tf32, cfg.run.deterministic)
     mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
     trainer = Trainer(cfg, mesh, make_task(), run, local_world=env.local_world, control=control)
     set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
@@ -149,10 +152,10 @@ def train_worker(cfg_dict: dict, run_dir: str, data_dir: str | list[str] | None,
 def _train(cfg: config_mod.Config, run_dir: str, data_dir: str | None, before_fit, control) -> dict:
     from ndtrain.train.tasks import Pretrain
 
+    data = open_prepared(cfg, data_dir) if data_dir else prepare_before_the_group(cfg)
     env = init_process(cfg.run.device, cfg.run.threads, cfg.run.collective_timeout_s)
     try:
         run_dir = from_rank_0(run_dir)
-        data = open_prepared(cfg, data_dir) if data_dir else prepare_on_each_node(cfg, env.local_rank)
         resolve_vocab(cfg, data)
         trainer = start_trainer(cfg, env, lambda: Pretrain(cfg, data), Path(run_dir), control)
         if not data_dir:  # torchrun: the command line did not say it (launch.warn: rank 0 only)
