@@ -70,7 +70,7 @@ def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool
         ("data.vocab_size", bool(d.tokenizer) or prepared,
          "it sizes the BPE trained when there is no data.tokenizer and data.path is not a prepared folder"),
         *((f"data.{k}", prepared, "data.path is a prepared folder, read as it is")
-          for k in ("tokenizer", "val_fraction", "jsonl_key", "cache_dir")),
+          for k in ("tokenizer", "val_fraction", "text_key", "cache_dir")),
         ("run.threads", _on_gpu(r.device), "it sets CPU threads; this run computes on the GPU"),
         ("run.nproc", world is not None, "the launcher (torchrun or SLURM) decides the process count"),
     ]
@@ -84,7 +84,7 @@ def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool
     rules.append(("dpo.warmup_steps", command == "dpo" and "model.init_from" in cfg.explicit,
                   "model.init_from is set: there is no default warm-up"))
     rules += [(f"sft.{k}", cfg.sft.generate == 0, "sft.generate = 0 generates nothing") for k in ("max_new_tokens", "score")]
-    rules.append(("data.jsonl_key", command in ("sft", "rl-warmup", "dpo"), "SFT and DPO records are read whole "
+    rules.append(("data.text_key", command in ("sft", "rl-warmup", "dpo"), "SFT and DPO records are read whole "
                   "(messages, or prompt and completion / chosen and rejected)"))
     rules.append(("data.sources", command in ("sft", "rl", "rl-warmup", "dpo"), "only ndtrain train reads a mixture; "
                   "sft and dpo read data.path"))
@@ -105,7 +105,7 @@ def _rl_rules(cfg: Config, command: str) -> list[tuple[str, bool, str]]:
     ratio = "reinforce has no importance ratio to clip"
     rules += [
         *((f"data.{k}", True, "ndtrain rl draws its prompts from rl.task or rl.data") for k in
-          ("path", "vocab_size", "jsonl_key", "packing", "truncate")),
+          ("path", "vocab_size", "text_key", "packing", "truncate")),
         *((f"data.{k}", not r.data, "ndtrain rl draws its prompts from rl.task (rl.data is not set)") for k in
           ("val_fraction", "on_bad_record")),
         *((f"rl.{k}", bool(r.data), "rl.data gives the prompts") for k in ("task", "size")),

@@ -23,7 +23,7 @@ def test_bf16_steps_eager_and_compiled_follow_fp32(tiny_data):
     3e-2 of the fp32 GPU run's (bf16 keeps 8 bits: 2^-8 ≈ 4e-3 per rounding, a few roundings
     through 4 blocks and the loss), finite, and MFU reported."""
     _needs_cuda()
-    fp32, _, _ = train_in_rank(CUDA, tiny_data)
+    fp32, _, _ = train_in_rank(CUDA + ["train.precision=fp32"], tiny_data)  # auto would be bf16 on CUDA
     for extra in ([], ["train.compile=true"]):
         losses, _, trainer = train_in_rank(CUDA + ["train.precision=bf16"] + extra, tiny_data)
         assert all(abs(a - b) <= 3e-2 * abs(b) for a, b in zip(losses, fp32)), (extra, losses, fp32)

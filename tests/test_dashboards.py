@@ -111,7 +111,7 @@ def test_an_unknown_wandb_mode_is_refused(capsys):
     assert "run.wandb = 'cloud': choose \"\" (off), offline or online" in capsys.readouterr().err
 
 
-def test_scalar_names_are_metrics_jsonl_keys_nested_with_a_slash():
+def test_scalar_names_are_metrics_text_keys_nested_with_a_slash():
     """A mixture's record (issue 23's source_tokens and val_loss.<name>), per-group comm bytes
     and memory per rank: each number under its metrics.jsonl name; nulls and flags left out."""
     record = {"step": 7, "loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "tokens_per_s": 900.0, "mfu": None,

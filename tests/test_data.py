@@ -215,9 +215,9 @@ def test_iter_documents_txt_jsonl_and_dir(tmp_path):
     assert [k for k, _ in iter_documents(str(tmp_path))] == ["a.txt", "b.jsonl:1", "b.jsonl:3", "sub/c.md"]
 
 
-def test_iter_documents_jsonl_key(tmp_path):
+def test_iter_documents_text_key(tmp_path):
     (tmp_path / "x.jsonl").write_text('{"body": "hello"}\n')
-    assert list(iter_documents(str(tmp_path / "x.jsonl"), jsonl_key="body")) == [("x.jsonl:1", "hello")]
+    assert list(iter_documents(str(tmp_path / "x.jsonl"), text_key="body")) == [("x.jsonl:1", "hello")]
 
 
 @pytest.mark.parametrize("line", ["not json", '{"other": "x"}', "[1, 2]", '{"text": 5}'])

@@ -111,7 +111,7 @@ def bench_config(args, bench: Bench) -> Config:
             raise ConfigError(key, getattr(getattr(user, section), name),
                               f"bench {bench.name} cannot apply it to both contenders; leave it out "
                               "(docs/benchmarks.md lists what each benchmark applies)")
-    if user.train.precision not in ("fp32", "bf16"):
+    if user.train.precision not in ("auto", "fp32", "bf16"):  # auto: bf16 on CUDA, fp32 on the CPU
         raise ConfigError("train.precision", user.train.precision, "a benchmark compares fp32 or bf16 (fp16's "
                           "loss scaling has no equal on the torch side; fp64 is for the CPU proofs)")
     defaults = bench.settings + (() if "model.preset" in user.explicit else bench.model)

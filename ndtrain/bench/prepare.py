@@ -32,11 +32,11 @@ from ndtrain.bench.common import Bench, alternate, announce, bench_config, repor
 
 BATCH_DOCS = 512
 BENCH = Bench("prepare", (), ("run.progress=false",),
-              ("data.path", "data.tokenizer", "data.vocab_size", "data.jsonl_key", "data.workers", "data.cache_dir",
+              ("data.path", "data.tokenizer", "data.vocab_size", "data.text_key", "data.workers", "data.cache_dir",
                "data.val_fraction"))
 
 
-def bare_encode(source: str, tokenizer_json: Path, jsonl_key: str, out: Path) -> int:
+def bare_encode(source: str, tokenizer_json: Path, text_key: str, out: Path) -> int:
     """The anchor: read, `encode_batch_fast`, append uint32 ids; returns the token count."""
     from tokenizers import Tokenizer
 
@@ -60,7 +60,7 @@ def bare_encode(source: str, tokenizer_json: Path, jsonl_key: str, out: Path) ->
             for path in source_files(source)[1]:
                 if path.suffix == ".jsonl":
                     with open(path, encoding="utf-8", errors="replace") as lines:
-                        yield from (t for line in lines if line.strip() and (t := json.loads(line)[jsonl_key]))
+                        yield from (t for line in lines if line.strip() and (t := json.loads(line)[text_key]))
                 elif text := path.read_bytes().decode("utf-8", errors="replace"):
                     yield text
 
@@ -98,7 +98,7 @@ def run(args) -> int:
     d = cfg.data
     tokenizer = Path(d.tokenizer).expanduser() if d.tokenizer else None
     if tokenizer is None:  # the corpus's own BPE, trained (and cached) once, not timed
-        prepared = prepare_data(d.path, "", d.vocab_size, d.val_fraction, d.cache_dir, d.jsonl_key, progress=False)
+        prepared = prepare_data(d.path, "", d.vocab_size, d.val_fraction, d.cache_dir, d.text_key, progress=False)
         tokenizer = PreparedData.open(prepared).path / "tokenizer.json"
     corpus_bytes = sum(p.stat().st_size for p in source_files(d.path)[1])
     workers = worker_count(d.workers, corpus_bytes)
@@ -111,12 +111,12 @@ def run(args) -> int:
     try:
         def ours() -> None:
             out = scratch / "ours"
-            prepare_data(d.path, str(tokenizer), d.vocab_size, d.val_fraction, out, d.jsonl_key, progress=False,
+            prepare_data(d.path, str(tokenizer), d.vocab_size, d.val_fraction, out, d.text_key, progress=False,
                          workers=workers)
             shutil.rmtree(out)
 
         def bare() -> None:
-            bare_encode(d.path, tokenizer, d.jsonl_key, scratch / "bare.bin")
+            bare_encode(d.path, tokenizer, d.text_key, scratch / "bare.bin")
             (scratch / "bare.bin").unlink()
 
         cpu = {"ndtrain prepare": [], "encode_batch": []}

@@ -16,7 +16,7 @@ from dataclasses import fields
 from ndtrain.config import Config, ConfigError
 from ndtrain.model.args import ModelArgs
 
-FIXED = ("data.path", "data.sources", "data.tokenizer", "data.vocab_size", "data.val_fraction", "data.jsonl_key",
+FIXED = ("data.path", "data.sources", "data.tokenizer", "data.vocab_size", "data.val_fraction", "data.text_key",
          "train.seq_len", "train.global_batch", "train.seed")
 FREE_ARGS = ("max_seq_len", "dropout")  # change what is computed, not what the weights are
 

@@ -8,6 +8,7 @@ import signal
 import sys
 from pathlib import Path
 
+from ndtrain.launch import warn
 from ndtrain.cli.run import (Stopped, check_fits, check_resume, choose_run_dir, layout_words, run_task,
                              warn_before_start, with_nproc)
 
@@ -26,6 +27,10 @@ def cmd_sft(args, make_task=None) -> int:
         cfg.model.init_from = ""
     elif not cfg.model.init_from and not args.show_example:
         validate(cfg, world=world)
+        if cfg.data.path != "stdlib-functions" and make_task is None:  # the user's data on the demo base
+            warn([f"model.init_from is not set, so {cfg.data.path} fine-tunes the default {cfg.model.preset} model "
+                  "pretrained on the standard library (trained first if runs/ has none), not a model of yours: "
+                  "set model.init_from=run:DIR or hf:DIR (scratch: random weights)"])
         cfg.model.init_from = f"run:{default_pretraining_run(cfg, world)}"
     resolve_init_from(cfg)  # the model and tokenizer of model.init_from
     validate(cfg, world=world)

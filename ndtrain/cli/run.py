@@ -35,6 +35,15 @@ def layout_words(cfg) -> str:
             + (f" ep={p.ep}" if p.ep > 1 else "") + f"), {precision}")
 
 
+def model_words(cfg) -> str:
+    """'1B model (1.24 B parameters)': the preset and what it holds with the vocabulary that
+    runs (model.vocab_size once resolved from the tokenizer)."""
+    from ndtrain.model.args import param_count
+    n = param_count(cfg.model_args(vocab_size=cfg.model.vocab_size))
+    return f"{cfg.model.preset} model ({n / 1e9:.2f} B parameters)" if n >= 1e9 else \
+        f"{cfg.model.preset} model ({n / 1e6:.1f} M parameters)"
+
+
 def _has_cuda() -> bool:
     import torch
     return torch.cuda.is_available()

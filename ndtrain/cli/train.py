@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 from ndtrain.launch import warn
-from ndtrain.cli.run import (check_fits, check_resume, choose_run_dir, layout_words, open_data, run_task,
-                             warn_before_start, with_nproc)
+from ndtrain.cli.run import (check_fits, check_resume, choose_run_dir, layout_words, model_words, open_data,
+                             run_task, warn_before_start, with_nproc)
 
 
 def cmd_train(args) -> int:
@@ -35,7 +35,7 @@ def cmd_train(args) -> int:
     data = open_data(cfg, cfg.run.progress)
     resolve_vocab(cfg, data)  # fails here, before any process starts or file is written
     warn(Pretrain(cfg, data).notes)  # a mixture's source that repeats; one that may not and would: DataError
-    banner = (f"ndtrain: {cfg.model.preset} model, {layout_words(cfg)}, {cfg.train.steps} steps → {run_dir}"
+    banner = (f"ndtrain: {model_words(cfg)}, {layout_words(cfg)}, {cfg.train.steps} steps → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""))
     return run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), prepared_paths(data)),
                     ("ndtrain.train.worker", "ndtrain.train.trainer"), [banner], argv=args.argv)

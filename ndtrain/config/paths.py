@@ -34,6 +34,29 @@ def check_files(cfg: Config) -> None:
         check_run_folder("run.dir", r.dir)
     if not is_prepared_folder(d.path):
         check_writable_dir("data.cache_dir", d.cache_dir)
+    check_preset_vocabulary(cfg)
+
+
+BPE_SIZED = ("tiny", "small", "tiny-moe", "small-moe")  # demo and test presets: the fresh BPE sizes them
+
+
+def check_preset_vocabulary(cfg: Config) -> None:
+    """A preset that names a vocabulary (125M: 32,000 tokens; 1B, 8B: Llama 3's 128,256) gets
+    a tokenizer or an explicit model.vocab_size: otherwise the smaller fresh BPE of
+    data.vocab_size would silently shrink it (the 1B preset with 4,096 tokens is 0.98 B
+    parameters, not 1.24 B)."""
+    from ndtrain.model.args import PRESETS, param_count
+    m, d = cfg.model, cfg.data
+    named = PRESETS[m.preset].vocab_size if m.preset in PRESETS and m.preset not in BPE_SIZED else None
+    if named is None or m.vocab_size is not None or m.init_from or d.tokenizer or is_prepared_folder(d.path) \
+            or named <= d.vocab_size:
+        return
+    shrunk = param_count(cfg.model_args(vocab_size=d.vocab_size)) / 1e9
+    raise ConfigError("model.preset", m.preset, f"names a {named:,}-token vocabulary, but data.tokenizer is unset, so "
+                      f"a fresh {d.vocab_size:,}-token BPE would make it a {shrunk:.2f} B-parameter model: set "
+                      f"data.tokenizer (hf:DIR or a tokenizer.json of {named:,} tokens), or data.vocab_size={named} "
+                      f"to train a BPE that size, or model.vocab_size={d.vocab_size} to train the smaller model "
+                      "knowingly")
 
 
 def is_prepared_folder(path: str) -> bool:

@@ -15,6 +15,7 @@ import difflib
 import json
 import math
 import re
+import sys
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -152,11 +153,11 @@ class DataConfig:
     tokenizer: str = ""  # "" = train a byte-level BPE on the training split; a tokenizer.json; hf:DIR (a HF model folder's, with its BOS/EOS rules)
     vocab_size: int = 4096  # size of the BPE trained when no tokenizer is given
     val_fraction: float = 0.05
-    jsonl_key: str = "text"
+    text_key: str = "text"  # the JSONL field or parquet column holding each document's text (was data.jsonl_key)
     cache_dir: str = "~/.cache/ndtrain"
     workers: int = 0  # processes that tokenize in prepare; 0 = one per core (fewer for a small corpus)
     # A weighted mixture instead of data.path: [[data.sources]] tables of name, path, weight
-    # (relative), text_key ("" = jsonl_key) and repeat (config/data_sources.py, docs/data.md)
+    # (relative), text_key ("" = data.text_key) and repeat (config/data_sources.py, docs/data.md)
     sources: list[dict] = field(default_factory=list)
     # Supervised fine-tuning (ndtrain sft):
     packing: str = "bfd"  # bfd: several examples per row (best-fit decreasing); none: one per row, padded
@@ -444,7 +445,7 @@ SOURCE_KEYS = {"name": str, "path": str, "weight": (int, float), "text_key": str
 
 def coerce_sources(value: Any, from_text: bool) -> list[dict]:
     """The sources as plain dicts with every key: name (default: the path's stem), path,
-    weight (default 1), text_key ("" = data.jsonl_key), repeat (default true)."""
+    weight (default 1), text_key ("" = data.text_key), repeat (default true)."""
     if from_text:
         try:
             value = json.loads(value) if value.strip() else []
@@ -476,9 +477,23 @@ def _coerce_source(i: int, item: Any) -> dict:
             "text_key": item.get("text_key", ""), "repeat": item.get("repeat", True)}
 
 
+RENAMED = {"data.jsonl_key": "data.text_key"}  # old name → new; the old one keeps working
+_renamed_said: set[str] = set()  # one deprecation line per process, not one per config read
+
+
+def _say_renamed(key: str) -> None:
+    if key not in _renamed_said:
+        _renamed_said.add(key)
+        print(f"ndtrain: {key} is now {RENAMED[key]} (it names a parquet column too); the old name still works",
+              file=sys.stderr, flush=True)
+
+
 def set_key(cfg: Config, key: str, value: Any, *, from_text: bool) -> None:
     """Set the dotted `key`, its value converted to the key's type (`from_text`: a command-line
     string; else a typed value, as from TOML) or refused with a ConfigError."""
+    if key in RENAMED:
+        _say_renamed(key)
+        key = RENAMED[key]
     parts = key.split(".")
     if len(parts) != 2 or parts[0] not in _SECTION_CLASSES:
         raise _unknown_key(key, value)

@@ -78,10 +78,10 @@ class SplitPlan:
             return key == self.force_val
         return is_validation(key, self.val_fraction)
 
-    def assign(self, source: str, jsonl_key: str, skip_bad: bool):
+    def assign(self, source: str, text_key: str, skip_bad: bool):
         """Yield ``(is_validation, text)`` for every non-empty document, in corpus order."""
         bad = (lambda problem: None) if skip_bad else None
-        for key, text in iter_documents(source, jsonl_key, bad):
+        for key, text in iter_documents(source, text_key, bad):
             if not text:
                 continue
             if self.cut_single:
@@ -92,7 +92,7 @@ class SplitPlan:
                 yield self.is_val(key), text
 
 
-def plan_split(source: str, jsonl_key: str, val_fraction: float, skip_bad: bool) -> SplitPlan:
+def plan_split(source: str, text_key: str, val_fraction: float, skip_bad: bool) -> SplitPlan:
     """One pass over the corpus's document keys, holding only counts and the two extreme
     hashes; whole-file documents are not read (`iter_document_sizes`).
 
@@ -103,7 +103,7 @@ def plan_split(source: str, jsonl_key: str, val_fraction: float, skip_bad: bool)
     bad = BadRecords()
     count = n_val = 0
     lo = hi = None  # (crc32, key) of the lowest and highest hash
-    for key, size in iter_document_sizes(source, jsonl_key, bad if skip_bad else None):
+    for key, size in iter_document_sizes(source, text_key, bad if skip_bad else None):
         if not size:
             continue
         count += 1
@@ -117,7 +117,7 @@ def plan_split(source: str, jsonl_key: str, val_fraction: float, skip_bad: bool)
         raise DataError(f"source {source}: no non-empty documents found")
     plan = SplitPlan(count, count == 1, val_fraction, bad=bad)
     if count == 1:
-        length = len(next(text for _, text in iter_documents(source, jsonl_key, lambda problem: None) if text))
+        length = len(next(text for _, text in iter_documents(source, text_key, lambda problem: None) if text))
         if length < 2:
             raise DataError(f"source {source}: a single document of {length} character cannot be split")
     elif n_val == 0:
@@ -235,7 +235,7 @@ class BuildSettings:
     tokenizer: str  # "" = train a BPE of vocab_size; a tokenizer.json; hf:DIR
     vocab_size: int
     val_fraction: float
-    jsonl_key: str
+    text_key: str
     shard_tokens: int
     workers: int  # processes that tokenize (1: this one)
     skip_bad: bool  # data.on_bad_record = skip
@@ -257,7 +257,7 @@ def _tokenizer(s: BuildSettings, plan: SplitPlan, out: Path, bar: Progress) -> T
     if (out / "tokenizer.json").is_file():
         return TextTokenizer.from_file(out / "tokenizer.json")
     training = bar.add_task("training BPE tokenizer", total=None, rate="")
-    tok = TextTokenizer.train((t for v, t in plan.assign(s.source, s.jsonl_key, s.skip_bad) if not v), s.vocab_size)
+    tok = TextTokenizer.train((t for v, t in plan.assign(s.source, s.text_key, s.skip_bad) if not v), s.vocab_size)
     bar.remove_task(training)
     tok.save(out / "tokenizer.json")
     return tok
@@ -266,7 +266,7 @@ def _tokenizer(s: BuildSettings, plan: SplitPlan, out: Path, bar: Progress) -> T
 def build(out: Path, s: BuildSettings) -> dict:
     """Write a complete prepared directory into `out` (continuing a recorded progress there);
     returns what the build did (documents, bytes, tokens, seconds, workers, bad records)."""
-    plan = plan_split(s.source, s.jsonl_key, s.val_fraction, s.skip_bad)
+    plan = plan_split(s.source, s.text_key, s.val_fraction, s.skip_bad)
     with _bar(s.progress) as bar:
         tok = _tokenizer(s, plan, out, bar)
         tok.save(out / "tokenizer.json")
@@ -276,7 +276,7 @@ def build(out: Path, s: BuildSettings) -> dict:
         if done and s.progress:
             print(f"continuing an interrupted prepare at document {done:,} of {total:,}", flush=True)
         task = bar.add_task("tokenizing", total=total, completed=done, rate="")
-        stream = (item for i, item in enumerate(plan.assign(s.source, s.jsonl_key, s.skip_bad)) if i >= done)
+        stream = (item for i, item in enumerate(plan.assign(s.source, s.text_key, s.skip_bad)) if i >= done)
         encoder = ChunkEncoder(tok.to_json(), tok.eot_id, tok.bos_ids)
         t0, text_bytes, tokens = time.perf_counter(), 0, 0
         for chunk in encode_stream(encoder, stream, s.workers):

@@ -64,23 +64,23 @@ def is_validation(key: str, fraction: float) -> bool:
     return zlib.crc32(key.encode("utf-8")) / 2**32 < fraction
 
 
-def iter_documents(source: str, jsonl_key: str = "text",
+def iter_documents(source: str, text_key: str = "text",
                    bad: Callable[[str], None] | None = None) -> Iterator[tuple[str, str]]:
     """Yield ``(key, text)`` for every document of ``source``: ``"stdlib"``, or a file or
-    folder of any format data/sources.py reads (the text in field or column ``jsonl_key``,
+    folder of any format data/sources.py reads (the text in field or column ``text_key``,
     a source's ``text_key``). Text is decoded as UTF-8, undecodable bytes replaced rather
     than fatal: one stray byte should not stop a corpus of thousands of files. A malformed
     record is a DataError naming file:line, or, given `bad`, handed to it and skipped."""
     root, files = source_files(source)
     for path in files:
-        yield from sources.file_documents(path, path.relative_to(root).as_posix(), jsonl_key, bad)
+        yield from sources.file_documents(path, path.relative_to(root).as_posix(), text_key, bad)
 
 
-def iter_document_sizes(source: str, jsonl_key: str = "text",
+def iter_document_sizes(source: str, text_key: str = "text",
                         bad: Callable[[str], None] | None = None) -> Iterator[tuple[str, int]]:
     """``(key, size)`` for every document of ``source``, as `iter_documents` yields them; size
     is 0 exactly for an empty document. Whole-file documents are not read (their size is
     the file's), so a split plan over a folder of files costs a directory walk."""
     root, files = source_files(source)
     for path in files:
-        yield from sources.file_document_sizes(path, path.relative_to(root).as_posix(), jsonl_key, bad)
+        yield from sources.file_document_sizes(path, path.relative_to(root).as_posix(), text_key, bad)

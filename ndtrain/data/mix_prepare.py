@@ -101,7 +101,7 @@ def prepare_mixture(specs: Sequence[SourceSpec], tokenizer: str = "", vocab_size
     for s in specs:
         try:
             paths.append(prepare_source(s.path, tokenizer=tok, vocab_size=vocab_size, val_fraction=val_fraction,
-                                      cache_dir=cache_dir, jsonl_key=s.text_key, progress=progress,
+                                      cache_dir=cache_dir, text_key=s.text_key, progress=progress,
                                       workers=workers, on_bad_record=on_bad_record))
         except DataError as e:
             raise DataError(f"data source {s.name!r}: {e}") from None

@@ -167,11 +167,12 @@ def _tokenizer_identity(tokenizer: str, vocab_size: int) -> str:
 
 
 def _cache_name(source: str, tokenizer: str, vocab_size: int, val_fraction: float,
-                jsonl_key: str, shard_tokens: int, on_bad_record: str = "error") -> str:
+                text_key: str, shard_tokens: int, on_bad_record: str = "error") -> str:
     inputs = {
         "format": [FORMAT, VERSION], "source": _source_identity(source),
         "tokenizer": _tokenizer_identity(tokenizer, vocab_size),
-        "val_fraction": val_fraction, "jsonl_key": jsonl_key, "shard_tokens": shard_tokens,
+        "val_fraction": val_fraction, "jsonl_key": text_key,  # the old name: caches keep their names
+        "shard_tokens": shard_tokens,
     }
     if on_bad_record != "error":  # skipping changes the content; erroring leaves nothing to name
         inputs["on_bad_record"] = on_bad_record
@@ -192,7 +193,7 @@ def prepare_data(
     vocab_size: int = 4096,
     val_fraction: float = 0.05,
     cache_dir: str | Path = "~/.cache/ndtrain",
-    jsonl_key: str = "text",
+    text_key: str = "text",
     progress: bool = True,
     shard_tokens: int = 1 << 24,
     workers: int = 0,
@@ -225,7 +226,7 @@ def prepare_data(
 
     if build_tokens is not None and not tokenizer:
         raise DataError(f"source {source}: holds token ids; name the tokenizer that made them (data.tokenizer)")
-    name = _cache_name(source, tokenizer, vocab_size, val_fraction, jsonl_key, shard_tokens, on_bad_record)
+    name = _cache_name(source, tokenizer, vocab_size, val_fraction, text_key, shard_tokens, on_bad_record)
     final = Path(cache_dir).expanduser() / "data" / name
     if final.exists():
         return PreparedData.open(final).path
@@ -241,7 +242,7 @@ def prepare_data(
             how = "token files split and copied" if build_tokens else (
                 f"{'BPE tokenizer, ' if not tokenizer else ''}token shards on {n} process{'es' if n > 1 else ''}")
             print(f"preparing {what} once: {how} → {final}", flush=True)
-        settings = BuildSettings(source, tokenizer, vocab_size, val_fraction, jsonl_key, shard_tokens, n,
+        settings = BuildSettings(source, tokenizer, vocab_size, val_fraction, text_key, shard_tokens, n,
                                  on_bad_record == "skip", progress)
         try:
             if build_tokens is not None:  # token ids already: split and copied (data/token_files.py)

@@ -26,8 +26,8 @@ def mesh_shape(cfg: config_mod.Config) -> MeshShape:
 
 
 def source_specs(cfg: config_mod.Config) -> list[SourceSpec]:
-    """data.sources as the data package takes them (text_key "" is data.jsonl_key)."""
-    return [SourceSpec(s["name"], s["path"], s["weight"], s["text_key"] or cfg.data.jsonl_key, s["repeat"])
+    """data.sources as the data package takes them (text_key "" is data.text_key)."""
+    return [SourceSpec(s["name"], s["path"], s["weight"], s["text_key"] or cfg.data.text_key, s["repeat"])
             for s in cfg.data.sources]
 
 
@@ -39,9 +39,9 @@ def prepare(cfg: config_mod.Config, progress: bool) -> PreparedData | PreparedMi
         return prepare_mixture(source_specs(cfg), d.tokenizer, d.vocab_size, d.val_fraction, d.cache_dir, progress,
                                d.workers, d.on_bad_record)
     if d.path != "stdlib" and not config_mod.is_prepared_folder(d.path):  # before anything is written
-        check_source(Path(d.path).expanduser().resolve(), d.jsonl_key)
+        check_source(Path(d.path).expanduser().resolve(), d.text_key)
     return PreparedData.open(prepare_source(d.path, tokenizer=d.tokenizer, vocab_size=d.vocab_size,
-                                          val_fraction=d.val_fraction, cache_dir=d.cache_dir, jsonl_key=d.jsonl_key,
+                                          val_fraction=d.val_fraction, cache_dir=d.cache_dir, text_key=d.text_key,
                                           progress=progress, workers=d.workers, on_bad_record=d.on_bad_record))
 
 
