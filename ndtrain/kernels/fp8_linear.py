@@ -72,7 +72,8 @@ class LinearPlan:
     `tokens(shape)`, the token dimension of an input whose leading dimensions are `shape`
     (split over context-parallel ranks, or whole). `backend`: None chooses by device and
     dtype (kernels/fp8.choose_backend). `saved_fp8` adds up the bytes of fp8 tensors that
-    forwards kept for backward (the memory report's fp8 copies)."""
+    forwards kept for backward (the memory report's fp8 copies). `backends`: the back end
+    each of its matmuls last ran on ("forward", "input_grad", "weight_grad")."""
 
     recipe: Recipe
     k: Dim
@@ -80,6 +81,7 @@ class LinearPlan:
     tokens: Callable[[tuple[int, ...]], Dim] = field(default=lambda shape: Dim.whole(_numel(shape)))
     backend: str | None = None
     saved_fp8: list[int] = field(default_factory=lambda: [0])
+    backends: dict[str, str] = field(default_factory=dict)
 
 
 # A weight may carry its fp8 form, quantized and gathered elsewhere (ZeRO-3's fp8 all-gather,
@@ -117,14 +119,15 @@ def forward_matmul(x: Tensor, w: Tensor, plan: LinearPlan, tokens: Dim,
     r = plan.recipe
     xq = quantize(x, (tokens, plan.k), r.x, E4M3, r.pow2)
     wq = wq if wq is not None else _weight_of(w, plan, r.w)
-    return scaled_matmul(xq, wq, plan.k.runs(r.x[1]), x.dtype, plan.backend), xq
+    return scaled_matmul(xq, wq, plan.k.runs(r.x[1]), x.dtype, plan.backend, plan.backends, "forward"), xq
 
 
 def input_grad(dy: Tensor, w: Tensor, plan: LinearPlan, tokens: Dim, dyq: Quantized,
                wq: Quantized | None = None) -> Tensor:
     """dx = dy·W [T, K] from dy quantized for it."""
     wq = wq if wq is not None else _weight_of(w, plan, plan.recipe.w_dgrad)
-    return scaled_matmul(dyq, wq.t(), plan.n.runs(plan.recipe.dy[1]), dy.dtype, plan.backend)
+    return scaled_matmul(dyq, wq.t(), plan.n.runs(plan.recipe.dy[1]), dy.dtype, plan.backend, plan.backends,
+                         "input_grad")
 
 
 def weight_grad(dy: Tensor, x: Tensor | Quantized, plan: LinearPlan, tokens: Dim, dyq: Quantized,
@@ -134,7 +137,8 @@ def weight_grad(dy: Tensor, x: Tensor | Quantized, plan: LinearPlan, tokens: Dim
     if r.dy_wgrad != r.dy:
         dyq = quantize(dy, (tokens, plan.n), r.dy_wgrad, r.grad_fmt, r.pow2)
     xq = x if isinstance(x, Quantized) else quantize(x, (tokens, plan.k), r.x_wgrad, E4M3, r.pow2)
-    return scaled_matmul(dyq.t(), xq.t(), tokens.runs(r.dy_wgrad[0]), dtype, plan.backend)
+    return scaled_matmul(dyq.t(), xq.t(), tokens.runs(r.dy_wgrad[0]), dtype, plan.backend, plan.backends,
+                         "weight_grad")
 
 
 def quantize_grad(dy: Tensor, plan: LinearPlan, tokens: Dim) -> Quantized:
