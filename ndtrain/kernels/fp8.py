@@ -172,16 +172,23 @@ def _cell_max(a: Tensor, ids: Tensor | None, n: int, dim: int, whole: slice | No
     shape[dim] = n
     if whole is not None and a.shape[dim] % block == 0:
         local = a.unflatten(dim, (a.shape[dim] // block, block)).amax(dim + 1)
-        if whole.stop - whole.start == n:
-            return local
-        return _placed(a.new_zeros(shape), local, dim, whole.start)
+        pad = [0, 0] * (a.dim() - 1 - dim) + [whole.start, n - whole.stop]  # the other ranks' cells: 0
+        return torch.nn.functional.pad(local, pad) if any(pad) else local
     index = ids.view([-1 if d == dim else 1 for d in range(a.dim())]).expand_as(a)
     return a.new_zeros(shape).scatter_reduce_(dim, index, a, "amax")
 
 
-def _placed(out: Tensor, part: Tensor, dim: int, start: int) -> Tensor:
-    out.narrow(dim, start, part.shape[dim]).copy_(part)
-    return out
+def row_major(t: Tensor) -> Tensor:
+    """`t.contiguous()`, by `clone`. The fake-tensor checks of the CUDA calls
+    (tests/test_cuda_meta_fp8.py) run on CPU-only torch, where a fake CUDA tensor can be
+    cloned, narrowed and unsqueezed but not copied into nor indexed with []: the code they
+    run uses those forms."""
+    return t if t.is_contiguous() else t.clone(memory_format=torch.contiguous_format)
+
+
+def column_major(t: Tensor) -> Tensor:
+    """A 2-D `t` laid column-major: its transpose contiguous, transposed back."""
+    return row_major(t.t()).t()
 
 
 def amax_to_scale(amax: Tensor, fmt: torch.dtype, pow2: bool = False) -> Tensor:
@@ -271,7 +278,7 @@ def _native_blockwise(a: Quantized, b: Quantized, runs: list, out_dtype: torch.d
     if a.rows is not None or a.local[1] is None or b.local[1] is None:
         return "the operands' 128-cells are not whole and in order on this rank"
     if b.rows is not None and (b.local[0] is None or b.data.shape[0] % BLOCK):
-        return "the weight's 128×128 blocks are cut along its output features by a shard"
+        return "the 128×128 weight blocks are cut by a shard along the product's output"
     if out_dtype != torch.bfloat16:
         return "torch's blockwise _scaled_mm was measured with bf16 output only"
     return None
@@ -326,7 +333,7 @@ def warn_fallback(choice: Choice, a: Quantized, b: Quantized, kind: str) -> None
 
 def _run_scales(q: Quantized, cell: int) -> Tensor:
     """The scales of a run (one cell along K) for every row of q, [R] fp32."""
-    s = q.scale[:, cell]
+    s = q.scale.select(1, cell)
     if q.rows is not None:
         return s.index_select(0, q.rows)
     return s.expand(q.data.shape[0]) if s.numel() == 1 else s
@@ -334,7 +341,7 @@ def _run_scales(q: Quantized, cell: int) -> Tensor:
 
 def _scaled_mm(a: Tensor, b: Tensor, sa: Tensor, sb: Tensor, out_dtype: torch.dtype) -> Tensor:
     """a [M, k] · b [N, k]ᵀ: a goes in row-major, b column-major (cuBLAS's TN form)."""
-    return torch._scaled_mm(a.contiguous(), b.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    return torch._scaled_mm(row_major(a), column_major(b.t()), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
 
 
 def _one_call(a: Quantized, b: Quantized, runs: list, out_dtype: torch.dtype) -> Tensor:
@@ -345,11 +352,16 @@ def _one_call(a: Quantized, b: Quantized, runs: list, out_dtype: torch.dtype) ->
     if a.scale.numel() == 1 and b.scale.numel() == 1:
         return _scaled_mm(a.data, b.data, a.scale.reshape(()), b.scale.reshape(()), out_dtype)
     if len(runs) == 1:
-        sa, sb = _run_scales(a, runs[0][2])[:, None].contiguous(), _run_scales(b, runs[0][2])[None, :].contiguous()
+        sa, sb = row_major(_run_scales(a, runs[0][2]).unsqueeze(1)), row_major(_run_scales(b, runs[0][2]).unsqueeze(0))
         return _scaled_mm(a.data, b.data, sa, sb, out_dtype)
-    k = slice(runs[0][2], runs[-1][2] + 1)
-    sa = a.scale[:, k].t().contiguous().t()
-    sb = b.scale[:, k].t().contiguous() if b.rows is None else b.scale[b.local[0], k].contiguous().t()
+    first, cells = runs[0][2], len(runs)
+    sa = column_major(a.scale.narrow(1, first, cells))
+    sb = b.scale.narrow(1, first, cells)
+    if b.rows is None:  # b in 1×128 tiles: [K/128, N] row-major
+        sb = row_major(sb.t())
+    else:  # b in 128×128 blocks: [K/128, N/128] column-major
+        n = b.local[0]
+        sb = column_major(sb.narrow(0, n.start, n.stop - n.start).t())
     return _scaled_mm(a.data, b.data, sa, sb, out_dtype)
 
 
@@ -359,10 +371,10 @@ def scaled_matmul(a: Quantized, b: Quantized, runs: list[tuple[int, int, int]], 
     local runs are `runs` (start, end, cell: Dim.runs); in `out_dtype`. Accumulation in fp32
     (fp64 for "fp64"). `used[key]` records the back end that ran."""
     choice = choose(a, b, runs, out_dtype, backend)
-    if choice.why is not None:
+    if not torch.compiler.is_compiling():  # a traced graph may not touch Python state (predict_backends does)
         warn_fallback(choice, a, b, scaling_of(a, b, runs))
-    if used is not None:
-        used[key] = choice.backend
+        if used is not None:
+            used[key] = choice.backend
     if choice.backend == "scaled_mm":
         return _one_call(a, b, runs, out_dtype)
     acc = torch.float64 if choice.backend == "fp64" else torch.float32
@@ -371,10 +383,10 @@ def scaled_matmul(a: Quantized, b: Quantized, runs: list[tuple[int, int, int]], 
     for start, end, cell in runs:
         if end == start:
             continue
-        pa, pb = a.data[:, start:end], b.data[:, start:end]
+        pa, pb = a.data.narrow(1, start, end - start), b.data.narrow(1, start, end - start)
         if choice.backend == "scaled_mm_runs":
             part = _scaled_mm(pa, pb, one, one, torch.float32)
         else:
             part = pa.to(acc) @ pb.to(acc).t()
-        out.addcmul_(part, _run_scales(a, cell).to(acc)[:, None] * _run_scales(b, cell).to(acc)[None, :])
+        out.addcmul_(part, _run_scales(a, cell).to(acc).unsqueeze(1) * _run_scales(b, cell).to(acc).unsqueeze(0))
     return out.to(out_dtype)

@@ -31,7 +31,7 @@ weight is never held between forward and backward (ZeRO-3 frees the gathered wei
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -141,6 +141,26 @@ def weight_grad(dy: Tensor, x: Tensor | Quantized, plan: LinearPlan, tokens: Dim
                          "weight_grad")
 
 
+def predict_backends(plan: LinearPlan, tokens: Dim, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
+    """The back end each of the layer's three matmuls takes for `tokens` rows of input in
+    `dtype` on `device`: the layer's own code run on fake tensors (nothing computed, nothing
+    communicated), so it answers as the run does, compiled or not, and warns as it would."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    def alone(d: Dim) -> Dim:
+        return replace(d, split=None)
+    local = replace(plan, k=alone(plan.k), n=alone(plan.n), saved_fp8=[0], backends={})
+    tokens = alone(tokens)
+    with FakeTensorMode():
+        x, w = (torch.empty(rows, local.k.size, dtype=dtype, device=device) for rows in (tokens.size, local.n.size))
+        dy = torch.empty(tokens.size, local.n.size, dtype=dtype, device=device)
+        xq = forward_matmul(x, w, local, tokens)[1]
+        dyq = quantize_grad(dy, local, tokens)
+        input_grad(dy, w, local, tokens, dyq)
+        weight_grad(dy, xq if local.recipe.saves_fp8_input else x, local, tokens, dyq, dtype)
+    return local.backends
+
+
 def quantize_grad(dy: Tensor, plan: LinearPlan, tokens: Dim) -> Quantized:
     r = plan.recipe
     return quantize(dy, (tokens, plan.n), r.dy, r.grad_fmt, r.pow2)
@@ -153,6 +173,8 @@ def wanted(ctx, i: int) -> bool:
     computes only what is asked, and so does this."""
     if not ctx.needs_input_grad[i]:
         return False
+    if torch.compiler.is_compiling():  # a traced backward has no engine to ask; AOTAutograd prunes it
+        return True
     node = ctx.next_functions[i][0]
     try:
         return node is not None and torch._C._will_engine_execute_node(node)
