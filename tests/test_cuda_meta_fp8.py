@@ -24,7 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import ndtrain.kernels.fp8 as fp8
 from ndtrain.kernels.fp8 import BLOCK, Dim
-from ndtrain.kernels.fp8_linear import RECIPES, Fp8Linear, LinearPlan, predict_backends
+from ndtrain.kernels.fp8_linear import RECIPES, Fp8Experts, Fp8Linear, LinearPlan, predict_backends, segments_of
 
 CUDA = torch.device("cuda")
 TOKENS = 4 * 2048
@@ -183,3 +183,95 @@ def test_predicted_backends_are_the_ones_a_run_records(calls):
                 plan = LinearPlan(RECIPES[recipe], k, n)
                 fake_step(plan, tokens)
                 assert predict_backends(plan, Dim.whole(tokens), torch.bfloat16, CUDA) == plan.backends
+
+
+# -- routed experts ---------------------------------------------------------------------------------
+
+EXPERTS, HIDDEN = 8, 1024  # the probe's MoE shape: 8 experts over the 8192 tokens, 1024 wide
+SIZES = [1600, 512, 1024, 1024, 640, 1408, 896, 1088]
+
+
+@pytest.fixture
+def grouped_calls(monkeypatch, calls):
+    """`torch._scaled_grouped_mm` recorded (on top of `calls`)."""
+    seen = []
+    real = torch._scaled_grouped_mm
+
+    def recorder(a, b, scale_a, scale_b, **kw):
+        seen.append({"a": tuple(a.shape), "b": (tuple(b.shape), b.stride()), "sa": tuple(scale_a.shape),
+                     "sb": tuple(scale_b.shape), "offs": kw["offs"].dtype})
+        return real(a, b, scale_a, scale_b, **kw)
+    monkeypatch.setattr(torch, "_scaled_grouped_mm", recorder)
+    return seen
+
+
+def fake_experts(recipe: str, dims=(DIM, HIDDEN), sources: int = 1):
+    """`Fp8Experts` forward and backward on fake CUDA tensors, w [E, N, K]; the warnings."""
+    k, n = dims
+    counts = torch.tensor(SIZES)[:, None].expand(EXPERTS, sources) // sources
+    plan, segments, rows = LinearPlan(RECIPES[recipe], Dim.whole(k), Dim.whole(n)), segments_of(counts), int(counts.sum())
+    with warnings.catch_warnings(record=True) as caught, FakeTensorMode():
+        warnings.simplefilter("always")
+        x = torch.empty(rows, k, device=CUDA, dtype=torch.bfloat16)
+        w = torch.empty(EXPERTS, n, k, device=CUDA, dtype=torch.bfloat16)
+        ctx = Ctx()
+        y = Fp8Experts.forward(ctx, x, w, segments, plan)
+        assert y.shape == (x.shape[0], n) and y.device.type == "cuda"
+        dx, dw, _, _ = Fp8Experts.backward(ctx, torch.empty_like(y))
+        assert dx.shape == x.shape and dw.shape == w.shape
+    return plan, [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
+
+
+@pytest.mark.parametrize("sources", [1, 2])
+def test_rowwise_experts_run_one_scaled_grouped_mm_forward_and_input_grad(grouped_calls, calls, sources):
+    """sm90, rowwise: forward [T, K]·[E, K, N] and input gradient [T, N]·[E, N, K], each one
+    `_scaled_grouped_mm` that CUDA's rules take (mat_b column-major per expert, scales [T]
+    and [E, N]); the weight gradient loops over the groups (expert × source) with one
+    `_scaled_mm` each (unit scales and fp32 output, since it sums the groups' products of an
+    expert in fp32 and rowwise `_scaled_mm` writes bf16 only), and says so once."""
+    plan, warned = fake_experts("rowwise", sources=sources)
+    tokens = sum(SIZES) // sources * sources
+    assert [(c["a"], c["b"][0], c["sa"], c["sb"]) for c in grouped_calls] == [
+        ((tokens, DIM), (EXPERTS, DIM, HIDDEN), (tokens,), (EXPERTS, HIDDEN)),
+        ((tokens, HIDDEN), (EXPERTS, HIDDEN, DIM), (tokens,), (EXPERTS, DIM))]
+    assert all(c["b"][1][1] == 1 and c["offs"] == torch.int32 for c in grouped_calls), "mat_b column-major"
+    assert len(calls) == EXPERTS * sources, "one weight-gradient _scaled_mm per group"
+    assert plan.backends == {"forward": "scaled_grouped_mm", "input_grad": "scaled_grouped_mm",
+                             "weight_grad": "scaled_mm_runs"}
+    assert len(warned) == 1 and "rowwise _scaled_mm writes bf16" in warned[0]
+
+
+@pytest.mark.parametrize("recipe, weight_grad, calls_per_expert, lines", [
+    ("tensorwise", "scaled_mm", 3, 1),
+    # the weight gradient reduces over each group's tokens (1600: not whole 128-blocks) and
+    # sums an expert's groups in fp32 (512: whole blocks, but torch's blockwise writes bf16)
+    ("blockwise", "scaled_mm_runs", None, 3)])
+def test_other_recipes_loop_over_the_experts_and_say_so(grouped_calls, calls, recipe, weight_grad, calls_per_expert,
+                                                        lines):
+    plan, warned = fake_experts(recipe)
+    assert grouped_calls == []
+    assert plan.backends == {"forward": "scaled_mm", "input_grad": "scaled_mm", "weight_grad": weight_grad}
+    if calls_per_expert:
+        assert len(calls) == calls_per_expert * EXPERTS
+    else:
+        assert len(calls) == 2 * EXPERTS + sum(-(-t // BLOCK) for t in SIZES)
+    assert "grouped fp8 product takes rowwise scales only" in warned[0]
+    assert len(warned) == lines
+
+
+def test_sm89_rowwise_experts_loop_and_say_so(grouped_calls, calls, monkeypatch):
+    monkeypatch.setattr(fp8, "device_capability", lambda device: (8, 9))
+    plan, warned = fake_experts("rowwise")
+    assert grouped_calls == [] and set(plan.backends.values()) == {"scaled_mm_runs"}
+    assert any("_scaled_grouped_mm needs sm90" in w for w in warned)
+
+
+def test_the_bf16_grouped_mm_as_the_moe_block_calls_it():
+    """The plain model's experts in bf16 on CUDA: one `torch._grouped_mm` (model/moe.py)."""
+    from ndtrain.model.moe import expert_matmul, grouped
+    with FakeTensorMode():
+        x = torch.empty(sum(SIZES), DIM, device=CUDA, dtype=torch.bfloat16)
+        w = torch.empty(EXPERTS, HIDDEN, DIM, device=CUDA, dtype=torch.bfloat16)
+        counts = torch.empty(EXPERTS, device=CUDA, dtype=torch.int64)
+        assert grouped(x, w)
+        assert expert_matmul(x, w, counts).shape == (sum(SIZES), HIDDEN)

@@ -274,7 +274,8 @@ def _native_blockwise(a: Quantized, b: Quantized, runs: list, out_dtype: torch.d
     """None where torch's one-call blockwise `_scaled_mm` takes this product (sm90: 1×128 ·
     128×128 or 1×128 · 1×128, measured on an H200, docs/benchmarks-gpu.md); else why not."""
     if any(e - s != BLOCK for s, e, _ in runs) or any(c != runs[0][2] + i for i, (_, _, c) in enumerate(runs)):
-        return "the reduction's 128-blocks are cut by a shard (tensor- or context-parallel), so not every run is 128 wide"
+        return ("not every 128-run of the reduction is whole: a block is cut by a shard (tensor- or context-parallel) "
+                "or the length is not a multiple of 128")
     if a.rows is not None or a.local[1] is None or b.local[1] is None:
         return "the operands' 128-cells are not whole and in order on this rank"
     if b.rows is not None and (b.local[0] is None or b.data.shape[0] % BLOCK):
@@ -319,16 +320,22 @@ def choose(a: Quantized, b: Quantized, runs: list, out_dtype: torch.dtype, backe
     return Choice("scaled_mm_runs", why)
 
 
+def warn_once(why: str, text: str | None = None) -> None:
+    """`text` (default: `why`) as one warning line, the first time `why` comes up."""
+    if why in _WARNED:
+        return
+    _WARNED.add(why)
+    warnings.warn(f"ndtrain: fp8 {text or why}", RuntimeWarning, stacklevel=3)
+
+
 def warn_fallback(choice: Choice, a: Quantized, b: Quantized, kind: str) -> None:
     """One line, once per reason: a CUDA product that runs slower than one fp8 call."""
-    if choice.why is None or choice.why in _WARNED:
+    if choice.why is None:
         return
-    _WARNED.add(choice.why)
     m, k, n = a.data.shape[0], a.data.shape[1], b.data.shape[0]
     how = {"emulate": "the fp32 emulation (fp8 values widened to fp32, one matmul per 128-run)",
            "scaled_mm_runs": "one _scaled_mm per 128-run with unit scales, scaled and summed in fp32"}[choice.backend]
-    warnings.warn(f"ndtrain: fp8 {kind} product [{m}×{k}]·[{k}×{n}] runs {how}: {choice.why}", RuntimeWarning,
-                  stacklevel=3)
+    warn_once(choice.why, f"{kind} product [{m}×{k}]·[{k}×{n}] runs {how}: {choice.why}")
 
 
 def _run_scales(q: Quantized, cell: int) -> Tensor:
