@@ -361,6 +361,28 @@ def test_the_memory_report_counts_fp8_copies(tiny_data):
     assert saved == tokens * inputs + 28 * 4
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_the_first_metrics_line_counts_the_fp8_back_ends(tiny_data, recipe):
+    """`fp8_backends` on the first line only: each of the 28 block linears of TINY (dim 64, MLP
+    128) by the back end of its three matmuls. On the CPU, one `_scaled_mm` wherever the
+    reduction is one cell (tensorwise, or at most 128 wide); the blockwise weight gradient
+    reduces over the micro-batch's tokens, emulated when they exceed one 128-tile. The
+    prediction is what the eager step recorded in each layer."""
+    from helpers import train_in_rank
+
+    from ndtrain.parallel.fp8 import plans
+    trainer = train_in_rank(["train.precision=fp8", f"train.fp8_recipe={recipe}", "train.steps=2",
+                             "train.global_batch=8", "train.micro_batch=8"], tiny_data)[2]
+    t = trainer.cfg.train
+    wgrad = "emulate" if recipe == "blockwise" and t.micro_batch * t.seq_len > BLOCK else "scaled_mm"
+    assert (wgrad == "emulate") == (recipe == "blockwise"), "8 × 32 tokens: two 128-tiles"
+    label = "scaled_mm" if wgrad == "scaled_mm" else "forward scaled_mm, input grad scaled_mm, weight grad emulate"
+    assert trainer.history[0]["fp8_backends"] == {label: 28}
+    assert "fp8_backends" not in trainer.history[1]
+    recorded = [p.backends for p in plans(trainer.par.model)]
+    assert recorded == [{"forward": "scaled_mm", "input_grad": "scaled_mm", "weight_grad": wgrad}] * 28
+
+
 def test_an_input_gradient_alone_skips_the_weight_gradient(monkeypatch):
     """The zero-bubble split asks for the input gradient first and the weights' later: the
     fp8 linear computes each once, as a built-in matmul would."""
