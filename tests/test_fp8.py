@@ -335,6 +335,66 @@ def test_cuda_trains_in_fp8(tiny_data):
         assert abs(losses[-1] - base[-1]) < 0.01 * base[-1], f"{recipe}: {losses} vs bf16 {base}"
 
 
+needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                                reason="needs a CUDA device with torch's rowwise and blockwise fp8 kernels (sm90+)")
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("b_blocks", [(BLOCK, BLOCK), (1, BLOCK)])
+def test_cuda_native_blockwise_scaled_mm_agrees_with_the_emulation(b_blocks):
+    """One `_scaled_mm` with torch's blockwise scaling (1×128 · 128×128: forward and input
+    grad; 1×128 · 1×128: weight grad) against the fp32 emulation, on the same fp8 operands
+    and scales. Each within bf16's rounding of the output (2^-8 of itself) plus the kernel's
+    accumulation: fp8 tensor cores keep about 14 bits within a 128-run (DeepSeek-V3
+    §3.3.2) before promoting to fp32, so 128·2^-14 of Σ|a||b|; the emulation within γ (above)."""
+    a = random_wide((256, 1024), 50).to(torch.bfloat16).cuda()
+    b = random_wide((512, 1024), 51).to(torch.bfloat16).cuda()
+    qa, qb = quantize(a, whole(a), (1, BLOCK)), quantize(b, whole(b), b_blocks)
+    runs = Dim.whole(1024).runs(BLOCK)
+    used = {}
+    native = scaled_matmul(qa, qb, runs, torch.bfloat16, used=used, key="native").double().cpu()
+    assert used == {"native": "scaled_mm"}, "one call on sm90"
+    emulated = scaled_matmul(qa, qb, runs, torch.float32, backend="emulate").double().cpu()
+    qa, qb = quantize(a.cpu(), whole(a), (1, BLOCK)), quantize(b.cpu(), whole(b), b_blocks)
+    exact = qa.dequantized() @ qb.dequantized().t()
+    absolute = qa.dequantized().abs() @ qb.dequantized().abs().t()
+    bound = 2.0**-8 * exact.abs() + BLOCK * 2.0**-14 * absolute
+    assert ((native - exact).abs() <= bound).all()
+    assert ((emulated - exact).abs() <= accumulation_bound(qa, qb, len(runs), 2.0**-24)).all()
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_cuda_grouped_fp8_experts_agree_with_the_loop():
+    """Rowwise experts on sm90: forward and input gradient as one `_scaled_grouped_mm` each,
+    against the per-group `_scaled_mm` loop and the exact products of the same fp8 operands
+    (the CPU in fp64: power-of-two scales quantize fp32 and fp64 alike). Each within bf16's
+    rounding (2^-8 of itself) plus K·2^-14 of Σ|a||b| (fp8 tensor cores' ~14-bit accumulation)."""
+    from ndtrain.kernels.fp8_linear import fp8_expert_matmul
+    experts, n, k = 4, 256, 512
+    counts = torch.tensor([[40, 24], [0, 0], [100, 28], [16, 48]])  # 2 sources, an empty expert
+    x = random_wide((int(counts.sum()), k), 52).to(torch.bfloat16)
+    w = random_wide((experts, n, k), 53).to(torch.bfloat16)
+    dy = random_wide((int(counts.sum()), n), 54).to(torch.bfloat16)
+    r = RECIPES["rowwise"]
+
+    def run(x, w, dy, backend, device):
+        plan = LinearPlan(r, Dim.whole(k), Dim.whole(n), backend=backend)
+        xx = x.detach().to(device).requires_grad_(True)
+        y = fp8_expert_matmul(xx, w.to(device), counts, plan)
+        y.backward(dy.to(device))
+        return y.detach().double().cpu(), xx.grad.double().cpu(), plan.backends
+    y, dx, used = run(x, w, dy, None, "cuda")
+    assert used["forward"] == used["input_grad"] == "scaled_grouped_mm"
+    y_loop, dx_loop, _ = run(x, w, dy, "scaled_mm", "cuda")
+    exact = run(x.double(), w.double(), dy.double(), "fp64", "cpu")
+    absolute = run(x.double().abs(), w.double().abs(), dy.double().abs(), "fp64", "cpu")
+    for got, loop, ex, ab, red in ((y, y_loop, exact[0], absolute[0], k), (dx, dx_loop, exact[1], absolute[1], n)):
+        bound = 2.0**-8 * ex.abs() + red * 2.0**-14 * ab
+        assert ((got - ex).abs() <= bound).all() and ((loop - ex).abs() <= bound).all()
+
+
 # -- visibility -----------------------------------------------------------------------------------
 
 
