@@ -91,14 +91,14 @@ class Ctx:
         self.saved_tensors = tensors
 
 
-def fake_step(plan: LinearPlan, tokens: int, dtype=torch.bfloat16):
+def fake_step(plan: LinearPlan, tokens: int, dtype=torch.bfloat16, token_dim: Dim | None = None):
     """`Fp8Linear`'s forward and backward on fake CUDA tensors; the warnings they gave."""
-    with warnings.catch_warnings(record=True) as caught, FakeTensorMode():
+    with warnings.catch_warnings(record=True) as caught, FakeTensorMode(allow_non_fake_inputs=True):
         warnings.simplefilter("always")
         x = torch.empty(tokens, plan.k.size, device=CUDA, dtype=dtype)
         w = torch.empty(plan.n.size, plan.k.size, device=CUDA, dtype=dtype)
         ctx = Ctx()
-        y = Fp8Linear.forward(ctx, x, w, None, plan, Dim.whole(tokens))
+        y = Fp8Linear.forward(ctx, x, w, None, plan, token_dim or Dim.whole(tokens))
         assert y.shape == (tokens, plan.n.size) and y.device.type == "cuda"
         dx, dw, _, _, _ = Fp8Linear.backward(ctx, torch.empty_like(y))
         assert dx.shape == x.shape and dw.shape == w.shape
@@ -144,6 +144,23 @@ def test_a_shard_that_cuts_128_blocks_runs_per_run_and_says_so(calls):
     widths = sorted({c["a"][1] for c in calls[:-1]})
     assert widths == [64, 128], "runs 704..768 (64 wide), then whole blocks"
     assert fake_step(plan, TOKENS) == [], "once per reason"
+
+
+def test_context_parallel_tokens_run_the_weight_gradient_per_run_and_say_so(calls):
+    """cp = 2: this rank holds chunks 0 and 3 of each sequence's 4 (zigzag), 512 tokens each, so
+    the weight gradient's 128-token tiles are whole but out of order: one `_scaled_mm` per
+    tile, warned. Forward and input gradient reduce over features: one call each."""
+    from ndtrain.parallel.context.layout import zigzag_index
+    seq, cp = 2048, 2
+    index = (torch.arange(4)[:, None] * seq + zigzag_index(seq, cp, 0)[None, :]).flatten()
+    tokens = Dim(index.numel(), 4 * seq, index=index, split=NoReduce(), aligned=True)
+    plan = LinearPlan(RECIPES["blockwise"], Dim.whole(DIM), Dim.whole(FFN))
+    tokens.runs(BLOCK)  # read from the (real, host) index once, as a run's first step does; fake mode can't
+    warned = fake_step(plan, tokens.size, token_dim=tokens)
+    assert plan.backends == {"forward": "scaled_mm", "input_grad": "scaled_mm", "weight_grad": "scaled_mm_runs"}
+    assert len(calls) == 2 + tokens.size // BLOCK
+    assert len(warned) == 1 and "not in order" in warned[0]
+    assert predict_backends(plan, tokens, torch.bfloat16, CUDA) == plan.backends
 
 
 @pytest.mark.parametrize("recipe, expected", [

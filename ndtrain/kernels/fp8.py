@@ -35,7 +35,7 @@ A CUDA product that runs anything but one `_scaled_mm` warns once per reason.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -96,6 +96,14 @@ class Dim:
         if self.index is not None or self.offset % block or (self.size % block and self.offset + self.size != self.full):
             return None
         return slice(self.offset // block, -(-(self.offset + self.size) // block))
+
+    def alone(self) -> "Dim":
+        """This dimension with no ranks to reduce over, its runs of 128 read (for the fake-tensor
+        prediction of the back ends, which can neither communicate nor read an index back)."""
+        out = replace(self, split=None)
+        if self.index is not None:
+            object.__setattr__(out, "_runs", (BLOCK, self.runs(BLOCK)))
+        return out
 
     def spans_ranks(self, block: int) -> bool:
         """Whether a cell of this size can hold elements of several ranks."""
@@ -273,9 +281,11 @@ class Choice:
 def _native_blockwise(a: Quantized, b: Quantized, runs: list, out_dtype: torch.dtype) -> str | None:
     """None where torch's one-call blockwise `_scaled_mm` takes this product (sm90: 1×128 ·
     128×128 or 1×128 · 1×128, measured on an H200, docs/benchmarks-gpu.md); else why not."""
-    if any(e - s != BLOCK for s, e, _ in runs) or any(c != runs[0][2] + i for i, (_, _, c) in enumerate(runs)):
+    if any(e - s != BLOCK for s, e, _ in runs):
         return ("not every 128-run of the reduction is whole: a block is cut by a shard (tensor- or context-parallel) "
                 "or the length is not a multiple of 128")
+    if any(c != runs[0][2] + i for i, (_, _, c) in enumerate(runs)):
+        return "the reduction's 128-blocks are not in order on this rank (context parallelism's zigzag tokens)"
     if a.rows is not None or a.local[1] is None or b.local[1] is None:
         return "the operands' 128-cells are not whole and in order on this rank"
     if b.rows is not None and (b.local[0] is None or b.data.shape[0] % BLOCK):

@@ -149,11 +149,9 @@ def predict_backends(plan: LinearPlan, tokens: Dim, dtype: torch.dtype, device: 
     communicated), so it answers as the run does, compiled or not, and warns as it would."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    def alone(d: Dim) -> Dim:
-        return replace(d, split=None)
-    local = replace(plan, k=alone(plan.k), n=alone(plan.n), saved_fp8=[0], backends={})
-    tokens = alone(tokens)
-    with FakeTensorMode():
+    local = replace(plan, k=plan.k.alone(), n=plan.n.alone(), saved_fp8=[0], backends={})
+    tokens = tokens.alone()
+    with FakeTensorMode(allow_non_fake_inputs=True):  # a permuted Dim's index is a real CPU tensor
         x, w = (torch.empty(rows, local.k.size, dtype=dtype, device=device) for rows in (tokens.size, local.n.size))
         dy = torch.empty(tokens.size, local.n.size, dtype=dtype, device=device)
         xq = forward_matmul(x, w, local, tokens)[1]
