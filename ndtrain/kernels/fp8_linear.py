@@ -73,7 +73,7 @@ class LinearPlan:
     feature dimensions as held here (`k`, `n`: a tensor-parallel shard, or whole), and
     `tokens(shape)`, the token dimension of an input whose leading dimensions are `shape`
     (split over context-parallel ranks, or whole). `backend`: None chooses by device and
-    dtype (kernels/fp8.choose_backend). `saved_fp8` adds up the bytes of fp8 tensors that
+    dtype (kernels/fp8.choose). `saved_fp8` adds up the bytes of fp8 tensors that
     forwards kept for backward (the memory report's fp8 copies). `backends`: the back end
     each of its matmuls last ran on ("forward", "input_grad", "weight_grad")."""
 
