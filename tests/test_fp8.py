@@ -395,6 +395,25 @@ def test_cuda_grouped_fp8_experts_agree_with_the_loop():
         assert ((got - ex).abs() <= bound).all() and ((loop - ex).abs() <= bound).all()
 
 
+def test_a_whole_fp8_block_traces_as_one_graph():
+    """TINY's first block with its 7 linears in fp8 (parallel/fp8.apply, one process): dynamo
+    finds no graph break in its forward, for every recipe."""
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.model.args import PRESETS
+    from ndtrain.model.llama import Transformer
+    from ndtrain.parallel import fp8
+    args = PRESETS["tiny"]
+    for recipe in sorted(RECIPES):
+        model = Transformer(args)
+        assert len(fp8.apply(model, ParallelMesh.single(), recipe)) == 28
+        half = args.dim // args.n_heads // 2
+        torch._dynamo.reset()
+        found = torch._dynamo.explain(model.layers["0"])(torch.randn(2, 128, args.dim), torch.randn(128, half),
+                                                         torch.randn(128, half))
+        assert (found.graph_count, found.graph_break_count) == (1, 0), (recipe, found.break_reasons)
+    torch._dynamo.reset()
+
+
 # -- visibility -----------------------------------------------------------------------------------
 
 
