@@ -335,6 +335,85 @@ def test_cuda_trains_in_fp8(tiny_data):
         assert abs(losses[-1] - base[-1]) < 0.01 * base[-1], f"{recipe}: {losses} vs bf16 {base}"
 
 
+needs_sm90 = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                                reason="needs a CUDA device with torch's rowwise and blockwise fp8 kernels (sm90+)")
+
+
+@pytest.mark.cuda
+@needs_sm90
+@pytest.mark.parametrize("b_blocks", [(BLOCK, BLOCK), (1, BLOCK)])
+def test_cuda_native_blockwise_scaled_mm_agrees_with_the_emulation(b_blocks):
+    """One `_scaled_mm` with torch's blockwise scaling (1×128 · 128×128: forward and input
+    grad; 1×128 · 1×128: weight grad) against the fp32 emulation, on the same fp8 operands
+    and scales. Each within bf16's rounding of the output (2^-8 of itself) plus the kernel's
+    accumulation: fp8 tensor cores keep about 14 bits within a 128-run (DeepSeek-V3
+    §3.3.2) before promoting to fp32, so 128·2^-14 of Σ|a||b|; the emulation within γ (above)."""
+    a = random_wide((256, 1024), 50).to(torch.bfloat16).cuda()
+    b = random_wide((512, 1024), 51).to(torch.bfloat16).cuda()
+    qa, qb = quantize(a, whole(a), (1, BLOCK)), quantize(b, whole(b), b_blocks)
+    runs = Dim.whole(1024).runs(BLOCK)
+    used = {}
+    native = scaled_matmul(qa, qb, runs, torch.bfloat16, used=used, key="native").double().cpu()
+    assert used == {"native": "scaled_mm"}, "one call on sm90"
+    emulated = scaled_matmul(qa, qb, runs, torch.float32, backend="emulate").double().cpu()
+    qa, qb = quantize(a.cpu(), whole(a), (1, BLOCK)), quantize(b.cpu(), whole(b), b_blocks)
+    exact = qa.dequantized() @ qb.dequantized().t()
+    absolute = qa.dequantized().abs() @ qb.dequantized().abs().t()
+    bound = 2.0**-8 * exact.abs() + BLOCK * 2.0**-14 * absolute
+    assert ((native - exact).abs() <= bound).all()
+    assert ((emulated - exact).abs() <= accumulation_bound(qa, qb, len(runs), 2.0**-24)).all()
+
+
+@pytest.mark.cuda
+@needs_sm90
+def test_cuda_grouped_fp8_experts_agree_with_the_loop():
+    """Rowwise experts on sm90: forward and input gradient as one `_scaled_grouped_mm` each,
+    against the per-group `_scaled_mm` loop and the exact products of the same fp8 operands
+    (the CPU in fp64: power-of-two scales quantize fp32 and fp64 alike). Each within bf16's
+    rounding (2^-8 of itself) plus K·2^-14 of Σ|a||b| (fp8 tensor cores' ~14-bit accumulation)."""
+    from ndtrain.kernels.fp8_linear import fp8_expert_matmul
+    experts, n, k = 4, 256, 512
+    counts = torch.tensor([[40, 24], [0, 0], [100, 28], [16, 48]])  # 2 sources, an empty expert
+    x = random_wide((int(counts.sum()), k), 52).to(torch.bfloat16)
+    w = random_wide((experts, n, k), 53).to(torch.bfloat16)
+    dy = random_wide((int(counts.sum()), n), 54).to(torch.bfloat16)
+    r = RECIPES["rowwise"]
+
+    def run(x, w, dy, backend, device):
+        plan = LinearPlan(r, Dim.whole(k), Dim.whole(n), backend=backend)
+        xx = x.detach().to(device).requires_grad_(True)
+        y = fp8_expert_matmul(xx, w.to(device), counts, plan)
+        y.backward(dy.to(device))
+        return y.detach().double().cpu(), xx.grad.double().cpu(), plan.backends
+    y, dx, used = run(x, w, dy, None, "cuda")
+    assert used["forward"] == used["input_grad"] == "scaled_grouped_mm"
+    y_loop, dx_loop, _ = run(x, w, dy, "scaled_mm", "cuda")
+    exact = run(x.double(), w.double(), dy.double(), "fp64", "cpu")
+    absolute = run(x.double().abs(), w.double().abs(), dy.double().abs(), "fp64", "cpu")
+    for got, loop, ex, ab, red in ((y, y_loop, exact[0], absolute[0], k), (dx, dx_loop, exact[1], absolute[1], n)):
+        bound = 2.0**-8 * ex.abs() + red * 2.0**-14 * ab
+        assert ((got - ex).abs() <= bound).all() and ((loop - ex).abs() <= bound).all()
+
+
+def test_a_whole_fp8_block_traces_as_one_graph():
+    """TINY's first block with its 7 linears in fp8 (parallel/fp8.apply, one process): dynamo
+    finds no graph break in its forward, for every recipe."""
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.model.args import PRESETS
+    from ndtrain.model.llama import Transformer
+    from ndtrain.parallel import fp8
+    args = PRESETS["tiny"]
+    for recipe in sorted(RECIPES):
+        model = Transformer(args)
+        assert len(fp8.apply(model, ParallelMesh.single(), recipe)) == 28
+        half = args.dim // args.n_heads // 2
+        torch._dynamo.reset()
+        found = torch._dynamo.explain(model.layers["0"])(torch.randn(2, 128, args.dim), torch.randn(128, half),
+                                                         torch.randn(128, half))
+        assert (found.graph_count, found.graph_break_count) == (1, 0), (recipe, found.break_reasons)
+    torch._dynamo.reset()
+
+
 # -- visibility -----------------------------------------------------------------------------------
 
 
@@ -361,6 +440,28 @@ def test_the_memory_report_counts_fp8_copies(tiny_data):
     assert saved == tokens * inputs + 28 * 4
 
 
+@pytest.mark.parametrize("recipe", ["blockwise", "tensorwise"])
+def test_the_first_metrics_line_counts_the_fp8_back_ends(tiny_data, recipe):
+    """`fp8_backends` on the first line only: each of the 28 block linears of TINY (dim 64, MLP
+    128) by the back end of its three matmuls. On the CPU, one `_scaled_mm` wherever the
+    reduction is one cell (tensorwise, or at most 128 wide); the blockwise weight gradient
+    reduces over the micro-batch's tokens, emulated when they exceed one 128-tile. The
+    prediction is what the eager step recorded in each layer."""
+    from helpers import train_in_rank
+
+    from ndtrain.parallel.fp8 import plans
+    trainer = train_in_rank(["train.precision=fp8", f"train.fp8_recipe={recipe}", "train.steps=2",
+                             "train.global_batch=8", "train.micro_batch=8"], tiny_data)[2]
+    t = trainer.cfg.train
+    wgrad = "emulate" if recipe == "blockwise" and t.micro_batch * t.seq_len > BLOCK else "scaled_mm"
+    assert (wgrad == "emulate") == (recipe == "blockwise"), "8 × 32 tokens: two 128-tiles"
+    label = "scaled_mm" if wgrad == "scaled_mm" else "forward scaled_mm, input grad scaled_mm, weight grad emulate"
+    assert trainer.history[0]["fp8_backends"] == {label: 28}
+    assert "fp8_backends" not in trainer.history[1]
+    recorded = [p.backends for p in plans(trainer.par.model)]
+    assert recorded == [{"forward": "scaled_mm", "input_grad": "scaled_mm", "weight_grad": wgrad}] * 28
+
+
 def test_an_input_gradient_alone_skips_the_weight_gradient(monkeypatch):
     """The zero-bubble split asks for the input gradient first and the weights' later: the
     fp8 linear computes each once, as a built-in matmul would."""
@@ -377,3 +478,38 @@ def test_an_input_gradient_alone_skips_the_weight_gradient(monkeypatch):
     assert calls == {"input": 1, "weight": 0} and w.grad is None
     torch.autograd.grad(y.sum(), w)
     assert calls == {"input": 1, "weight": 1}
+
+
+# -- torch.compile: one graph per fp8 linear ----------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_an_fp8_linear_compiles_to_one_forward_and_one_backward_graph(recipe):
+    """`fullgraph=True` refuses any graph break (a host read-back such as nonzero/tolist, or
+    Python state touched inside the autograd function), and AOTAutograd's counting compilers
+    see one forward and one backward graph. fp32 on the CPU (blockwise: the emulation, 3 runs
+    of 128); compiled equals eager bit for bit, the same operations in the same order."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    graphs = {"forward": 0, "backward": 0}
+
+    def counting(kind):
+        def compiler(gm, inputs):
+            graphs[kind] += 1
+            return make_boxed_func(gm.forward)
+        return compiler
+    torch._dynamo.reset()
+    plan = LinearPlan(RECIPES[recipe], Dim.whole(384), Dim.whole(256))
+    linear = torch.compile(lambda x, w: fp8_linear(x, w, None, plan), fullgraph=True,
+                           backend=aot_autograd(fw_compiler=counting("forward"), bw_compiler=counting("backward")))
+    x = random_wide((2, 128, 384), 40).float().requires_grad_(True)
+    w = random_wide((256, 384), 41).float().requires_grad_(True)
+    dy = random_wide((2, 128, 256), 42).float()
+    y = linear(x, w)
+    y.backward(dy)
+    assert graphs == {"forward": 1, "backward": 1}
+    x0, w0 = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    y0 = fp8_linear(x0, w0, None, plan)
+    y0.backward(dy)
+    assert torch.equal(y, y0) and torch.equal(x.grad, x0.grad) and torch.equal(w.grad, w0.grad)
+    torch._dynamo.reset()

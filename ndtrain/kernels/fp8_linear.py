@@ -31,13 +31,15 @@ weight is never held between forward and backward (ZeRO-3 frees the gathered wei
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 from torch import Tensor
 
-from ndtrain.kernels.fp8 import BLOCK, E4M3, E5M2, WHOLE, Dim, Quantized, quantize, scaled_matmul
+from ndtrain.kernels import fp8 as kernels
+from ndtrain.kernels.fp8 import (BLOCK, E4M3, E5M2, SCALED_MM_SM, WHOLE, Dim, Quantized, quantize, row_major,
+                                scaled_matmul, warn_once)
 
 
 @dataclass(frozen=True)
@@ -71,8 +73,9 @@ class LinearPlan:
     feature dimensions as held here (`k`, `n`: a tensor-parallel shard, or whole), and
     `tokens(shape)`, the token dimension of an input whose leading dimensions are `shape`
     (split over context-parallel ranks, or whole). `backend`: None chooses by device and
-    dtype (kernels/fp8.choose_backend). `saved_fp8` adds up the bytes of fp8 tensors that
-    forwards kept for backward (the memory report's fp8 copies)."""
+    dtype (kernels/fp8.choose). `saved_fp8` adds up the bytes of fp8 tensors that
+    forwards kept for backward (the memory report's fp8 copies). `backends`: the back end
+    each of its matmuls last ran on ("forward", "input_grad", "weight_grad")."""
 
     recipe: Recipe
     k: Dim
@@ -80,6 +83,7 @@ class LinearPlan:
     tokens: Callable[[tuple[int, ...]], Dim] = field(default=lambda shape: Dim.whole(_numel(shape)))
     backend: str | None = None
     saved_fp8: list[int] = field(default_factory=lambda: [0])
+    backends: dict[str, str] = field(default_factory=dict)
 
 
 # A weight may carry its fp8 form, quantized and gathered elsewhere (ZeRO-3's fp8 all-gather,
@@ -117,14 +121,15 @@ def forward_matmul(x: Tensor, w: Tensor, plan: LinearPlan, tokens: Dim,
     r = plan.recipe
     xq = quantize(x, (tokens, plan.k), r.x, E4M3, r.pow2)
     wq = wq if wq is not None else _weight_of(w, plan, r.w)
-    return scaled_matmul(xq, wq, plan.k.runs(r.x[1]), x.dtype, plan.backend), xq
+    return scaled_matmul(xq, wq, plan.k.runs(r.x[1]), x.dtype, plan.backend, plan.backends, "forward"), xq
 
 
 def input_grad(dy: Tensor, w: Tensor, plan: LinearPlan, tokens: Dim, dyq: Quantized,
                wq: Quantized | None = None) -> Tensor:
     """dx = dy·W [T, K] from dy quantized for it."""
     wq = wq if wq is not None else _weight_of(w, plan, plan.recipe.w_dgrad)
-    return scaled_matmul(dyq, wq.t(), plan.n.runs(plan.recipe.dy[1]), dy.dtype, plan.backend)
+    return scaled_matmul(dyq, wq.t(), plan.n.runs(plan.recipe.dy[1]), dy.dtype, plan.backend, plan.backends,
+                         "input_grad")
 
 
 def weight_grad(dy: Tensor, x: Tensor | Quantized, plan: LinearPlan, tokens: Dim, dyq: Quantized,
@@ -134,7 +139,26 @@ def weight_grad(dy: Tensor, x: Tensor | Quantized, plan: LinearPlan, tokens: Dim
     if r.dy_wgrad != r.dy:
         dyq = quantize(dy, (tokens, plan.n), r.dy_wgrad, r.grad_fmt, r.pow2)
     xq = x if isinstance(x, Quantized) else quantize(x, (tokens, plan.k), r.x_wgrad, E4M3, r.pow2)
-    return scaled_matmul(dyq.t(), xq.t(), tokens.runs(r.dy_wgrad[0]), dtype, plan.backend)
+    return scaled_matmul(dyq.t(), xq.t(), tokens.runs(r.dy_wgrad[0]), dtype, plan.backend, plan.backends,
+                         "weight_grad")
+
+
+def predict_backends(plan: LinearPlan, tokens: Dim, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
+    """The back end each of the layer's three matmuls takes for `tokens` rows of input in
+    `dtype` on `device`: the layer's own code run on fake tensors (nothing computed, nothing
+    communicated), so it answers as the run does, compiled or not, and warns as it would."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    local = replace(plan, k=plan.k.alone(), n=plan.n.alone(), saved_fp8=[0], backends={})
+    tokens = tokens.alone()
+    with FakeTensorMode(allow_non_fake_inputs=True):  # a permuted Dim's index is a real CPU tensor
+        x, w = (torch.empty(rows, local.k.size, dtype=dtype, device=device) for rows in (tokens.size, local.n.size))
+        dy = torch.empty(tokens.size, local.n.size, dtype=dtype, device=device)
+        xq = forward_matmul(x, w, local, tokens)[1]
+        dyq = quantize_grad(dy, local, tokens)
+        input_grad(dy, w, local, tokens, dyq)
+        weight_grad(dy, xq if local.recipe.saves_fp8_input else x, local, tokens, dyq, dtype)
+    return local.backends
 
 
 def quantize_grad(dy: Tensor, plan: LinearPlan, tokens: Dim) -> Quantized:
@@ -149,6 +173,8 @@ def wanted(ctx, i: int) -> bool:
     computes only what is asked, and so does this."""
     if not ctx.needs_input_grad[i]:
         return False
+    if torch.compiler.is_compiling():  # a traced backward has no engine to ask; AOTAutograd prunes it
+        return True
     node = ctx.next_functions[i][0]
     try:
         return node is not None and torch._C._will_engine_execute_node(node)
@@ -211,45 +237,115 @@ def segments_of(counts: Tensor) -> list[tuple[int, int, int]]:
     return out
 
 
+def grouped_fp8(x: Tensor, w: Tensor, plan: LinearPlan) -> str | None:
+    """None where an expert product's forward and input gradient run as one
+    `torch._scaled_grouped_mm` each (CUDA sm90, rowwise, bf16, K and N multiples of 16); else
+    why not, or "" off CUDA (nothing to warn). Rowwise only: torch's grouped fp8 product takes
+    one scale per row of x and per output column of each expert, which is what rowwise
+    quantizes; tensorwise's one scale for all rows and blockwise's 128-tiles it cannot take."""
+    if not x.is_cuda or plan.backend is not None:
+        return ""
+    if plan.recipe.name != "rowwise":
+        return (f"torch's grouped fp8 product takes rowwise scales only, so the {plan.recipe.name} routed experts "
+                "run one _scaled_mm per expert and source")
+    cap = kernels.device_capability(x.device)  # looked up here, so the fake-tensor checks can patch it
+    if cap < SCALED_MM_SM["rowwise"]:
+        return f"rowwise _scaled_grouped_mm needs sm90, this GPU is sm{cap[0]}{cap[1]}; the experts loop"
+    if x.dtype != torch.bfloat16 or w.shape[1] % 16 or w.shape[2] % 16:
+        return "_scaled_grouped_mm writes bf16 and needs K and N multiples of 16; the experts loop"
+    return None
+
+
+def _expert_offsets(segments: list[tuple[int, int, int]], experts: int, device: torch.device) -> Tensor:
+    """The end row of each expert's rows (int32), what the grouped products take as `offs`."""
+    ends = [0] * experts
+    for g, _, b in segments:
+        ends[g] = b
+    for g in range(1, experts):
+        ends[g] = max(ends[g], ends[g - 1])
+    return torch.tensor(ends, dtype=torch.int32, device=device)
+
+
+def _grouped_forward(x: Tensor, w: Tensor, offs: Tensor, plan: LinearPlan) -> Tensor:
+    """Every expert's rows times its weight in one `_scaled_grouped_mm` (rowwise): x's scales
+    per row, each expert's per output row: the cells the loop quantizes, one call."""
+    r, (g, n, k) = plan.recipe, w.shape
+    xq = quantize(x, (Dim.whole(x.shape[0]), plan.k), r.x, E4M3, r.pow2)
+    wq = quantize(w.reshape(g * n, k), (Dim.whole(g * n), plan.k), r.w, E4M3, r.pow2)
+    return torch._scaled_grouped_mm(xq.data, wq.data.view(g, n, k).transpose(-2, -1), xq.scale.view(-1),
+                                    wq.scale.view(g, n), offs=offs, out_dtype=torch.bfloat16)
+
+
+def _grouped_input_grad(dy: Tensor, w: Tensor, offs: Tensor, plan: LinearPlan) -> Tensor:
+    """dx = dy·W per expert in one `_scaled_grouped_mm`: dy's scales per row, each expert's W
+    per input column (along N, the reduction), quantized together as [N, G·K]."""
+    r, (g, n, k) = plan.recipe, w.shape
+    dyq = quantize(dy, (Dim.whole(dy.shape[0]), plan.n), r.dy, r.grad_fmt, r.pow2)
+    wq = quantize(w.permute(1, 0, 2).reshape(n, g * k), (plan.n, Dim.whole(g * k)), r.w_dgrad, E4M3, r.pow2)
+    b = row_major(wq.data.view(n, g, k).permute(1, 2, 0)).transpose(-2, -1)  # [G, N, K], column-major
+    return torch._scaled_grouped_mm(dyq.data, b, dyq.scale.view(-1), wq.scale.view(g, k), offs=offs,
+                                    out_dtype=torch.bfloat16)
+
+
 class Fp8Experts(torch.autograd.Function):
     """Rows grouped by expert times each expert's weight (w [G, N, K]), in fp8. Each group of
     rows is its own token dimension: one expert's tokens of one micro-batch, the tensor a
-    single process would quantize."""
+    single process would quantize. Rowwise on CUDA sm90: the forward and the input gradient
+    are one `_scaled_grouped_mm` each (their scales are per row, whatever the group); the
+    weight gradient loops, since its scales run along each group's tokens. Otherwise every
+    product loops over the groups (`grouped_fp8` says why, once)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, segments: list[tuple[int, int, int]], plan: LinearPlan) -> Tensor:
-        x = x.contiguous()
-        out = x.new_zeros(x.shape[0], w.shape[1])
-        weights: dict[int, Quantized] = {}
-        for g, a, b in segments:
-            if b > a:
-                if g not in weights:
-                    weights[g] = _quantize_weight(w[g], plan, plan.recipe.w)
-                out[a:b] = forward_matmul(x[a:b], w[g], plan, Dim.whole(b - a), weights[g])[0]
-        ctx.plan, ctx.segments = plan, segments
+        x = row_major(x)
+        why = grouped_fp8(x, w, plan)
+        if why:
+            warn_once(why)
+        ctx.plan, ctx.segments, ctx.grouped = plan, segments, why is None
         ctx.save_for_backward(x, w)
-        return out
+        if why is None:
+            ctx.offs = _expert_offsets(segments, w.shape[0], x.device)
+            if not torch.compiler.is_compiling():
+                plan.backends["forward"] = "scaled_grouped_mm"
+            return _grouped_forward(x, w, ctx.offs, plan)
+        parts, weights = [], {}
+        for g, a, b in segments:
+            if g not in weights:
+                weights[g] = _quantize_weight(w.select(0, g), plan, plan.recipe.w)
+            rows = x.narrow(0, a, b - a)
+            parts.append(forward_matmul(rows, w.select(0, g), plan, Dim.whole(b - a), weights[g])[0] if b > a
+                         else rows.new_zeros(0, w.shape[1]))
+        return torch.cat(parts) if parts else x.new_zeros(0, w.shape[1])
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, w = ctx.saved_tensors
-        plan, grad = ctx.plan, grad.contiguous()
-        dx = x.new_zeros(x.shape) if wanted(ctx, 0) else None
-        need_dw = wanted(ctx, 1)
-        dw = torch.zeros(w.shape, dtype=torch.float32 if w.dtype != torch.float64 else w.dtype, device=w.device)
+        plan, grad = ctx.plan, row_major(grad)
+        need_dx, need_dw = wanted(ctx, 0), wanted(ctx, 1)
+        acc = torch.float32 if w.dtype != torch.float64 else w.dtype
+        dw = [torch.zeros(w.shape[1:], dtype=acc, device=w.device) for _ in range(w.shape[0])]
+        dx = []
+        if need_dx and ctx.grouped:
+            dx = [_grouped_input_grad(grad, w, ctx.offs, plan)]
+            if not torch.compiler.is_compiling():
+                plan.backends["input_grad"] = "scaled_grouped_mm"
         weights: dict[int, Quantized] = {}
         for g, a, b in ctx.segments:
+            rows, dy = x.narrow(0, a, b - a), grad.narrow(0, a, b - a)
             if b == a:
+                if need_dx and not ctx.grouped:
+                    dx.append(x.new_zeros(0, x.shape[1]))
                 continue
             tokens = Dim.whole(b - a)
-            dyq = quantize_grad(grad[a:b], plan, tokens)
-            if dx is not None:
+            dyq = quantize_grad(dy, plan, tokens)
+            if need_dx and not ctx.grouped:
                 if g not in weights:
-                    weights[g] = _quantize_weight(w[g], plan, plan.recipe.w_dgrad)
-                dx[a:b] = input_grad(grad[a:b], w[g], plan, tokens, dyq, weights[g])
+                    weights[g] = _quantize_weight(w.select(0, g), plan, plan.recipe.w_dgrad)
+                dx.append(input_grad(dy, w.select(0, g), plan, tokens, dyq, weights[g]))
             if need_dw:
-                dw[g] += weight_grad(grad[a:b], x[a:b], plan, tokens, dyq, dw.dtype)
-        return dx, dw.to(w.dtype) if need_dw else None, None, None
+                dw[g] = dw[g] + weight_grad(dy, rows, plan, tokens, dyq, acc)
+        dx = (torch.cat(dx) if dx else x.new_zeros(x.shape)) if need_dx else None
+        return dx, torch.stack(dw).to(w.dtype) if need_dw else None, None, None
 
 
 def fp8_expert_matmul(x: Tensor, w: Tensor, counts: Tensor, plan: LinearPlan) -> Tensor:

@@ -50,7 +50,7 @@ from torch import Tensor, nn
 
 from ndtrain.comm import ops
 from ndtrain.kernels.fp8 import BLOCK, Dim
-from ndtrain.kernels.fp8_linear import RECIPES, LinearPlan, Recipe, fp8_expert_matmul, fp8_linear
+from ndtrain.kernels.fp8_linear import RECIPES, LinearPlan, Recipe, fp8_expert_matmul, fp8_linear, predict_backends
 from ndtrain.mesh import Group, ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.moe import Experts
@@ -188,6 +188,39 @@ def plans(model: nn.Module) -> list[LinearPlan]:
         if isinstance(m, Experts):
             found += [p.plan for p in m.matmuls.values() if isinstance(p, _ExpertProduct)]
     return found
+
+
+def _label(backends: dict[str, str]) -> str:
+    """One back end, or each matmul's where they differ."""
+    if len(set(backends.values())) == 1:
+        return next(iter(backends.values()))
+    return ", ".join(f"{what.replace('_', ' ')} {b}" for what, b in backends.items())
+
+
+def backend_counts(model: nn.Module, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> dict[str, int]:
+    """{back end: number of this rank's fp8 linear layers that run on it} for inputs whose
+    leading dimensions are `shape` (a micro-batch as this rank holds it), from each layer's own
+    code on fake tensors (kernels/fp8_linear.predict_backends), so it holds compiled or not;
+    it warns once per reason, as the run does. Routed experts (one layer per expert): their
+    recorded back ends once a step has run, else "experts (not run yet)"."""
+    counts: dict[str, int] = {}
+    seen: dict[tuple, str] = {}
+    for m in model.modules():
+        if isinstance(m, Experts):
+            for p in m.matmuls.values():
+                if isinstance(p, _ExpertProduct):
+                    label = "experts: " + (_label(p.plan.backends) if p.plan.backends else "not run yet")
+                    counts[label] = counts.get(label, 0) + m.w1.shape[0]
+            continue
+        plan = m.plan if isinstance(m, Float8Linear) else getattr(getattr(m, "linear", None), "plan", None)
+        if not isinstance(plan, LinearPlan):
+            continue
+        tokens = plan.tokens(tuple(shape))
+        key = (plan.recipe.name, plan.k, plan.n, plan.backend, tokens)
+        if key not in seen:
+            seen[key] = _label(predict_backends(plan, tokens, dtype, device))
+        counts[seen[key]] = counts.get(seen[key], 0) + 1
+    return counts
 
 
 def saved_fp8_bytes(model: nn.Module, reset: bool = False) -> int:

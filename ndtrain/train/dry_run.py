@@ -79,7 +79,10 @@ def measure(cfg: Config, mesh: ParallelMesh) -> dict:
     table = per_rank(mine, mesh.device)
     keys = ("psi", "psi_experts", "construction", "kept") + COLUMNS + EXPERT_COLUMNS + ("fp8_saved", "psi_frozen",
                                                                                           "psi_frozen_experts")
+    backends = (fp8.backend_counts(par.model, (t.micro_batch, t.seq_len // mesh.shape.cp), compute_dtype(t.precision, t.fp8_base),
+                                   mesh.device) if t.precision == "fp8" else None)
     return {"ranks": [dict(zip(keys, map(int, row))) for row in table], "layout": mesh.describe(),
+            "fp8_backends": backends, "device": str(mesh.device),
             "n_shard": mesh.size("dp_shard_cp"), "n_expert_shard": mesh.size("edp_shard"), "moe": args.is_moe,
             **construction_bounds(args)}
 
@@ -137,6 +140,10 @@ def render(cfg: Config, result: dict) -> str:
                   "fp8 copies kept for backward in a step (inside activations; only tensorwise keeps x in fp8, "
                   "the others keep it as it came and quantize again in backward): "
                   + ", ".join(f"rank {i} {format_bytes(r['fp8_saved'])}" for i, r in enumerate(result["ranks"]))]
+        if result.get("fp8_backends"):
+            lines.append(f"fp8 back ends on rank 0 ({result['device']}): "
+                         + "; ".join(f"{b} ({n} layers)" for b, n in result["fp8_backends"].items())
+                         + " (scaled_mm: one torch._scaled_mm per matmul; the others in docs/fp8.md)")
     extra = max(result["largest_param_bytes"], result["largest_unit_bytes"])
     lines.append("construction peak: the layout is built on the meta device, then each rank allocates only what it "
                  "keeps (model states), drawing one parameter's fp32 initial value at a time (ZeRO-3: one unit's "

@@ -192,8 +192,17 @@ class Trainer:
             record["moe"] = self.par.routing_stats
         if not self._counted:  # this process's first line
             record.update(self.param_counts)
+            if t.precision == "fp8":
+                record["fp8_backends"] = self.fp8_backends()
             self._counted = True
         return record
+
+    def fp8_backends(self) -> dict[str, int]:
+        """{back end: fp8 linear layers on it}, this rank's (parallel/fp8.backend_counts)."""
+        from ndtrain.parallel.precision import compute_dtype
+        t = self.cfg.train
+        shape = (t.micro_batch, t.seq_len // self.mesh.shape.cp)
+        return fp8.backend_counts(self.par.model, shape, compute_dtype(t.precision, t.fp8_base), self.mesh.device)
 
     def is_log_step(self, step: int) -> bool:
         t = self.cfg.train
