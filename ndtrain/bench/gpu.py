@@ -102,13 +102,13 @@ def _mfu(name: str, budget_s: int, *overrides: str) -> Step:
 
 def one_gpu_steps() -> list[Step]:
     return [
-        Step("CUDA calls (bench/gpu_probe.py)", 45, ("ndtrain.bench.gpu_probe",), _probe_summary),
-        Step("CUDA tests (pytest -m cuda)", 110, ("pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "tests"),
+        Step("CUDA calls (bench/gpu_probe.py)", 80, ("ndtrain.bench.gpu_probe",), _probe_summary),
+        Step("CUDA tests (pytest -m cuda)", 100, ("pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "tests"),
              _pytest_summary, _pytest_progress),
         _mfu("1B, seq 2048, bf16, eager", 40, "train.precision=bf16"),
-        _mfu("1B, seq 2048, bf16, compiled", 130, "train.precision=bf16", "train.compile=true"),
+        _mfu("1B, seq 2048, bf16, compiled", 120, "train.precision=bf16", "train.compile=true"),
         _mfu("1B, seq 2048, fp8 tensorwise, eager", 40, "train.precision=fp8"),
-        _mfu("1B, seq 2048, fp8 tensorwise, compiled", 130, "train.precision=fp8", "train.compile=true"),
+        _mfu("1B, seq 2048, fp8 tensorwise, compiled", 120, "train.precision=fp8", "train.compile=true"),
         Step("bench generate (KV cache vs none)", 35,
              ("ndtrain.cli", "bench", "generate", "--rounds", "3", "train.precision=bf16"), _last_line),
     ]

@@ -1,7 +1,7 @@
 """`python -m ndtrain.bench.gpu_probe`: which CUDA-only calls ndtrain relies on work on this
 GPU and torch, how fast, and how exact (a step of `ndtrain bench gpu`, usable alone).
 
-Each probe runs one call with the shapes of the 1B preset (dim 2048, 32 heads of 64, 8 KV
+Each probe runs one call (or ndtrain's own fp8 linear) with the shapes of the 1B preset (dim 2048, 32 heads of 64, 8 KV
 heads, MLP 8192, 4 sequences of 2048 tokens) and prints one line: `ok` with its TFLOP/s and,
 for a product, its largest error against the same product in fp32 from the dequantized
 operands, relative to that product's largest entry; or `FAILED` with the error's first line.
@@ -132,12 +132,47 @@ def probe_matmuls() -> dict[str, Callable[[], str]]:
 
     return {"bf16 matmul [8192x2048]x[2048x8192]": bf16, "fp8 _scaled_mm tensorwise": tensorwise,
             "fp8 _scaled_mm rowwise": rowwise,
-            "fp8 _scaled_mm blockwise 1x128 x 128x128 (scales as computed)": blockwise("as computed"),
             "fp8 _scaled_mm blockwise 1x128 x 128x128 (scale_a outer-major)": blockwise("outer-major"),
-            "fp8 _scaled_mm blockwise 1x128 x 128x128 (scale_b contiguous)": blockwise("contiguous"),
             "fp8 _scaled_mm blockwise 1x128 x 1x128": blockwise_1x128_both,
             "torch._grouped_mm bf16 (8 experts)": grouped("bf16"),
             "torch._scaled_grouped_mm rowwise fp8 (8 experts)": grouped("fp8")}
+
+
+def probe_fp8_linear() -> dict[str, Callable[[], str]]:
+    """ndtrain's own fp8 linear (kernels/fp8_linear.py), forward and backward at the MLP's
+    shape, eager and compiled, against bf16 `F.linear`: whether fp8 pays here, and on which
+    back end each matmul ran."""
+    from ndtrain.kernels.fp8 import Dim
+    from ndtrain.kernels.fp8_linear import RECIPES, LinearPlan, fp8_linear
+
+    dev = torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(2)
+    x = torch.randn(T, D, device=dev, generator=g, dtype=torch.bfloat16, requires_grad=True)
+    w = (torch.randn(FFN, D, device=dev, generator=g, dtype=torch.bfloat16) * 0.02).requires_grad_()
+    flops = 3 * 2 * T * D * FFN
+
+    def step(fn) -> Callable[[], None]:
+        return lambda: fn(x, w).sum().backward()
+
+    def bf16(compiled: bool) -> Callable[[], str]:
+        def run() -> str:
+            fn = torch.compile(F.linear) if compiled else F.linear
+            return f"{flops / _timed(step(lambda a, b: fn(a, b))) / 1e12:.0f} TFLOP/s"
+        return run
+
+    def fp8(recipe: str, compiled: bool) -> Callable[[], str]:
+        def run() -> str:
+            plan = LinearPlan(RECIPES[recipe], Dim.whole(D), Dim.whole(FFN))
+            fn = torch.compile(fp8_linear) if compiled else fp8_linear
+            rate = flops / _timed(step(lambda a, b: fn(a, b, None, plan))) / 1e12
+            return f"{rate:.0f} TFLOP/s, back ends {plan.backends or 'not recorded (compiled)'}"
+        return run
+
+    out = {"bf16 F.linear fwd+bwd, eager": bf16(False), "bf16 F.linear fwd+bwd, compiled": bf16(True)}
+    for recipe in RECIPES:
+        for compiled in (False, True):
+            out[f"ndtrain fp8 {recipe} linear fwd+bwd, {'compiled' if compiled else 'eager'}"] = fp8(recipe, compiled)
+    return out
 
 
 def probe_attention() -> dict[str, Callable[[], str]]:
@@ -250,7 +285,7 @@ def main() -> int:
     print(f"{props.name} sm{props.major}{props.minor}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"cuDNN {torch.backends.cudnn.version()}", flush=True)
     status = {}
-    for group in (probe_runtime, probe_matmuls, probe_attention):
+    for group in (probe_runtime, probe_matmuls, probe_fp8_linear, probe_attention):
         for name, probe in group().items():
             try:
                 text = probe()
