@@ -177,3 +177,62 @@ def test_cp_masked_blocks_on_efficient_attention_with_a_bias(impl, docs, window,
         with pytest.raises(AssertionError, match="attn_bias broadcast"):
             aten._scaled_dot_product_efficient_attention(q, k, k, broadcast, True, 0.0, False)
     assert rules.calls == [("efficient", step, True) for _ in masked for step in ("forward", "backward")]
+
+
+def test_packed_documents_on_flex_attention(monkeypatch):
+    """Packed SFT on CUDA (model.doc_attention = flex): the model's attention core hands
+    flex_attention the 1B shapes (q [b, 32, 2048, 64], K/V with 8 heads, grouped-query
+    attention on) and a block mask built for [b, ·, 2048, 2048] on the CUDA device by a
+    compiled kernel, and runs the compiled flex_attention; no s × s tensor is made on the way.
+    Flex's CUDA path itself cannot run under fake tensors on a CPU-only torch (its uncompiled
+    path expands the block mask with indexing that needs a CUDA device), so the two calls
+    are checked at that boundary; tests/test_sft.py proves on the CPU that the rule and
+    block mask handed over give the mask's results, and a `-m cuda` test in tests/test_model.py
+    runs the real kernels."""
+    from ndtrain.model import llama
+
+    s, b = 2048, BATCH
+    calls = []
+
+    def create_block_mask(mask_mod, B, H, Q_LEN, KV_LEN, device=None, _compile=False, **kw):
+        assert (B, H, Q_LEN, KV_LEN) == (b, None, s, s) and torch.device(device).type == "cuda" and _compile
+        calls.append("block mask")
+        return "the block mask"
+
+    def compiled_flex(q, k, v, block_mask=None, enable_gqa=False, **kw):
+        _heads_ok("flex", q, k, v)
+        assert tuple(q.shape) == (b, H, s, D) and tuple(k.shape) == tuple(v.shape) == (b, G, s, D)
+        assert enable_gqa and block_mask == "the block mask" and not kw
+        calls.append("flex")
+        return torch.empty_like(q)
+
+    import torch.nn.attention.flex_attention as flex
+    monkeypatch.setattr(flex, "create_block_mask", create_block_mask)
+    monkeypatch.setattr(llama, "_compiled_flex_attention", lambda: compiled_flex)
+    core = llama.AttentionCore(documents="flex")
+    with FakeTensorMode():
+        q = torch.empty(b, s, H, D, dtype=DTYPE, device="cuda")
+        k, v = (torch.empty(b, s, G, D, dtype=DTYPE, device="cuda") for _ in range(2))
+        cos, sin = (torch.empty(s, D // 2, device="cuda") for _ in range(2))
+        big = []
+        with _Sizes(big):
+            out = core(q, k, v, cos, sin, doc_ids=torch.empty(b, s, dtype=torch.long, device="cuda"))
+    assert out.shape == (b, s, H * D) and out.dtype == DTYPE
+    assert calls == ["block mask", "flex"]
+    square = [shape for shape in big if shape[-2:] == (s, s) and shape != (b, s, H * D)]  # H·D = 2048 = s here
+    assert not square, square
+
+
+class _Sizes(TorchDispatchMode):
+    """Records the shape of every tensor an op returns."""
+
+    def __init__(self, shapes: list):
+        super().__init__()
+        self.shapes = shapes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.shapes.append(tuple(t.shape))
+        return out
