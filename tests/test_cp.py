@@ -368,7 +368,9 @@ def test_masked_cuda_blocks_run_efficient_attention_when_it_is_on_and_takes_them
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):
             assert fused.kernel_for(q, k, block) == "plain"
         q64, k64 = _fake_cuda((2, 8, 48, 64), (2, 2, 40, 64), dtype=torch.float64)
-        assert fused.kernel_for(q64, k64, Block(slice(0, 48), slice(0, 40), mask)) == "plain"
+        refused = Block(slice(0, 48), slice(0, 40), mask)
+        assert fused.kernel_for(q64, k64, refused) == "plain"
+        assert not refused._cache  # asking built no bias
 
 
 @pytest.mark.cuda

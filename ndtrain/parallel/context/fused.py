@@ -78,12 +78,17 @@ def _widened_heads(q: Tensor, k: Tensor) -> Tensor:
 
 def _efficient_takes_mask(q: Tensor, k: Tensor, block: Block) -> bool:
     """Whether efficient attention is enabled (`sdpa_kernel`) and takes this masked block,
-    K/V repeated, with the bias `forward` builds (no dtype it lacks, e.g. fp64)."""
+    K/V repeated, with a bias of q's dtype and shape (e.g. not fp64). The bias it is asked
+    about is one padded [sq, sk] plane broadcast, so that asking allocates no [b, H, sq, sk]
+    bias where the answer is no (`attention_bias` builds the real one)."""
     if not torch.backends.cuda.mem_efficient_sdp_enabled():
         return False
+    b, h, sq = q.shape[:3]
+    sk = k.shape[2]
+    bias = q.new_empty((sq, -(-sk // 16) * 16)).narrow(-1, 0, sk).expand(b, h, sq, sk)
     wide = _widened_heads(q, k)
-    params = torch.backends.cuda.SDPAParams(q, wide, wide, attention_bias(block, q, k), 0.0, False, False)
-    return torch.backends.cuda.can_use_efficient_attention(params)
+    return torch.backends.cuda.can_use_efficient_attention(torch.backends.cuda.SDPAParams(q, wide, wide, bias, 0.0,
+                                                                                          False, False))
 
 
 def attention_bias(block: Block, q: Tensor, k: Tensor) -> Tensor:
