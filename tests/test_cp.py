@@ -373,6 +373,23 @@ def test_masked_cuda_blocks_run_efficient_attention_when_it_is_on_and_takes_them
         assert not refused._cache  # asking built no bias
 
 
+@pytest.mark.parametrize("takes, words", [
+    (True, "document-masked and windowed blocks on _scaled_dot_product_efficient_attention, the mask as its attn_bias"),
+    (False, "document-masked and windowed blocks on the plain kernel (kernels.py) (efficient attention is off or "
+            "cannot take these inputs)")])
+def test_describe_names_the_cuda_ops(monkeypatch, takes, words):
+    """What `bench cp` prints on a GPU, with torch's answers stood in for (cuDNN for full and
+    causal blocks; efficient attention taking the masked ones, or not)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ndtrain.parallel.context import fused
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **kw: 3)  # SDPBackend.CUDNN_ATTENTION
+    monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", lambda params, debug=False: takes)
+    with FakeTensorMode():
+        text = fused.describe(torch.device("cuda"), torch.bfloat16, 32, 8, 64, 1024)
+    assert text == "full and causal blocks on _scaled_dot_product_cudnn_attention; " + words, text
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("forced", [False, True])
