@@ -201,9 +201,13 @@ def test_doc_attention_reaches_the_model(device, chosen, resolved):
     assert cfg.model_args().doc_attention == resolved
 
 
-def test_bad_doc_attention():
-    msg = error_of(["run.device=cpu", "model.doc_attention=varlen"])
-    assert msg == "model.doc_attention = 'varlen': choose one of auto, mask, flex", msg
+@pytest.mark.parametrize("value, fragment", [
+    ("varlen", "model.doc_attention = 'varlen': choose one of auto, mask, flex"),
+    ("flex", "model.doc_attention = 'flex': needs CUDA: torch's flex_attention has no backward on the CPU; use mask "
+             "(or auto) there")])
+def test_bad_doc_attention(value, fragment):
+    msg = error_of(["run.device=cpu", f"model.doc_attention={value}"])
+    assert msg == fragment, msg
 
 
 @pytest.mark.parametrize("key", ["train.lr", "parallel.bucket_mb", "train.grad_clip", "train.weight_decay"])

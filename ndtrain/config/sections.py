@@ -38,7 +38,7 @@ def positive(key: str, value, *, zero_ok: bool = False) -> None:
 DOC_ATTENTIONS = ("auto", "mask", "flex")
 
 
-def check_model(m: ModelConfig, check_paths: bool) -> None:
+def check_model(m: ModelConfig, check_paths: bool, device: str = "auto") -> None:
     if m.preset not in PRESETS:
         raise ConfigError("model.preset", m.preset, f"unknown preset; choose one of {', '.join(PRESETS)}")
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "head_dim"):
@@ -57,6 +57,9 @@ def check_model(m: ModelConfig, check_paths: bool) -> None:
         raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
     if m.doc_attention not in DOC_ATTENTIONS:
         raise ConfigError("model.doc_attention", m.doc_attention, f"choose one of {', '.join(DOC_ATTENTIONS)}")
+    if m.doc_attention == "flex" and not uses_cuda(device):
+        raise ConfigError("model.doc_attention", "flex", "needs CUDA: torch's flex_attention has no backward on the "
+                          "CPU; use mask (or auto) there")
 
 
 def check_parallel(p: ParallelConfig) -> None:
