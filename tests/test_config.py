@@ -192,6 +192,24 @@ def test_bad_values_that_used_to_reach_a_rank(overrides, fragment):
     assert fragment in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("device, chosen, resolved", [
+    ("cpu", "auto", "mask"), ("cuda", "auto", "flex"), ("cpu", "flex", "flex"), ("cuda", "mask", "mask")])
+def test_doc_attention_reaches_the_model(device, chosen, resolved):
+    """model.doc_attention: auto is flex (no s × s mask) where the ranks run on CUDA and the
+    boolean mask (the CPU proofs' form) elsewhere; a value set is kept."""
+    cfg = load_config(None, [f"run.device={device}", f"model.doc_attention={chosen}"])
+    assert cfg.model_args().doc_attention == resolved
+
+
+@pytest.mark.parametrize("value, fragment", [
+    ("varlen", "model.doc_attention = 'varlen': choose one of auto, mask, flex"),
+    ("flex", "model.doc_attention = 'flex': needs CUDA: torch's flex_attention has no backward on the CPU; use mask "
+             "(or auto) there")])
+def test_bad_doc_attention(value, fragment):
+    msg = error_of(["run.device=cpu", f"model.doc_attention={value}"])
+    assert msg == fragment, msg
+
+
 @pytest.mark.parametrize("key", ["train.lr", "parallel.bucket_mb", "train.grad_clip", "train.weight_decay"])
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_non_finite_numbers_in_a_file_are_refused(key, value, tmp_path):

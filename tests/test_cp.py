@@ -242,7 +242,6 @@ def test_cuda_fused_blocks_merge_to_full_attention(backend, dtype):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from ndtrain.parallel.context import fused
-    from ndtrain.parallel.context.kernels import Partial
     from ndtrain.parallel.context.visibility import Block
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
@@ -257,27 +256,178 @@ def test_cuda_fused_blocks_merge_to_full_attention(backend, dtype):
     scale = d ** -0.5
     with sdpa_kernel([forced]):
         assert {fused.kernel_for(q, k[:, :, :n], blk) for blk in (full, diag)} == {backend}
-        partial = Partial(q.shape, torch.float32, q.device)
-        for blk in (full, diag):
-            partial.add(blk.rows, *fused.forward(q, k[:, :, blk.cols], v[:, :, blk.cols], blk, scale))
-        out, lse = partial.result()
-        grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
-        for blk in (full, diag):
-            dq, dk, dv = fused.backward(dout, q, k[:, :, blk.cols], v[:, :, blk.cols], out.to(dtype), lse, blk, scale)
-            grads[0] += dq
-            grads[1][:, :, blk.cols] += dk
-            grads[2][:, :, blk.cols] += dv
-    ref = [t.float().requires_grad_() for t in (q, k, v)]
+        mine = _merged_blocks(q, k, v, dout, (full, diag), scale)
     visible = torch.ones(n, 2 * n, dtype=torch.bool, device="cuda").tril(n)
+    _assert_near_full_attention(mine, q, k, v, dout, visible, scale, 2e-2 if dtype == torch.bfloat16 else 1e-3,
+                                f"{backend} {dtype}")
+
+
+def _merged_blocks(q, k, v, dout, blocks, scale):
+    """ndtrain's blocks of q against column ranges of k, v, merged by lse, and each block's
+    backward from the merged result: out and lse (fp32), then dq, dk, dv (fp32 sums)."""
+    from ndtrain.parallel.context import fused
+    from ndtrain.parallel.context.kernels import Partial
+
+    partial = Partial(q.shape, torch.float32, q.device)
+    for blk in blocks:
+        partial.add(blk.rows, *fused.forward(q, k[:, :, blk.cols], v[:, :, blk.cols], blk, scale))
+    out, lse = partial.result()
+    grads = [torch.zeros_like(t, dtype=torch.float32) for t in (q, k, v)]
+    for blk in blocks:
+        dq, dk, dv = fused.backward(dout, q, k[:, :, blk.cols], v[:, :, blk.cols], out.to(q.dtype), lse, blk, scale)
+        grads[0] += dq
+        grads[1][:, :, blk.cols] += dk
+        grads[2][:, :, blk.cols] += dv
+    return out, lse, *grads
+
+
+def _assert_near_full_attention(mine, q, k, v, dout, visible, scale, tol, what):
+    """`mine` (out, lse, dq, dk, dv) against attention of q over all of k, v where `visible`,
+    in fp32 on the same inputs: each within `tol` of the largest element, and finite."""
+    h, kv = q.shape[1], k.shape[1]
+    ref = [t.float().requires_grad_() for t in (q, k, v)]
     keys, values = (t.repeat_interleave(h // kv, 1) for t in ref[1:])
     scores = (ref[0] @ keys.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
     ref_out = torch.softmax(scores, -1) @ values
     ref_out.backward(dout.float())
-    tol = 2e-2 if dtype == torch.bfloat16 else 1e-3
-    for name, mine, theirs in [("out", out, ref_out), ("lse", lse, torch.logsumexp(scores, -1)),
-                               *zip(("dq", "dk", "dv"), grads, (t.grad for t in ref))]:
-        err = float((mine - theirs.detach()).abs().max() / theirs.detach().abs().max())
-        assert err <= tol, f"{backend} {dtype}: {name} differs by {err:.1e}"
+    for name, got, theirs in zip(("out", "lse", "dq", "dk", "dv"), mine,
+                                 (ref_out, torch.logsumexp(scores, -1), *(t.grad for t in ref))):
+        assert torch.isfinite(got).all(), f"{what}: {name} not finite"
+        err = float((got.detach() - theirs.detach()).abs().max() / theirs.detach().abs().max())
+        assert err <= tol, f"{what}: {name} differs by {err:.1e}"
+
+
+def _fake_cuda(*shapes, dtype=torch.bfloat16):
+    return [torch.empty(shape, dtype=dtype, device="cuda") for shape in shapes]
+
+
+def test_kernel_for_repeats_grouped_heads_when_the_selector_raises_or_answers_math(monkeypatch):
+    """The bug an H200 showed (docs/benchmarks-gpu.md): with only efficient attention
+    allowed, torch 2.11's selector raises for grouped heads instead of answering "math",
+    and kernel_for then ran the plain kernel. Here the selector is replaced by one that
+    does what torch 2.11 does (raise, or answer math, for K/V heads ≠ query heads; efficient
+    otherwise): both must lead to efficient attention with the heads repeated, and a
+    selector that refuses the repeated heads too must lead to the plain kernel."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ndtrain.parallel.context import fused
+    from ndtrain.parallel.context.visibility import Block
+
+    asked = []
+
+    def selector(answer_for_gqa):
+        def choice(q, k, v, mask, dropout, causal, enable_gqa=False):
+            asked.append((k.shape[1], enable_gqa))
+            if k.shape[1] == q.shape[1]:
+                return 2  # SDPBackend.EFFICIENT_ATTENTION
+            if answer_for_gqa is None:
+                raise RuntimeError("No available kernel. Aborting execution.")
+            return answer_for_gqa
+        return choice
+
+    with FakeTensorMode():
+        q, k = _fake_cuda((2, 8, 64, 64), (2, 2, 64, 64))
+        blocks = [Block(slice(0, 64), slice(0, 64), None, causal) for causal in (False, True)]
+        for answer in (None, 0):  # raises; answers SDPBackend.MATH
+            monkeypatch.setattr(torch, "_fused_sdp_choice", selector(answer))
+            asked.clear()
+            assert [fused.kernel_for(q, k, blk) for blk in blocks] == ["efficient", "efficient"]
+            assert asked == [(2, True), (8, False)] * 2
+        monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **kw: (_ for _ in ()).throw(RuntimeError("none")))
+        assert fused.kernel_for(q, k, blocks[0]) == "plain"
+        wide = _fake_cuda((2, 8, 64, 64))[0]  # no grouped heads: no second question
+        monkeypatch.setattr(torch, "_fused_sdp_choice", selector(None))
+        asked.clear()
+        assert fused.kernel_for(q, wide, blocks[1]) == "efficient" and asked == [(8, False)]
+
+
+def test_masked_cuda_blocks_run_efficient_attention_when_it_is_on_and_takes_them(monkeypatch):
+    """A block with a mask (documents, a window) on CUDA runs efficient attention with the
+    mask as its bias, asked of torch with that bias and K/V repeated; the plain kernel where
+    sdpa_kernel switches efficient attention off or torch says it cannot take the inputs.
+    (`can_use_efficient_attention` needs a real GPU to answer, so it is replaced here.)"""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ndtrain.parallel.context import fused
+    from ndtrain.parallel.context.visibility import Block
+
+    seen = []
+
+    def can_use(params, debug=False):
+        seen.append((tuple(params.key.shape), tuple(params.attn_mask.shape), params.attn_mask.dtype))
+        return params.query.dtype != torch.float64
+
+    monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", can_use)
+    with FakeTensorMode():
+        q, k = _fake_cuda((2, 8, 48, 64), (2, 2, 40, 64))
+        mask = torch.ones((2, 1, 48, 40), dtype=torch.bool, device="cuda")
+        block = Block(slice(0, 48), slice(0, 40), mask)
+        assert fused.kernel_for(q, k, block) == "efficient"
+        assert seen == [((2, 8, 40, 64), (2, 8, 48, 40), torch.bfloat16)]
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH]):
+            assert fused.kernel_for(q, k, block) == "plain"
+        q64, k64 = _fake_cuda((2, 8, 48, 64), (2, 2, 40, 64), dtype=torch.float64)
+        refused = Block(slice(0, 48), slice(0, 40), mask)
+        assert fused.kernel_for(q64, k64, refused) == "plain"
+        assert not refused._cache  # asking built no bias
+
+
+@pytest.mark.parametrize("takes, words", [
+    (True, "document-masked and windowed blocks on _scaled_dot_product_efficient_attention, the mask as its attn_bias"),
+    (False, "document-masked and windowed blocks on the plain kernel (kernels.py) (efficient attention is off or "
+            "cannot take these inputs)")])
+def test_describe_names_the_cuda_ops(monkeypatch, takes, words):
+    """What `bench cp` prints on a GPU, with torch's answers stood in for (cuDNN for full and
+    causal blocks; efficient attention taking the masked ones, or not)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ndtrain.parallel.context import fused
+    monkeypatch.setattr(torch, "_fused_sdp_choice", lambda *a, **kw: 3)  # SDPBackend.CUDNN_ATTENTION
+    monkeypatch.setattr(torch.backends.cuda, "can_use_efficient_attention", lambda params, debug=False: takes)
+    with FakeTensorMode():
+        text = fused.describe(torch.device("cuda"), torch.bfloat16, 32, 8, 64, 1024)
+    assert text == "full and causal blocks on _scaled_dot_product_cudnn_attention; " + words, text
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("forced", [False, True])
+def test_cuda_masked_blocks_merge_to_full_attention(dtype, forced):
+    """On a GPU, blocks with documents and a sliding window, as a ring gives them: the
+    second half of a sequence's queries against the first half's keys (rows whose document
+    starts in the second half, or whose window ends there, see none of them) and against
+    their own, both with masks, merged by lse, then each block's backward; against masked
+    attention over the whole sequence in fp32 on the same (rounded) inputs. Grouped heads
+    (8 query heads, 2 KV). `forced`: efficient attention is the only SDPA backend allowed.
+    Tolerances as in test_cuda_fused_blocks_merge_to_full_attention: bf16 2e-2 of the
+    largest element (8-bit rounding of each block's output and gradients), fp32 1e-3."""
+    from contextlib import nullcontext
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from ndtrain.parallel.context import fused
+    from ndtrain.parallel.context.visibility import Block
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    b, h, kv, n, d, window = 2, 8, 2, 256, 64, 200
+    q = torch.randn(b, h, n, d, generator=g, device="cuda").to(dtype)
+    k, v = (torch.randn(b, kv, 2 * n, d, generator=g, device="cuda").to(dtype) for _ in range(2))
+    dout = torch.randn(b, h, n, d, generator=g, device="cuda").to(dtype)
+    pos = torch.arange(2 * n, device="cuda")
+    docs = torch.stack([pos // 100, (pos >= n + 7).long()])  # row 1: a document starts at query 7
+    visible = (pos[:, None] >= pos[None, :]) & (pos[:, None] - pos[None, :] < window)
+    visible = (visible & (docs[:, :, None] == docs[:, None, :]))[:, None, n:]  # [b, 1, n, 2n]
+    blocks = [Block(slice(0, n), slice(0, n), visible[..., :n].contiguous()),
+              Block(slice(0, n), slice(n, 2 * n), visible[..., n:].contiguous())]
+    assert not blocks[0].seen().all()  # some rows see nothing of the first block
+    scale = d ** -0.5
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION]) if forced else nullcontext():
+        assert {fused.kernel_for(q, k[:, :, :n], blk) for blk in blocks} == {"efficient"}
+        mine = _merged_blocks(q, k, v, dout, blocks, scale)
+    _assert_near_full_attention(mine, q, k, v, dout, visible, scale, 2e-2 if dtype == torch.bfloat16 else 1e-3,
+                                f"efficient {dtype}")
 
 
 # --------------------------------------------------------------------------- bad input
@@ -655,6 +805,6 @@ def test_bench_cp_runs_every_contender():
         assert f"seq_len {seq_len} " in out
     assert all(out.count(f"  {name} ") == 2 for name in ("ring", "allgather", "ulysses", "1 process"))
     assert ("\nring and allgather attention: full and causal blocks on _scaled_dot_product_flash_attention_for_cpu; "
-            "document-masked blocks on the same op, the mask as its attn_mask\n") in out
+            "document-masked and windowed blocks on the same op, the mask as its attn_mask\n") in out
     assert re.search(r"\nndtrain cp throughput vs 1 process at seq_len 64: ring \d+\.\d\d, allgather \d+\.\d\d, "
                      r"ulysses \d+\.\d\d$", out), out

@@ -13,7 +13,7 @@ from ndtrain.config import sections
 
 
 def _validated(overrides, cuda: bool, monkeypatch):
-    monkeypatch.setattr(sections, "_uses_cuda", lambda device: cuda and device != "cpu")
+    monkeypatch.setattr(sections, "uses_cuda", lambda device: cuda and device != "cpu")
     return validate(load_config(None, overrides), world=1, check_paths=False)
 
 

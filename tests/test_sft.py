@@ -246,6 +246,42 @@ def test_packed_equals_padded_in_fp64(sft_files, template):
         assert (grads_a[k] - grads_b[k]).abs().max() <= 1e-10 * scale, k
 
 
+@pytest.mark.filterwarnings("ignore:.*without torch.compile")  # eager flex on the CPU: unfused, as intended here
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("window", [0, 6])
+def test_flex_document_attention_equals_the_mask_on_packed_rows(sft_files, template, dtype, window, monkeypatch):
+    """model.doc_attention = flex (what CUDA runs: flex_attention with a block mask built
+    from doc_ids, no s × s mask) against mask (the boolean mask with SDPA, what the CPU
+    proofs run) on packed SFT rows, with and without a sliding window: the same loss and
+    gradients. flex_attention refuses a backward on the CPU (its fused kernels have none);
+    its eager path, torch's own math over the same block mask and rule, has one, so the
+    check is lifted here to compare what ndtrain hands flex. Tolerance, derived: the two
+    differ only in the order of the softmax sums, ≤ n·u relative per attention (n = 64 keys
+    a row, u the unit roundoff), through 4 layers and the backward (× 4 × 10):
+    64·4·10·u = 2.8e-13 in fp64, 1.5e-4 in fp32."""
+    import torch.nn.attention.flex_attention as flex
+
+    from ndtrain.model.llama import Transformer
+    monkeypatch.setattr(flex, "_validate_device", lambda *tensors: None)
+    data = prepare_sft(sft_files[0], template, 64, "keep_start", 0.2)
+    packed = pack([ex for ex in data.train if ex.length <= 40][:12], 64, "bfd", template.pad_id)
+    mb = packed.batch(torch.arange(len(packed)))
+    assert int(mb.doc_ids.max()) >= 2
+    n = int((packed.targets != IGNORE).sum())
+    results = {}
+    for documents in ("mask", "flex"):
+        base = _fp64_model(template.vocab_size).args
+        model = Transformer(base.with_(doc_attention=documents, sliding_window=window))
+        model.init_weights(0)
+        results[documents] = _loss_and_grads(model.to(dtype), mb, n)
+    tol = 64 * 4 * 10 * torch.finfo(dtype).eps / 2
+    (loss_m, grads_m, _), (loss_f, grads_f, _) = results["mask"], results["flex"]
+    assert abs(loss_f - loss_m) <= tol * abs(loss_m)
+    for k in grads_m:
+        assert (grads_f[k] - grads_m[k]).abs().max() <= tol * grads_m[k].abs().max(), k
+    assert any(not torch.equal(grads_f[k], grads_m[k]) for k in grads_m)  # flex really ran
+
+
 def test_no_prompt_or_padding_token_reaches_the_loss_or_the_gradients(sft_files, template):
     data = prepare_sft(sft_files[0], template, 64, "keep_start", 0.2)
     rows = pack(data.train[:16], 64, "bfd", template.pad_id)

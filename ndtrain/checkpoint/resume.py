@@ -18,7 +18,7 @@ from ndtrain.model.args import ModelArgs
 
 FIXED = ("data.path", "data.sources", "data.tokenizer", "data.vocab_size", "data.val_fraction", "data.text_key",
          "train.seq_len", "train.global_batch", "train.seed")
-FREE_ARGS = ("max_seq_len", "dropout")  # change what is computed, not what the weights are
+FREE_ARGS = ("max_seq_len", "dropout", "doc_attention")  # change what is computed (or how), not what the weights are
 
 
 def _normal(key: str, value):

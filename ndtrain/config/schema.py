@@ -73,6 +73,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale^-2 instead of head_dim; 0 = head_dim
     attn_softcap: float | None = None  # Gemma 2: cap·tanh(score / cap); 0 = none
     logit_softcap: float | None = None  # Gemma 2: cap·tanh(logit / cap); 0 = none
+    # How attention keeps packed documents apart (ModelArgs.doc_attention): mask (a boolean
+    # s × s mask, SDPA) | flex (flex_attention, no s × s mask) | auto: flex on CUDA, else mask.
+    doc_attention: str = "auto"
     # "" = random init (ndtrain sft: the default pretraining run; "scratch" = random init);
     # run:DIR (an ndtrain run or checkpoint) or hf:DIR (a HF model folder)
     init_from: str = ""
@@ -281,6 +284,8 @@ class Config:
         base = PRESETS[m.preset]
         changes = {f.name: getattr(m, f.name) for f in fields(m)
                    if f.name not in ("preset", "init_from") and getattr(m, f.name) is not None}
+        if m.doc_attention == "auto":
+            changes["doc_attention"] = "flex" if uses_cuda(self.run.device) else "mask"
         if vocab_size is not None and m.vocab_size is None:
             changes["vocab_size"] = vocab_size
         if "window_layers" in changes:
@@ -292,6 +297,16 @@ class Config:
             changes.update(lora_rank=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                            lora_targets=lora_targets(lora.targets), lora_init=lora.init)
         return base.with_(**changes)
+
+
+def uses_cuda(device: str) -> bool:
+    """Whether run.device (auto | cpu | cuda) puts the ranks on CUDA devices."""
+    if device == "cuda":
+        return True
+    if device != "auto":
+        return False
+    import torch
+    return torch.cuda.is_available()
 
 
 def lora_targets(text: str) -> tuple[str, ...]:

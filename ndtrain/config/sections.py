@@ -9,7 +9,8 @@ import os
 import re
 from pathlib import Path
 
-from ndtrain.config.schema import ConfigError, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig
+from ndtrain.config.schema import (ConfigError, DataConfig, ModelConfig, ParallelConfig, RunConfig, TrainConfig,
+                                   uses_cuda)
 from ndtrain.data.chat import BAD_RECORD_POLICIES
 from ndtrain.data.packing import PACKINGS, TRUNCATIONS
 from ndtrain.model.args import PRESETS
@@ -34,7 +35,10 @@ def positive(key: str, value, *, zero_ok: bool = False) -> None:
         raise ConfigError(key, value, "must be >= 0" if zero_ok else "must be > 0")
 
 
-def check_model(m: ModelConfig, check_paths: bool) -> None:
+DOC_ATTENTIONS = ("auto", "mask", "flex")
+
+
+def check_model(m: ModelConfig, check_paths: bool, device: str = "auto") -> None:
     if m.preset not in PRESETS:
         raise ConfigError("model.preset", m.preset, f"unknown preset; choose one of {', '.join(PRESETS)}")
     for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "max_seq_len", "head_dim"):
@@ -51,6 +55,11 @@ def check_model(m: ModelConfig, check_paths: bool) -> None:
             raise ConfigError("model.init_from", m.init_from, "no such directory")
     if not 0.0 <= m.dropout < 1.0:
         raise ConfigError("model.dropout", m.dropout, "must be in [0, 1)")
+    if m.doc_attention not in DOC_ATTENTIONS:
+        raise ConfigError("model.doc_attention", m.doc_attention, f"choose one of {', '.join(DOC_ATTENTIONS)}")
+    if m.doc_attention == "flex" and not uses_cuda(device):
+        raise ConfigError("model.doc_attention", "flex", "needs CUDA: torch's flex_attention has no backward on the "
+                          "CPU; use mask (or auto) there")
 
 
 def check_parallel(p: ParallelConfig) -> None:
@@ -127,7 +136,7 @@ def check_compile(t: TrainConfig, p: ParallelConfig, device: str) -> None:
         raise ConfigError("train.compile", True, "cannot compile under parallel.pp_schedule=zb: zero bubble "
                           "splits each backward into input and weight parts, which a compiled block computes "
                           "in one node; use 1f1b, afab or interleaved, or train.compile=false")
-    if t.compile_backend == "inductor" and not _uses_cuda(device):
+    if t.compile_backend == "inductor" and not uses_cuda(device):
         import shutil
         if not any(shutil.which(cc) for cc in ("g++", "c++", "clang++")):
             raise ConfigError("train.compile", True, "Inductor on the CPU needs a C++ compiler (g++, c++ or "
@@ -145,7 +154,7 @@ def _check_fp8_keys(t: TrainConfig, device: str) -> None:
         for key, default in (("fp8_recipe", "tensorwise"), ("fp8_base", "bf16"), ("fp8_all_gather", False)):
             if getattr(t, key) != default:
                 raise ConfigError(f"train.{key}", getattr(t, key), "applies only with train.precision=fp8")
-    elif t.fp8_base == "fp64" and _uses_cuda(device):
+    elif t.fp8_base == "fp64" and uses_cuda(device):
         raise ConfigError("train.fp8_base", "fp64", "fp64 is for the CPU layout proofs (run.device=cpu)")
 
 
@@ -158,10 +167,10 @@ def resolve_precision(t: TrainConfig, cuda: bool) -> None:
 
 def _check_precision(t: TrainConfig, device: str) -> None:
     """train.precision (auto resolved here) and the fp16 loss scaler."""
-    resolve_precision(t, _uses_cuda(device))
+    resolve_precision(t, uses_cuda(device))
     if t.precision not in PRECISIONS:
         raise ConfigError("train.precision", t.precision, f"choose auto or one of {', '.join(PRECISIONS)}")
-    if t.precision == "fp64" and _uses_cuda(device):
+    if t.precision == "fp64" and uses_cuda(device):
         raise ConfigError("train.precision", t.precision, "fp64 is for the CPU layout proofs (run.device=cpu); "
                           "on a GPU use fp32, bf16 or fp16")
     _check_fp8_keys(t, device)
@@ -177,15 +186,6 @@ def _check_precision(t: TrainConfig, device: str) -> None:
     if t.loss_scale_init < t.loss_scale_min:
         raise ConfigError("train.loss_scale_init", t.loss_scale_init,
                           f"must be at least train.loss_scale_min = {t.loss_scale_min}")
-
-
-def _uses_cuda(device: str) -> bool:
-    if device == "cuda":
-        return True
-    if device != "auto":
-        return False
-    import torch
-    return torch.cuda.is_available()
 
 
 WANDB_MODES = ("", "offline", "online")

@@ -21,7 +21,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     """Check everything that can be checked before a process starts; fills derived values
     (parallel.dp, run.nproc, train.micro_batch, parallel.sp). Raises the first ConfigError."""
     m = cfg.model
-    check_model(m, check_paths)
+    check_model(m, check_paths, cfg.run.device)
     check_parallel(cfg.parallel)
     check_train(cfg.train, cfg.run.device)
     check_compile(cfg.train, cfg.parallel, cfg.run.device)

@@ -4,7 +4,8 @@ several per row, packed by best-fit decreasing.
 An example of n tokens fills n − 1 positions: token i is the input at its position and
 token i + 1 its target, IGNORE unless i + 1 is trained. In a packed row every example
 keeps its own RoPE positions (0, 1, ... from its first token) and its own document id,
-so attention never crosses from one example into another (model/llama.document_mask)
+so attention never crosses from one example into another (model/llama.py: a document mask,
+or flex_attention's block mask on CUDA)
 and a packed example computes exactly what it computes alone in a padded row. Padding is
 a document of its own with IGNORE targets: nothing attends to it and it adds nothing to
 the loss.

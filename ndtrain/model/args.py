@@ -46,6 +46,10 @@ class ModelArgs:
     # have it (None: every layer).
     sliding_window: int = 0
     window_layers: tuple[int, ...] | None = None
+    # How attention keeps the documents of a packed row apart (model/llama.py AttentionCore):
+    # "mask", a boolean [b, 1, s, s] mask for SDPA (what the CPU proofs run); "flex",
+    # flex_attention with a block mask, no s × s mask (what CUDA runs: config model.doc_attention).
+    doc_attention: str = "mask"
     # Gemma 2: norms scale by (norm_offset + weight), weights stored as Gemma stores them;
     # extra norms after attention and after the MLP (sandwich_norm); GeLU (tanh) gate;
     # embeddings multiplied by embed_scale; attention scores scaled by

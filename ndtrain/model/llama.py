@@ -16,6 +16,7 @@ imaginary parts), as in Hugging Face's Llama, so the HF converter needs no permu
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Sequence
 
@@ -146,13 +147,15 @@ class AttentionCore(nn.Module):
     token attends only to earlier tokens of its own document. `window` > 0: only to itself
     and the window − 1 tokens before it. `softcap` > 0: the scores are capped,
     cap·tanh(score / cap), before the softmax (Gemma 2), which SDPA cannot do, so that
-    attention is computed here in plain torch. It holds no parameters; recompute wraps it,
+    attention is computed here in plain torch. `documents` (ModelArgs.doc_attention): how
+    documents are kept apart without a cache, "mask" (a boolean [b, 1, s, s] mask for SDPA)
+    or "flex" (`flex_documents`: no s × s mask). It holds no parameters; recompute wraps it,
     context parallelism replaces it.
     """
 
-    def __init__(self, window: int = 0, softcap: float = 0.0):
+    def __init__(self, window: int = 0, softcap: float = 0.0, documents: str = "mask"):
         super().__init__()
-        self.window, self.softcap = window, softcap
+        self.window, self.softcap, self.documents = window, softcap, documents
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                 cache: KVCache | None = None, layer_key: str | None = None,
@@ -162,6 +165,9 @@ class AttentionCore(nn.Module):
         if cache is not None:
             k, v = cache.update(layer_key, k, v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # sdpa wants [b, heads, s, head_dim]
+        if self.documents == "flex" and doc_ids is not None and cache is None and not self.softcap:
+            out = flex_documents(q, k, v, doc_ids, self.window, compiled=q.device.type == "cuda")
+            return out.transpose(1, 2).reshape(b, s, -1)
         cached_docs = cache.doc_ids[:, :k.shape[2]] if cache is not None and doc_ids is not None else None
         mask = visible_keys(s, k.shape[2], doc_ids, cached_docs, self.window, q.device)
         if self.softcap:
@@ -171,6 +177,35 @@ class AttentionCore(nn.Module):
             causal = mask is None and s == k.shape[2] and s > 1
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
         return out.transpose(1, 2).reshape(b, s, -1)
+
+
+def flex_documents(q: Tensor, k: Tensor, v: Tensor, doc_ids: Tensor, window: int = 0,
+                   compiled: bool = False) -> Tensor:
+    """Causal attention inside each document of `doc_ids` [b, s] (and the `window`, 0: none)
+    on `flex_attention`: q [b, H, s, d], k and v [b, G, s, d] → [b, H, s, d], what SDPA
+    computes with `visible_keys`' mask, without an s × s mask. The kernel evaluates the rule
+    (row, query, key) → visible itself; the block mask says which 128 × 128 tiles hold a
+    visible pair ([b, 1, s/128] counts, [b, 1, s/128, s/128] indices). `compiled` (CUDA):
+    the block mask is built by a compiled kernel and the attention runs compiled, as flex
+    needs to be fused (uncompiled it materialises the scores); inside a region that is being
+    compiled already (train.compile), flex_attention is traced into it."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def visible(row, head, query, key):
+        seen = (key <= query) & (doc_ids[row, query] == doc_ids[row, key])
+        return seen & (query - key < window) if window else seen
+
+    b, s = doc_ids.shape
+    blocks = create_block_mask(visible, b, None, s, s, device=q.device, _compile=compiled)
+    attend = _compiled_flex_attention() if compiled and not torch.compiler.is_compiling() else flex_attention
+    return attend(q, k, v, block_mask=blocks, enable_gqa=q.shape[1] != k.shape[1])
+
+
+@functools.cache
+def _compiled_flex_attention():
+    """flex_attention compiled once per process (a kernel cache, not a setting)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def visible_keys(s: int, s_kv: int, doc_ids: Tensor | None, cached_docs: Tensor | None, window: int,
@@ -238,7 +273,7 @@ class Attention(nn.Module):
         self.wo = linear(args, "wo", args.n_heads * args.head_dim, args.dim)
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
-        self.core = AttentionCore(args.window_of(layer), args.attn_softcap)
+        self.core = AttentionCore(args.window_of(layer), args.attn_softcap, args.doc_attention)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
                 layer_key: str | None = None, doc_ids: Tensor | None = None) -> Tensor:
