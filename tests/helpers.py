@@ -158,11 +158,11 @@ def assert_same_proof(nccl: dict, gloo: dict, what: str) -> None:
     assert nccl["losses"] == gloo["losses"], f"{what}: losses under NCCL's semantics differ from gloo's"
     assert nccl["norms"] == gloo["norms"], f"{what}: gradient norms under NCCL's semantics differ from gloo's"
     for key in ("grads", "state"):
-        if gloo[key] is not None:
+        if gloo.get(key) is not None:
             assert nccl[key].keys() == gloo[key].keys(), what
             for k in gloo[key]:
                 assert torch.equal(nccl[key][k], gloo[key][k]), f"{what}: {key} {k} differs under NCCL's semantics"
-    if gloo["async_p2p"] is not None:
+    if gloo.get("async_p2p") is not None:
         assert (nccl["async_p2p"], gloo["async_p2p"]) == (False, True), f"{what}: the executor's action lists"
 
 
