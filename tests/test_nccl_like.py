@@ -120,3 +120,38 @@ def test_what_nccl_refuses_is_refused():
     for out in run_ranks(_refused, 2, timeout=60):
         assert "Cannot use" in out["bitwise and"] and "BAND" in out["bitwise and"]
         assert "must be contiguous" in out["non-contiguous all-reduce"]
+
+
+def _crossed_batches(marker: str):
+    """Each rank posts a receive from the other, then (a second batch) a send to it. gloo's
+    messages are independent, so it completes; on NCCL's stream each rank's send waits for
+    its receive, which waits for the other's send: a deadlock."""
+    import pathlib
+
+    import torch
+    import torch.distributed as dist
+
+    from nccl_like import nccl_like
+
+    peer = 1 - dist.get_rank()
+
+    def cross():
+        x, y = torch.empty(2), torch.ones(2)
+        first = dist.batch_isend_irecv([dist.P2POp(dist.irecv, x, peer)])
+        second = dist.batch_isend_irecv([dist.P2POp(dist.isend, y, peer)])
+        for w in first + second:
+            w.wait()
+
+    cross()
+    pathlib.Path(marker, f"gloo-{dist.get_rank()}").touch()
+    with nccl_like():
+        cross()
+
+
+@pytest.mark.slow
+def test_batches_run_in_order_on_the_stream(tmp_path):
+    """What completes on gloo hangs under the NCCL-like group (until the harness's timeout),
+    after both ranks got through the gloo half (their markers)."""
+    with pytest.raises(TimeoutError):
+        run_ranks(_crossed_batches, 2, str(tmp_path), timeout=15)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gloo-0", "gloo-1"]
