@@ -4,7 +4,7 @@ not gloo's twice. Each test here shows one difference biting, on two ranks."""
 
 import pytest
 
-from ndtrain.testing import RankError, run_ranks
+from ndtrain.testing import run_ranks
 
 
 def _batch_semantics():
@@ -16,6 +16,7 @@ def _batch_semantics():
     import torch.distributed as dist
 
     from nccl_like import nccl_like
+    from ndtrain.comm import ops
     from ndtrain.mesh import MeshShape, ParallelMesh
     from ndtrain.parallel.pipeline.p2p import StageLinks
 
@@ -45,58 +46,32 @@ def _batch_semantics():
     with nccl_like():
         out["nccl"] = exchange()
         out["nccl post"] = fixed_post()
-        out["executor lists"] = "async" if __import__("ndtrain.comm.ops").comm.ops.independent_messages(group) \
-            else "as verified"
+        out["executor lists"] = "async" if ops.independent_messages(group) else "as verified"
     return out
 
 
-def test_a_batch_has_one_handle_and_post_still_finds_its_receive():
-    """gloo: a handle per message. NCCL-like: one handle for the batch, so slicing the list
-    per message finds no receive (the KeyError('recv_B', ...) every pipeline died of on
-    NCCL); `ops.send_recv` now gives every message the batch's handle, and `StageLinks.post`
-    returns a receive that holds the peer's values in both. The executor runs its NCCL lists."""
-    for rank, out in enumerate(run_ranks(_batch_semantics, 2, timeout=60)):
-        peer = float(1 - rank)
-        assert out["gloo"][:2] == (2, 1)
-        assert out["nccl"][:2] == (1, 0), "the NCCL-like batch must return one handle"
-        for key in ("gloo", "nccl"):
-            assert out[key][2].eq(peer).all()
-        assert out["gloo post"].eq(peer).all() and out["nccl post"].eq(peer).all()
-        assert out["executor lists"] == "as verified"
-
-
-def _mismatched_receive(under_nccl: bool):
+def _mismatched_receive():
     """Rank 0 sends a [2, 3] then a [4] tensor; rank 1 receives a [3, 2] then a [4]: the
-    same bytes, another shape."""
-    import contextlib
-
+    same bytes, another shape. Returns what each receive got, or the error raised."""
     import torch
     import torch.distributed as dist
 
-    from nccl_like import nccl_like
-
-    rank = dist.get_rank()
-    with nccl_like() if under_nccl else contextlib.nullcontext():
-        if rank == 0:
-            msgs = [dist.P2POp(dist.isend, t, 1) for t in (torch.arange(6.0).view(2, 3), torch.ones(4))]
-        else:
-            msgs = [dist.P2POp(dist.irecv, torch.empty(s), 0) for s in ((3, 2), (4,))]
-        for w in dist.batch_isend_irecv(msgs):
+    if dist.get_rank() == 0:
+        msgs = [dist.P2POp(dist.isend, t, 1) for t in (torch.arange(6.0).view(2, 3), torch.ones(4))]
+    else:
+        msgs = [dist.P2POp(dist.irecv, torch.empty(s), 0) for s in ((3, 2), (4,))]
+    works = dist.batch_isend_irecv(msgs)
+    try:
+        for w in works:
             w.wait()
-    return "received"
+    except RuntimeError as e:
+        works[0].wait()  # the rest of the batch: the same number of bytes, so it completes
+        return str(e)
+    return [m.tensor for m in msgs]
 
 
-def test_a_receive_of_another_shape_fails_by_name():
-    """gloo (like NCCL) delivers the bytes of a [2, 3] message into a [3, 2] receive
-    silently; the NCCL-like group, which checks every message against its header, raises."""
-    assert run_ranks(_mismatched_receive, 2, False, timeout=60) == ["received"] * 2
-    with pytest.raises(RankError, match=r"P2PMismatch: rank 1 expected message 0 \(torch.float32 \(3, 2\)\) from "
-                                        r"group rank 0, which sent message 0 \(torch.float32 \(2, 3\)\)"):
-        run_ranks(_mismatched_receive, 2, True, timeout=60)
-
-
-def _refused():
-    """What gloo computes and the NCCL-like group refuses, as NCCL does."""
+def _refused() -> dict:
+    """What gloo computes and the NCCL-like group refuses, as NCCL does: each call's error."""
     import torch
     import torch.distributed as dist
 
@@ -116,8 +91,46 @@ def _refused():
     return out
 
 
-def test_what_nccl_refuses_is_refused():
-    for out in run_ranks(_refused, 2, timeout=60):
+def _differences() -> dict:
+    """Every check of this module that completes, in one launch of two ranks."""
+    from nccl_like import nccl_like
+    out = {"batch": _batch_semantics(), "gloo mismatch": _mismatched_receive(), "refused": _refused()}
+    with nccl_like():
+        out["nccl mismatch"] = _mismatched_receive()
+    return out
+
+
+@pytest.fixture(scope="module")
+def differences():
+    return run_ranks(_differences, 2, timeout=120)
+
+
+def test_a_batch_has_one_handle_and_post_still_finds_its_receive(differences):
+    """gloo: a handle per message. NCCL-like: one handle for the batch, so slicing the list
+    per message finds no receive (the KeyError('recv_B', ...) every pipeline died of on
+    NCCL); `ops.send_recv` now gives every message the batch's handle, and `StageLinks.post`
+    returns a receive that holds the peer's values in both. The executor runs its NCCL lists."""
+    for rank, out in enumerate(d["batch"] for d in differences):
+        peer = float(1 - rank)
+        assert out["gloo"][:2] == (2, 1)
+        assert out["nccl"][:2] == (1, 0), "the NCCL-like batch must return one handle"
+        for key in ("gloo", "nccl"):
+            assert out[key][2].eq(peer).all()
+        assert out["gloo post"].eq(peer).all() and out["nccl post"].eq(peer).all()
+        assert out["executor lists"] == "as verified"
+
+
+def test_a_receive_of_another_shape_fails_by_name(differences):
+    """gloo (like NCCL) delivers the bytes of a [2, 3] message into a [3, 2] receive
+    silently; the NCCL-like group, which checks every message against its header, raises."""
+    got = differences[1]["gloo mismatch"]
+    assert got[0].flatten().tolist() == list(range(6)) and got[0].shape == (3, 2)
+    assert differences[1]["nccl mismatch"] == ("rank 1 expected message 0 (torch.float32 (3, 2)) from group rank 0, "
+                                               "which sent message 0 (torch.float32 (2, 3))")
+
+
+def test_what_nccl_refuses_is_refused(differences):
+    for out in (d["refused"] for d in differences):
         assert "Cannot use" in out["bitwise and"] and "BAND" in out["bitwise and"]
         assert "must be contiguous" in out["non-contiguous all-reduce"]
 
