@@ -47,8 +47,13 @@ Not emulated, and why:
 - Unbatched `isend`/`irecv` (NCCL gives each pair its own communicator and stream): the
   engine posts every message through `batch_isend_irecv` (`ops.send_recv`).
 - The first operation on a group involving all of its ranks (NCCL creates the communicator
-  then): a rank that skipped it would hang here until the harness's timeout, not fail by
-  name; the executor opens the pp group with an all-reduce for NCCL's sake already.
+  then): gloo has no such rule, and checking it would take a collective of every group's
+  ranks before their first operation, which could only hang, not name the rank that
+  skipped it. The executor opens the pp group with an all-reduce for NCCL's sake.
+- Equal sizes in all_gather and reduce_scatter: the tensor forms ndtrain uses (`ops`) need
+  them on gloo too.
+- Host tensors handed to NCCL (it takes CUDA tensors only): on the CPU the device is the
+  host. Every collective's tensor is made on the mesh's device; `bench gpu` runs them.
 - Reductions NCCL has and gloo lacks (AVG, PREMUL_SUM): the engine uses none, and gloo
   underneath could not compute them.
 - NCCL's watchdog (an error or timeout aborts the communicator asynchronously instead of
