@@ -154,7 +154,8 @@ def proof_in_rank(overrides: list[str], data_dir: str, make_task=None, before_fi
 def assert_same_proof(nccl: dict, gloo: dict, what: str) -> None:
     """A run under the NCCL-like group equals the same run on gloo bit for bit: the same
     messages carry the same values, only the handles and their order of completion differ.
-    A pipeline ran NCCL's action lists there and gloo's here."""
+    A pipeline ran NCCL's action lists there and gloo's here. Where the runs kept their
+    history, the final evaluation too."""
     assert nccl["losses"] == gloo["losses"], f"{what}: losses under NCCL's semantics differ from gloo's"
     assert nccl["norms"] == gloo["norms"], f"{what}: gradient norms under NCCL's semantics differ from gloo's"
     for key in ("grads", "state"):
@@ -162,6 +163,9 @@ def assert_same_proof(nccl: dict, gloo: dict, what: str) -> None:
             assert nccl[key].keys() == gloo[key].keys(), what
             for k in gloo[key]:
                 assert torch.equal(nccl[key][k], gloo[key][k]), f"{what}: {key} {k} differs under NCCL's semantics"
+    if "history" in gloo:  # the evaluation at the end: a pipeline's forward-only lists
+        evals = [[r.get("val_loss") for r in run["history"]] for run in (nccl, gloo)]
+        assert evals[0] == evals[1] and evals[1][-1] is not None, f"{what}: evaluation {evals[0]} vs {evals[1]}"
     if gloo.get("async_p2p") is not None:
         assert (nccl["async_p2p"], gloo["async_p2p"]) == (False, True), f"{what}: the executor's action lists"
 
