@@ -85,12 +85,23 @@ def perturb_gradients(trainer, rho: float = ROUNDING, seed: int = 0) -> None:
 
 
 def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_dir: str | None = None,
-                  resume: bool = False, before_fit=None, make_task=None, meter: bool = False):
+                  resume: bool = False, before_fit=None, make_task=None, meter: bool = False,
+                  nccl: bool = False):
     """Build a Trainer on the current world with TINY + overrides and train; returns
     (losses, the full model's weights on rank 0 or None, trainer). `before_fit(trainer)`
     runs just before training (to install a probe or a fault). `make_task(cfg)` gives the
     task (default: pretraining on the prepared `data_dir`). `meter`: run the CPU memory
-    meter on the first two steps (it slows them 2-3×; only memory tests read it)."""
+    meter on the first two steps (it slows them 2-3×; only memory tests read it). `nccl`:
+    the whole run (the mesh built, training, the model gathered) under NCCL's semantics
+    (tests/nccl_like.py)."""
+    import contextlib
+
+    from nccl_like import nccl_like
+    with nccl_like() if nccl else contextlib.nullcontext():
+        return _train_in_rank(overrides, data_dir, stop_after, run_dir, resume, before_fit, make_task, meter)
+
+
+def _train_in_rank(overrides, data_dir, stop_after, run_dir, resume, before_fit, make_task, meter):
     import torch.distributed as dist
 
     from ndtrain.checkpoint import store
@@ -122,10 +133,11 @@ def train_in_rank(overrides: list[str], data_dir: str, stop_after: int = 0, run_
 
 
 def proof_in_rank(overrides: list[str], data_dir: str, make_task=None, before_fit=None, twin: bool = False,
-                  meter: bool = False) -> dict:
+                  meter: bool = False, nccl: bool = False) -> dict:
     """One fp64 layout proof run: losses, gradient norms, first-step gradients and final
-    weights (the last two whole, on rank 0). `make_task` as in train_in_rank; `twin`: the
-    perturbed reference (perturb_gradients)."""
+    weights (the last two whole, on rank 0), and whether a pipeline ran its lists for
+    asynchronous messages (gloo's; `async_p2p`, None without a pipeline). `make_task` and
+    `nccl` as in train_in_rank; `twin`: the perturbed reference (perturb_gradients)."""
     def prepare(trainer):
         if before_fit is not None:
             before_fit(trainer)
@@ -133,9 +145,29 @@ def proof_in_rank(overrides: list[str], data_dir: str, make_task=None, before_fi
             perturb_gradients(trainer)
         capture_first_grads(trainer)
     losses, state, trainer = train_in_rank(FP64 + overrides, data_dir, before_fit=prepare, make_task=make_task,
-                                           meter=meter)
+                                           meter=meter, nccl=nccl)
     return {"losses": losses, "norms": [r["grad_norm"] for r in trainer.history],
-            "grads": trainer.first_grads, "state": state, "history": trainer.history}
+            "grads": trainer.first_grads, "state": state, "history": trainer.history,
+            "async_p2p": getattr(trainer.par.schedule, "async_p2p", None)}
+
+
+def assert_same_proof(nccl: dict, gloo: dict, what: str) -> None:
+    """A run under the NCCL-like group equals the same run on gloo bit for bit: the same
+    messages carry the same values, only the handles and their order of completion differ.
+    A pipeline ran NCCL's action lists there and gloo's here. Where the runs kept their
+    history, the final evaluation too."""
+    assert nccl["losses"] == gloo["losses"], f"{what}: losses under NCCL's semantics differ from gloo's"
+    assert nccl["norms"] == gloo["norms"], f"{what}: gradient norms under NCCL's semantics differ from gloo's"
+    for key in ("grads", "state"):
+        if gloo.get(key) is not None:
+            assert nccl[key].keys() == gloo[key].keys(), what
+            for k in gloo[key]:
+                assert torch.equal(nccl[key][k], gloo[key][k]), f"{what}: {key} {k} differs under NCCL's semantics"
+    if "history" in gloo:  # the evaluation at the end: a pipeline's forward-only lists
+        evals = [[r.get("val_loss") for r in run["history"]] for run in (nccl, gloo)]
+        assert evals[0] == evals[1] and evals[1][-1] is not None, f"{what}: evaluation {evals[0]} vs {evals[1]}"
+    if gloo.get("async_p2p") is not None:
+        assert (nccl["async_p2p"], gloo["async_p2p"]) == (False, True), f"{what}: the executor's action lists"
 
 
 def _envelope(gaps: list[float]) -> list[float]:

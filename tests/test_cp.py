@@ -566,13 +566,17 @@ DEFAULT_TIER = {
 REFERENCES = {"plain": FP64, "packed": FP64, "dropout": FP64 + ["model.dropout=0.1"], "fp32": [],
               "bf16": ["train.precision=bf16"]}
 STEPS = ["train.steps=3"]  # TINY's 5 steps cost the budget two more without testing anything new
+# Under NCCL's semantics (tests/nccl_like.py), equal to the same row on gloo bit for bit: the
+# ring's message groups and the all-gather back end by default, every row with -m slow.
+NCCL_DEFAULT = {2: {"cp2-ring", "cp2-allgather"}, 4: set()}
 
 
-def _train(overrides: list[str], reference: str, data_dir: str, meter: bool = False, twin: bool = False):
+def _train(overrides: list[str], reference: str, data_dir: str, meter: bool = False, twin: bool = False,
+           nccl: bool = False):
     """A run of `reference`'s dtype (and documents); fp64 runs are layout proofs
     (tests/helpers.py): first-step gradients, norms, losses and final weights. `meter`: also
     the activation peak (the CPU meter slows the steps it watches); `twin`: the perturbed
-    reference of the tolerance rule."""
+    reference of the tolerance rule; `nccl`: under NCCL's semantics."""
     from helpers import capture_first_grads, perturb_gradients, train_in_rank
 
     def before_fit(trainer):
@@ -583,7 +587,7 @@ def _train(overrides: list[str], reference: str, data_dir: str, meter: bool = Fa
         if REFERENCES[reference] and REFERENCES[reference][0] == FP64[0]:
             capture_first_grads(trainer)
     losses, state, trainer = train_in_rank(STEPS + REFERENCES[reference] + overrides, data_dir, before_fit=before_fit,
-                                           meter=meter)
+                                           meter=meter, nccl=nccl)
     return {"losses": losses, "state": state, "norms": [r["grad_norm"] for r in trainer.history],
             "grads": getattr(trainer, "first_grads", None), "targets": [r["targets"] for r in trainer.history],
             "activations": max(trainer.history[-1]["memory"]["activations"])}  # memory: on log steps (the last)
@@ -603,8 +607,12 @@ def _metered(name: str) -> bool:
     return any(name == f"cp{world}-{impl}" for world in (2, 4) for impl in IMPLS)
 
 
-def _rows(data_dir, rows):
-    return {name: _train(overrides, ref, data_dir, meter=_metered(name)) for name, overrides, ref in rows}
+def _rows(data_dir, rows, nccl_names):
+    """Every row, then those of `nccl_names` again under NCCL's semantics (under "nccl")."""
+    out = {name: _train(overrides, ref, data_dir, meter=_metered(name)) for name, overrides, ref in rows}
+    out["nccl"] = {name: _train(overrides, ref, data_dir, nccl=True) for name, overrides, ref in rows
+                   if name in nccl_names}
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -614,23 +622,37 @@ def references(tiny_data):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_training_equals_one_process(world, tiny_data, references):
-    _check_e2e(world, [row for row in E2E[world] if row[0] in DEFAULT_TIER[world]], tiny_data, references)
+    _check_e2e(world, [row for row in E2E[world] if row[0] in DEFAULT_TIER[world]], tiny_data, references,
+               NCCL_DEFAULT[world])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(E2E))
 def test_training_equals_one_process_every_row(world, tiny_data, references):
-    _check_e2e(world, [row for row in E2E[world] if row[0] not in DEFAULT_TIER[world]], tiny_data, references)
+    rows = [row for row in E2E[world] if row[0] not in DEFAULT_TIER[world]]
+    _check_e2e(world, rows, tiny_data, references, {row[0] for row in rows})
 
 
-def _check_e2e(world, rows, tiny_data, references):
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_default_rows_under_nccl_semantics(world, tiny_data, references):
+    """The default tier's rows that it does not run under NCCL's semantics itself."""
+    rows = [row for row in E2E[world] if row[0] in DEFAULT_TIER[world] and row[0] not in NCCL_DEFAULT[world]]
+    _check_e2e(world, rows, tiny_data, references, {row[0] for row in rows})
+
+
+def _check_e2e(world, rows, tiny_data, references, nccl_names):
     """fp64 layout proofs (tests/helpers.py's tolerance rule: the first update at exact
     precision, later steps and the final weights within the twin's gaps); two rows
     again in fp32 at 1e-5 (losses, weights' norms); bf16
     against bf16 on one process at the precision suite's bf16 tolerance, 2e-3 of the loss.
     The logged target counts equal one process's, packed documents included."""
-    from helpers import assert_losses_close, assert_proof, assert_states_close
-    results = run_ranks(_rows, world, tiny_data, rows, timeout=600)
+    from helpers import assert_losses_close, assert_proof, assert_same_proof, assert_states_close
+    results = run_ranks(_rows, world, tiny_data, rows, nccl_names, timeout=600)
+    nccl = results[0].pop("nccl")
+    assert nccl.keys() == set(nccl_names), f"not rows of this tier: {sorted(set(nccl_names) - nccl.keys())}"
+    for name in nccl:
+        assert_same_proof(nccl[name], results[0][name], name)
     worst = {"grads": 0.0, "state": 0.0, "loss": 0.0, "norm": 0.0}
     for name, _, ref_name in rows:
         run, ref = results[0][name], references[ref_name]

@@ -70,7 +70,9 @@ def test_accumulation_communicates_only_on_last_micro_batch(tiny_data):
         assert calls == buckets  # not 4 × buckets
 
 
-def _unused_parameter():
+def _unused_parameter(idle_first_step: bool = False):
+    """`idle_first_step`: a first step in which rank 1's backward produces no gradient at all
+    (its `_seen` stays empty) before the step checked."""
     import torch.distributed as dist
     from torch import nn
 
@@ -83,6 +85,12 @@ def _unused_parameter():
     model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4), "never": nn.Linear(4, 4)})
     dp = DataParallel(list(model.parameters()), mesh.group("dp_cp"), bucket_bytes=64)
     x = torch.ones(2, 4) * (rank + 1)
+    if idle_first_step:
+        dp.set_sync(True)
+        if rank == 0:  # gradients ready in the order b, a: not registration order, so buckets reorder
+            (model["b"](x).sum() + model["a"](x).sum()).backward()
+        dp.finish()
+        dp.zero_grad()  # rank 0 broadcasts its order: rank 1 must take part (data.py zero_grad)
     out = model["a"](x).sum()
     if rank == 0:  # "b" gets a gradient on rank 0 only
         out = out + model["b"](x).sum()
@@ -92,8 +100,13 @@ def _unused_parameter():
     return {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def test_unused_parameters_do_not_hang():
-    g0, g1 = run_ranks(_unused_parameter, 2, timeout=60)
+@pytest.mark.parametrize("idle_first_step", [False, True])
+def test_unused_parameters_do_not_hang(idle_first_step):
+    """Also when a rank saw no gradient in the first step: the bucket order every rank
+    rebuilds after it is rank 0's, broadcast to all (before the fix, rank 1 skipped the
+    broadcast, its collectives fell out of step with rank 0's and the step hung or mixed
+    buckets up)."""
+    g0, g1 = run_ranks(_unused_parameter, 2, idle_first_step, timeout=60)
     for k in g0:
         assert torch.equal(g0[k], g1[k]), k
     assert torch.equal(g0["never.weight"], torch.zeros(4, 4))

@@ -275,11 +275,15 @@ ROWS_BY_WORLD = {
 # The default tier: every 2-rank row and two 4-rank compositions; the rest with -m slow.
 DEFAULT_TIER = {2: {name for name, _ in ROWS_BY_WORLD[2]},
                 4: {"hsdp2x2-zero2-ep2", "pp2-dp2-ep2-zero3-interleaved"}, 8: set()}
+# Under NCCL's semantics (tests/nccl_like.py), equal to the same row on gloo bit for bit: ep2
+# by default, every row with -m slow.
+NCCL_DEFAULT = {2: {"ep2"}, 4: set()}
 
 
-def _trained(overrides, data_dir, run_dir=None, twin=False):
+def _trained(overrides, data_dir, run_dir=None, twin=False, nccl=False):
     """One fp64 proof run (tests/helpers.py: losses, gradient norms, first-step gradients,
-    final weights and router biases) and every step's routing statistics."""
+    final weights and router biases) and every step's routing statistics; `nccl`: under
+    NCCL's semantics."""
     from helpers import perturb_gradients
     plot = ["run.plot=true"] if run_dir else []
 
@@ -288,19 +292,22 @@ def _trained(overrides, data_dir, run_dir=None, twin=False):
             perturb_gradients(trainer)
         capture_first_grads(trainer)
     losses, state, trainer = train_in_rank(MOE + overrides + plot, data_dir, run_dir=run_dir,
-                                           before_fit=prepare)
+                                           before_fit=prepare, nccl=nccl)
     proof = {"losses": losses, "norms": [r["grad_norm"] for r in trainer.history], "grads": trainer.first_grads,
-             "state": state}
+             "state": state, "async_p2p": getattr(trainer.par.schedule, "async_p2p", None)}
     return proof, [r["moe"] for r in trainer.history], trainer
 
 
-def _layouts(data_dir, rows, run_dir):
+def _layouts(data_dir, rows, run_dir, nccl_names):
     """Every row; the first also writes a run directory, whose checkpoint fresh trainers
-    load on that layout and on another."""
+    load on that layout and on another. Then those of `nccl_names` again under NCCL's
+    semantics (under "nccl")."""
     out = {}
     for i, (name, overrides) in enumerate(rows):
         proof, stats, _ = _trained(overrides, data_dir, run_dir if i == 0 else None)
         out[name] = (proof, stats)
+    out["nccl"] = {name: _trained(overrides, data_dir, nccl=True)[:2] for name, overrides in rows
+                   if name in nccl_names}
     if run_dir:
         out["resumed"] = {other: _loaded(overrides, data_dir, run_dir)
                           for other, overrides in (("same", rows[0][1]), ("ep1-zero1", ["parallel.zero=1"]))}
@@ -367,19 +374,36 @@ def test_moe_layouts_train_like_one_process(world, tiny_data, references, tmp_pa
     load plot, expert and dense memory, a checkpoint that fresh trainers load exactly, on
     the same layout and with the experts replicated (ep=1, ZeRO-1)."""
     rows = [row for row in ROWS_BY_WORLD[world] if row[0] in DEFAULT_TIER[world]]
-    _check_moe_layouts(world, rows, tiny_data, references, tmp_path)
+    _check_moe_layouts(world, rows, tiny_data, references, tmp_path, NCCL_DEFAULT[world])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [4, 8])
 def test_moe_layouts_train_like_one_process_every_row(world, tiny_data, references, tmp_path):
     rows = [row for row in ROWS_BY_WORLD[world] if row[0] not in DEFAULT_TIER[world]]
-    _check_moe_layouts(world, rows, tiny_data, references, tmp_path)
+    _check_moe_layouts(world, rows, tiny_data, references, tmp_path, {name for name, _ in rows})
 
 
-def _check_moe_layouts(world, rows, tiny_data, references, tmp_path):
-    run_dir = str(tmp_path / "run") if world == 2 else None
-    results = run_ranks(_layouts, world, tiny_data, rows, run_dir, timeout=600)
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_default_rows_under_nccl_semantics(world, tiny_data, references):
+    """The default tier's rows that it does not run under NCCL's semantics itself."""
+    rows = [row for row in ROWS_BY_WORLD[world] if row[0] in DEFAULT_TIER[world] and row[0] not in NCCL_DEFAULT[world]]
+    _check_moe_layouts(world, rows, tiny_data, references, None, {name for name, _ in rows})
+
+
+def _check_moe_layouts(world, rows, tiny_data, references, tmp_path, nccl_names):
+    """`tmp_path` None: no run directory checked."""
+    from helpers import assert_same_proof
+    run_dir = str(tmp_path / "run") if world == 2 and tmp_path is not None else None
+    results = run_ranks(_layouts, world, tiny_data, rows, run_dir, nccl_names, timeout=600)
+    nccl = results[0].pop("nccl")
+    assert nccl.keys() == set(nccl_names), f"not rows of this tier: {sorted(set(nccl_names) - nccl.keys())}"
+    for name, (proof, stats) in nccl.items():
+        assert_same_proof(proof, results[0][name][0], f"layout {name}")
+        untimed = [[{k: v for k, v in step.items() if not k.endswith("_seconds")} for step in run]
+                   for run in (stats, results[0][name][1])]
+        assert untimed[0] == untimed[1], f"layout {name}: routing statistics under NCCL's semantics"
     for name, _ in rows:
         if name.startswith("bf16"):
             continue

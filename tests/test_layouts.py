@@ -10,7 +10,8 @@ process, with AdamW's default eps, and must match it (tests/helpers.py, issue 9)
 FP32_ROWS repeat a row of each family in fp32, at 1e-5 (losses and weights), as a looser
 second check that the production dtype takes the same code paths. Rows of one world size
 share one launch of that many ranks. The largest deviation per row family is printed
-(pytest -s) for the record.
+(pytest -s) for the record. NCCL_DEFAULT's rows (every row with -m slow) run again under
+NCCL's semantics (tests/nccl_like.py) and must equal their gloo runs bit for bit.
 
 Add a row for every new dimension and every composition it supports.
 """
@@ -18,8 +19,8 @@ Add a row for every new dimension and every composition it supports.
 import pytest
 import torch
 
-from helpers import (assert_losses_close, assert_proof, assert_states_close, proof_in_rank, reference_in_rank,
-                     train_in_rank)
+from helpers import (assert_losses_close, assert_proof, assert_same_proof, assert_states_close, proof_in_rank,
+                     reference_in_rank, train_in_rank)
 from ndtrain.testing import run_ranks
 
 
@@ -129,6 +130,14 @@ DEFAULT_TIER = {
 }
 
 
+# Under NCCL's semantics (tests/nccl_like.py: one handle per p2p batch, batches in order on a
+# group's stream, checked in-order matching, the executor's NCCL lists), equal to the same row
+# on gloo bit for bit: one row of each family by default, every row with -m slow.
+NCCL_DEFAULT = {2: {"pp2-dualpipev-m4-pp_virtual=2-preset=small", "zero3-accumulation-keep-gathered", "tp2-sp"},
+                4: {"pp2-interleaved-m2-dp=2-zero=3-pp_virtual=2"},
+                8: {"pp2-1f1b-m2-tp=2-dp=2"}}
+
+
 def tier(world: int, slow: bool) -> list[tuple[str, list[str]]]:
     """The rows of one world size in the default tier, or (slow) the others."""
     return [(name, o) for name, o in LAYOUTS[world] if (name in DEFAULT_TIER[world]) != slow]
@@ -153,10 +162,11 @@ def _references(data_dir):
             "fp32": train_in_rank([], data_dir)[:2], "defect": proof_in_rank(DEFECT, data_dir)}
 
 
-def _run_layouts(data_dir, rows, fp32_names):
+def _run_layouts(data_dir, rows, fp32_names, nccl_names):
     proofs = {name: proof_in_rank(overrides, data_dir) for name, overrides in rows}
     fp32 = {name: train_in_rank(overrides, data_dir)[:2] for name, overrides in rows if name in fp32_names}
-    return proofs, fp32
+    nccl = {name: proof_in_rank(overrides, data_dir, nccl=True) for name, overrides in rows if name in nccl_names}
+    return proofs, fp32, nccl
 
 
 @pytest.fixture(scope="module")
@@ -184,18 +194,34 @@ def test_the_tolerance_rule_catches_a_small_defect(reference):
 
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_layout_invariance(world, tiny_data, reference):
-    _check_layouts(world, tier(world, slow=False), tiny_data, reference)
+    _check_layouts(world, tier(world, slow=False), tiny_data, reference, NCCL_DEFAULT[world])
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", sorted(LAYOUTS))
 def test_layout_invariance_every_row(world, tiny_data, reference):
-    _check_layouts(world, tier(world, slow=True), tiny_data, reference)
+    rows = tier(world, slow=True)
+    _check_layouts(world, rows, tiny_data, reference, {name for name, _ in rows})
 
 
-def _check_layouts(world, rows, tiny_data, reference):
-    results = run_ranks(_run_layouts, world, tiny_data, rows, FP32_ROWS[world], timeout=900)
-    proofs, fp32 = results[0]
+def _default_rows_left(world: int) -> list[tuple[str, list[str]]]:
+    """The default tier's rows that it does not run under NCCL's semantics itself."""
+    return [(name, o) for name, o in tier(world, slow=False) if name not in NCCL_DEFAULT[world]]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [world for world in sorted(LAYOUTS) if _default_rows_left(world)])
+def test_default_rows_under_nccl_semantics(world, tiny_data, reference):
+    rows = _default_rows_left(world)
+    _check_layouts(world, rows, tiny_data, reference, {name for name, _ in rows})
+
+
+def _check_layouts(world, rows, tiny_data, reference, nccl_names):
+    results = run_ranks(_run_layouts, world, tiny_data, rows, FP32_ROWS[world], nccl_names, timeout=900)
+    proofs, fp32, nccl = results[0]
+    assert nccl.keys() == set(nccl_names), f"not rows of this tier: {sorted(set(nccl_names) - nccl.keys())}"
+    for name in nccl:
+        assert_same_proof(nccl[name], proofs[name], f"layout {name}")
     worst: dict[str, dict[str, float]] = {}
     for name, overrides in rows:
         ref = reference["small" if SMALL[0] in overrides else "tiny"]
@@ -206,7 +232,7 @@ def _check_layouts(world, rows, tiny_data, reference):
         family = worst.setdefault(_family(name), dict.fromkeys(deviations, 0.0))
         for k, v in deviations.items():
             family[k] = max(family[k], v)
-        for rank, (other, _) in enumerate(results[1:], 1):
+        for rank, (other, _, _) in enumerate(results[1:], 1):
             assert other[name]["losses"] == proofs[name]["losses"], f"layout {name}: rank {rank} reports other losses"
     for name, (losses, state) in fp32.items():
         ref_losses, ref_state = reference["fp32"]

@@ -12,9 +12,15 @@ import torch.distributed as dist
 
 from ndtrain.comm.group import Group
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.6 to 2.12 have the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+def _all_gather(*args, **kwargs):
+    """torch 2.13 renamed the tensor-in/tensor-out collectives; 2.6 to 2.12 have the old
+    names. Looked up at each call, like every other `dist` function here."""
+    return (getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor)(*args, **kwargs)
+
+
+def _reduce_scatter(*args, **kwargs):
+    return (getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor)(*args, **kwargs)
 
 
 class CollectiveError(RuntimeError):
@@ -154,7 +160,12 @@ def recv(t: torch.Tensor, group: Group, src: int):
 def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Tensor, int]], group: Group) -> list:
     """Post point-to-point sends and receives (to and from group members) as one group, one
     NCCL group on CUDA, so two ranks that send to each other at once cannot wait on each
-    other. Returns one handle per message, sends first, then receives."""
+    other. Returns one handle per message, sends first, then receives.
+
+    gloo gives a handle per message; a backend that coalesces the batch (NCCL) gives one
+    handle that completes all of it (torch's `batch_isend_irecv` returns `cm.works`). Then
+    every message's handle is that one: waiting for any message waits for the whole batch,
+    which is when NCCL completes any of it."""
     p2p = []
     for t, dst in sends:
         group.stats.record(group.name, "send", _nbytes(t), group.size)
@@ -163,7 +174,19 @@ def send_recv(sends: list[tuple[torch.Tensor, int]], recvs: list[tuple[torch.Ten
         group.stats.record(group.name, "recv", _nbytes(t), group.size)
         p2p.append(dist.P2POp(dist.irecv, t, group.ranks[src], group.pg))
     works = _named("send_recv", group, lambda: dist.batch_isend_irecv(p2p)) if p2p else []
+    if len(works) != len(p2p):
+        if len(works) != 1:
+            raise CollectiveError(f"send_recv over group {group.name}: {len(works)} handles for {len(p2p)} messages")
+        works = works * len(p2p)
     return [Named(w, "send_recv", group) for w in works]
+
+
+def independent_messages(group: Group) -> bool:
+    """Whether each point-to-point message on the group completes by itself, posting one
+    holding back none other (gloo), rather than a batch running as one group, in order
+    behind every batch posted before it on the group's stream (NCCL; any backend but gloo
+    is assumed to)."""
+    return not group.active or dist.get_backend(group.pg) == "gloo"
 
 
 def all_reduce_scalars(values: list[float], group: Group, dtype=torch.float64) -> list[float]:

@@ -158,8 +158,10 @@ class DataParallel:
 
     def zero_grad(self) -> None:
         """Zero the buckets (never drop them: in the parameters' dtype `.grad` is a view).
-        After the first step, rebuild them in the order its backward produced gradients."""
-        if self._seen:
+        After the first step, rebuild them in the order its backward produced gradients, on
+        every rank: one whose backward produced none (its `_seen` empty) still joins the
+        broadcast of rank 0's order, or the group's collectives fall out of step (a hang on NCCL)."""
+        if self._seen is not None:
             self._reorder(list(self._seen.values()))
         for bucket in self.buckets:
             bucket.buffer.zero_()

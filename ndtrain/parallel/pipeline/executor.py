@@ -89,10 +89,10 @@ class PipelineSchedule:
         self._plans: dict[tuple[int, bool], _Plan] = {}
         self._probed: tuple | None = None
         self._positions: torch.Tensor | None = None  # 0..s-1, for micro-batches that give none
-        # gloo (the CPU): posting a message blocks nothing, so receives are posted a compute
-        # action early (lists.for_async_messages); NCCL runs a communicator's messages in
-        # order on its stream: there the lists run as verified
-        self.async_p2p = mesh.device.type == "cpu"
+        # gloo: posting a message blocks nothing, so receives are posted a compute action
+        # early (lists.for_async_messages); NCCL runs a communicator's messages in order on
+        # its stream: there the lists run as verified
+        self.async_p2p = ops.independent_messages(mesh.group("pp"))
         # NCCL: the first operation on a group must involve all of its ranks.
         ops.all_reduce_scalars([0.0], mesh.group("pp"))
 
