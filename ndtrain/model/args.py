@@ -65,6 +65,9 @@ class ModelArgs:
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ()
     lora_init: str = "zero_b"  # zero_b: B starts at 0 (the base model's output) | random: B too (tests)
+    # Token ids whose embedding rows (and head rows, untied) train under LoRA: the chat
+    # template's added tokens (PEFT's trainable_token_indices; model/lora.TokenRows).
+    lora_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.head_dim is None:  # no heads: 0, which shape_problem names
@@ -72,6 +75,7 @@ class ModelArgs:
         if self.window_layers is not None:  # a list from JSON (a checkpoint's meta) or the config
             object.__setattr__(self, "window_layers", tuple(int(i) for i in self.window_layers))
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        object.__setattr__(self, "lora_tokens", tuple(int(i) for i in self.lora_tokens))
 
     def window_of(self, layer: int) -> int:
         """The sliding window of block `layer` (0: it sees every earlier key)."""
