@@ -504,3 +504,54 @@ def test_new_rows_are_saved_loaded_and_exported(chat_runs, tmp_path, capsys):
         merged_logits = merged(input_ids=tokens).logits
     torch.testing.assert_close(merged_logits, ours, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(peft_logits, ours, atol=1e-5, rtol=1e-5)
+
+
+CHAT_PROOF = ["train.steps=3", *LORA]
+CHAT_LAYOUTS = {"default": [("dp2-accumulation", ["parallel.dp=2", "train.micro_batch=1"])],
+                "slow": [("zero2", ["parallel.zero=2", "train.micro_batch=2"]),
+                         ("zero3-accumulation", ["parallel.zero=3", "train.micro_batch=2"]),
+                         ("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring", "train.micro_batch=2"])]}
+
+
+def _chat_rows(data_dir, chat, rows):
+    import functools
+    make = functools.partial(_chat_task, chat, data_dir, False)
+    return {name: (reference_in_rank if name == "single" else proof_in_rank)(CHAT_PROOF + overrides, data_dir,
+                                                                             make_task=make)
+            for name, overrides in rows}
+
+
+@pytest.mark.parametrize("tier", ["default", pytest.param("slow", marks=pytest.mark.slow)])
+def test_new_rows_train_in_every_lora_layout_as_one_process_in_fp64(tiny_data, tmp_path, tier):
+    """The fp64 layout proof (helpers.assert_proof) of LoRA SFT with the builtin template on
+    the untied tiny model: the embedding's and the head's new rows are trainable tensors of
+    their own, reduced (DP), sharded (ZeRO) and summed over cp like the adapters, and their
+    first-step gradients match one process's at 1e-10 of their largest element."""
+    chat = _chat_file(tmp_path)
+    ref = run_ranks(_chat_rows, 1, tiny_data, chat, [("single", [])])[0]["single"]
+    assert {"tok_embeddings.lora.rows", "output.lora.rows"} <= set(ref["grads"])
+    assert all(k.endswith((".lora.a", ".lora.b", ".lora.rows")) for k in ref["grads"])
+    assert min(float(ref["grads"][k].abs().amax(1).min()) for k in ("tok_embeddings.lora.rows", "output.lora.rows")) > 0
+    rows = CHAT_LAYOUTS[tier]
+    runs = run_ranks(_chat_rows, 2, tiny_data, chat, rows, timeout=600)[0]
+    for name, _ in rows:
+        try:
+            assert_proof(runs[name], ref)
+        except AssertionError as e:
+            raise AssertionError(f"LoRA with new token rows, {name}: {e}") from None
+
+
+@pytest.mark.parametrize("layout, message", [(["parallel.tp=2"], "parallel.tp = 2: with lora.rank > 0 the 4 tokens"),
+                                             (["parallel.pp=2"], "parallel.pp = 2: with lora.rank > 0 the 4 tokens")])
+def test_new_rows_under_tp_or_pp_are_refused_in_one_line(tiny_data, tmp_path, capsys, layout, message):
+    """The trained rows are not split over tp nor placed on pipeline stages: `ndtrain sft`
+    refuses the layout before anything starts (exit 2, one line, no run directory)."""
+    from ndtrain.cli import main
+    run = tmp_path / "run"
+    argv = ["sft", "--nproc", "2", "lora.rank=4", "model.init_from=scratch", "model.preset=tiny",
+            f"data.path={_chat_file(tmp_path)}", f"data.tokenizer={tiny_data}/tokenizer.json", f"run.dir={run}",
+            "train.seq_len=32", "train.global_batch=4", *layout]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
+    assert not run.exists()
