@@ -508,7 +508,8 @@ def test_new_rows_are_saved_loaded_and_exported(chat_runs, tmp_path, capsys):
 
 CHAT_PROOF = ["train.steps=3", *LORA]
 CHAT_LAYOUTS = {"default": [("dp2-accumulation", ["parallel.dp=2", "train.micro_batch=1"])],
-                "slow": [("zero2", ["parallel.zero=2", "train.micro_batch=2"]),
+                "slow": [("zero1", ["parallel.zero=1"]),
+                         ("zero2", ["parallel.zero=2", "train.micro_batch=2"]),
                          ("zero3-accumulation", ["parallel.zero=3", "train.micro_batch=2"]),
                          ("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring", "train.micro_batch=2"])]}
 
