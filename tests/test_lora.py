@@ -409,8 +409,13 @@ def _chat_lora(data_dir, base_dir, run_dir, chat, frozen_rows=False, overrides=(
             ids = template.prompt_ids(Conversation("q", [Turn("user", text), Turn("assistant", "", True)]))
             answers.append(sample(model, ids, 6, temperature=0.0, stop_ids=template.stop_ids))
             logits.append(model(torch.tensor([ids + answers[-1][:1]]))[0, -1])
+    optimizer = trainer.stepper.optimizer
     return {"state": state, "answers": answers, "end": template.end, "added": template.added_ids,
-            "logits": logits, "args": trainer.args}
+            "logits": logits, "args": trainer.args,
+            "trains": sorted(n for n, p in trainer.par.model.named_parameters() if p.requires_grad),
+            "with_grad": sorted(n for n, p in trainer.par.model.named_parameters() if p.grad is not None),
+            "optimizer_elements": sum(v.numel() for st in optimizer.state.values() for v in st.values()
+                                      if torch.is_tensor(v) and v.dim() > 0)}
 
 
 def _model_of(args, state):
@@ -457,6 +462,11 @@ def test_lora_trains_the_chat_templates_new_rows_and_learns_to_stop(chat_runs, t
     gaps = [(rows[i] - rows[j]).abs().max() for i in range(4) for j in range(i)]
     assert min(gaps) > 1e-4, gaps
     assert "output.lora.rows" not in state  # tied: the head reads the embedding's rows
+    # only the adapters and the 4 rows train: gradients and AdamW's two moments for them alone
+    assert trained["trains"] == trained["with_grad"] and "tok_embeddings.lora.rows" in trained["trains"]
+    assert all(n.endswith((".lora.a", ".lora.b", ".lora.rows")) for n in trained["trains"])
+    trainable = sum(state[n].numel() for n in trained["trains"])
+    assert trained["optimizer_elements"] == 2 * trainable
     for answer in trained["answers"]:
         assert answer and answer[-1] == trained["end"] and len(answer) <= 3, answer
     control = run_ranks(_chat_lora, 1, tiny_data, str(root / "base"), str(root / "frozen"), chat, True)[0]
