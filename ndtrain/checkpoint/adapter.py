@@ -60,7 +60,7 @@ def rows_fetch(source, name: str, weights: dict, args: ModelArgs, target: torch.
     return read
 
 
-def rows_fetch_rows(source, name: str, weights: dict, args: ModelArgs):
+def token_values_fetch(source, name: str, weights: dict, args: ModelArgs):
     """A function reading the trained rows' values alone, (W[lora_tokens] + rows) in fp32:
     what PEFT's `trainable_tokens_delta` holds (it replaces those rows)."""
     base, shape = adapted(adapted(name)) + ".weight", tuple(weights[name]["shape"])
@@ -104,7 +104,7 @@ def write_adapter(source, weights: dict, args: ModelArgs, family, base: str | No
             tokens[hf_module.rsplit(".", 1)[-1]] = list(args.lora_tokens)
             key = f"base_model.model.{hf_module}.token_adapter.trainable_tokens_delta"
             entries.append((key, torch.float32, tuple(weights[name]["shape"]),
-                            rows_fetch_rows(source, name, weights, args)))
+                            token_values_fetch(source, name, weights, args)))
             continue
         module = adapted(adapted(name))  # layers.0.attention.wq
         hf_module = adapted(hf.hf_name(f"{module}.weight", family))

@@ -79,9 +79,13 @@ class TokenRows(nn.Module):
         super().__init__()
         self.ids = tuple(ids)
         self.rows = nn.Parameter(torch.empty(len(self.ids), dim))
+        self._on: dict[torch.device, Tensor] = {}  # the ids on each device, copied there once
 
     def _ids(self, device) -> Tensor:
-        return torch.tensor(self.ids, dtype=torch.long, device=device)
+        """The ids as a tensor on `device`: one host-to-device copy, not one per step."""
+        if device not in self._on:
+            self._on[device] = torch.tensor(self.ids, dtype=torch.long, device=device)
+        return self._on[device]
 
     def embed(self, tokens: Tensor, h: Tensor) -> Tensor:
         """`h` (the table's rows of `tokens`) plus rows[j] where a token is ids[j]: a lookup
@@ -92,8 +96,9 @@ class TokenRows(nn.Module):
         return h + F.embedding(slot, table).to(h.dtype)
 
     def head(self, x: Tensor, logits: Tensor) -> Tensor:
-        """`logits` (x·Wᵀ) plus x·rowsᵀ in the columns `ids`."""
-        return logits.index_add(-1, self._ids(x.device), F.linear(x, self.rows).to(logits.dtype))
+        """`logits` (x·Wᵀ, which nothing else holds) plus x·rowsᵀ in the columns `ids`, in
+        place: no second tensor of the logits' size."""
+        return logits.index_add_(-1, self._ids(x.device), F.linear(x, self.rows).to(logits.dtype))
 
     def extra_repr(self) -> str:
         return f"ids={list(self.ids)}"
