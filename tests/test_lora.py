@@ -389,7 +389,7 @@ def _pretrain(data_dir, base_dir):
     train_in_rank(["train.steps=1", *TIED], data_dir, run_dir=base_dir)
 
 
-def _chat_lora(data_dir, base_dir, run_dir, chat, frozen_rows=False, overrides=()):
+def _chat_lora(data_dir, base_dir, run_dir, chat, frozen_rows=False, stop_after=0):
     """LoRA SFT from the pretrained `base_dir` (512 tokens; the template adds 4, each
     starting at the mean row), then greedy answers to two prompts on rank 0."""
     import functools
@@ -397,10 +397,10 @@ def _chat_lora(data_dir, base_dir, run_dir, chat, frozen_rows=False, overrides=(
     from ndtrain.data.chat import Conversation, Turn
     from ndtrain.generate.sampler import sample
     make = functools.partial(_chat_task, chat, data_dir, frozen_rows)
-    _, state, trainer = train_in_rank([*CHAT_SFT, f"model.init_from=run:{base_dir}", *overrides], data_dir,
+    _, state, trainer = train_in_rank([*CHAT_SFT, f"model.init_from=run:{base_dir}"], data_dir, stop_after=stop_after,
                                       run_dir=run_dir, make_task=make, before_fit=lambda trainer: trainer.start())
-    if state is None:
-        return None
+    if state is None or stop_after:
+        return state
     template = _template(data_dir)
     model = _model_of(trainer.args, state)
     answers, logits = [], []
@@ -411,7 +411,7 @@ def _chat_lora(data_dir, base_dir, run_dir, chat, frozen_rows=False, overrides=(
             logits.append(model(torch.tensor([ids + answers[-1][:1]]))[0, -1])
     optimizer = trainer.stepper.optimizer
     return {"state": state, "answers": answers, "end": template.end, "added": template.added_ids,
-            "logits": logits, "args": trainer.args,
+            "logits": logits, "args": trainer.args, "steps_run": [r["step"] for r in trainer.history],
             "trains": sorted(n for n, p in trainer.par.model.named_parameters() if p.requires_grad),
             "with_grad": sorted(n for n, p in trainer.par.model.named_parameters() if p.grad is not None),
             "optimizer_elements": sum(v.numel() for st in optimizer.state.values() for v in st.values()
@@ -566,3 +566,16 @@ def test_new_rows_under_tp_or_pp_are_refused_in_one_line(tiny_data, tmp_path, ca
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
     assert not run.exists()
+
+
+def test_new_rows_resume_bit_exact(chat_runs, tiny_data):
+    """Stopped after 10 of the 20 steps (with a checkpoint) and resumed, the run ends with
+    the uninterrupted run's weights, rows and adapters included, bit for bit: the rows and
+    their AdamW moments are in the checkpoint and load back."""
+    root, chat, trained = chat_runs
+    run_ranks(_chat_lora, 1, tiny_data, str(root / "base"), str(root / "resumed"), chat, False, 10)
+    resumed = run_ranks(_chat_lora, 1, tiny_data, str(root / "base"), str(root / "resumed"), chat)[0]
+    assert resumed["steps_run"] == trained["steps_run"][10:]  # it continued from step 10
+    assert set(resumed["state"]) == set(trained["state"])
+    for name, value in trained["state"].items():
+        assert torch.equal(resumed["state"][name], value), name
