@@ -104,6 +104,8 @@ CASES = {
     "window-every-layer": TINY.with_(sliding_window=8),
     "window-layers-0-2": TINY.with_(sliding_window=8, window_layers=(0, 2)),
     "lora-window": TINY.with_(**LORA, sliding_window=16, window_layers=(1,)),
+    # MoE: the router and the top-k experts a token goes through, frozen; attention adapted
+    "lora-moe": PRESETS["tiny-moe"].with_(vocab_size=96, max_seq_len=S, **LORA),
 }
 
 
