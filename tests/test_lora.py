@@ -347,3 +347,235 @@ def test_lora_dropout_acts_in_training_only(tiny_data):
     out = run_ranks(_dropout_losses, 1, tiny_data)[0]
     assert out[0.5][0] != out[0.0][0]
     assert out[0.5][1] == out[0.0][1]
+
+
+# -- a chat template's new tokens: their rows train (PEFT's trainable_token_indices) ------
+
+# The issue's case: a tied embedding (the default SFT job's `small` model ties it too).
+TIED = ["model.tie_embeddings=true"]
+CHAT_SFT = ["train.steps=20", "train.lr=3e-2", "lora.rank=4", *TIED]
+
+
+def _chat_file(folder) -> str:
+    """Short chats (every other one with a system turn, so all four tokens occur) whose
+    answer is always `ok` then <|end|>: a model that learns them stops after one word."""
+    words = "alpha beta gamma delta one two three four".split()
+    path = folder / "chat.jsonl"
+    records = []
+    for i in range(32):
+        system = [{"role": "system", "content": "be brief"}] if i % 2 else []
+        user = {"role": "user", "content": " ".join(words[(i + j) % 8] for j in range(3))}
+        records.append({"messages": system + [user, {"role": "assistant", "content": "ok"}]})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+def _template(data_dir):
+    from ndtrain.data.template import BuiltinTemplate
+    from ndtrain.data.tokenizer import TextTokenizer
+    return BuiltinTemplate(TextTokenizer.from_file(f"{data_dir}/tokenizer.json"))
+
+
+def _chat_task(chat, data_dir, frozen_rows, cfg):
+    from ndtrain.data.sft import prepare_sft
+    from ndtrain.train.sft import SFT
+    task = SFT(cfg, prepare_sft(chat, _template(data_dir), cfg.train.seq_len, "keep_start", 0.25))
+    if frozen_rows:  # the control: the behaviour before token rows trained
+        task.new_tokens = ()
+    return task
+
+
+def _pretrain(data_dir, base_dir):
+    train_in_rank(["train.steps=1", *TIED], data_dir, run_dir=base_dir)
+
+
+def _chat_lora(data_dir, base_dir, run_dir, chat, frozen_rows=False, stop_after=0):
+    """LoRA SFT from the pretrained `base_dir` (512 tokens; the template adds 4, each
+    starting at the mean row), then greedy answers to two prompts on rank 0."""
+    import functools
+
+    from ndtrain.data.chat import Conversation, Turn
+    from ndtrain.generate.sampler import sample
+    make = functools.partial(_chat_task, chat, data_dir, frozen_rows)
+    _, state, trainer = train_in_rank([*CHAT_SFT, f"model.init_from=run:{base_dir}"], data_dir, stop_after=stop_after,
+                                      run_dir=run_dir, make_task=make, before_fit=lambda trainer: trainer.start())
+    if state is None or stop_after:
+        return state
+    template = _template(data_dir)
+    model = _model_of(trainer.args, state)
+    answers, logits = [], []
+    with torch.no_grad():
+        for text in ("gamma delta one", "three four alpha"):
+            ids = template.prompt_ids(Conversation("q", [Turn("user", text), Turn("assistant", "", True)]))
+            answers.append(sample(model, ids, 6, temperature=0.0, stop_ids=template.stop_ids))
+            logits.append(model(torch.tensor([ids + answers[-1][:1]]))[0, -1])
+    optimizer = trainer.stepper.optimizer
+    return {"state": state, "answers": answers, "end": template.end, "added": template.added_ids,
+            "logits": logits, "args": trainer.args, "steps_run": [r["step"] for r in trainer.history],
+            "trains": sorted(n for n, p in trainer.par.model.named_parameters() if p.requires_grad),
+            "with_grad": sorted(n for n, p in trainer.par.model.named_parameters() if p.grad is not None),
+            "optimizer_elements": sum(v.numel() for st in optimizer.state.values() for v in st.values()
+                                      if torch.is_tensor(v) and v.dim() > 0)}
+
+
+def _model_of(args, state):
+    from ndtrain.model.llama import Transformer
+    from ndtrain.parallel.states import load_unique_state
+    model = Transformer(args)
+    load_unique_state(model, state)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def chat_runs(tiny_data, tmp_path_factory):
+    """The base run, the chat data, and the LoRA SFT run from it with the rows trained."""
+    root = tmp_path_factory.mktemp("chat")
+    run_ranks(_pretrain, 1, tiny_data, str(root / "base"))
+    chat = _chat_file(root)
+    trained = run_ranks(_chat_lora, 1, tiny_data, str(root / "base"), str(root / "lora"), chat)[0]
+    return root, chat, trained
+
+
+def _effective_rows(result) -> torch.Tensor:
+    """The four new tokens' embedding rows as the model reads them, W[ids] + rows."""
+    ids = list(result["added"])
+    return result["state"]["tok_embeddings.weight"][ids] + result["state"]["tok_embeddings.lora.rows"]
+
+
+def test_lora_trains_the_chat_templates_new_rows_and_learns_to_stop(chat_runs, tiny_data):
+    """LoRA SFT with data.template=builtin from a 512-token run: the 4 added tokens start at
+    one mean row each (bitwise equal, checkpoint/sources.grow_vocab) and train (PEFT's
+    trainable_token_indices), so after 20 steps they differ from each other and from that
+    start, and greedy answers end with <|end|>. The control (rows frozen, as before) keeps
+    the four head logits equal, so <|end|> cannot win over a header. Every other parameter of
+    the embedding stays frozen: only the adapters and the rows have gradients.
+
+    Bounds: Adam moves every element with a gradient by about lr = 3e-2 on its first step;
+    1e-4 is 300× below that and 10^4× above fp32 rounding of these values (|x| < 1: 6e-8)."""
+    root, chat, trained = chat_runs
+    assert trained["added"] == (512, 513, 514, 515) and trained["args"].lora_tokens == trained["added"]
+    state = trained["state"]
+    start = state["tok_embeddings.weight"][list(trained["added"])]  # frozen: still the mean row
+    assert (start == start[0]).all()
+    rows = _effective_rows(trained)
+    assert (rows - start).abs().amax(1).min() > 1e-4
+    gaps = [(rows[i] - rows[j]).abs().max() for i in range(4) for j in range(i)]
+    assert min(gaps) > 1e-4, gaps
+    assert "output.lora.rows" not in state  # tied: the head reads the embedding's rows
+    # only the adapters and the 4 rows train: gradients and AdamW's two moments for them alone
+    assert trained["trains"] == trained["with_grad"] and "tok_embeddings.lora.rows" in trained["trains"]
+    assert all(n.endswith((".lora.a", ".lora.b", ".lora.rows")) for n in trained["trains"])
+    trainable = sum(state[n].numel() for n in trained["trains"])
+    assert trained["optimizer_elements"] == 2 * trainable
+    for answer in trained["answers"]:
+        assert answer and answer[-1] == trained["end"] and len(answer) <= 3, answer
+    control = run_ranks(_chat_lora, 1, tiny_data, str(root / "base"), str(root / "frozen"), chat, True)[0]
+    assert "tok_embeddings.lora.rows" not in control["state"]
+    for logits in control["logits"]:
+        new = logits[list(control["added"])]
+        assert (new.max() - new.min()) <= 1e-5 * new.abs().max()  # one row four times: no token can win
+        assert all(a[-1:] != [control["end"]] for a in control["answers"])
+    for logits in trained["logits"]:  # after the answer's first word, <|end|> wins
+        new = logits[list(trained["added"])]
+        assert new.argmax() == 3 and logits.argmax() == trained["end"]
+
+
+def test_new_rows_are_saved_loaded_and_exported(chat_runs, tmp_path, capsys):
+    """The checkpoint holds the rows (tok_embeddings.lora.rows): the model loaded from it
+    gives the trained model's logits exactly; `convert --to-hf` folds them into the
+    embedding (and so the tied head), and `--adapter` exports them as PEFT's
+    trainable_tokens_delta (the rows' values), which PEFT loads onto the base model resized
+    to the run's vocabulary: both give our logits to 1e-5 (fp32, as the HF parity tests)."""
+    pytest.importorskip("peft")
+    import transformers
+    from peft import PeftModel
+    from safetensors import safe_open
+
+    from ndtrain.cli import main
+    root, _, trained = chat_runs
+    tokens = torch.tensor([[5, 512, 40, 7, 514, 60, 515, 513, 9]])
+    ours = _our_logits(root / "lora", tokens)
+    with torch.no_grad():
+        torch.testing.assert_close(ours, _model_of(trained["args"], trained["state"])(tokens), rtol=0, atol=0)
+    for args in (["--to-hf", str(root / "base"), "--out", str(tmp_path / "hf-base")],
+                 ["--to-hf", str(root / "lora"), "--out", str(tmp_path / "hf-merged")],
+                 ["--to-hf", str(root / "lora"), "--out", str(tmp_path / "adapter"), "--adapter"]):
+        assert main(["convert", *args]) == 0, capsys.readouterr().err
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["trainable_token_indices"] == {"embed_tokens": [512, 513, 514, 515]}
+    with safe_open(tmp_path / "adapter" / "adapter_model.safetensors", "pt") as f:
+        delta = f.get_tensor("base_model.model.model.embed_tokens.token_adapter.trainable_tokens_delta")
+    torch.testing.assert_close(delta, _effective_rows(trained).float(), rtol=0, atol=0)
+    hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base").float().eval()
+    hf_base.resize_token_embeddings(516)  # PEFT replaces the new rows; their resized values do not matter
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged").float().eval()
+    with torch.no_grad():
+        peft_logits = PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()(input_ids=tokens).logits
+        merged_logits = merged(input_ids=tokens).logits
+    torch.testing.assert_close(merged_logits, ours, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(peft_logits, ours, atol=1e-5, rtol=1e-5)
+
+
+CHAT_PROOF = ["train.steps=3", *LORA]
+CHAT_LAYOUTS = {"default": [("dp2-accumulation", ["parallel.dp=2", "train.micro_batch=1"])],
+                "slow": [("zero1", ["parallel.zero=1"]),
+                         ("zero2", ["parallel.zero=2", "train.micro_batch=2"]),
+                         ("zero3-accumulation", ["parallel.zero=3", "train.micro_batch=2"]),
+                         ("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring", "train.micro_batch=2"])]}
+
+
+def _chat_rows(data_dir, chat, rows):
+    import functools
+    make = functools.partial(_chat_task, chat, data_dir, False)
+    return {name: (reference_in_rank if name == "single" else proof_in_rank)(CHAT_PROOF + overrides, data_dir,
+                                                                             make_task=make)
+            for name, overrides in rows}
+
+
+@pytest.mark.parametrize("tier", ["default", pytest.param("slow", marks=pytest.mark.slow)])
+def test_new_rows_train_in_every_lora_layout_as_one_process_in_fp64(tiny_data, tmp_path, tier):
+    """The fp64 layout proof (helpers.assert_proof) of LoRA SFT with the builtin template on
+    the untied tiny model: the embedding's and the head's new rows are trainable tensors of
+    their own, reduced (DP), sharded (ZeRO) and summed over cp like the adapters, and their
+    first-step gradients match one process's at 1e-10 of their largest element."""
+    chat = _chat_file(tmp_path)
+    ref = run_ranks(_chat_rows, 1, tiny_data, chat, [("single", [])])[0]["single"]
+    assert {"tok_embeddings.lora.rows", "output.lora.rows"} <= set(ref["grads"])
+    assert all(k.endswith((".lora.a", ".lora.b", ".lora.rows")) for k in ref["grads"])
+    assert min(float(ref["grads"][k].abs().amax(1).min()) for k in ("tok_embeddings.lora.rows", "output.lora.rows")) > 0
+    rows = CHAT_LAYOUTS[tier]
+    runs = run_ranks(_chat_rows, 2, tiny_data, chat, rows, timeout=600)[0]
+    for name, _ in rows:
+        try:
+            assert_proof(runs[name], ref)
+        except AssertionError as e:
+            raise AssertionError(f"LoRA with new token rows, {name}: {e}") from None
+
+
+@pytest.mark.parametrize("layout, message", [(["parallel.tp=2"], "parallel.tp = 2: with lora.rank > 0 the 4 tokens"),
+                                             (["parallel.pp=2"], "parallel.pp = 2: with lora.rank > 0 the 4 tokens")])
+def test_new_rows_under_tp_or_pp_are_refused_in_one_line(tiny_data, tmp_path, capsys, layout, message):
+    """The trained rows are not split over tp nor placed on pipeline stages: `ndtrain sft`
+    refuses the layout before anything starts (exit 2, one line, no run directory)."""
+    from ndtrain.cli import main
+    run = tmp_path / "run"
+    argv = ["sft", "--nproc", "2", "lora.rank=4", "model.init_from=scratch", "model.preset=tiny",
+            f"data.path={_chat_file(tmp_path)}", f"data.tokenizer={tiny_data}/tokenizer.json", f"run.dir={run}",
+            "train.seq_len=32", "train.global_batch=4", *layout]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "Traceback" not in err[0], err
+    assert not run.exists()
+
+
+def test_new_rows_resume_bit_exact(chat_runs, tiny_data):
+    """Stopped after 10 of the 20 steps (with a checkpoint) and resumed, the run ends with
+    the uninterrupted run's weights, rows and adapters included, bit for bit: the rows and
+    their AdamW moments are in the checkpoint and load back."""
+    root, chat, trained = chat_runs
+    run_ranks(_chat_lora, 1, tiny_data, str(root / "base"), str(root / "resumed"), chat, False, 10)
+    resumed = run_ranks(_chat_lora, 1, tiny_data, str(root / "base"), str(root / "resumed"), chat)[0]
+    assert resumed["steps_run"] == trained["steps_run"][10:]  # it continued from step 10
+    assert set(resumed["state"]) == set(trained["state"])
+    for name, value in trained["state"].items():
+        assert torch.equal(resumed["state"][name], value), name

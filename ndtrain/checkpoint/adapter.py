@@ -23,7 +23,7 @@ from ndtrain.checkpoint.slices import Piece
 from ndtrain.config import ConfigError
 from ndtrain.model import hf
 from ndtrain.model.args import ModelArgs
-from ndtrain.model.lora import is_adapter
+from ndtrain.model.lora import is_adapter, with_rows
 
 
 def adapted(weight_name: str) -> str:
@@ -46,6 +46,29 @@ def merged_fetch(source, name: str, weights: dict, args: ModelArgs, target: torc
         a = _read(source, f"{module}.lora.a", tuple(weights[f"{module}.lora.a"]["shape"]))
         b = _read(source, f"{module}.lora.b", tuple(weights[f"{module}.lora.b"]["shape"]))
         return (w + (args.lora_alpha / args.lora_rank) * (b @ a)).to(target)
+    return read
+
+
+def rows_fetch(source, name: str, weights: dict, args: ModelArgs, target: torch.dtype):
+    """A function reading embedding or head weight `name` with its trained token rows added,
+    W[lora_tokens] + rows, in fp64, cast to `target`."""
+    rows = f"{adapted(name)}.lora.rows"
+
+    def read():
+        w = _read(source, name, tuple(weights[name]["shape"]))
+        return with_rows(w, _read(source, rows, tuple(weights[rows]["shape"])), args.lora_tokens).to(target)
+    return read
+
+
+def token_values_fetch(source, name: str, weights: dict, args: ModelArgs):
+    """A function reading the trained rows' values alone, (W[lora_tokens] + rows) in fp32:
+    what PEFT's `trainable_tokens_delta` holds (it replaces those rows)."""
+    base, shape = adapted(adapted(name)) + ".weight", tuple(weights[name]["shape"])
+    ids = torch.tensor(args.lora_tokens, dtype=torch.long)
+
+    def read():
+        w = _read(source, base, tuple(weights[base]["shape"]))
+        return (w[ids] + _read(source, name, shape)).float()
     return read
 
 
@@ -72,9 +95,16 @@ def base_model_path(meta: dict) -> str | None:
 
 def write_adapter(source, weights: dict, args: ModelArgs, family, base: str | None, out: Path) -> Path:
     """adapter_model.safetensors and adapter_config.json into `out` (fp32 tensors)."""
-    entries, modules = [], set()
+    entries, modules, tokens = [], set(), {}
     for name in sorted(weights):
         if not is_adapter(name):
+            continue
+        if name.endswith(".lora.rows"):  # PEFT's trainable tokens: the rows' values, W[ids] + rows
+            hf_module = adapted(hf.hf_name(adapted(adapted(name)) + ".weight", family))
+            tokens[hf_module.rsplit(".", 1)[-1]] = list(args.lora_tokens)
+            key = f"base_model.model.{hf_module}.token_adapter.trainable_tokens_delta"
+            entries.append((key, torch.float32, tuple(weights[name]["shape"]),
+                            token_values_fetch(source, name, weights, args)))
             continue
         module = adapted(adapted(name))  # layers.0.attention.wq
         hf_module = adapted(hf.hf_name(f"{module}.weight", family))
@@ -86,6 +116,7 @@ def write_adapter(source, weights: dict, args: ModelArgs, family, base: str | No
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
               "lora_dropout": args.lora_dropout, "target_modules": sorted(modules), "bias": "none",
               "fan_in_fan_out": False, "use_rslora": False, "use_dora": False, "init_lora_weights": True,
-              "modules_to_save": None, "inference_mode": True, "base_model_name_or_path": base}
+              "modules_to_save": None, "inference_mode": True, "base_model_name_or_path": base,
+              "trainable_token_indices": tokens or None}
     (out / "adapter_config.json").write_text(json.dumps(config, indent=1))
     return out

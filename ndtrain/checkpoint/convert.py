@@ -22,7 +22,8 @@ import torch
 
 from ndtrain import config as config_mod
 from ndtrain.checkpoint import hf_files, store
-from ndtrain.checkpoint.adapter import adapted, base_model_path, check_adapter, merged_fetch, write_adapter
+from ndtrain.checkpoint.adapter import (adapted, base_model_path, check_adapter, merged_fetch, rows_fetch,
+                                       write_adapter)
 from ndtrain.checkpoint.files import write_safetensors
 from ndtrain.checkpoint.slices import Piece
 from ndtrain.checkpoint.sources import MOE_KEYS, SHAPE_KEYS, CheckpointSource, HFSource
@@ -123,6 +124,8 @@ def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family
             fetch = _fetch(source, f"weight/{name}", shape, part.expert, target)
             if f"{adapted(name)}.lora.a" in weights:
                 fetch = merged_fetch(source, name, weights, args, target)
+            elif f"{adapted(name)}.lora.rows" in weights:  # a chat template's trained token rows
+                fetch = rows_fetch(source, name, weights, args, target)
             pieces.setdefault(part.hf, []).append((part.rows or (0, stored[0]), stored, fetch))
     entries = []
     for hf_name, parts in pieces.items():

@@ -16,6 +16,7 @@ from ndtrain.cli.run import (Stopped, check_fits, check_resume, choose_run_dir, 
 def cmd_sft(args, make_task=None) -> int:
     """`ndtrain sft`; `make_task(cfg, data)` replaces the SFT task (the RL warm-up's)."""
     from ndtrain.checkpoint.sources import resolve_init_from
+    from ndtrain.config.lora import check_lora_tokens
     from ndtrain.config import SFT_DEFAULTS, ConfigError, load_config, validate
     from ndtrain.data.sft import ShortSequence, prepare_sft
     from ndtrain.launch import external_world
@@ -41,6 +42,7 @@ def cmd_sft(args, make_task=None) -> int:
     template = sft.make_template(cfg, progress=cfg.run.progress)
     if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
         cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
+    check_lora_tokens(cfg, template.added_ids)
     try:
         data = prepare_sft(d.path, template, t.seq_len, d.truncate, d.val_fraction, d.on_bad_record, d.cache_dir)
     except ShortSequence as e:
@@ -177,6 +179,7 @@ def _cached_warmup(cfg, world, command: str, folder: Path, what: str, write_data
 
 def cmd_dpo(args) -> int:
     from ndtrain.checkpoint.sources import resolve_init_from
+    from ndtrain.config.lora import check_lora_tokens
     from ndtrain.config import DPO_DEFAULTS, ConfigError, check_dpo_job, load_config, validate
     from ndtrain.data import preference
     from ndtrain.data.sft import ShortSequence
@@ -202,6 +205,7 @@ def cmd_dpo(args) -> int:
     template = make_template(cfg, progress=cfg.run.progress)
     if cfg.model.vocab_size is not None and template.vocab_size > cfg.model.vocab_size:
         cfg.model.vocab_size = template.vocab_size  # the template's special tokens: rows added on loading
+    check_lora_tokens(cfg, template.added_ids)
     try:
         data = preference.prepare_preferences(d.path, template, t.seq_len, d.val_fraction, d.on_bad_record,
                                               d.cache_dir)

@@ -28,3 +28,15 @@ def check_lora(cfg: Config) -> None:
         key, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.cp", p.cp)
         raise ConfigError(key, value, "lora.dropout > 0 draws its mask on this rank's part of a layer's input, "
                           "which under tp or cp is not the mask one process draws; set lora.dropout = 0 here")
+
+
+def check_lora_tokens(cfg: Config, added: tuple[int, ...]) -> None:
+    """LoRA trains the rows a chat template adds to the vocabulary (model/lora.TokenRows);
+    those rows are not split over tp or placed on pipeline stages yet."""
+    p = cfg.parallel
+    if not cfg.lora.rank or not added or (p.tp == 1 and p.pp == 1):
+        return
+    key, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.pp", p.pp)
+    raise ConfigError(key, value, f"with lora.rank > 0 the {len(added)} tokens data.template=builtin adds to the "
+                      "vocabulary train their embedding rows, which tensor and pipeline parallelism do not split yet; "
+                      "use parallel.dp / parallel.zero, or a tokenizer that has its chat tokens (data.template=hf)")

@@ -60,7 +60,11 @@ class BuiltinTemplate:
     name = "builtin"
 
     def __init__(self, tokenizer: TextTokenizer):
-        self.tok = tokenizer.with_special_tokens(list(HEADERS.values()) + [END])
+        names = list(HEADERS.values()) + [END]
+        self.tok = tokenizer.with_special_tokens(names)
+        # The ids this template added to the tokenizer: rows the model has never trained
+        # (under LoRA they train: model/lora.TokenRows).
+        self.added_ids = tuple(self.tok.token_id(n) for n in names if tokenizer._tok.token_to_id(n) is None)
         self.header = {role: self.tok.token_id(text) for role, text in HEADERS.items()}
         self.end = self.tok.token_id(END)
         self.vocab_size = self.tok.vocab_size
@@ -117,6 +121,7 @@ class HFTemplate:
                             "use data.template=builtin")
         self.tok = hf_tokenizer
         self.vocab_size = len(hf_tokenizer)
+        self.added_ids: tuple[int, ...] = ()  # its chat tokens are the tokenizer's own
         eos = hf_tokenizer.eos_token_id
         self.stop_ids = {eos} if eos is not None else set()
         pad = hf_tokenizer.pad_token_id

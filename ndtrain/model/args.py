@@ -69,6 +69,9 @@ class ModelArgs:
     lora_dropout: float = 0.0
     lora_targets: tuple[str, ...] = ()
     lora_init: str = "zero_b"  # zero_b: B starts at 0 (the base model's output) | random: B too (tests)
+    # Token ids whose embedding rows (and head rows, untied) train under LoRA: the chat
+    # template's added tokens (PEFT's trainable_token_indices; model/lora.TokenRows).
+    lora_tokens: tuple[int, ...] = ()
 
     def __post_init__(self):
         if self.head_dim is None:  # no heads: 0, which shape_problem names
@@ -76,6 +79,7 @@ class ModelArgs:
         if self.window_layers is not None:  # a list from JSON (a checkpoint's meta) or the config
             object.__setattr__(self, "window_layers", tuple(int(i) for i in self.window_layers))
         object.__setattr__(self, "lora_targets", tuple(self.lora_targets))
+        object.__setattr__(self, "lora_tokens", tuple(int(i) for i in self.lora_tokens))
 
     def window_of(self, layer: int) -> int:
         """The sliding window of block `layer` (0: it sees every earlier key)."""
@@ -210,21 +214,71 @@ def param_count(a: ModelArgs, *, embedding: bool = True, active: bool = False) -
     return n
 
 
+def visible_keys_per_query(seq_len: int, window: int = 0) -> float:
+    """The keys a query attends to, averaged over a causal sequence, as the area of the
+    visible part of the s×s score matrix over s: s/2 for the causal triangle (the masked half
+    is skipped by the fused kernels), w − w²/(2s) for a band of width w < s (a sliding window:
+    the kernels skip what lies outside it). The exact count of visible pairs is larger by
+    1/2 per query (w/2s for a window): the diagonal's half, which this convention (Llama 3,
+    FlashAttention) leaves out."""
+    if 0 < window < seq_len:
+        return window - window * window / (2.0 * seq_len)
+    return seq_len / 2.0
+
+
+def attention_flops_per_token(a: ModelArgs, seq_len: int, layer: int) -> float:
+    """Forward FLOPs per token of block `layer`'s attention scores QKᵀ and weighted sum AV:
+    2·d each per visible key, d = n_heads·head_dim; its window when it has one."""
+    return 4.0 * a.n_heads * a.head_dim * visible_keys_per_query(seq_len, a.window_of(layer))
+
+
+def adapter_params(a: ModelArgs, layer: int | None = None) -> int:
+    """LoRA's A and B, r·(in + out) per adapted matrix, of block `layer` (default: all). An
+    MoE block's experts have none (model/lora.py)."""
+    if not a.lora_rank:
+        return 0
+    q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    shapes = {"wq": (a.dim, q_dim), "wk": (a.dim, kv_dim), "wv": (a.dim, kv_dim), "wo": (q_dim, a.dim),
+              "w1": (a.dim, a.ffn_dim), "w3": (a.dim, a.ffn_dim), "w2": (a.ffn_dim, a.dim)}
+    n = 0
+    for i in range(a.n_layers) if layer is None else (layer,):
+        for t in a.lora_targets:
+            if t in ("w1", "w2", "w3") and a.is_moe_layer(i):
+                continue
+            n += a.lora_rank * sum(shapes[t])
+    return n
+
+
 def flops_per_token(a: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs (forward + backward) per token.
+    """Training FLOPs (forward + backward) per token: what the matmuls that run compute.
 
     6·N for the matmuls, with N the parameters that take part in a matmul (everything but
-    the embedding lookup and the norms; we keep the norms, they are 0.01% of N), plus the
-    attention term: per layer the scores QKᵀ and the weighted sum AV each cost 2·s·d
-    FLOPs per token forward, 4·s·d in all, and backward costs twice forward, so 12·L·s·d.
-    Causal masking: half of the score matrix is masked, and the fused attention kernels
-    skip it, so we count half: 6·L·s·d. This is the convention of the Llama-3 and
-    FlashAttention papers; PaLM's 12·L·s·d counts the masked half too and gives MFU figures
-    that are higher by that amount.
+    the embedding lookup and the norms; we keep the norms, they are 0.01% of N): forward 2,
+    and backward 4 (the input's gradient and the weight's). Plus the attention scores: per
+    layer QKᵀ and AV cost 2·d FLOPs per visible key each, forward, and backward twice that,
+    12·d·k per token, with k the keys a query sees (`visible_keys_per_query`): s/2 for
+    causal attention, the masked half skipped by the fused kernels, so 6·L·s·d in all (the
+    convention of the Llama-3 and FlashAttention papers; PaLM's 12·L·s·d counts the masked
+    half too and gives MFU figures higher by that amount); w − w²/(2s) for a sliding-window
+    layer of window w < s, whose kernels skip the keys outside the window.
+
+    LoRA (lora_rank > 0): the frozen base computes no weight gradient, so 4·N for its
+    matmuls, plus 6 per adapter parameter (A and B, r·(in + out) per adapted matrix) and
+    6·n·dim for n trained token rows of the head (lora_tokens; the embedding's are a
+    lookup). With no trained rows nothing before the first block trains, so its input needs
+    no gradient and autograd skips the matmuls reading it: 2·dim·(q + 2·kv) for wq, wk, wv
+    and 2·r·dim for each of their adapters.
 
     Mixture of experts: N counts the *active* parameters (router, top-k and shared experts),
     the matmuls a token really goes through; the dispatch (permutations, all-to-all) does no
     FLOPs.
     """
     n = param_count(a, embedding=False, active=True)
-    return 6.0 * n + 6.0 * a.n_layers * seq_len * a.n_heads * a.head_dim  # n_heads·head_dim = d
+    attention = 3.0 * sum(attention_flops_per_token(a, seq_len, i) for i in range(a.n_layers))
+    if not a.lora_rank:
+        return 6.0 * n + attention
+    flops = 4.0 * n + 6.0 * adapter_params(a) + 6.0 * len(a.lora_tokens) * a.dim + attention
+    if not a.lora_tokens:  # the first block's input is constant: no gradient for it
+        first = [t for t in ("wq", "wk", "wv") if t in a.lora_targets]
+        flops -= 2.0 * a.dim * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + 2.0 * a.lora_rank * a.dim * len(first)
+    return flops

@@ -174,6 +174,7 @@ def initial_values(name: str, region: Region, args: ModelArgs, seed: int, lo: in
     global index only, so every layout, stage and shard agrees with one process."""
     hi = region.numel if hi is None else hi
     zero_b = name.endswith(".lora.b") and args.lora_init == "zero_b"  # an adapter that starts at no change
+    zero_b = zero_b or name.endswith(".lora.rows")  # trained token rows: added to the base rows, from 0
     if name.endswith("norm.weight") or name.endswith(".bias") or zero_b:  # a norm's scale of 1 (Gemma: 1 − offset)
         fill = 1.0 - args.norm_offset if name.endswith("norm.weight") else 0.0
         out = torch.full((hi - lo,), fill, device=device)

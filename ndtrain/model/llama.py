@@ -28,7 +28,7 @@ from torch import Tensor
 from .args import ModelArgs
 from .dtypes import widened
 from .init import initial_value
-from .lora import linear
+from .lora import TokenRows, embedding, head_rows, linear
 from .moe import MoE, RoutingLog
 from .rope import Rotary, rope_tables  # noqa: F401 (rope_tables: re-exported)
 
@@ -348,12 +348,14 @@ class Block(nn.Module):
 class OutputHead(nn.Linear):
     """The output projection, its logits soft-capped when `softcap` > 0 (Gemma 2)."""
 
-    def __init__(self, dim: int, vocab_size: int, softcap: float = 0.0):
+    def __init__(self, dim: int, vocab_size: int, softcap: float = 0.0, lora: TokenRows | None = None):
         super().__init__(dim, vocab_size, bias=False)
-        self.softcap = softcap
+        self.softcap, self.lora = softcap, lora  # lora: trained token rows (model/lora.py)
 
     def forward(self, x: Tensor) -> Tensor:
         logits = super().forward(x)
+        if self.lora is not None:
+            logits = self.lora.head(x, logits)
         return softcap(logits, self.softcap) if self.softcap else logits
 
 
@@ -374,10 +376,11 @@ class Transformer(nn.Module):
         if not in_range or len(set(layer_ids)) != len(layer_ids):
             raise ValueError(f"layer_ids {layer_ids} must be distinct and in 0..{args.n_layers - 1}")
 
-        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim) if embed else None
+        self.tok_embeddings = embedding(args) if embed else None
         self.layers = nn.ModuleDict({str(i): Block(args, i) for i in layer_ids})
         self.norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset) if head else None
-        self.output = OutputHead(args.dim, args.vocab_size, args.logit_softcap) if head else None
+        self.output = OutputHead(args.dim, args.vocab_size, args.logit_softcap,
+                                 head_rows(args, self.tok_embeddings)) if head else None
         if args.tie_embeddings and embed and head:
             self.output.weight = self.tok_embeddings.weight
         self.rotary = Rotary(args)

@@ -152,6 +152,8 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
     cp > 1, MoE blocks placed and split (parallel/expert.py); parallel/construct.py gives
     the parameters memory and the values every layout starts from."""
     tp, cp = mesh.group("tp"), mesh.group("cp")
+    if args.lora_tokens and (tp.active or mesh.shape.pp > 1):  # the command refuses it (config/lora.py)
+        raise ValueError("LoRA's trained token rows (model/lora.TokenRows) are not split over tp or pp")
 
     def make(layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
         if tp.active:

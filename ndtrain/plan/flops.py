@@ -1,13 +1,16 @@
 """FLOPs of a step in the two conventions papers publish rates in.
 
 - Model FLOPs (MFU; PaLM, Llama 3, ndtrain's own `flops_per_token`): what the model needs,
-  6 per active weight and token (forward 2, backward 4) plus the attention scores, causal
-  half. Recomputation is not counted: a faster step with less recomputation is a better MFU.
+  6 per active weight and token (forward 2, backward 4; 4 for LoRA's frozen base, which has
+  no weight gradient, and 6 per adapter weight) plus the attention scores, causal half, a
+  sliding-window layer's over its window. Recomputation is not counted: a faster step with
+  less recomputation is a better MFU.
 - Hardware FLOPs (HFU; Megatron's published "achieved teraFLOP/s per GPU", Narayanan et
   al. 2021 with full recomputation): what the devices execute, the model FLOPs plus every
   recomputed forward. `train.recompute=full` reruns each block's forward (2 per active
-  weight and token, the scores again); `every:K` blocks 0, K, 2K, ...; `selective` reruns
-  the attention core (the scores, 2·s·d per token and layer).
+  weight and token, adapters included, the scores again); `every:K` blocks 0, K, 2K, ...;
+  `selective` reruns the attention core (the scores, 2·s·d per token and layer, or those of
+  the layer's window).
 
 A rate in one convention converts to the other through the step's ratio hardware / model.
 """
@@ -15,13 +18,8 @@ A rate in one convention converts to the other through the step's ratio hardware
 from __future__ import annotations
 
 from ndtrain.config import Config
-from ndtrain.model.args import ModelArgs, block_params, flops_per_token
+from ndtrain.model.args import ModelArgs, adapter_params, attention_flops_per_token, block_params, flops_per_token
 from ndtrain.plan.activations import recomputed
-
-
-def attention_flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """One block's forward attention scores (QKᵀ and AV) per token, causal half: 2·s·d."""
-    return 2.0 * seq_len * args.n_heads * args.head_dim
 
 
 def recompute_flops_per_token(args: ModelArgs, seq_len: int, recompute: str, layers) -> float:
@@ -30,9 +28,10 @@ def recompute_flops_per_token(args: ModelArgs, seq_len: int, recompute: str, lay
     for i in layers:
         mode = recomputed(recompute, i)
         if mode == "full":
-            extra += 2.0 * block_params(args, i, active=True) + attention_flops_per_token(args, seq_len)
+            extra += 2.0 * (block_params(args, i, active=True) + adapter_params(args, i))
+            extra += attention_flops_per_token(args, seq_len, i)
         elif mode == "selective":
-            extra += attention_flops_per_token(args, seq_len)
+            extra += attention_flops_per_token(args, seq_len, i)
     return extra
 
 

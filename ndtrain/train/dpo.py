@@ -115,7 +115,7 @@ class DPO(Task):
 
     def __init__(self, cfg: Config, data: PreferenceData):
         t = cfg.train
-        self.cfg, self.vocab_size = cfg, data.vocab_size
+        self.cfg, self.vocab_size, self.new_tokens = cfg, data.vocab_size, data.template.added_ids
         self.baseline = math.log(2.0)  # every pair's loss before the first update (margin 0)
         pad = data.template.pad_id
         self.pair_rows = {"train": pair_rows(data.train, t.seq_len, pad), "val": pair_rows(data.val, t.seq_len, pad)}

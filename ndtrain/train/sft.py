@@ -62,7 +62,7 @@ class SFT(Task):
 
     def __init__(self, cfg: Config, data: SFTData):
         t, d = cfg.train, cfg.data
-        self.vocab_size = data.vocab_size
+        self.vocab_size, self.new_tokens = data.vocab_size, data.template.added_ids
         self.train_rows = pack(data.train, t.seq_len, d.packing, data.template.pad_id)
         self.val_rows = pack(data.val, t.seq_len, d.packing, data.template.pad_id)
         self.loaders = {"train": RowLoader(self.train_rows, t.global_batch, t.seed),

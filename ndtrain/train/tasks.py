@@ -88,6 +88,9 @@ class StepData:
 
 class Task:
     vocab_size: int
+    # Token ids a chat template added to the tokenizer: under LoRA their embedding (and
+    # head) rows train (model/lora.TokenRows); every other row stays frozen.
+    new_tokens: tuple[int, ...] = ()
     baseline: float | None = None
     baseline_label: str = "baseline"
     objective = staticmethod(weighted_sum)

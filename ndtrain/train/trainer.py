@@ -69,6 +69,8 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         t = cfg.train
         self.args = cfg.model_args(vocab_size=task.vocab_size)
+        if self.args.lora_rank and task.new_tokens:  # a chat template's new rows train with the adapters
+            self.args = self.args.with_(lora_tokens=task.new_tokens)
         self.par: Parallelized = build(self.args, mesh, cfg, task.objective)
         self.stepper = TrainStep(self.par, cfg)
         self.flops_per_token = flops_per_token(self.args, t.seq_len)
