@@ -285,7 +285,7 @@ def main() -> int:
     print(f"{props.name} sm{props.major}{props.minor}, torch {torch.__version__}, CUDA {torch.version.cuda}, "
           f"cuDNN {torch.backends.cudnn.version()}", flush=True)
     status = {}
-    for group in (probe_runtime, probe_matmuls, probe_grouped, probe_fp8_linear, probe_attention):
+    for group in (probe_runtime, probe_matmuls, probe_grouped, probe_attention, probe_fp8_linear):
         for name, probe in group().items():
             try:
                 text = probe()
