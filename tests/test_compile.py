@@ -99,3 +99,22 @@ def test_compile_refuses_zero_bubble_and_unknown_backends():
     check(["train.compile_backend=tvm"], "train.compile_backend")
     validate(load_config(None, TINY + AOT + ["parallel.pp=2", "parallel.pp_schedule=1f1b", "train.micro_batch=2"]),
              world=2)
+
+
+def test_compiled_fp8_blocks_share_one_graph():
+    """Every block of an fp8 model compiles to the graph of the first (and one recompile, when
+    the token-dimension cache fills): a plan object per block, or a Python byte counter
+    bumped inside the graph, made torch.compile guard on them and compile every block and
+    every call anew (26 graphs for 8 blocks, past the recompile limit; > 120 s for the 1B
+    preset's compile on an H200). aot_eager: the graphs, not the code generated from them."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from ndtrain.bench.mfu import measure
+
+    torch._dynamo.reset()
+    counters.clear()
+    measure(["model.preset=small", "model.n_layers=6", "train.seq_len=128", "train.global_batch=4",
+             "train.micro_batch=2", "train.precision=fp8", "train.fp8_base=fp32", "train.compile=true",
+             "train.compile_backend=aot_eager", "run.device=cpu"], 1)
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])  # a block, its recompile, the loss

@@ -292,3 +292,32 @@ def test_the_bf16_grouped_mm_as_the_moe_block_calls_it():
         counts = torch.empty(EXPERTS, device=CUDA, dtype=torch.int64)
         assert grouped(x, w)
         assert expert_matmul(x, w, counts).shape == (sum(SIZES), HIDDEN)
+
+
+def test_quantizing_divides_by_device_tensors_never_by_host_scalars():
+    """CUDA divides by a host scalar as a multiplication by its reciprocal, one ulp off true
+    division (an H200 quantized 8 of 16,384 values differently from the CPU for that reason,
+    docs/benchmarks-gpu.md). Every division the quantizers make on fake CUDA tensors, for
+    every recipe and both formats, has its divisor on the GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ndtrain.kernels.fp8 import E4M3, E5M2, Dim, quantize
+    from ndtrain.kernels.fp8_linear import RECIPES
+
+    divisors = []
+
+    class Divisions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_, torch.ops.aten.reciprocal):
+                divisors.append((str(func), args[1].device.type if len(args) > 1 and
+                                 isinstance(args[1], torch.Tensor) else type(args[-1]).__name__))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode(), Divisions():
+        x = torch.empty((256, 512), dtype=torch.bfloat16, device="cuda")
+        for recipe in RECIPES.values():
+            for fmt in (E4M3, E5M2):
+                for blocks in (recipe.x, recipe.w, recipe.dy_wgrad):
+                    quantize(x, (Dim.whole(256), Dim.whole(512)), blocks, fmt, recipe.pow2)
+    assert divisors and all(device == "cuda" for _, device in divisors), divisors

@@ -201,8 +201,12 @@ def column_major(t: Tensor) -> Tensor:
 
 def amax_to_scale(amax: Tensor, fmt: torch.dtype, pow2: bool = False) -> Tensor:
     """amax / fmax in fp32 (floored, so a zero cell divides by a tiny number, not zero);
-    `pow2` rounds it up to a power of two, so scaling is exact and still never overflows."""
-    scale = amax.float().clamp_min(AMAX_FLOOR) / FMAX[fmt]
+    `pow2` rounds it up to a power of two, so scaling is exact and still never overflows.
+    fmax is a tensor on amax's device, not a Python number: CUDA divides by a host scalar as a
+    multiplication by its reciprocal, one ulp off the CPU's division (seen on an H200: the
+    scales, then 8 fp8 values of 16,384, differed from the CPU's)."""
+    fmax = torch.full((), FMAX[fmt], dtype=torch.float32, device=amax.device)
+    scale = torch.div(amax.float().clamp_min(AMAX_FLOOR), fmax)
     if not pow2:
         return scale
     mantissa, exponent = torch.frexp(scale)  # scale = m·2^e, m in [0.5, 1): exact on every device
@@ -330,12 +334,13 @@ def choose(a: Quantized, b: Quantized, runs: list, out_dtype: torch.dtype, backe
     return Choice("scaled_mm_runs", why)
 
 
-def warn_once(why: str, text: str | None = None) -> None:
-    """`text` (default: `why`) as one warning line, the first time `why` comes up."""
+def warn_once(why: str, text: str | None = None, topic: str = "fp8") -> None:
+    """`text` (default: `why`) as one warning line about `topic`, the first time `why` comes
+    up: a slower kernel than the fast path is never silent."""
     if why in _WARNED:
         return
     _WARNED.add(why)
-    warnings.warn(f"ndtrain: fp8 {text or why}", RuntimeWarning, stacklevel=3)
+    warnings.warn(f"ndtrain: {topic} {text or why}", RuntimeWarning, stacklevel=3)
 
 
 def warn_fallback(choice: Choice, a: Quantized, b: Quantized, kind: str) -> None:

@@ -194,7 +194,8 @@ class Fp8Linear(torch.autograd.Function):
         ctx.plan, ctx.tokens, ctx.has_bias = plan, tokens, bias is not None
         if plan.recipe.saves_fp8_input:
             ctx.save_for_backward(xq.data, xq.scale, weight)
-            plan.saved_fp8[0] += xq.nbytes()
+            if not torch.compiler.is_compiling():  # a Python counter in a graph is a guard: a recompile per call
+                plan.saved_fp8[0] += xq.nbytes()
         else:
             ctx.save_for_backward(x, weight)
         return y

@@ -16,7 +16,7 @@ CUDA tensors where the selector cannot run:
   repeated to the query heads, their gradients summed back). Where no fused op takes
   grouped heads the selector answers "math", or raises when math is switched off; either
   way it is asked again with the heads repeated.
-- CUDA, blocks with a mask (documents, a sliding window): `_scaled_dot_product_efficient_
+- CUDA, blocks with a mask (documents, a sliding window), in fp32: `_scaled_dot_product_efficient_
   attention` with the mask as its additive `attn_bias` (0 / −inf, laid out as SDPA lays it
   out for this op: [b, H, sq, sk] contiguous, rows padded to 16 elements), when efficient
   attention is enabled and takes the inputs (`can_use_efficient_attention`). Flash takes no
@@ -25,7 +25,9 @@ CUDA tensors where the selector cannot run:
   there, as the merge expects; its backward reads P = exp(−inf − lse) = 0, so it adds
   nothing and stays finite.
 - The plain kernel (kernels.py) runs where none of these applies (`SDPBackend.MATH`, e.g.
-  fp64 on CUDA, or `with sdpa_kernel(SDPBackend.MATH)`).
+  fp64 on CUDA, or `with sdpa_kernel(SDPBackend.MATH)`), and instead of efficient attention
+  in bf16/fp16 (`HALF_EFFICIENT_BROKEN`: its backward gave non-finite gradients on the
+  first H200), which makes masked blocks in a bf16 run plain, with one warning.
 
 Every block's backward gets the *merged* output and log-sum-exp of its rows: the ops
 recompute P = exp(S − lse) and D = rowsum(dout ∘ out) from them, which is the block's share
@@ -39,6 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ndtrain.kernels.fp8 import warn_once
 from ndtrain.model.llama import widened
 from ndtrain.parallel.context.kernels import NEG_INF, attend, attend_backward, finite
 from ndtrain.parallel.context.visibility import Block
@@ -47,18 +50,36 @@ aten = torch.ops.aten
 _BACKENDS = {1: "flash", 2: "efficient", 3: "cudnn"}  # torch.nn.attention.SDPBackend values
 
 
+# On the first H200 (torch 2.11+cu130, 2026-11-28; docs/benchmarks-gpu.md) efficient
+# attention's backward in bf16, given an external log-sum-exp, returned non-finite dq and dk
+# for some calls and not for others on the same inputs (fp32: always finite). Until that is
+# understood, half-precision blocks do not run it: they take flash or cuDNN where torch's
+# selector offers them, else the plain kernel, and say so once.
+HALF_EFFICIENT_BROKEN = (torch.bfloat16, torch.float16)
+
+
 def kernel_for(q: Tensor, k: Tensor, block: Block) -> str:
     """Which op runs this block: "cpu", "flash", "efficient", "cudnn" or "plain"."""
     cuda = q.device.type != "cpu"
     if block.mask is not None and cuda:
-        return "efficient" if _efficient_takes_mask(q, k, block) else "plain"
+        return _not_half_efficient(q, "efficient" if _efficient_takes_mask(q, k, block) else "plain")
     bias = block.additive(q.dtype) if block.mask is not None else None
     choice = _selected(q, k, bias, block.causal, enable_gqa=q.shape[1] != k.shape[1])
     if cuda and choice in (None, 0) and q.shape[1] != k.shape[1]:  # no fused op takes GQA: repeat
         choice = _selected(q, _widened_heads(q, k), None, block.causal)
     if choice not in _BACKENDS:
         return "plain"
-    return "cpu" if not cuda else _BACKENDS[choice]
+    return "cpu" if not cuda else _not_half_efficient(q, _BACKENDS[choice])
+
+
+def _not_half_efficient(q: Tensor, kind: str) -> str:
+    """`kind`, or the plain kernel where it is efficient attention in half precision."""
+    if kind != "efficient" or q.dtype not in HALF_EFFICIENT_BROKEN:
+        return kind
+    warn_once("cp-half-efficient", f"a block that would run efficient attention in {str(q.dtype).split('.')[-1]} "
+              "runs the plain kernel instead (its backward gave non-finite gradients on an H200, "
+              "docs/benchmarks-gpu.md); flash and cuDNN are unaffected", topic="context parallelism:")
+    return "plain"
 
 
 def _selected(q: Tensor, k: Tensor, bias: Tensor | None, causal: bool, enable_gqa: bool = False) -> int | None:
@@ -218,5 +239,8 @@ def describe(device: torch.device, dtype: torch.dtype, heads: int, kv_heads: int
         return text + "the same op, the mask as its attn_mask"
     if masked == "efficient":
         return text + NAMES[masked] + ", the mask as its attn_bias"
-    why = " (efficient attention is off or cannot take these inputs)" if device.type != "cpu" else ""
+    why = ""
+    if device.type != "cpu":
+        why = (" (efficient attention's bf16/fp16 backward gave non-finite gradients on an H200)"
+               if dtype in HALF_EFFICIENT_BROKEN else " (efficient attention is off or cannot take these inputs)")
     return text + NAMES[masked] + why
