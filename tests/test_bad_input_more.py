@@ -1,0 +1,107 @@
+"""Bad input and faults that still broke the promise (issue 33): one line, the right exit
+status, no traceback, nothing written (bad input) or nothing lost (a fault)."""
+
+import errno
+import json
+
+from helpers import TINY, refused  # noqa: F401
+
+
+class FullDisk:
+    """A file of `real` that takes the first `room` writes and then fills the disk: the write
+    that fails puts half its bytes down first, as a write that runs out of space does. A
+    buffered file keeps the rest and fails again on flush and close; an unbuffered one
+    (buffering=0) holds nothing back."""
+
+    def __init__(self, real, room: int, buffered: bool):
+        self.real, self.room, self.buffered, self.pending = real, room, buffered, b""
+
+    def write(self, data):
+        if self.room > 0:
+            self.room -= 1
+            return self.real.write(data)
+        half = len(data) // 2
+        self.real.write(data[:half])
+        self.real.flush()
+        if self.buffered:
+            self.pending = data[half:]
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def flush(self):
+        if self.pending:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return self.real.flush()
+
+    def close(self):
+        try:
+            self.flush()
+        finally:
+            self.real.close()
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def test_full_disk_while_writing_metrics(tmp_path, capsys, monkeypatch, tiny_data):
+    """The disk fills while metrics.jsonl is written (train.save_every=0): one line naming the
+    file and the step, exit status 1, and every line of metrics.jsonl whole JSON."""
+    from ndtrain.cli import main
+    from ndtrain.observe import metrics
+
+    def full_after_one_line(path, mode="r", buffering=-1, *args, **kwargs):
+        real = open(path, mode, buffering, *args, **kwargs)
+        return FullDisk(real, room=1, buffered=buffering != 0) if "a" in mode else real
+    monkeypatch.setattr(metrics, "open", full_after_one_line, raising=False)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    code = main(["train", "--nproc", "1", *TINY, f"data.path={tiny_data}", "train.steps=3", "train.log_every=1",
+                 "train.save_every=0", f"run.dir={run}"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("ndtrain: error: step 1: writing ") and "metrics.jsonl failed (No space left on device)" \
+        in err, err
+    lines = (run / "metrics.jsonl").read_text().splitlines(keepends=True)
+    assert [json.loads(line)["step"] for line in lines] == [0] and lines[-1].endswith("\n"), lines
+
+
+def test_full_disk_during_a_save_says_what_was_free_when_it_failed(tmp_path, capsys, monkeypatch, tiny_data):
+    """The disk fills halfway through the second checkpoint: the line gives the bytes the
+    rank's file needs and the bytes written and free when the write failed (0 here), not the
+    bytes free after the partial file was removed ("needs 4,021,248 bytes, 4,521,984 are
+    free")."""
+    import re
+    from collections import namedtuple
+    from pathlib import Path
+
+    from ndtrain.checkpoint import store
+    from ndtrain.cli import main
+    run = tmp_path / "run"
+    real_write, real_usage = store.write_safetensors, store.shutil.disk_usage
+    disk = {}
+
+    def used() -> int:
+        return sum(p.stat().st_size for p in run.rglob("*") if p.is_file())
+
+    def fills_at_step_4(path, entries, metadata=None):
+        if "step_0000004" not in str(path):
+            return real_write(path, entries, metadata)
+        Path(path).write_bytes(bytes(1000))
+        disk["capacity"] = used()  # full now
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    def usage(path):
+        if "capacity" in disk and str(path).startswith(str(run)):
+            return namedtuple("usage", "total used free")(disk["capacity"], used(), disk["capacity"] - used())
+        return real_usage(path)
+    monkeypatch.setattr(store, "write_safetensors", fills_at_step_4)
+    monkeypatch.setattr(store.shutil, "disk_usage", usage)
+    code = main(["train", "--nproc", "1", *TINY, "train.steps=4", "train.save_every=2", f"data.path={tiny_data}",
+                 f"run.dir={run}"])
+    err = capsys.readouterr().err
+    assert code == 1 and err.count("\n") == 1 and "Traceback" not in err, err
+    found = re.search(r"needs ([\d,]+) bytes; when the write failed ([\d,]+) written, ([\d,]+) were free", err)
+    assert found, err
+    need, written, free = (int(g.replace(",", "")) for g in found.groups())
+    first = next(run.glob("checkpoints/step_0000002/rank-00000.safetensors")).stat().st_size
+    assert (need, written, free) == (first, 1000, 0), err
+    assert store.latest(run).name == "step_0000002"
