@@ -105,3 +105,43 @@ def test_full_disk_during_a_save_says_what_was_free_when_it_failed(tmp_path, cap
     first = next(run.glob("checkpoints/step_0000002/rank-00000.safetensors")).stat().st_size
     assert (need, written, free) == (first, 1000, 0), err
     assert store.latest(run).name == "step_0000002"
+
+
+def _broken_dashboards(tmp_path):
+    """Fake packages named tensorboard and wandb that fail to import (installed but broken)."""
+    broken = tmp_path / "broken"
+    for name in ("tensorboard", "wandb"):
+        (broken / name).mkdir(parents=True)
+        (broken / name / "__init__.py").write_text("raise ImportError('built against another protobuf')\n")
+    return broken
+
+
+def test_dashboards_online_without_credentials_or_broken(tmp_path, capsys, monkeypatch):
+    """run.wandb=online with no credentials, and a dashboard package that is installed but
+    fails to import: one line each before anything is written (they used to make the run
+    folder, then die in a 34-line traceback)."""
+    import sys
+    monkeypatch.chdir(tmp_path)
+    for var in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    train = ["train", "--nproc", "1", "model.preset=tiny", "run.device=cpu", "train.steps=1",
+             f"run.dir={tmp_path / 'run'}"]
+    refused(train + ["run.wandb=online"], tmp_path, capsys,
+            "run.wandb = 'online': needs W&B credentials and none were found")
+    (tmp_path / "netrc").write_text("machine api.wandb.ai\n  login user\n  password " + "x" * 40 + "\n")
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    from ndtrain.config.sections import _check_dashboards
+    from ndtrain.config.schema import RunConfig
+    _check_dashboards(RunConfig(wandb="online"))  # a `wandb login` entry: accepted
+
+    broken = _broken_dashboards(tmp_path)
+    monkeypatch.syspath_prepend(str(broken))
+    for name in [m for m in sys.modules if m.split(".")[0] in ("wandb", "tensorboard")
+                 or m.startswith("torch.utils.tensorboard")]:
+        monkeypatch.delitem(sys.modules, name)
+    for key, value in (("run.tensorboard", "true"), ("run.wandb", "offline")):
+        extra = key.split(".")[1]
+        refused(train + [f"{key}={value}"], tmp_path, capsys,
+                f"the {extra} package is installed but fails to import (ImportError: built against another "
+                "protobuf)")
