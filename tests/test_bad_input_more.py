@@ -4,7 +4,9 @@ status, no traceback, nothing written (bad input) or nothing lost (a fault)."""
 import errno
 import json
 
-from helpers import TINY, refused  # noqa: F401
+from helpers import TINY, refused
+
+CHEAP = ["--nproc", "1", "model.preset=tiny", "run.device=cpu", "train.steps=1"]  # were a case not refused
 
 
 class FullDisk:
@@ -145,3 +147,17 @@ def test_dashboards_online_without_credentials_or_broken(tmp_path, capsys, monke
         refused(train + [f"{key}={value}"], tmp_path, capsys,
                 f"the {extra} package is installed but fails to import (ImportError: built against another "
                 "protobuf)")
+
+
+def test_an_empty_list_of_sources_is_refused(tmp_path, capsys, monkeypatch):
+    """`[data] sources = []` (or data.sources=[]) used to train on the embedded corpus; a
+    run's own config.toml, which writes `sources = []` beside its data.path, still loads."""
+    from ndtrain.config import load_config, to_toml, validate
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mix.toml").write_text("[data]\nsources = []\n")
+    rule = "data.sources = []: lists no source; give at least one [[data.sources]] table"
+    refused(["train", "--config", str(tmp_path / "mix.toml"), *CHEAP], tmp_path, capsys, rule)
+    refused(["train", "data.sources=[]", *CHEAP], tmp_path, capsys, rule)
+    (tmp_path / "config.toml").write_text(to_toml(load_config(None, ["run.device=cpu"])))
+    assert "sources = []" in (tmp_path / "config.toml").read_text()
+    validate(load_config(tmp_path / "config.toml"))

@@ -44,7 +44,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     if check_paths:
         check_files(cfg)
     check_data(cfg.data)
-    check_sources(cfg.data.sources, cfg.data.path, check_paths)
+    check_sources(cfg.data.sources, cfg.data.path, check_paths, cfg.explicit)
     check_sft(cfg.sft)
     check_rl(cfg.rl)
     check_dpo(cfg.dpo)
