@@ -161,3 +161,31 @@ def test_an_empty_list_of_sources_is_refused(tmp_path, capsys, monkeypatch):
     (tmp_path / "config.toml").write_text(to_toml(load_config(None, ["run.device=cpu"])))
     assert "sources = []" in (tmp_path / "config.toml").read_text()
     validate(load_config(tmp_path / "config.toml"))
+
+
+def test_dpo_pairs_whose_chosen_equals_rejected_are_left_out_and_counted(tmp_path, capsys, monkeypatch, tiny_data):
+    """Such a pair trains at loss log 2 forever (its gradient is zero): left out and counted
+    in one line; a file of nothing else is refused before anything starts."""
+    from ndtrain.data.preference import prepare_preferences
+    from ndtrain.data.template import BuiltinTemplate
+    from ndtrain.data.tokenizer import TextTokenizer
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()  # all different
+    records = [{"prompt": f"{words[i % 12]} {i}", "chosen": f" {words[(i + 1) % 12]}",
+                "rejected": f" {words[(i + 1) % 12] if i % 4 == 0 else words[(i + 5) % 12]}"} for i in range(40)]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    template = BuiltinTemplate(TextTokenizer.from_file(f"{tiny_data}/tokenizer.json"))
+    data = prepare_preferences(str(path), template, 96, 0.2)
+    assert len(data.train) + len(data.val) == 30 and len(data.identical) == 10
+    assert all(c.tokens.tolist() != r.tokens.tolist() for c, r in data.train + data.val)
+    assert data.describe().splitlines()[-1] == ("left out 10 pairs whose chosen answer equals the rejected one "
+                                                "(nothing to prefer: loss log 2 whatever the model), first: "
+                                                "pairs.jsonl:1")
+
+    same = tmp_path / "same" / "same.jsonl"
+    same.parent.mkdir()
+    same.write_text("".join(json.dumps({**r, "rejected": r["chosen"]}) + "\n" for r in records))
+    monkeypatch.chdir(tmp_path / "same")
+    refused(["dpo", *CHEAP, "model.init_from=scratch", f"data.path={same}", f"data.tokenizer={tiny_data}/tokenizer.json",
+             f"data.cache_dir={tmp_path / 'cache'}", "train.seq_len=64"], tmp_path / "same", capsys,
+            f"{same}: the chosen answer of every one of its 40 pairs equals the rejected one (first: same.jsonl:1)")
