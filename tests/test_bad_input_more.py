@@ -4,6 +4,8 @@ status, no traceback, nothing written (bad input) or nothing lost (a fault)."""
 import errno
 import json
 
+import pytest
+
 from helpers import TINY, refused
 
 CHEAP = ["--nproc", "1", "model.preset=tiny", "run.device=cpu", "train.steps=1"]  # were a case not refused
@@ -189,3 +191,21 @@ def test_dpo_pairs_whose_chosen_equals_rejected_are_left_out_and_counted(tmp_pat
     refused(["dpo", *CHEAP, "model.init_from=scratch", f"data.path={same}", f"data.tokenizer={tiny_data}/tokenizer.json",
              f"data.cache_dir={tmp_path / 'cache'}", "train.seq_len=64"], tmp_path / "same", capsys,
             f"{same}: the chosen answer of every one of its 40 pairs equals the rejected one (first: same.jsonl:1)")
+
+
+def test_lora_targets_that_select_nothing_are_refused(tmp_path, capsys, monkeypatch):
+    """`lora.targets=w1` on a mixture of experts (whose experts keep plain weights) used to die
+    in the ranks with "optimizer got an empty parameter list"; so would a pipeline stage of
+    expert layers only. Refused before anything starts; a dense layer anywhere in each
+    stage, or an attention target, is accepted."""
+    from ndtrain.config import ConfigError, load_config, validate
+    monkeypatch.chdir(tmp_path)
+    refused(["train", *CHEAP, "model.preset=tiny-moe", "lora.rank=4", "lora.targets=w1"], tmp_path, capsys,
+            "lora.targets = 'w1': selects no layer of model.preset = 'tiny-moe', whose MLPs are all mixtures of "
+            "experts (their experts keep plain weights)")
+    moe_every_2 = ["model.preset=tiny-moe", "model.moe_every=2", "lora.rank=4", "run.device=cpu"]
+    with pytest.raises(ConfigError, match=r"selects no layer of pipeline stage 1 \(layer 1, a mixture of experts"):
+        validate(load_config(None, moe_every_2 + ["lora.targets=w1,w2", "parallel.pp=4", "run.nproc=4"]))
+    for ok in (["lora.targets=w1,w2", "parallel.pp=2", "run.nproc=2"], ["lora.targets=w1,wq", "parallel.pp=4",
+                                                                        "run.nproc=4"]):
+        validate(load_config(None, moe_every_2 + ok))

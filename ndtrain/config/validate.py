@@ -39,7 +39,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     check_context(cfg, a)
     check_family(cfg, a)
     check_fp8(cfg, a)
-    check_lora(cfg)
+    check_lora(cfg, a)
 
     if check_paths:
         check_files(cfg)
