@@ -209,3 +209,14 @@ def test_lora_targets_that_select_nothing_are_refused(tmp_path, capsys, monkeypa
     for ok in (["lora.targets=w1,w2", "parallel.pp=2", "run.nproc=2"], ["lora.targets=w1,wq", "parallel.pp=4",
                                                                         "run.nproc=4"]):
         validate(load_config(None, moe_every_2 + ok))
+
+
+RL = ["rl", "--nproc", "1", "model.init_from=scratch", "model.preset=tiny", "run.device=cpu", "train.global_batch=4",
+      "rl.group_size=2", "train.steps=1", "rl.eval_prompts=0", "rl.max_new_tokens=3"]
+
+
+def test_rl_generate_tp_below_zero_is_refused(tmp_path, capsys, monkeypatch):
+    """rl.generate_tp=-1 used to pass (it "divides" any world) and crash a rank."""
+    monkeypatch.chdir(tmp_path)
+    refused(RL + [f"data.cache_dir={tmp_path / 'cache'}", "rl.generate_tp=-1"], tmp_path, capsys,
+            "rl.generate_tp = -1: must be >= 0")
