@@ -220,3 +220,18 @@ def test_rl_generate_tp_below_zero_is_refused(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     refused(RL + [f"data.cache_dir={tmp_path / 'cache'}", "rl.generate_tp=-1"], tmp_path, capsys,
             "rl.generate_tp = -1: must be >= 0")
+
+
+def test_plan_keeps_trains_rules_and_the_peak(tmp_path, capsys, monkeypatch):
+    """`plan` used to give a whole plan for an fp8 MoE layout with tp that `train` refuses (it
+    validated the layout as bf16), and "MFU 597%" for a rate above the peak."""
+    monkeypatch.chdir(tmp_path)
+    plan = ["plan", "--cluster", "H100-SXM", "--gpus", "8"]
+    refused(plan + ["model.preset=tiny-moe", "train.precision=fp8", "parallel.tp=2"], tmp_path, capsys,
+            "parallel.tp = 2: fp8 with MoE blocks runs with tp = cp = 1")
+    for flag in ("--hfu-tflops", "--tflops"):
+        refused(plan + ["model.preset=1B", "train.precision=bf16", flag, "5000"], tmp_path, capsys,
+                f"{flag} = 5000.0: is above the bf16 peak of H100-SXM, 989 TFLOP/s per GPU")
+    from ndtrain.cli import main
+    assert main(plan + ["model.preset=1B", "train.precision=fp8", "--hfu-tflops", "1500"]) == 0  # under fp8's peak
+    assert "HFU" in capsys.readouterr().out
