@@ -198,17 +198,18 @@ def test_lora_targets_that_select_nothing_are_refused(tmp_path, capsys, monkeypa
     in the ranks with "optimizer got an empty parameter list"; so would a pipeline stage of
     expert layers only. Refused before anything starts; a dense layer anywhere in each
     stage, or an attention target, is accepted."""
-    from ndtrain.config import ConfigError, load_config, validate
+    from ndtrain.config import load_config, validate
+    from ndtrain.plan.fit import check_lora_stages
     monkeypatch.chdir(tmp_path)
     refused(["train", *CHEAP, "model.preset=tiny-moe", "lora.rank=4", "lora.targets=w1"], tmp_path, capsys,
             "lora.targets = 'w1': selects no layer of model.preset = 'tiny-moe', whose MLPs are all mixtures of "
             "experts (their experts keep plain weights)")
     moe_every_2 = ["model.preset=tiny-moe", "model.moe_every=2", "lora.rank=4", "run.device=cpu"]
-    with pytest.raises(ConfigError, match=r"selects no layer of pipeline stage 1 \(layer 1, a mixture of experts"):
-        validate(load_config(None, moe_every_2 + ["lora.targets=w1,w2", "parallel.pp=4", "run.nproc=4"]))
+    refused(["train", *CHEAP, *moe_every_2, "lora.targets=w1,w2", "--nproc", "4", "parallel.pp=4"], tmp_path, capsys,
+            "lora.targets = 'w1,w2': selects no layer of pipeline rank 1 (its block 1: only mixtures of experts")
     for ok in (["lora.targets=w1,w2", "parallel.pp=2", "run.nproc=2"], ["lora.targets=w1,wq", "parallel.pp=4",
                                                                         "run.nproc=4"]):
-        validate(load_config(None, moe_every_2 + ok))
+        check_lora_stages(validate(load_config(None, moe_every_2 + ok)))
 
 
 RL = ["rl", "--nproc", "1", "model.init_from=scratch", "model.preset=tiny", "run.device=cpu", "train.global_batch=4",
@@ -235,3 +236,29 @@ def test_plan_keeps_trains_rules_and_the_peak(tmp_path, capsys, monkeypatch):
     from ndtrain.cli import main
     assert main(plan + ["model.preset=1B", "train.precision=fp8", "--hfu-tflops", "1500"]) == 0  # under fp8's peak
     assert "HFU" in capsys.readouterr().out
+
+
+def test_on_bad_record_is_idle_only_where_no_record_is_read(tmp_path, tiny_data):
+    """`train data.on_bad_record=skip` used to warn "has no effect" while its prepare skipped
+    the bad records; and so did `rl` with rl.data, which reads its records with it."""
+    from ndtrain.config import load_config, validate
+    from ndtrain.idle_keys import idle_keys
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.jsonl").write_text('{"text": "fine"}\nnot json\n')
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+
+    def warned(command, *overrides):
+        cfg = validate(load_config(None, ["run.device=cpu", "data.on_bad_record=skip", *overrides]),
+                       check_paths=False)
+        return [line for line in idle_keys(cfg, None, command) if line.startswith("data.on_bad_record")]
+    assert warned("train", f"data.path={corpus}") == []
+    assert warned("train", f'data.sources=[{{"path": "{corpus}"}}]') == []
+    assert warned("rl", f"rl.data={tmp_path / 'prompts.jsonl'}") == []
+    assert warned("sft") == [] and warned("dpo") == []
+    for where in ([], [f"data.path={tiny_data}"]):  # the embedded corpus, a prepared folder: nothing to skip
+        assert warned("train", *where) == ["data.on_bad_record = 'skip' has no effect here: data.path is a prepared "
+                                           "folder or the embedded corpus: no record is read that it could skip (it "
+                                           "applies where train prepares data.path or data.sources, and to sft, dpo "
+                                           "and rl.data)"]
+    assert warned("rl")[0].endswith("ndtrain rl draws its prompts from rl.task (rl.data is not set)")

@@ -10,8 +10,8 @@ ATTENTION, MLP = ("wq", "wk", "wv", "wo"), ("w1", "w2", "w3")
 
 
 def check_lora(cfg: Config, a=None) -> None:
-    """The [lora] keys; `a`: the model's ModelArgs, to check that the targets select a layer
-    (of every pipeline stage), else the optimizer would get no parameter to train."""
+    """The [lora] keys; `a`: the model's ModelArgs, to check that the targets select a layer,
+    else the optimizer would get no parameter to train."""
     lora, t, p = cfg.lora, cfg.train, cfg.parallel
     if lora.rank < 0:
         raise ConfigError("lora.rank", lora.rank, "must be >= 0 (0 = no LoRA)")
@@ -39,24 +39,10 @@ def check_lora(cfg: Config, a=None) -> None:
 
 def _check_targets_select(cfg: Config, a, targets: tuple[str, ...]) -> None:
     """An attention target selects a layer in every block; an MLP target only in the dense
-    ones (a mixture of experts' experts keep plain weights, model/lora.py). Every pipeline
-    stage (one chunk per rank) needs one too: its rank trains nothing else."""
-    if any(x in ATTENTION for x in targets):
+    ones (a mixture of experts' experts keep plain weights, model/lora.py). (Each pipeline
+    stage's share: plan/fit.check_lora_stages, which knows the engine's split.)"""
+    if any(x in ATTENTION for x in targets) or any(not a.is_moe_layer(i) for i in range(a.n_layers)):
         return
-    dense = [i for i in range(a.n_layers) if not a.is_moe_layer(i)]
-    rule = (f"selects no layer of model.preset = {cfg.model.preset!r}, whose MLPs are all mixtures of experts "
-            f"(their experts keep plain weights): the optimizer would get no parameter; add an attention target "
-            f"({', '.join(ATTENTION)})")
-    if not dense:
-        raise ConfigError("lora.targets", cfg.lora.targets, rule)
-    p = cfg.parallel
-    if p.pp > 1 and p.pp_virtual == 1:
-        from ndtrain.parallel.pipeline.partition import chunk_counts
-        start = 0
-        for stage, n in enumerate(chunk_counts(a, p.pp, cfg.train.seq_len, p.pp_split)):
-            if not any(start <= i < start + n for i in dense):
-                held = f"layer {start}, a mixture" if n == 1 else f"layers {start}-{start + n - 1}, all mixtures"
-                raise ConfigError("lora.targets", cfg.lora.targets, f"selects no layer of pipeline stage {stage} "
-                                  f"({held} of experts, whose experts keep plain weights): that rank would train "
-                                  f"nothing; add an attention target ({', '.join(ATTENTION)})")
-            start += n
+    raise ConfigError("lora.targets", cfg.lora.targets, f"selects no layer of model.preset = {cfg.model.preset!r}, "
+                      "whose MLPs are all mixtures of experts (their experts keep plain weights): the optimizer "
+                      f"would get no parameter; add an attention target ({', '.join(ATTENTION)})")
