@@ -262,3 +262,21 @@ def test_on_bad_record_is_idle_only_where_no_record_is_read(tmp_path, tiny_data)
                                            "applies where train prepares data.path or data.sources, and to sft, dpo "
                                            "and rl.data)"]
     assert warned("rl")[0].endswith("ndtrain rl draws its prompts from rl.task (rl.data is not set)")
+
+
+@pytest.mark.parametrize("argv", [["bench", "pp"], ["bench", "comm"], ["bench", "checkpoint"],
+                                  ["trace", "parallel.pp=2"]])
+def test_every_out_keeps_one_rule(argv, tmp_path, capsys, monkeypatch):
+    """`bench pp --out` used to write its pictures into a folder of the user's files, where
+    `trace --out` refused: every --out is a new or empty folder or an ndtrain run, unless
+    --overwrite."""
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine\n")
+    refused([*argv, "--out", str(mine), "run.device=cpu"], tmp_path, capsys,
+            f"--out = {str(mine)!r}: is a folder that is neither empty nor an ndtrain run (it holds notes.txt); "
+            "choose a new or empty folder, or add --overwrite to write beside (and over) its files")
+    from ndtrain.config import check_out_folder
+    check_out_folder("--out", str(mine), overwrite=True)
+    check_out_folder("--out", str(tmp_path / "new"))
