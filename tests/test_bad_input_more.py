@@ -280,3 +280,56 @@ def test_every_out_keeps_one_rule(argv, tmp_path, capsys, monkeypatch):
     from ndtrain.config import check_out_folder
     check_out_folder("--out", str(mine), overwrite=True)
     check_out_folder("--out", str(tmp_path / "new"))
+
+
+def exits(prompt, completion, answer):
+    raise SystemExit(3)
+
+
+def interrupts(prompt, completion, answer):
+    raise KeyboardInterrupt
+
+
+def exits_unless_right(prompt, completion, answer):
+    if completion.strip() == answer:
+        return 1.0
+    raise SystemExit(3)
+
+
+def test_a_reward_that_raises_systemexit_or_keyboardinterrupt_is_named(tmp_path, capsys, monkeypatch):
+    """A reward that raised SystemExit ended the run silently, one that raised
+    KeyboardInterrupt was reported as the user's Ctrl-C: both are the reward's failures,
+    named (probed before the start: exit 2; on every completion of a rollout: exit 1)."""
+    from ndtrain.checkpoint import store
+    from ndtrain.cli import main
+    monkeypatch.chdir(tmp_path)
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    for name, raised in (("exits", "SystemExit: 3"), ("interrupts", "KeyboardInterrupt")):
+        refused(RL + [cache, f"rl.reward=test_bad_input_more:{name}"], tmp_path, capsys,
+                f"rl.reward = 'test_bad_input_more:{name}': raised {raised} on ")
+    code = main(RL + [cache, "rl.reward=test_bad_input_more:exits_unless_right", f"run.dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and "Traceback" not in "\n".join(err), err
+    assert err[-1] == ("ndtrain: error: rl.reward = 'test_bad_input_more:exits_unless_right' failed on all 4 "
+                       "completions of rollout 0 (it raised SystemExit: 3): stopping rather than training on rewards "
+                       "of 0"), err
+    assert not store.steps_of(tmp_path / "run")
+
+
+def test_a_real_ctrl_c_inside_a_scorer_is_still_a_ctrl_c():
+    """...while the scorer's own KeyboardInterrupt is its failure."""
+    import os
+    import signal
+    import time
+
+    from ndtrain.train.tasks import call_scorer
+
+    def ctrl_c(*args):
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # the handler runs here, at once
+        return 1.0
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    with pytest.raises(KeyboardInterrupt):
+        call_scorer(ctrl_c, "p", "c", "a")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert call_scorer(interrupts, "p", "c", "a") == (None, "raised KeyboardInterrupt")
