@@ -333,3 +333,14 @@ def test_a_real_ctrl_c_inside_a_scorer_is_still_a_ctrl_c():
         call_scorer(ctrl_c, "p", "c", "a")
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     assert call_scorer(interrupts, "p", "c", "a") == (None, "raised KeyboardInterrupt")
+
+
+def test_rl_max_new_tokens_beyond_the_models_context_is_refused(tmp_path, capsys, monkeypatch):
+    """rl.max_new_tokens=100000 used to be accepted (the rows grew the model's context with
+    it) and the first rollout was silent for minutes."""
+    monkeypatch.chdir(tmp_path)
+    cache = f"data.cache_dir={tmp_path / 'cache'}"
+    refused(RL + [cache, "rl.max_new_tokens=100000"], tmp_path, capsys,
+            "rl.max_new_tokens = 100000: with the longest prompt (6 tokens) a completion needs 100,008 positions, "
+            "more than the model's context of 256 (the max_seq_len of model.preset = 'tiny'): use at most 250 (or "
+            "set a larger model.max_seq_len)")
