@@ -344,3 +344,42 @@ def test_rl_max_new_tokens_beyond_the_models_context_is_refused(tmp_path, capsys
             "rl.max_new_tokens = 100000: with the longest prompt (6 tokens) a completion needs 100,008 positions, "
             "more than the model's context of 256 (the max_seq_len of model.preset = 'tiny'): use at most 250 (or "
             "set a larger model.max_seq_len)")
+
+
+def test_invalid_utf8_in_dpo_and_rl_data_is_a_bad_record(tmp_path, capsys, monkeypatch, tiny_data):
+    """Undecodable bytes in a DPO pair or an rl.data record used to be replaced by U+FFFD and
+    trained on: they are a bad record, FILE:LINE, refused under data.on_bad_record=error and
+    left out and counted under skip (SFT's records too: one reader)."""
+    from ndtrain.cli import main
+    from ndtrain.data.preference import prepare_preferences
+    from ndtrain.data.prompts import read_prompts
+    from ndtrain.data.template import BuiltinTemplate
+    from ndtrain.data.tokenizer import TextTokenizer
+    monkeypatch.chdir(tmp_path)
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    pairs = [json.dumps({"prompt": f"{words[i % 12]} {i}", "chosen": f" {words[(i + 1) % 12]}",
+                         "rejected": f" {words[(i + 5) % 12]}"}).encode() for i in range(20)]
+    pairs[2] = b'{"prompt": "caf\xe9", "chosen": " a", "rejected": " b"}'  # Latin-1, not UTF-8
+    (tmp_path / "pairs.jsonl").write_bytes(b"\n".join(pairs) + b"\n")
+    why = "pairs.jsonl:3: not UTF-8 text (byte 0xe9 at byte 16 of the line)"
+    refused(["dpo", *CHEAP, "model.init_from=scratch", f"data.path={tmp_path / 'pairs.jsonl'}",
+             f"data.tokenizer={tiny_data}/tokenizer.json", f"data.cache_dir={tmp_path / 'cache'}",
+             "train.seq_len=64"], tmp_path, capsys, why + " (data.on_bad_record=skip leaves such records out)")
+    template = BuiltinTemplate(TextTokenizer.from_file(f"{tiny_data}/tokenizer.json"))
+    data = prepare_preferences(str(tmp_path / "pairs.jsonl"), template, 96, 0.2, "skip")
+    assert len(data.train) + len(data.val) == 19 and [s.endswith(why) for s in data.skipped] == [True]
+    assert "skipped 1 bad records" in data.describe()
+
+    prompts = [json.dumps({"prompt": f"{i}+{i}=", "answer": str(2 * i)}).encode() for i in range(10)]
+    prompts[4] = b'{"prompt": "\xff\xfe+1=", "answer": "2"}'
+    (tmp_path / "qa.jsonl").write_bytes(b"\n".join(prompts) + b"\n")
+    qa = f"rl.data={tmp_path / 'qa.jsonl'}"
+    refused(RL + [qa], tmp_path, capsys, "qa.jsonl:5: not UTF-8 text (byte 0xff at byte 13 of the line)")
+    conversations, skipped = read_prompts(str(tmp_path / "qa.jsonl"), "skip")
+    assert len(conversations) == 9 and len(skipped) == 1 and "qa.jsonl:5: not UTF-8 text" in skipped[0]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    assert main(RL[:3] + ["model.preset=tiny", "run.device=cpu", qa, "data.on_bad_record=skip"]) == 2
+    err = capsys.readouterr().err.splitlines()  # (no warm-up for rl.data: refused after the count)
+    assert err[0].startswith("ndtrain: warning: rl.data: skipped 1 bad records (data.on_bad_record=skip), first: ")
+    assert err[0].endswith("qa.jsonl:5: not UTF-8 text (byte 0xff at byte 13 of the line)") and len(err) == 2, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before

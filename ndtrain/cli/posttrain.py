@@ -58,7 +58,7 @@ def cmd_rl(args) -> int:
     from ndtrain import supervisor
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import RL_DEFAULTS, ConfigError, check_rl_job, load_config, validate
-    from ndtrain.launch import external_world, launch_local
+    from ndtrain.launch import external_world, launch_local, warn
     from ndtrain.train.rl import job
     from ndtrain.train.sft import make_template
 
@@ -69,7 +69,9 @@ def cmd_rl(args) -> int:
         cfg.model.init_from = ""
     validate(cfg, world=world)  # every key's own rules, the job's and the reward's, before anything runs
     check_rl_job(cfg)
-    job.check_reward(cfg)  # rl.data is read here: a bad file stops the command before anything is written
+    skipped = job.check_reward(cfg)  # rl.data is read here: a bad file stops the command before anything is written
+    if skipped:
+        warn([f"rl.data: skipped {len(skipped):,} bad records (data.on_bad_record=skip), first: {skipped[0]}"])
     if not cfg.rl.data:
         check_row_length(cfg, job.row_length(cfg, rounded=False))
         if not cfg.model.init_from:  # random weights or the default warm-up: the preset's context, before any warm-up
