@@ -24,8 +24,9 @@ this same `save` in a thread, over a process group of its own (checkpoint/backgr
 A write that fails (a full disk: ENOSPC, a quota: EDQUOT, any other OSError) raises
 `CheckpointWriteError`, one line naming the path and, for a full disk, the bytes this
 rank's file needs, and the bytes written and free when the write failed (measured before
-the partial file is removed, which frees its bytes again); the failing rank removes its partial file, `latest`
-still names the previous good checkpoint, and the trainer stops (train/trainer.py).
+the partial file is removed, which frees its bytes again); the failing rank removes its
+partial file, `latest` still names the previous good checkpoint, and the trainer stops
+(train/trainer.py).
 
 Checking (`problem`): meta.json must parse and be of this format, every file must exist
 with its recorded size (cheap, before anything heavier), and its SHA-256 must match (each
@@ -276,8 +277,7 @@ def _write_share(tmp: Path, rank: int, step: int, entries: list) -> tuple[list, 
         written = part.stat().st_size if part.is_file() else None
         free = free_bytes(tmp) if e.errno in (errno.ENOSPC, errno.EDQUOT) else None  # before the unlink frees it
         part.unlink(missing_ok=True)
-        raise write_error(e, Path(e.filename or part), need, step, free,
-                          written) from None
+        raise write_error(e, Path(e.filename or part), need, step, free, written) from None
     return [(key, name, piece, DTYPES[data.dtype]) for key, piece, data in entries], \
         {name: {"bytes": size, "sha256": digest}}
 

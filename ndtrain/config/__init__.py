@@ -28,7 +28,8 @@ __all__ = [
     "BAD_RECORD_POLICIES", "CP_IMPLS", "EMBEDDED_DATA", "MOE_KEYS", "NOT_YET", "PACKINGS", "PP_SCHEDULES", "PRECISIONS",
     "RL_DEFAULTS", "RL_LOSSES", "RL_SIZES", "RL_TASKS", "SECTIONS", "SFT_DEFAULTS", "TEMPLATES", "TRUNCATIONS",
     "Config", "ConfigError", "DataConfig", "LoRAConfig", "ModelConfig", "ParallelConfig", "RLConfig", "RunConfig", "SFTConfig",
-    "TrainConfig", "all_keys", "check_out_folder", "check_rl_job", "check_run_folder", "check_writable_dir", "default_local_processes",
+    "TrainConfig", "all_keys", "check_out_folder", "check_rl_job", "check_run_folder", "check_writable_dir",
+    "default_local_processes",
     "from_dict", "is_prepared_folder", "load_config", "parse_split", "recompute_every", "resolve_world", "rl_clip_high",
     "rl_overlong_buffer", "split_error", "to_toml", "validate",
 ]
