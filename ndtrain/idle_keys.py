@@ -78,8 +78,10 @@ def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool
         rules.append((f"parallel.{key}", p.pp == 1, "needs pipeline parallelism (parallel.pp > 1)"))
     sft_keys = ["data.packing", "data.truncate", "sft.generate", "sft.max_new_tokens", "sft.score"]
     rules += [(key, command not in ("sft", "rl-warmup"), "only ndtrain sft reads it") for key in sft_keys]
-    rules += [(key, command not in ("sft", "rl-warmup", "dpo") and not (command == "rl" and key == "data.template"),
-               "only ndtrain sft and dpo read it") for key in ("data.on_bad_record", "data.template")]
+    rules.append(("data.template", command not in ("sft", "rl-warmup", "dpo", "rl"), "only ndtrain sft and dpo read it"))
+    rules.append(("data.on_bad_record", command == "train" and not d.sources and (prepared or d.path == "stdlib"),
+                  "data.path is a prepared folder or the embedded corpus: no record is read that it could skip "
+                  "(it applies where train prepares data.path or data.sources, and to sft, dpo and rl.data)"))
     rules += [(f"dpo.{k}", command != "dpo", "only ndtrain dpo reads it") for k in ("beta", "shuffle", "warmup_steps")]
     rules.append(("dpo.warmup_steps", command == "dpo" and "model.init_from" in cfg.explicit,
                   "model.init_from is set: there is no default warm-up"))

@@ -76,7 +76,8 @@ def test_rl(tmp_path, capsys, monkeypatch):
     cases = [
         (["rl.reward=test_bad_input_commands:nan_reward"], "returned nan, not a finite number on a sample"),
         (["rl.reward=test_bad_input_commands:inf_reward"], "returned inf, not a finite number on a sample"),
-        (["rl.max_new_tokens=100000000"], "rl.max_new_tokens = 100000000: a sequence of 100,000,008 positions needs"),
+        (["rl.max_new_tokens=100000000", "model.max_seq_len=100000008"],
+         "rl.max_new_tokens = 100000000: a sequence of 100,000,008 positions needs"),
         (["train.seq_len=100000000"], "train.seq_len = 100000000: a sequence of 100,000,000 positions needs"),
     ]
     for extra, fragment in cases:  # (the task's character tokenizer is cached: a cache, not an output)

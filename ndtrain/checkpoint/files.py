@@ -36,19 +36,31 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
 
 
-def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, Callable[[], torch.Tensor]]],
-                      metadata: dict[str, str] | None = None) -> tuple[int, str]:
-    """Write `entries` (key, dtype, shape, fetch), fetching one tensor at a time, and fsync
-    the file; returns its size in bytes and its SHA-256."""
+def _safetensors_header(entries: list, metadata: dict[str, str] | None) -> tuple[bytes, int]:
+    """The JSON header of a safetensors file of `entries` (padded to 8 bytes), and the bytes
+    of its tensors."""
     header, offset = {}, 0
-    for key, dtype, shape, _ in entries:
+    for key, dtype, shape, *_ in entries:
         n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         header[key] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     if metadata:
         header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # aligns the tensors' bytes
+    return raw + b" " * (-len(raw) % 8), offset  # the padding aligns the tensors' bytes
+
+
+def safetensors_size(entries: list, metadata: dict[str, str] | None = None) -> int:
+    """The bytes `write_safetensors(path, entries, metadata)` writes."""
+    raw, data = _safetensors_header(entries, metadata)
+    return 8 + len(raw) + data
+
+
+def write_safetensors(path: Path, entries: list[tuple[str, torch.dtype, tuple, Callable[[], torch.Tensor]]],
+                      metadata: dict[str, str] | None = None) -> tuple[int, str]:
+    """Write `entries` (key, dtype, shape, fetch), fetching one tensor at a time, and fsync
+    the file; returns its size in bytes and its SHA-256."""
+    raw, _ = _safetensors_header(entries, metadata)
     digest, size = hashlib.sha256(), 0
     pending: queue.Queue = queue.Queue(maxsize=4)
 

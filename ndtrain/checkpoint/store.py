@@ -23,8 +23,10 @@ this same `save` in a thread, over a process group of its own (checkpoint/backgr
 
 A write that fails (a full disk: ENOSPC, a quota: EDQUOT, any other OSError) raises
 `CheckpointWriteError`, one line naming the path and, for a full disk, the bytes this
-rank's share needs and the bytes free; the failing rank removes its partial file, `latest`
-still names the previous good checkpoint, and the trainer stops (train/trainer.py).
+rank's file needs, and the bytes written and free when the write failed (measured before
+the partial file is removed, which frees its bytes again); the failing rank removes its
+partial file, `latest` still names the previous good checkpoint, and the trainer stops
+(train/trainer.py).
 
 Checking (`problem`): meta.json must parse and be of this format, every file must exist
 with its recorded size (cheap, before anything heavier), and its SHA-256 must match (each
@@ -46,7 +48,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ndtrain.checkpoint.files import DTYPES, fsync_dir, sha256_of, write_durably, write_safetensors
+from ndtrain.checkpoint.files import (DTYPES, fsync_dir, safetensors_size, sha256_of, write_durably,
+                                     write_safetensors)
 from ndtrain.checkpoint.slices import Piece
 from ndtrain.model.args import ModelArgs, shape_problem
 
@@ -62,17 +65,26 @@ class CheckpointWriteError(CheckpointError):
     """A checkpoint could not be written (a full disk); the previous ones are untouched."""
 
 
-def write_error(e: OSError, path: Path, need: int, step: int) -> CheckpointWriteError:
-    """One line for a failed write of `path`, where this rank's share needs `need` bytes."""
+def free_bytes(path: Path) -> int:
+    """The bytes free on the filesystem that holds `path` (or its nearest existing parent)."""
+    probe = Path(path)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def write_error(e: OSError, path: Path, need: int, step: int, free: int | None = None,
+                written: int | None = None) -> CheckpointWriteError:
+    """One line for a failed write of `path`, where this rank's share needs `need` bytes.
+    `free` and `written`: the bytes free, and those of the file written, when it failed
+    (measured before the partial file is removed, which frees its bytes again)."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
-        probe = Path(path)
-        while not probe.exists() and probe != probe.parent:
-            probe = probe.parent
-        free = shutil.disk_usage(probe).free
+        free = free_bytes(path) if free is None else free
+        so_far = f"{written:,} written, " if written else ""
         return CheckpointWriteError(f"step {step}: no space left on the device writing {path}: this rank's share "
-                                    f"of the checkpoint needs {need:,} bytes, {free:,} are free; the previous "
-                                    "checkpoints are kept (free space, or lower train.keep_checkpoints, and run "
-                                    "the command again to continue)")
+                                    f"of the checkpoint needs {need:,} bytes; when the write failed {so_far}{free:,} "
+                                    "were free; the previous checkpoints are kept (free space, or lower "
+                                    "train.keep_checkpoints, and run the command again to continue)")
     return CheckpointWriteError(f"step {step}: writing {path} failed ({e.strerror or e}); the previous checkpoints "
                                 "are kept")
 
@@ -253,16 +265,19 @@ def _write_share(tmp: Path, rank: int, step: int, entries: list) -> tuple[list, 
     """This rank's file in `tmp` (fsynced), and its part of the index. A failed write
     removes the partial file and raises CheckpointWriteError."""
     name = f"rank-{rank:05d}.safetensors"
-    need = sum(data.numel() * data.element_size() for _, _, data in entries)
+    plan = [(key, data.dtype, (data.numel(),), lambda d=data: d) for key, _, data in entries]
+    need = safetensors_size(plan, {"format": FORMAT})
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         if not entries:
             return [], {}
-        plan = [(key, data.dtype, (data.numel(),), lambda d=data: d) for key, _, data in entries]
         size, digest = write_safetensors(tmp / name, plan, {"format": FORMAT})
     except OSError as e:
-        (tmp / name).unlink(missing_ok=True)
-        raise write_error(e, Path(e.filename or tmp / name), need, step) from None
+        part = tmp / name
+        written = part.stat().st_size if part.is_file() else None
+        free = free_bytes(tmp) if e.errno in (errno.ENOSPC, errno.EDQUOT) else None  # before the unlink frees it
+        part.unlink(missing_ok=True)
+        raise write_error(e, Path(e.filename or part), need, step, free, written) from None
     return [(key, name, piece, DTYPES[data.dtype]) for key, piece, data in entries], \
         {name: {"bytes": size, "sha256": digest}}
 

@@ -13,7 +13,7 @@ CALIBRATING = ("matmul", "comm", "plan")  # benchmarks that save a calibration i
 
 def cmd_bench(args) -> int:
     from ndtrain import supervisor
-    from ndtrain.config import ConfigError, check_writable_dir
+    from ndtrain.config import ConfigError, check_out_folder, check_writable_dir
     supervisor.STOP_SAVES = False  # a benchmark has nothing to save: SIGINT/SIGTERM end it at once
     rounds, steps = BENCH_ROUNDS_STEPS.get(args.what, (10, 3))
     args.rounds = rounds if args.rounds is None else args.rounds
@@ -24,7 +24,7 @@ def cmd_bench(args) -> int:
     if args.only is not None and args.what != "plan":
         raise ConfigError("--only", args.only, "only bench plan chooses its layouts")
     if args.out:
-        check_writable_dir("--out", args.out)
+        check_out_folder("--out", args.out, args.overwrite)
     if args.what in CALIBRATING:  # they save what they measure there: refused before measuring for minutes
         from ndtrain.config import load_config
         given = [o for o in getattr(args, "overrides", []) if o.partition("=")[0].strip() == "data.cache_dir"]

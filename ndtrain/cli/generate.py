@@ -61,7 +61,7 @@ def cmd_generate(args) -> int:
 
 def cmd_trace(args) -> int:
     from ndtrain.checkpoint.lock import RunLock
-    from ndtrain.config import ConfigError, check_run_folder, check_writable_dir, load_config, validate
+    from ndtrain.config import ConfigError, check_out_folder, load_config, validate
     from ndtrain.launch import launch_local
     from ndtrain.train.trace import trace_worker
     from ndtrain.train.worker import prepared_paths, resolve_vocab
@@ -77,8 +77,7 @@ def cmd_trace(args) -> int:
         raise ConfigError("parallel.pp", 1, "ndtrain trace draws a pipeline schedule (parallel.pp > 1) or "
                           "context-parallel attention (parallel.cp > 1); set one of them")
     if args.out:
-        check_writable_dir("--out", args.out)
-        check_run_folder("--out", args.out)
+        check_out_folder("--out", args.out, args.overwrite)
     warn_before_start(cfg, None)
     out = Path(args.out) if args.out else choose_run_dir(cfg, "trace")
     data = open_data(cfg, False)

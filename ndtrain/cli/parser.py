@@ -180,6 +180,8 @@ def _add_trace(sub) -> None:
     _with_nproc(p)
     p.add_argument("--out", metavar="DIR", help="where to write (default runs/trace-<date>-<time>): a new or empty "
                                                 "folder, or an earlier run's or trace's")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out that is not an ndtrain run, "
+                                                            "beside (and over) its files")
     p.add_argument("--steps", type=int, default=3, help="training steps; the last one is drawn (default 3)")
     _with_config(p)
 
@@ -284,7 +286,10 @@ def _add_bench(sub) -> None:
     p.add_argument("--steps", type=int, help="timed steps per round (default 3; generate 1: one whole generation)")
     p.add_argument("--out", metavar="DIR", help="pp: draw each schedule's timeline into DIR; "
                                                "comm: the picture and figures (default runs/bench-comm-<date>); "
-                                               "checkpoint: write the checkpoints there (default: a temporary folder)")
+                                               "checkpoint: write the checkpoints there (default: a temporary folder); "
+                                               "a new or empty folder, or an ndtrain run's")
+    p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out that is not an ndtrain run, "
+                                                            "beside (and over) its files")
     p.add_argument("--only", metavar="PREFIX[,PREFIX]", help="plan: only the layouts whose name starts with one "
                                                             "of these, e.g. pp (every pipeline schedule)")
     p.add_argument("--sizes", nargs="+", metavar="SIZE", help="comm: message sizes, e.g. 1K 4M 64M "

@@ -65,7 +65,7 @@ def cmd_rl(args) -> int:
     from ndtrain import supervisor
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import RL_DEFAULTS, ConfigError, check_rl_job, load_config, validate
-    from ndtrain.launch import external_world, launch_local
+    from ndtrain.launch import external_world, launch_local, warn
     from ndtrain.train.rl import job
     from ndtrain.train.sft import make_template
 
@@ -76,9 +76,13 @@ def cmd_rl(args) -> int:
         cfg.model.init_from = ""
     validate(cfg, world=world)  # every key's own rules, the job's and the reward's, before anything runs
     check_rl_job(cfg)
-    job.check_reward(cfg)  # rl.data is read here: a bad file stops the command before anything is written
+    skipped = job.check_reward(cfg)  # rl.data is read here: a bad file stops the command before anything is written
+    if skipped:
+        warn([f"rl.data: skipped {len(skipped):,} bad records (data.on_bad_record=skip), first: {skipped[0]}"])
     if not cfg.rl.data:
         check_row_length(cfg, job.row_length(cfg, rounded=False))
+        if not cfg.model.init_from:  # random weights or the default warm-up: the preset's context, before any warm-up
+            check_context(cfg, job.row_length(cfg, rounded=False))
     if scratch and not cfg.data.tokenizer and not cfg.rl.data:
         cfg.data.tokenizer = str(job.char_tokenizer_file(cfg.data.cache_dir))
     elif not scratch and not cfg.model.init_from:
@@ -91,6 +95,7 @@ def cmd_rl(args) -> int:
     need = job.row_length(cfg, rounded=False, template=template)
     if cfg.rl.data:
         check_row_length(cfg, need)
+    check_context(cfg, need)
     if "train.seq_len" not in cfg.explicit:
         cfg.train.seq_len = -(-need // 8) * 8
     validate(cfg, world=world)
@@ -133,6 +138,28 @@ def check_row_length(cfg, need: int) -> None:
         raise ConfigError("train.seq_len", cfg.train.seq_len, f"must hold the task's longest prompt and "
                           f"rl.max_new_tokens = {cfg.rl.max_new_tokens} new tokens: at least {need} (leave it "
                           "unset to get that)")
+
+
+def check_context(cfg, need: int) -> None:
+    """The longest prompt and rl.max_new_tokens (`need` positions, rounded up to 8 for the
+    rows) within the model's context: model.max_seq_len (model.init_from's), else the
+    preset's. An explicit train.seq_len is checked against it by the layout rules instead."""
+    from ndtrain.config import ConfigError
+    from ndtrain.model.args import PRESETS
+    if "train.seq_len" in cfg.explicit:
+        return
+    m, n = cfg.model, cfg.rl.max_new_tokens
+    context = m.max_seq_len or PRESETS[m.preset].max_seq_len
+    rows = -(-need // 8) * 8
+    if rows <= context:
+        return
+    longest, limit = need - n, context // 8 * 8 - (need - n)
+    whose = ("the max_seq_len of model.init_from" if m.init_from else "model.max_seq_len" if m.max_seq_len
+             else f"the max_seq_len of model.preset = {m.preset!r}")
+    room = f"use at most {limit:,}" if limit > 0 else "the longest prompt alone leaves no room"
+    raise ConfigError("rl.max_new_tokens", n, f"with the longest prompt ({longest:,} tokens) a completion needs "
+                      f"{rows:,} positions, more than the model's context of {context:,} ({whose}): {room}"
+                      + ("" if m.init_from else " (or set a larger model.max_seq_len)"))
 
 
 def default_warmup(cfg, world) -> Path:

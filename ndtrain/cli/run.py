@@ -182,9 +182,11 @@ def _stopped(summary: dict, stop_signal: int, resume: str) -> int:
 
 def check_fits(cfg, world: int | None, key: str = "train.seq_len", rollout_rows: int = 0) -> None:
     """Refuse, before any process starts, a model whose states alone overflow the device,
-    and a sequence (set by `key`) whose logits and rotary tables alone would."""
-    from ndtrain.plan.fit import check_model_states_fit, check_sequence_fits
+    a sequence (set by `key`) whose logits and rotary tables alone would, and LoRA targets
+    that leave a pipeline rank nothing to train."""
+    from ndtrain.plan.fit import check_lora_stages, check_model_states_fit, check_sequence_fits
     from ndtrain.train.dry_run import vocab_size
+    check_lora_stages(cfg)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.parallel.world)) if world else cfg.parallel.world
     vocab = vocab_size(cfg)
     check_model_states_fit(cfg, vocab, local)

@@ -12,7 +12,8 @@ Every name is importable from `ndtrain.config` itself.
 
 from ndtrain.config.layout import MOE_KEYS, default_local_processes, parse_split, resolve_world, split_error
 from ndtrain.config.load import load_config, to_toml
-from ndtrain.config.paths import EMBEDDED_DATA, check_run_folder, check_writable_dir, is_prepared_folder
+from ndtrain.config.paths import (EMBEDDED_DATA, check_out_folder, check_run_folder, check_writable_dir,
+                                  is_prepared_folder)
 from ndtrain.config.schema import (DPO_DEFAULTS, FAMILY_KEYS, RL_DEFAULTS, SECTIONS, SFT_DEFAULTS, Config,
                                    ConfigError, DataConfig, DPOConfig, LoRAConfig, ModelConfig, ParallelConfig,
                                    RLConfig, RunConfig, SFTConfig, TrainConfig, all_keys, from_dict, model_key_value,
@@ -27,7 +28,8 @@ __all__ = [
     "BAD_RECORD_POLICIES", "CP_IMPLS", "EMBEDDED_DATA", "MOE_KEYS", "NOT_YET", "PACKINGS", "PP_SCHEDULES", "PRECISIONS",
     "RL_DEFAULTS", "RL_LOSSES", "RL_SIZES", "RL_TASKS", "SECTIONS", "SFT_DEFAULTS", "TEMPLATES", "TRUNCATIONS",
     "Config", "ConfigError", "DataConfig", "LoRAConfig", "ModelConfig", "ParallelConfig", "RLConfig", "RunConfig", "SFTConfig",
-    "TrainConfig", "all_keys", "check_rl_job", "check_run_folder", "check_writable_dir", "default_local_processes",
+    "TrainConfig", "all_keys", "check_out_folder", "check_rl_job", "check_run_folder", "check_writable_dir",
+    "default_local_processes",
     "from_dict", "is_prepared_folder", "load_config", "parse_split", "recompute_every", "resolve_world", "rl_clip_high",
     "rl_overlong_buffer", "split_error", "to_toml", "validate",
 ]

@@ -13,11 +13,16 @@ from ndtrain.config.schema import ConfigError
 NAME = re.compile(r"^[A-Za-z0-9_-]+$")  # it names metrics: source_tokens.<name>, val_loss.<name>
 
 
-def check_sources(sources: list[dict], path: str, check_paths: bool) -> None:
+def check_sources(sources: list[dict], path: str, check_paths: bool, explicit: frozenset = frozenset()) -> None:
     """Names unique and usable in metric names, weights finite and > 0 (they are relative:
     normalised to sum 1), paths that exist; not together with a data.path (other than the
-    default, which a run's config.toml writes out)."""
+    default, which a run's config.toml writes out). An empty list given on purpose is a
+    mistake (it would train on the embedded corpus), unless data.path is given with it, as a
+    run's config.toml writes both. `explicit`: the keys the file and the overrides set."""
     if not sources:
+        if "data.sources" in explicit and "data.path" not in explicit:
+            raise ConfigError("data.sources", [], "lists no source; give at least one [[data.sources]] table (name, "
+                              "path, weight), or data.path for one source, or neither for the embedded corpus")
         return
     if path != "stdlib":
         raise ConfigError("data.path", path, "give data.path or [[data.sources]], not both (one path is a "

@@ -6,7 +6,12 @@ from ndtrain.config.schema import Config, ConfigError, lora_targets
 from ndtrain.model.lora import INITS, TARGETS
 
 
-def check_lora(cfg: Config) -> None:
+ATTENTION, MLP = ("wq", "wk", "wv", "wo"), ("w1", "w2", "w3")
+
+
+def check_lora(cfg: Config, a=None) -> None:
+    """The [lora] keys; `a`: the model's ModelArgs, to check that the targets select a layer,
+    else the optimizer would get no parameter to train."""
     lora, t, p = cfg.lora, cfg.train, cfg.parallel
     if lora.rank < 0:
         raise ConfigError("lora.rank", lora.rank, "must be >= 0 (0 = no LoRA)")
@@ -20,6 +25,8 @@ def check_lora(cfg: Config) -> None:
     unknown = [x for x in targets if x not in TARGETS]
     if not targets or unknown:
         raise ConfigError("lora.targets", lora.targets, f"expected a comma-separated list of {', '.join(TARGETS)}")
+    if a is not None:
+        _check_targets_select(cfg, a, targets)
     if lora.init not in INITS:
         raise ConfigError("lora.init", lora.init, f"expected one of {', '.join(INITS)}")
     if t.precision == "fp8":
@@ -40,3 +47,14 @@ def check_lora_tokens(cfg: Config, added: tuple[int, ...]) -> None:
     raise ConfigError(key, value, f"with lora.rank > 0 the {len(added)} tokens data.template=builtin adds to the "
                       "vocabulary train their embedding rows, which tensor and pipeline parallelism do not split yet; "
                       "use parallel.dp / parallel.zero, or a tokenizer that has its chat tokens (data.template=hf)")
+
+
+def _check_targets_select(cfg: Config, a, targets: tuple[str, ...]) -> None:
+    """An attention target selects a layer in every block; an MLP target only in the dense
+    ones (a mixture of experts' experts keep plain weights, model/lora.py). (Each pipeline
+    stage's share: plan/fit.check_lora_stages, which knows the engine's split.)"""
+    if any(x in ATTENTION for x in targets) or any(not a.is_moe_layer(i) for i in range(a.n_layers)):
+        return
+    raise ConfigError("lora.targets", cfg.lora.targets, f"selects no layer of model.preset = {cfg.model.preset!r}, "
+                      "whose MLPs are all mixtures of experts (their experts keep plain weights): the optimizer "
+                      f"would get no parameter; add an attention target ({', '.join(ATTENTION)})")

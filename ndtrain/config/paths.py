@@ -78,6 +78,20 @@ def check_run_folder(key: str, value: str) -> None:
                           "choose a new or empty folder")
 
 
+def check_out_folder(key: str, value: str, overwrite: bool = False) -> None:
+    """The one rule of every command's `--out` (trace, bench; convert --to-hf adds that an
+    ndtrain run is no model folder): a folder that can be written, and new, empty or an
+    ndtrain run, unless `--overwrite` lets the command write beside (and over) what it
+    holds. Raises ConfigError naming a few of the files."""
+    check_writable_dir(key, value)
+    if overwrite:
+        return
+    try:
+        check_run_folder(key, value)
+    except ConfigError as e:
+        raise ConfigError(key, value, e.rule + ", or add --overwrite to write beside (and over) its files") from None
+
+
 def check_writable_dir(key: str, value: str, path: str | Path | None = None) -> None:
     """Raise ConfigError unless a directory can be created or written at `path` (default:
     `value`). Permission bits cannot tell (root, read-only mounts), so the nearest existing

@@ -192,14 +192,49 @@ WANDB_MODES = ("", "offline", "online")
 
 
 def _check_dashboards(r: RunConfig) -> None:
-    """run.wandb is a known mode; a dashboard asked for has its package (an optional extra)."""
+    """run.wandb is a known mode; a dashboard asked for has its package (an optional extra),
+    which imports; run.wandb = online has W&B credentials. All before anything is written."""
+    import importlib
     import importlib.util
     if r.wandb not in WANDB_MODES:
         raise ConfigError("run.wandb", r.wandb, "choose \"\" (off), offline or online")
-    for key, value, extra in (("run.tensorboard", r.tensorboard, "tensorboard"), ("run.wandb", r.wandb, "wandb")):
-        if value and importlib.util.find_spec(extra) is None:
+    for key, value, extra, module in (("run.tensorboard", r.tensorboard, "tensorboard", "torch.utils.tensorboard"),
+                                      ("run.wandb", r.wandb, "wandb", "wandb")):
+        if not value:
+            continue
+        if importlib.util.find_spec(extra) is None:
             raise ConfigError(key, value, f"needs the {extra} package, which is not installed: "
                                           f"pip install -e \".[{extra}]\" (or pip install {extra})")
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # installed but broken (a dependency's version, a damaged install)
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ConfigError(key, value, f"the {extra} package is installed but fails to import ({type(e).__name__}: "
+                                          f"{first}); repair it (pip install -U {extra}) or turn {key} off") from None
+    if r.wandb == "online" and not _wandb_credentials():
+        raise ConfigError("run.wandb", r.wandb, "needs W&B credentials and none were found (WANDB_API_KEY, "
+                                                "WANDB_IDENTITY_TOKEN_FILE or a netrc entry for "
+                                                f"{_wandb_host()}): run `wandb login`, or set run.wandb=offline "
+                                                "and `wandb sync` the run later")
+
+
+def _wandb_host() -> str:
+    from urllib.parse import urlparse
+    return urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname or "api.wandb.ai"
+
+
+def _wandb_credentials() -> bool:
+    """Where W&B looks for credentials, without asking its server: its environment variables,
+    then the netrc file (`wandb login` writes there; $NETRC or ~/.netrc)."""
+    import netrc
+    if os.environ.get("WANDB_API_KEY") or os.environ.get("WANDB_IDENTITY_TOKEN_FILE"):
+        return True
+    path = Path(os.environ.get("NETRC") or Path.home() / ".netrc").expanduser()
+    try:
+        entry = netrc.netrc(str(path)).authenticators(_wandb_host())
+    except (OSError, netrc.NetrcParseError):
+        return False
+    return bool(entry and entry[2])
 
 
 def check_run(r: RunConfig) -> None:

@@ -38,7 +38,7 @@ def check_rl(r: RLConfig) -> None:
     for key in ("group_size", "max_new_tokens", "ppo_epochs", "logprob_tol"):
         positive(f"rl.{key}", getattr(r, key))
     for key in ("top_k", "kl_coef", "max_refills", "overlong_buffer", "eval_prompts", "pass_k", "warmup_steps",
-                "format_reward", "temperature"):
+                "format_reward", "temperature", "generate_tp"):
         positive(f"rl.{key}", getattr(r, key), zero_ok=True)
     positive("rl.warmup_examples", r.warmup_examples)
     positive("rl.warmup_check_every", r.warmup_check_every)

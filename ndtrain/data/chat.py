@@ -11,7 +11,8 @@ A line holds one record in one of these shapes:
   assistant turns context) then the answer as the assistant's turn. A number answer is
   written as text.
 
-A record is bad when its line is not JSON, has neither shape, names a role the template
+A record is bad when its line is not UTF-8 text (never replaced and trained on), is not
+JSON, has neither shape, names a role the template
 does not know, has an empty answer, has no assistant turn to learn from, opens with the
 assistant (no prompt) or does not end with the assistant's answer. Every bad
 record is reported as `FILE:LINE: why`; `on_bad_record="error"` stops at the first one,
@@ -148,13 +149,23 @@ def _check_turns(turns: list[Turn]) -> None:
                             "half of a UTF-16 pair, not a character") from None
 
 
-def _lines(path: Path) -> Iterator[tuple[int, str]]:
-    # Only "\n" ends a line: a JSON string may hold U+2028 and friends unescaped.
+def _lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    # Only "\n" ends a line: a JSON string may hold U+2028 and friends unescaped. Bytes: each
+    # line is decoded on its own (`_text`), so one that is not UTF-8 is a bad record of its
+    # own, never silently replaced.
     try:
-        with open(path, encoding="utf-8", errors="replace", newline="\n") as f:
+        with open(path, "rb") as f:
             yield from enumerate(f, start=1)
     except OSError as e:
         raise DataError(f"{path}: cannot read ({e.strerror})") from None
+
+
+def _text(raw: bytes) -> str:
+    """A line as text; BadRecord when it is not UTF-8 (trained on, U+FFFD would stand in)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BadRecord(f"not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {e.start + 1} of the line)") from None
 
 
 def read_jsonl(path: str | Path, key_prefix: str, on_bad_record: str = "error") -> Records:
@@ -169,10 +180,13 @@ def read_records(path: str | Path, key_prefix: str, build, on_bad_record: str = 
         raise DataError(f"on_bad_record {on_bad_record!r}: choose error or skip")
     path = Path(path)
     out = Records([])
-    for lineno, line in _lines(path):
-        if not line.strip():
+    for lineno, raw in _lines(path):
+        if not raw.strip():
             continue
         try:
+            line = _text(raw)
+            if not line.strip():
+                continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:

@@ -14,6 +14,10 @@ turns are context. A bad record (not JSON, a field missing, an empty choice, cha
 prompts differ, an unknown role) is reported as `FILE:LINE: why`, and `data.on_bad_record`
 stops or skips it as for SFT.
 
+A pair whose chosen conversation equals its rejected one holds no preference (its loss is
+log 2 whatever the model, its gradient zero): it is left out, counted in one line of the
+data's description, and a source of nothing else is refused.
+
 A row holds the pair's two rendered examples one after the other, each with its own
 positions and document id (the packing of data/packing.py), so the chosen answer never
 attends to the rejected one. Per target, `weights` is +1 on the chosen answer's tokens and
@@ -143,6 +147,12 @@ class PreferenceData(Described):
     val: list[tuple[Example, Example]]
     counts: dict[str, PairCounts] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    identical: list[str] = field(default_factory=list)  # the keys of pairs whose two answers are equal
+
+    def describe(self) -> str:
+        line = (f"\nleft out {len(self.identical):,} pairs whose chosen answer equals the rejected one (nothing to "
+                f"prefer: loss log 2 whatever the model), first: {self.identical[0]}" if self.identical else "")
+        return super().describe() + line
 
 
 def _read(path, key_prefix: str, on_bad_record: str):
@@ -160,23 +170,30 @@ def _render(template, pairs: list[Pair], seq_len: int) -> tuple[list[tuple[Examp
 
 
 def load_pairs(source: str, on_bad_record: str = "error",
-               cache_dir: str = "~/.cache/ndtrain") -> tuple[list[Pair], list[str]]:
-    """Every pair of `source` (a JSONL file, a folder of them, or the embedded set) and the
-    records skipped. Raises DataError on a bad record (data.on_bad_record=error)."""
+               cache_dir: str = "~/.cache/ndtrain") -> tuple[list[Pair], list[str], list[str]]:
+    """Every pair of `source` (a JSONL file, a folder of them, or the embedded set) whose
+    two answers differ, the records skipped, and the keys of the pairs left out because
+    chosen equals rejected. Raises DataError on a bad record (data.on_bad_record=error), and
+    when no pair is left."""
     embedded = {EMBEDDED_NAME: lambda: stdlib_pairs(cache_dir)}
-    return load_records(source, on_bad_record, _read, embedded, "preference data")
+    pairs, skipped = load_records(source, on_bad_record, _read, embedded, "preference data")
+    identical = [p.key for p in pairs if p.chosen.turns == p.rejected.turns]
+    if len(identical) == len(pairs):
+        raise DataError(f"{source}: the chosen answer of every one of its {len(pairs):,} pairs equals the rejected "
+                        f"one (first: {identical[0]}): there is no preference to learn")
+    return [p for p in pairs if p.chosen.turns != p.rejected.turns], skipped, identical
 
 
 def prepare_preferences(source: str, template, seq_len: int, val_fraction: float, on_bad_record: str = "error",
                         cache_dir: str = "~/.cache/ndtrain") -> PreferenceData:
     """Read, split (by key, as SFT), render and fit. Raises DataError (ShortSequence when no
     pair fits) on bad input."""
-    pairs, skipped = load_pairs(source, on_bad_record, cache_dir)
+    pairs, skipped, identical = load_pairs(source, on_bad_record, cache_dir)
     train_p, val_p = split(pairs, val_fraction)
     splits, counts = {}, {}
     for name, group in (("train", train_p), ("val", val_p)):
         splits[name], counts[name] = _render(template, group, seq_len)
-    return PreferenceData(template, splits["train"], splits["val"], counts, skipped)
+    return PreferenceData(template, splits["train"], splits["val"], counts, skipped, identical)
 
 
 def pair_rows(pairs: list[tuple[Example, Example]], seq_len: int, pad_id: int):

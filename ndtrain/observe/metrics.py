@@ -10,6 +10,10 @@ line of the step whose loss diverged, after which the trainer stops (train/train
 On resume, records at or after the resumed step are dropped first, so a resumed run's file
 reads exactly like an uninterrupted one. A line that does not parse (the last one, torn by
 a crash in the middle of writing it) is dropped too, rather than failing the resume.
+
+A line is written whole or not at all: with one unbuffered write (and more for what a short
+write left over), and a write that fails (a full disk) truncates the file back to the end
+of the previous line before the error goes on; nothing stays buffered to fail again on close.
 """
 
 from __future__ import annotations
@@ -58,10 +62,19 @@ class MetricsLog:
             self.path.write_text("".join(line + "\n" for line in kept))
         elif not resume_step:
             self.path.write_text("")
-        self._file = open(self.path, "a", buffering=1)
+        self._file = open(self.path, "ab", buffering=0)
 
     def write(self, record: dict) -> None:
-        self._file.write(metrics_line(record) + "\n")
+        """The record's line, whole; on OSError the file is as it was and the error is raised."""
+        line = (metrics_line(record) + "\n").encode()
+        end = self._file.seek(0, 2)
+        try:
+            done = 0
+            while done < len(line):
+                done += self._file.write(line[done:])
+        except OSError:
+            self._file.truncate(end)
+            raise
         if self.dashboards is not None:
             self.dashboards.write(record)
 

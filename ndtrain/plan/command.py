@@ -53,13 +53,7 @@ def run(args) -> int:
     resolve_precision(cfg.train, cuda=cluster.name != THIS_MACHINE)
     rate = given_rate(args)
     tokens = parse_tokens(args.tokens) if args.tokens else None
-    fp8 = fp8_settings(cfg, fp8_given, cluster)
-    if fp8 is not None:  # every tensor but the blocks' fp8 matmul operands is bf16; `fp8` holds the recipe
-        t = cfg.train
-        t.precision = "bf16"
-        for key in ("fp8_recipe", "fp8_base", "fp8_all_gather"):
-            if hasattr(t, key):
-                setattr(t, key, type(t).__dataclass_fields__[key].default)
+    fp8 = fp8_settings(cfg, fp8_given, cluster)  # validated as fp8, priced in bf16 (planner.priced_in_bf16)
     imbalance = moe_imbalance(args, cfg)
     if args.search and args.top <= 0:
         raise ConfigError("--top", args.top, "must be > 0 (how many layouts to list)")

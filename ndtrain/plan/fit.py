@@ -33,6 +33,24 @@ def model_states_per_rank(cfg: Config, vocab_size: int) -> float:
     return max(sum(stage_states(cfg, args, chunks).values()) for chunks in stage_chunks(cfg, args))
 
 
+def check_lora_stages(cfg: Config) -> None:
+    """Under LoRA with MLP targets only, every pipeline rank needs a dense block among its
+    chunks: a rank of expert blocks only would train nothing (its optimizer gets no
+    parameter). config/lora.py checks the whole model; the split is the engine's."""
+    from ndtrain.config.lora import ATTENTION
+    from ndtrain.config.schema import lora_targets
+    if not cfg.lora.rank or cfg.parallel.pp == 1 or any(x in ATTENTION for x in lora_targets(cfg.lora.targets)):
+        return
+    args = cfg.model_args()
+    for rank, chunks in enumerate(stage_chunks(cfg, args)):
+        layers = [i for ch in chunks for i in ch.layer_ids]
+        if all(args.is_moe_layer(i) for i in layers):
+            raise ConfigError("lora.targets", cfg.lora.targets, f"selects no layer of pipeline rank {rank} (its block"
+                              f"{'s' * (len(layers) > 1)} {', '.join(map(str, layers))}: only mixtures of experts, "
+                              "whose experts keep plain weights): that rank would train nothing; add an attention "
+                              f"target ({', '.join(ATTENTION)})")
+
+
 def check_model_states_fit(cfg: Config, vocab_size: int, local_processes: int) -> None:
     need = model_states_per_rank(cfg, vocab_size)
     have, what, shared = device_memory(cfg)

@@ -181,14 +181,34 @@ def plan_config(cfg: Config, cluster: Cluster, gpus: int | None) -> tuple[Config
     return cfg, cluster.per_device(gpus)  # this machine: every process is local
 
 
+def priced_in_bf16(cfg: Config) -> Config:
+    """An fp8 config as the planner prices it, once validated as fp8 (the rules `train`
+    enforces): bf16 for everything but the blocks' fp8 matmul operands, which `Fp8` holds."""
+    if cfg.train.precision != "fp8":
+        return cfg
+    cfg = cfg.copy()
+    t = cfg.train
+    t.precision = "bf16"
+    for key in ("fp8_recipe", "fp8_base", "fp8_all_gather"):
+        setattr(t, key, type(t).__dataclass_fields__[key].default)
+    return cfg
+
+
 def make_plan(cfg: Config, args: ModelArgs, cluster: Cluster, *, rate: Rate | None = None,
               tokens: float | None = None, fp8: Fp8 | None = None, imbalance: float = 1.0) -> Plan:
-    """`cfg` validated (bf16 under fp8), `cluster` per device (plan_config)."""
+    """`cfg` validated (as fp8 under fp8: its bf16 pricing is made here), `cluster` per device
+    (plan_config). A given rate above the peak is refused (ConfigError)."""
+    cfg = priced_in_bf16(cfg)
     step, stages = step_time(cfg, args, cluster, fp8, imbalance)
     peak = cluster.peak_flops(cfg.train.precision)
     if rate is not None:
         flops = (hardware_flops_per_step if rate.hardware else model_flops_per_step)(cfg, args)
         per_gpu = rate.flops_per_s(peak)
+        limit = cluster.peak_flops("fp8") if fp8 is not None else peak
+        if per_gpu > limit:
+            raise ConfigError(rate.flag, rate.value, f"is above the {'fp8' if fp8 is not None else cfg.train.precision}"
+                              f" peak of {cluster.name}, {limit / 1e12:,.4g} TFLOP/s per GPU: no run achieves more "
+                              "than the peak")
         kind = "hardware" if rate.hardware else "model"
         source = (f"given: {per_gpu / 1e12:,.4g} {kind} TFLOP/s per GPU"
                   + (f" ({'HFU' if rate.hardware else 'MFU'} {rate.value:.1%})" if rate.utilization else ""))

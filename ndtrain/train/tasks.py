@@ -45,14 +45,56 @@ from ndtrain.data.shards import DataError
 from ndtrain.model.loss import count_targets, weighted_sum
 
 
+class UserCode:
+    """Around a call into a user's code (a reward, a score, its module's import): whether a
+    KeyboardInterrupt that comes out of it is a real signal (Ctrl-C: it goes on) or the code's
+    own `raise KeyboardInterrupt`, which, like its SystemExit, is a failure of that code. A
+    real one is seen by supervisor's handlers (the first signal sets the stop), or, where
+    SIGINT still has Python's default handler (the command's own process before the ranks
+    start), by a handler put in its place for the call."""
+
+    def __enter__(self):
+        import signal
+        import threading
+        self.signalled, self._previous = False, None
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        return self
+
+    def _on_sigint(self, signum, frame):
+        self.signalled = True
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc):
+        if self._previous is not None:
+            import signal
+            signal.signal(signal.SIGINT, self._previous)
+        return False
+
+    def own(self, e: BaseException) -> bool:
+        """Whether `e` (SystemExit or KeyboardInterrupt) came from the code, not a signal."""
+        from ndtrain import supervisor
+        return isinstance(e, SystemExit) or not (self.signalled or supervisor.control().stop)
+
+
+def _raised(e: BaseException) -> str:
+    return f"{type(e).__name__}" + (f": {e}" if str(e) else "")
+
+
 def load_function(key: str, spec: str):
     """The function `MODULE:FUNCTION` names (sft.score, rl.reward), imported from here.
     Raises ConfigError naming `key`."""
     module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except Exception as e:  # noqa: BLE001 - importing a user's module runs its code, which may raise anything
-        raise ConfigError(key, spec, f"cannot import it ({type(e).__name__}: {e})") from None
+    with UserCode() as code:
+        try:
+            fn = getattr(importlib.import_module(module), name)
+        except Exception as e:  # noqa: BLE001 - importing a user's module runs its code, which may raise anything
+            raise ConfigError(key, spec, f"cannot import it ({_raised(e)})") from None
+        except (SystemExit, KeyboardInterrupt) as e:
+            if not code.own(e):
+                raise
+            raise ConfigError(key, spec, f"cannot import it (it raised {_raised(e)})") from None
     if not callable(fn):
         raise ConfigError(key, spec, "is not callable")
     return fn
@@ -60,11 +102,17 @@ def load_function(key: str, spec: str):
 
 def call_scorer(fn, *args) -> tuple[float | None, str | None]:
     """(the finite number a user's scoring function returns, None), or (None, why not): it
-    raised, or returned something that is not a finite number."""
-    try:
-        value = fn(*args)
-    except Exception as e:  # noqa: BLE001 - a user's function may raise anything
-        return None, f"raised {type(e).__name__}: {e}"
+    raised (SystemExit and its own KeyboardInterrupt too: `UserCode`), or returned something
+    that is not a finite number."""
+    with UserCode() as code:
+        try:
+            value = fn(*args)
+        except Exception as e:  # noqa: BLE001 - a user's function may raise anything
+            return None, f"raised {_raised(e)}"
+        except (SystemExit, KeyboardInterrupt) as e:
+            if not code.own(e):
+                raise
+            return None, f"raised {_raised(e)}"
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None, f"returned {value!r} ({type(value).__name__}), not a number"
     if not math.isfinite(value):

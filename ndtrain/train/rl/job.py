@@ -133,17 +133,20 @@ def row_length(cfg: Config, rounded: bool = True, template=None) -> int:
     return -(-need // 8) * 8 if rounded else need
 
 
-def check_reward(cfg: Config) -> None:
+def check_reward(cfg: Config) -> list[str]:
     """rl.data reads, and rl.reward imports and returns a number for a sample problem's
-    reference answer. Raises ConfigError or DataError before anything starts."""
+    reference answer. Raises ConfigError or DataError before anything starts. Returns the
+    records of rl.data skipped (data.on_bad_record=skip), "FILE:LINE: why" each."""
     r = cfg.rl
     source = prompt_source(cfg)  # rl.data's file, read and checked (DataError)
+    skipped = getattr(source, "skipped", [])
     if r.reward in ("builtin", "exact", "math"):
-        return
+        return skipped
     fn = load_function("rl.reward", r.reward)
     p = source.draw(0, "probe", 1, "train")[0]
     sample = f"a sample (prompt {p.prompt!r}, completion {p.answer!r}, answer {p.answer!r})"
     probe_scorer("rl.reward", r.reward, fn, (p.prompt, p.answer, p.answer), sample)
+    return skipped
 
 
 def finished(run: Path) -> bool:
