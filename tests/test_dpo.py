@@ -213,9 +213,15 @@ DPO_TEST = ["train.steps=3", "train.seq_len=64", "train.global_batch=8", "model.
 
 
 def _dpo_task(data_path, tokenizer_path, cfg):
+    """The DPO task of the layout proofs. Its template's new tokens train no rows here
+    (`new_tokens = ()`, as with a tokenizer that has its chat tokens): the proofs are of the
+    adapters under each layout, tensor parallelism included; LoRA's trained token rows
+    (refused under tp and pp) have their own proofs in tests/test_lora.py."""
     from ndtrain.train.dpo import DPO
     template = BuiltinTemplate(TextTokenizer.from_file(tokenizer_path))
-    return DPO(cfg, prepare_preferences(data_path, template, cfg.train.seq_len, 0.2))
+    task = DPO(cfg, prepare_preferences(data_path, template, cfg.train.seq_len, 0.2))
+    task.new_tokens = ()
+    return task
 
 
 def _dpo_rows(files, rows):

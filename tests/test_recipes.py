@@ -86,3 +86,14 @@ def test_sft_on_your_data_without_init_from_says_which_base_it_uses(tmp_path, mo
     assert len(err) == 2 and err[0].startswith("ndtrain: warning: model.init_from is not set, so mine.jsonl")
     assert main(["sft"]) == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_the_banner_names_a_preset_only_for_its_shape():
+    """A model whose shape is not its preset's (model.init_from's tiny model under the
+    default preset `small`, or keys set) is named by its shape, with its real size."""
+    from ndtrain.cli.run import model_words
+
+    assert model_words(load_config(None, [])) == "small model (1.3 M parameters)"
+    words = model_words(load_config(None, ["model.dim=64", "model.n_layers=2", "model.ffn_dim=128"]))
+    assert words.startswith("model of dim 64 × 2 layers (") and "small" not in words
+    assert model_words(load_config(None, ["model.preset=1B"])) == "1B model (1.24 B parameters)"

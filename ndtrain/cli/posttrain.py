@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 from ndtrain.launch import warn
-from ndtrain.cli.run import (Stopped, check_fits, check_resume, choose_run_dir, layout_words, run_task,
-                             warn_before_start, with_nproc)
+from ndtrain.cli.run import (Stopped, check_fits, check_resume, choose_run_dir, layout_words, model_words,
+                             run_task, warn_before_start, with_nproc)
 
 
 def cmd_sft(args, make_task=None) -> int:
@@ -54,7 +54,7 @@ def cmd_sft(args, make_task=None) -> int:
     sft.check_score(cfg.sft.score, data)  # a scoring function that raises or returns no number fails here
     run_dir = choose_run_dir(cfg, "sft")
     resumed = check_resume(cfg, run_dir)
-    banner = [f"ndtrain sft: {cfg.model.preset} model from {cfg.model.init_from or 'random weights'}, "
+    banner = [f"ndtrain sft: {model_words(cfg)} from {cfg.model.init_from or 'random weights'}, "
               f"{layout_words(cfg)}, {t.steps} steps, packing {d.packing} → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""), data.describe()]
     return run_task(cfg, world, run_dir, sft.sft_worker, (cfg.to_dict(), str(run_dir), data, make_task),
@@ -123,7 +123,7 @@ def cmd_rl(args) -> int:
     run_dir = choose_run_dir(cfg, "rl")
     resumed = check_resume(cfg, run_dir)
     asked = f"{r.data} (rl.reward {r.reward})" if r.data else f"{r.task} (size {r.size})"
-    banner = (f"ndtrain rl: {r.loss} on {asked}, {cfg.model.preset} model from "
+    banner = (f"ndtrain rl: {r.loss} on {asked}, {model_words(cfg)} from "
               f"{cfg.model.init_from or 'random weights'}, {layout_words(cfg)}, {cfg.train.steps} updates of "
               f"{cfg.train.global_batch // r.group_size} prompts × {r.group_size} completions → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""))
@@ -241,7 +241,7 @@ def cmd_dpo(args) -> int:
                           f"answers: {e.shortest} positions, {e.key}): a row holds a whole pair") from None
     run_dir = choose_run_dir(cfg, "dpo")
     resumed = check_resume(cfg, run_dir)
-    banner = [f"ndtrain dpo: β = {cfg.dpo.beta:g}, {cfg.model.preset} model from "
+    banner = [f"ndtrain dpo: β = {cfg.dpo.beta:g}, {model_words(cfg)} from "
               f"{cfg.model.init_from or 'random weights'}, {layout_words(cfg)}, {t.steps} steps of "
               f"{t.global_batch} pairs → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else "")

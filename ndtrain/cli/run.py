@@ -35,13 +35,21 @@ def layout_words(cfg) -> str:
             + (f" ep={p.ep}" if p.ep > 1 else "") + f"), {precision}")
 
 
+SHAPE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "moe_experts")
+
+
 def model_words(cfg) -> str:
     """'1B model (1.24 B parameters)': the preset and what it holds with the vocabulary that
-    runs (model.vocab_size once resolved from the tokenizer)."""
-    from ndtrain.model.args import param_count
-    n = param_count(cfg.model_args(vocab_size=cfg.model.vocab_size))
-    return f"{cfg.model.preset} model ({n / 1e9:.2f} B parameters)" if n >= 1e9 else \
-        f"{cfg.model.preset} model ({n / 1e6:.1f} M parameters)"
+    runs (model.vocab_size once resolved from the tokenizer); a model whose shape is not its
+    preset's (model.init_from's, or keys set) is named by its shape instead, not by a preset
+    it is not."""
+    from ndtrain.model.args import PRESETS, param_count
+    a = cfg.model_args(vocab_size=cfg.model.vocab_size)
+    preset = PRESETS.get(cfg.model.preset)
+    same = preset is not None and all(getattr(a, k) == getattr(preset, k) for k in SHAPE)
+    name = f"{cfg.model.preset} model" if same else f"model of dim {a.dim} × {a.n_layers} layers"
+    n = param_count(a)
+    return f"{name} ({n / 1e9:.2f} B parameters)" if n >= 1e9 else f"{name} ({n / 1e6:.1f} M parameters)"
 
 
 def _has_cuda() -> bool:
