@@ -395,6 +395,7 @@ def test_cuda_grouped_fp8_experts_agree_with_the_loop():
         assert ((got - ex).abs() <= bound).all() and ((loop - ex).abs() <= bound).all()
 
 
+@pytest.mark.slow  # the linear's one-graph tests run by default; the whole block costs 9 s
 def test_a_whole_fp8_block_traces_as_one_graph():
     """TINY's first block with its 7 linears in fp8 (parallel/fp8.apply, one process): dynamo
     finds no graph break in its forward, for every recipe."""
