@@ -125,6 +125,7 @@ def _pipeline_contests(cfg_dict: dict) -> list[str]:
     return ran
 
 
+@pytest.mark.slow  # bench plumbing; the executor's proofs stay
 def test_pipeline_contests_run_each_pair():
     from ndtrain.bench import pp
     from ndtrain.bench.common import bench_config

@@ -84,6 +84,7 @@ def test_fit_recovers_latency_and_bandwidth():
     assert bent.seconds("send_recv", 2, 10) == pytest.approx(1e-4)  # below the first point: the latency
 
 
+@pytest.mark.slow  # bench plumbing; the ring's proofs stay
 def test_bench_comm_reports_every_collective(tmp_path, capsys, monkeypatch):
     """The command end to end on 2 ranks and two small sizes; the ring/backend line at 4 KB
     instead of 64 MB, to keep the test quick (its label is checked below)."""

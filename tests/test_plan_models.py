@@ -66,6 +66,7 @@ def test_experts_split_over_ep_and_their_all_to_all(capsys):
     assert skewed["moe_imbalance"] == 1.5
 
 
+@pytest.mark.slow  # the search's other layouts stay in the default tier
 def test_search_tries_expert_parallelism():
     """Candidates vary ep over the powers of two dividing the experts (a dense model: 1 only);
     what the search proposes passes `validate` as train would."""

@@ -90,6 +90,7 @@ def _cmdline(pid: int) -> bytes:
         return b""
 
 
+@pytest.mark.slow  # train's SIGTERM test stays in the default tier
 def test_sigterm_ends_a_benchmark_at_once_with_exit_143(tmp_path):
     """A benchmark has nothing to save: SIGTERM ends its ranks at once (it used to say a
     checkpoint would be saved at the next log step, and then run every round to the end)."""
