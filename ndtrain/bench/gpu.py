@@ -216,7 +216,7 @@ def environment() -> dict[str, str]:
                                 capture_output=True, text=True, timeout=20).stdout.strip().splitlines()[0]
     except (OSError, subprocess.SubprocessError, IndexError):
         pass
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True, text=True).stdout.strip()
     props = torch.cuda.get_device_properties(0)
     return {"device": f"{torch.cuda.device_count()} × {props.name} ({props.total_memory / 2**30:.0f} GiB)",
             "driver": driver, "torch": torch.__version__, "CUDA": torch.version.cuda or "?",
