@@ -33,7 +33,7 @@ def test_the_banner_names_the_precision_that_runs(monkeypatch):
     cfg = _validated(["parallel.dp=1"], False, monkeypatch)
     assert cli_run.layout_words(cfg) == "1 process (pp=1 dp=1 cp=1 tp=1), fp32"
     cfg = _validated(["train.precision=fp32", "run.device=auto"], True, monkeypatch)
-    monkeypatch.setattr(cli_run, "_has_cuda", lambda: True)
+    monkeypatch.setattr(cli_run, "uses_cuda", lambda device: device != "cpu")
     assert cli_run.layout_words(cfg).endswith("fp32 (matmuls on TF32)")
     cfg = _validated(["train.precision=fp8", "train.fp8_recipe=rowwise"], False, monkeypatch)
     assert cli_run.layout_words(cfg).endswith("fp8 rowwise (the rest bf16)")

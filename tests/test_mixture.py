@@ -196,3 +196,44 @@ def test_sources_in_a_toml_file(tmp_path):
     assert again.data.sources == cfg.data.sources
     validate(again, check_paths=False)
     assert Path(tmp_path / "again.toml").read_text().count("sources = [{") == 1
+
+
+def test_ranks_asking_for_a_mixture_tokenizer_at_once_train_it_once(tmp_path, monkeypatch):
+    """Under torchrun every rank prepares before the process group exists: a rank that finds
+    another training the mixture's tokenizer waits on its lock and then takes the file it
+    wrote, rather than training its own copy. Here the test holds the lock, lets a second
+    caller reach it, writes the tokenizer, and releases: the caller trains nothing."""
+    import contextlib
+    import fcntl
+    import threading
+
+    from ndtrain.data import mix_prepare
+    from ndtrain.data.mix_prepare import SourceSpec
+
+    trained = []
+    monkeypatch.setattr(mix_prepare, "_train_into", lambda final, *a: (trained.append(final), final.write_text("{}")))
+    folder = tmp_path / "a"
+    write_txt_folder(folder, texts(3, 40))
+    specs = [SourceSpec("a", str(folder), 1.0, "text", True)]
+    args = (specs, 300, 0.1, tmp_path / "cache", False, False)
+    final = Path(mix_prepare._train_tokenizer(*args))
+    assert trained == [final]
+    final.unlink()
+    entered, real_lock = threading.Event(), mix_prepare._build_lock
+
+    @contextlib.contextmanager
+    def watched(path, progress):
+        entered.set()
+        with real_lock(path, progress):
+            yield
+
+    monkeypatch.setattr(mix_prepare, "_build_lock", watched)
+    with open(mix_prepare._lock_path(final), "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        caller = threading.Thread(target=mix_prepare._train_tokenizer, args=args)
+        caller.start()
+        assert entered.wait(30), "the second caller never asked for the lock"
+        final.write_text("{}")
+        fcntl.flock(held, fcntl.LOCK_UN)
+    caller.join(30)
+    assert not caller.is_alive() and trained == [final]  # the first training only

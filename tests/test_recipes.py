@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ndtrain.cli import main
-from ndtrain.config import load_config, validate
+from ndtrain.config import ConfigError, load_config, validate
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
@@ -66,6 +66,8 @@ def test_data_text_key_and_its_old_name(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["ndtrain: data.jsonl_key is now data.text_key (it names a parquet column too); "
                    "the old name still works"]  # once, not per config read
+    with pytest.raises(ConfigError, match="data.text_key = '': must name the JSONL field"):
+        validate(load_config(None, ["data.text_key="]))
 
 
 def test_sft_on_your_data_without_init_from_says_which_base_it_uses(tmp_path, monkeypatch, capsys):
@@ -73,7 +75,6 @@ def test_sft_on_your_data_without_init_from_says_which_base_it_uses(tmp_path, mo
     demo model: one warning line says so before anything is trained. The embedded default
     job (no data.path) says nothing."""
     from ndtrain.cli import posttrain
-    from ndtrain.config import ConfigError
 
     def stop(cfg, world):
         raise ConfigError("model.init_from", "", "stopped here by the test")

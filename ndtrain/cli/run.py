@@ -12,6 +12,8 @@ import sys
 from contextlib import nullcontext
 from pathlib import Path
 
+from ndtrain.config.schema import uses_cuda
+
 
 class Stopped(Exception):
     """A run started on the way (sft's default pretraining run, rl's SFT warm-up) was stopped
@@ -29,7 +31,7 @@ def layout_words(cfg) -> str:
     precision = t.precision
     if precision == "fp8":
         precision = f"fp8 {t.fp8_recipe} (the rest {t.fp8_base})"
-    elif precision == "fp32" and t.tf32 and cfg.run.device != "cpu" and _has_cuda():
+    elif precision == "fp32" and t.tf32 and uses_cuda(cfg.run.device):
         precision = "fp32 (matmuls on TF32)"
     return (f"{p.world} process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}"
             + (f" ep={p.ep}" if p.ep > 1 else "") + f"), {precision}")
@@ -50,11 +52,6 @@ def model_words(cfg) -> str:
     name = f"{cfg.model.preset} model" if same else f"model of dim {a.dim} × {a.n_layers} layers"
     n = param_count(a)
     return f"{name} ({n / 1e9:.2f} B parameters)" if n >= 1e9 else f"{name} ({n / 1e6:.1f} M parameters)"
-
-
-def _has_cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
 
 
 def warn_before_start(cfg, world: int | None, command: str = "train") -> None:

@@ -263,6 +263,8 @@ def check_data(d: DataConfig) -> None:
     """The data keys' values (paths.py checks the paths they name)."""
     positive("data.vocab_size", d.vocab_size)
     positive("data.workers", d.workers, zero_ok=True)
+    if not d.text_key.strip():
+        raise ConfigError("data.text_key", d.text_key, "must name the JSONL field or parquet column holding the text")
     if d.vocab_size < 257:
         raise ConfigError("data.vocab_size", d.vocab_size, "must be at least 257 (256 bytes + end of text)")
     if not 0.0 < d.val_fraction <= 0.5:

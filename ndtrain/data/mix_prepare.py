@@ -21,7 +21,7 @@ from pathlib import Path
 from ndtrain.data import sources as formats
 from ndtrain.data.mixture import PreparedMixture, Source
 from ndtrain.data.build import FORMAT, plan_split
-from ndtrain.data.prepare import PreparedData, _is_prepared_dir, _source_identity
+from ndtrain.data.prepare import PreparedData, _build_lock, _is_prepared_dir, _lock_path, _source_identity
 from ndtrain.data.shards import DataError
 from ndtrain.data.token_files import prepare_source
 from ndtrain.data.tokenizer import TextTokenizer
@@ -49,15 +49,7 @@ def check_specs(specs: Sequence[SourceSpec]) -> None:
             raise DataError(f"data source {s.name!r}: {e}") from None
 
 
-def _train_tokenizer(specs, vocab_size: int, val_fraction: float, cache_dir, progress: bool,
-                     skip_bad: bool) -> str:
-    inputs = {"format": FORMAT, "vocab_size": vocab_size, "val_fraction": val_fraction,
-              "sources": [[_source_identity(s.path), s.text_key] for s in specs]}
-    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
-    final = Path(cache_dir).expanduser() / "data" / f"tokenizer-mixture-{digest}.json"
-    if final.is_file():
-        return str(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+def _train_into(final: Path, specs, vocab_size: int, val_fraction: float, progress: bool, skip_bad: bool) -> None:
     if progress:
         print(f"training a BPE tokenizer of {vocab_size} on the training documents of {len(specs)} sources once "
               f"→ {final}", flush=True)
@@ -73,6 +65,21 @@ def _train_tokenizer(specs, vocab_size: int, val_fraction: float, cache_dir, pro
         os.replace(tmp, final)
     finally:
         Path(tmp).unlink(missing_ok=True)
+
+
+def _train_tokenizer(specs, vocab_size: int, val_fraction: float, cache_dir, progress: bool,
+                     skip_bad: bool) -> str:
+    inputs = {"format": FORMAT, "vocab_size": vocab_size, "val_fraction": val_fraction,
+              "sources": [[_source_identity(s.path), s.text_key] for s in specs]}
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    final = Path(cache_dir).expanduser() / "data" / f"tokenizer-mixture-{digest}.json"
+    if final.is_file():
+        return str(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock(final, progress):  # torchrun's ranks ask at once: one trains, the others wait
+        if not final.is_file():
+            _train_into(final, specs, vocab_size, val_fraction, progress, skip_bad)
+            _lock_path(final).unlink(missing_ok=True)  # whoever waits finds `final`; later ones take no lock
     return str(final)
 
 

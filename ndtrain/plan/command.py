@@ -41,8 +41,7 @@ def given_rate(args):
 
 
 def run(args) -> int:
-    from ndtrain.config.sections import resolve_precision
-    from ndtrain.plan.cluster import THIS_MACHINE, resolve
+    from ndtrain.plan.cluster import resolve
     from ndtrain.plan.fp8 import fp8_settings, take_fp8
     from ndtrain.plan.planner import make_plan, plan_config
     from ndtrain.plan.report import render, to_json
@@ -50,7 +49,6 @@ def run(args) -> int:
     overrides, fp8_given = take_fp8(args.overrides)
     cfg = load_config(args.config, overrides)
     cluster = resolve(args.cluster, cfg.data.cache_dir)
-    resolve_precision(cfg.train, cuda=cluster.name != THIS_MACHINE)
     rate = given_rate(args)
     tokens = parse_tokens(args.tokens) if args.tokens else None
     fp8 = fp8_settings(cfg, fp8_given, cluster)  # validated as fp8, priced in bf16 (planner.priced_in_bf16)
