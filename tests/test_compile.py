@@ -101,6 +101,7 @@ def test_compile_refuses_zero_bubble_and_unknown_backends():
              world=2)
 
 
+@pytest.mark.slow  # 6 s; the plans' sharing it rests on is checked by default (test_fp8)
 def test_compiled_fp8_blocks_share_one_graph():
     """Every block of an fp8 model compiles to the graph of the first (and one recompile, when
     the token-dimension cache fills): a plan object per block, or a Python byte counter
