@@ -79,24 +79,25 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrit
         check_adapter(args, family, run)
     check_output_dir("--out", out, run, run_dir, path)
     try:
-        hf_files.clear_for_export(out, overwrite)
+        hf_files.check_export_dir(out, overwrite)
     except ValueError as e:
         raise ConfigError("--out", str(out), str(e)) from None
     source = CheckpointSource(path, meta)
     weights = {k[len("weight/"):]: t for k, t in meta["tensors"].items() if k.startswith("weight/")}
-    if adapter:
-        out.mkdir(parents=True, exist_ok=True)
-        return write_adapter(source, weights, args, family, base_model_path(meta), out)
-    target = _export_dtype(dtype, base, weights)
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / "model.safetensors", _hf_entries(source, weights, args, family, target), {"format": "pt"})
-    config = hf.hf_config_json(args, HF_DTYPE[target], base)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    eot_token = eot_id = None
-    if (run_dir / "tokenizer.json").is_file():
-        tok = TextTokenizer.from_file(run_dir / "tokenizer.json")
-        eot_id, eot_token = tok.eot_id, tok._tok.id_to_token(tok.eot_id)
-    hf_files.export(run_dir, out, eot_token, eot_id, args.max_seq_len)
+    with hf_files.staged_export(out, overwrite) as stage:  # a failure below leaves `out` as it was
+        if adapter:
+            write_adapter(source, weights, args, family, base_model_path(meta), stage)
+            return out
+        target = _export_dtype(dtype, base, weights)
+        write_safetensors(stage / "model.safetensors", _hf_entries(source, weights, args, family, target),
+                          {"format": "pt"})
+        config = hf.hf_config_json(args, HF_DTYPE[target], base)
+        (stage / "config.json").write_text(json.dumps(config, indent=1))
+        eot_token = eot_id = None
+        if (run_dir / "tokenizer.json").is_file():
+            tok = TextTokenizer.from_file(run_dir / "tokenizer.json")
+            eot_id, eot_token = tok.eot_id, tok._tok.id_to_token(tok.eot_id)
+        hf_files.export(run_dir, stage, eot_token, eot_id, args.max_seq_len)
     return out
 
 
@@ -122,9 +123,10 @@ def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family
         for part in hf.hf_parts(name, args, family):
             stored = shape if part.expert is None else shape[1:]
             fetch = _fetch(source, f"weight/{name}", shape, part.expert, target)
-            if f"{adapted(name)}.lora.a" in weights:
+            weight = name.endswith(".weight")  # a bias beside an adapted weight stays as stored
+            if weight and f"{adapted(name)}.lora.a" in weights:
                 fetch = merged_fetch(source, name, weights, args, target)
-            elif f"{adapted(name)}.lora.rows" in weights:  # a chat template's trained token rows
+            elif weight and f"{adapted(name)}.lora.rows" in weights:  # a chat template's trained token rows
                 fetch = rows_fetch(source, name, weights, args, target)
             pieces.setdefault(part.hf, []).append((part.rows or (0, stored[0]), stored, fetch))
     entries = []
