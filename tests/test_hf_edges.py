@@ -9,19 +9,17 @@ each test failed before its fix.
   encodes factor × original positions, as transformers does; dynamic scaling has no end;
   and a prompt cut to fit says how many tokens it lost.
 - The merged export of a LoRA run on a model with q/k/v biases (Qwen2) merges only the
-  weights, and an export that fails leaves nothing in its output folder.
+  weights, and an export that fails leaves nothing in its output folder: in
+  tests/test_lora.py's export test, whose model now has those biases.
 """
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
 
-from helpers import train_in_rank
 from hf_helpers import ours_from
-from ndtrain.testing import run_ranks
 
 transformers = pytest.importorskip("transformers")
 
@@ -102,54 +100,3 @@ def test_a_prompt_cut_to_fit_says_how_many_tokens_it_lost():
     lines.clear()
     sample(model, list(range(1, 14)), 4, temperature=0.0, report=lines.append)
     assert lines == []  # 13 + 4 - 1 = 16 positions fit
-
-
-QWEN2_LORA = ["model.qkv_bias=true", "lora.rank=4", "lora.alpha=8", "lora.init=random"]
-
-
-def _qwen2_lora_run(data_dir, base_dir, lora_dir):
-    train_in_rank(["train.steps=1", "model.qkv_bias=true"], data_dir, run_dir=base_dir)
-    train_in_rank(["train.steps=1", *QWEN2_LORA, f"model.init_from=run:{base_dir}"], data_dir, run_dir=lora_dir,
-                  before_fit=lambda trainer: trainer.start())
-
-
-def test_merged_export_of_lora_on_qkv_biases_and_a_failed_export_leaves_nothing(tiny_data, tmp_path, capsys):
-    from ndtrain.checkpoint import convert, store
-    from ndtrain.checkpoint.layout import load_model
-    from ndtrain.checkpoint.sources import CheckpointSource
-    from ndtrain.cli import main
-    from ndtrain.model.args import ModelArgs
-    from ndtrain.model.llama import Transformer
-
-    base, lora, out = tmp_path / "base", tmp_path / "lora", tmp_path / "hf"
-    run_ranks(_qwen2_lora_run, 1, tiny_data, str(base), str(lora))
-    meta = store.read_meta(store.latest(lora))
-    assert any(k.endswith("wq.lora.a") for k in meta["tensors"]) and any(k.endswith("wq.bias") for k in meta["tensors"])
-
-    # a failure while the weights are written: nothing in --out, no staging folder beside it
-    real = convert._hf_entries
-
-    def failing(*a, **k):
-        entries = real(*a, **k)
-        def boom():
-            raise RuntimeError("disk full")
-        return entries[:1] + [(entries[1][0], entries[1][1], entries[1][2], boom)] + entries[2:]
-    convert._hf_entries = failing
-    try:
-        with pytest.raises(RuntimeError, match="disk full"):
-            convert.to_hf(lora, out)
-    finally:
-        convert._hf_entries = real
-    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["base", "lora"]
-
-    assert main(["convert", "--to-hf", str(lora), "--out", str(out)]) == 0
-    capsys.readouterr()
-    config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "qwen2"
-    path = store.latest(lora)
-    ours = Transformer(ModelArgs(**meta["model_args"])).eval()
-    load_model(CheckpointSource(path, meta), ours)
-    tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
-    merged = transformers.AutoModelForCausalLM.from_pretrained(out).float().eval()
-    with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=tokens).logits, ours(tokens), atol=1e-5, rtol=1e-5)
