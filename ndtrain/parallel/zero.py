@@ -72,7 +72,7 @@ from ndtrain.mesh import ParallelMesh
 from ndtrain.parallel.construct import swap_parameters
 from ndtrain.parallel.fp8_gather import Fp8AllGather
 from ndtrain.parallel.placement import OptimSlice, is_duplicate, is_expert, partial_dims, shard_dims
-from ndtrain.parallel.states import decay_groups, decays, persistent_buffers
+from ndtrain.parallel.states import decay_groups, decays, muon_matrix, persistent_buffers
 from ndtrain.parallel.zero_flat import (SHARD_DIMS, FlatParam, Unit, allocate_storage, decoder_units, free_storage,
                                         link_units)
 
@@ -93,8 +93,10 @@ class ZeRO:
     def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int, compute_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, init: Callable, reshard_after_forward: bool = True,
                  defer: bool = False, decoders: dict[str, nn.Module] | None = None,
-                 fp8_weights: set[int] = frozenset()):
-        """`fp8_weights`: ids of the parameters stage 3 gathers in fp8 (parallel/fp8_gather.py)."""
+                 fp8_weights: set[int] = frozenset(), muon: bool = False):
+        """`fp8_weights`: ids of the parameters stage 3 gathers in fp8 (parallel/fp8_gather.py).
+        `muon` (train.optimizer = muon): Muon's matrices (states.muon_matrix) get flats of their own."""
+        self.muon = muon
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
         self.stage, self.defer, self.fp8_weights = stage, defer, fp8_weights
@@ -146,24 +148,29 @@ class ZeRO:
 
     def _flats(self, unit_name, named, compute_dtype, reduce_dtype, init, device) -> list[FlatParam]:
         by_key: dict[tuple, list[nn.Parameter]] = {}
-        for _, p in named:
+        for param_name, p in named:
             fp8 = id(p) in self.fp8_weights and not is_expert(p)
-            key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device, fp8, p.requires_grad)
+            muon = self.muon and muon_matrix(param_name, p)
+            key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device, fp8, p.requires_grad,
+                   muon)
             by_key.setdefault(key, []).append(p)
         flats = []
-        for (dims, dup, experts, decay, _, _, fp8, trains), params in by_key.items():
+        for (dims, dup, experts, decay, _, _, fp8, trains, muon), params in by_key.items():
             name = ".".join([unit_name, "decay" if decay else "no_decay", *dims] + (["duplicate"] if dup else [])
                             + (["experts"] if experts else []) + (["fp8"] if fp8 else [])
-                            + ([] if trains else ["frozen"]))
+                            + ([] if trains else ["frozen"]) + (["muon"] if muon else []))
             group, group_dims = (self.expert_group, self.expert_dims) if experts else (self.group, SHARD_DIMS)
             flats.append(FlatParam(name, params, self.stage, group, compute_dtype, reduce_dtype, init, device,
                                    group_dims, fp8))
+            flats[-1].muon = muon
         return flats
 
     # -- the optimizer's view ---------------------------------------------------
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        return decay_groups([f.master for f in self.flats if f.decays],
-                            [f.master for f in self.flats if not f.decays], weight_decay)
+    def param_groups(self, weight_decay: float, muon: bool = False) -> list[dict]:
+        """`muon`: the flats of Muon's matrices in a group of their own (built with muon=True)."""
+        return decay_groups([f.master for f in self.flats if f.decays and not f.muon],
+                            [f.master for f in self.flats if not f.decays], weight_decay,
+                            [f.master for f in self.flats if f.muon])
 
     def optim_params(self) -> list[nn.Parameter]:
         return [f.master for f in self.flats]
