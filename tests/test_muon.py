@@ -90,7 +90,7 @@ def _blockwise_rows(data_dir, rows):
     import ndtrain.parallel.muon as muon
 
     def per_shard(self, inputs, ns):
-        return [ns(x.view(x.shape[0], -1)).to(x.dtype).view_as(x) if x.ndim == 2 else x for x in inputs]
+        return [ns(x).to(x.dtype).reshape(x.shape) if x.ndim == 2 else torch.zeros_like(x) for x in inputs]
     muon.MatrixOwners.orthogonalize = per_shard
     return _rows(data_dir, rows)
 
@@ -144,3 +144,66 @@ def test_one_process_equals_torch_muon_and_adamw(adjust):
             opt.step()
     for (name, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
         assert torch.equal(a, b), name
+
+
+# -- checkpoints -----------------------------------------------------------------------------
+
+RESUME = {  # name: (world A, layout A, world B, layout B), each with train.optimizer=muon
+    "1 process -> tp2": (1, [], 2, ["parallel.tp=2"]),
+    "zero3 dp2 -> pp2": (2, ["parallel.zero=3"], 2, ["parallel.pp=2", "train.micro_batch=4"]),
+    "tp2 -> zero2 dp2": (2, ["parallel.tp=2"], 2, ["parallel.zero=2"]),
+}
+
+
+@pytest.mark.slow
+def test_muon_resumes_across_layouts(tiny_data, tmp_path):
+    """Muon's momentum is stored as global tensors (momentum_buffer/NAME): train 4 steps on
+    layout A, resume 4 on B; B's losses and final weights equal A's uninterrupted 8 steps
+    under test_reshard's rule (the first resumed step exact, the rest within the twin's gaps)."""
+    from helpers import LOSS_TOL, assert_tensors_close, loss_scale, proof_tolerances
+    from test_reshard import _jobs
+    by_world: dict[int, list] = {1: [("twin", "1 process -> tp2", MUON)]}
+    for name, (wa, a, _, _) in RESUME.items():
+        by_world.setdefault(wa, []).insert(0, ("a", name, MUON + a))
+    for name, (_, _, wb, b) in RESUME.items():
+        by_world.setdefault(wb, []).append(("b", name, MUON + b))
+    results = {}
+    for world in sorted(by_world):
+        results.update(run_ranks(_jobs, world, tiny_data, str(tmp_path), by_world[world], timeout=600)[0])
+    tol = proof_tolerances(results[("a", "1 process -> tp2")], results[("twin", "1 process -> tp2")])
+    loss_tol = [LOSS_TOL] + tol["loss"][5:]
+    for name in RESUME:
+        a, b = results[("a", name)], results[("b", name)]
+        for i, (x, y, s) in enumerate(zip(b["losses"], a["losses"][4:], loss_scale(a["losses"][4:]))):
+            assert abs(x - y) / s <= loss_tol[i], f"{name} step {4 + i}: loss {x!r} vs {y!r} > {loss_tol[i]:.1e}"
+        assert_tensors_close(b["state"], a["state"], tol["state"], f"{name}: final weight")
+
+
+def _switch(data_dir, root):
+    """An AdamW run's step-2 checkpoint resumed with Muon: Muon's momentum fresh, AdamW's
+    moments kept; a Muon run's resumed with AdamW: refused."""
+    from ckpt_helpers import copy_checkpoint, make_trainer, train
+    from ndtrain.train.errors import TrainingError
+    steps = ["train.steps=2", "train.save_every=2"]
+    train(steps, data_dir, f"{root}/adamw")
+    copy_checkpoint(f"{root}/adamw", 2, f"{root}/to_muon")
+    trainer = make_trainer(["train.steps=4"] + MUON, data_dir, f"{root}/to_muon")
+    trainer.start()
+    opt = trainer.stepper.optimizer
+    fresh = all(not opt.state[p]["momentum_buffer"].any() for g in opt.muon_groups for p in g["params"])
+    kept = all(opt.state[p]["exp_avg"].any() for g in opt.adamw.param_groups for p in g["params"])
+    trainer.fit()
+    copy_checkpoint(f"{root}/to_muon", 4, f"{root}/to_adamw")
+    try:
+        make_trainer(["train.steps=6"], data_dir, f"{root}/to_adamw").start()
+        refused = None
+    except TrainingError as e:
+        refused = str(e)
+    return trainer.step, fresh, kept, refused
+
+
+def test_adamw_run_continues_with_muon_not_the_reverse(tiny_data, tmp_path, capfd):
+    step, fresh, kept, refused = run_ranks(_switch, 1, tiny_data, str(tmp_path), timeout=300)[0]
+    assert step == 4 and fresh and kept
+    assert "Muon's matrices start with fresh (zero) momentum" in capfd.readouterr().err
+    assert refused is not None and "train.optimizer" in refused and "Muon" in refused, refused
