@@ -475,15 +475,16 @@ class ZeRO:
             h.remove()
 
 
-def model_state_bytes(psi: int, stage: int, n: int, compute_bytes: int) -> dict[str, float]:
+def model_state_bytes(psi: int, stage: int, n: int, compute_bytes: int, moments: int = 2) -> dict[str, float]:
     """Model-state bytes per rank for Ψ parameters over n ranks (the ZeRO paper's terms, with
     our gradient accumulator): parameters in `compute_bytes` (c) each; gradients accumulated
     in fp32 under bf16/fp16 (4 bytes: the paper counts 2, but adding many micro-batches in
     bf16 loses precision), else in the compute dtype; K bytes of optimizer state per
     parameter: the fp32 master (unless the compute dtype is fp32 or wider) and Adam's two
-    moments in that dtype. bf16/fp16: 2Ψ + 4Ψ + 12Ψ; fp32: 4Ψ + 4Ψ + 8Ψ; fp64: 8Ψ + 8Ψ + 16Ψ."""
+    moments in that dtype. bf16/fp16: 2Ψ + 4Ψ + 12Ψ; fp32: 4Ψ + 4Ψ + 8Ψ; fp64: 8Ψ + 8Ψ + 16Ψ.
+    `moments`: 1 for Muon's matrices (one momentum buffer: train/muon.py)."""
     low = compute_bytes < 4
-    k = 12 if low else 2 * compute_bytes
+    k = (4 + 4 * moments) if low else moments * compute_bytes
     params, grads, optim = compute_bytes * psi, (4 if low else compute_bytes) * psi, k * psi
     if stage >= 1:
         optim /= n

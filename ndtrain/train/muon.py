@@ -123,7 +123,7 @@ class MuonAdamW(torch.optim.Optimizer):
         for i, ((p, group), o) in enumerate(zip(params, outs)):
             lr = group["lr"] * group["lr_ratio"]
             p.mul_(1 - lr * group["weight_decay"])
-            flat_p, flat_o = p.view(-1), o.view(-1)
+            flat_p, flat_o = p.view(-1), o.reshape(-1)
             for at, n, shape in self.spans[i]:
                 flat_p[at:at + n].add_(flat_o[at:at + n], alpha=-(lr * lr_ratio(shape, self.adjust)))
         return None
