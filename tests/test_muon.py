@@ -207,3 +207,20 @@ def test_adamw_run_continues_with_muon_not_the_reverse(tiny_data, tmp_path, capf
     assert step == 4 and fresh and kept
     assert "Muon's matrices start with fresh (zero) momentum" in capfd.readouterr().err
     assert refused is not None and "train.optimizer" in refused and "Muon" in refused, refused
+
+
+FP8 = ["train.precision=fp8", "train.fp8_base=fp64", "train.fp8_recipe=blockwise", "train.micro_batch=4"]
+FP8_ROWS = [("fp8-tp2-sp", ["parallel.tp=2"]), ("fp8-zero3", ["parallel.zero=3"])]
+
+
+def _fp8_reference(data_dir):
+    return {"dense": reference_in_rank(MUON + FP8, data_dir)}
+
+
+@pytest.mark.slow
+def test_muon_composes_with_fp8(tiny_data):
+    """fp8 matmuls (tests/test_fp8_layouts.py's fp64-around-fp8 proofs) with Muon: the layouts
+    equal one process in fp8 with Muon."""
+    ref = run_ranks(_fp8_reference, 1, tiny_data, timeout=600)[0]
+    rows = [(name, FP8 + o) for name, o in FP8_ROWS]
+    _check(run_ranks(_rows, 2, tiny_data, rows, timeout=600)[0], ref, rows)
