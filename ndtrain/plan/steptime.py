@@ -196,9 +196,9 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster, fp8: Fp8 | None = 
 
 
 def muon_seconds(cfg: Config, args: ModelArgs, cluster: Cluster, chunks: list[Chunk], rate: float) -> float:
-    """Muon's extra time on a rank (plan/muon.py): its share of the stage's Newton–Schulz FLOPs
+    """Muon's extra time on a rank (parallel/muon.muon_costs): its share of the stage's Newton–Schulz FLOPs
     at the compute rate, and the owners' two all-to-alls over the stage's ranks."""
-    from ndtrain.plan.muon import muon_costs
+    from ndtrain.parallel.muon import muon_costs
     from ndtrain.plan.params import stage_muon
     p, t = cfg.parallel, cfg.train
     n = p.dp * p.cp * p.tp

@@ -106,8 +106,8 @@ def muon_figures(par, optimizer, muon: bool) -> list[int]:
 
 
 def muon_lines(cfg: Config, result: dict, c: int) -> list[str]:
-    """Muon's figures per rank, measured beside plan/muon.py's formulas."""
-    from ndtrain.plan.muon import muon_costs
+    """Muon's figures per rank, measured beside parallel/muon.muon_costs."""
+    from ndtrain.parallel.muon import muon_costs
     t, p = cfg.train, cfg.parallel
     args = cfg.model_args(vocab_size=vocab_size(cfg))
     element = max(c, 4)  # the optimizer's tensors: fp32 masters, or the fp32/fp64 parameters

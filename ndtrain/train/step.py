@@ -15,7 +15,7 @@ import torch
 
 from ndtrain.config import Config
 from ndtrain.data.batch import MicroBatch
-from ndtrain.observe.memory import MemoryReport, measure_peak, model_state_bytes, storage_bytes
+from ndtrain.observe.memory import MemoryReport, measure_peak, model_state_bytes
 from ndtrain.parallel.clip import clip_grad_norm_, grad_norm
 from ndtrain.parallel.fp8 import saved_fp8_bytes
 from ndtrain.parallel.parallelize import Parallelized
