@@ -236,3 +236,34 @@ def test_muon_composes_with_fp8(tiny_data):
     ref = run_ranks(_fp8_reference, 1, tiny_data, timeout=600)[0]
     rows = [(name, FP8 + o) for name, o in FP8_ROWS]
     _check(run_ranks(_rows, 2, tiny_data, rows, timeout=600)[0], ref, rows)
+
+
+# -- what the planner and the dry run say it costs --------------------------------------------
+
+PRICED = [("muon-dp2", MUON), ("muon-zero3", MUON + ["parallel.zero=3"]), ("muon-tp2", MUON + ["parallel.tp=2"]),
+          ("muon-ep2", MUON + ["model.preset=tiny-moe", "parallel.ep=2"])]
+
+
+@pytest.mark.slow
+def test_planner_and_dry_run_price_muon():
+    """The planner's model states (one momentum for Muon's matrices) within test_plan_memory's
+    5% of the dry run's; the dry run's Newton–Schulz FLOPs, summed over ranks, equal the
+    formula over every matrix; its owners' bytes equal the formula under plain DP (Ψ(1 − 1/N))
+    and stay within its bound elsewhere."""
+    from ndtrain.parallel.muon import muon_costs, muon_matrices, ns_flops
+    from test_plan_memory import _check_rows, _config, _measure_rows
+    _check_rows(2, PRICED)
+    measured = run_ranks(_measure_rows, 2, PRICED, timeout=600)[0]
+    for name, overrides in PRICED:
+        args = _config(overrides, 2).model_args()
+        total = sum(ns_flops(a, b, 5) for a, b in muon_matrices(args))
+        ranks = measured[name]
+        assert abs(sum(r["muon_ns_flops"] for r in ranks) - total) <= len(ranks), name
+        for r in ranks:
+            held = r["psi_muon"] if name != "muon-zero3" else r["psi_muon"] / 2
+            bound = muon_costs(args, 2, 1, held, 5, 4)["bytes"]
+            if name == "muon-dp2":
+                assert r["psi_muon"] == sum(a * b for a, b in muon_matrices(args))
+                assert r["muon_bytes"] == bound, (name, r["muon_bytes"], bound)
+            else:
+                assert r["muon_bytes"] <= bound * 1.01, (name, r["muon_bytes"], bound)
