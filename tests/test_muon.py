@@ -4,6 +4,8 @@ tests/helpers.py). The reference of a layout row is one process with train.optim
 and the same overrides; its Newton–Schulz runs in fp64 (the compute dtype), so the rows are
 held to the same twin-reference tolerances as AdamW's proofs."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -115,13 +117,13 @@ def test_newton_schulz_is_torch_optim_muons():
 
 @pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
 def test_one_process_equals_torch_muon_and_adamw(adjust):
-    """The tiny model (1 block), 3 steps of random gradients: MuonAdamW (iteration in bf16, as
+    """A one-block model, 3 steps of random gradients: MuonAdamW (iteration in bf16, as
     torch.optim.Muon's) gives the same weights as torch.optim.Muon on the blocks' matrices
     and torch.optim.AdamW on the rest, bit for bit."""
     from ndtrain.config import load_config, validate
     from ndtrain.mesh import ParallelMesh
     from ndtrain.model.args import PRESETS
-    from ndtrain.parallel.parallelize import build_model
+    from ndtrain.model.llama import Transformer
     from ndtrain.parallel.placement import OptimSlice
     from ndtrain.parallel.states import param_groups
     from ndtrain.train.optim import build_optimizer
@@ -129,8 +131,14 @@ def test_one_process_equals_torch_muon_and_adamw(adjust):
     import dataclasses
     t = validate(load_config(None, ["model.preset=tiny", "train.optimizer=muon", f"train.muon_adjust_lr={adjust}",
                                     "run.device=cpu"]), world=1).train
-    args = dataclasses.replace(PRESETS["tiny"], n_layers=1)  # torch runs the iteration in bf16: slow on a CPU
-    models = [build_model(args, 0, torch.device("cpu")) for _ in range(2)]
+    # one narrow block: torch runs the iteration in bf16, which is slow on a CPU
+    args = dataclasses.replace(PRESETS["tiny"], n_layers=1, dim=32, n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=48,
+                               vocab_size=64)
+    torch.manual_seed(0)
+    models = [Transformer(args) for _ in range(2)]
+    with torch.no_grad():
+        for p in models[0].parameters():
+            p.normal_(0, 0.05)
     models[1].load_state_dict(models[0].state_dict())
     ours = build_optimizer(param_groups(models[0].named_parameters(), t.weight_decay, True), t, torch.device("cpu"),
                            ([OptimSlice(n, p, p, 0, 0, p.numel()) for n, p in models[0].named_parameters()],
@@ -205,6 +213,9 @@ def _switch(data_dir, root):
     kept = all(opt.state[p]["exp_avg"].any() for g in opt.adamw.param_groups for p in g["params"])
     trainer.fit()
     copy_checkpoint(f"{root}/to_muon", 4, f"{root}/to_adamw")
+    from ndtrain.checkpoint import store
+    from ndtrain.checkpoint.inspect import _optimizer
+    said.append(_optimizer(store.read_meta(store.latest(Path(f"{root}/to_muon")))))
     try:
         make_trainer(["train.steps=6"], data_dir, f"{root}/to_adamw").start()
         refused = None
@@ -218,6 +229,7 @@ def test_adamw_run_continues_with_muon_not_the_reverse(tiny_data, tmp_path):
     step, fresh, kept, said, refused = run_ranks(_switch, 1, tiny_data, str(tmp_path), timeout=300)[0]
     assert step == 4 and fresh and kept
     assert any("Muon's matrices start with fresh (zero) momentum" in m for m in said), said
+    assert "Muon momentum + AdamW moments, step 4" in said, said  # ndtrain checkpoint inspect's line
     assert refused is not None and "train.optimizer" in refused and "Muon" in refused, refused
 
 
