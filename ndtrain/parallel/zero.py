@@ -22,7 +22,8 @@ ZeRO only sees the module's local parameters, so a tensor-parallel shard or a pi
 stage's chunks are sharded the same way.
 
 Flat buffers (parallel/zero_flat.py). The parameters of one unit that share placement
-(`shard_dims`, duplicate or not, parallel/placement.py), weight-decay group and dtype are
+(`shard_dims`, duplicate or not, parallel/placement.py), weight-decay group, optimizer
+(Muon's matrices apart under train.optimizer = muon: parallel/muon.py) and dtype are
 packed into one flat buffer `full`, padded to a multiple of N; every parameter becomes a view
 into it. Rank r owns the slice [r·S, (r+1)·S), S = padded / N. Its fp32 *master* of that
 slice is what the optimizer updates (one tensor per flat buffer, so AdamW runs on N times
