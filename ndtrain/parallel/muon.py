@@ -178,6 +178,16 @@ class MatrixOwners:
                     self.send_out[rank].append((key, part.index))
             if o == me:
                 assert bool(covered.all()), f"muon: no rank holds all of {key}"
+        if holders and holders[0].device.type != "cpu":  # the step's index copies stay on the device
+            self._to(holders[0].device)
+
+    def _to(self, device) -> None:
+        move = lambda p: Part(p.holder, p.positions.to(device), p.index.to(device))  # noqa: E731
+        self.send_in = [[move(p) for p in parts] for parts in self.send_in]
+        self.recv_out = [[move(p) for p in parts] for parts in self.recv_out]
+        self.own = {key: [move(p) for p in parts] for key, parts in self.own.items()}
+        self.recv_in = [[(k, i.to(device)) for k, i in items] for items in self.recv_in]
+        self.send_out = [[(k, i.to(device)) for k, i in items] for items in self.send_out]
 
     def sizes(self) -> tuple[list[int], list[int], list[int], list[int]]:
         count = [lambda xs: sum(p.index.numel() for p in xs), lambda xs: sum(i.numel() for _, i in xs)]
