@@ -115,8 +115,8 @@ def test_newton_schulz_is_torch_optim_muons():
         assert torch.equal(newton_schulz(g, coeffs, 5, torch.bfloat16), _zeropower_via_newtonschulz(g, coeffs, 5, NS_EPS))
 
 
-@pytest.mark.parametrize("adjust", ["original", "match_rms_adamw"])
-def test_one_process_equals_torch_muon_and_adamw(adjust):
+@pytest.mark.parametrize("adjust, muon_lr", [("original", 0.02), ("match_rms_adamw", 0.0)])
+def test_one_process_equals_torch_muon_and_adamw(adjust, muon_lr):
     """A one-block model, 3 steps of random gradients: MuonAdamW (iteration in bf16, as
     torch.optim.Muon's) gives the same weights as torch.optim.Muon on the blocks' matrices
     and torch.optim.AdamW on the rest, bit for bit."""
@@ -130,7 +130,7 @@ def test_one_process_equals_torch_muon_and_adamw(adjust):
 
     import dataclasses
     t = validate(load_config(None, ["model.preset=tiny", "train.optimizer=muon", f"train.muon_adjust_lr={adjust}",
-                                    "run.device=cpu"]), world=1).train
+                                    f"train.muon_lr={muon_lr}", "run.device=cpu"]), world=1).train
     # one narrow block: torch runs the iteration in bf16, which is slow on a CPU
     args = dataclasses.replace(PRESETS["tiny"], n_layers=1, dim=32, n_heads=2, n_kv_heads=1, head_dim=16, ffn_dim=48,
                                vocab_size=64)
@@ -146,7 +146,7 @@ def test_one_process_equals_torch_muon_and_adamw(adjust):
     groups = param_groups(models[1].named_parameters(), t.weight_decay, True)
     matrices = [p for g in groups if g.get("muon") for p in g["params"]]
     assert len(matrices) == 7  # q, k, v, o and the MLP's three
-    reference = [torch.optim.Muon(matrices, lr=t.lr, weight_decay=t.weight_decay, momentum=t.muon_momentum,
+    reference = [torch.optim.Muon(matrices, lr=muon_lr or t.lr, weight_decay=t.weight_decay, momentum=t.muon_momentum,
                                   nesterov=t.muon_nesterov, adjust_lr_fn=adjust),
                  torch.optim.AdamW([g for g in groups if not g.get("muon")], lr=t.lr, betas=(t.beta1, t.beta2),
                                    eps=t.eps, foreach=True)]

@@ -66,9 +66,9 @@ class MuonAdamW(torch.optim.Optimizer):
     def __init__(self, groups: list[dict], adamw: torch.optim.Optimizer | None, t, slices, group,
                  ns_dtype: torch.dtype):
         muon_groups = [g for g in groups if g.get("muon")]
-        ratio = t.muon_lr / t.lr if t.muon_lr else 1.0
+        # train.muon_lr: Muon's peak, scheduled as train.lr is (set_lr sets every group's "lr")
         defaults = {"lr": t.lr, "weight_decay": t.weight_decay, "momentum": t.muon_momentum,
-                    "nesterov": t.muon_nesterov, "lr_ratio": ratio}
+                    "nesterov": t.muon_nesterov, "muon_lr": t.muon_lr, "base_lr": t.lr}
         super().__init__(muon_groups or [{"params": []}], defaults)
         self.muon_groups = list(self.param_groups)
         self.adamw = adamw
@@ -121,7 +121,7 @@ class MuonAdamW(torch.optim.Optimizer):
             return None
         outs = self.owners.orthogonalize(inputs, self.ns)
         for i, ((p, group), o) in enumerate(zip(params, outs)):
-            lr = group["lr"] * group["lr_ratio"]
+            lr = group["muon_lr"] * (group["lr"] / group["base_lr"]) if group["muon_lr"] else group["lr"]
             p.mul_(1 - lr * group["weight_decay"])
             flat_p, flat_o = p.view(-1), o.reshape(-1)
             for at, n, shape in self.spans[i]:
