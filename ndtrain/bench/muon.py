@@ -15,7 +15,6 @@ from __future__ import annotations
 import statistics
 
 from ndtrain.bench.common import TRAINING, Bench, Contest, alternate, announce, bench_config, describe, report
-from ndtrain.config import ConfigError
 from ndtrain.launch import launch_local, shutdown
 
 MODEL = ("model.preset=small",)
@@ -76,8 +75,6 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
 def run(args) -> int:
     cfg = bench_config(args, BENCH)
     cfg.train.optimizer = "adamw"
-    if cfg.parallel.tp > 1 or cfg.parallel.cp > 1 or cfg.parallel.pp > 1:
-        raise ConfigError("parallel.tp", cfg.parallel.tp, "bench muon runs data parallel (plain and ZeRO-3) only")
     announce(args, cfg, f"bench muon: AdamW vs Muon, dp and ZeRO-3 · {args.nproc} rank{'s' if args.nproc > 1 else ''} "
                         f"· {describe(cfg)} · {args.rounds} rounds × {args.steps} steps of 4 contenders, alternating")
     print(launch_local(args.nproc, _worker, cfg.to_dict(), args.rounds, args.steps)[0])
