@@ -383,3 +383,17 @@ def test_invalid_utf8_in_dpo_and_rl_data_is_a_bad_record(tmp_path, capsys, monke
     assert err[0].startswith("ndtrain: warning: rl.data: skipped 1 bad records (data.on_bad_record=skip), first: ")
     assert err[0].endswith("qa.jsonl:5: not UTF-8 text (byte 0xff at byte 13 of the line)") and len(err) == 2, err
     assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+@pytest.mark.parametrize("bad, line", [
+    ("train.optimizer=sgd", "train.optimizer = 'sgd': choose one of adamw, muon"),
+    ("train.muon_momentum=1.0", "train.muon_momentum = 1.0: must be in [0, 1)"),
+    ("train.muon_ns_steps=0", "train.muon_ns_steps = 0: must be in [1, 100)"),
+    ("train.muon_ns_coefficients=3.4,-4.7", "train.muon_ns_coefficients = '3.4,-4.7': expected three comma-separated"),
+    ("train.muon_adjust_lr=none", "train.muon_adjust_lr = 'none': choose one of match_rms_adamw, original"),
+    ("train.muon_lr=-1", "train.muon_lr = -1"),
+    ("lora.rank=4", "train.optimizer = 'muon': Muon orthogonalises whole weight matrices; a LoRA adapter's"),
+])
+def test_bad_muon_keys_are_refused(tmp_path, capsys, monkeypatch, bad, line):
+    monkeypatch.chdir(tmp_path)
+    refused(["train", *CHEAP, "train.optimizer=muon", bad], tmp_path, capsys, line)

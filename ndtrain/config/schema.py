@@ -122,6 +122,13 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    optimizer: str = "adamw"  # adamw | muon (Muon on the blocks' matrices, AdamW on the rest: docs/muon.md)
+    muon_lr: float = 0.0  # Muon's peak learning rate (the schedule scales it as train.lr); 0 = train.lr
+    muon_momentum: float = 0.95  # Muon's momentum (Keller Jordan's, torch.optim.Muon's, Moonlight's)
+    muon_nesterov: bool = True  # Nesterov momentum (the same recipes)
+    muon_ns_steps: int = 5  # Newton-Schulz iterations (the same recipes)
+    muon_ns_coefficients: str = "3.4445,-4.7750,2.0315"  # a,b,c of the quintic iteration (Keller Jordan's)
+    muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (Moonlight: 0.2·sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 0
     precision: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on the CPU) | fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs) | fp8 (block matmuls in fp8, the rest in fp8_base)

@@ -207,7 +207,8 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
         decoders = {f"chunk{c}": chunk for c, chunk in chunks.items()} if pipelined else None
         gathered_fp8 = fp8.weights(model) if t.fp8_all_gather else frozenset()
         states = grad_sync = ZeRO(model, mesh, p.zero, dtype, rdtype, init, p.reshard_after_forward,
-                                  defer=pipelined, decoders=decoders, fp8_weights=gathered_fp8)
+                                  defer=pipelined, decoders=decoders, fp8_weights=gathered_fp8,
+                                  muon=t.optimizer == "muon")
     else:
         materialize(model, init, mesh.device)
         masters = MasterWeights(list(model.parameters())) if has_masters(dtype) else None

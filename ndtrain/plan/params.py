@@ -105,6 +105,19 @@ def stage_states(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> dict[str,
     p = cfg.parallel
     dense, experts = stage_split(cfg, args, chunks)
     c = BYTES[cfg.train.precision]
-    a = model_state_bytes(dense, p.zero, p.dp_shard * p.cp, c)
-    b = model_state_bytes(experts, p.zero, max(p.dp_shard * p.cp // p.ep, 1), c)
-    return {k: a[k] + b[k] for k in a}
+    muon = stage_muon(cfg, args, chunks) if cfg.train.optimizer == "muon" else 0  # one moment, not two
+    a = model_state_bytes(dense - muon, p.zero, p.dp_shard * p.cp, c)
+    m = model_state_bytes(muon, p.zero, p.dp_shard * p.cp, c, moments=1)
+    b = model_state_bytes(experts, p.zero, max(p.dp_shard * p.cp // p.ep, 1), c,
+                          moments=1 if cfg.train.optimizer == "muon" else 2)
+    return {k: a[k] + m[k] + b[k] for k in a}
+
+
+def stage_muon(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> int:
+    """The dense parameters Muon updates on one rank of a pipeline rank's chunks: the blocks'
+    matrices (attention, MLP, shared experts), not the router (the first of an MoE block's whole weights)."""
+    tp, n = cfg.parallel.tp, 0
+    for i in (i for ch in chunks for i in ch.layer_ids):
+        split, whole = block_weight_groups(args, tp, i)
+        n += sum(k for k, matrix in split if matrix) + sum(k for k, _ in whole[1:])
+    return n

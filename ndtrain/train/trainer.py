@@ -3,7 +3,6 @@ checkpoints. Every layout runs this same loop; what differs lives in `Paralleliz
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -24,7 +23,7 @@ from ndtrain.comm import ops
 from ndtrain.comm.ops import all_reduce_bookkeeping, all_reduce_scalars
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
-from ndtrain.mesh import DIMS, ParallelMesh
+from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import flops_per_token
 from ndtrain.model.llama import Transformer
 from ndtrain.model.lora import is_adapter
@@ -521,6 +520,9 @@ class Trainer:
             raise TrainingError(f"cannot resume {path}: {e}") from None
         source = sources.CheckpointSource(path, meta)
         layout.load(source, self.par, self.args.tie_embeddings, self.stepper.optimizer, meta.get("optimizer_step", 0))
+        if self.cfg.train.optimizer == "muon" and not source.has("momentum_buffer"):
+            self.report(f"{path} was trained with AdamW: Muon's matrices start with fresh (zero) momentum, "
+                        "the other tensors keep their AdamW moments")
         scaler = self.stepper.scaler
         if scaler is not None and meta.get("scaler"):
             scaler.load_state_dict(meta["scaler"])
