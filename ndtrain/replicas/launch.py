@@ -23,8 +23,12 @@ from ndtrain.supervisor import (GRACE_S, Failure, RankFailure, Results, _Attempt
 
 
 def _replica_rank(fn, args, env: dict):
-    """A rank of a replica group: its place among the groups, then the usual work."""
+    """A rank of a replica group: its place among the groups, then the usual work. Its
+    local rank and world are the machine's (a GPU each, CPU threads shared by all groups)."""
     os.environ.update({k: str(v) for k, v in env.items()})
+    size = int(os.environ["WORLD_SIZE"])
+    os.environ.update(LOCAL_RANK=str(int(env["NDTRAIN_REPLICA"]) * size + int(os.environ["RANK"])),
+                      LOCAL_WORLD_SIZE=str(int(env["NDTRAIN_REPLICAS"]) * size))
     return fn(*args)
 
 
@@ -124,4 +128,4 @@ def launch_replicas(nproc: int, replicas: int, fn, args: tuple, *, max_restarts:
     finally:
         for g in groups.values():
             g.kill()
-        del lighthouse
+
