@@ -269,7 +269,9 @@ def _add_bench(sub) -> None:
                                      "plan (the planner's step time against the engine's, each layout on this "
                                      "machine), fp8 (bf16 vs each fp8 recipe; on a CPU, the emulation), compile "
                                      "(train.compile=true vs eager, same layout), prepare (ndtrain prepare on "
-                                     "data.workers processes vs a bare tokenizers encode_batch loop, MB/s), gpu (the "
+                                     "data.workers processes vs a bare tokenizers encode_batch loop, MB/s), ft (one replica group "
+                                     "killed mid-run: run.fault_tolerance=restart vs replicas, wall time and steps lost; "
+                                     "default 2 rounds), gpu (the "
                                      "one-GPU acceptance run: CUDA tests, 1B MFU eager/compiled, one-GPU benches; "
                                      "--dry-run lists them); "
                                      "KEY=VALUE reaches both sides or is refused",
@@ -279,7 +281,7 @@ def _add_bench(sub) -> None:
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "lora", "checkpoint", "ep",
-                                    "generate", "plan", "fp8", "compile", "prepare", "gpu"])
+                                    "generate", "plan", "fp8", "compile", "prepare", "ft", "gpu"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--dry-run", action="store_true", help="gpu: print the steps and their time budgets, run nothing")
     p.add_argument("--rounds", type=int, help="alternating A/B rounds (default 10; generate 5)")
