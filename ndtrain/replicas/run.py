@@ -10,6 +10,8 @@ target count and the summed gradients; with DiLoCo, only the outer step's deltas
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from ndtrain.config import Config
@@ -142,7 +144,8 @@ class ReplicaRun:
             self.par.states.after_step()
 
     def record(self, step: int) -> dict:
-        """The step's metrics: which replica groups' rows it used, and the tokens it skipped."""
+        """The step's metrics: which replica groups' rows it used, the tokens it skipped, and
+        when it ended (the host's clock: docs/faults.md draws the groups' timelines from it)."""
         if self.quorum is None:
             return {}
         if self.diloco is not None and not self.diloco.outer_due(step):
@@ -150,4 +153,4 @@ class ReplicaRun:
         live = self.quorum.replicas
         rounds = self.diloco.inner_steps if self.diloco is not None else 1
         skipped = (self.replicas - len(live)) * self.rows_per_replica * self.seq_len * rounds
-        return {"replicas": live, "skipped_tokens": skipped}
+        return {"replicas": live, "skipped_tokens": skipped, "ended_at": time.time()}
