@@ -133,7 +133,7 @@ def run_task(cfg, world: int | None, run_dir: Path, worker, worker_args: tuple, 
     stopped run."""
     from ndtrain import supervisor
     from ndtrain.checkpoint.lock import RunLock
-    _check_replicas(cfg, world, worker)
+    _check_replicas(cfg, world)
     if world is not None:
         with RunLock(run_dir) if os.environ.get("RANK", "0") == "0" else nullcontext():
             summary = worker(*worker_args)
@@ -152,18 +152,13 @@ def run_task(cfg, world: int | None, run_dir: Path, worker, worker_args: tuple, 
     return 0 if world is not None else code
 
 
-def _check_replicas(cfg, world: int | None, worker) -> None:
-    """run.fault_tolerance = "replicas" needs ndtrain's own launcher (its parent hosts the
-    lighthouse) and pretraining's worker (docs/faults.md)."""
+def _check_replicas(cfg, world: int | None) -> None:
+    """run.fault_tolerance = "replicas" needs ndtrain's own launcher: its parent hosts the
+    lighthouse (docs/faults.md)."""
     from ndtrain.config import ConfigError
-    from ndtrain.train.worker import train_worker
-    if cfg.run.fault_tolerance != "replicas":
-        return
-    if world is not None:
+    if cfg.run.fault_tolerance == "replicas" and world is not None:
         raise ConfigError("run.fault_tolerance", "replicas", "needs ndtrain's own launcher (one machine), not "
                           "torchrun or srun: its parent process is the lighthouse")
-    if worker is not train_worker:
-        raise ConfigError("run.fault_tolerance", "replicas", "is for pretraining (ndtrain train) only so far")
 
 
 def _run_ranks(cfg, worker, args: tuple, preload: tuple[str, ...]) -> tuple[dict, int]:

@@ -27,3 +27,10 @@ def check_fault_tolerance(cfg: Config) -> None:
     if t.precision == "fp16":
         raise ConfigError("run.fault_tolerance", r.fault_tolerance,
                           "replicas does not carry fp16's loss scale between replica groups yet; use bf16, fp32 or fp64")
+
+
+def check_pretraining_only(cfg: Config, command: str) -> None:
+    """`ndtrain sft`, `rl` and `dpo` do not run replica groups yet: refused before anything runs."""
+    if cfg.run.fault_tolerance == "replicas":
+        raise ConfigError("run.fault_tolerance", "replicas", f"is for pretraining (ndtrain train) only so far, "
+                          f"not ndtrain {command}")
