@@ -276,7 +276,8 @@ def _assert_equals_its_reference(run: dict, extra: list[str], data_dir: str, ste
     return used
 
 
-def test_a_killed_replica_group_rejoins_and_the_run_equals_one_process_on_the_rows_it_used(tiny_data, tmp_path):
+def test_a_killed_replica_group_rejoins_and_the_run_equals_one_process_on_the_rows_it_used(tiny_data, tmp_path,
+                                                                                          one_thread):
     """2 groups of 1 rank, 12 steps: group 1 dies by SIGKILL inside step 4's backward, after
     the step's target count was agreed (the survivor's gradients are rescaled to the live
     count), restarts, and rejoins from group 0's state before step 8. Group 0 never stops,
@@ -307,7 +308,7 @@ def test_without_a_failure_replicas_equal_the_plain_layout_bit_for_bit(tiny_data
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", ["hang", "transfer"])
-def test_a_hung_replica_or_a_kill_during_the_transfer_on_two_by_two_ranks(tiny_data, tmp_path, fault):
+def test_a_hung_replica_or_a_kill_during_the_transfer_on_two_by_two_ranks(tiny_data, tmp_path, fault, one_thread):
     """2 groups × 2 ranks. hang: group 1's rank 0 stops (SIGSTOP) at step 3, is found by its
     heartbeat, and its group restarts and rejoins before step 8. transfer: group 1 dies by
     SIGKILL at step 3, and its first restart dies again while it receives the state (the
@@ -325,7 +326,7 @@ def test_a_hung_replica_or_a_kill_during_the_transfer_on_two_by_two_ranks(tiny_d
 
 
 @pytest.mark.slow
-def test_diloco_equals_its_one_process_simulation(tiny_data, tmp_path):
+def test_diloco_equals_its_one_process_simulation(tiny_data, tmp_path, one_thread):
     """H = 8 inner steps, 2 rounds, on 2 groups of 1 rank; Nesterov momentum 0.9."""
     extra = ["train.steps=16", "train.diloco_inner_steps=8", "train.diloco_outer_lr=0.7",
              "train.diloco_outer_momentum=0.9"]

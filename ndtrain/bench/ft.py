@@ -9,7 +9,8 @@ of step 30 the first rank of replica group 1 is killed (SIGKILL):
 - replicas: group 0 goes on; group 1 restarts, receives the state from group 0, and rejoins
   at a step boundary.
 Each round runs both, alternating (restart first); a round's figure is the wall time of the
-whole launch, start-up included. Reported per side: the median wall time, the steps lost
+whole launch, start-up included. Every step's metrics line is written at once
+(train.log_every = 1), so the restart's count of steps done again is exact. Reported per side: the median wall time, the steps lost
 (restart: the steps done again, restarts.jsonl; replicas: the steps group 0 did not record,
 0 when it never stopped), and for replicas the step at which group 1 was back and the
 longest step of group 0. Last line: the replicas/restart wall-time ratio (below 1: replicas
@@ -32,7 +33,7 @@ from ndtrain.bench.common import Bench, announce, bench_config, describe
 
 KILL_AT = 30
 BENCH = Bench("ft", (), ("train.steps=40", "train.save_every=20", "train.eval_every=0", "train.eval_batches=1",
-                         "parallel.dp_replicate=2", "run.progress=false", "run.plot=false", "run.heartbeat_s=60"),
+                         "train.log_every=1", "parallel.dp_replicate=2", "run.progress=false", "run.plot=false", "run.heartbeat_s=60"),
               ("model.", "train.", "parallel.dp_replicate", "parallel.tp", "parallel.zero", "run.device",
                "run.threads", "run.heartbeat_s"))
 

@@ -20,8 +20,9 @@ import torch.distributed as dist
 from ndtrain.replicas.lighthouse import Lighthouse, Quorum
 
 
-def _flat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+def _flat(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """One buffer on `device` (AdamW keeps its step count on the host)."""
+    return torch.cat([t.detach().reshape(-1).to(device) for t in tensors]) if tensors else torch.zeros(0)
 
 
 @torch.no_grad()
@@ -52,9 +53,9 @@ class Exchange:
         self.lh, self.device = lighthouse, device
         self.tag, self.attempt = "", 0
 
-    def start(self, tag: str) -> Quorum:
+    def start(self, tag: str, admit: bool = True) -> Quorum:
         self.tag, self.attempt = tag, 0
-        return self.lh.quorum(tag, 0)
+        return self.lh.quorum(tag, 0, admit)
 
     def retry(self, failed: Quorum) -> Quorum:
         self.lh.await_change(failed)
@@ -64,7 +65,7 @@ class Exchange:
     def count(self, q: Quorum, local: float) -> tuple[Quorum, float]:
         """The sum of every live replica's `local` (its target count), and their quorum."""
         while True:
-            box = torch.tensor([float(local)], dtype=torch.float64)
+            box = torch.tensor([float(local)], dtype=torch.float64, device=self.device)
             if self.lh.phase(q, "n", lambda g: all_reduce(box, g)):
                 return q, float(box.item())
             q = self.retry(q)
@@ -74,7 +75,7 @@ class Exchange:
         replicas; after a failure, over the survivors, rescaled to their target count.
         Returns the quorum and the count the gradients are divided by."""
         while True:
-            flat = _flat(grads)
+            flat = _flat(grads, self.device)
             if flat.dtype in (torch.float16, torch.bfloat16):
                 flat = flat.float()
             if self.lh.phase(q, "g", lambda g: all_reduce(flat, g)):
@@ -90,7 +91,7 @@ class Exchange:
     def average(self, q: Quorum, tensors: list[torch.Tensor]) -> Quorum:
         """Replace `tensors` by their mean over the live replicas (DiLoCo's deltas)."""
         while True:
-            flat = _flat(tensors)
+            flat = _flat(tensors, self.device)
             if self.lh.phase(q, "d", lambda g: all_reduce(flat, g)):
                 _unflat(flat.div_(len(q.members)), tensors)
                 return q
@@ -101,7 +102,7 @@ class Exchange:
         others hold the same values already). True when every rank of `q` has them."""
         def exchange(group):
             held = tensors()
-            flat = _flat(held)
+            flat = _flat(held, self.device)
             broadcast(flat, q.replicas.index(q.source), group)
             _unflat(flat, held)
         return self.lh.phase(q, "x", exchange)

@@ -89,6 +89,8 @@ class Lighthouse:
         self.group_id = "start"
         self._groups: dict[str, object] = {}  # group_id → this position's process group (None alone)
         self._old: list = []  # groups of past quorums, kept: a gloo group torn down mid-failure can block
+        self._tried: set[str] = set()  # a joiner's admissions whose transfer failed
+        self._written: list[list[str]] = []  # this rank's outcome keys, per quorum it took part in
 
     @property
     def joining(self) -> bool:
@@ -102,19 +104,21 @@ class Lighthouse:
         return self.store.check([f"ft/down/{r}/{inc}"])
 
     # -- quorums ----------------------------------------------------------------------
-    def quorum(self, tag: str, attempt: int) -> Quorum:
+    def quorum(self, tag: str, attempt: int, admit: bool = True) -> Quorum:
+        """The quorum of (tag, attempt), proposed by this rank if it is the first to ask;
+        `admit`: whether restarted groups may join now."""
         key = f"ft/q/{tag}/{attempt}"
         if not self.store.check([key]):
-            self.store.compare_set(key, "", self._propose(tag, attempt).encode())
+            self.store.compare_set(key, "", self._propose(tag, attempt, admit).encode())
         q = Quorum.decode(key, self.store.get(key).decode())
         for r, inc in q.joiners:  # tell the joiner where to come (every reader writes the same)
             self.store.set(f"ft/admit/{r}/{inc}", key)
         return q
 
-    def _propose(self, tag: str, attempt: int) -> Quorum:
+    def _propose(self, tag: str, attempt: int, admit: bool) -> Quorum:
         members = [(r, i) for r, i in self.last if not self.down(r, i)]
         joiners = []
-        if attempt == 0:
+        if attempt == 0 and admit:
             for r in range(self.replicas):
                 inc = self.incarnation_of(r)
                 if (r, inc) in self.last or self.down(r, inc):
@@ -144,7 +148,6 @@ class Lighthouse:
         that admits it (the latest attempt naming it). Beats meanwhile."""
         self.store.set(f"ft/ready/{self.replica}/{self.incarnation}/{self.position}", "1")
         admit = f"ft/admit/{self.replica}/{self.incarnation}"
-        seen = None
         while True:
             supervisor.heartbeat()
             if self.store.check([admit]):
@@ -153,8 +156,8 @@ class Lighthouse:
                 while self.store.check([f"{tag}/{int(attempt) + 1}"]):  # a later attempt of that step exists
                     attempt = str(int(attempt) + 1)
                 key = f"{tag}/{attempt}"
-                if key != seen:
-                    seen = key
+                if key not in self._tried:
+                    self._tried.add(key)  # one try each: a failed transfer waits for the next admission
                     q = Quorum.decode(key, self.store.get(key).decode())
                     if (self.replica, self.incarnation) in q.joiners:
                         return q
@@ -183,8 +186,21 @@ class Lighthouse:
             outcome = "1"
         except (RuntimeError, dist.DistError) as e:  # a peer died or hung: gloo's errors
             outcome = "0" + str(e).splitlines()[0][:200] if str(e) else "0"
-        self.store.set(f"{q.key}/{name}/{self.replica}/{self.position}", outcome)
+        key = f"{q.key}/{name}/{self.replica}/{self.position}"
+        self.store.set(key, outcome)
+        if not self._written or not self._written[-1][0].startswith(q.key + "/"):
+            self._written.append([])
+        self._written[-1].append(key)
+        self._forget()
         return self.decision(q, name)
+
+    def _forget(self) -> None:
+        """Delete this rank's outcomes of quorums two or more before the current one: every
+        rank that read them has decided since (a quorum's phases need every live rank's
+        outcome, written after it decided the quorum before), so the store stays small."""
+        while len(self._written) > 2:
+            for key in self._written.pop(0):
+                self.store.delete_key(key)
 
     def decision(self, q: Quorum, name: str) -> bool:
         key = f"{q.key}/{name}/decision"

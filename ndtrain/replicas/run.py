@@ -113,7 +113,7 @@ class ReplicaRun:
             self._anchored = True
             if step % self.diloco.inner_steps:
                 return None
-        q = self.exchange.start(str(step))
+        q = self.exchange.start(str(step), admit=step > 0)  # a live group's optimizer has its state after step 0
         while q.joiners:
             if self.exchange.send_state(q, self.state_tensors):
                 break
