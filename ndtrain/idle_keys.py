@@ -54,8 +54,11 @@ def _rules(cfg: Config, world: int | None, command: str) -> list[tuple[str, bool
         ("parallel.bucket_mb", p.zero > 0, "ZeRO communicates per unit (a block, the root), not per bucket"),
         ("parallel.bucket_mb", p.zero == 0 and p.dp * p.cp == 1,
          "there is no data parallelism (parallel.dp = 1) whose gradients it would bucket"),
-        ("parallel.dp_replicate", p.zero == 0,
-         "without ZeRO every data-parallel rank holds everything; replicas only matter to HSDP (parallel.zero > 0)"),
+        ("parallel.dp_replicate", p.zero == 0 and r.fault_tolerance != "replicas",
+         "without ZeRO every data-parallel rank holds everything; replicas only matter to HSDP (parallel.zero > 0) "
+         "and to run.fault_tolerance = \"replicas\""),
+        ("train.diloco_outer_lr", t.diloco_inner_steps == 0, "DiLoCo is off (train.diloco_inner_steps = 0)"),
+        ("train.diloco_outer_momentum", t.diloco_inner_steps == 0, "DiLoCo is off (train.diloco_inner_steps = 0)"),
         ("train.reduce_fp32", t.precision not in ("bf16", "fp16"),
          f"gradients are reduced in the compute dtype, which is {t.precision} here, not bf16 or fp16"),
         ("train.loss_scaler", not fp16, "loss scaling is for train.precision = fp16 only"),

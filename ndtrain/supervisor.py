@@ -89,6 +89,28 @@ def heartbeat(step: int | None = None) -> None:
             c.steps[c.rank] = step
 
 
+@contextmanager
+def beating(every_s: float = 0.2):
+    """Beat from a thread while inside: a rank blocked on a peer (a replica group waiting for
+    another, replicas/lighthouse.py) is alive, however long the peer takes to be declared
+    dead. A stopped process (SIGSTOP) stops this thread too, so a hang is still seen."""
+    if _CONTROL.beats is None:
+        yield
+        return
+    done = threading.Event()
+
+    def beat():
+        while not done.wait(every_s):
+            heartbeat()
+    thread = threading.Thread(target=beat, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def stop_requested() -> bool:
     return _CONTROL.stop
 

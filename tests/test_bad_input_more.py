@@ -397,3 +397,37 @@ def test_invalid_utf8_in_dpo_and_rl_data_is_a_bad_record(tmp_path, capsys, monke
 def test_bad_muon_keys_are_refused(tmp_path, capsys, monkeypatch, bad, line):
     monkeypatch.chdir(tmp_path)
     refused(["train", *CHEAP, "train.optimizer=muon", bad], tmp_path, capsys, line)
+
+
+FAULT_TOLERANCE_CASES = [
+    (["run.fault_tolerance=survive"], "run.fault_tolerance = 'survive': choose restart or replicas"),
+    (["run.fault_tolerance=replicas"], "run.fault_tolerance = 'replicas': replicas needs parallel.dp_replicate ≥ 2 "
+                                       "replica groups (it is 1)"),
+    (["run.fault_tolerance=replicas", "parallel.dp_replicate=2", "run.heartbeat_s=0", "--nproc", "2"],
+     "run.heartbeat_s = 0.0: must be positive under run.fault_tolerance = \"replicas\""),
+    (["run.fault_tolerance=replicas", "parallel.dp_replicate=2", "train.precision=fp16", "--nproc", "2"],
+     "run.fault_tolerance = 'replicas': replicas does not carry fp16's loss scale"),
+    (["train.diloco_inner_steps=8"], "train.diloco_inner_steps = 8: DiLoCo runs over replica groups: set "
+                                     "run.fault_tolerance = \"replicas\""),
+    (["train.diloco_inner_steps=-1"], "train.diloco_inner_steps = -1: must be >= 0"),
+    (["train.diloco_outer_lr=0"], "train.diloco_outer_lr = 0.0: must be > 0"),
+    (["train.diloco_outer_momentum=1"], "train.diloco_outer_momentum = 1.0: must be in [0, 1)"),
+]
+
+
+def test_fault_tolerance_keys_are_checked(tmp_path, capsys, monkeypatch):
+    """run.fault_tolerance and DiLoCo's keys (docs/faults.md): one line naming the key, the
+    value and the rule."""
+    monkeypatch.chdir(tmp_path)
+    for extra, line in FAULT_TOLERANCE_CASES:
+        argv = [a for a in CHEAP if a not in ("--nproc", "1")] if "--nproc" in extra else CHEAP
+        refused(["train", *argv, *extra], tmp_path, capsys, line)
+
+
+@pytest.mark.parametrize("command", ["sft", pytest.param("rl", marks=pytest.mark.slow),
+                                     pytest.param("dpo", marks=pytest.mark.slow)])
+def test_replicas_outside_pretraining_is_refused_before_anything_runs(command, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    refused([command, "--nproc", "2", "model.preset=tiny", "run.device=cpu", "train.steps=1",
+             "run.fault_tolerance=replicas", "parallel.dp_replicate=2"], tmp_path, capsys,
+            f"run.fault_tolerance = 'replicas': is for pretraining (ndtrain train) only so far, not ndtrain {command}")

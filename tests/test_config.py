@@ -274,10 +274,16 @@ def idle(overrides, file_text=None, tmp_path=None, world=None):
     (["train.decay_fraction=0.1"], "train.decay_fraction"),
     (["train.schedule=constant", "train.min_lr_ratio=0.5"], "train.min_lr_ratio"),
     (["data.vocab_size=1000", "data.tokenizer=" + __file__], "data.vocab_size"),
+    (["train.diloco_outer_lr=0.5"], "train.diloco_outer_lr"),
+    (["train.diloco_outer_momentum=0.5"], "train.diloco_outer_momentum"),
 ])
 def test_an_idle_key_gets_one_line_naming_it(overrides, key):
     lines = idle(overrides)
     assert len(lines) == 1 and lines[0].startswith(f"{key} = ") and "has no effect" in lines[0], lines
+
+
+def test_dp_replicate_is_not_idle_under_replicas():
+    assert idle(["parallel.dp_replicate=2", "run.nproc=4", "run.fault_tolerance=replicas"]) == []
 
 
 def test_an_idle_key_in_a_file_is_named_too(tmp_path):

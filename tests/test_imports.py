@@ -1,6 +1,6 @@
 """Packages import one way (DESIGN.md). At the bottom `comm` under `mesh` and `data` under
 `model` (with the process helpers, and `kernels`, which imports only torch); `config` on them; `parallel` on `config`; `checkpoint`,
-`observe` and `generate` on `parallel`; `train` on those; `bench`, `plan` and `cli` on top.
+`observe`, `generate` and `replicas` on `parallel`; `train` on those; `bench`, `plan` and `cli` on top.
 Every import counts, also one inside a function, and no module may reach itself through its
 imports."""
 
@@ -15,7 +15,7 @@ LEVELS = {
     1: ("mesh", "model", "launch"),
     2: ("config", "idle_keys"),
     3: ("parallel",),
-    4: ("checkpoint", "observe", "generate"),
+    4: ("checkpoint", "observe", "generate", "replicas"),
     5: ("train",),
     6: ("bench", "plan", "cli"),
 }

@@ -271,7 +271,9 @@ def _add_bench(sub) -> None:
                                      "machine), fp8 (bf16 vs each fp8 recipe; on a CPU, the emulation), muon (AdamW vs "
                                      "train.optimizer=muon under dp and ZeRO-3: step time and bytes), compile "
                                      "(train.compile=true vs eager, same layout), prepare (ndtrain prepare on "
-                                     "data.workers processes vs a bare tokenizers encode_batch loop, MB/s), gpu (the "
+                                     "data.workers processes vs a bare tokenizers encode_batch loop, MB/s), ft (one replica group "
+                                     "killed mid-run: run.fault_tolerance=restart vs replicas, wall time and steps lost; "
+                                     "default 2 rounds), gpu (the "
                                      "one-GPU acceptance run: CUDA tests, 1B MFU eager/compiled, one-GPU benches; "
                                      "--dry-run lists them); "
                                      "KEY=VALUE reaches both sides or is refused",
@@ -281,7 +283,7 @@ def _add_bench(sub) -> None:
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "lora", "checkpoint", "ep",
-                                    "generate", "plan", "fp8", "muon", "compile", "prepare", "gpu"])
+                                    "generate", "plan", "fp8", "muon", "compile", "prepare", "ft", "gpu"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--dry-run", action="store_true", help="gpu: print the steps and their time budgets, run nothing")
     p.add_argument("--rounds", type=int, help="alternating A/B rounds (default 10; generate 5)")

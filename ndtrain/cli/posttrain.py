@@ -18,11 +18,13 @@ def cmd_sft(args, make_task=None) -> int:
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config.lora import check_lora_tokens
     from ndtrain.config import SFT_DEFAULTS, ConfigError, load_config, validate
+    from ndtrain.config.faults import check_pretraining_only
     from ndtrain.data.sft import ShortSequence, prepare_sft
     from ndtrain.launch import external_world
     from ndtrain.train import sft
 
     cfg = with_nproc(load_config(args.config, args.overrides, defaults=SFT_DEFAULTS), args)
+    check_pretraining_only(cfg, "sft")
     world = external_world()
     if cfg.model.init_from == "scratch":  # random weights; "" means the default pretraining run
         cfg.model.init_from = ""
@@ -65,11 +67,13 @@ def cmd_rl(args) -> int:
     from ndtrain import supervisor
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config import RL_DEFAULTS, ConfigError, check_rl_job, load_config, validate
+    from ndtrain.config.faults import check_pretraining_only
     from ndtrain.launch import external_world, launch_local, warn
     from ndtrain.train.rl import job
     from ndtrain.train.sft import make_template
 
     cfg = with_nproc(load_config(args.config, args.overrides, defaults=RL_DEFAULTS), args)
+    check_pretraining_only(cfg, "rl")
     world = external_world()
     scratch = cfg.model.init_from == "scratch"  # random weights, the task's character tokenizer
     if scratch:
@@ -208,6 +212,7 @@ def cmd_dpo(args) -> int:
     from ndtrain.checkpoint.sources import resolve_init_from
     from ndtrain.config.lora import check_lora_tokens
     from ndtrain.config import DPO_DEFAULTS, ConfigError, check_dpo_job, load_config, validate
+    from ndtrain.config.faults import check_pretraining_only
     from ndtrain.data import preference
     from ndtrain.data.sft import ShortSequence
     from ndtrain.launch import external_world
@@ -215,6 +220,7 @@ def cmd_dpo(args) -> int:
     from ndtrain.train.sft import make_template
 
     cfg = with_nproc(load_config(args.config, args.overrides, defaults=DPO_DEFAULTS), args)
+    check_pretraining_only(cfg, "dpo")
     world = external_world()
     scratch = cfg.model.init_from == "scratch"  # random weights; "" means the default SFT warm-up
     if scratch:

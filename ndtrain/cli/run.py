@@ -133,6 +133,7 @@ def run_task(cfg, world: int | None, run_dir: Path, worker, worker_args: tuple, 
     stopped run."""
     from ndtrain import supervisor
     from ndtrain.checkpoint.lock import RunLock
+    _check_replicas(cfg, world)
     if world is not None:
         with RunLock(run_dir) if os.environ.get("RANK", "0") == "0" else nullcontext():
             summary = worker(*worker_args)
@@ -151,6 +152,15 @@ def run_task(cfg, world: int | None, run_dir: Path, worker, worker_args: tuple, 
     return 0 if world is not None else code
 
 
+def _check_replicas(cfg, world: int | None) -> None:
+    """run.fault_tolerance = "replicas" needs ndtrain's own launcher: its parent hosts the
+    lighthouse (docs/faults.md)."""
+    from ndtrain.config import ConfigError
+    if cfg.run.fault_tolerance == "replicas" and world is not None:
+        raise ConfigError("run.fault_tolerance", "replicas", "needs ndtrain's own launcher (one machine), not "
+                          "torchrun or srun: its parent process is the lighthouse")
+
+
 def _run_ranks(cfg, worker, args: tuple, preload: tuple[str, ...]) -> tuple[dict, int]:
     """`worker(*args)` on every rank: in this process when there is one and no restart to
     watch for, else in watched processes (supervisor.py). Rank 0's result and the signal
@@ -161,6 +171,12 @@ def _run_ranks(cfg, worker, args: tuple, preload: tuple[str, ...]) -> tuple[dict
     if p.world == 1 and run.max_restarts == 0:
         summary = worker(*args)
         return summary, supervisor.control().stop_signal
+    if run.fault_tolerance == "replicas":
+        from ndtrain.replicas.launch import launch_replicas
+        results = launch_replicas(p.world, p.dp_replicate, worker, args, max_restarts=run.max_restarts,
+                                  heartbeat_s=run.heartbeat_s, preload=preload,
+                                  log=lambda m: print(f"ndtrain: {m}", file=sys.stderr, flush=True))
+        return results[0], 0
     results = launch_local(p.world, worker, *args, max_restarts=run.max_restarts, heartbeat_s=run.heartbeat_s,
                            preload=preload)
     return results[0], results.stop_signal

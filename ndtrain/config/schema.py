@@ -152,6 +152,9 @@ class TrainConfig:
     save_every: int = 0  # 0 = save only at the end
     keep_checkpoints: int = 0  # keep the newest N checkpoints (the one just written always); 0 = keep all
     log_every: int = 10
+    diloco_inner_steps: int = 0  # DiLoCo (run.fault_tolerance = replicas): H local steps per replica group, then an outer step; 0 = off
+    diloco_outer_lr: float = 0.7  # DiLoCo's outer Nesterov SGD: its learning rate on the replicas' averaged delta
+    diloco_outer_momentum: float = 0.9  # DiLoCo's outer Nesterov momentum; 0 = plain SGD
 
     def accumulation(self, dp: int) -> int:
         return self.global_batch // (dp * self.micro_batch)
@@ -247,6 +250,7 @@ class RunConfig:
     stop_after_s: float = 0.0  # stop (with a checkpoint) at the first step boundary after this many seconds of training in this invocation; 0 = never
     max_restarts: int = 0  # local launcher: restart every rank this often after one dies or hangs (last good checkpoint)
     heartbeat_s: float = 600.0  # local launcher: a rank that reports no progress for this long is hung; 0 = never
+    fault_tolerance: str = "restart"  # restart: a lost rank restarts every rank from the last checkpoint | replicas: the dp_replicate groups survive each other (docs/faults.md)
     collective_timeout_s: float = 600.0  # a collective not complete after this fails, naming it, its group and the rank
     deterministic: bool = False  # torch's deterministic algorithms (and cuBLAS's fixed workspace on CUDA): bit-identical reruns on a GPU, somewhat slower
     async_save: bool = False  # write checkpoints in a background thread; the step waits only for the copy to the host

@@ -283,6 +283,8 @@ def check_run(r: RunConfig) -> None:
     positive("run.stop_after_s", r.stop_after_s, zero_ok=True)
     positive("run.max_restarts", r.max_restarts, zero_ok=True)
     positive("run.heartbeat_s", r.heartbeat_s, zero_ok=True)
+    if r.fault_tolerance not in ("restart", "replicas"):
+        raise ConfigError("run.fault_tolerance", r.fault_tolerance, "choose restart or replicas")
     positive("run.collective_timeout_s", r.collective_timeout_s)
     _check_dashboards(r)
 

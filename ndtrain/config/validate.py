@@ -1,10 +1,11 @@
 """`validate`: everything that can be checked before a process starts, in a fixed order, so
 the mistake reported is always the first one found: each section's own keys (sections.py),
-the layout across sections (layout.py), the Hugging Face families' features (family.py), the paths (paths.py), the task sections (tasks.py), LoRA (lora.py)."""
+the layout across sections (layout.py), fault tolerance (faults.py), the Hugging Face families' features (family.py), the paths (paths.py), the task sections (tasks.py), LoRA (lora.py)."""
 
 from __future__ import annotations
 
 from ndtrain.config.data_sources import check_sources
+from ndtrain.config.faults import check_fault_tolerance
 from ndtrain.config.family import check_family, check_family_keys
 from ndtrain.config.layout import (check_context, check_fp8, check_heads, check_moe, check_pipeline,
                                    check_sequence, check_tensor, resolve_layout)
@@ -29,6 +30,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     positive("train.keep_checkpoints", cfg.train.keep_checkpoints, zero_ok=True)
 
     resolve_layout(cfg, world)
+    check_fault_tolerance(cfg)
     check_family_keys(m)
     a = cfg.model_args(vocab_size=m.vocab_size or PRESETS[m.preset].vocab_size)
     check_heads(cfg, a)

@@ -82,6 +82,11 @@ class ReplicatedStates:
         """Where `p`'s synchronised gradient is (for the pipeline's tied embedding)."""
         return self.grad_sync.grad_of(p)
 
+    def replica_grads(self) -> list[torch.Tensor]:
+        """The synchronised gradients a replica group sums with the others' (replicas/): the
+        buckets, flat."""
+        return [b.buffer for b in self.grad_sync.buckets]
+
     def after_step(self) -> None:
         if self.masters is not None:
             self.masters.write_back()

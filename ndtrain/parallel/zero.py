@@ -327,6 +327,11 @@ class ZeRO:
                     f.grad_shard.copy_(s)
         self.sync = True
 
+    def replica_grads(self) -> list[torch.Tensor]:
+        """The summed gradient slices a replica group sums with the others' (replicas/):
+        what HSDP all-reduces over dp_replicate in `finish`."""
+        return [f.grad_shard for f in self.flats]
+
     def zero_grad(self) -> None:
         for f in self.flats:
             if self.stage == 1:

@@ -56,7 +56,15 @@ def param_counts(args) -> dict[str, int]:
 
 class Trainer:
     def __init__(self, cfg: Config, mesh: ParallelMesh, task: Task, run_dir: Path | None,
-                 *, local_world: int = 1, control: supervisor.RankControl | None = None):
+                 *, local_world: int = 1, control: supervisor.RankControl | None = None,
+                 replicas: dict | None = None):
+        # `replicas` (run.fault_tolerance = "replicas", replicas/run.py): this rank's place
+        # among the replica groups; `cfg` is then the whole run's, and the layout built is
+        # one group's (dp_replicate = 1, its share of the global batch).
+        self.run_cfg = cfg
+        if replicas is not None:
+            from ndtrain.replicas.run import inner_config
+            cfg = inner_config(cfg, replicas["replicas"])
         self.cfg, self.mesh, self.task = cfg, mesh, task
         # Whoever started this rank (supervisor.py): heartbeats out, stop requests in. None
         # (tests): nobody asks, and no step pays the agreement on stopping.
@@ -90,6 +98,10 @@ class Trainer:
         # of their own (checkpoint/background.py); made here, by every rank in the same order.
         self.saver = BackgroundSave(mesh.device, save_group(cfg.run.collective_timeout_s)) \
             if cfg.run.async_save else None
+        self.replicas = None
+        if replicas is not None:
+            from ndtrain.replicas.run import ReplicaRun
+            self.replicas = ReplicaRun(replicas, cfg, mesh, self.par, self.stepper.optimizer, cfg.run.heartbeat_s)
 
     def report(self, message: str) -> None:
         """A line for the person running the job (rank 0, stderr)."""
@@ -107,17 +119,20 @@ class Trainer:
         torch.manual_seed(zlib.crc32(place.encode()))
 
     # -- data -----------------------------------------------------------------------
-    def local_batch(self, split: str, step: int) -> StepData:
+    def local_batch(self, split: str, step: int, part: int | None = None) -> StepData:
         """This rank's share of the global batch of `step` (of validation batch `step`): its
         data-parallel rows, from the task, and under context parallelism this CP rank's
         tokens of each row (the zigzag layout, parallel/context/layout.py: targets were
         shifted before, so none is lost); cut into micro-batches, with the loss targets the
         task counts in them (the CP ranks' counts add up to the whole rows' and may differ
         between ranks: masked targets fall anywhere). Cut and counted on the host, then
-        copied to the device without waiting for it (pinned memory on CUDA)."""
+        copied to the device without waiting for it (pinned memory on CUDA). Under replicas,
+        `part` of the R parts of the global batch (default: this replica group's)."""
         t = self.cfg.train
         per_rank = t.global_batch // self.mesh.dp_size
-        start = self.mesh.dp_rank * per_rank
+        if part is None:
+            part = self.replicas.replica if self.replicas is not None else 0
+        start = part * t.global_batch + self.mesh.dp_rank * per_rank
         rows = self.task.rows(split, step, start, start + per_rank)
         cp = self.mesh.group("cp")
         if cp.active:
@@ -162,28 +177,40 @@ class Trainer:
         t = self.cfg.train
         t0 = time.perf_counter()
         self.mesh.stats.reset()
+        rep = self.replicas
+        if rep is not None:
+            rep.begin(step)
         self.seed_dropout(step)
         self.task.before_update(step, self)
         batch = self.local_batch("train", step)
         # The global target count, on the device: a fill (no copy from the host), then a sum.
         local = torch.full((), float(batch.n_targets), dtype=torch.float32, device=self.mesh.device)
         n_targets = all_reduce_bookkeeping(local, self.mesh.group("dp_cp"))
+        if rep is not None:  # over the live replica groups (DiLoCo: this group's own)
+            n_targets = rep.count(n_targets)
         # The activation peak: every step from the allocator on a GPU; on the CPU, where
         # watching every operation slows the step, on the first `meter_steps` steps.
         measure = self.mesh.device.type == "cuda" or self._measured_steps < self.meter_steps
         local_loss = self.stepper.forward_backward(batch.micro_batches, n_targets, measure_memory=measure)
         self._measured_steps += 1
+        summed = None
+        if rep is not None and rep.diloco is None:  # the gradients (and loss) over the live groups
+            summed, n_targets = rep.sum_grads(self.par.reduce_loss(local_loss))
         grad_norm = self.stepper.clip_grad_norm(t.grad_clip)
         lr = lr_at(step, t)
         scale = self.stepper.scaler.scale if self.stepper.scaler else None
         stepped = self.stepper.optimizer_step(lr)
-        loss = self.par.reduce_loss(local_loss)
+        if rep is not None:
+            rep.after_update(step)
+        loss = self.par.reduce_loss(local_loss) if summed is None else summed
         task_metrics = self.task.step_metrics(self)  # collective, for some tasks
         comm = self.mesh.stats.as_metrics()
         record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "targets": n_targets,
                   "host_time_s": time.perf_counter() - t0,
                   "tokens": (step + 1) * t.global_batch * t.seq_len,
                   "comm_bytes": sum(comm.values()), "comm": comm}
+        if rep is not None:
+            record.update(rep.record(step), tokens=(step + 1) * self.run_cfg.train.global_batch * t.seq_len)
         if self.is_log_step(step):  # a collective: kept off the other steps
             record["memory"] = self.memory_per_rank()
         if scale is not None:
@@ -240,11 +267,13 @@ class Trainer:
         or fewer if the task has fewer) of `split` (a mixture's: val.<source>)."""
         self.par.model.eval()
         total, count = 0.0, 0
+        parts = self.replicas.replicas if self.replicas is not None else 1  # each group: every part, alone
         for k in range(self.task.eval_batches(self.cfg.train.eval_batches)):
-            supervisor.heartbeat()
-            batch = self.local_batch(split, k)
-            total += float(self.par.evaluate(batch.micro_batches))
-            count += batch.n_targets
+            for part in range(parts):
+                supervisor.heartbeat()
+                batch = self.local_batch(split, k, part)
+                total += float(self.par.evaluate(batch.micro_batches))
+                count += batch.n_targets
         self.par.model.train()
         total, count = all_reduce_scalars([total, count], self.mesh.group("dp_cp"))
         return total / max(count, 1)
@@ -256,9 +285,12 @@ class Trainer:
         window ends (log, evaluation and save steps, the last step): each step's metrics line
         is written then, a divergence is caught then, and a stop request is agreed then."""
         t, run = self.cfg.train, self.cfg.run
+        if self.replicas is not None and self.replicas.joining:  # a restarted replica group
+            self.step = self.replicas.join()
+            self.report(f"replica group {self.replicas.replica} rejoined at step {self.step}")
         stop = min(t.steps, self.step + stop_after) if stop_after else t.steps
         log = self.is_logger and self.run_dir is not None
-        self._metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.step,
+        self._metrics = MetricsLog(self.run_dir / self.metrics_name, self.step,
                                    Dashboards(run, self.run_dir, self.step, self.cfg.to_dict())) if log else None
         self._progress = TrainProgress(t.steps, self.step, enabled=self.is_logger and run.progress,
                                        log_every=t.log_every)
@@ -312,7 +344,14 @@ class Trainer:
             self._progress.close()
             if self._metrics:
                 self._metrics.close()
-        return self.finish() if log else {}
+        first_group = self.replicas is None or self.replicas.replica == 0
+        return self.finish() if log and first_group else {}
+
+    @property
+    def metrics_name(self) -> str:
+        """metrics.jsonl; under replicas, replica group 0's (the others: metrics.replica<R>.jsonl)."""
+        r = self.replicas.replica if self.replicas is not None else 0
+        return "metrics.jsonl" if r == 0 else f"metrics.replica{r}.jsonl"
 
     def _flush(self, window: list[dict]) -> None:
         """Settle, check and write the steps of a window cut short."""
@@ -410,6 +449,8 @@ class Trainer:
         checkpoint resumed. Collective."""
         run = self.cfg.run
         supervisor.heartbeat()
+        if self.replicas is not None and self.replicas.joining:  # its state comes from a live peer (fit)
+            return None
         if self.run_dir is not None and run.resume != "false":
             path = store.select(self.run_dir, self._refused)
             if path is not None:
@@ -447,11 +488,15 @@ class Trainer:
         self.refused.append(message)
         self.report(message)
 
-    def save(self) -> Path:
-        t, p = self.cfg.train, self.cfg.parallel
+    def save(self) -> Path | None:
+        """A checkpoint of this step. Under replicas, written by the first live replica
+        group only (None elsewhere)."""
+        if self.replicas is not None and not self.replicas.saves:
+            return None
+        t, p = self.run_cfg.train, self.cfg.parallel
         scaler = self.stepper.scaler
         meta = {"model_args": self.args.to_dict(), "tokens": self.step * t.global_batch * t.seq_len,
-                "config": self.cfg.to_dict(), "precision": t.precision, "zero": p.zero,
+                "config": self.run_cfg.to_dict(), "precision": t.precision, "zero": p.zero,
                 "scaler": scaler.state_dict() if scaler else None}
         supervisor.heartbeat()
         try:
@@ -515,7 +560,7 @@ class Trainer:
         fp16 loss scale. The data order and dropout are functions of the step."""
         meta = store.read_meta(path)
         try:
-            check_resume_config(self.cfg, meta, self.args)
+            check_resume_config(self.run_cfg, meta, self.args)
         except ConfigError as e:
             raise TrainingError(f"cannot resume {path}: {e}") from None
         source = sources.CheckpointSource(path, meta)

@@ -109,10 +109,14 @@ def start_trainer(cfg: config_mod.Config, env, make_task, run: Path | None, cont
     """The mesh, the trainer of `make_task()` (built once the mesh exists) writing to `run`,
     every group's collective timeout, and the start: resume `run`'s checkpoint, or load
     model.init_from. What every task's rank does first."""
+    from ndtrain.replicas.lighthouse import environment
+    from ndtrain.replicas.run import inner_config
     from ndtrain.train.trainer import Trainer
     configure_numerics(env.device, cfg.train.tf32, cfg.run.deterministic)
-    mesh = ParallelMesh.build(mesh_shape(cfg), env.device)
-    trainer = Trainer(cfg, mesh, make_task(), run, local_world=env.local_world, control=control)
+    replicas = environment() if cfg.run.fault_tolerance == "replicas" else None  # replicas/launch.py set it
+    layout = inner_config(cfg, replicas["replicas"]) if replicas else cfg  # one replica group's
+    mesh = ParallelMesh.build(mesh_shape(layout), env.device)
+    trainer = Trainer(cfg, mesh, make_task(), run, local_world=env.local_world, control=control, replicas=replicas)
     set_collective_timeout(cfg.run.collective_timeout_s)  # every group exists now
     trainer.start()
     return trainer

@@ -1,0 +1,115 @@
+"""`ndtrain bench ft`: one replica lost mid-run, `run.fault_tolerance = "restart"` against
+`"replicas"` (docs/faults.md).
+
+Both sides train the same model for `train.steps` (default 40) steps on --nproc ranks split
+into parallel.dp_replicate = 2 replica groups, with a checkpoint every 20 steps. At the start
+of step 30 the first rank of replica group 1 is killed (SIGKILL):
+- restart: the supervisor ends every rank and starts them all again from the checkpoint of
+  step 20 (steps 20-29 are done again);
+- replicas: group 0 goes on; group 1 restarts, receives the state from group 0, and rejoins
+  at a step boundary.
+Each round runs both, alternating (restart first); a round's figure is the wall time of the
+whole launch, start-up included. Every step's metrics line is written at once
+(train.log_every = 1), so the restart's count of steps done again is exact. Reported per side: the median wall time, the steps lost
+(restart: the steps done again, restarts.jsonl; replicas: the steps group 0 did not record,
+0 when it never stopped), and for replicas the step at which group 1 was back and the
+longest step of group 0. Last line: the replicas/restart wall-time ratio (below 1: replicas
+finish sooner).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from ndtrain.bench.common import Bench, announce, bench_config, describe
+
+KILL_AT = 30
+BENCH = Bench("ft", (), ("train.steps=40", "train.save_every=20", "train.eval_every=0", "train.eval_batches=1",
+                         "train.log_every=1", "parallel.dp_replicate=2", "run.progress=false", "run.plot=false", "run.heartbeat_s=60"),
+              ("model.", "train.", "parallel.dp_replicate", "parallel.tp", "parallel.zero", "run.device",
+               "run.threads", "run.heartbeat_s"))
+
+
+def _kill(at: int, trainer) -> None:
+    """before_fit: the first rank of replica group 1 dies at the start of step `at`, in the
+    first attempt (restart) or the first incarnation (replicas)."""
+    env = os.environ
+    if "NDTRAIN_REPLICA" in env:
+        hit = env["NDTRAIN_REPLICA"] == "1" and env["NDTRAIN_REPLICA_INCARNATION"] == "0" and trainer.mesh.rank == 0
+    else:
+        hit = env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and trainer.mesh.rank == trainer.mesh.world // 2
+    if not hit:
+        return
+    run_step = trainer.train_step
+
+    def train_step(step):
+        if step == at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return run_step(step)
+    trainer.train_step = train_step
+
+
+def _one(kind: str, cfg, data: str, nproc: int, root: Path) -> dict:
+    from ndtrain.launch import launch_local
+    from ndtrain.observe.metrics import read_metrics
+    from ndtrain.replicas.launch import launch_replicas
+    from ndtrain.train.worker import train_worker
+    run = root / kind
+    shutil.rmtree(run, ignore_errors=True)
+    cfg.run.fault_tolerance = kind
+    args = (cfg.to_dict(), str(run), data, functools.partial(_kill, KILL_AT))
+    t0 = time.perf_counter()
+    if kind == "replicas":
+        launch_replicas(nproc, 2, train_worker, args, max_restarts=1, heartbeat_s=cfg.run.heartbeat_s)
+    else:
+        launch_local(nproc, train_worker, *args, max_restarts=1, heartbeat_s=cfg.run.heartbeat_s)
+    wall = time.perf_counter() - t0
+    metrics = read_metrics(run / "metrics.jsonl")
+    out = {"wall": wall}
+    if kind == "restart":
+        restarts = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
+        out["lost"] = sum(r["steps_lost"] for r in restarts)
+        return out
+    steps = [r["step"] for r in metrics]
+    out["lost"] = cfg.train.steps - len(set(steps))
+    out["back"] = next((r["step"] for r in metrics if r["step"] > KILL_AT and len(r.get("replicas", [])) == 2), None)
+    out["longest"] = max(r["step_time_s"] for r in metrics)
+    return out
+
+
+def run(args) -> int:
+    from ndtrain.train.worker import prepare, prepared_paths
+    cfg = bench_config(args, BENCH)
+    if cfg.train.steps <= KILL_AT:
+        from ndtrain.config import ConfigError
+        raise ConfigError("train.steps", cfg.train.steps, f"bench ft kills a replica at step {KILL_AT}: more steps")
+    data = prepared_paths(prepare(cfg, progress=False))
+    root = Path(tempfile.mkdtemp(prefix="ndtrain-bench-ft-"))
+    announce(args, cfg, f"bench ft: {args.nproc} ranks in 2 replica groups · {describe(cfg)} · {cfg.train.steps} "
+                        f"steps, replica group 1 killed at step {KILL_AT}, checkpoints every {cfg.train.save_every} "
+                        f"· {args.rounds} rounds, alternating")
+    results: dict[str, list[dict]] = {"restart": [], "replicas": []}
+    try:
+        for i in range(args.rounds):
+            for kind in results:
+                r = _one(kind, cfg, data, args.nproc, root)
+                results[kind].append(r)
+                extra = (f", group 1 back at step {r['back']}, longest step of group 0 {r['longest']:.2f} s"
+                         if kind == "replicas" else "")
+                print(f"round {i + 1} {kind:>8}: {r['wall']:.1f} s, {r['lost']} steps lost{extra}", flush=True)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    med = {k: statistics.median(r["wall"] for r in v) for k, v in results.items()}
+    lost = {k: statistics.median(r["lost"] for r in v) for k, v in results.items()}
+    for k in results:
+        print(f"median {k:>8}: {med[k]:.1f} s, {lost[k]:g} steps lost", flush=True)
+    print(f"ndtrain ft replicas/restart wall-time ratio: {med['replicas'] / med['restart']:.2f}", flush=True)
+    return 0

@@ -1,0 +1,131 @@
+"""Replica groups under watch (run.fault_tolerance = "replicas"): the parent starts
+`parallel.dp_replicate` groups of local ranks, each a process group of its own, hosts the
+lighthouse's store (lighthouse.py), and when a rank of a group dies, fails or hangs (no
+heartbeat for `heartbeat_s`), ends that group only: it marks the group's incarnation down
+(the other groups finish their step without it), and starts the group again as a new
+incarnation, which joins the others at a step boundary with the state of a live peer.
+
+The watching of each group is the supervisor's (ndtrain/supervisor.py: reports, exit codes,
+heartbeats); what differs is what a failure ends. A fault of the run itself (a bad config,
+divergence) ends every group. A group that finishes is marked down as well: the others
+no longer wait for it. When every group that is not still waiting to join has finished,
+the waiting ones are ended: the run is over.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+from ndtrain.supervisor import (GRACE_S, Failure, RankFailure, Results, _Attempt, _check, _collect, _rank_main,
+                                _root_cause)
+
+
+def _replica_rank(fn, args, env: dict):
+    """A rank of a replica group: its place among the groups, then the usual work. Its
+    local rank and world are the machine's (a GPU each, CPU threads shared by all groups)."""
+    os.environ.update({k: str(v) for k, v in env.items()})
+    size = int(os.environ["WORLD_SIZE"])
+    os.environ.update(LOCAL_RANK=str(int(env["NDTRAIN_REPLICA"]) * size + int(os.environ["RANK"])),
+                      LOCAL_WORLD_SIZE=str(int(env["NDTRAIN_REPLICAS"]) * size))
+    return fn(*args)
+
+
+class _Group:
+    def __init__(self, ctx, replica: int, incarnation: int, size: int, fn, args, lighthouse_port: int,
+                 replicas: int):
+        import torch.distributed as dist
+        self.replica, self.incarnation, self.size = replica, incarnation, size
+        self.store = dist.TCPStore("127.0.0.1", 0, size + 1, is_master=True, wait_for_workers=False)
+        beats, steps = ctx.Array("d", size, lock=False), ctx.Array("q", size, lock=False)
+        for r in range(size):
+            beats[r] = time.monotonic()
+        results = ctx.Queue()
+        env = {"NDTRAIN_REPLICA": replica, "NDTRAIN_REPLICAS": replicas, "NDTRAIN_REPLICA_INCARNATION": incarnation,
+               "NDTRAIN_LIGHTHOUSE_PORT": lighthouse_port}
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(_replica_rank, (fn, args, env), r, size, self.store.port, incarnation, os.getpid(),
+                                   results, beats, steps))
+                 for r in range(size)]
+        for p in procs:
+            p.start()
+        self.run = _Attempt(procs, beats, steps, results)
+        self.first_failure: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return len(self.run.out) == self.size
+
+    def poll(self, heartbeat_s: float) -> Failure | None:
+        """The root cause once this group has failed (after the grace for its other reports)."""
+        _collect(self.run)
+        _check(self.run, heartbeat_s)
+        if not self.run.failures:
+            return None
+        self.first_failure = self.first_failure or time.monotonic()
+        settled = len(self.run.out) + len({f.rank for f in self.run.failures}) == self.size
+        if settled or time.monotonic() - self.first_failure >= GRACE_S:
+            return _root_cause(self.run.failures)
+        return None
+
+    def kill(self) -> None:
+        for p in self.run.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.run.procs:
+            p.join(timeout=10)
+
+
+def launch_replicas(nproc: int, replicas: int, fn, args: tuple, *, max_restarts: int, heartbeat_s: float,
+                    preload: tuple[str, ...] = (), log=print) -> Results:
+    """Run `fn(*args)` on `replicas` groups of `nproc // replicas` watched local ranks; returns
+    their results by global rank (a group still waiting to join at the end: None). Each group
+    is restarted up to `max_restarts` times. Raises RankFailure for a fault of the run, when
+    a group's restarts are spent, or when no group is left."""
+    import torch.distributed as dist
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["ndtrain.forkserver", "torch", "torch.distributed", "ndtrain.supervisor", *preload])
+    size = nproc // replicas
+    lighthouse = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    for r in range(replicas):
+        lighthouse.set(f"ft/inc/{r}", "0")
+    start = (lambda r, inc: _Group(ctx, r, inc, size, fn, args, lighthouse.port, replicas))
+    groups = {r: start(r, 0) for r in range(replicas)}
+    restarts = dict.fromkeys(range(replicas), 0)
+    out: dict[int, list] = {}
+    try:
+        while True:
+            for r, g in list(groups.items()):
+                if r in out:
+                    continue
+                if g.done:
+                    out[r] = [g.run.out[i] for i in range(size)]
+                    lighthouse.set(f"ft/down/{r}/{g.incarnation}", "finished")
+                    continue
+                failure = g.poll(heartbeat_s)
+                if failure is None:
+                    continue
+                g.kill()
+                lighthouse.set(f"ft/down/{r}/{g.incarnation}", failure.summary[:200])
+                rank = r * size + failure.rank
+                alive = [x for x in groups if x != r and x not in out]
+                if failure.of_the_run or restarts[r] >= max_restarts or not alive:
+                    raise RankFailure(rank, failure.summary, failure.traceback)
+                restarts[r] += 1
+                log(f"replica group {r} lost rank {rank} ({failure.summary}) at step {g.run.step()}; the other groups "
+                    f"go on; restarting it to rejoin from a live peer (restart {restarts[r]} of {max_restarts})")
+                lighthouse.set(f"ft/inc/{r}", str(g.incarnation + 1))
+                groups[r] = start(r, g.incarnation + 1)
+            waiting = [r for r, g in groups.items() if r not in out and g.incarnation > 0
+                       and not lighthouse.check([f"ft/joined/{r}/{g.incarnation}"])]
+            if len(out) + len(waiting) == replicas and out:
+                for r in waiting:
+                    log(f"replica group {r} was still waiting to rejoin when the run ended")
+                    groups[r].kill()
+                    out[r] = [None] * size
+                return Results(x for r in range(replicas) for x in out[r])
+    finally:
+        for g in groups.values():
+            g.kill()
+

@@ -1,0 +1,312 @@
+"""run.fault_tolerance = "replicas": replica groups that survive each other. Without a
+failure a run equals the plain layout bit for bit; with one, the survivors never stop and
+the final weights equal one process that trained on exactly the rows the metrics say were
+used (the dead group's rows of the steps it missed dropped), in fp64 under the twin rule
+(tests/helpers.py). DiLoCo equals its one-process simulation (torch's SGD as the outer
+optimizer). Processes are killed (SIGKILL), stopped (SIGSTOP, a hang) and killed during
+the transfer of the state to a rejoining group."""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import FP64, TINY, assert_tensors_close, proof_tolerances
+from ndtrain.launch import launch_local
+
+# Generous: a loaded 2-core machine can take several seconds between two heartbeats of a
+# rank that is starting (imports, the model); a hang is then found this long after it.
+HEARTBEAT_S = 30.0
+
+
+# --------------------------------------------------------------------------- faults, in the ranks
+
+def _faults(plan: dict, trainer) -> None:
+    """Install the faults of `plan` on this rank (before_fit). plan["faults"]: (replica,
+    incarnation, step, where, signal), where is "step" (at the start of the step),
+    "backward" (after the step's target count was agreed: the survivors' gradients are
+    then rescaled) or "transfer" (a joiner, while it receives the state). plan["wait"]:
+    [(step, incarnation)]: replica group 0 waits before `step` until that incarnation of
+    group 1 is ready to join (so the rejoin happens inside a short test run, whatever the
+    machine's speed). Only rank 0 of a group is hit; its group dies with it."""
+    replica = int(os.environ["NDTRAIN_REPLICA"])
+    incarnation = int(os.environ["NDTRAIN_REPLICA_INCARNATION"])
+    if replica == 0 and plan.get("wait"):
+        _wait_for_joiners(trainer, dict(plan["wait"]))
+    for r, inc, at, where, sig in plan["faults"]:
+        if (replica, incarnation) == (r, inc) and trainer.mesh.rank == 0:
+            _install(trainer, at, where, functools.partial(os.kill, os.getpid(), sig))
+
+
+def _install(trainer, at: int, where: str, die) -> None:
+    if where == "transfer":
+        send = trainer.replicas.state_tensors
+
+        def dying_state():
+            die()
+            return send()
+        trainer.replicas.state_tensors = dying_state
+    elif where == "step":
+        run_step = trainer.train_step
+
+        def train_step(step):
+            if step == at:
+                die()
+            return run_step(step)
+        trainer.train_step = train_step
+    else:
+        forward_backward = trainer.stepper.forward_backward
+
+        def dying_backward(micro_batches, n_targets, **kw):
+            if trainer.step == at:
+                die()
+            return forward_backward(micro_batches, n_targets, **kw)
+        trainer.stepper.forward_backward = dying_backward
+
+
+def _wait_for_joiners(trainer, waits: dict) -> None:
+    from ndtrain import supervisor
+    run_step = trainer.train_step
+
+    def train_step(step):
+        if step in waits:
+            keys = [f"ft/ready/1/{waits[step]}/{p}" for p in range(trainer.mesh.world)]
+            while not trainer.replicas.lh.store.check(keys):
+                supervisor.heartbeat()
+                time.sleep(0.05)
+        return run_step(step)
+    trainer.train_step = train_step
+
+
+# --------------------------------------------------------------------------- the one-process reference
+
+def _reference(overrides: list[str], data_dir: str, live: list[list[int]], replicas: int, diloco: int = 0,
+               twin: bool = False) -> dict:
+    """One process: step s trains on the rows of the replica groups in live[s] (their
+    parts of the global batch, the loss over their targets); with `diloco`, DiLoCo's
+    simulation (_diloco_reference). Returns losses and final weights; with `twin`, of the
+    perturbed run (helpers.perturb_gradients)."""
+    from helpers import perturb_gradients, train_in_rank
+
+    def rows_of(trainer, part_rows, parts):
+        task, run_step = trainer.task, trainer.local_batch
+
+        def local_batch(split, step, part=None):
+            if split != "train":
+                return run_step(split, step, part)
+            from ndtrain.train.tasks import StepData
+            used = parts(step)
+            assert used == list(range(len(used))), "the tests lose the last groups only: a prefix of the rows"
+            rows = task.rows(split, step, 0, len(used) * part_rows)
+            return StepData(rows.split(trainer.cfg.train.micro_batch), task.targets(rows))
+        trainer.local_batch = local_batch
+
+    if not diloco:
+        def prepare(trainer):
+            g = trainer.cfg.train.global_batch
+            rows_of(trainer, g // replicas, lambda s: live[s])
+            if twin:
+                perturb_gradients(trainer)
+        out, state, trainer = train_in_rank(FP64 + overrides, data_dir, before_fit=prepare)
+        return {"losses": out, "state": state, "norms": [r["grad_norm"] for r in trainer.history]}
+    return _diloco_reference(overrides, data_dir, live, replicas, diloco, twin)
+
+
+def _diloco_reference(overrides, data_dir, live, replicas, inner_steps, twin):
+    """DiLoCo in one process: a model and AdamW per replica group on its own part of each
+    global batch; every `inner_steps` steps the groups' mean delta (anchor − weights) moves
+    the anchor by Nesterov momentum, written out here (buf = μ·buf + Δ; anchor −= lr·(Δ +
+    μ·buf)), and every group restarts from it."""
+    from helpers import perturb_gradients
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.prepare import PreparedData
+    from ndtrain.mesh import ParallelMesh
+    from ndtrain.train.tasks import Pretrain, StepData
+    from ndtrain.train.trainer import Trainer
+    overrides = [o for o in overrides if not o.startswith("train.diloco_inner_steps")]  # the loop below is DiLoCo
+    cfg = validate(load_config(None, TINY + FP64 + overrides), world=1)
+    full = cfg.train.global_batch
+    cfg.train.global_batch = part = full // replicas
+    cfg.train.micro_batch = min(cfg.train.micro_batch, part)
+    data = PreparedData.open(data_dir)
+    task = Pretrain(validate(load_config(None, TINY + FP64 + overrides), world=1), data)
+    trainers = []
+    for r in range(replicas):
+        tr = Trainer(cfg, ParallelMesh.single(), task, None)
+        tr.meter_steps = 0
+
+        def local_batch(split, step, p=None, r=r, tr=tr):
+            rows = task.rows(split, step, r * part, (r + 1) * part)
+            return StepData(rows.split(tr.cfg.train.micro_batch), task.targets(rows))
+        tr.local_batch = local_batch
+        if twin:
+            perturb_gradients(tr, seed=r)
+        trainers.append(tr)
+    params = [tr.par.states.optim_params() for tr in trainers]
+    anchor = [p.detach().clone() for p in params[0]]
+    buf = [torch.zeros_like(a) for a in anchor]
+    t = cfg.train
+    losses = []
+    for step in range(t.steps):
+        if step and step % inner_steps == 0:  # a group back after missing a round takes group 0's AdamW state
+            for r in range(1, replicas):
+                if r not in live[step - 1] and r in live[min(step + inner_steps, t.steps) - 1]:
+                    _copy_optimizer_state(trainers[0], trainers[r])
+        records = [tr.train_step(step) for tr in trainers]
+        losses.append(float(records[0]["loss"]))
+        if (step + 1) % inner_steps:
+            continue
+        with torch.no_grad():
+            alive = live[step]
+            for i, a in enumerate(anchor):
+                delta = sum(a - params[r][i] for r in alive) / len(alive)
+                buf[i].mul_(t.diloco_outer_momentum).add_(delta)
+                a.sub_(t.diloco_outer_lr * (delta + t.diloco_outer_momentum * buf[i]))
+                for r in range(replicas):
+                    params[r][i].copy_(a)
+    state = {k: v.detach().double().clone() for k, v in trainers[0].par.full_model_state().items()}
+    return {"losses": losses, "state": state, "norms": []}
+
+
+@torch.no_grad()
+def _copy_optimizer_state(source, target) -> None:
+    """What a joining group receives besides the weights: the source's optimizer state."""
+    for p, q in zip(source.par.states.optim_params(), target.par.states.optim_params()):
+        target.stepper.optimizer.state[q] = {k: v.clone() for k, v in source.stepper.optimizer.state[p].items()}
+
+
+def _checkpoint_weights(run_dir: Path) -> dict:
+    from ndtrain.checkpoint import store
+    from ndtrain.checkpoint.slices import Piece
+    from ndtrain.checkpoint.sources import CheckpointSource
+    src = CheckpointSource(store.latest(run_dir))
+    out = {}
+    for key, (shape, _) in src.index.items():
+        if key.startswith("weight/"):
+            x = torch.empty(torch.Size(shape).numel(), dtype=torch.float64)
+            src.fill(key, Piece.whole(shape), x)
+            out[key.removeprefix("weight/")] = x.view(shape)
+    return out, src.meta
+
+
+def _config(extra: list[str], world: int) -> dict:
+    from ndtrain.config import load_config, validate
+    return validate(load_config(None, TINY + FP64 + extra), world=world).to_dict()
+
+
+# --------------------------------------------------------------------------- the proofs
+
+def _replicas_run(tmp: Path, data_dir: str, extra: list[str], world: int, plan: dict | None = None,
+                  restarts: int = 2) -> dict:
+    """A run of 2 replica groups on `world` ranks with the faults of `plan`: replica group
+    0's metrics, the final weights (the checkpoint) and its meta."""
+    from ndtrain.observe.metrics import read_metrics
+    from ndtrain.replicas.launch import launch_replicas
+    from ndtrain.train.worker import train_worker
+    cfg = _config(["parallel.dp_replicate=2", "run.fault_tolerance=replicas", f"run.heartbeat_s={HEARTBEAT_S:g}",
+                   f"run.max_restarts={restarts}", *extra], world)
+    run = tmp / "replicas"
+    hook = functools.partial(_faults, plan) if plan else None
+    launch_replicas(world, 2, train_worker, (cfg, str(run), data_dir, hook), max_restarts=restarts,
+                    heartbeat_s=HEARTBEAT_S)
+    weights, meta = _checkpoint_weights(run)
+    return {"metrics": read_metrics(run / "metrics.jsonl"), "weights": weights, "meta": meta}
+
+
+def _assert_equals_its_reference(run: dict, extra: list[str], data_dir: str, steps: int, diloco: int = 0) -> list:
+    """The run's losses and final weights equal one process trained on the rows the
+    metrics name, under the twin rule; the metrics account for every row skipped. Returns
+    the replica groups each step used."""
+    m = run["metrics"]
+    assert [r["step"] for r in m] == list(range(steps)), "replica group 0 lost no step"
+    rounds = diloco or 1
+    live = {r["step"]: r["replicas"] for r in m if "replicas" in r}
+    assert sorted(live) == [s for s in range(steps) if (s + 1) % rounds == 0]
+    rows = 8 // 2 * 32 * rounds  # a group's rows × seq_len (TINY: global_batch 8, seq_len 32) per round
+    assert all(r["skipped_tokens"] == (2 - len(r["replicas"])) * rows for r in m if "replicas" in r)
+    used = [live.get(s, [0, 1]) for s in range(steps)]
+    one = [o for o in extra if not o.startswith("parallel.")]  # the reference is one process
+    ref = _reference(one, data_dir, used, 2, diloco)
+    twin = _reference(one, data_dir, used, 2, diloco, twin=True)
+    loss_tol = proof_tolerances({**ref, "norms": [1.0] * steps}, {**twin, "norms": [1.0] * steps})
+    for i, (x, y) in enumerate(zip([r["loss"] for r in m], ref["losses"])):
+        assert abs(x - y) / abs(y) <= loss_tol["loss"][i], f"step {i}: loss {x!r} vs the reference's {y!r}"
+    assert_tensors_close(run["weights"], ref["state"], loss_tol["state"], "final weight")
+    return used
+
+
+def test_a_killed_replica_group_rejoins_and_the_run_equals_one_process_on_the_rows_it_used(tiny_data, tmp_path,
+                                                                                          one_thread):
+    """2 groups of 1 rank, 12 steps: group 1 dies by SIGKILL inside step 4's backward, after
+    the step's target count was agreed (the survivor's gradients are rescaled to the live
+    count), restarts, and rejoins from group 0's state before step 8. Group 0 never stops,
+    and the result is one process that dropped group 1's rows of steps 4-7."""
+    extra = ["train.steps=12"]
+    run = _replicas_run(tmp_path, tiny_data, extra, 2,
+                        {"faults": [(1, 0, 4, "backward", signal.SIGKILL)], "wait": [(8, 1)]})
+    used = _assert_equals_its_reference(run, extra, tiny_data, 12)
+    assert used[:4] == [[0, 1]] * 4 and used[4] == [0] and used[8:] == [[0, 1]] * 4, used
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.dp=4", "parallel.zero=1"]], ids=["tp", "hsdp"])
+def test_without_a_failure_replicas_equal_the_plain_layout_bit_for_bit(tiny_data, tmp_path, layout):
+    """2 groups × 2 ranks (TP inside each; HSDP's ZeRO-1 shards inside each) against the
+    same layout without replicas: the same sums in the same order, so the same bits."""
+    from ndtrain.observe.metrics import read_metrics
+    from ndtrain.train.worker import train_worker
+    extra = ["train.steps=4", *layout]
+    run = _replicas_run(tmp_path, tiny_data, extra, 4)
+    launch_local(4, train_worker, _config(["parallel.dp_replicate=2", *extra], 4), str(tmp_path / "plain"), tiny_data)
+    plain = read_metrics(tmp_path / "plain" / "metrics.jsonl")
+    assert [r["loss"] for r in run["metrics"]] == [r["loss"] for r in plain]
+    weights, _ = _checkpoint_weights(tmp_path / "plain")
+    for k, v in weights.items():
+        assert torch.equal(run["weights"][k], v), k
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fault", ["hang", "transfer"])
+def test_a_hung_replica_or_a_kill_during_the_transfer_on_two_by_two_ranks(tiny_data, tmp_path, fault, one_thread):
+    """2 groups × 2 ranks. hang: group 1's rank 0 stops (SIGSTOP) at step 3, is found by its
+    heartbeat, and its group restarts and rejoins before step 8. transfer: group 1 dies by
+    SIGKILL at step 3, and its first restart dies again while it receives the state (the
+    survivor drops it and goes on); the second rejoins before step 10."""
+    extra = ["train.steps=12", "parallel.tp=2"]
+    if fault == "hang":
+        plan = {"faults": [(1, 0, 3, "step", signal.SIGSTOP)], "wait": [(8, 1)]}
+    else:
+        plan = {"faults": [(1, 0, 3, "step", signal.SIGKILL), (1, 1, 0, "transfer", signal.SIGKILL)],
+                "wait": [(6, 1), (10, 2)]}
+    run = _replicas_run(tmp_path, tiny_data, extra, 4, plan, restarts=3)
+    used = _assert_equals_its_reference(run, extra, tiny_data, 12)
+    back = 8 if fault == "hang" else 10
+    assert used[3] == [0] and used[back:] == [[0, 1]] * (12 - back), used
+
+
+@pytest.mark.slow
+def test_diloco_equals_its_one_process_simulation(tiny_data, tmp_path, one_thread):
+    """H = 8 inner steps, 2 rounds, on 2 groups of 1 rank; Nesterov momentum 0.9."""
+    extra = ["train.steps=16", "train.diloco_inner_steps=8", "train.diloco_outer_lr=0.7",
+             "train.diloco_outer_momentum=0.9"]
+    run = _replicas_run(tmp_path, tiny_data, extra, 2)
+    _assert_equals_its_reference(run, extra, tiny_data, 16, diloco=8)
+
+
+@pytest.mark.slow
+def test_diloco_with_a_lost_group_misses_one_outer_round(tiny_data, tmp_path, one_thread):
+    """H = 4 over 16 steps: group 1 dies (SIGKILL) at step 5, so the outer step of round 2
+    averages group 0's delta alone; group 1 rejoins at the start of round 3 with group 0's
+    weights and AdamW state. Equal to the simulation that does the same."""
+    extra = ["train.steps=16", "train.diloco_inner_steps=4", "train.diloco_outer_lr=0.7",
+             "train.diloco_outer_momentum=0.9"]
+    run = _replicas_run(tmp_path, tiny_data, extra, 2,
+                        {"faults": [(1, 0, 5, "step", signal.SIGKILL)], "wait": [(8, 1)]})
+    used = _assert_equals_its_reference(run, extra, tiny_data, 16, diloco=4)
+    assert [used[s] for s in (3, 7, 11, 15)] == [[0, 1], [0], [0, 1], [0, 1]], used
