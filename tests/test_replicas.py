@@ -243,15 +243,15 @@ def _assert_equals_its_reference(run: dict, extra: list[str], data_dir: str, ste
 
 def test_a_killed_replica_group_rejoins_and_the_run_equals_one_process_on_the_rows_it_used(tiny_data, tmp_path,
                                                                                           one_thread):
-    """2 groups of 1 rank, 12 steps: group 1 dies by SIGKILL inside step 4's backward, after
+    """2 groups of 1 rank, 8 steps: group 1 dies by SIGKILL inside step 3's backward, after
     the step's target count was agreed (the survivor's gradients are rescaled to the live
-    count), restarts, and rejoins from group 0's state before step 8. Group 0 never stops,
-    and the result is one process that dropped group 1's rows of steps 4-7."""
-    extra = ["train.steps=12"]
+    count), restarts, and rejoins from group 0's state before step 6. Group 0 never stops,
+    and the result is one process that dropped group 1's rows of steps 3-5."""
+    extra = ["train.steps=8"]
     run = _replicas_run(tmp_path, tiny_data, extra, 2,
-                        {"faults": [(1, 0, 4, "backward", signal.SIGKILL)], "wait": [(8, 1)]})
-    used = _assert_equals_its_reference(run, extra, tiny_data, 12)
-    assert used[:4] == [[0, 1]] * 4 and used[4] == [0] and used[8:] == [[0, 1]] * 4, used
+                        {"faults": [(1, 0, 3, "backward", signal.SIGKILL)], "wait": [(6, 1)]})
+    used = _assert_equals_its_reference(run, extra, tiny_data, 8)
+    assert used[:3] == [[0, 1]] * 3 and used[3:6] == [[0]] * 3 and used[6:] == [[0, 1]] * 2, used
 
 
 @pytest.mark.slow

@@ -3,7 +3,6 @@ checkpoints. Every layout runs this same loop; what differs lives in `Paralleliz
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import statistics
@@ -24,7 +23,7 @@ from ndtrain.comm import ops
 from ndtrain.comm.ops import all_reduce_bookkeeping, all_reduce_scalars
 from ndtrain.config import Config, ConfigError
 from ndtrain.data.batch import MicroBatch
-from ndtrain.mesh import DIMS, ParallelMesh
+from ndtrain.mesh import ParallelMesh
 from ndtrain.model.args import flops_per_token
 from ndtrain.model.llama import Transformer
 from ndtrain.model.lora import is_adapter
