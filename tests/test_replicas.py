@@ -20,9 +20,9 @@ import torch
 from helpers import FP64, TINY, assert_tensors_close, proof_tolerances
 from ndtrain.launch import launch_local
 
-# Generous: a loaded 2-core machine can take several seconds between two heartbeats of a
-# rank that is starting (imports, the model); a hang is then found this long after it.
-HEARTBEAT_S = 30.0
+# Generous: on a loaded 2-core machine (load average 35 seen) a starting rank can go 30 s
+# between two heartbeats (the rendezvous, the model); a hang is then found this long after it.
+HEARTBEAT_S = 120.0
 
 
 # --------------------------------------------------------------------------- faults, in the ranks
@@ -243,22 +243,23 @@ def _assert_equals_its_reference(run: dict, extra: list[str], data_dir: str, ste
 
 def test_a_killed_replica_group_rejoins_and_the_run_equals_one_process_on_the_rows_it_used(tiny_data, tmp_path,
                                                                                           one_thread):
-    """2 groups of 1 rank, 12 steps: group 1 dies by SIGKILL inside step 4's backward, after
+    """2 groups of 1 rank, 8 steps: group 1 dies by SIGKILL inside step 3's backward, after
     the step's target count was agreed (the survivor's gradients are rescaled to the live
-    count), restarts, and rejoins from group 0's state before step 8. Group 0 never stops,
-    and the result is one process that dropped group 1's rows of steps 4-7."""
-    extra = ["train.steps=12"]
+    count), restarts, and rejoins from group 0's state before step 6. Group 0 never stops,
+    and the result is one process that dropped group 1's rows of steps 3-5."""
+    extra = ["train.steps=8"]
     run = _replicas_run(tmp_path, tiny_data, extra, 2,
-                        {"faults": [(1, 0, 4, "backward", signal.SIGKILL)], "wait": [(8, 1)]})
-    used = _assert_equals_its_reference(run, extra, tiny_data, 12)
-    assert used[:4] == [[0, 1]] * 4 and used[4] == [0] and used[8:] == [[0, 1]] * 4, used
+                        {"faults": [(1, 0, 3, "backward", signal.SIGKILL)], "wait": [(6, 1)]})
+    used = _assert_equals_its_reference(run, extra, tiny_data, 8)
+    assert used[:3] == [[0, 1]] * 3 and used[3:6] == [[0]] * 3 and used[6:] == [[0, 1]] * 2, used
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.dp=4", "parallel.zero=1"]], ids=["tp", "hsdp"])
+@pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"], ["parallel.dp=4", "parallel.zero=1"],
+                                    ["parallel.dp=4", "parallel.zero=3"]], ids=["tp", "pp", "hsdp-zero1", "hsdp-zero3"])
 def test_without_a_failure_replicas_equal_the_plain_layout_bit_for_bit(tiny_data, tmp_path, layout):
-    """2 groups × 2 ranks (TP inside each; HSDP's ZeRO-1 shards inside each) against the
-    same layout without replicas: the same sums in the same order, so the same bits."""
+    """2 groups × 2 ranks (TP, PP, or HSDP's ZeRO-1/3 shards inside each) against the same
+    layout without replicas: the same sums in the same order, so the same bits."""
     from ndtrain.observe.metrics import read_metrics
     from ndtrain.train.worker import train_worker
     extra = ["train.steps=4", *layout]

@@ -71,6 +71,10 @@ class Parallelized:
     balance: expert.LoadBalance | None = None
     # elements of initial values this rank computed (its shard: parallel/construct.py)
     initialised: int = 0
+    # run.fault_tolerance = "replicas": sums the synchronised gradients (and the step's
+    # loss) with the other replica groups' (replicas/run.py), where HSDP or DP would sum
+    # them over dp_replicate: before the TP partial sums and the copy to the masters.
+    across_replicas: Callable[[torch.Tensor], None] | None = None
 
     def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float | torch.Tensor,
                          unscale: float = 1.0) -> torch.Tensor:
@@ -81,6 +85,8 @@ class Parallelized:
         routing statistics in `routing_stats` (collective)."""
         routing = self.balance.log() if self.balance is not None else None
         local = self.schedule.run(micro_batches, n_targets, self.grad_sync, routing)
+        if self.across_replicas is not None:
+            self.across_replicas(local)
         tp = self.mesh.group("tp")
         if tp.active:  # once per step: the sum of gradients each tp rank holds a part of
             tensor.sum_partial_grads(self.states.partial_grads("tp"), tp)

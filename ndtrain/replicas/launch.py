@@ -119,6 +119,9 @@ def launch_replicas(nproc: int, replicas: int, fn, args: tuple, *, max_restarts:
                 groups[r] = start(r, g.incarnation + 1)
             waiting = [r for r, g in groups.items() if r not in out and g.incarnation > 0
                        and not lighthouse.check([f"ft/joined/{r}/{g.incarnation}"])]
+            if len(waiting) == replicas:  # every group lost before one could hand its state on
+                raise RankFailure(waiting[0] * size, "every replica group was lost: none is left to send its "
+                                  "state to the restarted ones")
             if len(out) + len(waiting) == replicas and out:
                 for r in waiting:
                     log(f"replica group {r} was still waiting to rejoin when the run ended")

@@ -41,6 +41,9 @@ class ReplicaRun:
         self.diloco = DiLoCo(par.states.optim_params(), t.diloco_inner_steps, t.diloco_outer_lr,
                              t.diloco_outer_momentum) if t.diloco_inner_steps else None
         self.quorum: Quorum | None = None
+        self.summed: tuple[torch.Tensor, torch.Tensor] | None = None  # the step's loss and target count
+        if self.diloco is None:
+            par.across_replicas = self.sum_grads
         self._admitted: Quorum | None = None
         self._anchored = False  # DiLoCo: the anchors are the parameters once the run started
 
@@ -129,13 +132,15 @@ class ReplicaRun:
         self._local, self._used = float(local), n
         return torch.full((), n, dtype=local.dtype, device=local.device)
 
-    def sum_grads(self, loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gradients (and the step's loss) summed over the live groups. Returns the loss
-        and the target count they are divided by. Not under DiLoCo (local steps)."""
-        box = loss.detach().reshape(1).clone()
+    def sum_grads(self, local_loss: torch.Tensor) -> None:
+        """Parallelized.across_replicas: the group's synchronised gradients, and the step's
+        loss (from this rank's share `local_loss`), summed over the live groups. Leaves the
+        loss and the target count the gradients are divided by in `summed`. Not under
+        DiLoCo (local steps)."""
+        box = self.par.reduce_loss(local_loss).reshape(1).clone()
         grads = self.par.states.replica_grads() + [box]
         self.quorum, n = self.exchange.sum_grads(self.quorum, grads, self._local, self._used)
-        return box[0], torch.full((), n, dtype=torch.float32, device=self.mesh.device)
+        self.summed = box[0], torch.full((), n, dtype=torch.float32, device=self.mesh.device)
 
     def after_update(self, step: int) -> None:
         """DiLoCo: the outer step at the end of each round."""

@@ -194,8 +194,8 @@ class Trainer:
         local_loss = self.stepper.forward_backward(batch.micro_batches, n_targets, measure_memory=measure)
         self._measured_steps += 1
         summed = None
-        if rep is not None and rep.diloco is None:  # the gradients (and loss) over the live groups
-            summed, n_targets = rep.sum_grads(self.par.reduce_loss(local_loss))
+        if rep is not None and rep.diloco is None:  # the loss and count over the live groups (Parallelized)
+            summed, n_targets = rep.summed
         grad_norm = self.stepper.clip_grad_norm(t.grad_clip)
         lr = lr_at(step, t)
         scale = self.stepper.scaler.scale if self.stepper.scaler else None
