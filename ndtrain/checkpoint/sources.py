@@ -261,10 +261,12 @@ def grow_vocab(source: Source, vocab_size: int) -> None:
 KINDS = ("run", "hf")
 # ModelArgs fields that are config keys of the same name and fix the parameters' shapes.
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "head_dim", "qkv_bias",
-              "qk_norm", "tie_embeddings", "rope_theta", "norm_eps") + FAMILY_KEYS
+              "qk_norm", "tie_embeddings", "rope_theta", "norm_eps") + FAMILY_KEYS + (
+              "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "rope_interleave", "mtp_depth")
 # ... and those of a mixture-of-experts model (set only from an MoE source).
 MOE_KEYS = ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_ffn_dim", "moe_every", "moe_router",
-            "moe_norm_topk", "moe_route_scale", "moe_capacity")
+            "moe_norm_topk", "moe_route_scale", "moe_capacity", "moe_groups", "moe_topk_groups", "first_k_dense")
 
 
 def parse_init_from(value: str) -> tuple[str, Path]:

@@ -5,6 +5,7 @@ the layout across sections (layout.py), the Hugging Face families' features (fam
 from __future__ import annotations
 
 from ndtrain.config.data_sources import check_sources
+from ndtrain.config.deepseek import check_deepseek
 from ndtrain.config.family import check_family, check_family_keys
 from ndtrain.config.layout import (check_context, check_fp8, check_heads, check_moe, check_pipeline,
                                    check_sequence, check_tensor, resolve_layout)
@@ -31,6 +32,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     resolve_layout(cfg, world)
     check_family_keys(m)
     a = cfg.model_args(vocab_size=m.vocab_size or PRESETS[m.preset].vocab_size)
+    check_deepseek(cfg, a)
     check_heads(cfg, a)
     check_pipeline(cfg, a)
     check_tensor(cfg, a)

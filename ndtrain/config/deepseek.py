@@ -1,0 +1,33 @@
+"""The keys of DeepSeek-V3's features (model/args.py): multi-head latent attention, group-
+limited routing, dense first blocks, multi-token prediction; each against the model's shape
+(`shape_problem`'s rules, named by their config key) and what the layouts cannot do with it."""
+
+from __future__ import annotations
+
+from ndtrain.config.schema import Config, ConfigError
+from ndtrain.model.args import ModelArgs, shape_problem
+
+KEYS = ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+        "rope_interleave", "moe_groups", "moe_topk_groups", "first_k_dense", "mtp_depth")
+
+
+def check_deepseek(cfg: Config, a: ModelArgs) -> None:
+    problem = shape_problem(a)
+    if problem and problem[0] in KEYS + ("head_dim", "n_kv_heads", "moe_top_k"):
+        key, value, rule = problem
+        raise ConfigError(f"model.{key}", value, rule)
+    if a.mtp_depth:
+        raise ConfigError("model.mtp_depth", a.mtp_depth, "multi-token prediction is not implemented yet; use 0")
+    if not a.is_mla:
+        mla = [k for k in KEYS[1:7] if getattr(cfg.model, k) not in (None, 0, False)]
+        if mla:
+            raise ConfigError(f"model.{mla[0]}", getattr(cfg.model, mla[0]), "is a key of latent attention: needs "
+                              "model.attention = 'mla'")
+        return
+    if cfg.lora.rank:
+        raise ConfigError("lora.rank", cfg.lora.rank, "LoRA adapters are not implemented for latent attention "
+                          "(model.attention = 'mla'); fine-tune it fully")
+    if cfg.parallel.cp > 1 and a.v_head_dim > a.head_dim:
+        raise ConfigError("model.v_head_dim", a.v_head_dim, f"must be at most the query·key width "
+                          f"qk_nope_head_dim + qk_rope_head_dim = {a.head_dim} under context parallelism (its "
+                          "kernels pad the values to that width)")
