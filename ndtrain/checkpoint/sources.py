@@ -131,6 +131,10 @@ class HFSource(Source):
         return parts[0].hf if len(parts) == 1 else f"{parts[0].hf} (experts 0-{len(parts) - 1})"
 
     def _add(self, file: Path, name: str, stored: tuple[int, ...], dtype: str) -> None:
+        buffer = hf.our_buffer(name) if self.family.deepseek else None
+        if buffer is not None:  # DeepSeek-V3's router bias: our router's expert_bias
+            self.index[f"buffer/{buffer}"] = (stored, [(Piece.whole(stored), partial(self.reader.read, file, name))])
+            return
         try:
             parts = hf.our_parts(name, self.args, self.family)
         except KeyError:

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import hf_deepseek
 from .args import ModelArgs
 from .hf_config import FAMILIES, Family, HFConfigError, args_from_hf_config, family_of_config  # noqa: F401
 from .rope import scaling_of
@@ -50,7 +51,19 @@ BLOCK = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    # latent attention and shared experts (deepseek_v3, kimi_k2)
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "feed_forward.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "feed_forward.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "feed_forward.shared.w2.weight": "mlp.shared_experts.down_proj.weight",
 }
+# Buffers a checkpoint carries: the router's selection bias (DeepSeek-V3's aux-loss-free balancing).
+BUFFERS = {"feed_forward.router.expert_bias": "mlp.gate.e_score_correction_bias"}
 GEMMA_NORMS = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "attention_post_norm.weight": "post_attention_layernorm.weight",
@@ -87,6 +100,19 @@ class Part:
     rows: tuple[int, int] | None = None
 
 
+def our_buffer(name: str) -> str | None:
+    """A HF checkpoint's buffer -> the name of ours it fills (None: not a buffer we keep)."""
+    m = _HF_LAYER.fullmatch(name)
+    back = {hf: ours for ours, hf in BUFFERS.items()}
+    return f"layers.{m.group(1)}.{back[m.group(2)]}" if m and m.group(2) in back else None
+
+
+def hf_buffer(name: str) -> str | None:
+    """Our buffer -> its HF name (None: HF has no place for it)."""
+    m = _OURS_LAYER.fullmatch(name)
+    return f"model.layers.{m.group(1)}.{BUFFERS[m.group(2)]}" if m and m.group(2) in BUFFERS else None
+
+
 # ---------------------------------------------------------------------------------------
 # Which family holds a model
 
@@ -98,6 +124,8 @@ def _gemma_traits(a: ModelArgs) -> bool:
 
 def holds(family: Family, a: ModelArgs) -> str | None:
     """Why `family` cannot hold a model of these args (None: it can)."""
+    if family.deepseek or a.is_mla:
+        return hf_deepseek.holds(a) if family.deepseek else f"{family.model_type} has no latent attention"
     if family.gemma != _gemma_traits(a):
         return "Gemma 2's norms, gate, embedding scale and soft-capping go together, in gemma2 only"
     if family.gemma and not (a.norm_offset == 1.0 and a.sandwich_norm and a.mlp_act == "gelu_tanh"
@@ -127,7 +155,7 @@ def family_of(args: ModelArgs, prefer: str | None = None) -> Family:
         raise ValueError("no Hugging Face family has both q/k/v biases and q/k norms")
     if prefer in FAMILIES and holds(FAMILIES[prefer], args) is None:
         return FAMILIES[prefer]
-    order = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2")
+    order = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "deepseek_v3")
     reasons = []
     for name in order:
         reason = holds(FAMILIES[name], args)
@@ -287,6 +315,8 @@ def hf_config(args: ModelArgs, family: Family | None = None) -> dict:
     if family.model_type == "mixtral":
         out.update(intermediate_size=args.expert_dim, num_local_experts=args.moe_experts,
                    num_experts_per_tok=args.moe_top_k)
+    elif family.deepseek:
+        out.update(hf_deepseek.deepseek_config(args), moe_intermediate_size=args.expert_dim)
     elif family.model_type == "qwen3_moe":
         out.update(moe_intermediate_size=args.expert_dim, num_experts=args.moe_experts,
                    num_experts_per_tok=args.moe_top_k, norm_topk_prob=args.moe_norm_topk,

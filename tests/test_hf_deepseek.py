@@ -1,0 +1,114 @@
+"""DeepSeek-V3 in and out of Hugging Face (issue 35): `transformers` builds a tiny random
+deepseek_v3 model (latent attention with a low-rank query and interleaved rotary pairs,
+sigmoid routing over 8 experts in 4 groups, 2 chosen, with a nonzero selection bias, a shared
+expert, the first block dense) and saves it; we read it.
+
+In fp32, against transformers:
+- our logits equal theirs within 1e-5 at 256 positions;
+- greedy generation picks the tokens theirs picks (our latent cache against their cache);
+- `convert --from-hf` then `--to-hf` gives back every tensor bit for bit (the router bias
+  too), and a config from which transformers builds the same model.
+A Kimi K2 config (model_type kimi_k2, DeepSeek-V3's keys) reads as the same model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, PROMPT, NEW = 320, 256, 100, 6
+CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1, n_routed_experts=8,
+              routed_scaling_factor=2.5, kv_lora_rank=32, q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16,
+              qk_nope_head_dim=16, n_group=4, topk_group=2, num_experts_per_tok=2, first_k_dense_replace=1,
+              max_position_embeddings=1024, num_mtp_layers=0, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+VARIANTS = {
+    "lora-query": {},
+    # no query bottleneck, half-split rotary, YaRN with DeepSeek's mscale_all_dim (the softmax scale)
+    "direct-query-yarn": dict(q_lora_rank=None, rope_interleave=False, rope_parameters={
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}),
+}
+
+
+def make(folder, extra):
+    config = transformers.DeepseekV3Config(**{**CONFIG, **extra})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "norm" in n:
+                p.uniform_(0.5, 1.5)
+            elif "q_" in n or "kv_a" in n:
+                p.mul_(4)  # sharper scores: the rotary angles decide the logits
+        for n, b in model.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.uniform_(-0.2, 0.2)  # nonzero: a bias left behind changes the experts chosen
+    model.save_pretrained(folder)
+    return model
+
+
+def tokens(n: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(3))
+
+
+def ours_from(folder):
+    from ndtrain.checkpoint.layout import load_model
+    from ndtrain.checkpoint.sources import HFSource
+    from ndtrain.model.llama import Transformer
+    source = HFSource(folder)
+    model = Transformer(source.args).eval()
+    load_model(source, model)
+    return model
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "lora-query" else n
+                                  for n in VARIANTS])
+def test_deepseek_v3_logits_generation_and_round_trip(name, tmp_path, capsys):
+    from safetensors.torch import load_file
+
+    from ndtrain.cli import main
+    from ndtrain.generate.sampler import generate
+
+    folder = tmp_path / "hf"
+    theirs = make(folder, VARIANTS[name])
+    ours = ours_from(folder)
+    a = ours.args
+    assert (a.attention, a.moe_groups, a.moe_topk_groups, a.first_k_dense, a.moe_route_scale) == ("mla", 4, 2, 1, 2.5)
+    assert ours.layers["1"].feed_forward.router.expert_bias.abs().max() > 0
+
+    prompt = tokens(PROMPT)
+    with torch.no_grad():
+        theirs_new = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
+                                     do_sample=False)[0, PROMPT:].tolist()
+    assert generate(ours, prompt.tolist(), NEW, temperature=0.0, stop_ids={2}).tokens[0] == theirs_new
+
+    x = tokens(SEQ)
+    with torch.no_grad():
+        expected = theirs(input_ids=x).logits
+        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert main(["convert", "--from-hf", str(folder), "--to", str(run)]) == 0
+    assert main(["convert", "--to-hf", str(run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
+    assert original.keys() == exported.keys()
+    for key, t in original.items():
+        assert t.dtype == exported[key].dtype and torch.equal(t, exported[key]), key
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3"
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=x).logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_kimi_k2_config_reads_as_deepseek_v3():
+    from ndtrain.model.hf_config import args_from_hf_config
+    config = transformers.DeepseekV3Config(**CONFIG).to_dict()
+    kimi = {**config, "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
+    assert args_from_hf_config(kimi) == args_from_hf_config(config)
