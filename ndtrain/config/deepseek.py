@@ -27,7 +27,3 @@ def check_deepseek(cfg: Config, a: ModelArgs) -> None:
     if cfg.lora.rank:
         raise ConfigError("lora.rank", cfg.lora.rank, "LoRA adapters are not implemented for latent attention "
                           "(model.attention = 'mla'); fine-tune it fully")
-    if cfg.parallel.cp > 1 and a.v_head_dim > a.head_dim:
-        raise ConfigError("model.v_head_dim", a.v_head_dim, f"must be at most the query·key width "
-                          f"qk_nope_head_dim + qk_rope_head_dim = {a.head_dim} under context parallelism (its "
-                          "kernels pad the values to that width)")

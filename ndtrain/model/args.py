@@ -203,6 +203,10 @@ def shape_problem(a: ModelArgs) -> tuple[str, object, str] | None:
             value = getattr(a, key)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 return key, value, "must be a positive integer with attention = mla"
+        if a.v_head_dim > a.qk_nope_head_dim + a.qk_rope_head_dim:
+            return "v_head_dim", a.v_head_dim, (f"must be at most qk_nope_head_dim + qk_rope_head_dim = "
+                                                f"{a.qk_nope_head_dim + a.qk_rope_head_dim} (values are padded to the "
+                                                "query·key width for the fused attention ops)")
         if a.qk_rope_head_dim % 2:
             return "qk_rope_head_dim", a.qk_rope_head_dim, "must be even (rotary pairs)"
         if a.head_dim != a.qk_nope_head_dim + a.qk_rope_head_dim:

@@ -10,8 +10,14 @@ Keys and values come from one small latent per token instead of per-head project
 
 Only the rotary part rotates, so it is rotated here, before the cache, and the attention
 core (model/llama.py `AttentionCore` with rotate=False, or context parallelism's) gets q and
-k rotated already. The query·key width (nope + rope) differs from the value width; SDPA takes
-that as it is. Under YaRN with `mscale_all_dim` the softmax scale is multiplied by mscale²
+k rotated already. The value width is narrower than the query·key width (nope + rope;
+DeepSeek-V3: 128 against 192), and the fused attention ops take one head width for q, k and
+v (torch's flash ops, on the CPU and on CUDA, require it; without them SDPA falls back to
+its math path, which keeps the s × s probabilities): V is zero-padded to the query·key
+width before the core and the output's padding columns (zeros) dropped after it, so the
+same fused op runs as for any other model, here, under context parallelism (whose back
+ends also move K and V as one message) and in generation, at the price of V's bytes and the
+AV product grown by qk/v (1.5× for DeepSeek-V3). Under YaRN with `mscale_all_dim` the softmax scale is multiplied by mscale²
 (as DeepSeek's and Hugging Face's code do), folded into q.
 
 Generation caches what the keys and values are made from, not the keys and values: the
@@ -34,6 +40,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .args import ModelArgs
@@ -118,5 +125,11 @@ class LatentAttention(nn.Module):
         k = torch.cat((k_nope, k_rope.expand(-1, -1, k_nope.shape[2], -1)), dim=-1)
         if self.q_scale != 1.0:
             q = q * self.q_scale
+        qk = self.nope + self.rope
+        if self.v_dim < qk:
+            v = F.pad(v, (0, qk - self.v_dim))
         view = LatentView(k, v, cache.doc_ids) if cache is not None else None
-        return self.wo(self.core(q, k, v, cos, sin, view, layer_key, doc_ids=doc_ids))
+        out = self.core(q, k, v, cos, sin, view, layer_key, doc_ids=doc_ids)
+        if self.v_dim < qk:
+            out = out.view(b, s, -1, qk)[..., :self.v_dim].reshape(b, s, -1)
+        return self.wo(out)

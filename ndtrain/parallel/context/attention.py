@@ -6,14 +6,9 @@ and every residual dropout for one that draws the whole sequence's mask. The pro
 norms and MLP are untouched: they act on each token independently, so they work on any
 subset of the sequence.
 
-Latent attention (model/mla.py) hands the core q and k rotated already (`rotate=False`) and
-values narrower than the query·key width (DeepSeek-V3: 128 against 192). Every back end moves
-K and V as one message ([2, ...] stacked in the ring, one all-gather, one all-to-all) and
-the fused ops they call take one head width for q, k and v (the CPU flash op and CUDA's
-flash op require it), so V is zero-padded to the query·key width here and the padding's
-columns of the output (zeros) are dropped: the same op runs as for any other model
-(fused.py `kernel_for`), at the price of V's bytes and the AV product grown by qk/v (1.5×
-for DeepSeek-V3).
+Latent attention (model/mla.py) hands the core q and k rotated already (`rotate=False`), and
+its values zero-padded to the query·key width: every back end here moves K and V as one
+message and runs the fused ops of any other model (fused.py `kernel_for`).
 """
 
 from __future__ import annotations
@@ -88,20 +83,12 @@ class ContextParallelAttention(nn.Module):
         if self.rotate:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         vis = self.plans.visibility(q.shape[1], doc_ids, q.device, self.window)
-        width = v.shape[-1]
-        if width != q.shape[-1]:  # MLA: values narrower than query·key (module docstring)
-            v = F.pad(v, (0, q.shape[-1] - width))
         args = (q, k, v, self.group, vis, self.recorder, layer_key or "")
         if self.impl == "ring":
-            out = RingAttention.apply(*args)
-        elif self.impl == "allgather":
-            out = AllGatherAttention.apply(*args)
-        else:
-            out = ulysses_attention(*args)
-        if width == q.shape[-1]:
-            return out
-        b, s = out.shape[:2]
-        return out.view(b, s, -1, q.shape[-1])[..., :width].reshape(b, s, -1)
+            return RingAttention.apply(*args)
+        if self.impl == "allgather":
+            return AllGatherAttention.apply(*args)
+        return ulysses_attention(*args)
 
 
 class SequenceDropout(nn.Module):
