@@ -8,7 +8,9 @@ the twin's gaps).
 
 The default tier proves one row per family of layout in one 2-rank launch (tensor + sequence
 parallel, ZeRO-3, a 1F1B pipeline, ring context parallelism, expert parallelism); the slow
-tier the other schedules and back ends, and 3-D rows on 8 ranks.
+tier the other schedules and back ends, and 3-D rows on 8 ranks, and the preset with its
+multi-token prediction module (train.mtp_weight = 0.3) under the layouts MTP runs on (data
+parallelism, ZeRO-1 and ZeRO-3; the others refuse it: model/mtp.py).
 """
 
 import pytest
@@ -74,3 +76,22 @@ def test_deepseek_other_layouts_equal_one_process(tiny_data, reference):
 @pytest.mark.slow
 def test_deepseek_3d_layouts_equal_one_process(tiny_data, reference):
     _check(run_ranks(_rows, 8, tiny_data, ROWS_8, timeout=900)[0], reference)
+
+
+MTP = [arg for arg in DS if arg != "model.mtp_depth=0"]  # the preset's one MTP module
+MTP_ROWS = [("mtp-dp2", []), ("mtp-zero1-dp2", ["parallel.zero=1"]), ("mtp-zero3-dp2", ["parallel.zero=3"])]
+
+
+def _mtp_reference(data_dir):
+    return reference_in_rank(MTP + BATCH, data_dir)
+
+
+def _mtp_rows(data_dir, rows):
+    return {name: proof_in_rank(MTP + BATCH + overrides, data_dir) for name, overrides in rows}
+
+
+@pytest.mark.slow
+def test_deepseek_mtp_layouts_equal_one_process(tiny_data):
+    ref = run_ranks(_mtp_reference, 1, tiny_data)[0]
+    assert all(r.get("mtp_loss") is not None for r in ref["history"])
+    _check(run_ranks(_mtp_rows, 2, tiny_data, MTP_ROWS, timeout=900)[0], ref)

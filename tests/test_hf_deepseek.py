@@ -112,3 +112,84 @@ def test_kimi_k2_config_reads_as_deepseek_v3():
     config = transformers.DeepseekV3Config(**CONFIG).to_dict()
     kimi = {**config, "model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
     assert args_from_hf_config(kimi) == args_from_hf_config(config)
+
+
+def _mtp_checkpoint(folder, main, mtp):
+    """DeepSeek-V3's checkpoint layout of a transformers MtpModel (which transformers' own
+    save_pretrained drops): layer n_layers holds enorm, hnorm, eh_proj, shared_head.norm, the
+    block under the decoder's names (experts one tensor each), and copies of the embedding
+    and head."""
+    from safetensors.torch import load_file, save_file
+    n = main.config.num_hidden_layers
+    state = load_file(folder / "model.safetensors")
+    prefix = f"model.layers.{n}."
+    for name, t in mtp.named_parameters():
+        if not name.startswith("layers.0."):
+            continue
+        name = name[len("layers.0."):].replace("mtp_block.", "").replace("post_norm.", "shared_head.norm.")
+        if name.endswith("experts.gate_up_proj"):
+            f = t.shape[1] // 2
+            for j in range(t.shape[0]):
+                state[f"{prefix}mlp.experts.{j}.gate_proj.weight"] = t[j, :f].detach().clone()
+                state[f"{prefix}mlp.experts.{j}.up_proj.weight"] = t[j, f:].detach().clone()
+        elif name.endswith("experts.down_proj"):
+            for j in range(t.shape[0]):
+                state[f"{prefix}mlp.experts.{j}.down_proj.weight"] = t[j].detach().clone()
+        else:
+            state[prefix + name] = t.detach().clone()
+    for name, b in mtp.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            state[f"{prefix}mlp.gate.e_score_correction_bias"] = b.detach().clone()
+    state[f"{prefix}embed_tokens.weight"] = state["model.embed_tokens.weight"].clone()
+    state[f"{prefix}shared_head.head.weight"] = state["lm_head.weight"].clone()
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_deepseek_v3_mtp_layer_is_read_predicts_like_transformers_and_is_written_back(tmp_path, capsys):
+    """The MTP module transformers' model drops on load: read from layer n_layers, its
+    predictions equal transformers' MtpModel's (fp32, 1e-5) on h⁰ = the main model's normed
+    last hidden state, and `--to-hf` writes the layer back bit for bit."""
+    from safetensors.torch import load_file
+    from transformers.modeling_layers import MtpModel
+
+    from ndtrain.cli import main as cli
+    from ndtrain.model.mtp import predict
+
+    folder = tmp_path / "hf"
+    theirs = make(folder, dict(num_mtp_layers=1))
+    torch.manual_seed(1)
+    mtp = MtpModel(theirs, 1).float().eval()
+    with torch.no_grad():
+        for n, p in mtp.named_parameters():  # (transformers leaves its experts uninitialised)
+            if n.startswith("layers."):
+                p.uniform_(0.5, 1.5) if "norm" in n else p.normal_(0, 0.1)
+        for n, b in mtp.named_buffers():
+            if n.endswith("e_score_correction_bias"):
+                b.uniform_(-0.2, 0.2)
+    _mtp_checkpoint(folder, theirs, mtp)
+    ours = ours_from(folder)
+    assert ours.args.mtp_depth == 1
+
+    x = tokens(64)
+    with torch.no_grad():
+        h = theirs.model(input_ids=x).last_hidden_state
+        hd = mtp.forward_layer(0, h[:, :-1], torch.arange(1, 64)[None], None, input_ids=x[:, 1:])
+        expected = mtp._project_to_logits(hd)
+    assert torch.isfinite(expected).all()
+    torch.testing.assert_close(predict(ours, x)[0][:, :-1], expected, atol=1e-5, rtol=1e-5)
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert cli(["convert", "--from-hf", str(folder), "--to", str(run)]) == 0
+    assert cli(["convert", "--to-hf", str(run), "--out", str(out)]) == 0
+    capsys.readouterr()
+    original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
+    assert original.keys() == exported.keys()
+    for key, t in original.items():
+        assert t.dtype == exported[key].dtype and torch.equal(t, exported[key]), key
+    assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+def test_a_transformers_saved_deepseek_v3_without_its_mtp_layer_loads_without_mtp(tmp_path):
+    folder = tmp_path / "hf"
+    make(folder, dict(num_mtp_layers=1))  # config.json counts one MTP layer; the weights have none
+    assert ours_from(folder).args.mtp_depth == 0

@@ -89,7 +89,7 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrit
         return write_adapter(source, weights, args, family, base_model_path(meta), out)
     target = _export_dtype(dtype, base, weights)
     out.mkdir(parents=True, exist_ok=True)
-    entries = _hf_entries(source, weights, args, family, target) + _buffer_entries(source, meta, family)
+    entries = _hf_entries(source, weights, args, family, target) + _buffer_entries(source, meta, family, args, target)
     write_safetensors(out / "model.safetensors", sorted(entries, key=lambda e: e[0]), {"format": "pt"})
     config = hf.hf_config_json(args, HF_DTYPE[target], base)
     (out / "config.json").write_text(json.dumps(config, indent=1))
@@ -138,14 +138,21 @@ def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family
     return sorted(entries, key=lambda e: e[0])
 
 
-def _buffer_entries(source: CheckpointSource, meta: dict, family) -> list:
-    """The buffers the family's checkpoints carry (DeepSeek-V3's router bias), in fp32 as
-    transformers keeps them."""
+def _buffer_entries(source: CheckpointSource, meta: dict, family, args: ModelArgs,
+                    target: torch.dtype = torch.float32) -> list:
+    """What DeepSeek-V3's checkpoints carry beyond our parameters: the routers' bias (in
+    fp32, as transformers keeps it), and each MTP layer's copies of the embedding and head."""
     if not family.deepseek:
         return []
     out = []
+    for d in range(args.mtp_depth):
+        for theirs, ours in hf.MTP_COPIES.items():
+            key = "weight/tok_embeddings.weight" if args.tie_embeddings else f"weight/{ours}"
+            shape = tuple(meta["tensors"][key]["shape"])
+            out.append((f"model.layers.{args.n_layers + d}.{theirs}", target, shape,
+                        _fetch(source, key, shape, None, target)))
     for key, t in meta["tensors"].items():
-        name = hf.hf_buffer(key[len("buffer/"):]) if key.startswith("buffer/") else None
+        name = hf.hf_buffer(key[len("buffer/"):], args) if key.startswith("buffer/") else None
         if name is not None:
             out.append((name, torch.float32, tuple(t["shape"]), _fetch(source, key, tuple(t["shape"]), None,
                                                                          torch.float32)))

@@ -109,6 +109,10 @@ class HFSource(Source):
                 found[name] = file
                 self.found.append(name)
                 self._add(file, name, tuple(info["shape"]), info["dtype"])
+        mtp = f"model.layers.{self.args.n_layers}."
+        if self.family.deepseek and self.args.mtp_depth and not any(n.startswith(mtp) for n in self.found):
+            # transformers' save_pretrained drops the MTP layer its config.json still counts
+            self.args = replace(self.args, mtp_depth=0)
 
     def check(self, finite: bool = True) -> None:
         """Refuse, naming the tensor, weights that are not the model config.json describes
@@ -131,7 +135,7 @@ class HFSource(Source):
         return parts[0].hf if len(parts) == 1 else f"{parts[0].hf} (experts 0-{len(parts) - 1})"
 
     def _add(self, file: Path, name: str, stored: tuple[int, ...], dtype: str) -> None:
-        buffer = hf.our_buffer(name) if self.family.deepseek else None
+        buffer = hf.our_buffer(name, self.args) if self.family.deepseek else None
         if buffer is not None:  # DeepSeek-V3's router bias: our router's expert_bias
             self.index[f"buffer/{buffer}"] = (stored, [(Piece.whole(stored), partial(self.reader.read, file, name))])
             return

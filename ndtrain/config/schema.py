@@ -152,6 +152,7 @@ class TrainConfig:
     compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: the proofs) | eager
     moe_aux_loss: float = 0.01  # coefficient of the MoE load-balancing loss; 0 = none
     moe_bias_rate: float = 0.0  # aux-loss-free balancing: router bias step per optimizer step; 0 = off
+    mtp_weight: float = 0.3  # multi-token prediction: weight of its loss (model.mtp_depth > 0; DeepSeek-V3's 0.3)
     eval_every: int = 100  # 0 = evaluate only at the end
     eval_batches: int = 8
     save_every: int = 0  # 0 = save only at the end

@@ -100,15 +100,23 @@ class Part:
     rows: tuple[int, int] | None = None
 
 
-def our_buffer(name: str) -> str | None:
-    """A HF checkpoint's buffer -> the name of ours it fills (None: not a buffer we keep)."""
+def our_buffer(name: str, args: ModelArgs) -> str | None:
+    """A HF checkpoint's buffer -> the name of ours it fills (None: not a buffer we keep);
+    a layer past the last is an MTP module's block."""
     m = _HF_LAYER.fullmatch(name)
     back = {hf: ours for ours, hf in BUFFERS.items()}
-    return f"layers.{m.group(1)}.{back[m.group(2)]}" if m and m.group(2) in back else None
+    if not m or m.group(2) not in back:
+        return None
+    layer = int(m.group(1))
+    where = f"layers.{layer}" if layer < args.n_layers else f"mtp.{layer - args.n_layers}.block"
+    return f"{where}.{back[m.group(2)]}"
 
 
-def hf_buffer(name: str) -> str | None:
+def hf_buffer(name: str, args: ModelArgs) -> str | None:
     """Our buffer -> its HF name (None: HF has no place for it)."""
+    m = _OURS_MTP.fullmatch(name)
+    if m and m.group(2).startswith("block."):
+        name = f"layers.{args.n_layers + int(m.group(1))}.{m.group(2)[len('block.'):]}"
     m = _OURS_LAYER.fullmatch(name)
     return f"model.layers.{m.group(1)}.{BUFFERS[m.group(2)]}" if m and m.group(2) in BUFFERS else None
 
@@ -173,10 +181,26 @@ def _block_names(family: Family | None) -> dict[str, str]:
     return {**BLOCK, **GEMMA_NORMS} if family is not None and family.gemma else BLOCK
 
 
+# Multi-token prediction (deepseek_v3): module d is checkpoint layer n_layers + d, holding its
+# norms and projection, a decoder block under the usual names, and copies of the shared
+# embedding and head (written as copies, read as nothing: ours are shared).
+MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+       "norm.weight": "shared_head.norm.weight"}
+MTP_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
+_OURS_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+
+
 def hf_parts(name: str, args: ModelArgs, family: Family | None = None) -> list[Part]:
     """Our parameter name -> where it lives in the family's checkpoint (an expert stack is
     E HF tensors, a fused projection part of one, anything else one whole tensor)."""
     family = family or family_of(args)
+    m = _OURS_MTP.fullmatch(name)
+    if m:
+        layer = args.n_layers + int(m.group(1))
+        if m.group(2) in MTP:
+            return [Part(f"model.layers.{layer}.{MTP[m.group(2)]}")]
+        if m.group(2).startswith("block."):
+            return hf_parts(f"layers.{layer}.{m.group(2)[len('block.'):]}", args, family)
     if name in TOP:
         return [Part(TOP[name])]
     m = _OURS_MOE.fullmatch(name)
@@ -225,6 +249,22 @@ def hf_name(name: str, family: Family | None = None) -> str:
 def our_parts(name: str, args: ModelArgs, family: Family | None = None) -> list[tuple[str, Part]]:
     """A HF tensor name -> [(our parameter, where it is in that tensor)]; [] for buffers HF
     saved that we rebuild. Raises KeyError for a name no family of ours has."""
+    m = _HF_LAYER.fullmatch(name)
+    if m and int(m.group(1)) >= args.n_layers:  # a multi-token prediction module's
+        d = int(m.group(1)) - args.n_layers
+        if d >= args.mtp_depth:
+            raise KeyError(f"layer {m.group(1)} is beyond the {args.n_layers} layers and {args.mtp_depth} MTP modules")
+        if m.group(2) in MTP_COPIES:
+            return []
+        back = {hf: ours for ours, hf in MTP.items()}
+        if m.group(2) in back:
+            return [(f"mtp.{d}.{back[m.group(2)]}", Part(name))]
+        inner = f"layers.{m.group(1)}."
+        return [(f"mtp.{d}.block.{ours[len(inner):]}", part) for ours, part in _our_parts(name, args, family)]
+    return _our_parts(name, args, family)
+
+
+def _our_parts(name: str, args: ModelArgs, family: Family | None = None) -> list[tuple[str, Part]]:
     if _HF_IGNORED.fullmatch(name):
         return []
     family = family or family_of(args)

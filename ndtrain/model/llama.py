@@ -31,6 +31,8 @@ from .init import initial_value
 from .lora import TokenRows, embedding, head_rows, linear
 from .mla import LatentAttention
 from .moe import MoE, RoutingLog
+from .mtp import MTPModule
+from .mtp import add_losses as add_mtp_losses
 from .rope import Rotary, rope_tables  # noqa: F401 (rope_tables: re-exported)
 
 
@@ -386,6 +388,9 @@ class Transformer(nn.Module):
         if args.tie_embeddings and embed and head:
             self.output.weight = self.tok_embeddings.weight
         self.rotary = Rotary(args)
+        # multi-token prediction: with the head (model/mtp.py)
+        self.mtp = nn.ModuleDict({str(d): MTPModule(args) for d in range(args.mtp_depth)}) if head and args.mtp_depth \
+            else None
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """Recompute the rotary tables in fp32, where they live or on `device` (a model
@@ -411,11 +416,7 @@ class Transformer(nn.Module):
 
         if cache is not None and doc_ids is not None:
             cache.store_doc_ids(doc_ids)
-        h = x
-        if self.tok_embeddings is not None:
-            h = self.tok_embeddings(x)
-            if self.args.embed_scale != 1.0:  # Gemma: × √dim, rounded to the activations' dtype
-                h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
+        h = self.embed(x) if self.tok_embeddings is not None else x
         for key, layer in self.layers.items():
             h = layer(h, cos, sin, cache, key, doc_ids=doc_ids, routing=routing)
         if cache is not None:
@@ -423,7 +424,16 @@ class Transformer(nn.Module):
         if last:
             h = h[:, -1:]
         if self.output is not None:
-            h = self.output(self.norm(h))
+            h = self.norm(h)
+            if self.mtp is not None and routing is not None and routing.mtp is not None and not last:
+                add_mtp_losses(self, h, cos, sin, doc_ids, routing.mtp, routing.pending)  # model/mtp.py
+            h = self.output(h)
+        return h
+
+    def embed(self, x: Tensor) -> Tensor:
+        h = self.tok_embeddings(x)
+        if self.args.embed_scale != 1.0:  # Gemma: × √dim, rounded to the activations' dtype
+            h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
         return h
 
     @torch.no_grad()

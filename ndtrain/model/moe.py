@@ -83,6 +83,7 @@ class RoutingLog:
     balance: dict[str, Tensor] = field(default_factory=dict)
     dropped: dict[str, Tensor] = field(default_factory=dict)
     pending: list[Tensor] = field(default_factory=list)
+    mtp: object = None  # multi-token prediction's step (model/mtp.MTPStep): its losses join `pending`
 
     def record(self, key: str, counts: Tensor, balance: Tensor, dropped: Tensor, loss: Tensor | None) -> None:
         if not self.keep:
