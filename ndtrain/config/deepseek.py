@@ -13,7 +13,8 @@ KEYS = ("attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope
 
 def check_deepseek(cfg: Config, a: ModelArgs) -> None:
     problem = shape_problem(a)
-    if problem and problem[0] in KEYS + ("head_dim", "n_kv_heads", "moe_top_k"):
+    if problem and problem[0] in KEYS + (("head_dim", "n_kv_heads") if a.is_mla else ()) + (
+            ("moe_top_k",) if a.moe_groups > 1 else ()):
         key, value, rule = problem
         raise ConfigError(f"model.{key}", value, rule)
     if a.mtp_depth:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from .args import ModelArgs, shape_problem
 from .hf_deepseek import DEFAULTS as DEEPSEEK_DEFAULTS
@@ -142,6 +143,9 @@ def _positive(value, key: str) -> float:
     return float(value)
 
 
+_KEYS = SimpleNamespace(get=_get, count=_count, positive=_positive, error=HFConfigError)  # for hf_deepseek
+
+
 def family_of_config(c: dict) -> Family:
     model_type = c.get("model_type")
     if model_type is None:
@@ -168,7 +172,7 @@ def args_from_hf_config(config) -> ModelArgs:
     if act not in ACTIVATIONS or (ACTIVATIONS[act] == "gelu_tanh") != family.gemma:
         raise HFConfigError(act_key, act, "not supported: silu (SwiGLU), or gelu_pytorch_tanh in Gemma 2")
     heads, dim = _count(c, family, "num_attention_heads"), _count(c, family, "hidden_size")
-    head_dim = _count(c, family, "head_dim", None) if not family.deepseek else deepseek_head_dim(c, family)
+    head_dim = _count(c, family, "head_dim", None) if not family.deepseek else deepseek_head_dim(c, family, _KEYS)
     if head_dim is None and dim % heads:
         raise HFConfigError("num_attention_heads", heads, f"must divide hidden_size = {dim} (no head_dim is given)")
     head_dim = head_dim or dim // heads
@@ -304,7 +308,7 @@ def _moe_args(family: Family, c: dict) -> dict:
     """The MoE fields of `ModelArgs` from a Mixtral or Qwen3-MoE config (DeepSeek-V3's, with
     its latent attention: model/hf_deepseek.py)."""
     if family.deepseek:
-        return deepseek_args(c, family)
+        return deepseek_args(c, family, _KEYS)
     if family.model_type == "mixtral":
         return dict(moe_experts=_count(c, family, "num_local_experts"),
                     moe_top_k=_count(c, family, "num_experts_per_tok"),

@@ -24,14 +24,16 @@ DEFAULTS = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, mo
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 
 
-def head_dim(c: dict, family) -> int:
-    from .hf_config import _count
-    return _count(c, family, "qk_nope_head_dim") + _count(c, family, "qk_rope_head_dim")
+def head_dim(c: dict, family, keys) -> int:
+    """The query·key width. `keys`: model/hf_config.py's readers (get, count, positive, error),
+    handed in so that this module does not import the one that imports it."""
+    return keys.count(c, family, "qk_nope_head_dim") + keys.count(c, family, "qk_rope_head_dim")
 
 
-def deepseek_args(c: dict, family) -> dict:
-    """The DeepSeek-V3 fields of `ModelArgs` (the rest: hf_config.args_from_hf_config)."""
-    from .hf_config import HFConfigError, _count, _get, _positive
+def deepseek_args(c: dict, family, keys) -> dict:
+    """The DeepSeek-V3 fields of `ModelArgs` (the rest: hf_config.args_from_hf_config);
+    `keys` as in `head_dim`."""
+    HFConfigError, _count, _get, _positive = keys.error, keys.count, keys.get, keys.positive
     heads = _count(c, family, "num_attention_heads")
     kv = _count(c, family, "num_key_value_heads", None) or heads
     if kv != heads:
@@ -56,15 +58,14 @@ def deepseek_args(c: dict, family) -> dict:
         moe_norm_topk=bool(_get(c, family, "norm_topk_prob")),
         moe_route_scale=_positive(_get(c, family, "routed_scaling_factor"), "routed_scaling_factor"),
         moe_groups=_count(c, family, "n_group", 1), moe_topk_groups=_count(c, family, "topk_group", 1),
-        first_k_dense=_first_k(c, family), mtp_depth=mtp)
+        first_k_dense=_first_k(c, family, keys), mtp_depth=mtp)
 
 
-def _first_k(c: dict, family) -> int:
-    from .hf_config import HFConfigError, _get
-    value = _get(c, family, "first_k_dense_replace")
+def _first_k(c: dict, family, keys) -> int:
+    value = keys.get(c, family, "first_k_dense_replace")
     value = 0 if value is None else value
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise HFConfigError("first_k_dense_replace", value, "must be a non-negative integer")
+        raise keys.error("first_k_dense_replace", value, "must be a non-negative integer")
     return value
 
 

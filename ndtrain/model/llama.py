@@ -321,7 +321,11 @@ class Block(nn.Module):
         # splits the residual stream can swap it for a dropout that draws the same mask.
         self.dropout = nn.Dropout(args.dropout)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-        self.attention = LatentAttention(args, layer) if args.is_mla else Attention(args, layer)
+        if args.is_mla:  # model/mla.py
+            core = AttentionCore(args.window_of(layer), args.attn_softcap, args.doc_attention, rotate=False)
+            self.attention = LatentAttention(args, core, RMSNorm, apply_rope)
+        else:
+            self.attention = Attention(args, layer)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.feed_forward = MoE(args) if args.is_moe_layer(layer) else FeedForward(args)
         if args.sandwich_norm:
@@ -389,8 +393,8 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.rotary = Rotary(args)
         # multi-token prediction: with the head (model/mtp.py)
-        self.mtp = nn.ModuleDict({str(d): MTPModule(args) for d in range(args.mtp_depth)}) if head and args.mtp_depth \
-            else None
+        self.mtp = nn.ModuleDict({str(d): MTPModule(args, Block(args, args.n_layers - 1), RMSNorm)
+                                  for d in range(args.mtp_depth)}) if head and args.mtp_depth else None
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """Recompute the rotary tables in fp32, where they live or on `device` (a model

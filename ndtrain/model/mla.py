@@ -86,9 +86,12 @@ class LatentAttention(nn.Module):
     """Multi-head latent attention (the module docstring). Head counts come from tensor
     shapes, so a tensor-parallel rank holding some heads runs this same code."""
 
-    def __init__(self, args: ModelArgs, layer: int = 0):
+    def __init__(self, args: ModelArgs, core: nn.Module, norm: type, rotate_half_split):
+        """`core`: the attention core (model/llama.py `AttentionCore` with rotate=False);
+        `norm`: the RMSNorm class; `rotate_half_split`: llama.apply_rope (passed in, so this
+        module does not import the decoder that holds it)."""
         super().__init__()
-        from .llama import AttentionCore, RMSNorm
+        RMSNorm, self.apply_rope = norm, rotate_half_split
         heads, qk = args.n_heads, args.head_dim
         self.nope, self.rope, self.v_dim, self.rank = (args.qk_nope_head_dim, args.qk_rope_head_dim, args.v_head_dim,
                                                        args.kv_lora_rank)
@@ -104,11 +107,10 @@ class LatentAttention(nn.Module):
         self.wkv_b = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
         self.wo = nn.Linear(heads * self.v_dim, args.dim, bias=False)
         self.q_scale = softmax_scale(args)
-        self.core = AttentionCore(args.window_of(layer), args.attn_softcap, args.doc_attention, rotate=False)
+        self.core = core
 
     def _rotate(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        from .llama import apply_rope
-        return rotate_interleaved(x, cos, sin) if self.interleave else apply_rope(x, cos, sin)
+        return rotate_interleaved(x, cos, sin) if self.interleave else self.apply_rope(x, cos, sin)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache=None, layer_key: str | None = None,
                 doc_ids: Tensor | None = None) -> Tensor:

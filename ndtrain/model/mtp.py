@@ -44,14 +44,16 @@ IGNORE = -100
 
 
 class MTPModule(nn.Module):
-    def __init__(self, args: ModelArgs):
+    """`block`: a decoder block of the last block's kind; `norm`: the RMSNorm class (both
+    from model/llama.py, which builds these modules)."""
+
+    def __init__(self, args: ModelArgs, block: nn.Module, norm: type):
         super().__init__()
-        from .llama import Block, RMSNorm
-        self.enorm = RMSNorm(args.dim, args.norm_eps)
-        self.hnorm = RMSNorm(args.dim, args.norm_eps)
+        self.enorm = norm(args.dim, args.norm_eps)
+        self.hnorm = norm(args.dim, args.norm_eps)
         self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
-        self.block = Block(args, args.n_layers - 1)
-        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.block = block
+        self.norm = norm(args.dim, args.norm_eps)
 
     def forward(self, h: Tensor, e: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
         x = self.eh_proj(torch.cat((self.enorm(e), self.hnorm(h)), dim=-1))
