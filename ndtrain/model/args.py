@@ -359,6 +359,14 @@ def attention_flops_per_token(a: ModelArgs, seq_len: int, layer: int) -> float:
     return 2.0 * a.n_heads * (a.head_dim + a.value_dim) * visible_keys_per_query(seq_len, a.window_of(layer))
 
 
+def kv_cache_elements_per_token(a: ModelArgs) -> int:
+    """Numbers generation's cache keeps per token over all blocks (model/llama.py KVCache):
+    each block's keys and values, n_kv_heads·head_dim each; under MLA the normed latent and
+    the rotated rotary key, kv_lora_rank + qk_rope_head_dim (model/mla.py)."""
+    per_block = a.kv_lora_rank + a.qk_rope_head_dim if a.is_mla else 2 * a.n_kv_heads * a.head_dim
+    return a.n_layers * per_block
+
+
 def adapter_params(a: ModelArgs, layer: int | None = None) -> int:
     """LoRA's A and B, r·(in + out) per adapted matrix, of block `layer` (default: all). An
     MoE block's experts have none (model/lora.py)."""
