@@ -38,7 +38,8 @@ ROWS_8 = [("dp2-tp2-pp2", ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"]),
           ("zero3-tp2-cp2-ep2", ["parallel.dp=2", "parallel.zero=3", "parallel.tp=2", "parallel.cp=2",
                                  "parallel.ep=2"]),
           ("pp2-cp2-ep2-dualpipev", ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2",
-                                     "parallel.cp=2", "parallel.dp=2", "parallel.ep=2"])]
+                                     "parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
+                                     "train.micro_batch=1"])]  # 4 micro-batches per dp rank for DualPipeV
 
 
 def _reference(data_dir):
