@@ -8,7 +8,8 @@ In fp32, against transformers:
 - greedy generation picks the tokens theirs picks (our latent cache against their cache);
 - `convert --from-hf` then `--to-hf` gives back every tensor bit for bit (the router bias
   too), and a config from which transformers builds the same model.
-A Kimi K2 config (model_type kimi_k2, DeepSeek-V3's keys) reads as the same model.
+A Kimi K2 config (model_type kimi_k2, DeepSeek-V3's keys) reads as the same model (the
+default tier; the rest, which builds transformers models, under -m slow).
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ def ours_from(folder):
     return model
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n != "lora-query" else n
-                                  for n in VARIANTS])
+@pytest.mark.slow  # transformers models: the slow tier (the default tier's budget, issue 35)
+@pytest.mark.parametrize("name", VARIANTS)
 def test_deepseek_v3_logits_generation_and_round_trip(name, tmp_path, capsys):
     from safetensors.torch import load_file
 
@@ -145,6 +146,7 @@ def _mtp_checkpoint(folder, main, mtp):
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
 
 
+@pytest.mark.slow
 def test_deepseek_v3_mtp_layer_is_read_predicts_like_transformers_and_is_written_back(tmp_path, capsys):
     """The MTP module transformers' model drops on load: read from layer n_layers, its
     predictions equal transformers' MtpModel's (fp32, 1e-5) on h⁰ = the main model's normed
@@ -189,6 +191,7 @@ def test_deepseek_v3_mtp_layer_is_read_predicts_like_transformers_and_is_written
     assert json.loads((out / "config.json").read_text())["num_nextn_predict_layers"] == 1
 
 
+@pytest.mark.slow
 def test_a_transformers_saved_deepseek_v3_without_its_mtp_layer_loads_without_mtp(tmp_path):
     folder = tmp_path / "hf"
     make(folder, dict(num_mtp_layers=1))  # config.json counts one MTP layer; the weights have none

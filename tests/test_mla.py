@@ -1,6 +1,7 @@
 """Multi-head latent attention (model/mla.py, issue 35): generation's latent cache equals the
 uncached forward, and holds the latent and the rotary key, not keys and values."""
 
+import pytest
 import torch
 
 from ndtrain.model.args import PRESETS, kv_cache_elements_per_token
@@ -18,6 +19,7 @@ def _model(args):
     return model
 
 
+@pytest.mark.slow  # the default tier's budget (issue 35)
 def test_the_latent_cache_equals_the_uncached_forward():
     """fp64: a prompt, then one token at a time through the cache, against one forward of
     the whole sequence; and two packed documents (doc_ids) the same way. Only summation

@@ -1,6 +1,7 @@
 """Multi-token prediction (model/mtp.py, issue 35): packed documents never predict across a
 boundary, and the losses join the objective in the step's sum form."""
 
+import pytest
 import torch
 
 from ndtrain.data.batch import IGNORE, MicroBatch
@@ -35,6 +36,7 @@ def _row(tokens):
     return MicroBatch(tokens=t[:, :-1], targets=t[:, 1:].clone())
 
 
+@pytest.mark.slow  # the default tier's budget (issue 35)
 def test_packed_documents_take_the_mtp_losses_of_each_document_alone():
     """A row packing documents A and B (positions restarting, B's first target IGNORE as the
     packer leaves it) has exactly the MTP loss of A's row plus B's row: no module at a
