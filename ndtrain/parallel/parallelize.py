@@ -91,7 +91,7 @@ class Parallelized:
         local = self.schedule.run(micro_batches, n_targets, self.grad_sync, routing)
         if self.mtp_weight is not None:  # Σ over modules / depth, per target, summed over the ranks
             sums = routing.mtp.sums
-            self.mtp_loss = self.reduce_loss(sum(sums.values()) / (len(sums) * n_targets))
+            self.mtp_loss = self.reduce_loss(sum(sums.values()) * unscale / (len(sums) * n_targets))  # fp16: unscaled
         tp = self.mesh.group("tp")
         if tp.active:  # once per step: the sum of gradients each tp rank holds a part of
             tensor.sum_partial_grads(self.states.partial_grads("tp"), tp)
