@@ -101,10 +101,11 @@ def _check_rows(world, rows):
 
 
 # DeepSeek-V3's block (latent attention, group-limited routing, a dense first block) under
-# tensor and expert parallelism (issue 35): the slow tier.
+# tensor and expert parallelism, and with its MTP module under ZeRO-1 (issue 35): the slow tier.
 DEEPSEEK = ["model.preset=deepseek-v3-tiny", "model.mtp_depth=0"]
 DEEPSEEK_ROWS = [("deepseek-v3-tiny-tp2", DEEPSEEK + ["parallel.tp=2"]),
-                 ("deepseek-v3-tiny-ep2-bf16", DEEPSEEK + ["parallel.ep=2", "train.precision=bf16"])]
+                 ("deepseek-v3-tiny-ep2-bf16", DEEPSEEK + ["parallel.ep=2", "train.precision=bf16"]),
+                 ("deepseek-v3-tiny-mtp-zero1", ["model.preset=deepseek-v3-tiny", "parallel.zero=1"])]
 
 
 @pytest.mark.slow

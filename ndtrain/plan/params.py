@@ -104,6 +104,10 @@ def stage_split(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> tuple[int,
     tp, ep = cfg.parallel.tp, cfg.parallel.ep
     dense = sum(block_local(args, tp, i) for ch in chunks for i in ch.layer_ids)
     experts = sum(block_experts(args, i, ep) for ch in chunks for i in ch.layer_ids)
+    mtp = args.mtp_depth if any(ch.head for ch in chunks) else 0  # with the head (model/mtp.py)
+    last = args.n_layers - 1  # each module: two norms, the projection, a block of the last one's kind, a norm
+    dense += mtp * (3 * args.dim + 2 * args.dim * args.dim + block_local(args, tp, last))
+    experts += mtp * block_experts(args, last, ep)
     return dense + sum(root_local(args, ch, tp) for ch in chunks), experts
 
 
