@@ -406,3 +406,11 @@ def test_latent_attention_keys_need_attention_mla(tmp_path, capsys, monkeypatch)
     monkeypatch.chdir(tmp_path)
     refused(["train", *CHEAP, "model.kv_lora_rank=16"], tmp_path, capsys,
             "model.kv_lora_rank = 16: is a key of latent attention: needs model.attention = 'mla'")
+
+
+def test_rl_refuses_multi_token_prediction(tmp_path, capsys, monkeypatch):
+    """MTP's losses are token losses: RL's (and DPO's) objective has none to join."""
+    monkeypatch.chdir(tmp_path)
+    refused(RL + [f"data.cache_dir={tmp_path / 'cache'}", "model.preset=deepseek-v3-tiny"], tmp_path, capsys,
+            "model.mtp_depth = 1: multi-token prediction trains on the token loss of pretraining and SFT, not "
+            "ndtrain rl's objective; use 0")

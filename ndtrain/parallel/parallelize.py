@@ -240,5 +240,7 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     else:
         schedule = SingleStage(model, loss_fn)
     balance = expert.LoadBalance(model, args, mesh, t.moe_aux_loss, t.moe_bias_rate) if args.is_moe else None
-    mtp_weight = t.mtp_weight if args.mtp_depth else None
+    # multi-token prediction joins the token loss of pretraining and SFT (DPO and RL refuse it:
+    # config/tasks.py)
+    mtp_weight = t.mtp_weight if args.mtp_depth and objective is weighted_sum else None
     return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance, init.generated, mtp_weight)
