@@ -72,7 +72,7 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrit
         family = hf.family_of(args, (base or {}).get("model_type"))
     except ValueError as e:
         raise ConfigError("--to-hf", str(run), str(e)) from None
-    if ((meta.get("config") or {}).get("train") or {}).get("moe_bias_rate"):
+    if ((meta.get("config") or {}).get("train") or {}).get("moe_bias_rate") and not family.deepseek:
         raise ConfigError("--to-hf", str(run), "the routers' selection bias (train.moe_bias_rate > 0) has no place "
                           "in a Hugging Face Mixtral or Qwen3-MoE; exporting would change which experts tokens choose")
     if adapter:
@@ -89,8 +89,9 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrit
             write_adapter(source, weights, args, family, base_model_path(meta), stage)
             return out
         target = _export_dtype(dtype, base, weights)
-        write_safetensors(stage / "model.safetensors", _hf_entries(source, weights, args, family, target),
-                          {"format": "pt"})
+        entries = _hf_entries(source, weights, args, family, target) + _buffer_entries(source, meta, family, args,
+                                                                                       target)
+        write_safetensors(stage / "model.safetensors", sorted(entries, key=lambda e: e[0]), {"format": "pt"})
         config = hf.hf_config_json(args, HF_DTYPE[target], base)
         (stage / "config.json").write_text(json.dumps(config, indent=1))
         eot_token = eot_id = None
@@ -137,6 +138,27 @@ def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family
         read = reads[0] if len(reads) == 1 else (lambda reads=reads: torch.cat([r() for r in reads]))
         entries.append((hf_name, target, shape, read))
     return sorted(entries, key=lambda e: e[0])
+
+
+def _buffer_entries(source: CheckpointSource, meta: dict, family, args: ModelArgs,
+                    target: torch.dtype = torch.float32) -> list:
+    """What DeepSeek-V3's checkpoints carry beyond our parameters: the routers' bias (in
+    fp32, as transformers keeps it), and each MTP layer's copies of the embedding and head."""
+    if not family.deepseek:
+        return []
+    out = []
+    for d in range(args.mtp_depth):
+        for theirs, ours in hf.MTP_COPIES.items():
+            key = "weight/tok_embeddings.weight" if args.tie_embeddings else f"weight/{ours}"
+            shape = tuple(meta["tensors"][key]["shape"])
+            out.append((f"model.layers.{args.n_layers + d}.{theirs}", target, shape,
+                        _fetch(source, key, shape, None, target)))
+    for key, t in meta["tensors"].items():
+        name = hf.hf_buffer(key[len("buffer/"):], args) if key.startswith("buffer/") else None
+        if name is not None:
+            out.append((name, torch.float32, tuple(t["shape"]), _fetch(source, key, tuple(t["shape"]), None,
+                                                                         torch.float32)))
+    return out
 
 
 def _fetch(source: CheckpointSource, key: str, shape: tuple, expert: int | None, target: torch.dtype):

@@ -109,6 +109,10 @@ class HFSource(Source):
                 found[name] = file
                 self.found.append(name)
                 self._add(file, name, tuple(info["shape"]), info["dtype"])
+        mtp = f"model.layers.{self.args.n_layers}."
+        if self.family.deepseek and self.args.mtp_depth and not any(n.startswith(mtp) for n in self.found):
+            # transformers' save_pretrained drops the MTP layer its config.json still counts
+            self.args = replace(self.args, mtp_depth=0)
 
     def check(self, finite: bool = True) -> None:
         """Refuse, naming the tensor, weights that are not the model config.json describes
@@ -131,6 +135,10 @@ class HFSource(Source):
         return parts[0].hf if len(parts) == 1 else f"{parts[0].hf} (experts 0-{len(parts) - 1})"
 
     def _add(self, file: Path, name: str, stored: tuple[int, ...], dtype: str) -> None:
+        buffer = hf.our_buffer(name, self.args) if self.family.deepseek else None
+        if buffer is not None:  # DeepSeek-V3's router bias: our router's expert_bias
+            self.index[f"buffer/{buffer}"] = (stored, [(Piece.whole(stored), partial(self.reader.read, file, name))])
+            return
         try:
             parts = hf.our_parts(name, self.args, self.family)
         except KeyError:
@@ -261,10 +269,12 @@ def grow_vocab(source: Source, vocab_size: int) -> None:
 KINDS = ("run", "hf")
 # ModelArgs fields that are config keys of the same name and fix the parameters' shapes.
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "head_dim", "qkv_bias",
-              "qk_norm", "tie_embeddings", "rope_theta", "norm_eps") + FAMILY_KEYS
+              "qk_norm", "tie_embeddings", "rope_theta", "norm_eps") + FAMILY_KEYS + (
+              "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "rope_interleave", "mtp_depth")
 # ... and those of a mixture-of-experts model (set only from an MoE source).
 MOE_KEYS = ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_ffn_dim", "moe_every", "moe_router",
-            "moe_norm_topk", "moe_route_scale", "moe_capacity")
+            "moe_norm_topk", "moe_route_scale", "moe_capacity", "moe_groups", "moe_topk_groups", "first_k_dense")
 
 
 def parse_init_from(value: str) -> tuple[str, Path]:

@@ -28,7 +28,7 @@ def check_family(cfg: Config, a: ModelArgs) -> None:
     """The family features against the model and the layout: a rotary scaling we can
     compute, windowed layers that exist, and what context parallelism cannot do."""
     from ndtrain.model.rope import LENGTH_DEPENDENT, scaling_of, scaling_problem
-    problem = scaling_problem(a.rope_scaling, a.head_dim)
+    problem = scaling_problem(a.rope_scaling, a.rope_dim)
     if problem:
         raise ConfigError("model.rope_scaling", a.rope_scaling, problem)
     outside = [i for i in a.window_layers or () if i >= a.n_layers]

@@ -62,6 +62,18 @@ class ModelConfig:
     moe_norm_topk: bool | None = None
     moe_route_scale: float | None = None
     moe_capacity: float | None = None  # capacity factor; 0 = dropless
+    # DeepSeek-V3 (model/args.py, model/mla.py; the deepseek-v3-* presets set them).
+    attention: str | None = None  # gqa | mla (multi-head latent attention)
+    q_lora_rank: int | None = None  # mla: query bottleneck; 0 = queries projected directly
+    kv_lora_rank: int | None = None  # mla: the latent keys and values come from (what generation caches)
+    qk_nope_head_dim: int | None = None  # mla: each head's key width without rotary
+    qk_rope_head_dim: int | None = None  # mla: the rotary key width, shared by the heads
+    v_head_dim: int | None = None  # mla: each head's value width
+    rope_interleave: bool | None = None  # mla: rotary pairs (x0, x1), (x2, x3)... (DeepSeek's checkpoints)
+    moe_groups: int | None = None  # routed experts in this many groups (group-limited routing)
+    moe_topk_groups: int | None = None  # each token chooses among the experts of its best groups
+    first_k_dense: int | None = None  # the first blocks keep a dense MLP
+    mtp_depth: int | None = None  # multi-token prediction modules after the last block
     # Features of Hugging Face families (model/args.py; set from model.init_from=hf:DIR).
     rope_scaling: str | None = None  # JSON, e.g. {"rope_type": "linear", "factor": 2.0}; "" = none
     sliding_window: int | None = None  # 0 = none
@@ -147,6 +159,7 @@ class TrainConfig:
     compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: the proofs) | eager
     moe_aux_loss: float = 0.01  # coefficient of the MoE load-balancing loss; 0 = none
     moe_bias_rate: float = 0.0  # aux-loss-free balancing: router bias step per optimizer step; 0 = off
+    mtp_weight: float = 0.3  # multi-token prediction: weight of its loss (model.mtp_depth > 0; DeepSeek-V3's 0.3)
     eval_every: int = 100  # 0 = evaluate only at the end
     eval_batches: int = 8
     save_every: int = 0  # 0 = save only at the end

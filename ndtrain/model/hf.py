@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import hf_deepseek
 from .args import ModelArgs
 from .hf_config import FAMILIES, Family, HFConfigError, args_from_hf_config, family_of_config  # noqa: F401
 from .rope import scaling_of
@@ -50,7 +51,19 @@ BLOCK = {
     "feed_forward.w2.weight": "mlp.down_proj.weight",
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
+    # latent attention and shared experts (deepseek_v3, kimi_k2)
+    "attention.wq_a.weight": "self_attn.q_a_proj.weight",
+    "attention.q_a_norm.weight": "self_attn.q_a_layernorm.weight",
+    "attention.wq_b.weight": "self_attn.q_b_proj.weight",
+    "attention.wkv_a.weight": "self_attn.kv_a_proj_with_mqa.weight",
+    "attention.kv_a_norm.weight": "self_attn.kv_a_layernorm.weight",
+    "attention.wkv_b.weight": "self_attn.kv_b_proj.weight",
+    "feed_forward.shared.w1.weight": "mlp.shared_experts.gate_proj.weight",
+    "feed_forward.shared.w3.weight": "mlp.shared_experts.up_proj.weight",
+    "feed_forward.shared.w2.weight": "mlp.shared_experts.down_proj.weight",
 }
+# Buffers a checkpoint carries: the router's selection bias (DeepSeek-V3's aux-loss-free balancing).
+BUFFERS = {"feed_forward.router.expert_bias": "mlp.gate.e_score_correction_bias"}
 GEMMA_NORMS = {
     "ffn_norm.weight": "pre_feedforward_layernorm.weight",
     "attention_post_norm.weight": "post_attention_layernorm.weight",
@@ -87,6 +100,27 @@ class Part:
     rows: tuple[int, int] | None = None
 
 
+def our_buffer(name: str, args: ModelArgs) -> str | None:
+    """A HF checkpoint's buffer -> the name of ours it fills (None: not a buffer we keep);
+    a layer past the last is an MTP module's block."""
+    m = _HF_LAYER.fullmatch(name)
+    back = {hf: ours for ours, hf in BUFFERS.items()}
+    if not m or m.group(2) not in back:
+        return None
+    layer = int(m.group(1))
+    where = f"layers.{layer}" if layer < args.n_layers else f"mtp.{layer - args.n_layers}.block"
+    return f"{where}.{back[m.group(2)]}"
+
+
+def hf_buffer(name: str, args: ModelArgs) -> str | None:
+    """Our buffer -> its HF name (None: HF has no place for it)."""
+    m = _OURS_MTP.fullmatch(name)
+    if m and m.group(2).startswith("block."):
+        name = f"layers.{args.n_layers + int(m.group(1))}.{m.group(2)[len('block.'):]}"
+    m = _OURS_LAYER.fullmatch(name)
+    return f"model.layers.{m.group(1)}.{BUFFERS[m.group(2)]}" if m and m.group(2) in BUFFERS else None
+
+
 # ---------------------------------------------------------------------------------------
 # Which family holds a model
 
@@ -98,6 +132,8 @@ def _gemma_traits(a: ModelArgs) -> bool:
 
 def holds(family: Family, a: ModelArgs) -> str | None:
     """Why `family` cannot hold a model of these args (None: it can)."""
+    if family.deepseek or a.is_mla:
+        return hf_deepseek.holds(a) if family.deepseek else f"{family.model_type} has no latent attention"
     if family.gemma != _gemma_traits(a):
         return "Gemma 2's norms, gate, embedding scale and soft-capping go together, in gemma2 only"
     if family.gemma and not (a.norm_offset == 1.0 and a.sandwich_norm and a.mlp_act == "gelu_tanh"
@@ -127,7 +163,7 @@ def family_of(args: ModelArgs, prefer: str | None = None) -> Family:
         raise ValueError("no Hugging Face family has both q/k/v biases and q/k norms")
     if prefer in FAMILIES and holds(FAMILIES[prefer], args) is None:
         return FAMILIES[prefer]
-    order = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2")
+    order = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "deepseek_v3")
     reasons = []
     for name in order:
         reason = holds(FAMILIES[name], args)
@@ -145,10 +181,26 @@ def _block_names(family: Family | None) -> dict[str, str]:
     return {**BLOCK, **GEMMA_NORMS} if family is not None and family.gemma else BLOCK
 
 
+# Multi-token prediction (deepseek_v3): module d is checkpoint layer n_layers + d, holding its
+# norms and projection, a decoder block under the usual names, and copies of the shared
+# embedding and head (written as copies, read as nothing: ours are shared).
+MTP = {"enorm.weight": "enorm.weight", "hnorm.weight": "hnorm.weight", "eh_proj.weight": "eh_proj.weight",
+       "norm.weight": "shared_head.norm.weight"}
+MTP_COPIES = {"embed_tokens.weight": "tok_embeddings.weight", "shared_head.head.weight": "output.weight"}
+_OURS_MTP = re.compile(r"mtp\.(\d+)\.(.+)")
+
+
 def hf_parts(name: str, args: ModelArgs, family: Family | None = None) -> list[Part]:
     """Our parameter name -> where it lives in the family's checkpoint (an expert stack is
     E HF tensors, a fused projection part of one, anything else one whole tensor)."""
     family = family or family_of(args)
+    m = _OURS_MTP.fullmatch(name)
+    if m:
+        layer = args.n_layers + int(m.group(1))
+        if m.group(2) in MTP:
+            return [Part(f"model.layers.{layer}.{MTP[m.group(2)]}")]
+        if m.group(2).startswith("block."):
+            return hf_parts(f"layers.{layer}.{m.group(2)[len('block.'):]}", args, family)
     if name in TOP:
         return [Part(TOP[name])]
     m = _OURS_MOE.fullmatch(name)
@@ -197,6 +249,22 @@ def hf_name(name: str, family: Family | None = None) -> str:
 def our_parts(name: str, args: ModelArgs, family: Family | None = None) -> list[tuple[str, Part]]:
     """A HF tensor name -> [(our parameter, where it is in that tensor)]; [] for buffers HF
     saved that we rebuild. Raises KeyError for a name no family of ours has."""
+    m = _HF_LAYER.fullmatch(name)
+    if m and int(m.group(1)) >= args.n_layers:  # a multi-token prediction module's
+        d = int(m.group(1)) - args.n_layers
+        if d >= args.mtp_depth:
+            raise KeyError(f"layer {m.group(1)} is beyond the {args.n_layers} layers and {args.mtp_depth} MTP modules")
+        if m.group(2) in MTP_COPIES:
+            return []
+        back = {hf: ours for ours, hf in MTP.items()}
+        if m.group(2) in back:
+            return [(f"mtp.{d}.{back[m.group(2)]}", Part(name))]
+        inner = f"layers.{m.group(1)}."
+        return [(f"mtp.{d}.block.{ours[len(inner):]}", part) for ours, part in _our_parts(name, args, family)]
+    return _our_parts(name, args, family)
+
+
+def _our_parts(name: str, args: ModelArgs, family: Family | None = None) -> list[tuple[str, Part]]:
     if _HF_IGNORED.fullmatch(name):
         return []
     family = family or family_of(args)
@@ -287,6 +355,8 @@ def hf_config(args: ModelArgs, family: Family | None = None) -> dict:
     if family.model_type == "mixtral":
         out.update(intermediate_size=args.expert_dim, num_local_experts=args.moe_experts,
                    num_experts_per_tok=args.moe_top_k)
+    elif family.deepseek:
+        out.update(hf_deepseek.deepseek_config(args), moe_intermediate_size=args.expert_dim)
     elif family.model_type == "qwen3_moe":
         out.update(moe_intermediate_size=args.expert_dim, num_experts=args.moe_experts,
                    num_experts_per_tok=args.moe_top_k, norm_topk_prob=args.moe_norm_topk,

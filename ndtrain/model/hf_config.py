@@ -25,8 +25,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from .args import ModelArgs, shape_problem
+from .hf_deepseek import DEFAULTS as DEEPSEEK_DEFAULTS
+from .hf_deepseek import MODEL_TYPES as DEEPSEEK_TYPES
+from .hf_deepseek import deepseek_args
+from .hf_deepseek import head_dim as deepseek_head_dim
 from .rope import KINDS, REQUIRED, scaling_problem
 
 
@@ -65,6 +70,7 @@ class Family:
     expert_names: tuple[str, str, str] = ()
     fused: bool = False  # phi3: qkv_proj and gate_up_proj
     gemma: bool = False
+    deepseek: bool = False  # deepseek_v3, kimi_k2: model/hf_deepseek.py
 
 
 FAMILIES = {
@@ -97,6 +103,8 @@ FAMILIES = {
                                final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
                                use_bidirectional_attention=None),
                      refused=("attention_bias", "use_bidirectional_attention"), window="alternating", gemma=True),
+    **{name: Family(name, "DeepseekV3ForCausalLM", dict(DEEPSEEK_DEFAULTS), refused=("attention_bias",), moe="mlp",
+                    expert_names=("gate_proj", "up_proj", "down_proj"), deepseek=True) for name in DEEPSEEK_TYPES},
 }
 # What the families' configs name elsewhere, with the reason we do not read it.
 UNSUPPORTED = {
@@ -135,6 +143,9 @@ def _positive(value, key: str) -> float:
     return float(value)
 
 
+_KEYS = SimpleNamespace(get=_get, count=_count, positive=_positive, error=HFConfigError)  # for hf_deepseek
+
+
 def family_of_config(c: dict) -> Family:
     model_type = c.get("model_type")
     if model_type is None:
@@ -161,7 +172,7 @@ def args_from_hf_config(config) -> ModelArgs:
     if act not in ACTIVATIONS or (ACTIVATIONS[act] == "gelu_tanh") != family.gemma:
         raise HFConfigError(act_key, act, "not supported: silu (SwiGLU), or gelu_pytorch_tanh in Gemma 2")
     heads, dim = _count(c, family, "num_attention_heads"), _count(c, family, "hidden_size")
-    head_dim = _count(c, family, "head_dim", None)
+    head_dim = _count(c, family, "head_dim", None) if not family.deepseek else deepseek_head_dim(c, family, _KEYS)
     if head_dim is None and dim % heads:
         raise HFConfigError("num_attention_heads", heads, f"must divide hidden_size = {dim} (no head_dim is given)")
     head_dim = head_dim or dim // heads
@@ -170,7 +181,7 @@ def args_from_hf_config(config) -> ModelArgs:
     kv_heads = _count(c, family, "num_key_value_heads", None) or heads
     if heads % kv_heads:
         raise HFConfigError("num_key_value_heads", kv_heads, f"must divide num_attention_heads = {heads}")
-    rope = _rope(c, family, head_dim, max_len)
+    rope = _rope(c, family, head_dim if not family.deepseek else _count(c, family, "qk_rope_head_dim"), max_len)
     if rope.get("rope_type") == "dynamic":  # transformers' max_position_embeddings is where it starts
         max_len = int(rope["factor"] * max_len)
     args = ModelArgs(
@@ -198,7 +209,8 @@ def args_from_hf_config(config) -> ModelArgs:
     return args
 
 
-_HF_KEYS = {"moe_top_k": "num_experts_per_tok", "moe_every": "decoder_sparse_step", "moe_experts": "num_experts"}
+_HF_KEYS = {"moe_top_k": "num_experts_per_tok", "moe_every": "decoder_sparse_step", "moe_experts": "num_experts",
+            "moe_groups": "n_group", "moe_topk_groups": "topk_group", "first_k_dense": "first_k_dense_replace"}
 
 
 def _rope_params(c: dict) -> dict:
@@ -293,7 +305,10 @@ def _gemma(c: dict, family: Family, dim: int) -> dict:
 
 
 def _moe_args(family: Family, c: dict) -> dict:
-    """The MoE fields of `ModelArgs` from a Mixtral or Qwen3-MoE config."""
+    """The MoE fields of `ModelArgs` from a Mixtral or Qwen3-MoE config (DeepSeek-V3's, with
+    its latent attention: model/hf_deepseek.py)."""
+    if family.deepseek:
+        return deepseek_args(c, family, _KEYS)
     if family.model_type == "mixtral":
         return dict(moe_experts=_count(c, family, "num_local_experts"),
                     moe_top_k=_count(c, family, "num_experts_per_tok"),

@@ -29,7 +29,10 @@ from .args import ModelArgs
 from .dtypes import widened
 from .init import initial_value
 from .lora import TokenRows, embedding, head_rows, linear
+from .mla import LatentAttention
 from .moe import MoE, RoutingLog
+from .mtp import MTPModule
+from .mtp import add_losses as add_mtp_losses
 from .rope import Rotary, rope_tables  # noqa: F401 (rope_tables: re-exported)
 
 
@@ -105,10 +108,9 @@ class KVCache:
         keys and values of positions 0..pos+s-1."""
         b, s, heads, head_dim = k.shape
         end = self._end(s)
-        if layer_key not in self.k:
-            shape = (b, self.max_len, heads, head_dim)
-            self.k[layer_key] = torch.zeros(shape, dtype=k.dtype, device=k.device)
-            self.v[layer_key] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        if layer_key not in self.k:  # v may be narrower (MLA's values; its latent and rotary key)
+            self.k[layer_key] = torch.zeros((b, self.max_len, heads, head_dim), dtype=k.dtype, device=k.device)
+            self.v[layer_key] = torch.zeros((b, self.max_len, *v.shape[2:]), dtype=v.dtype, device=v.device)
         self.k[layer_key][:, self.pos:end] = k
         self.v[layer_key][:, self.pos:end] = v
         return self.k[layer_key][:, :end], self.v[layer_key][:, :end]
@@ -150,18 +152,20 @@ class AttentionCore(nn.Module):
     attention is computed here in plain torch. `documents` (ModelArgs.doc_attention): how
     documents are kept apart without a cache, "mask" (a boolean [b, 1, s, s] mask for SDPA)
     or "flex" (`flex_documents`: no s × s mask). It holds no parameters; recompute wraps it,
-    context parallelism replaces it.
+    context parallelism replaces it. `rotate=False`: q and k arrive rotated (latent
+    attention rotates only part of each head, before its cache: model/mla.py).
     """
 
-    def __init__(self, window: int = 0, softcap: float = 0.0, documents: str = "mask"):
+    def __init__(self, window: int = 0, softcap: float = 0.0, documents: str = "mask", rotate: bool = True):
         super().__init__()
-        self.window, self.softcap, self.documents = window, softcap, documents
+        self.window, self.softcap, self.documents, self.rotate = window, softcap, documents, rotate
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                 cache: KVCache | None = None, layer_key: str | None = None,
                 doc_ids: Tensor | None = None) -> Tensor:
         b, s = q.shape[:2]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rotate:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_key, k, v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # sdpa wants [b, heads, s, head_dim]
@@ -317,7 +321,11 @@ class Block(nn.Module):
         # splits the residual stream can swap it for a dropout that draws the same mask.
         self.dropout = nn.Dropout(args.dropout)
         self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-        self.attention = Attention(args, layer)
+        if args.is_mla:  # model/mla.py
+            core = AttentionCore(args.window_of(layer), args.attn_softcap, args.doc_attention, rotate=False)
+            self.attention = LatentAttention(args, core, RMSNorm, apply_rope)
+        else:
+            self.attention = Attention(args, layer)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
         self.feed_forward = MoE(args) if args.is_moe_layer(layer) else FeedForward(args)
         if args.sandwich_norm:
@@ -384,6 +392,9 @@ class Transformer(nn.Module):
         if args.tie_embeddings and embed and head:
             self.output.weight = self.tok_embeddings.weight
         self.rotary = Rotary(args)
+        # multi-token prediction: with the head (model/mtp.py)
+        self.mtp = nn.ModuleDict({str(d): MTPModule(args, Block(args, args.n_layers - 1), RMSNorm)
+                                  for d in range(args.mtp_depth)}) if head and args.mtp_depth else None
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """Recompute the rotary tables in fp32, where they live or on `device` (a model
@@ -409,11 +420,7 @@ class Transformer(nn.Module):
 
         if cache is not None and doc_ids is not None:
             cache.store_doc_ids(doc_ids)
-        h = x
-        if self.tok_embeddings is not None:
-            h = self.tok_embeddings(x)
-            if self.args.embed_scale != 1.0:  # Gemma: × √dim, rounded to the activations' dtype
-                h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
+        h = self.embed(x) if self.tok_embeddings is not None else x
         for key, layer in self.layers.items():
             h = layer(h, cos, sin, cache, key, doc_ids=doc_ids, routing=routing)
         if cache is not None:
@@ -421,7 +428,16 @@ class Transformer(nn.Module):
         if last:
             h = h[:, -1:]
         if self.output is not None:
-            h = self.output(self.norm(h))
+            h = self.norm(h)
+            if self.mtp is not None and routing is not None and routing.mtp is not None and not last:
+                add_mtp_losses(self, h, cos, sin, doc_ids, routing.mtp, routing.pending)  # model/mtp.py
+            h = self.output(h)
+        return h
+
+    def embed(self, x: Tensor) -> Tensor:
+        h = self.tok_embeddings(x)
+        if self.args.embed_scale != 1.0:  # Gemma: × √dim, rounded to the activations' dtype
+            h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
         return h
 
     @torch.no_grad()

@@ -10,6 +10,9 @@ Router (`model.moe_router`), in fp32 (fp64 in the fp64 proofs), from logits l = 
 - softmax_topk: p = softmax(l) over the E experts, the k largest, their p as weights;
 - topk_softmax: the k largest logits, softmax over those k as weights;
 - sigmoid: s = sigmoid(l), the k largest, their s as weights (DeepSeek-V3).
+With `moe_groups` > 1 the choice is group-limited (DeepSeek-V3): the experts are split into
+groups of consecutive indices, a group scores the sum of its two best (biased) scores, and
+each token chooses its k among the experts of its `moe_topk_groups` best groups.
 The selection may add a per-expert bias (the aux-loss-free balancing of DeepSeek-V3, updated
 by the step: parallel/expert.py) that never enters the weights. `moe_norm_topk` divides the k
 weights by their sum, `moe_route_scale` multiplies them. Top-k is a stable sort: ties go to
@@ -80,6 +83,7 @@ class RoutingLog:
     balance: dict[str, Tensor] = field(default_factory=dict)
     dropped: dict[str, Tensor] = field(default_factory=dict)
     pending: list[Tensor] = field(default_factory=list)
+    mtp: object = None  # multi-token prediction's step (model/mtp.MTPStep): its losses join `pending`
 
     def record(self, key: str, counts: Tensor, balance: Tensor, dropped: Tensor, loss: Tensor | None) -> None:
         if not self.keep:
@@ -122,6 +126,7 @@ class Router(nn.Module):
         super().__init__()
         self.kind, self.k = args.moe_router, args.moe_top_k
         self.normalise, self.scale = args.moe_norm_topk, args.moe_route_scale
+        self.groups, self.topk_groups = args.moe_groups, args.moe_topk_groups
         self.weight = nn.Parameter(torch.empty(args.moe_experts, args.dim))
         # Added to the scores for the choice only (DeepSeek-V3); fp32, checkpointed.
         self.register_buffer("expert_bias", torch.zeros(args.moe_experts, dtype=torch.float32))
@@ -134,16 +139,26 @@ class Router(nn.Module):
         else:
             scores = probs = logits.softmax(-1)
         if self.kind == "topk_softmax":
-            experts = top_k(logits + self.expert_bias, self.k)
+            experts = top_k(self._limited(logits + self.expert_bias), self.k)
             weights = logits.gather(-1, experts).softmax(-1)
         else:
-            experts = top_k(scores + self.expert_bias, self.k)
+            experts = top_k(self._limited(scores + self.expert_bias), self.k)
             weights = scores.gather(-1, experts)
         if self.normalise:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         if self.scale != 1.0:
             weights = weights * self.scale
         return Routes(experts, weights, probs)
+
+    def _limited(self, choice: Tensor) -> Tensor:
+        """Group-limited choice (DeepSeek-V3): the experts outside each token's
+        `topk_groups` best groups set to −inf; a group scores the sum of its two best."""
+        if self.groups == 1:
+            return choice
+        grouped = choice.view(choice.shape[0], self.groups, -1)
+        best = top_k(torch.sort(grouped, dim=-1, descending=True).values[..., :2].sum(-1), self.topk_groups)
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
 
 # ---------------------------------------------------------------------------------------

@@ -149,7 +149,7 @@ def frequencies(args, device=None, long: bool = False) -> tuple[Tensor, float]:
     """(f_i [head_dim/2] fp32, the factor cos and sin are multiplied by) of a model whose
     frequencies do not depend on the forward (for longrope: the short ones, or the long
     ones with `long`; for dynamic: those within the original context)."""
-    p, theta, d = scaling_of(args.rope_scaling), args.rope_theta, args.head_dim
+    p, theta, d = scaling_of(args.rope_scaling), args.rope_theta, args.rope_dim
     kind = p["rope_type"]
     if kind == "linear":
         return default_freqs(theta, d, device) / p["factor"], 1.0
@@ -239,7 +239,7 @@ class Rotary(nn.Module):
         return torch.where(beyond, angles.cos(), cos), torch.where(beyond, angles.sin(), sin)
 
     def _dynamic_freqs(self, longest: Tensor, context: int) -> Tensor:
-        d, factor = self.args.head_dim, self.scaling["factor"]
+        d, factor = self.args.rope_dim, self.scaling["factor"]
         length = torch.maximum(longest, torch.tensor(context, dtype=longest.dtype, device=longest.device))
         theta = self.args.rope_theta * ((factor * length / context) - (factor - 1)) ** (d / (d - 2))
         return 1.0 / (theta ** _exponents(d, longest.device))

@@ -44,6 +44,9 @@ Where each piece sits:
 - Random numbers: ranks of one TP group share one random stream (the trainer seeds by the
   rank without its tp coordinate). A random op on a split tensor draws the numbers of the
   full tensor and keeps its slice (`SequenceShardedDropout`), so dropout equals one device.
+- Latent attention (model/mla.py): the up-projections wq_b (or wq) and wkv_b are
+  column-parallel by heads, wo row-parallel; the down-projections wq_a and wkv_a and their
+  norms are whole on every rank, their gradients partial over tp (marked like a q/k norm's).
 - Biases and q/k norms (Qwen2, Qwen3): a column-parallel bias is split with the rows it
   adds to; a q/k norm weight is shared by all heads, so every rank keeps it whole and its
   gradient is partial over tp (marked like a sequence-parallel norm weight).
@@ -457,6 +460,14 @@ def _head_norm(m: RMSNorm, c: Context) -> nn.Module:
     return m
 
 
+def _replicated(m: nn.Linear, c: Context) -> nn.Module:
+    """Latent attention's down-projections (wq_a, wkv_a): inside the region, whole on every
+    rank (each feeds every head); a rank's gradient covers its own heads only, so it is
+    partial over tp, like a q/k norm weight's."""
+    m.weight = mark_partial(c.param(m.weight), ("tp",))
+    return m
+
+
 def _dropout(m: nn.Dropout, c: Context) -> nn.Module:
     return SequenceShardedDropout(m.p, c.group) if c.sp else m
 
@@ -502,6 +513,13 @@ PLAN: dict[str, Swap] = {
     "layers.*.attention.wo": _row,
     "layers.*.attention.q_norm": _head_norm,
     "layers.*.attention.k_norm": _head_norm,
+    # latent attention (model/mla.py): heads split, the down-projections and their norms whole
+    "layers.*.attention.wq_a": _replicated,
+    "layers.*.attention.q_a_norm": _head_norm,
+    "layers.*.attention.wq_b": _column,
+    "layers.*.attention.wkv_a": _replicated,
+    "layers.*.attention.kv_a_norm": _head_norm,
+    "layers.*.attention.wkv_b": _column,
     "layers.*.dropout": _dropout,
     "layers.*.ffn_norm": _ffn_norm,
     "layers.*.attention_post_norm": _plain_norm,

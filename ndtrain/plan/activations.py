@@ -94,14 +94,31 @@ def llama_block(args: ModelArgs, c: int, tp: int, cp: int = 1, cp_impl: str = "r
         Saved("norm 1/rms", 2 * w, RESIDUAL),
         Saved("normalised inputs", 2 * c * h, RESIDUAL),
         Saved("attention and MLP inputs", 2 * c * h, REGION),
-        *core_saved(args, c, tp, cp, cp_impl),
-        Saved("attention output", c * q, SPLIT),
+        *(mla_saved(args, c, tp) if args.is_mla else
+          [*core_saved(args, c, tp, cp, cp_impl), Saved("attention output", c * q, SPLIT)]),
         *mlp,
     ]
     if args.qk_norm:  # Qwen3: each q and k head's RMSNorm keeps its input (fp32), 1/rms and normalised
         heads = q / args.head_dim + kv / args.head_dim
         terms.append(Saved("q, k norms", (w + c) * (q + kv) + w * heads, SPLIT))
     return terms
+
+
+def mla_saved(args: ModelArgs, c: int, tp: int) -> list[Saved]:
+    """Latent attention (model/mla.py) in place of the core and the attention output: the
+    query latent and the K/V latent (whole on every tp rank; each norm keeps its input
+    widened, 1/rms, the normalised latent and its output, the up-projection's input), the
+    assembled q and k and the values padded to their width (every head), the fused kernel's
+    output at that width and its softmax statistics, and the output cut to the value width
+    (wo's input). The rotations keep nothing but the shared tables."""
+    w, heads, qk = wide(c), args.n_heads / tp, args.head_dim
+    ranks = [args.q_lora_rank, args.kv_lora_rank] if args.q_lora_rank else [args.kv_lora_rank]
+    latents = sum((w + 2 * c) * r + w for r in ranks)
+    return [Saved("latents (query, K/V) and their norms", latents, REGION),
+            Saved("q, k, v padded (all heads)", 3 * c * heads * qk, SPLIT, core=True),
+            Saved("kernel output (padded)", c * heads * qk, SPLIT, core=True),
+            Saved("softmax statistics", w * heads, SPLIT, core=True),
+            Saved("attention output", c * heads * args.v_head_dim, SPLIT)]
 
 
 def core_saved(args: ModelArgs, c: int, tp: int, cp: int, cp_impl: str) -> list[Saved]:

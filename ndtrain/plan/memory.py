@@ -248,6 +248,15 @@ class StepShape:
         return padded_vocab(self.args, self.tp) // self.tp
 
 
+def mtp_module_saved(s: StepShape) -> float:
+    """What one multi-token prediction module keeps besides its head and loss (model/mtp.py):
+    its two input norms (the input widened, 1/rms, the normalised input and the output, as
+    any RMSNorm here), the projection's input (the two outputs, concatenated) and a block of
+    the last block's kind."""
+    w, h = wide(s.c), s.args.dim
+    return (2 * ((w + 2 * s.c) * h + w) + 2 * s.c * h) * s.n + s.block_saved(s.args.n_layers - 1)
+
+
 def _loss_forward(s: StepShape) -> tuple[float, float]:
     """(the most the loss holds while it runs forward, what it keeps for backward). The loss
     works in fp32 (fp64 in fp64): w bytes per value."""
@@ -429,10 +438,15 @@ class Replay:
             if self.keep_gathered:
                 self.kept += block_g
         if ch.head:
-            self._keep(key, head_bytes_per_token(self.args, s.c, s.tp, self.cfg.parallel.sp) * s.n)
+            head = head_bytes_per_token(self.args, s.c, s.tp, self.cfg.parallel.sp) * s.n
+            self._keep(key, head)
             running, kept = _loss_forward(s)
             book.moment(gathered_parameters=self.kept + root_g, loss=running)
             book.add("loss", kept)
+            for _ in range(self.args.mtp_depth):  # model/mtp.py: each module after the head's loss
+                self._keep(key, mtp_module_saved(s) + head)
+                book.moment(gathered_parameters=self.kept + root_g, loss=running)
+                book.add("loss", kept)
         elif not self.turns(ch.index):  # the output sent on: the executor keeps the send until the step ends
             book.add("pipeline messages", self.hidden)
         if self.keep_gathered:

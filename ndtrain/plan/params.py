@@ -40,12 +40,24 @@ def block_weight_groups(args: ModelArgs, tp: int, layer: int = 0) -> tuple[list,
     weights = [(h, False), (h * q // tp, True), *([(q // tp, False)] if bias else []),
                (h * kv_local, True), *([(kv_local, False)] if bias else []),
                (h * kv_local, True), *([(kv_local, False)] if bias else []), (q // tp * h, True)]
+    if args.is_mla:
+        weights = [(h, False), *mla_weights(args, tp)]
     if args.qk_norm:
         weights += [(args.head_dim, False), (args.head_dim, False)]
     weights.append((h, False))
     if args.is_moe_layer(layer):
         return weights, moe_dense_weights(args)
     return weights + [(h * f // tp, True), (h * f // tp, True), (f // tp * h, True)], []
+
+
+def mla_weights(args: ModelArgs, tp: int) -> list[tuple[int, bool]]:
+    """Latent attention's parameters on one tp rank, in registration order (model/mla.py):
+    the down-projections and their norms whole, the up-projections and wo split by heads."""
+    h, heads, qk = args.dim, args.n_heads // tp, args.head_dim
+    r, kvr, rope = args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim
+    query = [(h * r, True), (r, False), (r * heads * qk, True)] if r else [(h * heads * qk, True)]
+    return query + [(h * (kvr + rope), True), (kvr, False),
+                    (kvr * heads * (args.qk_nope_head_dim + args.v_head_dim), True), (heads * args.v_head_dim * h, True)]
 
 
 def block_weights(args: ModelArgs, tp: int, layer: int = 0) -> list[tuple[int, bool]]:
@@ -92,6 +104,10 @@ def stage_split(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> tuple[int,
     tp, ep = cfg.parallel.tp, cfg.parallel.ep
     dense = sum(block_local(args, tp, i) for ch in chunks for i in ch.layer_ids)
     experts = sum(block_experts(args, i, ep) for ch in chunks for i in ch.layer_ids)
+    mtp = args.mtp_depth if any(ch.head for ch in chunks) else 0  # with the head (model/mtp.py)
+    last = args.n_layers - 1  # each module: two norms, the projection, a block of the last one's kind, a norm
+    dense += mtp * (3 * args.dim + 2 * args.dim * args.dim + block_local(args, tp, last))
+    experts += mtp * block_experts(args, last, ep)
     return dense + sum(root_local(args, ch, tp) for ch in chunks), experts
 
 

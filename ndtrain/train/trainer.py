@@ -218,6 +218,8 @@ class Trainer:
         record.update(task_metrics)
         if self.par.routing_stats is not None:
             record["moe"] = self.par.routing_stats
+        if self.par.mtp_loss is not None:  # multi-token prediction: its loss per target, over the modules
+            record["mtp_loss"] = self.par.mtp_loss
         if not self._counted:  # this process's first line
             record.update(self.param_counts)
             if t.precision == "fp8":
