@@ -264,7 +264,7 @@ SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size
               "qk_norm", "tie_embeddings", "rope_theta", "norm_eps") + FAMILY_KEYS
 # ... and those of a mixture-of-experts model (set only from an MoE source).
 MOE_KEYS = ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_ffn_dim", "moe_every", "moe_router",
-            "moe_norm_topk", "moe_route_scale", "moe_capacity")
+            "moe_norm_topk", "moe_route_scale", "moe_capacity", "moe_router_bias", "moe_expert_bias", "swiglu_limit")
 
 
 def parse_init_from(value: str) -> tuple[str, Path]:

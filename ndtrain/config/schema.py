@@ -62,6 +62,9 @@ class ModelConfig:
     moe_norm_topk: bool | None = None
     moe_route_scale: float | None = None
     moe_capacity: float | None = None  # capacity factor; 0 = dropless
+    moe_router_bias: bool | None = None  # gpt-oss: a learned bias of the router's logits
+    moe_expert_bias: bool | None = None  # gpt-oss: biases on the experts' projections
+    swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU at this limit; 0 = plain SwiGLU
     # Features of Hugging Face families (model/args.py; set from model.init_from=hf:DIR).
     rope_scaling: str | None = None  # JSON, e.g. {"rope_type": "linear", "factor": 2.0}; "" = none
     sliding_window: int | None = None  # 0 = none
@@ -73,6 +76,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale^-2 instead of head_dim; 0 = head_dim
     attn_softcap: float | None = None  # Gemma 2: cap·tanh(score / cap); 0 = none
     logit_softcap: float | None = None  # Gemma 2: cap·tanh(logit / cap); 0 = none
+    attn_sinks: bool | None = None  # gpt-oss: a learned logit per head in the softmax's denominator
+    o_bias: bool | None = None  # gpt-oss: a bias on the attention's output projection
     # How attention keeps packed documents apart (ModelArgs.doc_attention): mask (a boolean
     # s × s mask, SDPA) | flex (flex_attention, no s × s mask) | auto: flex on CUDA, else mask.
     doc_attention: str = "auto"
@@ -315,7 +320,7 @@ def lora_targets(text: str) -> tuple[str, ...]:
 
 
 FAMILY_KEYS = ("rope_scaling", "sliding_window", "window_layers", "norm_offset", "sandwich_norm", "mlp_act",
-               "embed_scale", "query_pre_attn_scalar", "attn_softcap", "logit_softcap")
+               "embed_scale", "query_pre_attn_scalar", "attn_softcap", "logit_softcap", "attn_sinks", "o_bias")
 
 
 def window_layers_of(text: str) -> tuple[int, ...] | None:

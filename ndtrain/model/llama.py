@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .args import ModelArgs
-from .dtypes import widened
+from .dtypes import wide_dtype, widened
 from .init import initial_value
 from .lora import TokenRows, embedding, head_rows, linear
 from .moe import MoE, RoutingLog
@@ -159,19 +159,20 @@ class AttentionCore(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                 cache: KVCache | None = None, layer_key: str | None = None,
-                doc_ids: Tensor | None = None) -> Tensor:
+                doc_ids: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:
         b, s = q.shape[:2]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_key, k, v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # sdpa wants [b, heads, s, head_dim]
-        if self.documents == "flex" and doc_ids is not None and cache is None and not self.softcap:
+        plain = self.softcap or sinks is not None  # what SDPA cannot do: computed in plain torch
+        if self.documents == "flex" and doc_ids is not None and cache is None and not plain:
             out = flex_documents(q, k, v, doc_ids, self.window, compiled=q.device.type == "cuda")
             return out.transpose(1, 2).reshape(b, s, -1)
         cached_docs = cache.doc_ids[:, :k.shape[2]] if cache is not None and doc_ids is not None else None
         mask = visible_keys(s, k.shape[2], doc_ids, cached_docs, self.window, q.device)
-        if self.softcap:
-            out = capped_attention(q, k, v, mask, self.softcap)
+        if plain:
+            out = plain_attention(q, k, v, mask, self.softcap, sinks)
         else:
             gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
             causal = mask is None and s == k.shape[2] and s > 1
@@ -231,20 +232,30 @@ def visible_keys(s: int, s_kv: int, doc_ids: Tensor | None, cached_docs: Tensor 
     return ((doc_ids[:, :, None] == keys[:, None, :]) & mask)[:, None]
 
 
-def capped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cap: float) -> Tensor:
-    """softmax(cap·tanh(q·kᵀ/√d / cap), masked) · v, softmax in fp32; q [b, H, s, d], k, v
-    [b, G, s_kv, d] (query head h reads key head h // (H/G), as SDPA's enable_gqa); mask as
-    `visible_keys` gives it, None meaning causal (or every key for one query)."""
+def plain_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cap: float = 0.0,
+                    sinks: Tensor | None = None) -> Tensor:
+    """softmax(scores, masked) · v, softmax in fp32 (fp64 for fp64); q [b, H, s, d], k, v [b, G, s_kv, d]
+    (query head h reads key head h // (H/G), as SDPA's enable_gqa); mask as `visible_keys`
+    gives it, None meaning causal (or every key for one query). scores = q·kᵀ/√d, capped to
+    cap·tanh(scores / cap) when `cap` > 0 (Gemma 2). `sinks` [H] (gpt-oss): one more logit
+    per head in the softmax's denominator, with no value: each row's weights sum to
+    1 − its sink's share, so a head may attend to nothing."""
     repeat = q.shape[1] // k.shape[1]
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5, cap)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if cap:
+        scores = softcap(scores, cap)
     s, s_kv = scores.shape[-2:]
     if mask is None and s > 1:
         mask = torch.ones(s, s_kv, dtype=torch.bool, device=q.device).tril(s_kv - s)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=wide_dtype(q.dtype)).to(q.dtype), v)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=wide_dtype(q.dtype))[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def document_mask(doc_ids: Tensor) -> Tensor:
@@ -270,7 +281,9 @@ class Attention(nn.Module):
         self.wq = linear(args, "wq", args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
         self.wk = linear(args, "wk", args.dim, kv_dim, bias=args.qkv_bias)
         self.wv = linear(args, "wv", args.dim, kv_dim, bias=args.qkv_bias)
-        self.wo = linear(args, "wo", args.n_heads * args.head_dim, args.dim)
+        self.wo = linear(args, "wo", args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        # gpt-oss: a logit per query head that takes part in the softmax (plain_attention)
+        self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attn_sinks else None
         self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
         self.core = AttentionCore(args.window_of(layer), args.attn_softcap, args.doc_attention)
@@ -286,7 +299,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        return self.wo(self.core(q, k, v, cos, sin, cache, layer_key, doc_ids=doc_ids))
+        return self.wo(self.core(q, k, v, cos, sin, cache, layer_key, doc_ids=doc_ids, sinks=self.sinks))
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}

@@ -246,12 +246,16 @@ class RowParallelLinear(nn.Module):
 
     linear = staticmethod(F.linear)
 
-    def __init__(self, weight: nn.Parameter, group: Group, sp: bool, lora: LoRA | None = None):
+    def __init__(self, weight: nn.Parameter, group: Group, sp: bool, lora: LoRA | None = None,
+                 bias: nn.Parameter | None = None):
         super().__init__()
         self.weight, self.group, self.sp, self.lora = weight, group, sp, lora
+        # gpt-oss's o_proj bias: whole on every rank, added to rank 0's partial sum only (so
+        # once to the total); rank 0's gradient is the whole one, the others' 0: partial over tp.
+        self.bias = mark_partial(bias, ("tp",)) if bias is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.linear(x, self.weight, None)
+        y = self.linear(x, self.weight, self.bias if self.group.rank == 0 else None)
         if self.lora is not None:  # B·(A_r·x_r): a partial sum too, completed by the same reduction
             y = y + self.lora(x)
         return leave_region(y, self.group, self.sp)
@@ -439,7 +443,15 @@ def _column(m: nn.Linear, c: Context) -> nn.Module:
 
 
 def _row(m: nn.Linear, c: Context) -> nn.Module:
-    return RowParallelLinear(c.param(m.weight, 1), c.group, c.sp, _adapter(m, c, 1, None))
+    bias = c.param(m.bias) if m.bias is not None else None
+    return RowParallelLinear(c.param(m.weight, 1), c.group, c.sp, _adapter(m, c, 1, None), bias)
+
+
+def _attention(m: nn.Module, c: Context) -> nn.Module:
+    """Attention sinks (gpt-oss) are one logit per query head: split with the heads."""
+    if getattr(m, "sinks", None) is not None:
+        m.sinks = c.param(m.sinks, 0)
+    return m
 
 
 def _kv(m: nn.Linear, c: Context) -> nn.Module:
@@ -495,6 +507,7 @@ Swap = Callable[[nn.Module, Context], nn.Module]
 
 PLAN: dict[str, Swap] = {
     "tok_embeddings": _embedding,
+    "layers.*.attention": _attention,
     "layers.*.attention_norm": _entry_norm,
     "layers.*.attention.wq": _column,
     "layers.*.attention.wk": _kv,

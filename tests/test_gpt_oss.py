@@ -1,0 +1,191 @@
+"""gpt-oss's pieces (issue 35): attention sinks on one device and folded into context
+parallelism's log-sum-exp merge, biased experts with the clamped SwiGLU, a biased router,
+an output-projection bias; the preset under every layout family.
+
+- Attention sinks: a softmax with one more logit per head and no value equals the explicit
+  softmax over [scores, sink] (what transformers' GptOss eager attention computes), and
+  under cp = 2 every back end (ring and all-gather fold the sink into the merged
+  log-sum-exp; Ulysses gives each rank its heads' sinks) equals one device in fp64: output
+  and dq, dk, dv, dsinks within 1e-10 of the reference's largest element, with a window
+  and with packed documents.
+- Layout proofs (tests/helpers.assert_proof, fp64, the tolerance rule) of the gpt-oss-tiny
+  preset (sinks, q/k/v/o biases, alternating window, YaRN past its original context,
+  biased router and experts, clamped SwiGLU): one row per layout family by default (dp2,
+  ZeRO-3, tp2+sp, pp2 1F1B, cp2 ring, ep2); the other CP back ends, ZeRO-1/2, ZB,
+  DualPipeV and 3-D compositions on 8 ranks in the slow tier.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from ndtrain.testing import run_ranks
+
+TOL = 1e-10
+OSS = ["model.preset=gpt-oss-tiny", "train.steps=3"]
+
+
+def _reference(q, k, v, sinks, window, docs):
+    """Causal attention with sinks, fp64, written as transformers' GptOss eager attention:
+    softmax over [scores, sink], the sink's column dropped. out [b, S, H·d]."""
+    b, s, h, d = q.shape
+    k, v = (t.repeat_interleave(h // k.shape[2], dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(d)
+    pos = torch.arange(s)
+    mask = (pos[:, None] >= pos[None, :]) & ((pos[:, None] - pos[None, :] < window) if window else True)
+    mask = mask.expand(b, s, s)
+    if docs is not None:
+        mask = mask & (docs[:, :, None] == docs[:, None, :])
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    logits = torch.cat([scores, sinks.view(1, h, 1, 1).expand(b, h, s, 1)], dim=-1)
+    p = torch.softmax(logits, -1)[..., :-1]
+    return torch.einsum("bhqk,bkhd->bqhd", p, v).flatten(2)
+
+
+def test_plain_attention_with_sinks_is_the_softmax_with_an_extra_logit():
+    from ndtrain.model.llama import plain_attention
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 10, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(2, 10, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(4, generator=g, dtype=torch.float64) * 3
+    got = plain_attention(*(t.transpose(1, 2) for t in (q, k, v)), None, 0.0, sinks).transpose(1, 2).flatten(2)
+    torch.testing.assert_close(got, _reference(q, k, v, sinks, 0, None), rtol=0, atol=1e-14)
+    # the sink takes weight away: without it the rows would differ
+    assert not torch.allclose(got, _reference(q, k, v, sinks.new_full((4,), -1e9), 0, None))
+
+
+def _sink_kernels_on_ranks():
+    from ndtrain.mesh import MeshShape, ParallelMesh
+    from ndtrain.parallel.context.allgather import AllGatherAttention
+    from ndtrain.parallel.context.layout import zigzag_index
+    from ndtrain.parallel.context.ring import RingAttention
+    from ndtrain.parallel.context.ulysses import ulysses_attention
+    from ndtrain.parallel.context.visibility import Visibility
+
+    group = ParallelMesh.build(MeshShape(cp=2)).group("cp")
+    cp, s, out = 2, 24, []
+    for impl, fn in (("ring", RingAttention.apply), ("allgather", AllGatherAttention.apply),
+                     ("ulysses", ulysses_attention)):
+        for window, with_docs in ((0, False), (9, False), (0, True)):
+            g = torch.Generator().manual_seed(window + with_docs)
+            q = torch.randn(2, s, 4, 8, generator=g, dtype=torch.float64)
+            k, v = (torch.randn(2, s, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+            sinks = torch.randn(4, generator=g, dtype=torch.float64) * 2
+            w = torch.randn(2, s, 32, generator=g, dtype=torch.float64)
+            docs = (torch.arange(s) // 10).expand(2, s).contiguous() if with_docs else None
+            ref = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+            expected = _reference(*ref, window, docs)
+            (expected * w).sum().backward()
+            idx = zigzag_index(s, cp, group.rank)
+            mine = [t[:, idx].clone().requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
+            gathered = torch.stack([docs[:, zigzag_index(s, cp, r)] for r in range(cp)]) if with_docs else None
+            got = fn(*mine[:3], group, Visibility(s, cp, group.rank, docs=gathered, window=window), None, "",
+                     mine[3])
+            (got * w[:, idx]).sum().backward()
+            dsinks = mine[3].grad.clone()
+            torch.distributed.all_reduce(dsinks, group=group.pg)  # the step sums over cp
+            errors = [float((a.detach() - b.detach()[:, idx]).abs().max() / b.detach().abs().max())
+                      for a, b in ((got, expected), *((m.grad, r.grad) for m, r in zip(mine[:3], ref[:3])))]
+            errors.append(float((dsinks - ref[3].grad).abs().max() / ref[3].grad.abs().max()))
+            out.append(((impl, window, with_docs), max(errors)))
+    return out
+
+
+def test_sinks_across_ranks_equal_one_device_fp64():
+    per_rank = run_ranks(_sink_kernels_on_ranks, 2)
+    for rank, results in enumerate(per_rank):
+        assert len(results) == 9
+        for case, err in results:
+            assert err <= TOL, f"rank {rank} {case}: differs by {err:.1e}"
+
+
+def test_clamped_swiglu_and_biased_experts_equal_a_loop_over_experts():
+    """The stacked, grouped experts with biases and the clamped SwiGLU equal transformers'
+    GptOssExperts arithmetic written per token: gate_up = x·W + b, gate and up clamped,
+    (up + 1)·gate·σ(1.702·gate), then the down projection and its bias."""
+    from ndtrain.model.moe import Experts
+    g = torch.Generator().manual_seed(1)
+    n, dim, hidden, limit = 3, 6, 5, 0.7
+    ex = Experts(n, dim, hidden, bias=True, limit=limit).double()
+    with torch.no_grad():
+        for p in ex.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64))
+    counts = torch.tensor([2, 0, 4])
+    x = torch.randn(6, dim, generator=g, dtype=torch.float64)
+    got = ex(x, counts)
+    rows = []
+    for i, e in enumerate([0, 0, 2, 2, 2, 2]):
+        gate = (x[i] @ ex.w1[e].T + ex.w1_bias[e]).clamp(max=limit)
+        up = (x[i] @ ex.w3[e].T + ex.w3_bias[e]).clamp(-limit, limit)
+        rows.append(((up + 1) * gate * torch.sigmoid(1.702 * gate)) @ ex.w2[e].T + ex.w2_bias[e])
+    torch.testing.assert_close(got, torch.stack(rows), rtol=0, atol=1e-13)
+    assert (got.abs() > 0).all()
+
+
+# --------------------------------------------------------------------------- layout proofs
+
+DEFAULT_ROWS = {
+    "dp2": ["parallel.dp=2"],
+    "zero3": ["parallel.zero=3"],
+    "tp2-sp": ["parallel.tp=2"],
+    "pp2-1f1b": ["parallel.pp=2", "train.micro_batch=4"],
+    "cp2-ring": ["parallel.cp=2"],
+    "ep2": ["parallel.ep=2"],
+}
+SLOW_ROWS = {
+    "zero1": ["parallel.zero=1"],
+    "zero2": ["parallel.zero=2"],
+    "cp2-allgather": ["parallel.cp=2", "parallel.cp_impl=allgather"],
+    "cp2-ulysses": ["parallel.cp=2", "parallel.cp_impl=ulysses"],
+    "pp2-zb": ["parallel.pp=2", "parallel.pp_schedule=zb", "train.micro_batch=4"],
+    "pp2-dualpipev": ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2", "train.micro_batch=2"],
+}
+ROWS_8 = {
+    "tp2-pp2-dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "train.micro_batch=2"],
+    "cp2-ep2-tp2": ["parallel.cp=2", "parallel.tp=2", "parallel.dp=2", "parallel.ep=2"],
+    "zero3-cp2-tp2": ["parallel.zero=3", "parallel.dp=2", "parallel.cp=2", "parallel.tp=2"],
+}
+
+
+def _reference_run(data_dir):
+    from helpers import reference_in_rank
+    return reference_in_rank(OSS, data_dir)
+
+
+def _rows(data_dir, rows):
+    from helpers import proof_in_rank
+    return {name: proof_in_rank(OSS + overrides, data_dir) for name, overrides in rows.items()}
+
+
+def _assert_rows(results, ref, rows):
+    from helpers import assert_proof
+    for name in rows:
+        try:
+            assert_proof(results[name], ref)
+        except AssertionError as e:
+            raise AssertionError(f"gpt-oss-tiny {name}: {e}") from None
+
+
+@pytest.fixture(scope="module")
+def oss_reference(tiny_data):
+    return run_ranks(_reference_run, 1, tiny_data)[0]
+
+
+def test_gpt_oss_under_every_layout_family_equals_one_process(tiny_data, oss_reference):
+    results = run_ranks(_rows, 2, tiny_data, DEFAULT_ROWS, timeout=600)[0]
+    _assert_rows(results, oss_reference, DEFAULT_ROWS)
+
+
+@pytest.mark.slow
+def test_gpt_oss_under_the_other_layouts_equals_one_process(tiny_data, oss_reference):
+    results = run_ranks(_rows, 2, tiny_data, SLOW_ROWS, timeout=900)[0]
+    _assert_rows(results, oss_reference, SLOW_ROWS)
+
+
+@pytest.mark.slow
+def test_gpt_oss_in_3d_compositions_equals_one_process(tiny_data, oss_reference):
+    results = run_ranks(_rows, 8, tiny_data, ROWS_8, timeout=900)[0]
+    _assert_rows(results, oss_reference, ROWS_8)
