@@ -189,3 +189,46 @@ def test_gpt_oss_under_the_other_layouts_equals_one_process(tiny_data, oss_refer
 def test_gpt_oss_in_3d_compositions_equals_one_process(tiny_data, oss_reference):
     results = run_ranks(_rows, 8, tiny_data, ROWS_8, timeout=900)[0]
     _assert_rows(results, oss_reference, ROWS_8)
+
+
+# --------------------------------------------------------------------------- planner, bad input
+
+@pytest.mark.parametrize("preset, total, active", [("gpt-oss-20b", 20.91, 3.61), ("gpt-oss-120b", 116.83, 5.13)])
+def test_plan_gives_the_published_parameter_counts(capsys, preset, total, active):
+    """OpenAI's model card (2025): 20.91 B and 116.83 B parameters, 3.61 B and 5.13 B active
+    per token without the input embedding (a lookup)."""
+    import json
+
+    from ndtrain.cli import main
+    code = main(["plan", "--cluster", "H100", "--gpus", "64", "--json", f"model.preset={preset}", "parallel.ep=8",
+                 "parallel.zero=3", "train.precision=bf16", "train.seq_len=4096", "train.global_batch=64",
+                 "train.micro_batch=1"])
+    plan = json.loads(capsys.readouterr().out)
+    assert code == 0
+    embedding = plan["model"]["vocab_size"] * plan["model"]["dim"]
+    assert abs(plan["params"] / 1e9 - total) < 0.005
+    assert abs((plan["active_params"] - embedding) / 1e9 - active) < 0.005
+
+
+@pytest.mark.slow
+def test_planned_memory_of_gpt_oss_matches_the_dry_run():
+    """The planner's parameter count per rank (exact), states and peak (5%) against the
+    engine's dry run (tests/test_plan_memory.py's rule), experts split over ep and heads
+    (and their sinks) over tp."""
+    from test_plan_memory import _check_rows
+    _check_rows(2, [("gpt-oss-tiny-ep2", ["model.preset=gpt-oss-tiny", "parallel.ep=2"]),
+                    ("gpt-oss-tiny-tp2", ["model.preset=gpt-oss-tiny", "parallel.tp=2"])])
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["model.moe_swiglu_limit=-1"], "model.moe_swiglu_limit = -1.0: must be >= 0"),
+    (["model.preset=tiny", "model.moe_router_bias=true"], "model.moe_router_bias = True: model.preset = 'tiny' is "
+                                                          "a dense model"),
+    (["model.preset=tiny", "model.moe_swiglu_limit=7"], "model.moe_swiglu_limit = 7.0: model.preset = 'tiny' is a dense"),
+])
+def test_bad_gpt_oss_keys(overrides, fragment):
+    from ndtrain.config import ConfigError, load_config, validate
+    cfg = load_config(None, ["model.preset=gpt-oss-tiny", "run.device=cpu", "train.seq_len=32", *overrides])
+    with pytest.raises(ConfigError) as e:
+        validate(cfg, world=1)
+    assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)

@@ -15,7 +15,7 @@ def check_family_keys(m: ModelConfig) -> None:
     """The keys of model/args.py's family features, each on its own."""
     from ndtrain.model.llama import ACTIVATIONS
     for key in ("sliding_window", "norm_offset", "embed_scale", "query_pre_attn_scalar", "attn_softcap",
-                "logit_softcap", "swiglu_limit"):
+                "logit_softcap", "moe_swiglu_limit", "rope_local_theta"):
         positive(f"model.{key}", getattr(m, key), zero_ok=key != "embed_scale")
     if m.mlp_act is not None and m.mlp_act not in ACTIVATIONS:
         raise ConfigError("model.mlp_act", m.mlp_act, f"choose one of {', '.join(ACTIVATIONS)}")

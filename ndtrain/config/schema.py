@@ -64,11 +64,12 @@ class ModelConfig:
     moe_capacity: float | None = None  # capacity factor; 0 = dropless
     moe_router_bias: bool | None = None  # gpt-oss: a learned bias of the router's logits
     moe_expert_bias: bool | None = None  # gpt-oss: biases on the experts' projections
-    swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU at this limit; 0 = plain SwiGLU
+    moe_swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU at this limit; 0 = plain SwiGLU
     # Features of Hugging Face families (model/args.py; set from model.init_from=hf:DIR).
     rope_scaling: str | None = None  # JSON, e.g. {"rope_type": "linear", "factor": 2.0}; "" = none
     sliding_window: int | None = None  # 0 = none
     window_layers: str | None = None  # the layers with the window, e.g. "0,2,4"; none = every layer
+    rope_local_theta: float | None = None  # Gemma 3: the windowed layers' rotary base (unscaled); 0 = rope_theta
     norm_offset: float | None = None  # Gemma 2: norms scale by (1 + weight)
     sandwich_norm: bool | None = None  # Gemma 2: a norm after attention and after the MLP too
     mlp_act: str | None = None  # silu | gelu_tanh
@@ -320,7 +321,8 @@ def lora_targets(text: str) -> tuple[str, ...]:
 
 
 FAMILY_KEYS = ("rope_scaling", "sliding_window", "window_layers", "norm_offset", "sandwich_norm", "mlp_act",
-               "embed_scale", "query_pre_attn_scalar", "attn_softcap", "logit_softcap", "attn_sinks", "o_bias")
+               "embed_scale", "query_pre_attn_scalar", "attn_softcap", "logit_softcap", "attn_sinks", "o_bias",
+               "rope_local_theta")
 
 
 def window_layers_of(text: str) -> tuple[int, ...] | None:

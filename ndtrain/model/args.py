@@ -34,7 +34,7 @@ class ModelArgs:
     o_bias: bool = False
     moe_router_bias: bool = False
     moe_expert_bias: bool = False
-    swiglu_limit: float = 0.0
+    moe_swiglu_limit: float = 0.0
     # Mixture of experts (model/moe.py); moe_experts = 0: every block is dense.
     moe_experts: int = 0  # routed experts per MoE block
     moe_top_k: int = 2  # experts each token is routed to
@@ -55,6 +55,8 @@ class ModelArgs:
     # have it (None: every layer).
     sliding_window: int = 0
     window_layers: tuple[int, ...] | None = None
+    # Gemma 3: the windowed (local) layers rotate with this base, unscaled; 0: as the others.
+    rope_local_theta: float = 0.0
     # How attention keeps the documents of a packed row apart (model/llama.py AttentionCore):
     # "mask", a boolean [b, 1, s, s] mask for SDPA (what the CPU proofs run); "flex",
     # flex_attention with a block mask, no s × s mask (what CUDA runs: config model.doc_attention).
@@ -163,7 +165,7 @@ def _gpt_oss(n_layers: int, **shape) -> ModelArgs:
     """A gpt-oss shape: every block MoE with the expert width ffn_dim, the window on the even layers."""
     return ModelArgs(n_layers=n_layers, moe_ffn_dim=shape["ffn_dim"], window_layers=tuple(range(0, n_layers, 2)),
                      qkv_bias=True, o_bias=True, attn_sinks=True, moe_router="topk_softmax", moe_router_bias=True,
-                     moe_expert_bias=True, swiglu_limit=7.0, **shape)
+                     moe_expert_bias=True, moe_swiglu_limit=7.0, **shape)
 
 
 # vocab_size in a preset is the size the shape was published with. A run on our own data

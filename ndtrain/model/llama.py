@@ -147,7 +147,9 @@ class AttentionCore(nn.Module):
     token attends only to earlier tokens of its own document. `window` > 0: only to itself
     and the window − 1 tokens before it. `softcap` > 0: the scores are capped,
     cap·tanh(score / cap), before the softmax (Gemma 2), which SDPA cannot do, so that
-    attention is computed here in plain torch. `documents` (ModelArgs.doc_attention): how
+    attention is computed here in plain torch. `sinks` [heads] (gpt-oss): a logit per head in
+    the softmax's denominator, on the fused ops with the sink folded into their log-sum-exp
+    (kernels/sink_attention.py), in plain torch with a cache. `documents` (ModelArgs.doc_attention): how
     documents are kept apart without a cache, "mask" (a boolean [b, 1, s, s] mask for SDPA)
     or "flex" (`flex_documents`: no s × s mask). It holds no parameters; recompute wraps it,
     context parallelism replaces it.
@@ -171,7 +173,10 @@ class AttentionCore(nn.Module):
             return out.transpose(1, 2).reshape(b, s, -1)
         cached_docs = cache.doc_ids[:, :k.shape[2]] if cache is not None and doc_ids is not None else None
         mask = visible_keys(s, k.shape[2], doc_ids, cached_docs, self.window, q.device)
-        if plain:
+        if sinks is not None and cache is None and not self.softcap:  # fused, the sink folded in after
+            from ndtrain.kernels.sink_attention import sink_attention
+            out = sink_attention(q, k, v, sinks, mask)
+        elif plain:
             out = plain_attention(q, k, v, mask, self.softcap, sinks)
         else:
             gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
@@ -397,11 +402,15 @@ class Transformer(nn.Module):
         if args.tie_embeddings and embed and head:
             self.output.weight = self.tok_embeddings.weight
         self.rotary = Rotary(args)
+        if args.rope_local_theta:  # Gemma 3: the windowed layers' own base, no scaling
+            self.rotary_local = Rotary(args.with_(rope_theta=args.rope_local_theta, rope_scaling=""))
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """Recompute the rotary tables in fp32, where they live or on `device` (a model
         built on the meta device, a cast)."""
         self.rotary.reset(device)
+        if hasattr(self, "rotary_local"):
+            self.rotary_local.reset(device)
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 cache: KVCache | None = None, doc_ids: Tensor | None = None,
@@ -419,6 +428,7 @@ class Transformer(nn.Module):
             start = cache.pos if cache is not None else 0
             positions = torch.arange(start, start + s, device=x.device)
         cos, sin = self.rotary(positions)
+        local = self.rotary_local(positions) if hasattr(self, "rotary_local") else (cos, sin)
 
         if cache is not None and doc_ids is not None:
             cache.store_doc_ids(doc_ids)
@@ -428,7 +438,8 @@ class Transformer(nn.Module):
             if self.args.embed_scale != 1.0:  # Gemma: × √dim, rounded to the activations' dtype
                 h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
         for key, layer in self.layers.items():
-            h = layer(h, cos, sin, cache, key, doc_ids=doc_ids, routing=routing)
+            rope = local if self.args.window_of(int(key)) else (cos, sin)
+            h = layer(h, *rope, cache, key, doc_ids=doc_ids, routing=routing)
         if cache is not None:
             cache.advance(s)
         if last:

@@ -323,7 +323,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.k, self.capacity = args.moe_experts, args.moe_top_k, args.moe_capacity
         self.router = Router(args)
-        self.experts = Experts(args.moe_experts, args.dim, args.expert_dim, args.moe_expert_bias, args.swiglu_limit)
+        self.experts = Experts(args.moe_experts, args.dim, args.expert_dim, args.moe_expert_bias, args.moe_swiglu_limit)
         shared = args.moe_shared_experts * args.expert_dim
         self.shared = SharedExperts(args.dim, shared) if shared else None
         self.tokens = LocalTokens()

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ndtrain.comm import ops
 from ndtrain.mesh import Group
-from ndtrain.model.llama import plain_attention
+from ndtrain.kernels.sink_attention import sink_attention
 from ndtrain.parallel.context.visibility import Visibility
 
 
@@ -73,9 +73,9 @@ class _Resplit(torch.autograd.Function):
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibility, recorder=None,
                       layer: str = "", sinks: Tensor | None = None) -> Tensor:
     """q [b, s, H, d], k and v [b, s, G, d] (after rotary) → [b, s, H·d]. `sinks` [H]
-    (gpt-oss): this rank's heads' sinks join the softmax of one device's plain attention
-    (model/llama.plain_attention), whose autograd gives their gradient (the other heads'
-    entries 0; the step sums the cp ranks' gradients)."""
+    (gpt-oss): this rank's heads' sinks fold into its attention as on one device
+    (kernels/sink_attention.py), their gradient theirs (the other heads' entries 0; the step
+    sums the cp ranks' gradients)."""
     cp, n_kv = group.size, k.shape[2]
     if n_kv % cp:  # fewer KV heads than ranks: each rank gets a copy of the one it reads
         k, v = k.repeat_interleave(cp // n_kv, dim=2), v.repeat_interleave(cp // n_kv, dim=2)
@@ -95,10 +95,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibi
     mask = vis.sequence_mask(natural)
     causal = mask is None and vis.causal
     if sinks is not None:
-        mine = sinks.narrow(0, group.rank * (heads // cp), heads // cp)
-        if mask is None and not causal:  # plain_attention reads None as causal
+        if mask is None and not causal:  # sink_attention reads None as causal
             mask = torch.ones((1, 1, q.shape[2], k.shape[2]), dtype=torch.bool, device=q.device)
-        out = plain_attention(q, k, v, mask, 0.0, mine)
+        out = sink_attention(q, k, v, sinks.narrow(0, group.rank * (heads // cp), heads // cp), mask)
     else:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
     out = out.transpose(1, 2)[:, order]  # back to rank order
