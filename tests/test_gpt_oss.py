@@ -94,14 +94,6 @@ def _sink_kernels_on_ranks():
     return out
 
 
-def test_sinks_across_ranks_equal_one_device_fp64():
-    per_rank = run_ranks(_sink_kernels_on_ranks, 2)
-    for rank, results in enumerate(per_rank):
-        assert len(results) == 9
-        for case, err in results:
-            assert err <= TOL, f"rank {rank} {case}: differs by {err:.1e}"
-
-
 def test_clamped_swiglu_and_biased_experts_equal_a_loop_over_experts():
     """The stacked, grouped experts with biases and the clamped SwiGLU equal transformers'
     GptOssExperts arithmetic written per token: gate_up = x·W + b, gate and up clamped,
@@ -155,9 +147,11 @@ def _reference_run(data_dir):
     return reference_in_rank(OSS, data_dir)
 
 
-def _rows(data_dir, rows):
+def _rows(data_dir, rows, kernels=False):
+    """The proof runs of `rows`; with `kernels`, the sink kernels' cases first (one launch)."""
     from helpers import proof_in_rank
-    return {name: proof_in_rank(OSS + overrides, data_dir) for name, overrides in rows.items()}
+    out = {"kernels": _sink_kernels_on_ranks()} if kernels else {}
+    return {**out, **{name: proof_in_rank(OSS + overrides, data_dir) for name, overrides in rows.items()}}
 
 
 def _assert_rows(results, ref, rows):
@@ -175,8 +169,13 @@ def oss_reference(tiny_data):
 
 
 def test_gpt_oss_under_every_layout_family_equals_one_process(tiny_data, oss_reference):
-    results = run_ranks(_rows, 2, tiny_data, DEFAULT_ROWS, timeout=600)[0]
-    _assert_rows(results, oss_reference, DEFAULT_ROWS)
+    """The sink kernels across cp = 2 (every rank's cases), then one row per layout family."""
+    per_rank = run_ranks(_rows, 2, tiny_data, DEFAULT_ROWS, True, timeout=600)
+    for rank, results in enumerate(per_rank):
+        assert len(results["kernels"]) == 9
+        for case, err in results["kernels"]:
+            assert err <= TOL, f"sinks across cp = 2, rank {rank} {case}: differs by {err:.1e}"
+    _assert_rows(per_rank[0], oss_reference, DEFAULT_ROWS)
 
 
 @pytest.mark.slow

@@ -33,6 +33,8 @@ FAMILIES = {
         num_hidden_layers=7, sliding_window=8, query_pre_attn_scalar=24, rope_parameters={
             "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 50000.0},
             "sliding_attention": {"rope_type": "default", "rope_theta": 500.0}})),
+    "olmo2": (transformers.Olmo2Config, transformers.Olmo2ForCausalLM, dict(
+        num_hidden_layers=2, head_dim=None, rope_parameters={"rope_type": "default", "rope_theta": 20000.0})),
 }
 CONFIG = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
@@ -94,7 +96,7 @@ def test_gpt_oss_logits_generation_and_round_trip(hf_gpt_oss, tmp_path, capsys):
 
 def make_family(folder, name: str):
     config_class, model_class, extra = FAMILIES[name]
-    config = config_class(**{**BASE, **extra})
+    config = config_class(**{k: v for k, v in {**BASE, **extra}.items() if v is not None})  # None: not a key of it
     torch.manual_seed(0)
     model = model_class._from_config(config, attn_implementation="eager").float().eval()
     with torch.no_grad():
@@ -107,6 +109,7 @@ def make_family(folder, name: str):
     return model
 
 
+@pytest.mark.slow  # the default tier's budget: gpt_oss's parity above is the acceptance's
 @pytest.mark.parametrize("name", FAMILIES)
 def test_family_logits_generation_and_round_trip(name, tmp_path, capsys):
     theirs = make_family(tmp_path / "model", name)
@@ -116,6 +119,9 @@ def test_family_logits_generation_and_round_trip(name, tmp_path, capsys):
         assert (a.rope_local_theta, a.rope_theta, a.window_layers, a.qk_norm, a.norm_offset) == \
             (500.0, 50000.0, (0, 1, 2, 3, 4, 6), True, 1.0)
         assert json.loads(a.rope_scaling) == {"rope_type": "linear", "factor": 4.0}
+    if name == "olmo2":
+        a = ours.args
+        assert (a.qk_norm, a.qk_norm_all, a.pre_norm, a.sandwich_norm, a.rope_theta) == (True, True, False, True, 2e4)
     parity_and_round_trip(tmp_path / "model", theirs, ours, tmp_path, capsys)
 
 

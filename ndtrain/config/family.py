@@ -35,6 +35,17 @@ def check_family(cfg: Config, a: ModelArgs) -> None:
     if outside:
         raise ConfigError("model.window_layers", cfg.model.window_layers, f"layer {outside[0]} is not one of the "
                           f"model's {a.n_layers}")
+    if a.qk_norm_all and not a.qk_norm:
+        raise ConfigError("model.qk_norm_all", True, "needs model.qk_norm = true (it says how wide the q/k norms are)")
+    if not a.pre_norm and not a.sandwich_norm:
+        raise ConfigError("model.pre_norm", False, "needs model.sandwich_norm = true (OLMo 2's norms after the "
+                          "sublayers), else the blocks have no norm")
+    tp = cfg.parallel.tp
+    if tp > 1 and (a.qk_norm_all or not a.pre_norm):
+        key, value = ("model.qk_norm_all", True) if a.qk_norm_all else ("model.pre_norm", False)
+        raise ConfigError(key, value, f"with parallel.tp = {tp}: OLMo 2's block is not split by tensor parallelism "
+                          "yet (its q/k norms' statistics span the heads tp splits; no norm opens its attention and "
+                          "MLP regions); use tp = 1")
     cp = cfg.parallel.cp
     if cp > 1 and a.attn_softcap:
         raise ConfigError("parallel.cp", cp, f"model.attn_softcap = {a.attn_softcap} (Gemma 2) caps attention "

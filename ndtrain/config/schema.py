@@ -51,6 +51,8 @@ class ModelConfig:
     norm_eps: float | None = None
     qkv_bias: bool | None = None  # biases on q, k, v (Qwen2)
     qk_norm: bool | None = None  # RMSNorm of each query and key head (Qwen3)
+    qk_norm_all: bool | None = None  # the q and k norms over all heads together (OLMo 2)
+    pre_norm: bool | None = None  # norms before attention and the MLP; false: only sandwich_norm's after them (OLMo 2)
     dropout: float = 0.0
     # Mixture of experts (model/moe.py): only on an MoE preset (tiny-moe, small-moe, olmoe-1b-7b).
     moe_experts: int | None = None
@@ -322,7 +324,7 @@ def lora_targets(text: str) -> tuple[str, ...]:
 
 FAMILY_KEYS = ("rope_scaling", "sliding_window", "window_layers", "norm_offset", "sandwich_norm", "mlp_act",
                "embed_scale", "query_pre_attn_scalar", "attn_softcap", "logit_softcap", "attn_sinks", "o_bias",
-               "rope_local_theta")
+               "rope_local_theta", "qk_norm_all", "pre_norm")
 
 
 def window_layers_of(text: str) -> tuple[int, ...] | None:

@@ -26,6 +26,8 @@ class ModelArgs:
     head_dim: int | None = None
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary (Qwen3)
+    qk_norm_all: bool = False  # ... of all query heads together and all key heads together (OLMo 2)
+    pre_norm: bool = True  # a norm before attention and before the MLP; False: none (OLMo 2: sandwich_norm's only)
     # gpt-oss (docs/hf.md): a learned logit per query head in the softmax's
     # denominator (attention sinks); a bias on the output projection too; a bias on the router's
     # logits; biases on the experts' projections; the experts' clamped SwiGLU,
@@ -226,9 +228,9 @@ def block_params(a: ModelArgs, layer: int = 0, *, active: bool = False) -> int:
     if a.qkv_bias:
         attention += q_dim + 2 * kv_dim
     if a.qk_norm:
-        attention += 2 * a.head_dim
+        attention += q_dim + kv_dim if a.qk_norm_all else 2 * a.head_dim
     attention += a.dim * a.o_bias + a.n_heads * a.attn_sinks  # gpt-oss
-    norms = 4 if a.sandwich_norm else 2
+    norms = 2 * a.sandwich_norm + 2 * a.pre_norm
     if a.is_moe_layer(layer):
         experts = (a.moe_top_k if active else a.moe_experts) + a.moe_shared_experts
         mlp = a.dim * a.moe_experts + experts * 3 * a.dim * a.expert_dim  # router + experts

@@ -109,6 +109,14 @@ def _gpt_oss_traits(a: ModelArgs) -> tuple:
 
 def holds(family: Family, a: ModelArgs) -> str | None:
     """Why `family` cannot hold a model of these args (None: it can)."""
+    olmo2 = (a.qk_norm_all, a.pre_norm, a.sandwich_norm) == (True, False, True)
+    if (family.model_type == "olmo2") != olmo2:
+        return "q/k norms over all heads and norms only after the sublayers go together, in olmo2 only"
+    if olmo2:
+        if a.qkv_bias or a.is_moe or a.sliding_window or a.norm_offset or a.mlp_act != "silu" or \
+                any(_gpt_oss_traits(a)) or a.attn_softcap or a.logit_softcap or a.embed_scale != 1.0:
+            return "olmo2 has no biases, experts, window, Gemma norms or soft-capping"
+        return None
     if family.model_type == "gpt_oss":
         if not (all(_gpt_oss_traits(a)) and a.qkv_bias and not a.qk_norm and not _gemma_traits(a) and a.is_moe
                 and a.moe_every == 1 and a.moe_router == "topk_softmax" and not a.moe_shared_experts
@@ -152,7 +160,7 @@ def family_of(args: ModelArgs, prefer: str | None = None) -> Family:
         raise ValueError("no Hugging Face family has both q/k/v biases and q/k norms")
     if prefer in FAMILIES and holds(FAMILIES[prefer], args) is None:
         return FAMILIES[prefer]
-    order = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "gpt_oss")
+    order = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma2", "gemma3_text", "olmo2", "gpt_oss")
     reasons = []
     for name in order:
         reason = holds(FAMILIES[name], args)
@@ -167,7 +175,8 @@ def family_of(args: ModelArgs, prefer: str | None = None) -> Family:
 
 
 def _block_names(family: Family | None) -> dict[str, str]:
-    return {**BLOCK, **GEMMA_NORMS} if family is not None and family.gemma else BLOCK
+    post_norms = family is not None and (family.gemma or family.model_type == "olmo2")  # OLMo 2: Gemma's names
+    return {**BLOCK, **GEMMA_NORMS} if post_norms else BLOCK
 
 
 def hf_parts(name: str, args: ModelArgs, family: Family | None = None) -> list[Part]:

@@ -26,6 +26,8 @@ What the families add to the Llama block (model/llama.py holds every piece):
   one rotary per layer type: the global layers rope_theta and its scaling, the local
   (windowed) ones their own base unscaled (`rope_parameters.sliding_attention`, or
   `rope_local_base_freq`).
+- olmo2: q/k norms over all heads together (before the split into heads), and norms after
+  attention and after the MLP instead of before them.
 Rotary scalings (model/rope.py) are read from `rope_scaling` or `rope_parameters`, the
 first winning when both are there, as in transformers.
 """
@@ -116,6 +118,10 @@ FAMILIES = {
                                     sliding_window_pattern=6),
                           qk_norm=True, refused=("attention_bias", "use_bidirectional_attention"), window="gemma3",
                           gemma=True),
+    "olmo2": Family("olmo2", "Olmo2ForCausalLM",
+                    _defaults(vocab_size=50304, intermediate_size=11008, max_position_embeddings=2048,
+                              rms_norm_eps=1e-5),
+                    qk_norm=True, refused=("attention_bias",)),
     "gpt_oss": Family("gpt_oss", "GptOssForCausalLM",
                       _defaults(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
                                 num_attention_heads=64, num_key_value_heads=8, head_dim=64,
@@ -224,6 +230,7 @@ def args_from_hf_config(config) -> ModelArgs:
         **_moe_args(family, c),
         **_gpt_oss(family, c),
         **({"rope_local_theta": local_theta} if local_theta else {}),
+        **(dict(qk_norm_all=True, pre_norm=False, sandwich_norm=True) if family.model_type == "olmo2" else {}),
     )
     problem = shape_problem(args)
     if problem:  # what the keys cannot say one by one: top-k above the expert count, experts on no layer

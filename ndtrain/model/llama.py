@@ -289,18 +289,23 @@ class Attention(nn.Module):
         self.wo = linear(args, "wo", args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
         # gpt-oss: a logit per query head that takes part in the softmax (plain_attention)
         self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attn_sinks else None
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        # per head (Qwen3, Gemma 3), or over all heads of q and of k (OLMo 2: `qk_norm_all`)
+        q_width, k_width = (args.n_heads * args.head_dim, kv_dim) if args.qk_norm_all else (args.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        self.k_norm = RMSNorm(k_width, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        self.norm_all = args.qk_norm_all
         self.core = AttentionCore(args.window_of(layer), args.attn_softcap, args.doc_attention)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
                 layer_key: str | None = None, doc_ids: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape
+        q, k = self.wq(x), self.wk(x)
+        if self.norm_all:  # OLMo 2: over every head at once, before the split into heads
+            q, k = self.q_norm(q), self.k_norm(k)
         # -1 heads: a tensor-parallel shard holds fewer heads than the config says.
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
+        q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.q_scale != 1.0:
             q = q * self.q_scale
@@ -327,16 +332,19 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block; its feed-forward is a SwiGLU MLP, or a mixture of experts
     (model/moe.py) in the layers `args.is_moe_layer` names. With `sandwich_norm` (Gemma 2)
-    each branch's output is normed again before it joins the residual stream."""
+    each branch's output is normed again before it joins the residual stream; without
+    `pre_norm` (OLMo 2) that is the only norm."""
 
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         # One module for both residual branches: it holds no state, and a layout that
         # splits the residual stream can swap it for a dropout that draws the same mask.
         self.dropout = nn.Dropout(args.dropout)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        norm = functools.partial(RMSNorm, args.dim, args.norm_eps, args.norm_offset)
+        # without pre_norm (OLMo 2) the sublayers read the residual stream itself
+        self.attention_norm = norm() if args.pre_norm else nn.Identity()
         self.attention = Attention(args, layer)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        self.ffn_norm = norm() if args.pre_norm else nn.Identity()
         self.feed_forward = MoE(args) if args.is_moe_layer(layer) else FeedForward(args)
         if args.sandwich_norm:
             self.attention_post_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)

@@ -44,8 +44,10 @@ def block_weight_groups(args: ModelArgs, tp: int, layer: int = 0) -> tuple[list,
                (h * kv_local, True), *([(kv_local, False)] if bias else []), (q // tp * h, True),
                *([(h, False)] if args.o_bias else [])]  # gpt-oss's o_proj bias: whole
     if args.qk_norm:
-        weights += [(args.head_dim, False), (args.head_dim, False)]
+        weights += [(q // tp, False), (kv_local, False)] if args.qk_norm_all else [(args.head_dim, False)] * 2
     weights.append((h, False))
+    if not args.pre_norm:  # OLMo 2: no pre-norms, the two norms after the sublayers instead (same count)
+        weights = weights[1:] + [(h, False)]
     if args.is_moe_layer(layer):
         return weights, moe_dense_weights(args)
     return weights + [(h * f // tp, True), (h * f // tp, True), (f // tp * h, True)], []
