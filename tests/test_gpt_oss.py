@@ -57,6 +57,36 @@ def test_plain_attention_with_sinks_is_the_softmax_with_an_extra_logit():
     assert not torch.allclose(got, _reference(q, k, v, sinks.new_full((4,), -1e9), 0, None))
 
 
+def test_the_fused_sink_core_equals_the_plain_one_fp64():
+    """parallel/context/sinks.py's core (the fused op, the sink folded into its log-sum-exp:
+    what training runs without cp) equals the plain model's `plain_attention` (the
+    reference, which materialises the scores) on gpt-oss-tiny in fp64: logits and every
+    gradient, sinks' included, with packed documents and the alternating window."""
+    from ndtrain.model.args import PRESETS
+    from ndtrain.model.llama import Transformer
+    from ndtrain.parallel.context import sinks
+    args = PRESETS["gpt-oss-tiny"].with_(vocab_size=64)
+    x = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    docs = (torch.arange(40) // 13).expand(2, 40).contiguous()
+    runs = []
+    for fused in (False, True):
+        model = Transformer(args).double()
+        model.init_weights(0)
+        with torch.no_grad():
+            for layer in model.layers.values():
+                layer.attention.sinks.normal_(0, 1, generator=torch.Generator().manual_seed(1))
+        if fused:
+            assert sinks.apply(model) == args.n_layers
+        logits = model(x, doc_ids=docs)
+        (logits * logits.detach().sin()).sum().backward()
+        runs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (plain, plain_grads), (got, got_grads) = runs
+    torch.testing.assert_close(got, plain, rtol=0, atol=1e-12)
+    for name, g in plain_grads.items():
+        torch.testing.assert_close(got_grads[name], g, rtol=0, atol=1e-12 * max(1.0, float(g.abs().max())),
+                                   msg=name)
+
+
 def _sink_kernels_on_ranks():
     from ndtrain.mesh import MeshShape, ParallelMesh
     from ndtrain.parallel.context.allgather import AllGatherAttention
@@ -147,11 +177,20 @@ def _reference_run(data_dir):
     return reference_in_rank(OSS, data_dir)
 
 
+def _cores(trainer):
+    """Training runs the sinks on the fused ops: the sink core (cp = 1) or context
+    parallelism's (which folds them itself), never the plain model's."""
+    cores = {type(m).__name__ for n, m in trainer.par.model.named_modules() if n.endswith("attention.core")}
+    expected = "ContextParallelAttention" if trainer.cfg.parallel.cp > 1 else "FusedSinkCore"
+    assert cores == {expected}, f"attention cores {cores}, expected {expected}"
+
+
 def _rows(data_dir, rows, kernels=False):
     """The proof runs of `rows`; with `kernels`, the sink kernels' cases first (one launch)."""
     from helpers import proof_in_rank
     out = {"kernels": _sink_kernels_on_ranks()} if kernels else {}
-    return {**out, **{name: proof_in_rank(OSS + overrides, data_dir) for name, overrides in rows.items()}}
+    return {**out, **{name: proof_in_rank(OSS + overrides, data_dir, before_fit=_cores)
+                      for name, overrides in rows.items()}}
 
 
 def _assert_rows(results, ref, rows):
@@ -231,3 +270,14 @@ def test_bad_gpt_oss_keys(overrides, fragment):
     with pytest.raises(ConfigError) as e:
         validate(cfg, world=1)
     assert fragment in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_dry_run_of_the_big_presets_says_what_they_need_and_points_at_plan(capsys):
+    """`train --dry-run` builds the model: gpt-oss-20b and 120b do not fit this machine, and
+    it says so in one line before building anything (`ndtrain plan` plans them)."""
+    from ndtrain.cli import main
+    for preset in ("gpt-oss-20b", "gpt-oss-120b"):
+        assert main(["train", "--dry-run", f"model.preset={preset}", "run.device=cpu", "model.vocab_size=201088",
+                     "train.seq_len=128"]) == 2
+        err = capsys.readouterr().err
+        assert "the model states alone" in err and "ndtrain plan --search" in err and err.count("\n") == 1, err

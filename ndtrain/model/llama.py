@@ -147,9 +147,9 @@ class AttentionCore(nn.Module):
     token attends only to earlier tokens of its own document. `window` > 0: only to itself
     and the window − 1 tokens before it. `softcap` > 0: the scores are capped,
     cap·tanh(score / cap), before the softmax (Gemma 2), which SDPA cannot do, so that
-    attention is computed here in plain torch. `sinks` [heads] (gpt-oss): a logit per head in
-    the softmax's denominator, on the fused ops with the sink folded into their log-sum-exp
-    (kernels/sink_attention.py), in plain torch with a cache. `documents` (ModelArgs.doc_attention): how
+    attention is computed here in plain torch; so are `sinks` [heads] (gpt-oss: a logit per
+    head in the softmax's denominator), which training runs on the fused ops instead
+    (parallel/context/sinks.py swaps this core). `documents` (ModelArgs.doc_attention): how
     documents are kept apart without a cache, "mask" (a boolean [b, 1, s, s] mask for SDPA)
     or "flex" (`flex_documents`: no s × s mask). It holds no parameters; recompute wraps it,
     context parallelism replaces it.
@@ -173,10 +173,7 @@ class AttentionCore(nn.Module):
             return out.transpose(1, 2).reshape(b, s, -1)
         cached_docs = cache.doc_ids[:, :k.shape[2]] if cache is not None and doc_ids is not None else None
         mask = visible_keys(s, k.shape[2], doc_ids, cached_docs, self.window, q.device)
-        if sinks is not None and cache is None and not self.softcap:  # fused, the sink folded in after
-            from ndtrain.kernels.sink_attention import sink_attention
-            out = sink_attention(q, k, v, sinks, mask)
-        elif plain:
+        if plain:
             out = plain_attention(q, k, v, mask, self.softcap, sinks)
         else:
             gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ndtrain.comm import ops
 from ndtrain.mesh import Group
-from ndtrain.kernels.sink_attention import sink_attention
+from ndtrain.parallel.context.sinks import sink_attention
 from ndtrain.parallel.context.visibility import Visibility
 
 
@@ -74,7 +74,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibi
                       layer: str = "", sinks: Tensor | None = None) -> Tensor:
     """q [b, s, H, d], k and v [b, s, G, d] (after rotary) → [b, s, H·d]. `sinks` [H]
     (gpt-oss): this rank's heads' sinks fold into its attention as on one device
-    (kernels/sink_attention.py), their gradient theirs (the other heads' entries 0; the step
+    (parallel/context/sinks.py), their gradient theirs (the other heads' entries 0; the step
     sums the cp ranks' gradients)."""
     cp, n_kv = group.size, k.shape[2]
     if n_kv % cp:  # fewer KV heads than ranks: each rank gets a copy of the one it reads
