@@ -6,8 +6,9 @@ tests/test_hf_new_families.py).
   rope_theta and a linear scaling: fp64 layout proofs (tests/helpers.assert_proof) under
   TP with SP, PP, CP (ring, Ulysses) and ZeRO-3.
 - OLMo 2: q/k norms over all heads, norms after the sublayers only: proofs under DP, ZeRO-3,
-  PP and CP (ring, all-gather); tensor parallelism is refused in one line (its q/k norm's
-  statistics span the heads tp would split, and no norm opens its regions).
+  PP, CP (ring, all-gather) and TP with SP (the norms' statistics completed over tp, the
+  regions entered without a norm: parallel/tensor_norms.py); under tp = 4 and 2 KV heads
+  (replicated K/V) refused in one line.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ ROWS = {
     "gemma3-cp2-ulysses": ("gemma3", ["parallel.cp=2", "parallel.cp_impl=ulysses"]),
     "gemma3-zero3": ("gemma3", ["parallel.zero=3"]),
     "olmo2-dp2": ("olmo2", ["parallel.dp=2"]),
+    "olmo2-tp2-sp": ("olmo2", ["parallel.tp=2"]),
+    "olmo2-tp2-no-sp": ("olmo2", ["parallel.tp=2", "parallel.sp=false"]),
     "olmo2-zero3": ("olmo2", ["parallel.zero=3"]),
     "olmo2-pp2": ("olmo2", ["parallel.pp=2", "train.micro_batch=4"]),
     "olmo2-cp2-ring": ("olmo2", ["parallel.cp=2"]),
@@ -60,8 +63,8 @@ def test_gemma3_and_olmo2_under_the_layouts_equal_one_process(tiny_data):
 
 
 @pytest.mark.parametrize("overrides, fragment", [
-    (OLMO2 + ["parallel.tp=2"], "model.qk_norm_all = True: with parallel.tp = 2: OLMo 2's block is not split by "
-                                "tensor parallelism yet"),
+    (OLMO2 + ["parallel.tp=4"], "model.qk_norm_all = True: with parallel.tp = 4: the key norm over all KV heads "
+                                "needs them split over tp"),
     (["model.qk_norm_all=true"], "model.qk_norm_all = True: needs model.qk_norm = true"),
     (["model.pre_norm=false"], "model.pre_norm = False: needs model.sandwich_norm = true"),
     (["model.rope_local_theta=-1"], "model.rope_local_theta = -1.0: must be >= 0"),

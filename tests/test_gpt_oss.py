@@ -65,9 +65,9 @@ def test_the_fused_sink_core_equals_the_plain_one_fp64():
     from ndtrain.model.args import PRESETS
     from ndtrain.model.llama import Transformer
     from ndtrain.parallel.context import sinks
-    args = PRESETS["gpt-oss-tiny"].with_(vocab_size=64)
-    x = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
-    docs = (torch.arange(40) // 13).expand(2, 40).contiguous()
+    args = PRESETS["gpt-oss-tiny"].with_(vocab_size=64, n_layers=2, window_layers=(0,))  # a windowed layer, a full one
+    x = torch.randint(0, 64, (1, 40), generator=torch.Generator().manual_seed(0))
+    docs = (torch.arange(40) // 13)[None]
     runs = []
     for fused in (False, True):
         model = Transformer(args).double()

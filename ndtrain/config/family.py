@@ -41,11 +41,10 @@ def check_family(cfg: Config, a: ModelArgs) -> None:
         raise ConfigError("model.pre_norm", False, "needs model.sandwich_norm = true (OLMo 2's norms after the "
                           "sublayers), else the blocks have no norm")
     tp = cfg.parallel.tp
-    if tp > 1 and (a.qk_norm_all or not a.pre_norm):
-        key, value = ("model.qk_norm_all", True) if a.qk_norm_all else ("model.pre_norm", False)
-        raise ConfigError(key, value, f"with parallel.tp = {tp}: OLMo 2's block is not split by tensor parallelism "
-                          "yet (its q/k norms' statistics span the heads tp splits; no norm opens its attention and "
-                          "MLP regions); use tp = 1")
+    if tp > 1 and a.qk_norm_all and a.n_kv_heads % tp:
+        raise ConfigError("model.qk_norm_all", True, f"with parallel.tp = {tp}: the key norm over all KV heads needs "
+                          f"them split over tp, and tp does not divide model.n_kv_heads = {a.n_kv_heads} (a rank "
+                          "would compute only the head it reads)")
     cp = cfg.parallel.cp
     if cp > 1 and a.attn_softcap:
         raise ConfigError("parallel.cp", cp, f"model.attn_softcap = {a.attn_softcap} (Gemma 2) caps attention "

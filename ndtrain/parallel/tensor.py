@@ -419,6 +419,9 @@ def _head(m: nn.Linear, c: Context) -> nn.Module:
 
 
 def _entry_norm(m: RMSNorm, c: Context) -> nn.Module:
+    if not isinstance(m, RMSNorm):  # OLMo 2: no norm before the region (parallel/tensor_norms.py)
+        from ndtrain.parallel.tensor_norms import RegionEntry
+        return RegionEntry(c.group, c.sp)
     return RegionEntryNorm(c.param(m.weight), m.eps, c.group, c.sp, m.offset)
 
 
@@ -464,7 +467,11 @@ def _kv(m: nn.Linear, c: Context) -> nn.Module:
 
 def _head_norm(m: RMSNorm, c: Context) -> nn.Module:
     """A q/k norm weight is shared by every head, and each rank normalises only its own
-    heads: the whole weight on every rank, its gradient partial over tp."""
+    heads: the whole weight on every rank, its gradient partial over tp. OLMo 2's norm over
+    all heads: split with them, its statistics completed over tp (parallel/tensor_norms.py)."""
+    if c.args.qk_norm_all:
+        from ndtrain.parallel.tensor_norms import WholeWidthNorm
+        return WholeWidthNorm(c.param(m.weight, 0), m.eps, m.weight.shape[0], c.group)
     m.weight = mark_partial(c.param(m.weight), ("tp",))
     return m
 
@@ -478,8 +485,11 @@ def _moe_layer(c: Context) -> bool:
 
 
 def _ffn_norm(m: RMSNorm, c: Context) -> nn.Module:
-    """The norm before the MLP enters its TP region; before an MoE, it stays a plain norm."""
-    return _entry_norm(m, c) if not _moe_layer(c) else _plain_norm(m, c)
+    """The norm before the MLP enters its TP region; before an MoE, it stays a plain norm
+    (or no norm: OLMo 2's block without pre-norms)."""
+    if _moe_layer(c):
+        return _plain_norm(m, c) if isinstance(m, RMSNorm) else m
+    return _entry_norm(m, c)
 
 
 def _plain_norm(m: RMSNorm, c: Context) -> nn.Module:
