@@ -304,6 +304,17 @@ class RegionEntryNorm(nn.Module):
         return enter_region(rms_norm(x, self.weight, self.eps, self.offset), self.group, self.sp)
 
 
+class RegionEntry(nn.Module):
+    """The entry into a TP region with no norm in front of it (OLMo 2's block)."""
+
+    def __init__(self, group: Group, sp: bool):
+        super().__init__()
+        self.group, self.sp = group, sp
+
+    def forward(self, x: Tensor) -> Tensor:
+        return enter_region(x, self.group, self.sp)
+
+
 @torch.no_grad()
 def sum_partial_grads(grads: list[Tensor], group: Group) -> None:
     """Complete the gradients that each tp rank holds only part of (`partial_dims`): one
@@ -419,8 +430,7 @@ def _head(m: nn.Linear, c: Context) -> nn.Module:
 
 
 def _entry_norm(m: RMSNorm, c: Context) -> nn.Module:
-    if not isinstance(m, RMSNorm):  # OLMo 2: no norm before the region (parallel/tensor_norms.py)
-        from ndtrain.parallel.tensor_norms import RegionEntry
+    if not isinstance(m, RMSNorm):  # OLMo 2: no norm before the region
         return RegionEntry(c.group, c.sp)
     return RegionEntryNorm(c.param(m.weight), m.eps, c.group, c.sp, m.offset)
 
