@@ -47,6 +47,9 @@ Where each piece sits:
 - Biases and q/k norms (Qwen2, Qwen3): a column-parallel bias is split with the rows it
   adds to; a q/k norm weight is shared by all heads, so every rank keeps it whole and its
   gradient is partial over tp (marked like a sequence-parallel norm weight).
+- gpt-oss: attention sinks split with the heads; the o_proj bias whole, added by rank 0.
+  OLMo 2: regions entered without a norm (`RegionEntry`), q/k norms over all heads split
+  with them, their statistics completed over tp (parallel/tensor_norms.py).
 - LoRA adapters (model/lora.py) follow their base layer: a column-parallel layer's B is
   split by output rows and A stays whole, a row-parallel layer's A by input columns and B
   stays whole (its product joins the partial sums before g); the whole one's gradient is
