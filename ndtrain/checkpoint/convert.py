@@ -89,6 +89,9 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrit
             write_adapter(source, weights, args, family, base_model_path(meta), stage)
             return out
         target = _export_dtype(dtype, base, weights)
+        if family.model_type == "gpt_oss":  # what a gpt-oss user may expect otherwise: OpenAI's MXFP4 experts
+            report(f"gpt_oss: the experts are written unquantized, as {HF_DTYPE[target]} gate_up_proj and down_proj "
+                   "(not MXFP4), like every other tensor")
         entries = _hf_entries(source, weights, args, family, target) + _buffer_entries(source, meta, family, args,
                                                                                        target)
         write_safetensors(stage / "model.safetensors", sorted(entries, key=lambda e: e[0]), {"format": "pt"})
@@ -117,6 +120,7 @@ def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family
     """(HF name, dtype, shape, read) of every tensor of the HF checkpoint, sorted: one of
     ours, one expert of a stack, or (Phi-3) ours stacked by rows."""
     pieces: dict[str, list] = {}
+    views: dict[str, dict] = {}  # gpt_oss: HF tensor -> {layout: (our shape, fetch)}
     for name, t in weights.items():
         if is_adapter(name):  # folded into its base weight (merged_fetch)
             continue
@@ -129,6 +133,9 @@ def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family
                 fetch = merged_fetch(source, name, weights, args, target)
             elif weight and f"{adapted(name)}.lora.rows" in weights:  # a chat template's trained token rows
                 fetch = rows_fetch(source, name, weights, args, target)
+            if part.layout:
+                views.setdefault(part.hf, {})[part.layout] = (shape, fetch)
+                continue
             pieces.setdefault(part.hf, []).append((part.rows or (0, stored[0]), stored, fetch))
     entries = []
     for hf_name, parts in pieces.items():
@@ -137,6 +144,10 @@ def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family
         shape = (parts[-1][0][1], *parts[0][1][1:])
         read = reads[0] if len(reads) == 1 else (lambda reads=reads: torch.cat([r() for r in reads]))
         entries.append((hf_name, target, shape, read))
+    for hf_name, parts in views.items():
+        layout, (shape, _) = next(iter(parts.items()))
+        read = (lambda parts=parts: hf.gpt_oss.hf_from_ours({lay: fetch() for lay, (_, fetch) in parts.items()}))
+        entries.append((hf_name, target, hf.gpt_oss.hf_shape(layout, shape), read))
     return sorted(entries, key=lambda e: e[0])
 
 

@@ -51,6 +51,8 @@ class ModelConfig:
     norm_eps: float | None = None
     qkv_bias: bool | None = None  # biases on q, k, v (Qwen2)
     qk_norm: bool | None = None  # RMSNorm of each query and key head (Qwen3)
+    qk_norm_all: bool | None = None  # the q and k norms over all heads together (OLMo 2)
+    pre_norm: bool | None = None  # norms before attention and the MLP; false: only sandwich_norm's after them (OLMo 2)
     dropout: float = 0.0
     # Mixture of experts (model/moe.py): only on an MoE preset (tiny-moe, small-moe, olmoe-1b-7b).
     moe_experts: int | None = None
@@ -74,10 +76,14 @@ class ModelConfig:
     moe_topk_groups: int | None = None  # each token chooses among the experts of its best groups
     first_k_dense: int | None = None  # the first blocks keep a dense MLP
     mtp_depth: int | None = None  # multi-token prediction modules after the last block
+    moe_router_bias: bool | None = None  # gpt-oss: a learned bias of the router's logits
+    moe_expert_bias: bool | None = None  # gpt-oss: biases on the experts' projections
+    moe_swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU at this limit; 0 = plain SwiGLU
     # Features of Hugging Face families (model/args.py; set from model.init_from=hf:DIR).
     rope_scaling: str | None = None  # JSON, e.g. {"rope_type": "linear", "factor": 2.0}; "" = none
     sliding_window: int | None = None  # 0 = none
     window_layers: str | None = None  # the layers with the window, e.g. "0,2,4"; none = every layer
+    rope_local_theta: float | None = None  # Gemma 3: the windowed layers' rotary base (unscaled); 0 = rope_theta
     norm_offset: float | None = None  # Gemma 2: norms scale by (1 + weight)
     sandwich_norm: bool | None = None  # Gemma 2: a norm after attention and after the MLP too
     mlp_act: str | None = None  # silu | gelu_tanh
@@ -85,6 +91,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale^-2 instead of head_dim; 0 = head_dim
     attn_softcap: float | None = None  # Gemma 2: cap·tanh(score / cap); 0 = none
     logit_softcap: float | None = None  # Gemma 2: cap·tanh(logit / cap); 0 = none
+    attn_sinks: bool | None = None  # gpt-oss: a learned logit per head in the softmax's denominator
+    o_bias: bool | None = None  # gpt-oss: a bias on the attention's output projection
     # How attention keeps packed documents apart (ModelArgs.doc_attention): mask (a boolean
     # s × s mask, SDPA) | flex (flex_attention, no s × s mask) | auto: flex on CUDA, else mask.
     doc_attention: str = "auto"
@@ -339,7 +347,8 @@ def lora_targets(text: str) -> tuple[str, ...]:
 
 
 FAMILY_KEYS = ("rope_scaling", "sliding_window", "window_layers", "norm_offset", "sandwich_norm", "mlp_act",
-               "embed_scale", "query_pre_attn_scalar", "attn_softcap", "logit_softcap")
+               "embed_scale", "query_pre_attn_scalar", "attn_softcap", "logit_softcap", "attn_sinks", "o_bias",
+               "rope_local_theta", "qk_norm_all", "pre_norm")
 
 
 def window_layers_of(text: str) -> tuple[int, ...] | None:

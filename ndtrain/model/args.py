@@ -26,6 +26,17 @@ class ModelArgs:
     head_dim: int | None = None
     qkv_bias: bool = False  # biases on the q, k, v projections (Qwen2)
     qk_norm: bool = False  # RMSNorm of each query and key head before the rotary (Qwen3)
+    qk_norm_all: bool = False  # ... of all query heads together and all key heads together (OLMo 2)
+    pre_norm: bool = True  # a norm before attention and before the MLP; False: none (OLMo 2: sandwich_norm's only)
+    # gpt-oss (docs/hf.md): a learned logit per query head in the softmax's
+    # denominator (attention sinks); a bias on the output projection too; a bias on the router's
+    # logits; biases on the experts' projections; the experts' clamped SwiGLU,
+    # (clamp(up, ±limit) + 1)·g·σ(1.702·g), g = min(gate, limit) (0: the plain SwiGLU).
+    attn_sinks: bool = False
+    o_bias: bool = False
+    moe_router_bias: bool = False
+    moe_expert_bias: bool = False
+    moe_swiglu_limit: float = 0.0
     # Mixture of experts (model/moe.py); moe_experts = 0: every block is dense.
     moe_experts: int = 0  # routed experts per MoE block
     moe_top_k: int = 2  # experts each token is routed to
@@ -46,6 +57,8 @@ class ModelArgs:
     # have it (None: every layer).
     sliding_window: int = 0
     window_layers: tuple[int, ...] | None = None
+    # Gemma 3: the windowed (local) layers rotate with this base, unscaled; 0: as the others.
+    rope_local_theta: float = 0.0
     # How attention keeps the documents of a packed row apart (model/llama.py AttentionCore):
     # "mask", a boolean [b, 1, s, s] mask for SDPA (what the CPU proofs run); "flex",
     # flex_attention with a block mask, no s × s mask (what CUDA runs: config model.doc_attention).
@@ -221,6 +234,17 @@ def shape_problem(a: ModelArgs) -> tuple[str, object, str] | None:
 
 
 ATTENTIONS = ("gqa", "mla")
+def _yarn_json(factor: float, original: int) -> str:
+    """gpt-oss's YaRN (beta_fast 32, beta_slow 1, no truncation of the ramp) as rope_scaling."""
+    return (f'{{"beta_fast": 32.0, "beta_slow": 1.0, "factor": {factor}, "original_max_position_embeddings": '
+            f'{original}, "rope_type": "yarn", "truncate": false}}')
+
+
+def _gpt_oss(n_layers: int, **shape) -> ModelArgs:
+    """A gpt-oss shape: every block MoE with the expert width ffn_dim, the window on the even layers."""
+    return ModelArgs(n_layers=n_layers, moe_ffn_dim=shape["ffn_dim"], window_layers=tuple(range(0, n_layers, 2)),
+                     qkv_bias=True, o_bias=True, attn_sinks=True, moe_router="topk_softmax", moe_router_bias=True,
+                     moe_expert_bias=True, moe_swiglu_limit=7.0, **shape)
 
 
 # vocab_size in a preset is the size the shape was published with. A run on our own data
@@ -271,6 +295,20 @@ PRESETS: dict[str, ModelArgs] = {
                                   moe_ffn_dim=2048, moe_shared_experts=1, moe_router="sigmoid", moe_norm_topk=True,
                                   moe_route_scale=2.5, moe_groups=8, moe_topk_groups=4, first_k_dense=3,
                                   mtp_depth=1),
+    # For tests: gpt-oss's pieces at tiny-moe's size (attention sinks, q/k/v/o biases, a window
+    # of 8 on every other layer from 0, YaRN, a biased top-k-then-softmax router, biased
+    # experts with the clamped SwiGLU).
+    "gpt-oss-tiny": _gpt_oss(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64, vocab_size=512,
+                             max_seq_len=256, moe_experts=8, moe_top_k=2, sliding_window=8,
+                             rope_scaling=_yarn_json(4.0, 32)),
+    # gpt-oss-20b and gpt-oss-120b as published (their config.json, OpenAI 2025): 21 B and 117 B
+    # parameters, 3.6 B and 5.1 B active; YaRN x32 over 4096 to 131072 positions.
+    "gpt-oss-20b": _gpt_oss(dim=2880, n_layers=24, n_heads=64, n_kv_heads=8, head_dim=64, ffn_dim=2880,
+                            vocab_size=201088, max_seq_len=131072, rope_theta=150000.0, moe_experts=32,
+                            moe_top_k=4, sliding_window=128, rope_scaling=_yarn_json(32.0, 4096)),
+    "gpt-oss-120b": _gpt_oss(dim=2880, n_layers=36, n_heads=64, n_kv_heads=8, head_dim=64, ffn_dim=2880,
+                             vocab_size=201088, max_seq_len=131072, rope_theta=150000.0, moe_experts=128,
+                             moe_top_k=4, sliding_window=128, rope_scaling=_yarn_json(32.0, 4096)),
 }
 
 ROUTERS = ("softmax_topk", "topk_softmax", "sigmoid")
@@ -288,11 +326,14 @@ def block_params(a: ModelArgs, layer: int = 0, *, active: bool = False) -> int:
     if a.qkv_bias:
         attention += q_dim + 2 * kv_dim
     if a.qk_norm:
-        attention += 2 * a.head_dim
-    norms = 4 if a.sandwich_norm else 2
+        attention += q_dim + kv_dim if a.qk_norm_all else 2 * a.head_dim
+    attention += a.dim * a.o_bias + a.n_heads * a.attn_sinks  # gpt-oss
+    norms = 2 * a.sandwich_norm + 2 * a.pre_norm
     if a.is_moe_layer(layer):
         experts = (a.moe_top_k if active else a.moe_experts) + a.moe_shared_experts
         mlp = a.dim * a.moe_experts + experts * 3 * a.dim * a.expert_dim  # router + experts
+        mlp += a.moe_experts * a.moe_router_bias  # gpt-oss: the router's bias, the routed experts' biases
+        mlp += (a.moe_top_k if active else a.moe_experts) * (2 * a.expert_dim + a.dim) * a.moe_expert_bias
     else:
         mlp = 3 * a.dim * a.ffn_dim  # gate, up, down
     return attention + mlp + norms * a.dim

@@ -9,7 +9,8 @@ that dimension's module, never the trainer.
 
 Order of the transformations (each one is a no-op when its dimension has size 1):
 1. tensor/sequence parallel module swaps   (parallel/tensor.py)
-2. context-parallel attention cores        (parallel/context/)
+2. context-parallel attention cores        (parallel/context/); without cp, gpt-oss's
+   attention sinks on the fused ops        (parallel/context/sinks.py)
 3. MoE blocks: token split, this rank's experts, all-to-all dispatch (parallel/expert.py)
    then, under train.precision = fp8, the block linears' fp8 matmuls (parallel/fp8.py);
    with LoRA (model/lora.py) every parameter but the adapters' is frozen here, so the
@@ -47,6 +48,7 @@ from ndtrain.model.loss import TokenLoss, token_nll, weighted_sum
 from ndtrain.model.moe import RoutingLog
 from ndtrain.model.mtp import MTPStep
 from ndtrain.parallel import context, expert, fp8, tensor
+from ndtrain.parallel.context import sinks as context_sinks
 from ndtrain.parallel.compile import compile_blocks, compile_loss
 from ndtrain.parallel.construct import initializer, materialize
 from ndtrain.parallel.data import DataParallel, GradSyncs
@@ -180,6 +182,8 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
                 model = Transformer(args, layer_ids, embed, head)
         if cp.active:
             context.apply(model, cp, cfg.parallel.cp_impl, tp if tp.active and cfg.parallel.sp else None)
+        elif args.attn_sinks:  # gpt-oss's sinks on the fused ops (context parallelism folds them itself)
+            context_sinks.apply(model)
         expert.parallelize(model, mesh, cfg.parallel.sp)
         if cfg.train.precision == "fp8":
             fp8.apply(model, mesh, cfg.train.fp8_recipe)

@@ -50,6 +50,9 @@ Where each piece sits:
 - Biases and q/k norms (Qwen2, Qwen3): a column-parallel bias is split with the rows it
   adds to; a q/k norm weight is shared by all heads, so every rank keeps it whole and its
   gradient is partial over tp (marked like a sequence-parallel norm weight).
+- gpt-oss: attention sinks split with the heads; the o_proj bias whole, added by rank 0.
+  OLMo 2: regions entered without a norm (`RegionEntry`), q/k norms over all heads split
+  with them, their statistics completed over tp (parallel/tensor_norms.py).
 - LoRA adapters (model/lora.py) follow their base layer: a column-parallel layer's B is
   split by output rows and A stays whole, a row-parallel layer's A by input columns and B
   stays whole (its product joins the partial sums before g); the whole one's gradient is
@@ -249,12 +252,16 @@ class RowParallelLinear(nn.Module):
 
     linear = staticmethod(F.linear)
 
-    def __init__(self, weight: nn.Parameter, group: Group, sp: bool, lora: LoRA | None = None):
+    def __init__(self, weight: nn.Parameter, group: Group, sp: bool, lora: LoRA | None = None,
+                 bias: nn.Parameter | None = None):
         super().__init__()
         self.weight, self.group, self.sp, self.lora = weight, group, sp, lora
+        # gpt-oss's o_proj bias: whole on every rank, added to rank 0's partial sum only (so
+        # once to the total); rank 0's gradient is the whole one, the others' 0: partial over tp.
+        self.bias = mark_partial(bias, ("tp",)) if bias is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.linear(x, self.weight, None)
+        y = self.linear(x, self.weight, self.bias if self.group.rank == 0 else None)
         if self.lora is not None:  # B·(A_r·x_r): a partial sum too, completed by the same reduction
             y = y + self.lora(x)
         return leave_region(y, self.group, self.sp)
@@ -301,6 +308,17 @@ class RegionEntryNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return enter_region(rms_norm(x, self.weight, self.eps, self.offset), self.group, self.sp)
+
+
+class RegionEntry(nn.Module):
+    """The entry into a TP region with no norm in front of it (OLMo 2's block)."""
+
+    def __init__(self, group: Group, sp: bool):
+        super().__init__()
+        self.group, self.sp = group, sp
+
+    def forward(self, x: Tensor) -> Tensor:
+        return enter_region(x, self.group, self.sp)
 
 
 @torch.no_grad()
@@ -418,6 +436,8 @@ def _head(m: nn.Linear, c: Context) -> nn.Module:
 
 
 def _entry_norm(m: RMSNorm, c: Context) -> nn.Module:
+    if not isinstance(m, RMSNorm):  # OLMo 2: no norm before the region
+        return RegionEntry(c.group, c.sp)
     return RegionEntryNorm(c.param(m.weight), m.eps, c.group, c.sp, m.offset)
 
 
@@ -442,7 +462,15 @@ def _column(m: nn.Linear, c: Context) -> nn.Module:
 
 
 def _row(m: nn.Linear, c: Context) -> nn.Module:
-    return RowParallelLinear(c.param(m.weight, 1), c.group, c.sp, _adapter(m, c, 1, None))
+    bias = c.param(m.bias) if m.bias is not None else None
+    return RowParallelLinear(c.param(m.weight, 1), c.group, c.sp, _adapter(m, c, 1, None), bias)
+
+
+def _attention(m: nn.Module, c: Context) -> nn.Module:
+    """Attention sinks (gpt-oss) are one logit per query head: split with the heads."""
+    if getattr(m, "sinks", None) is not None:
+        m.sinks = c.param(m.sinks, 0)
+    return m
 
 
 def _kv(m: nn.Linear, c: Context) -> nn.Module:
@@ -455,7 +483,11 @@ def _kv(m: nn.Linear, c: Context) -> nn.Module:
 
 def _head_norm(m: RMSNorm, c: Context) -> nn.Module:
     """A q/k norm weight is shared by every head, and each rank normalises only its own
-    heads: the whole weight on every rank, its gradient partial over tp."""
+    heads: the whole weight on every rank, its gradient partial over tp. OLMo 2's norm over
+    all heads: split with them, its statistics completed over tp (parallel/tensor_norms.py)."""
+    if c.args.qk_norm_all:
+        from ndtrain.parallel.tensor_norms import WholeWidthNorm
+        return WholeWidthNorm(c.param(m.weight, 0), m.eps, m.weight.shape[0], c.group)
     m.weight = mark_partial(c.param(m.weight), ("tp",))
     return m
 
@@ -477,8 +509,11 @@ def _moe_layer(c: Context) -> bool:
 
 
 def _ffn_norm(m: RMSNorm, c: Context) -> nn.Module:
-    """The norm before the MLP enters its TP region; before an MoE, it stays a plain norm."""
-    return _entry_norm(m, c) if not _moe_layer(c) else _plain_norm(m, c)
+    """The norm before the MLP enters its TP region; before an MoE, it stays a plain norm
+    (or no norm: OLMo 2's block without pre-norms)."""
+    if _moe_layer(c):
+        return _plain_norm(m, c) if isinstance(m, RMSNorm) else m
+    return _entry_norm(m, c)
 
 
 def _plain_norm(m: RMSNorm, c: Context) -> nn.Module:
@@ -506,6 +541,7 @@ Swap = Callable[[nn.Module, Context], nn.Module]
 
 PLAN: dict[str, Swap] = {
     "tok_embeddings": _embedding,
+    "layers.*.attention": _attention,
     "layers.*.attention_norm": _entry_norm,
     "layers.*.attention.wq": _column,
     "layers.*.attention.wk": _kv,

@@ -66,7 +66,8 @@ def moe_mlp(args: ModelArgs, c: int, tp: int, sp: bool, ep: int) -> list[Saved]:
     copy (widened from a low precision, or the positions a tp rank takes without SP), its
     probabilities (fp32), top-k's sort indices over all E experts (int64, kept by the gather
     of the k weights), the slots' order (int64) and combine weights (fp32). Per slot (k per
-    token): the experts' input rows, SwiGLU's four tensors of the expert width, the experts'
+    token): the experts' input rows, SwiGLU's four tensors of the expert width (seven for
+    the clamped SwiGLU), the experts'
     output and its copy in token order (kept by index_copy), and that one widened for the
     weighted sum; under expert parallelism also the two all-to-alls' send and receive buffers
     (the in-flight exchanges stay referenced by autograd until backward): four more rows.
@@ -75,7 +76,10 @@ def moe_mlp(args: ModelArgs, c: int, tp: int, sp: bool, ep: int) -> list[Saved]:
     router_input = w * h if (c < w or (tp > 1 and not sp)) else 0.0
     per_token = router_input + w * E + 8 * E + 8 * k + w * k
     rows = 2 + (4 if ep > 1 else 0)
-    per_slot = rows * c * h + 4 * c * fe + w * h
+    # SwiGLU keeps gate, silu(gate), up and their product; gpt-oss's clamped one seven: gate and
+    # up (the clamps' inputs), the clamped gate, up + 1, σ(1.702·gate) and two products
+    swiglu = 7 if args.moe_swiglu_limit else 4
+    per_slot = rows * c * h + swiglu * c * fe + w * h
     terms = [Saved("router, top-k, order, weights", per_token / tp, SPLIT),
              Saved("routed slots (expert inputs, SwiGLU, outputs)", k * per_slot / tp, SPLIT)]
     if args.moe_shared_experts:

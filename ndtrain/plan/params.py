@@ -31,20 +31,25 @@ def block_weight_groups(args: ModelArgs, tp: int, layer: int = 0) -> tuple[list,
     """One block's dense parameters on one tensor-parallel rank, in registration order, as
     (elements, is a matrix): (those split by t: heads and features, a q/k/v bias with its
     rows, K/V weights whole when t exceeds the KV heads, the norms (and Qwen3's q/k norms)
-    whole; an MoE block's router and shared experts, whole on every tp rank). Its routed
+    whole, gpt-oss's sinks split with the heads and its o_proj bias whole; an MoE block's
+    router (and its bias) and shared experts, whole on every tp rank). Its routed
     experts are apart (plan/experts.expert_weights). Matrices and vectors are ZeRO's two flat
     buffers per unit (weight decay or not)."""
     h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.ffn_dim
     kv_local = kv // tp if args.n_kv_heads % tp == 0 else kv  # replicated K/V weights
     bias = args.qkv_bias
-    weights = [(h, False), (h * q // tp, True), *([(q // tp, False)] if bias else []),
+    sinks = [(args.n_heads // tp, False)] if args.attn_sinks else []  # gpt-oss: split with the heads
+    weights = [(h, False), *sinks, (h * q // tp, True), *([(q // tp, False)] if bias else []),
                (h * kv_local, True), *([(kv_local, False)] if bias else []),
-               (h * kv_local, True), *([(kv_local, False)] if bias else []), (q // tp * h, True)]
+               (h * kv_local, True), *([(kv_local, False)] if bias else []), (q // tp * h, True),
+               *([(h, False)] if args.o_bias else [])]  # gpt-oss's o_proj bias: whole
     if args.is_mla:
         weights = [(h, False), *mla_weights(args, tp)]
     if args.qk_norm:
-        weights += [(args.head_dim, False), (args.head_dim, False)]
+        weights += [(q // tp, False), (kv_local, False)] if args.qk_norm_all else [(args.head_dim, False)] * 2
     weights.append((h, False))
+    if not args.pre_norm:  # OLMo 2: no pre-norms, the two norms after the sublayers instead (same count)
+        weights = weights[1:] + [(h, False)]
     if args.is_moe_layer(layer):
         return weights, moe_dense_weights(args)
     return weights + [(h * f // tp, True), (h * f // tp, True), (f // tp * h, True)], []

@@ -77,13 +77,13 @@ class ContextParallelAttention(nn.Module):
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                 cache: KVCache | None = None, layer_key: str | None = None,
-                doc_ids: Tensor | None = None) -> Tensor:
+                doc_ids: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:
         if cache is not None:
             raise ValueError("context parallelism splits sequences for training; decode with the plain model")
         if self.rotate:
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         vis = self.plans.visibility(q.shape[1], doc_ids, q.device, self.window)
-        args = (q, k, v, self.group, vis, self.recorder, layer_key or "")
+        args = (q, k, v, self.group, vis, self.recorder, layer_key or "", sinks)
         if self.impl == "ring":
             return RingAttention.apply(*args)
         if self.impl == "allgather":
