@@ -289,10 +289,8 @@ def our_parts(name: str, args: ModelArgs, family: Family | None = None) -> list[
     """A HF tensor name -> [(our parameter, where it is in that tensor)]; [] for buffers HF
     saved that we rebuild. Raises KeyError for a name no family of ours has."""
     m = _HF_LAYER.fullmatch(name)
-    if m and int(m.group(1)) >= args.n_layers:  # a multi-token prediction module's
+    if m and args.n_layers <= int(m.group(1)) < args.n_layers + args.mtp_depth:  # a multi-token prediction module's
         d = int(m.group(1)) - args.n_layers
-        if d >= args.mtp_depth:
-            raise KeyError(f"layer {m.group(1)} is beyond the {args.n_layers} layers and {args.mtp_depth} MTP modules")
         if m.group(2) in MTP_COPIES:
             return []
         back = {hf: ours for ours, hf in MTP.items()}

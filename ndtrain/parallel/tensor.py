@@ -85,6 +85,7 @@ from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import MoE, RMSNorm, Transformer, rms_norm, softcap, widened
 from ndtrain.model.lora import LoRA
 from ndtrain.parallel.placement import mark_partial, mark_region, mark_sharded
+from ndtrain.parallel.tensor_dropout import SequenceShardedDropout
 from ndtrain.parallel.vocab_loss import (VocabParallelCrossEntropy, VocabParallelNLL,  # noqa: F401 (re-exported)
                                          vocab_parallel_cross_entropy)
 
@@ -372,27 +373,6 @@ class VocabParallelHead(nn.Module):
             padding = torch.arange(self.weight.shape[0], device=x.device) >= self.real
             logits = logits.masked_fill(padding, float("-inf"))
         return logits
-
-
-class SequenceShardedDropout(nn.Module):
-    """Dropout on this rank's positions that equals dropout on the whole sequence.
-
-    The ranks of a TP group share one random stream, the one a single device would use.
-    Each draws the mask of the full [b, s, h] tensor from it, exactly as `F.dropout` on the
-    full tensor would, and keeps its own positions: t× the random numbers, the same result.
-    """
-
-    def __init__(self, p: float, group: Group):
-        super().__init__()
-        self.p, self.group = p, group
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        s = x.shape[1]
-        full = x.new_ones((x.shape[0], s * self.group.size, *x.shape[2:]))
-        mask = F.dropout(full, self.p)  # the draws (and the 1/(1−p) scaling) of F.dropout
-        return x * mask.narrow(1, self.group.rank * s, s)
 
 
 # ---------------------------------------------------------------------------------------
