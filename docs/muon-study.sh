@@ -10,7 +10,9 @@
 # Results: OUT/results.jsonl (one line per run: optimizer, lr, seed, the validation curve,
 # training seconds); then python docs/muon_study_plot.py OUT docs/muon-study.png prints the
 # grid, the per-seed table and, last, the mean ratio of Muon's steps to AdamW's.
-# A run already in results.jsonl is skipped.
+# A run already in results.jsonl is skipped, so several instances can share OUT, each given
+# other rates or seeds (ADAMW_LRS=" " runs no AdamW rate): docs/muon.md says how the recorded
+# study was run.
 set -euo pipefail
 out=${1:?usage: muon-study.sh OUT [SEEDS...]}; shift
 read -r -a seeds <<< "${*:-0 1 2}"

@@ -180,6 +180,7 @@ class MatrixOwners:
                 assert bool(covered.all()), f"muon: no rank holds all of {key}"
         if holders and holders[0].device.type != "cpu":  # the step's index copies stay on the device
             self._to(holders[0].device)
+        self._sizes = self.sizes()
 
     def _to(self, device) -> None:
         move = lambda p: Part(p.holder, p.positions.to(device), p.index.to(device))  # noqa: E731
@@ -190,9 +191,15 @@ class MatrixOwners:
         self.send_out = [[(k, i.to(device)) for k, i in items] for items in self.send_out]
 
     def sizes(self) -> tuple[list[int], list[int], list[int], list[int]]:
-        count = [lambda xs: sum(p.index.numel() for p in xs), lambda xs: sum(i.numel() for _, i in xs)]
-        return ([count[0](x) for x in self.send_in], [count[1](x) for x in self.recv_in],
-                [count[1](x) for x in self.send_out], [count[0](x) for x in self.recv_out])
+        """Elements per rank of the group: sent to owners, received as owner, sent back as
+        owner, received back (fixed by the plan)."""
+        def parts(xs):
+            return sum(p.index.numel() for p in xs)
+
+        def pairs(xs):
+            return sum(i.numel() for _, i in xs)
+        return ([parts(x) for x in self.send_in], [pairs(x) for x in self.recv_in],
+                [pairs(x) for x in self.send_out], [parts(x) for x in self.recv_out])
 
     def _exchange(self, chunks: list[torch.Tensor], out_sizes: list[int], dtype, device) -> list[torch.Tensor]:
         inp = torch.cat(chunks) if chunks else torch.zeros(0, dtype=dtype, device=device)
@@ -210,7 +217,7 @@ class MatrixOwners:
         same, each holder's part of ns(whole matrix) (zeros where it holds no matrix)."""
         flat = [x.reshape(-1) for x in inputs]
         dtype, device = flat[0].dtype, flat[0].device
-        _, recv_in, send_out, recv_out = self.sizes()
+        _, recv_in, _, recv_out = self._sizes
         chunks = [torch.cat([flat[p.holder][p.positions] for p in parts]) if parts else flat[0][:0]
                   for parts in self.send_in]
         arrived = self._exchange(chunks, recv_in, dtype, device)
