@@ -175,6 +175,19 @@ class ParallelMesh:
     def group(self, name: str) -> Group:
         return self._groups[name]
 
+    def stage_group(self) -> Group:
+        """Every rank of this pipeline stage (all dimensions but pp), made on first use by
+        every rank at once (Muon's matrix owners, parallel/muon.py); no other run pays for it."""
+        if "stage" not in self._groups:
+            dims = tuple(d for d in DIMS if d != "pp")
+            mine, pg = self.shape.group_of(self.rank, dims), None
+            if len(mine) > 1:
+                for ranks in self.shape.group_ranks(dims):  # new_group is collective over the world
+                    made = dist.new_group(ranks)
+                    pg = made if ranks == mine else pg
+            self._groups["stage"] = Group("stage", mine, mine.index(self.rank), pg, self.stats, self.device)
+        return self._groups["stage"]
+
     def size(self, name: str) -> int:
         return self.shape.size(name)
 

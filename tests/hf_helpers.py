@@ -58,3 +58,13 @@ def make_hf(folder, args=DENSE, tensors=None, config=None):
         config(cfg)
     (folder / "config.json").write_text(json.dumps(cfg))
     return folder
+
+
+def ours_from(folder):
+    """Our model read from the Hugging Face folder `folder`, in eval mode."""
+    from ndtrain.checkpoint.layout import load_model
+    from ndtrain.checkpoint.sources import HFSource
+    source = HFSource(folder)
+    model = Transformer(source.args).eval()
+    load_model(source, model)
+    return model

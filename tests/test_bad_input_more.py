@@ -385,6 +385,20 @@ def test_invalid_utf8_in_dpo_and_rl_data_is_a_bad_record(tmp_path, capsys, monke
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.parametrize("bad, line", [
+    ("train.optimizer=sgd", "train.optimizer = 'sgd': choose one of adamw, muon"),
+    ("train.muon_momentum=1.0", "train.muon_momentum = 1.0: must be in [0, 1)"),
+    ("train.muon_ns_steps=0", "train.muon_ns_steps = 0: must be in [1, 100)"),
+    ("train.muon_ns_coefficients=3.4,-4.7", "train.muon_ns_coefficients = '3.4,-4.7': expected three comma-separated"),
+    ("train.muon_adjust_lr=none", "train.muon_adjust_lr = 'none': choose one of match_rms_adamw, original"),
+    ("train.muon_lr=-1", "train.muon_lr = -1"),
+    ("lora.rank=4", "train.optimizer = 'muon': Muon orthogonalises whole weight matrices; a LoRA adapter's"),
+])
+def test_bad_muon_keys_are_refused(tmp_path, capsys, monkeypatch, bad, line):
+    monkeypatch.chdir(tmp_path)
+    refused(["train", *CHEAP, "train.optimizer=muon", bad], tmp_path, capsys, line)
+
+
 FAULT_TOLERANCE_CASES = [
     (["run.fault_tolerance=survive"], "run.fault_tolerance = 'survive': choose restart or replicas"),
     (["run.fault_tolerance=replicas"], "run.fault_tolerance = 'replicas': replicas needs parallel.dp_replicate ≥ 2 "
@@ -417,3 +431,34 @@ def test_replicas_outside_pretraining_is_refused_before_anything_runs(command, t
     refused([command, "--nproc", "2", "model.preset=tiny", "run.device=cpu", "train.steps=1",
              "run.fault_tolerance=replicas", "parallel.dp_replicate=2"], tmp_path, capsys,
             f"run.fault_tolerance = 'replicas': is for pretraining (ndtrain train) only so far, not ndtrain {command}")
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["model.attention=mqa"], "model.attention = 'mqa': choose one of gqa, mla"),
+    (["model.moe_groups=3"], "model.moe_groups = 3: must divide moe_experts = 8"),
+    (["model.moe_topk_groups=5"], "model.moe_topk_groups = 5: must be at most moe_groups = 4"),
+    (["model.first_k_dense=4"], "model.first_k_dense = 4: must be in 0..3 (some block must have experts)"),
+    (["model.v_head_dim=32"], "model.v_head_dim = 32: must be at most qk_nope_head_dim + qk_rope_head_dim = 24"),
+    (["lora.rank=4"], "lora.rank = 4: LoRA adapters are not implemented for latent attention"),
+    (["train.mtp_weight=0"], "train.mtp_weight = 0.0: must be > 0 with model.mtp_depth > 0"),
+    (["--nproc", "2", "parallel.tp=2"], "parallel.tp = 2: multi-token prediction (model.mtp_depth = 1) is not "
+                                        "implemented under tensor, pipeline, context or expert parallelism yet"),
+])
+def test_deepseek_keys_are_refused_in_one_line(extra, fragment, tmp_path, capsys, monkeypatch):
+    """DeepSeek-V3's keys (config/deepseek.py): each rule names its key and value."""
+    monkeypatch.chdir(tmp_path)
+    refused(["train", *CHEAP, "model.preset=deepseek-v3-tiny", *extra], tmp_path, capsys, fragment)
+
+
+def test_latent_attention_keys_need_attention_mla(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    refused(["train", *CHEAP, "model.kv_lora_rank=16"], tmp_path, capsys,
+            "model.kv_lora_rank = 16: is a key of latent attention: needs model.attention = 'mla'")
+
+
+def test_rl_refuses_multi_token_prediction(tmp_path, capsys, monkeypatch):
+    """MTP's losses are token losses: RL's (and DPO's) objective has none to join."""
+    monkeypatch.chdir(tmp_path)
+    refused(RL + [f"data.cache_dir={tmp_path / 'cache'}", "model.preset=deepseek-v3-tiny"], tmp_path, capsys,
+            "model.mtp_depth = 1: multi-token prediction trains on the token loss of pretraining and SFT, not "
+            "ndtrain rl's objective; use 0")

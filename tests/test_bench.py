@@ -27,6 +27,9 @@ from ndtrain.testing import run_ranks
     (["lora", "sft.generate=2"], "sft.generate = 2: bench lora cannot apply it"),
     (["lora", "lora.rank=0"], "lora.rank = 0: bench lora compares adapters of rank > 0"),
     (["fp8", "train.precision=bf16"], "train.precision = 'bf16': bench fp8 cannot apply it"),
+    (["muon", "train.optimizer=muon"], "train.optimizer = 'muon': bench muon cannot apply it"),
+    (["muon", "parallel.zero=1"], "parallel.zero = 1: bench muon cannot apply it"),
+    (["muon", "parallel.tp=2"], "parallel.tp = 2: bench muon cannot apply it"),
 ])
 def test_a_key_that_would_reach_one_side_only_is_refused(argv, fragment, capsys):
     assert main(["bench"] + argv + ["run.device=cpu"]) == 2

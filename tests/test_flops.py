@@ -31,7 +31,7 @@ B, S = 1, 32
 TINY = PRESETS["tiny"].with_(vocab_size=96, max_seq_len=S)
 
 
-def visible_keys_attention(self, q, k, v, cos, sin, cache=None, layer_key=None, doc_ids=None):
+def visible_keys_attention(self, q, k, v, cos, sin, cache=None, layer_key=None, doc_ids=None, sinks=None):
     """AttentionCore's computation, each query times only the keys it sees (causal, and its
     window when the layer has one)."""
     b, s = q.shape[:2]

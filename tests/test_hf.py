@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from ckpt_helpers import full_state, make_trainer, train
+from hf_helpers import ours_from
 from ndtrain.testing import run_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -61,16 +62,6 @@ def hf_models(tiny_data, tmp_path_factory):
     from pathlib import Path
     root = tmp_path_factory.mktemp("hf")
     return {f: (root / f, make_hf_model(root / f, f, Path(tiny_data) / "tokenizer.json")) for f in FAMILIES}
-
-
-def ours_from(folder):
-    from ndtrain.checkpoint.layout import load_model
-    from ndtrain.checkpoint.sources import HFSource
-    from ndtrain.model.llama import Transformer
-    source = HFSource(folder)
-    model = Transformer(source.args).eval()
-    load_model(source, model)
-    return model
 
 
 def tokens(n: int = SEQ) -> torch.Tensor:

@@ -24,7 +24,7 @@ import json
 import pytest
 import torch
 
-from hf_helpers import chat_tokenizer
+from hf_helpers import chat_tokenizer, ours_from
 
 transformers = pytest.importorskip("transformers")
 
@@ -91,16 +91,6 @@ def make_hf_model(folder, name: str):
 def hf_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return {name: (root / name, make_hf_model(root / name, name)) for name in FAMILIES}
-
-
-def ours_from(folder):
-    from ndtrain.checkpoint.layout import load_model
-    from ndtrain.checkpoint.sources import HFSource
-    from ndtrain.model.llama import Transformer
-    source = HFSource(folder)
-    model = Transformer(source.args).eval()
-    load_model(source, model)
-    return model
 
 
 def tokens(n: int) -> torch.Tensor:

@@ -222,7 +222,8 @@ REFUSED = {
                   "config.json rope_scaling.rope_type = 'mrope': not supported"),
     "partial rotary": (dict(partial_rotary_factor=0.5), None, "config.json partial_rotary_factor = 0.5"),
     "attention bias": (dict(attention_bias=True), None, "config.json attention_bias = True"),
-    "gemma3": (dict(model_type="gemma3_text"), None, "config.json model_type = 'gemma3_text': its local and global"),
+    "gemma3": (dict(model_type="gemma3"), None, "config.json model_type = 'gemma3': Gemma 3 (gemma3) is a "
+                                                "vision-language model; its text part is supported as gemma3_text"),
     "per-layer rope": (dict(rope_parameters={"full_attention": {"rope_type": "default"}}), None,
                        "one set of rotary parameters per layer type"),
     "stray file": ({}, _stray_file, "is in two files"),

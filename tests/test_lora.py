@@ -216,9 +216,10 @@ def _first_loss(data_dir, overrides, run_dir):
 # -- export: merged weights and a PEFT adapter, with our logits ----------------------------
 
 def _pretrain_then_lora(data_dir, base_dir, lora_dir):
-    train_in_rank(["train.steps=1"], data_dir, run_dir=base_dir)
-    train_in_rank(["train.steps=1", *LORA, f"model.init_from=run:{base_dir}"], data_dir, run_dir=lora_dir,
-                  before_fit=lambda trainer: trainer.start())  # loads the base (the adapters: no such keys)
+    # q/k/v biases (a Qwen2): an adapted weight's bias is exported as stored, never merged
+    train_in_rank(["train.steps=1", "model.qkv_bias=true"], data_dir, run_dir=base_dir)
+    train_in_rank(["train.steps=1", "model.qkv_bias=true", *LORA, f"model.init_from=run:{base_dir}"], data_dir,
+                  run_dir=lora_dir, before_fit=lambda trainer: trainer.start())  # loads the base (the adapters: no such keys)
 
 
 def _our_logits(run_dir, tokens):
@@ -235,17 +236,32 @@ def _our_logits(run_dir, tokens):
 
 
 def test_merged_export_and_peft_adapter_give_our_logits(tiny_data, tmp_path, capsys):
-    """`convert --to-hf` of a LoRA run writes W + (alpha/r)·B·A; `--to-hf --adapter` writes a
-    PEFT folder that peft loads onto the base model (the starting run, exported) with our
-    logits, in fp32 to 1e-5 as the HF parity tests."""
+    """`convert --to-hf` of a LoRA run writes W + (alpha/r)·B·A (biases as stored: the model
+    has Qwen2's q/k/v biases); `--to-hf --adapter` writes a PEFT folder that peft loads onto
+    the base model (the starting run, exported) with our logits, in fp32 to 1e-5 as the HF
+    parity tests. An export that fails while writing leaves nothing in --out, and no staging
+    folder beside it."""
     pytest.importorskip("peft")
     import transformers
     from peft import PeftModel
     from safetensors import safe_open
 
+    from ndtrain.checkpoint import convert
     from ndtrain.cli import main
     base, lora = tmp_path / "base", tmp_path / "lora"
     run_ranks(_pretrain_then_lora, 1, tiny_data, str(base), str(lora))
+    real = convert.write_safetensors
+
+    def disk_full(path, entries, metadata):
+        real(path, entries[:3], metadata)  # a part of the file written, then the failure
+        raise OSError(28, "No space left on device")
+    convert.write_safetensors = disk_full
+    try:
+        with pytest.raises(OSError, match="No space"):
+            convert.to_hf(lora, tmp_path / "hf-merged")
+    finally:
+        convert.write_safetensors = real
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["base", "lora"]
     for args in (["--to-hf", str(base), "--out", str(tmp_path / "hf-base")],
                  ["--to-hf", str(lora), "--out", str(tmp_path / "hf-merged")],
                  ["--to-hf", str(lora), "--out", str(tmp_path / "adapter"), "--adapter"]):
@@ -258,6 +274,7 @@ def test_merged_export_and_peft_adapter_give_our_logits(tiny_data, tmp_path, cap
     tokens = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(0))
     ours = _our_logits(lora, tokens)
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base").float().eval()
+    assert json.loads((tmp_path / "hf-merged" / "config.json").read_text())["model_type"] == "qwen2"
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged").float().eval()
     with torch.no_grad():
         base_logits = hf_base(input_ids=tokens).logits
@@ -508,6 +525,7 @@ def test_new_rows_are_saved_loaded_and_exported(chat_runs, tmp_path, capsys):
     torch.testing.assert_close(delta, _effective_rows(trained).float(), rtol=0, atol=0)
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base").float().eval()
     hf_base.resize_token_embeddings(516)  # PEFT replaces the new rows; their resized values do not matter
+    assert json.loads((tmp_path / "hf-merged" / "config.json").read_text())["model_type"] == "qwen2"
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged").float().eval()
     with torch.no_grad():
         peft_logits = PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()(input_ids=tokens).logits

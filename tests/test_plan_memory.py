@@ -98,3 +98,16 @@ def _check_rows(world, rows):
             worst = max(worst, (abs(act), f"{name} rank {rank}: activations {act:+.1%}"))
     print(f"\nworld {world}: largest activation-only gap {worst[1]}")
     assert not failures, "\n".join(failures)
+
+
+# DeepSeek-V3's block (latent attention, group-limited routing, a dense first block) under
+# tensor and expert parallelism, and with its MTP module under ZeRO-1 (issue 35): the slow tier.
+DEEPSEEK = ["model.preset=deepseek-v3-tiny", "model.mtp_depth=0"]
+DEEPSEEK_ROWS = [("deepseek-v3-tiny-tp2", DEEPSEEK + ["parallel.tp=2"]),
+                 ("deepseek-v3-tiny-ep2-bf16", DEEPSEEK + ["parallel.ep=2", "train.precision=bf16"]),
+                 ("deepseek-v3-tiny-mtp-zero1", ["model.preset=deepseek-v3-tiny", "parallel.zero=1"])]
+
+
+@pytest.mark.slow
+def test_planned_memory_matches_the_dry_run_deepseek():
+    _check_rows(2, DEEPSEEK_ROWS)

@@ -40,10 +40,13 @@ def run(args) -> int:
     a = cfg.model_args()
     if a.max_seq_len < t.seq_len + max(LENGTHS):
         a = a.with_(max_seq_len=t.seq_len + max(LENGTHS))
-    from ndtrain.model.args import param_count
+    from ndtrain.model.args import kv_cache_elements_per_token, param_count
+    cached = kv_cache_elements_per_token(a) * compute_dtype(t.precision, t.fp8_base).itemsize
+    what = "latent + rotary key (MLA)" if a.is_mla else "keys and values"
     announce(args, cfg, f"bench generate: KV cache vs recomputing the prefix · 1 process · model {cfg.model.preset} "
                         f"dim={a.dim} layers={a.n_layers} heads={a.n_heads}/{a.n_kv_heads} vocab={a.vocab_size} "
-                        f"({param_count(a) / 1e6:.1f} M parameters) · {t.precision} · "
+                        f"({param_count(a) / 1e6:.1f} M parameters) · cache {cached:,} bytes per token ({what}) · "
+                        f"{t.precision} · "
                         f"{t.global_batch} prompts of {t.seq_len // 2}..{t.seq_len} tokens · "
                         f"{args.rounds} rounds × {args.steps} generations per length, alternating")
     env = init_process(cfg.run.device, cfg.run.threads)

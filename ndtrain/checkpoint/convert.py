@@ -72,31 +72,36 @@ def to_hf(run: Path, out: Path, dtype: str | None = None, report=print, overwrit
         family = hf.family_of(args, (base or {}).get("model_type"))
     except ValueError as e:
         raise ConfigError("--to-hf", str(run), str(e)) from None
-    if ((meta.get("config") or {}).get("train") or {}).get("moe_bias_rate"):
+    if ((meta.get("config") or {}).get("train") or {}).get("moe_bias_rate") and not family.deepseek:
         raise ConfigError("--to-hf", str(run), "the routers' selection bias (train.moe_bias_rate > 0) has no place "
                           "in a Hugging Face Mixtral or Qwen3-MoE; exporting would change which experts tokens choose")
     if adapter:
         check_adapter(args, family, run)
     check_output_dir("--out", out, run, run_dir, path)
     try:
-        hf_files.clear_for_export(out, overwrite)
+        hf_files.check_export_dir(out, overwrite)
     except ValueError as e:
         raise ConfigError("--out", str(out), str(e)) from None
     source = CheckpointSource(path, meta)
     weights = {k[len("weight/"):]: t for k, t in meta["tensors"].items() if k.startswith("weight/")}
-    if adapter:
-        out.mkdir(parents=True, exist_ok=True)
-        return write_adapter(source, weights, args, family, base_model_path(meta), out)
-    target = _export_dtype(dtype, base, weights)
-    out.mkdir(parents=True, exist_ok=True)
-    write_safetensors(out / "model.safetensors", _hf_entries(source, weights, args, family, target), {"format": "pt"})
-    config = hf.hf_config_json(args, HF_DTYPE[target], base)
-    (out / "config.json").write_text(json.dumps(config, indent=1))
-    eot_token = eot_id = None
-    if (run_dir / "tokenizer.json").is_file():
-        tok = TextTokenizer.from_file(run_dir / "tokenizer.json")
-        eot_id, eot_token = tok.eot_id, tok._tok.id_to_token(tok.eot_id)
-    hf_files.export(run_dir, out, eot_token, eot_id, args.max_seq_len)
+    with hf_files.staged_export(out, overwrite) as stage:  # a failure below leaves `out` as it was
+        if adapter:
+            write_adapter(source, weights, args, family, base_model_path(meta), stage)
+            return out
+        target = _export_dtype(dtype, base, weights)
+        if family.model_type == "gpt_oss":  # what a gpt-oss user may expect otherwise: OpenAI's MXFP4 experts
+            report(f"gpt_oss: the experts are written unquantized, as {HF_DTYPE[target]} gate_up_proj and down_proj "
+                   "(not MXFP4), like every other tensor")
+        entries = _hf_entries(source, weights, args, family, target) + _buffer_entries(source, meta, family, args,
+                                                                                       target)
+        write_safetensors(stage / "model.safetensors", sorted(entries, key=lambda e: e[0]), {"format": "pt"})
+        config = hf.hf_config_json(args, HF_DTYPE[target], base)
+        (stage / "config.json").write_text(json.dumps(config, indent=1))
+        eot_token = eot_id = None
+        if (run_dir / "tokenizer.json").is_file():
+            tok = TextTokenizer.from_file(run_dir / "tokenizer.json")
+            eot_id, eot_token = tok.eot_id, tok._tok.id_to_token(tok.eot_id)
+        hf_files.export(run_dir, stage, eot_token, eot_id, args.max_seq_len)
     return out
 
 
@@ -115,6 +120,7 @@ def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family
     """(HF name, dtype, shape, read) of every tensor of the HF checkpoint, sorted: one of
     ours, one expert of a stack, or (Phi-3) ours stacked by rows."""
     pieces: dict[str, list] = {}
+    views: dict[str, dict] = {}  # gpt_oss: HF tensor -> {layout: (our shape, fetch)}
     for name, t in weights.items():
         if is_adapter(name):  # folded into its base weight (merged_fetch)
             continue
@@ -122,10 +128,14 @@ def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family
         for part in hf.hf_parts(name, args, family):
             stored = shape if part.expert is None else shape[1:]
             fetch = _fetch(source, f"weight/{name}", shape, part.expert, target)
-            if f"{adapted(name)}.lora.a" in weights:
+            weight = name.endswith(".weight")  # a bias beside an adapted weight stays as stored
+            if weight and f"{adapted(name)}.lora.a" in weights:
                 fetch = merged_fetch(source, name, weights, args, target)
-            elif f"{adapted(name)}.lora.rows" in weights:  # a chat template's trained token rows
+            elif weight and f"{adapted(name)}.lora.rows" in weights:  # a chat template's trained token rows
                 fetch = rows_fetch(source, name, weights, args, target)
+            if part.layout:
+                views.setdefault(part.hf, {})[part.layout] = (shape, fetch)
+                continue
             pieces.setdefault(part.hf, []).append((part.rows or (0, stored[0]), stored, fetch))
     entries = []
     for hf_name, parts in pieces.items():
@@ -134,7 +144,32 @@ def _hf_entries(source: CheckpointSource, weights: dict, args: ModelArgs, family
         shape = (parts[-1][0][1], *parts[0][1][1:])
         read = reads[0] if len(reads) == 1 else (lambda reads=reads: torch.cat([r() for r in reads]))
         entries.append((hf_name, target, shape, read))
+    for hf_name, parts in views.items():
+        layout, (shape, _) = next(iter(parts.items()))
+        read = (lambda parts=parts: hf.gpt_oss.hf_from_ours({lay: fetch() for lay, (_, fetch) in parts.items()}))
+        entries.append((hf_name, target, hf.gpt_oss.hf_shape(layout, shape), read))
     return sorted(entries, key=lambda e: e[0])
+
+
+def _buffer_entries(source: CheckpointSource, meta: dict, family, args: ModelArgs,
+                    target: torch.dtype = torch.float32) -> list:
+    """What DeepSeek-V3's checkpoints carry beyond our parameters: the routers' bias (in
+    fp32, as transformers keeps it), and each MTP layer's copies of the embedding and head."""
+    if not family.deepseek:
+        return []
+    out = []
+    for d in range(args.mtp_depth):
+        for theirs, ours in hf.MTP_COPIES.items():
+            key = "weight/tok_embeddings.weight" if args.tie_embeddings else f"weight/{ours}"
+            shape = tuple(meta["tensors"][key]["shape"])
+            out.append((f"model.layers.{args.n_layers + d}.{theirs}", target, shape,
+                        _fetch(source, key, shape, None, target)))
+    for key, t in meta["tensors"].items():
+        name = hf.hf_buffer(key[len("buffer/"):], args) if key.startswith("buffer/") else None
+        if name is not None:
+            out.append((name, torch.float32, tuple(t["shape"]), _fetch(source, key, tuple(t["shape"]), None,
+                                                                         torch.float32)))
+    return out
 
 
 def _fetch(source: CheckpointSource, key: str, shape: tuple, expert: int | None, target: torch.dtype):

@@ -19,6 +19,9 @@ from a HF folder through runs and back out.
 from __future__ import annotations
 
 import filecmp
+import os
+import tempfile
+from contextlib import contextmanager
 import json
 import shutil
 from pathlib import Path
@@ -103,20 +106,45 @@ def export(run_dir: Path, out: Path, eot_token: str | None, eot_id: int | None, 
         add_eos_ids(out, [eot_id])
 
 
+def check_export_dir(out: Path, overwrite: bool) -> None:
+    """Refuse (ValueError) a file, or a non-empty `out` without `overwrite`."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError("is a file, not a folder")
+    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if present and not overwrite:
+        raise ValueError(f"is not empty ({', '.join(present[:3])}{', ...' if len(present) > 3 else ''}); old weights "
+                         "beside the new ones would be read too: choose a new folder, or add --overwrite to replace "
+                         "its model files")
+
+
+@contextmanager
+def staged_export(out: Path, overwrite: bool):
+    """A fresh folder beside `out` for an export to write into. When the export returns, its
+    files replace `out`'s model files (`clear_for_export`); when it fails, the folder is
+    removed and `out` is as it was: an export is never left half-written."""
+    out = Path(out)
+    check_export_dir(out, overwrite)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=f".{out.name}.partial-", dir=out.parent))
+    try:
+        yield stage
+        clear_for_export(out, overwrite)
+        out.mkdir(exist_ok=True)
+        for p in sorted(stage.iterdir()):
+            os.replace(p, out / p.name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
+
+
 def clear_for_export(out: Path, overwrite: bool) -> None:
     """Refuse a non-empty `out` (ValueError), or with `overwrite` remove what an export
     writes or what would be read in its place: weights of any format, their indexes, the
     config and the tokenizer files. Other files stay."""
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise ValueError("is a file, not a folder")
-    present = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if not present:
+    check_export_dir(out, overwrite)
+    if not out.is_dir():
         return
-    if not overwrite:
-        raise ValueError(f"is not empty ({', '.join(present[:3])}{', ...' if len(present) > 3 else ''}); old weights "
-                         "beside the new ones would be read too: choose a new folder, or add --overwrite to replace "
-                         "its model files")
     written = set(TOKENIZER_FILES) | {GENERATION, "config.json"}
     for p in out.iterdir():
         weights = p.name.endswith((".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json"))

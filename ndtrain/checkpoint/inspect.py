@@ -53,7 +53,7 @@ def _describe(folder: Path, meta: dict, verify: bool) -> str:
              f"  step      {meta['step']} ({meta.get('tokens', 0):,} tokens), saved {saved}",
              f"  layout    {layout}, zero={meta.get('zero', 0)}, {meta.get('precision', 'fp32')}",
              f"  model     {model}",
-             f"  optimizer {'AdamW moments, step ' + str(int(meta['optimizer_step'])) if any(k.startswith('exp_avg/') for k in meta['tensors']) else 'none (weights only)'}"
+             f"  optimizer {_optimizer(meta)}"
              + (f", fp16 loss scale {meta['scaler']['scale']:g}" if meta.get("scaler") else "")]
     if verify:
         reason = store.problem(folder)
@@ -66,3 +66,13 @@ def _describe(folder: Path, meta: dict, verify: bool) -> str:
     for name, f in sorted(meta["files"].items()):
         lines.append(f"    {name:<28} {f['bytes']:>14,}  sha256 {f['sha256'][:16]}…")
     return "\n".join(lines)
+
+
+def _optimizer(meta: dict) -> str:
+    """What optimizer state a checkpoint holds: AdamW's moments, Muon's momentum (with AdamW's
+    moments on the rest), or none."""
+    keys = meta["tensors"]
+    if not any(k.startswith("exp_avg/") for k in keys):
+        return "none (weights only)"
+    muon = "Muon momentum + " if any(k.startswith("momentum_buffer/") for k in keys) else ""
+    return f"{muon}AdamW moments, step {int(meta['optimizer_step'])}"

@@ -3,7 +3,8 @@ layout reads any checkpoint.
 
 The state of training is, for every parameter of the whole model, three global tensors:
 `weight/NAME` (the values the optimizer updates: the fp32 masters under bf16/fp16, the
-parameters themselves otherwise), `exp_avg/NAME` and `exp_avg_sq/NAME` (AdamW's moments),
+parameters themselves otherwise), `exp_avg/NAME` and `exp_avg_sq/NAME` (AdamW's moments), or
+`momentum_buffer/NAME` for the matrices Muon updates (train.optimizer = muon),
 plus a few numbers in meta.json (the step, AdamW's step count, the fp16 loss scale).
 
 What a rank holds of them comes from two facts each dimension states about itself:
@@ -43,6 +44,7 @@ from ndtrain.parallel.placement import is_duplicate, region_of, shard_dims
 from ndtrain.parallel.states import persistent_buffers
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+MUON_STATE = ("momentum_buffer",)  # Muon's (train/muon.py), on the tensors of its "muon" groups
 # A tied head held apart from the embedding (on the last pipeline stage) is the embedding.
 TIED = {"output.weight": "tok_embeddings.weight"}
 
@@ -142,7 +144,7 @@ def save(run_dir, step: int, par, optimizer: torch.optim.Optimizer, tie_embeddin
 def share(step: int, par, optimizer: torch.optim.Optimizer, tie_embeddings: bool, meta: dict) -> tuple[list, dict]:
     """What this rank writes of the layout's training state, (key, piece, live 1-D data)
     each, and meta.json's facts. Refuses (on every rank) NaN or inf. Collective."""
-    pieces = held(par.states, tie_embeddings, optimizer.state, ("weight",) + MOMENTS)
+    pieces = held(par.states, tie_embeddings, optimizer.state, ("weight",) + MOMENTS + MUON_STATE)
     mine = my_share(pieces, par.mesh)
     if not all_finite(mine, par.mesh.device):
         raise CheckpointError(f"step {step}: the weights or optimizer moments hold NaN or inf; "
@@ -164,12 +166,19 @@ def load(source, par, tie_embeddings: bool, optimizer: torch.optim.Optimizer | N
     whether moments were loaded. Collective (the ZeRO-1/2 all-gather after loading)."""
     with_moments = optimizer is not None and source.has("exp_avg")
     moments = {}
+    muon = {id(t) for group in (optimizer.param_groups if optimizer else []) if group.get("muon") for t in group["params"]}
+    if optimizer is not None and source.has("momentum_buffer") and not muon:
+        raise CheckpointError("the checkpoint holds Muon's momentum (train.optimizer = muon); an AdamW run cannot "
+                              "continue it: set train.optimizer=muon")
     if with_moments:  # filled in place where AdamW has them already, else new
         # Every tensor the optimizer updates, also one that holds no parameter's part (a ZeRO
         # slice of alignment padding only): it takes zero moments and the same step count.
+        # Muon's tensors take its momentum: from the source, or zeros (an AdamW run continued
+        # with Muon; the trainer says so).
         holders = [t for group in optimizer.param_groups for t in group["params"]]
-        moments = {t: {k: _moment(optimizer.state.get(t, {}).get(k), t) for k in MOMENTS} for t in holders}
-    kinds = ("weight",) + (MOMENTS if with_moments else ())
+        moments = {t: {k: _moment(optimizer.state.get(t, {}).get(k), t)
+                       for k in (MUON_STATE if id(t) in muon else MOMENTS)} for t in holders}
+    kinds = ("weight",) + (MOMENTS if with_moments else ()) + (MUON_STATE if with_moments and muon and source.has("momentum_buffer") else ())
     for h in held(par.states, tie_embeddings, moments, kinds):
         if (h.key.startswith("buffer/") or is_adapter(h.key)) and not source.holds(h.key):
             continue  # a source without the buffer (HF weights) or the LoRA adapter: its initial value

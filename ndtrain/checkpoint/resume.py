@@ -42,6 +42,9 @@ def check_resume_config(cfg: Config, meta: dict, args: ModelArgs | None = None) 
                 raise ConfigError(f"model.{f.name}", a, f"differs from the checkpoint being resumed ({b}): a resumed "
                                   "run keeps its model; use another run.dir to train a different one")
     saved_cfg = meta.get("config") or {}
+    if saved_cfg.get("train", {}).get("optimizer") == "muon" and cfg.train.optimizer != "muon":
+        raise ConfigError("train.optimizer", cfg.train.optimizer, "the run being resumed trained with Muon: its "
+                          "matrices hold Muon's momentum, not AdamW's moments; resume with train.optimizer=muon")
     for key in FIXED:
         section, name = key.split(".")
         if name not in saved_cfg.get(section, {}):

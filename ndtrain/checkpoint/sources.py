@@ -30,6 +30,7 @@ from ndtrain.checkpoint.slices import Piece, copy_overlap, real_numel
 from ndtrain.checkpoint.store import CheckpointError
 from ndtrain.config import FAMILY_KEYS, Config, ConfigError, model_key_value
 from ndtrain.model import hf
+from ndtrain.model import hf_gpt_oss as gpt_oss
 from ndtrain.model.args import ModelArgs
 
 
@@ -91,6 +92,8 @@ class HFSource(Source):
         self.family = hf.family_of_config(self.config)
         self.hf_name: dict[str, str] = {}  # our key -> the HF tensor that holds it
         self.found: list[str] = []  # the HF tensors of the files
+        self.stored: dict[str, tuple[Path, tuple[int, ...]]] = {}  # HF tensor -> its file and shape
+        self._view: tuple[str, torch.Tensor] | None = None  # gpt_oss: the one view computed last
         found: dict[str, Path] = {}
         for file in files:
             try:
@@ -108,7 +111,13 @@ class HFSource(Source):
                                       "file of the folder is read: remove the stray one")
                 found[name] = file
                 self.found.append(name)
+                self.stored[name] = (file, tuple(info["shape"]))
                 self._add(file, name, tuple(info["shape"]), info["dtype"])
+        mtp = f"model.layers.{self.args.n_layers}."
+        if self.family.deepseek and self.args.mtp_depth and not any(n.startswith(mtp) for n in self.found):
+            # transformers' save_pretrained drops the MTP layer its config.json still counts
+            self.args = replace(self.args, mtp_depth=0)
+        self._check_mxfp4()
 
     def check(self, finite: bool = True) -> None:
         """Refuse, naming the tensor, weights that are not the model config.json describes
@@ -131,6 +140,10 @@ class HFSource(Source):
         return parts[0].hf if len(parts) == 1 else f"{parts[0].hf} (experts 0-{len(parts) - 1})"
 
     def _add(self, file: Path, name: str, stored: tuple[int, ...], dtype: str) -> None:
+        buffer = hf.our_buffer(name, self.args) if self.family.deepseek else None
+        if buffer is not None:  # DeepSeek-V3's router bias: our router's expert_bias
+            self.index[f"buffer/{buffer}"] = (stored, [(Piece.whole(stored), partial(self.reader.read, file, name))])
+            return
         try:
             parts = hf.our_parts(name, self.args, self.family)
         except KeyError:
@@ -145,6 +158,9 @@ class HFSource(Source):
                 raise ConfigError(f"{self.where}: {file.name}", name, f"an expert the config does not have (it "
                                   f"has {self.args.moe_experts})")
             if ours == "output.weight" and self.args.tie_embeddings:
+                continue
+            if part.layout or part.mxfp4:  # gpt_oss: a view of a whole HF tensor, maybe MXFP4
+                self._add_view(ours, part, stored)
                 continue
             read = partial(self.reader.read, file, name)
             if part.rows is not None:  # our tensor is rows of the fused one
@@ -161,6 +177,44 @@ class HFSource(Source):
                 shape = (self.args.moe_experts, *stored)
                 piece = Piece(shape, (part.expert,) + (0,) * len(stored), (1, *stored))
                 self.index.setdefault(f"weight/{ours}", (shape, []))[1].append((piece, read))
+
+
+    def _add_view(self, ours: str, part, stored: tuple[int, ...]) -> None:
+        """Our tensor as a view of a whole gpt_oss tensor (model/hf_gpt_oss.py): transposed,
+        gate or up of the interleaved pair, dequantized from MXFP4; computed when first read
+        (the last one kept, for the reads that follow)."""
+        key = f"weight/{ours}"
+        whole = gpt_oss.mxfp4_shape(stored) if part.mxfp4 else stored
+        shape = gpt_oss.ours_shape(part.layout, whole)
+        if part.mxfp4:
+            self.found.append(part.hf[:-len("_blocks")])  # what hf_parts names: the matrix itself
+            self.dtypes[key] = {"BF16"}  # e2m1 × 2^k: exact in bf16
+
+        def read(lo: int, hi: int) -> torch.Tensor:
+            if self._view is None or self._view[0] != key:
+                t = self._whole(part.hf)
+                if part.mxfp4:  # its scales are there (_check_mxfp4)
+                    t = gpt_oss.dequantize_mxfp4(t, self._whole(part.hf[:-len("_blocks")] + "_scales"))
+                self._view = (key, gpt_oss.ours_from_hf(part.layout, t).reshape(-1))
+            return self._view[1][lo:hi]
+        self.index[key] = (shape, [(Piece.whole(shape), read)])
+
+    def _check_mxfp4(self) -> None:
+        """Each MXFP4 *_blocks [E, rows, G, 16] of gpt_oss has its *_scales [E, rows, G]."""
+        if self.family.model_type != "gpt_oss":
+            return
+        for name, (file, shape) in self.stored.items():
+            if not name.endswith("_blocks"):
+                continue
+            scales = self.stored.get(name[:-len("_blocks")] + "_scales")
+            if scales is None or scales[1] != shape[:-1] or shape[-1:] != (16,):
+                raise ConfigError(f"{self.where}: {file.name}", name, "MXFP4 blocks [..., G, 16] need their "
+                                  f"{name[:-len('_blocks')]}_scales [..., G] beside them; found "
+                                  f"{list(scales[1]) if scales else 'none'} for blocks {list(shape)}")
+
+    def _whole(self, name: str) -> torch.Tensor:
+        file, shape = self.stored[name]
+        return self.reader.read(file, name, 0, math.prod(shape)).view(shape)
 
 
 def _shifted(read, offset: int):
@@ -261,10 +315,13 @@ def grow_vocab(source: Source, vocab_size: int) -> None:
 KINDS = ("run", "hf")
 # ModelArgs fields that are config keys of the same name and fix the parameters' shapes.
 SHAPE_KEYS = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "vocab_size", "head_dim", "qkv_bias",
-              "qk_norm", "tie_embeddings", "rope_theta", "norm_eps") + FAMILY_KEYS
+              "qk_norm", "tie_embeddings", "rope_theta", "norm_eps") + FAMILY_KEYS + (
+              "attention", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+              "rope_interleave", "mtp_depth")
 # ... and those of a mixture-of-experts model (set only from an MoE source).
 MOE_KEYS = ("moe_experts", "moe_top_k", "moe_shared_experts", "moe_ffn_dim", "moe_every", "moe_router",
-            "moe_norm_topk", "moe_route_scale", "moe_capacity")
+            "moe_norm_topk", "moe_route_scale", "moe_capacity", "moe_groups", "moe_topk_groups", "first_k_dense",
+            "moe_router_bias", "moe_expert_bias", "moe_swiglu_limit")
 
 
 def parse_init_from(value: str) -> tuple[str, Path]:

@@ -35,8 +35,8 @@ def cmd_bench(args) -> int:
     if args.what == "gpu":
         from ndtrain.bench.gpu import run as run_gpu
         return run_gpu(args)
-    from ndtrain.bench import (checkpoint, comm, compile, cp, dp, ep, fp8, ft, generate, lora, plan, pp, prepare,
-                               sft, tp, zero)
+    from ndtrain.bench import (checkpoint, comm, compile, cp, dp, ep, fp8, ft, generate, lora, muon, plan, pp,
+                               prepare, sft, tp, zero)
     return {"ft": ft, "dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft, "lora": lora,
-            "checkpoint": checkpoint, "ep": ep, "generate": generate, "plan": plan, "fp8": fp8,
+            "checkpoint": checkpoint, "ep": ep, "generate": generate, "plan": plan, "fp8": fp8, "muon": muon,
             "compile": compile, "prepare": prepare}[args.what].run(args)

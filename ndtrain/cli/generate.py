@@ -52,7 +52,7 @@ def cmd_generate(args) -> int:
     stops = set(eos_ids(run) or [tok.eot_id])  # the generation config's, as HF generate stops
     torch.set_num_threads(max(1, torch.get_num_threads()))
     out = sample(model, ids, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 seed=args.seed, stop_ids=stops)
+                 seed=args.seed, stop_ids=stops, report=lambda m: print(f"ndtrain generate: {m}", file=sys.stderr))
     if out and out[-1] in stops:
         out = out[:-1]
     print(args.prompt + tok.decode(out))

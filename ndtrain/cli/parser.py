@@ -58,6 +58,7 @@ examples:
   ndtrain bench generate                         batched generation with a KV cache against recomputing the prefix
   ndtrain bench ep                               experts split over 2 ranks (ep=2) against replicated (ep=1)
   ndtrain bench fp8 --nproc 1                    bf16 against fp8 tensorwise, rowwise, blockwise (CPU: the emulation)
+  ndtrain bench muon                             AdamW against Muon (train.optimizer=muon) under dp2 and ZeRO-3
   ndtrain bench compile                          the default job's step compiled (train.compile=true) against eager
   ndtrain bench gpu [--dry-run]                  the first GPU run: CUDA calls probed, CUDA tests, 1B MFU eager and
                                                  compiled, 2+ GPUs: every layout vs one GPU → runs/bench-gpu-*/report.md
@@ -267,7 +268,8 @@ def _add_bench(sub) -> None:
                                      "run.async_save, last line their ratio, lower is better), ep (experts split over --nproc ranks vs "
                                      "replicated), generate (KV cache vs recomputing the prefix, one process), "
                                      "plan (the planner's step time against the engine's, each layout on this "
-                                     "machine), fp8 (bf16 vs each fp8 recipe; on a CPU, the emulation), compile "
+                                     "machine), fp8 (bf16 vs each fp8 recipe; on a CPU, the emulation), muon (AdamW vs "
+                                     "train.optimizer=muon under dp and ZeRO-3: step time and bytes), compile "
                                      "(train.compile=true vs eager, same layout), prepare (ndtrain prepare on "
                                      "data.workers processes vs a bare tokenizers encode_batch loop, MB/s), ft (one replica group "
                                      "killed mid-run: run.fault_tolerance=restart vs replicas, wall time and steps lost; "
@@ -281,7 +283,7 @@ def _add_bench(sub) -> None:
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "lora", "checkpoint", "ep",
-                                    "generate", "plan", "fp8", "compile", "prepare", "ft", "gpu"])
+                                    "generate", "plan", "fp8", "muon", "compile", "prepare", "ft", "gpu"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--dry-run", action="store_true", help="gpu: print the steps and their time budgets, run nothing")
     p.add_argument("--rounds", type=int, help="alternating A/B rounds (default 10; generate 5)")

@@ -11,7 +11,7 @@ from ndtrain.config.schema import Config, ConfigError, ModelConfig
 from ndtrain.config.sections import V_SCHEDULES, positive
 from ndtrain.model.args import PRESETS, ROUTERS, ModelArgs
 
-MOE_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name.startswith("moe_"))
+MOE_KEYS = tuple(f.name for f in fields(ModelConfig) if f.name.startswith("moe_") or f.name == "first_k_dense")
 
 
 def resolve_world(cfg: Config, world: int | None) -> None:
@@ -72,7 +72,7 @@ def resolve_layout(cfg: Config, world: int | None) -> None:
 def check_heads(cfg: Config, a: ModelArgs) -> None:
     """The attention heads of the model's shape `a`: head dim, RoPE, grouped KV heads."""
     m = cfg.model
-    if m.head_dim is None and a.dim % a.n_heads:
+    if m.head_dim is None and not a.is_mla and a.dim % a.n_heads:
         raise ConfigError("model.n_heads", a.n_heads, f"must divide model.dim = {a.dim} (or set model.head_dim)")
     if a.head_dim % 2:
         key, value = ("model.head_dim", a.head_dim) if m.head_dim else ("model.n_heads", a.n_heads)

@@ -29,6 +29,9 @@ def check_lora(cfg: Config, a=None) -> None:
         _check_targets_select(cfg, a, targets)
     if lora.init not in INITS:
         raise ConfigError("lora.init", lora.init, f"expected one of {', '.join(INITS)}")
+    if t.optimizer == "muon":
+        raise ConfigError("train.optimizer", t.optimizer, "Muon orthogonalises whole weight matrices; a LoRA "
+                          "adapter's low-rank factors are not that: use train.optimizer=adamw with lora.rank > 0")
     if t.precision == "fp8":
         raise ConfigError("train.precision", t.precision, "LoRA adapters have no fp8 product; use bf16 with lora.rank > 0")
     if lora.dropout and (p.tp > 1 or p.cp > 1):

@@ -51,6 +51,8 @@ class ModelConfig:
     norm_eps: float | None = None
     qkv_bias: bool | None = None  # biases on q, k, v (Qwen2)
     qk_norm: bool | None = None  # RMSNorm of each query and key head (Qwen3)
+    qk_norm_all: bool | None = None  # the q and k norms over all heads together (OLMo 2)
+    pre_norm: bool | None = None  # norms before attention and the MLP; false: only sandwich_norm's after them (OLMo 2)
     dropout: float = 0.0
     # Mixture of experts (model/moe.py): only on an MoE preset (tiny-moe, small-moe, olmoe-1b-7b).
     moe_experts: int | None = None
@@ -62,10 +64,26 @@ class ModelConfig:
     moe_norm_topk: bool | None = None
     moe_route_scale: float | None = None
     moe_capacity: float | None = None  # capacity factor; 0 = dropless
+    # DeepSeek-V3 (model/args.py, model/mla.py; the deepseek-v3-* presets set them).
+    attention: str | None = None  # gqa | mla (multi-head latent attention)
+    q_lora_rank: int | None = None  # mla: query bottleneck; 0 = queries projected directly
+    kv_lora_rank: int | None = None  # mla: the latent keys and values come from (what generation caches)
+    qk_nope_head_dim: int | None = None  # mla: each head's key width without rotary
+    qk_rope_head_dim: int | None = None  # mla: the rotary key width, shared by the heads
+    v_head_dim: int | None = None  # mla: each head's value width
+    rope_interleave: bool | None = None  # mla: rotary pairs (x0, x1), (x2, x3)... (DeepSeek's checkpoints)
+    moe_groups: int | None = None  # routed experts in this many groups (group-limited routing)
+    moe_topk_groups: int | None = None  # each token chooses among the experts of its best groups
+    first_k_dense: int | None = None  # the first blocks keep a dense MLP
+    mtp_depth: int | None = None  # multi-token prediction modules after the last block
+    moe_router_bias: bool | None = None  # gpt-oss: a learned bias of the router's logits
+    moe_expert_bias: bool | None = None  # gpt-oss: biases on the experts' projections
+    moe_swiglu_limit: float | None = None  # gpt-oss: the experts' clamped SwiGLU at this limit; 0 = plain SwiGLU
     # Features of Hugging Face families (model/args.py; set from model.init_from=hf:DIR).
     rope_scaling: str | None = None  # JSON, e.g. {"rope_type": "linear", "factor": 2.0}; "" = none
     sliding_window: int | None = None  # 0 = none
     window_layers: str | None = None  # the layers with the window, e.g. "0,2,4"; none = every layer
+    rope_local_theta: float | None = None  # Gemma 3: the windowed layers' rotary base (unscaled); 0 = rope_theta
     norm_offset: float | None = None  # Gemma 2: norms scale by (1 + weight)
     sandwich_norm: bool | None = None  # Gemma 2: a norm after attention and after the MLP too
     mlp_act: str | None = None  # silu | gelu_tanh
@@ -73,6 +91,8 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale^-2 instead of head_dim; 0 = head_dim
     attn_softcap: float | None = None  # Gemma 2: cap·tanh(score / cap); 0 = none
     logit_softcap: float | None = None  # Gemma 2: cap·tanh(logit / cap); 0 = none
+    attn_sinks: bool | None = None  # gpt-oss: a learned logit per head in the softmax's denominator
+    o_bias: bool | None = None  # gpt-oss: a bias on the attention's output projection
     # How attention keeps packed documents apart (ModelArgs.doc_attention): mask (a boolean
     # s × s mask, SDPA) | flex (flex_attention, no s × s mask) | auto: flex on CUDA, else mask.
     doc_attention: str = "auto"
@@ -122,6 +142,13 @@ class TrainConfig:
     beta1: float = 0.9
     beta2: float = 0.95
     eps: float = 1e-8
+    optimizer: str = "adamw"  # adamw | muon (Muon on the blocks' matrices, AdamW on the rest: docs/muon.md)
+    muon_lr: float = 0.0  # Muon's peak learning rate (the schedule scales it as train.lr); 0 = train.lr
+    muon_momentum: float = 0.95  # Muon's momentum (Keller Jordan's, torch.optim.Muon's, Moonlight's)
+    muon_nesterov: bool = True  # Nesterov momentum (the same recipes)
+    muon_ns_steps: int = 5  # Newton-Schulz iterations (the same recipes)
+    muon_ns_coefficients: str = "3.4445,-4.7750,2.0315"  # a,b,c of the quintic iteration (Keller Jordan's)
+    muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (Moonlight: 0.2·sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 0
     precision: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on the CPU) | fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs) | fp8 (block matmuls in fp8, the rest in fp8_base)
@@ -140,6 +167,7 @@ class TrainConfig:
     compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: the proofs) | eager
     moe_aux_loss: float = 0.01  # coefficient of the MoE load-balancing loss; 0 = none
     moe_bias_rate: float = 0.0  # aux-loss-free balancing: router bias step per optimizer step; 0 = off
+    mtp_weight: float = 0.3  # multi-token prediction: weight of its loss (model.mtp_depth > 0; DeepSeek-V3's 0.3)
     eval_every: int = 100  # 0 = evaluate only at the end
     eval_batches: int = 8
     save_every: int = 0  # 0 = save only at the end
@@ -319,7 +347,8 @@ def lora_targets(text: str) -> tuple[str, ...]:
 
 
 FAMILY_KEYS = ("rope_scaling", "sliding_window", "window_layers", "norm_offset", "sandwich_norm", "mlp_act",
-               "embed_scale", "query_pre_attn_scalar", "attn_softcap", "logit_softcap")
+               "embed_scale", "query_pre_attn_scalar", "attn_softcap", "logit_softcap", "attn_sinks", "o_bias",
+               "rope_local_theta", "qk_norm_all", "pre_norm")
 
 
 def window_layers_of(text: str) -> tuple[int, ...] | None:

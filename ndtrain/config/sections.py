@@ -98,6 +98,7 @@ def check_train(t: TrainConfig, device: str) -> None:
     for key in ("beta1", "beta2"):
         if not 0.0 <= getattr(t, key) < 1.0:
             raise ConfigError(f"train.{key}", getattr(t, key), "must be in [0, 1)")
+    _check_optimizer(t)
     _check_precision(t, device)
     match = RECOMPUTE.match(t.recompute)
     if not match:
@@ -107,6 +108,33 @@ def check_train(t: TrainConfig, device: str) -> None:
 
 
 LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
+OPTIMIZERS = ("adamw", "muon")
+MUON_ADJUST_LR = ("match_rms_adamw", "original")
+
+
+def muon_coefficients(text: str) -> tuple[float, float, float] | None:
+    """train.muon_ns_coefficients "a,b,c" as three floats; None when it is not that."""
+    try:
+        values = tuple(float(x) for x in text.split(","))
+    except ValueError:
+        return None
+    return values if len(values) == 3 and all(math.isfinite(v) for v in values) else None
+
+
+def _check_optimizer(t: TrainConfig) -> None:
+    """train.optimizer and Muon's keys."""
+    if t.optimizer not in OPTIMIZERS:
+        raise ConfigError("train.optimizer", t.optimizer, f"choose one of {', '.join(OPTIMIZERS)}")
+    positive("train.muon_lr", t.muon_lr, zero_ok=True)
+    if not 0.0 <= t.muon_momentum < 1.0:
+        raise ConfigError("train.muon_momentum", t.muon_momentum, "must be in [0, 1)")
+    if not 1 <= t.muon_ns_steps < 100:
+        raise ConfigError("train.muon_ns_steps", t.muon_ns_steps, "must be in [1, 100)")
+    if muon_coefficients(t.muon_ns_coefficients) is None:
+        raise ConfigError("train.muon_ns_coefficients", t.muon_ns_coefficients,
+                          "expected three comma-separated numbers a,b,c (e.g. 3.4445,-4.7750,2.0315)")
+    if t.muon_adjust_lr not in MUON_ADJUST_LR:
+        raise ConfigError("train.muon_adjust_lr", t.muon_adjust_lr, f"choose one of {', '.join(MUON_ADJUST_LR)}")
 
 
 def _check_schedule(t: TrainConfig) -> None:

@@ -8,6 +8,7 @@ import re
 
 from ndtrain.config.schema import Config, ConfigError, DPOConfig, RLConfig, SFTConfig
 from ndtrain.config.sections import positive
+from ndtrain.model.args import PRESETS
 
 RL_TASKS = ("addition", "reverse", "sort", "countdown")
 RL_LOSSES = ("reinforce", "grpo", "dr_grpo", "dapo")
@@ -56,10 +57,19 @@ def check_rl(r: RLConfig) -> None:
                           f"must be less than rl.max_new_tokens = {r.max_new_tokens}")
 
 
+def refuse_mtp(cfg: Config, command: str) -> None:
+    """Multi-token prediction (model/mtp.py) trains on pretraining's and SFT's token loss."""
+    depth = cfg.model.mtp_depth if cfg.model.mtp_depth is not None else PRESETS[cfg.model.preset].mtp_depth
+    if depth:
+        raise ConfigError("model.mtp_depth", depth, f"multi-token prediction trains on the token loss of pretraining "
+                          f"and SFT, not {command}'s objective; use 0")
+
+
 def check_rl_job(cfg: Config) -> None:
     """What `ndtrain rl` needs of a validated config: whole groups on every data-parallel
     rank, groups that can disagree, an update rule that fits the batch."""
     r, t, p = cfg.rl, cfg.train, cfg.parallel
+    refuse_mtp(cfg, "ndtrain rl")
     if r.loss != "reinforce" and r.group_size < 2:
         raise ConfigError("rl.group_size", r.group_size, f"rl.loss = {r.loss} normalises rewards within a group of "
                           "completions of one prompt: it needs at least 2 (or rl.loss = reinforce)")
@@ -100,6 +110,7 @@ def check_dpo(d: DPOConfig) -> None:
 def check_dpo_job(cfg: Config) -> None:
     """What `ndtrain dpo` needs of a validated config: each pair's loss is a function of its
     whole answers' summed log-probabilities, so a row may not be cut over ranks."""
+    refuse_mtp(cfg, "ndtrain dpo")
     if cfg.parallel.cp > 1:
         raise ConfigError("parallel.cp", cfg.parallel.cp, "ndtrain dpo needs each pair's whole row on one rank (its "
                           "loss is a function of both answers' summed log-probabilities); use dp, zero, tp or pp")

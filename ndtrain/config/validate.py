@@ -5,6 +5,7 @@ the layout across sections (layout.py), fault tolerance (faults.py), the Hugging
 from __future__ import annotations
 
 from ndtrain.config.data_sources import check_sources
+from ndtrain.config.deepseek import check_deepseek
 from ndtrain.config.faults import check_fault_tolerance
 from ndtrain.config.family import check_family, check_family_keys
 from ndtrain.config.layout import (check_context, check_fp8, check_heads, check_moe, check_pipeline,
@@ -38,6 +39,7 @@ def validate(cfg: Config, *, world: int | None = None, check_paths: bool = True)
     check_tensor(cfg, a)
     check_sequence(cfg, a)
     check_moe(cfg, a)
+    check_deepseek(cfg, a)
     check_context(cfg, a)
     check_family(cfg, a)
     check_fp8(cfg, a)

@@ -23,6 +23,7 @@ and entropies once, at the end.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ import torch
 from torch import Tensor
 
 from ..model.llama import KVCache, widened
+from ..model.rope import position_limit, scaling_of
 
 
 @dataclass
@@ -107,10 +109,10 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, tempe
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
     if len(seeds) != len(prompts):
         raise ValueError(f"generate: {len(seeds)} seeds for {len(prompts)} prompts")
-    width = max(len(p) for p in prompts)
-    if width + max_new_tokens - 1 > model.args.max_seq_len:
+    width, limit = max(len(p) for p in prompts), position_limit(model.args)
+    if limit is not None and width + max_new_tokens - 1 > limit:
         raise ValueError(f"generate: prompts of up to {width} tokens and {max_new_tokens} new ones exceed the "
-                         f"model's max_seq_len {model.args.max_seq_len}")
+                         f"{limit} positions the model encodes")
     device = next(model.parameters()).device
     b = len(prompts)
     if max_new_tokens <= 0:
@@ -143,6 +145,11 @@ def _sample(model, prompts, max_new_tokens: int, temperature: float, top_k: int,
     entropies [b, M] (fp64), each row's length [b], and whether `should_stop` ended it."""
     b, width = len(prompts), max(len(p) for p in prompts)
     cache = KVCache(width + max_new_tokens) if use_cache else None
+    # The loop step whose forward first reaches past a longrope model's original context
+    # (its longest position is width + step): there the cache's keys, rotated with the short
+    # factors, are dropped and the whole sequence is encoded again with the long ones, as
+    # transformers' Phi-3 does; None: no such step.
+    reencode = longrope_crossing(model.args, width) if use_cache else None
     tokens, positions, doc_ids = left_pad(prompts, pad_id, device)
     seen = (tokens, positions, doc_ids)  # without a cache: everything so far, every step
     next_pos = positions[:, -1] + 1
@@ -167,25 +174,47 @@ def _sample(model, prompts, max_new_tokens: int, temperature: float, top_k: int,
         tokens = token.masked_fill(~running, pad_id)[:, None]
         positions, doc_ids = next_pos[:, None], torch.ones_like(tokens)
         next_pos = next_pos + 1
-        if cache is None:
+        if cache is None or reencode is not None:
             seen = tuple(torch.cat([old, new], dim=1) for old, new in zip(seen, (tokens, positions, doc_ids)))
+        if cache is None or step + 1 == reencode:
             tokens, positions, doc_ids = seen
+            if cache is not None:
+                cache = KVCache(width + max_new_tokens)
     return out_tokens, out_logp, out_entropy, lengths, False
+
+
+def longrope_crossing(args, width: int) -> int | None:
+    """The decoding step (≥ 1) of prompts `width` wide whose forward is the first to hold a
+    position beyond a longrope model's original context; None for other scalings or when the
+    prompt's own forward already does."""
+    p = scaling_of(args.rope_scaling)
+    if p["rope_type"] != "longrope":
+        return None
+    step = p["original_max_position_embeddings"] - width + 1
+    return step if step >= 1 else None
 
 
 def sample(model, prompt_ids: list[int], max_new_tokens: int,
            temperature: float = 0.8, top_k: int = 50, seed: int = 0,
-           eot_id: int | None = None, stop_ids: Collection[int] = (), top_p: float = 1.0) -> list[int]:
+           eot_id: int | None = None, stop_ids: Collection[int] = (), top_p: float = 1.0,
+           report: Callable[[str], None] | None = None) -> list[int]:
     """Continue one prompt by up to `max_new_tokens` tokens and return only the new ones,
-    stopping after `eot_id` or any of `stop_ids` (which is included). The prompt is cut from
-    the left so that prompt and continuation fit in the model's `max_seq_len`."""
+    stopping after `eot_id` or any of `stop_ids` (which is included). A prompt too long for
+    the positions the model encodes (`position_limit`) loses its first tokens, and
+    `report` (default: a warning) gets one line saying how many."""
     if not prompt_ids:
         raise ValueError("sample: prompt_ids is empty")
     if max_new_tokens <= 0:
         return []
     stops = set(stop_ids) | ({eot_id} if eot_id is not None else set())
-    max_len = model.args.max_seq_len
-    max_new_tokens = min(max_new_tokens, max_len)
-    # The last new token is never fed back, so the cache holds prompt + max_new - 1 positions.
-    prompt_ids = prompt_ids[-(max_len - max_new_tokens + 1):]
+    limit = position_limit(model.args)
+    if limit is not None:
+        max_new_tokens = min(max_new_tokens, limit)
+        # The last new token is never fed back, so the cache holds prompt + max_new - 1 positions.
+        keep = limit - max_new_tokens + 1
+        if len(prompt_ids) > keep:
+            line = (f"the prompt's first {len(prompt_ids) - keep} of {len(prompt_ids)} tokens were dropped: with "
+                    f"{max_new_tokens} new tokens it must fit in the {limit} positions the model encodes")
+            (report or (lambda m: warnings.warn(m, stacklevel=3)))(line)
+            prompt_ids = prompt_ids[-keep:]
     return generate(model, [prompt_ids], max_new_tokens, temperature, top_k, top_p, [seed], stops).tokens[0]

@@ -17,6 +17,17 @@ What the families add to the Llama block (model/llama.py holds every piece):
 - gemma2: norms scaling by (1 + weight), a second norm after attention and after the MLP,
   a tanh-GeLU gate, embeddings × √hidden_size, query_pre_attn_scalar, soft-capped
   attention scores and logits, a window on every other layer (`layer_types`).
+- gpt_oss: attention sinks, q/k/v/o biases, a window on every other layer (`layer_types`),
+  YaRN, experts in every block with a biased top-k-then-softmax router, biased experts and
+  the clamped SwiGLU (swiglu_limit; swiglu_alpha must be 1.702); its stacked, interleaved
+  and possibly MXFP4 expert tensors: model/hf_gpt_oss.py.
+- gemma3_text: Gemma 2's block with q/k norms (scaling by 1 + weight), no soft-capping by
+  default, a window on five layers of six (`layer_types`, or `sliding_window_pattern`), and
+  one rotary per layer type: the global layers rope_theta and its scaling, the local
+  (windowed) ones their own base unscaled (`rope_parameters.sliding_attention`, or
+  `rope_local_base_freq`).
+- olmo2: q/k norms over all heads together (before the split into heads), and norms after
+  attention and after the MLP instead of before them.
 Rotary scalings (model/rope.py) are read from `rope_scaling` or `rope_parameters`, the
 first winning when both are there, as in transformers.
 """
@@ -25,8 +36,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 from .args import ModelArgs, shape_problem
+from .hf_deepseek import DEFAULTS as DEEPSEEK_DEFAULTS
+from .hf_deepseek import MODEL_TYPES as DEEPSEEK_TYPES
+from .hf_deepseek import deepseek_args
+from .hf_deepseek import head_dim as deepseek_head_dim
 from .rope import KINDS, REQUIRED, scaling_problem
 
 
@@ -65,6 +81,7 @@ class Family:
     expert_names: tuple[str, str, str] = ()
     fused: bool = False  # phi3: qkv_proj and gate_up_proj
     gemma: bool = False
+    deepseek: bool = False  # deepseek_v3, kimi_k2: model/hf_deepseek.py
 
 
 FAMILIES = {
@@ -97,12 +114,37 @@ FAMILIES = {
                                final_logit_softcapping=30.0, attn_logit_softcapping=50.0,
                                use_bidirectional_attention=None),
                      refused=("attention_bias", "use_bidirectional_attention"), window="alternating", gemma=True),
+    **{name: Family(name, "DeepseekV3ForCausalLM", dict(DEEPSEEK_DEFAULTS), refused=("attention_bias",), moe="mlp",
+                    expert_names=("gate_proj", "up_proj", "down_proj"), deepseek=True) for name in DEEPSEEK_TYPES},
+    "gemma3_text": Family("gemma3_text", "Gemma3ForCausalLM",
+                          _defaults(vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26,
+                                    num_attention_heads=8, num_key_value_heads=4, head_dim=256,
+                                    hidden_activation="gelu_pytorch_tanh", max_position_embeddings=131072,
+                                    tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096,
+                                    final_logit_softcapping=None, attn_logit_softcapping=None,
+                                    use_bidirectional_attention=False, rope_theta=1e6, rope_local_base_freq=10000.0,
+                                    sliding_window_pattern=6),
+                          qk_norm=True, refused=("attention_bias", "use_bidirectional_attention"), window="gemma3",
+                          gemma=True),
+    "olmo2": Family("olmo2", "Olmo2ForCausalLM",
+                    _defaults(vocab_size=50304, intermediate_size=11008, max_position_embeddings=2048,
+                              rms_norm_eps=1e-5),
+                    qk_norm=True, refused=("attention_bias",)),
+    "gpt_oss": Family("gpt_oss", "GptOssForCausalLM",
+                      _defaults(vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_hidden_layers=36,
+                                num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=150000.0,
+                                sliding_window=128, num_local_experts=128, num_experts_per_tok=4, swiglu_alpha=1.702,
+                                swiglu_limit=7.0, attention_bias=True),
+                      qkv_bias=True, window="alternating", moe="mlp"),
 }
+# gpt_oss's rotary scaling when its config.json names none (transformers' GptOssConfig).
+GPT_OSS_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 4096}
 # What the families' configs name elsewhere, with the reason we do not read it.
 UNSUPPORTED = {
-    "gemma3": "Gemma 3 is a vision-language model; its text part (gemma3_text) is not supported either: its local "
-              "and global layers rotate with different rope_theta, which this decoder's one rotary table cannot hold",
-    "gemma3_text": "its local and global layers rotate with different rope_theta (one rotary table per model here)",
+    "gemma3": "Gemma 3 (gemma3) is a vision-language model; its text part is supported as gemma3_text "
+              "(Gemma3ForCausalLM: the text model's own folder)",
     "gemma": "Gemma (1) is not supported; Gemma 2 is",
     "phi": "Phi-1/Phi-2 use LayerNorm, a partial rotary and a parallel block; Phi-3 (phi3) is supported",
 }
@@ -135,6 +177,9 @@ def _positive(value, key: str) -> float:
     return float(value)
 
 
+_KEYS = SimpleNamespace(get=_get, count=_count, positive=_positive, error=HFConfigError)  # for hf_deepseek
+
+
 def family_of_config(c: dict) -> Family:
     model_type = c.get("model_type")
     if model_type is None:
@@ -152,6 +197,11 @@ def args_from_hf_config(config) -> ModelArgs:
     family. Raises HFConfigError naming the key of anything it cannot hold."""
     c = config if isinstance(config, dict) else config.to_dict()
     family = family_of_config(c)
+    if family.model_type == "gpt_oss" and not (c.get("rope_scaling") or c.get("rope_parameters")):
+        c = {**c, "rope_parameters": GPT_OSS_ROPE}
+    local_theta = 0.0
+    if family.model_type == "gemma3_text":
+        c, local_theta = _gemma3_rope(c, family)
     for key in family.refused:
         if _get(c, family, key):
             raise HFConfigError(key, c[key], f"{family.model_type} with {key} is not supported (the weights would "
@@ -161,7 +211,7 @@ def args_from_hf_config(config) -> ModelArgs:
     if act not in ACTIVATIONS or (ACTIVATIONS[act] == "gelu_tanh") != family.gemma:
         raise HFConfigError(act_key, act, "not supported: silu (SwiGLU), or gelu_pytorch_tanh in Gemma 2")
     heads, dim = _count(c, family, "num_attention_heads"), _count(c, family, "hidden_size")
-    head_dim = _count(c, family, "head_dim", None)
+    head_dim = _count(c, family, "head_dim", None) if not family.deepseek else deepseek_head_dim(c, family, _KEYS)
     if head_dim is None and dim % heads:
         raise HFConfigError("num_attention_heads", heads, f"must divide hidden_size = {dim} (no head_dim is given)")
     head_dim = head_dim or dim // heads
@@ -170,7 +220,7 @@ def args_from_hf_config(config) -> ModelArgs:
     kv_heads = _count(c, family, "num_key_value_heads", None) or heads
     if heads % kv_heads:
         raise HFConfigError("num_key_value_heads", kv_heads, f"must divide num_attention_heads = {heads}")
-    rope = _rope(c, family, head_dim, max_len)
+    rope = _rope(c, family, head_dim if not family.deepseek else _count(c, family, "qk_rope_head_dim"), max_len)
     if rope.get("rope_type") == "dynamic":  # transformers' max_position_embeddings is where it starts
         max_len = int(rope["factor"] * max_len)
     args = ModelArgs(
@@ -189,6 +239,9 @@ def args_from_hf_config(config) -> ModelArgs:
         **_window(c, family, n_layers),
         **_gemma(c, family, dim),
         **_moe_args(family, c),
+        **_gpt_oss(family, c),
+        **({"rope_local_theta": local_theta} if local_theta else {}),
+        **(dict(qk_norm_all=True, pre_norm=False, sandwich_norm=True) if family.model_type == "olmo2" else {}),
     )
     problem = shape_problem(args)
     if problem:  # what the keys cannot say one by one: top-k above the expert count, experts on no layer
@@ -198,7 +251,8 @@ def args_from_hf_config(config) -> ModelArgs:
     return args
 
 
-_HF_KEYS = {"moe_top_k": "num_experts_per_tok", "moe_every": "decoder_sparse_step", "moe_experts": "num_experts"}
+_HF_KEYS = {"moe_top_k": "num_experts_per_tok", "moe_every": "decoder_sparse_step", "moe_experts": "num_experts",
+            "moe_groups": "n_group", "moe_topk_groups": "topk_group", "first_k_dense": "first_k_dense_replace"}
 
 
 def _rope_params(c: dict) -> dict:
@@ -276,6 +330,9 @@ def _window(c: dict, family: Family, n_layers: int) -> dict:
         layers = tuple(range(_get(c, family, "max_window_layers"), n_layers))
     elif family.window == "alternating":
         layers = tuple(range(0, n_layers, 2))
+    elif family.window == "gemma3":  # transformers' default: the full layer closes each pattern
+        pattern = _count(c, family, "sliding_window_pattern")
+        layers = tuple(i for i in range(n_layers) if (i + 1) % pattern)
     if layers == tuple(range(n_layers)):
         layers = None
     if layers == ():
@@ -292,8 +349,50 @@ def _gemma(c: dict, family: Family, dim: int) -> dict:
                 logit_softcap=float(_get(c, family, "final_logit_softcapping") or 0.0))
 
 
+def _gemma3_rope(c: dict, family: Family) -> tuple[dict, float]:
+    """Gemma 3's two rotaries: config.json with the global one's as the only rotary, and the
+    local (windowed) layers' base. Spelled per layer type (`rope_parameters` with
+    full_attention and sliding_attention) or, older, `rope_theta`, `rope_scaling` and
+    `rope_local_base_freq`."""
+    params = c.get("rope_parameters")
+    if isinstance(params, dict) and any(isinstance(v, dict) for v in params.values()):
+        full, local = dict(params.get("full_attention") or {}), dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(c.get("rope_scaling") or params or {})
+        local = {"rope_type": "default", "rope_theta": _get(c, family, "rope_local_base_freq")}
+    kind = local.get("rope_type", local.get("type", "default"))
+    if kind != "default":
+        raise HFConfigError("rope_parameters.sliding_attention.rope_type", kind, "the local layers' rotary must be "
+                            "unscaled (default), as in Gemma 3")
+    full.setdefault("rope_theta", _get(c, family, "rope_theta"))
+    c = {k: v for k, v in c.items() if k not in ("rope_scaling", "rope_parameters")}
+    c["rope_theta"], c["rope_parameters"] = full["rope_theta"], full
+    return c, _positive(local.get("rope_theta", family.defaults["rope_local_base_freq"]),
+                        "rope_parameters.sliding_attention.rope_theta")
+
+
+def _gpt_oss(family: Family, c: dict) -> dict:
+    """gpt_oss's sinks, output bias, router and experts (its biases on q, k, v: Family.qkv_bias)."""
+    if family.model_type != "gpt_oss":
+        return {}
+    if not _get(c, family, "attention_bias"):
+        raise HFConfigError("attention_bias", c["attention_bias"], "gpt_oss without attention biases is not supported "
+                            "(the published models have them)")
+    alpha = _get(c, family, "swiglu_alpha")
+    if alpha != 1.702:
+        raise HFConfigError("swiglu_alpha", alpha, "only gpt-oss's 1.702 is supported (the clamped SwiGLU's gain is "
+                            "fixed here)")
+    return dict(attn_sinks=True, o_bias=True, moe_experts=_count(c, family, "num_local_experts"),
+                moe_top_k=_count(c, family, "num_experts_per_tok"), moe_ffn_dim=_count(c, family, "intermediate_size"),
+                moe_router="topk_softmax", moe_router_bias=True, moe_expert_bias=True,
+                moe_swiglu_limit=_positive(_get(c, family, "swiglu_limit"), "swiglu_limit"))
+
+
 def _moe_args(family: Family, c: dict) -> dict:
-    """The MoE fields of `ModelArgs` from a Mixtral or Qwen3-MoE config."""
+    """The MoE fields of `ModelArgs` from a Mixtral or Qwen3-MoE config (DeepSeek-V3's, with
+    its latent attention: model/hf_deepseek.py)."""
+    if family.deepseek:
+        return deepseek_args(c, family, _KEYS)
     if family.model_type == "mixtral":
         return dict(moe_experts=_count(c, family, "num_local_experts"),
                     moe_top_k=_count(c, family, "num_experts_per_tok"),

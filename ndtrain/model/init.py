@@ -16,7 +16,7 @@ kind of device agree bit for bit.
 
 The distribution is what it always was: normal, mean 0, the parameter's std (no truncation;
 |z| < 6.7 because the uniform that feeds the logarithm is at least 2^-32); norm weights
-start at a scale of 1 and biases at 0.
+start at a scale of 1, biases and attention sinks (gpt-oss) at 0.
 """
 
 from __future__ import annotations
@@ -175,7 +175,8 @@ def initial_values(name: str, region: Region, args: ModelArgs, seed: int, lo: in
     hi = region.numel if hi is None else hi
     zero_b = name.endswith(".lora.b") and args.lora_init == "zero_b"  # an adapter that starts at no change
     zero_b = zero_b or name.endswith(".lora.rows")  # trained token rows: added to the base rows, from 0
-    if name.endswith("norm.weight") or name.endswith(".bias") or zero_b:  # a norm's scale of 1 (Gemma: 1 − offset)
+    # a norm's scale of 1 (Gemma: 1 − offset); biases (experts' `w1_bias`...) and attention sinks at 0
+    if name.endswith(("norm.weight", "bias", ".sinks")) or zero_b:
         fill = 1.0 - args.norm_offset if name.endswith("norm.weight") else 0.0
         out = torch.full((hi - lo,), fill, device=device)
         if region.contiguous_start() is None or region.valid_run() < hi:

@@ -26,10 +26,13 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .args import ModelArgs
-from .dtypes import widened
+from .dtypes import wide_dtype, widened
 from .init import initial_value
 from .lora import TokenRows, embedding, head_rows, linear
+from .mla import LatentAttention
 from .moe import MoE, RoutingLog
+from .mtp import MTPModule
+from .mtp import add_losses as add_mtp_losses
 from .rope import Rotary, rope_tables  # noqa: F401 (rope_tables: re-exported)
 
 
@@ -105,10 +108,9 @@ class KVCache:
         keys and values of positions 0..pos+s-1."""
         b, s, heads, head_dim = k.shape
         end = self._end(s)
-        if layer_key not in self.k:
-            shape = (b, self.max_len, heads, head_dim)
-            self.k[layer_key] = torch.zeros(shape, dtype=k.dtype, device=k.device)
-            self.v[layer_key] = torch.zeros(shape, dtype=v.dtype, device=v.device)
+        if layer_key not in self.k:  # v may be narrower (MLA's values; its latent and rotary key)
+            self.k[layer_key] = torch.zeros((b, self.max_len, heads, head_dim), dtype=k.dtype, device=k.device)
+            self.v[layer_key] = torch.zeros((b, self.max_len, *v.shape[2:]), dtype=v.dtype, device=v.device)
         self.k[layer_key][:, self.pos:end] = k
         self.v[layer_key][:, self.pos:end] = v
         return self.k[layer_key][:, :end], self.v[layer_key][:, :end]
@@ -147,31 +149,36 @@ class AttentionCore(nn.Module):
     token attends only to earlier tokens of its own document. `window` > 0: only to itself
     and the window − 1 tokens before it. `softcap` > 0: the scores are capped,
     cap·tanh(score / cap), before the softmax (Gemma 2), which SDPA cannot do, so that
-    attention is computed here in plain torch. `documents` (ModelArgs.doc_attention): how
+    attention is computed here in plain torch; so are `sinks` [heads] (gpt-oss: a logit per
+    head in the softmax's denominator), which training runs on the fused ops instead
+    (parallel/context/sinks.py swaps this core). `documents` (ModelArgs.doc_attention): how
     documents are kept apart without a cache, "mask" (a boolean [b, 1, s, s] mask for SDPA)
     or "flex" (`flex_documents`: no s × s mask). It holds no parameters; recompute wraps it,
-    context parallelism replaces it.
+    context parallelism replaces it. `rotate=False`: q and k arrive rotated (latent
+    attention rotates only part of each head, before its cache: model/mla.py).
     """
 
-    def __init__(self, window: int = 0, softcap: float = 0.0, documents: str = "mask"):
+    def __init__(self, window: int = 0, softcap: float = 0.0, documents: str = "mask", rotate: bool = True):
         super().__init__()
-        self.window, self.softcap, self.documents = window, softcap, documents
+        self.window, self.softcap, self.documents, self.rotate = window, softcap, documents, rotate
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                 cache: KVCache | None = None, layer_key: str | None = None,
-                doc_ids: Tensor | None = None) -> Tensor:
+                doc_ids: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:
         b, s = q.shape[:2]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rotate:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:
             k, v = cache.update(layer_key, k, v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # sdpa wants [b, heads, s, head_dim]
-        if self.documents == "flex" and doc_ids is not None and cache is None and not self.softcap:
+        plain = self.softcap or sinks is not None  # what SDPA cannot do: computed in plain torch
+        if self.documents == "flex" and doc_ids is not None and cache is None and not plain:
             out = flex_documents(q, k, v, doc_ids, self.window, compiled=q.device.type == "cuda")
             return out.transpose(1, 2).reshape(b, s, -1)
         cached_docs = cache.doc_ids[:, :k.shape[2]] if cache is not None and doc_ids is not None else None
         mask = visible_keys(s, k.shape[2], doc_ids, cached_docs, self.window, q.device)
-        if self.softcap:
-            out = capped_attention(q, k, v, mask, self.softcap)
+        if plain:
+            out = plain_attention(q, k, v, mask, self.softcap, sinks)
         else:
             gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
             causal = mask is None and s == k.shape[2] and s > 1
@@ -231,20 +238,30 @@ def visible_keys(s: int, s_kv: int, doc_ids: Tensor | None, cached_docs: Tensor 
     return ((doc_ids[:, :, None] == keys[:, None, :]) & mask)[:, None]
 
 
-def capped_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cap: float) -> Tensor:
-    """softmax(cap·tanh(q·kᵀ/√d / cap), masked) · v, softmax in fp32; q [b, H, s, d], k, v
-    [b, G, s_kv, d] (query head h reads key head h // (H/G), as SDPA's enable_gqa); mask as
-    `visible_keys` gives it, None meaning causal (or every key for one query)."""
+def plain_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, cap: float = 0.0,
+                    sinks: Tensor | None = None) -> Tensor:
+    """softmax(scores, masked) · v, softmax in fp32 (fp64 for fp64); q [b, H, s, d], k, v [b, G, s_kv, d]
+    (query head h reads key head h // (H/G), as SDPA's enable_gqa); mask as `visible_keys`
+    gives it, None meaning causal (or every key for one query). scores = q·kᵀ/√d, capped to
+    cap·tanh(scores / cap) when `cap` > 0 (Gemma 2). `sinks` [H] (gpt-oss): one more logit
+    per head in the softmax's denominator, with no value: each row's weights sum to
+    1 − its sink's share, so a head may attend to nothing."""
     repeat = q.shape[1] // k.shape[1]
     if repeat > 1:
         k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-    scores = softcap(torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5, cap)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if cap:
+        scores = softcap(scores, cap)
     s, s_kv = scores.shape[-2:]
     if mask is None and s > 1:
         mask = torch.ones(s, s_kv, dtype=torch.bool, device=q.device).tril(s_kv - s)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+    if sinks is None:
+        return torch.matmul(torch.softmax(scores, dim=-1, dtype=wide_dtype(q.dtype)).to(q.dtype), v)
+    sink = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+    probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1, dtype=wide_dtype(q.dtype))[..., :-1]
+    return torch.matmul(probs.to(q.dtype), v)
 
 
 def document_mask(doc_ids: Tensor) -> Tensor:
@@ -270,23 +287,30 @@ class Attention(nn.Module):
         self.wq = linear(args, "wq", args.dim, args.n_heads * args.head_dim, bias=args.qkv_bias)
         self.wk = linear(args, "wk", args.dim, kv_dim, bias=args.qkv_bias)
         self.wv = linear(args, "wv", args.dim, kv_dim, bias=args.qkv_bias)
-        self.wo = linear(args, "wo", args.n_heads * args.head_dim, args.dim)
-        self.q_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        self.wo = linear(args, "wo", args.n_heads * args.head_dim, args.dim, bias=args.o_bias)
+        # gpt-oss: a logit per query head that takes part in the softmax (plain_attention)
+        self.sinks = nn.Parameter(torch.empty(args.n_heads)) if args.attn_sinks else None
+        # per head (Qwen3, Gemma 3), or over all heads of q and of k (OLMo 2: `qk_norm_all`)
+        q_width, k_width = (args.n_heads * args.head_dim, kv_dim) if args.qk_norm_all else (args.head_dim,) * 2
+        self.q_norm = RMSNorm(q_width, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        self.k_norm = RMSNorm(k_width, args.norm_eps, args.norm_offset) if args.qk_norm else None
+        self.norm_all = args.qk_norm_all
         self.core = AttentionCore(args.window_of(layer), args.attn_softcap, args.doc_attention)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: KVCache | None = None,
                 layer_key: str | None = None, doc_ids: Tensor | None = None) -> Tensor:
         b, s, _ = x.shape
+        q, k = self.wq(x), self.wk(x)
+        if self.norm_all:  # OLMo 2: over every head at once, before the split into heads
+            q, k = self.q_norm(q), self.k_norm(k)
         # -1 heads: a tensor-parallel shard holds fewer heads than the config says.
-        q = self.wq(x).view(b, s, -1, self.head_dim)
-        k = self.wk(x).view(b, s, -1, self.head_dim)
+        q, k = q.view(b, s, -1, self.head_dim), k.view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.norm_all:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.q_scale != 1.0:
             q = q * self.q_scale
-        return self.wo(self.core(q, k, v, cos, sin, cache, layer_key, doc_ids=doc_ids))
+        return self.wo(self.core(q, k, v, cos, sin, cache, layer_key, doc_ids=doc_ids, sinks=self.sinks))
 
 
 ACTIVATIONS = {"silu": F.silu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh")}
@@ -309,16 +333,23 @@ class FeedForward(nn.Module):
 class Block(nn.Module):
     """Pre-norm residual block; its feed-forward is a SwiGLU MLP, or a mixture of experts
     (model/moe.py) in the layers `args.is_moe_layer` names. With `sandwich_norm` (Gemma 2)
-    each branch's output is normed again before it joins the residual stream."""
+    each branch's output is normed again before it joins the residual stream; without
+    `pre_norm` (OLMo 2) that is the only norm."""
 
     def __init__(self, args: ModelArgs, layer: int = 0):
         super().__init__()
         # One module for both residual branches: it holds no state, and a layout that
         # splits the residual stream can swap it for a dropout that draws the same mask.
         self.dropout = nn.Dropout(args.dropout)
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
-        self.attention = Attention(args, layer)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
+        norm = functools.partial(RMSNorm, args.dim, args.norm_eps, args.norm_offset)
+        # without pre_norm (OLMo 2) the sublayers read the residual stream itself
+        self.attention_norm = norm() if args.pre_norm else nn.Identity()
+        if args.is_mla:  # model/mla.py
+            core = AttentionCore(args.window_of(layer), args.attn_softcap, args.doc_attention, rotate=False)
+            self.attention = LatentAttention(args, core, RMSNorm, apply_rope)
+        else:
+            self.attention = Attention(args, layer)
+        self.ffn_norm = norm() if args.pre_norm else nn.Identity()
         self.feed_forward = MoE(args) if args.is_moe_layer(layer) else FeedForward(args)
         if args.sandwich_norm:
             self.attention_post_norm = RMSNorm(args.dim, args.norm_eps, args.norm_offset)
@@ -384,11 +415,18 @@ class Transformer(nn.Module):
         if args.tie_embeddings and embed and head:
             self.output.weight = self.tok_embeddings.weight
         self.rotary = Rotary(args)
+        # multi-token prediction: with the head (model/mtp.py)
+        self.mtp = nn.ModuleDict({str(d): MTPModule(args, Block(args, args.n_layers - 1), RMSNorm)
+                                  for d in range(args.mtp_depth)}) if head and args.mtp_depth else None
+        if args.rope_local_theta:  # Gemma 3: the windowed layers' own base, no scaling
+            self.rotary_local = Rotary(args.with_(rope_theta=args.rope_local_theta, rope_scaling=""))
 
     def reset_rope(self, device: torch.device | str | None = None) -> None:
         """Recompute the rotary tables in fp32, where they live or on `device` (a model
         built on the meta device, a cast)."""
         self.rotary.reset(device)
+        if hasattr(self, "rotary_local"):
+            self.rotary_local.reset(device)
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 cache: KVCache | None = None, doc_ids: Tensor | None = None,
@@ -406,22 +444,29 @@ class Transformer(nn.Module):
             start = cache.pos if cache is not None else 0
             positions = torch.arange(start, start + s, device=x.device)
         cos, sin = self.rotary(positions)
+        local = self.rotary_local(positions) if hasattr(self, "rotary_local") else (cos, sin)
 
         if cache is not None and doc_ids is not None:
             cache.store_doc_ids(doc_ids)
-        h = x
-        if self.tok_embeddings is not None:
-            h = self.tok_embeddings(x)
-            if self.args.embed_scale != 1.0:  # Gemma: × √dim, rounded to the activations' dtype
-                h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
+        h = self.embed(x) if self.tok_embeddings is not None else x
         for key, layer in self.layers.items():
-            h = layer(h, cos, sin, cache, key, doc_ids=doc_ids, routing=routing)
+            rope = local if self.args.window_of(int(key)) else (cos, sin)
+            h = layer(h, *rope, cache, key, doc_ids=doc_ids, routing=routing)
         if cache is not None:
             cache.advance(s)
         if last:
             h = h[:, -1:]
         if self.output is not None:
-            h = self.output(self.norm(h))
+            h = self.norm(h)
+            if self.mtp is not None and routing is not None and routing.mtp is not None and not last:
+                add_mtp_losses(self, h, cos, sin, doc_ids, routing.mtp, routing.pending)  # model/mtp.py
+            h = self.output(h)
+        return h
+
+    def embed(self, x: Tensor) -> Tensor:
+        h = self.tok_embeddings(x)
+        if self.args.embed_scale != 1.0:  # Gemma: × √dim, rounded to the activations' dtype
+            h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
         return h
 
     @torch.no_grad()

@@ -10,6 +10,9 @@ Router (`model.moe_router`), in fp32 (fp64 in the fp64 proofs), from logits l = 
 - softmax_topk: p = softmax(l) over the E experts, the k largest, their p as weights;
 - topk_softmax: the k largest logits, softmax over those k as weights;
 - sigmoid: s = sigmoid(l), the k largest, their s as weights (DeepSeek-V3).
+With `moe_groups` > 1 the choice is group-limited (DeepSeek-V3): the experts are split into
+groups of consecutive indices, a group scores the sum of its two best (biased) scores, and
+each token chooses its k among the experts of its `moe_topk_groups` best groups.
 The selection may add a per-expert bias (the aux-loss-free balancing of DeepSeek-V3, updated
 by the step: parallel/expert.py) that never enters the weights. `moe_norm_topk` divides the k
 weights by their sum, `moe_route_scale` multiplies them. Top-k is a stable sort: ties go to
@@ -80,6 +83,7 @@ class RoutingLog:
     balance: dict[str, Tensor] = field(default_factory=dict)
     dropped: dict[str, Tensor] = field(default_factory=dict)
     pending: list[Tensor] = field(default_factory=list)
+    mtp: object = None  # multi-token prediction's step (model/mtp.MTPStep): its losses join `pending`
 
     def record(self, key: str, counts: Tensor, balance: Tensor, dropped: Tensor, loss: Tensor | None) -> None:
         if not self.keep:
@@ -122,28 +126,42 @@ class Router(nn.Module):
         super().__init__()
         self.kind, self.k = args.moe_router, args.moe_top_k
         self.normalise, self.scale = args.moe_norm_topk, args.moe_route_scale
+        self.groups, self.topk_groups = args.moe_groups, args.moe_topk_groups
         self.weight = nn.Parameter(torch.empty(args.moe_experts, args.dim))
+        # A learned bias of the logits (gpt-oss), unlike `expert_bias`, which only steers the choice.
+        self.bias = nn.Parameter(torch.empty(args.moe_experts)) if args.moe_router_bias else None
         # Added to the scores for the choice only (DeepSeek-V3); fp32, checkpointed.
         self.register_buffer("expert_bias", torch.zeros(args.moe_experts, dtype=torch.float32))
 
     def forward(self, x: Tensor) -> Routes:
-        logits = F.linear(widened(x), widened(self.weight))
+        bias = widened(self.bias) if self.bias is not None else None
+        logits = F.linear(widened(x), widened(self.weight), bias)
         if self.kind == "sigmoid":
             scores = logits.sigmoid()
             probs = scores / scores.sum(-1, keepdim=True)
         else:
             scores = probs = logits.softmax(-1)
         if self.kind == "topk_softmax":
-            experts = top_k(logits + self.expert_bias, self.k)
+            experts = top_k(self._limited(logits + self.expert_bias), self.k)
             weights = logits.gather(-1, experts).softmax(-1)
         else:
-            experts = top_k(scores + self.expert_bias, self.k)
+            experts = top_k(self._limited(scores + self.expert_bias), self.k)
             weights = scores.gather(-1, experts)
         if self.normalise:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
         if self.scale != 1.0:
             weights = weights * self.scale
         return Routes(experts, weights, probs)
+
+    def _limited(self, choice: Tensor) -> Tensor:
+        """Group-limited choice (DeepSeek-V3): the experts outside each token's
+        `topk_groups` best groups set to −inf; a group scores the sum of its two best."""
+        if self.groups == 1:
+            return choice
+        grouped = choice.view(choice.shape[0], self.groups, -1)
+        best = top_k(torch.sort(grouped, dim=-1, descending=True).values[..., :2].sum(-1), self.topk_groups)
+        keep = torch.zeros(grouped.shape[:2], dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+        return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view_as(choice)
 
 
 # ---------------------------------------------------------------------------------------
@@ -208,16 +226,37 @@ def expert_matmul(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     return _LoopMatmul.apply(x, w, counts.tolist())
 
 
+def clamped_swiglu(gate: Tensor, up: Tensor, limit: float, alpha: float = 1.702) -> Tensor:
+    """gpt-oss's gate: (clamp(up, ±limit) + 1)·g·σ(alpha·g) with g = min(gate, limit)."""
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
+
+
+def _plus_bias(y: Tensor, bias: Tensor | None, counts: Tensor) -> Tensor:
+    """y [N, out] grouped by expert (counts as `expert_matmul` takes them) + each row's
+    expert's bias [n, out]."""
+    if bias is None:
+        return y
+    per_expert = (counts.sum(1) if counts.dim() == 2 else counts).to(bias.device)
+    return y + bias.repeat_interleave(per_expert, dim=0, output_size=y.shape[0]).to(y.dtype)
+
+
 class Experts(nn.Module):
     """n SwiGLU MLPs, weights stacked: w1, w3 [n, hidden, dim] (gate, up), w2 [n, dim, hidden].
     `matmuls` maps each weight's name to the grouped product it runs (`expert_matmul`; a
-    precision may put its own in: parallel/fp8.py)."""
+    precision may put its own in: parallel/fp8.py). gpt-oss: biases w1_bias, w3_bias
+    [n, hidden], w2_bias [n, dim] (`bias`), and the clamped SwiGLU (`limit` > 0)."""
 
-    def __init__(self, n: int, dim: int, hidden: int):
+    def __init__(self, n: int, dim: int, hidden: int, bias: bool = False, limit: float = 0.0):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w3 = nn.Parameter(torch.empty(n, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n, dim, hidden))
+        self.limit = limit
+        if bias:
+            self.w1_bias = nn.Parameter(torch.empty(n, hidden))
+            self.w3_bias = nn.Parameter(torch.empty(n, hidden))
+            self.w2_bias = nn.Parameter(torch.empty(n, dim))
         self.matmuls: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = dict.fromkeys(("w1", "w2", "w3"), expert_matmul)
 
     def forward(self, x: Tensor, counts: Tensor, host_counts: Tensor | None = None) -> Tensor:
@@ -230,8 +269,10 @@ class Experts(nn.Module):
         on_device = all(f is expert_matmul for f in mm.values()) and grouped(x, self.w1)
         if not on_device:
             counts = host_counts if host_counts is not None else counts.cpu()
-        h = F.silu(mm["w1"](x, self.w1, counts)) * mm["w3"](x, self.w3, counts)
-        return mm["w2"](h, self.w2, counts)
+        gate, up = (_plus_bias(mm[w](x, getattr(self, w), counts), getattr(self, f"{w}_bias", None), counts)
+                    for w in ("w1", "w3"))
+        h = clamped_swiglu(gate, up, self.limit) if self.limit else F.silu(gate) * up
+        return _plus_bias(mm["w2"](h, self.w2, counts), getattr(self, "w2_bias", None), counts)
 
 
 class SharedExperts(nn.Module):
@@ -297,7 +338,7 @@ class MoE(nn.Module):
         super().__init__()
         self.n_experts, self.k, self.capacity = args.moe_experts, args.moe_top_k, args.moe_capacity
         self.router = Router(args)
-        self.experts = Experts(args.moe_experts, args.dim, args.expert_dim)
+        self.experts = Experts(args.moe_experts, args.dim, args.expert_dim, args.moe_expert_bias, args.moe_swiglu_limit)
         shared = args.moe_shared_experts * args.expert_dim
         self.shared = SharedExperts(args.dim, shared) if shared else None
         self.tokens = LocalTokens()

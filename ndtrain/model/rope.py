@@ -149,7 +149,7 @@ def frequencies(args, device=None, long: bool = False) -> tuple[Tensor, float]:
     """(f_i [head_dim/2] fp32, the factor cos and sin are multiplied by) of a model whose
     frequencies do not depend on the forward (for longrope: the short ones, or the long
     ones with `long`; for dynamic: those within the original context)."""
-    p, theta, d = scaling_of(args.rope_scaling), args.rope_theta, args.head_dim
+    p, theta, d = scaling_of(args.rope_scaling), args.rope_theta, args.rope_dim
     kind = p["rope_type"]
     if kind == "linear":
         return default_freqs(theta, d, device) / p["factor"], 1.0
@@ -160,6 +160,20 @@ def frequencies(args, device=None, long: bool = False) -> tuple[Tensor, float]:
     if kind == "longrope":
         return _longrope(theta, d, p, long, device), longrope_attention_factor(p, args.max_seq_len)
     return default_freqs(theta, d, device), 1.0
+
+
+def position_limit(args) -> int | None:
+    """How many positions the model's rotary encodes: `max_seq_len` (Hugging Face's
+    max_position_embeddings), except for yarn with a factor, whose reach is factor × the
+    original context when that is longer (Qwen2.5 states max_position_embeddings equal to
+    the original context and a factor of 4), and dynamic, which has no end (beyond the
+    original context its angles come from the positions, as in transformers): None."""
+    p = scaling_of(args.rope_scaling)
+    if p["rope_type"] == "dynamic":
+        return None
+    if p["rope_type"] == "yarn" and p.get("factor"):
+        return max(args.max_seq_len, int(p["factor"] * p["original_max_position_embeddings"]))
+    return args.max_seq_len
 
 
 def _tables(freqs: Tensor, attention_factor: float, n: int) -> tuple[Tensor, Tensor]:
@@ -174,8 +188,9 @@ def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[Tensor, 
 
 class Rotary(nn.Module):
     """cos and sin [..., head_dim/2] (fp32) of the angles at given positions, for a model's
-    rotary scaling. Positions index tables of `max_seq_len` rows (two sets for longrope);
-    dynamic computes the angles beyond the original context from the positions."""
+    rotary scaling. Positions index tables of `position_limit` rows (two sets for
+    longrope); dynamic computes the angles beyond the original context from the positions,
+    at any length."""
 
     def __init__(self, args, device=None):
         super().__init__()
@@ -189,11 +204,12 @@ class Rotary(nn.Module):
         a = self.args
         if device is None:
             device = self.cos.device if hasattr(self, "cos") else None
-        cos, sin = _tables(*frequencies(a, device), a.max_seq_len)
+        rows = position_limit(a) or a.max_seq_len
+        cos, sin = _tables(*frequencies(a, device), rows)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
         if self.kind == "longrope":
-            cos, sin = _tables(*frequencies(a, device, long=True), a.max_seq_len)
+            cos, sin = _tables(*frequencies(a, device, long=True), rows)
             self.register_buffer("cos_long", cos, persistent=False)
             self.register_buffer("sin_long", sin, persistent=False)
 
@@ -205,7 +221,11 @@ class Rotary(nn.Module):
         return self
 
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
-        cos, sin = self.cos[positions], self.sin[positions]
+        if self.kind == "dynamic":  # rows past the table are beyond the original context: computed below
+            rows = positions.clamp_max(self.cos.shape[0] - 1)
+            cos, sin = self.cos[rows], self.sin[rows]
+        else:
+            cos, sin = self.cos[positions], self.sin[positions]
         if self.kind not in LENGTH_DEPENDENT:
             return cos, sin
         context = self.scaling["original_max_position_embeddings"]
@@ -219,7 +239,7 @@ class Rotary(nn.Module):
         return torch.where(beyond, angles.cos(), cos), torch.where(beyond, angles.sin(), sin)
 
     def _dynamic_freqs(self, longest: Tensor, context: int) -> Tensor:
-        d, factor = self.args.head_dim, self.scaling["factor"]
+        d, factor = self.args.rope_dim, self.scaling["factor"]
         length = torch.maximum(longest, torch.tensor(context, dtype=longest.dtype, device=longest.device))
         theta = self.args.rope_theta * ((factor * length / context) - (factor - 1)) ** (d / (d - 2))
         return 1.0 / (theta ** _exponents(d, longest.device))

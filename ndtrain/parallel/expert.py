@@ -63,7 +63,8 @@ from ndtrain.parallel.tensor import ReduceFromTP, gather_sequence
 
 def moe_blocks(model: nn.Module) -> list[tuple[int, MoE]]:
     """(global layer index, MoE) of every MoE block the module holds."""
-    return [(int(name.split(".")[-2]), m) for name, m in model.named_modules() if isinstance(m, MoE)]
+    return [(int(name.split(".")[-2]), m) for name, m in model.named_modules()
+            if isinstance(m, MoE) and not name.startswith("mtp.")]  # an MTP block's: model/mtp.py
 
 
 # ---------------------------------------------------------------------------------------
@@ -292,7 +293,7 @@ def _keep_local_experts(moe: MoE, ep: Group) -> None:
 
 def materialize_buffers(model: nn.Module, device: torch.device) -> None:
     """The routers' biases of a model built on the meta device: zeros on `device`."""
-    for _, moe in moe_blocks(model):
+    for moe in (m for m in model.modules() if isinstance(m, MoE)):  # an MTP block's too
         bias = moe.router.expert_bias
         if bias.is_meta:
             moe.router.expert_bias = torch.zeros(bias.shape, dtype=bias.dtype, device=device)

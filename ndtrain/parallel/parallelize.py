@@ -9,7 +9,8 @@ that dimension's module, never the trainer.
 
 Order of the transformations (each one is a no-op when its dimension has size 1):
 1. tensor/sequence parallel module swaps   (parallel/tensor.py)
-2. context-parallel attention cores        (parallel/context/)
+2. context-parallel attention cores        (parallel/context/); without cp, gpt-oss's
+   attention sinks on the fused ops        (parallel/context/sinks.py)
 3. MoE blocks: token split, this rank's experts, all-to-all dispatch (parallel/expert.py)
    then, under train.precision = fp8, the block linears' fp8 matmuls (parallel/fp8.py);
    with LoRA (model/lora.py) every parameter but the adapters' is frozen here, so the
@@ -44,7 +45,10 @@ from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.model.lora import freeze_base
 from ndtrain.model.loss import TokenLoss, token_nll, weighted_sum
+from ndtrain.model.moe import RoutingLog
+from ndtrain.model.mtp import MTPStep
 from ndtrain.parallel import context, expert, fp8, tensor
+from ndtrain.parallel.context import sinks as context_sinks
 from ndtrain.parallel.compile import compile_blocks, compile_loss
 from ndtrain.parallel.construct import initializer, materialize
 from ndtrain.parallel.data import DataParallel, GradSyncs
@@ -75,6 +79,9 @@ class Parallelized:
     # loss) with the other replica groups' (replicas/run.py), where HSDP or DP would sum
     # them over dp_replicate: before the TP partial sums and the copy to the masters.
     across_replicas: Callable[[torch.Tensor], None] | None = None
+    # multi-token prediction (model/mtp.py): train.mtp_weight, and the last step's mtp_loss
+    mtp_weight: float | None = None
+    mtp_loss: torch.Tensor | None = None
 
     def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float | torch.Tensor,
                          unscale: float = 1.0) -> torch.Tensor:
@@ -84,9 +91,15 @@ class Parallelized:
         token loss. MoE models add their balance loss to the objective and leave the step's
         routing statistics in `routing_stats` (collective)."""
         routing = self.balance.log() if self.balance is not None else None
+        if self.mtp_weight is not None:  # its losses join the objective through the step's log
+            routing = routing if routing is not None else RoutingLog()
+            routing.mtp = MTPStep(self.loss_fn, self.mtp_weight)
         local = self.schedule.run(micro_batches, n_targets, self.grad_sync, routing)
         if self.across_replicas is not None:
             self.across_replicas(local)
+        if self.mtp_weight is not None:  # Σ over modules / depth, per target, summed over the ranks
+            sums = routing.mtp.sums
+            self.mtp_loss = self.reduce_loss(sum(sums.values()) * unscale / (len(sums) * n_targets))  # fp16: unscaled
         tp = self.mesh.group("tp")
         if tp.active:  # once per step: the sum of gradients each tp rank holds a part of
             tensor.sum_partial_grads(self.states.partial_grads("tp"), tp)
@@ -169,6 +182,8 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
                 model = Transformer(args, layer_ids, embed, head)
         if cp.active:
             context.apply(model, cp, cfg.parallel.cp_impl, tp if tp.active and cfg.parallel.sp else None)
+        elif args.attn_sinks:  # gpt-oss's sinks on the fused ops (context parallelism folds them itself)
+            context_sinks.apply(model)
         expert.parallelize(model, mesh, cfg.parallel.sp)
         if cfg.train.precision == "fp8":
             fp8.apply(model, mesh, cfg.train.fp8_recipe)
@@ -213,7 +228,8 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
         decoders = {f"chunk{c}": chunk for c, chunk in chunks.items()} if pipelined else None
         gathered_fp8 = fp8.weights(model) if t.fp8_all_gather else frozenset()
         states = grad_sync = ZeRO(model, mesh, p.zero, dtype, rdtype, init, p.reshard_after_forward,
-                                  defer=pipelined, decoders=decoders, fp8_weights=gathered_fp8)
+                                  defer=pipelined, decoders=decoders, fp8_weights=gathered_fp8,
+                                  muon=t.optimizer == "muon")
     else:
         materialize(model, init, mesh.device)
         masters = MasterWeights(list(model.parameters())) if has_masters(dtype) else None
@@ -235,4 +251,7 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     else:
         schedule = SingleStage(model, loss_fn)
     balance = expert.LoadBalance(model, args, mesh, t.moe_aux_loss, t.moe_bias_rate) if args.is_moe else None
-    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance, init.generated)
+    # multi-token prediction joins the token loss of pretraining and SFT (DPO and RL refuse it:
+    # config/tasks.py)
+    mtp_weight = t.mtp_weight if args.mtp_depth and objective is weighted_sum else None
+    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance, init.generated, mtp_weight)

@@ -75,6 +75,8 @@ class SingleStage:
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
             grad_sync.set_sync(i == last)
+            if routing is not None and routing.mtp is not None:  # multi-token prediction reads the batch
+                routing.mtp.batch = mb
             loss = forward_loss(self.model, mb, self.loss_fn, routing)
             (with_model_loss(loss, routing) / n_targets).backward()
             total += loss.detach() / n_targets

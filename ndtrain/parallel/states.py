@@ -22,21 +22,33 @@ def decays(p: torch.Tensor) -> bool:
     return p.ndim >= 2
 
 
-def decay_groups(decay: list, no_decay: list, weight_decay: float) -> list[dict]:
-    groups = [{"params": decay, "weight_decay": weight_decay},
+def muon_matrix(name: str, p: torch.Tensor) -> bool:
+    """What Muon updates under train.optimizer = muon: a block's weight matrices (attention,
+    MLP, shared experts) and the routed experts' stacks (each expert its own matrix); not
+    embeddings, the output head, norms, biases or routers, which keep AdamW."""
+    parts = name.split(".")
+    return ("layers" in parts and "router" not in parts and p.requires_grad
+            and (p.ndim == 2 or (p.ndim == 3 and is_expert(p))))
+
+
+def decay_groups(decay: list, no_decay: list, weight_decay: float, muon: list = ()) -> list[dict]:
+    """The optimizer's groups; `muon` (Muon's matrices) decays too, in a group marked "muon"."""
+    groups = [{"params": list(muon), "weight_decay": weight_decay, "muon": True},
+              {"params": decay, "weight_decay": weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
-def param_groups(named_params, weight_decay: float) -> list[dict]:
-    """AdamW groups: decoupled weight decay on matrices only; each parameter once."""
-    decay, no_decay, seen = [], [], set()
-    for _, p in named_params:
+def param_groups(named_params, weight_decay: float, muon: bool = False) -> list[dict]:
+    """AdamW groups: decoupled weight decay on matrices only; each parameter once. `muon`:
+    Muon's matrices (`muon_matrix`) in a group of their own."""
+    decay, no_decay, matrices, seen = [], [], [], set()
+    for name, p in named_params:
         if not p.requires_grad or id(p) in seen:
             continue
         seen.add(id(p))
-        (decay if decays(p) else no_decay).append(p)
-    return decay_groups(decay, no_decay, weight_decay)
+        (matrices if muon and muon_matrix(name, p) else decay if decays(p) else no_decay).append(p)
+    return decay_groups(decay, no_decay, weight_decay, matrices)
 
 
 class ReplicatedStates:
@@ -46,11 +58,11 @@ class ReplicatedStates:
     def __init__(self, model: nn.Module, grad_sync, masters: MasterWeights | None = None):
         self.model, self.grad_sync, self.masters = model, grad_sync, masters
 
-    def param_groups(self, weight_decay: float) -> list[dict]:
+    def param_groups(self, weight_decay: float, muon: bool = False) -> list[dict]:
         named = self.model.named_parameters()
         if self.masters is not None:
             named = ((n, self.masters.master_of(p)) for n, p in named if p.requires_grad)
-        return param_groups(named, weight_decay)
+        return param_groups(named, weight_decay, muon)
 
     def optim_params(self) -> list[torch.Tensor]:
         if self.masters is not None:

@@ -44,9 +44,15 @@ Where each piece sits:
 - Random numbers: ranks of one TP group share one random stream (the trainer seeds by the
   rank without its tp coordinate). A random op on a split tensor draws the numbers of the
   full tensor and keeps its slice (`SequenceShardedDropout`), so dropout equals one device.
+- Latent attention (model/mla.py): the up-projections wq_b (or wq) and wkv_b are
+  column-parallel by heads, wo row-parallel; the down-projections wq_a and wkv_a and their
+  norms are whole on every rank, their gradients partial over tp (marked like a q/k norm's).
 - Biases and q/k norms (Qwen2, Qwen3): a column-parallel bias is split with the rows it
   adds to; a q/k norm weight is shared by all heads, so every rank keeps it whole and its
   gradient is partial over tp (marked like a sequence-parallel norm weight).
+- gpt-oss: attention sinks split with the heads; the o_proj bias whole, added by rank 0.
+  OLMo 2: regions entered without a norm (`RegionEntry`), q/k norms over all heads split
+  with them, their statistics completed over tp (parallel/tensor_norms.py).
 - LoRA adapters (model/lora.py) follow their base layer: a column-parallel layer's B is
   split by output rows and A stays whole, a row-parallel layer's A by input columns and B
   stays whole (its product joins the partial sums before g); the whole one's gradient is
@@ -79,6 +85,7 @@ from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import MoE, RMSNorm, Transformer, rms_norm, softcap, widened
 from ndtrain.model.lora import LoRA
 from ndtrain.parallel.placement import mark_partial, mark_region, mark_sharded
+from ndtrain.parallel.tensor_dropout import SequenceShardedDropout
 from ndtrain.parallel.vocab_loss import (VocabParallelCrossEntropy, VocabParallelNLL,  # noqa: F401 (re-exported)
                                          vocab_parallel_cross_entropy)
 
@@ -246,12 +253,16 @@ class RowParallelLinear(nn.Module):
 
     linear = staticmethod(F.linear)
 
-    def __init__(self, weight: nn.Parameter, group: Group, sp: bool, lora: LoRA | None = None):
+    def __init__(self, weight: nn.Parameter, group: Group, sp: bool, lora: LoRA | None = None,
+                 bias: nn.Parameter | None = None):
         super().__init__()
         self.weight, self.group, self.sp, self.lora = weight, group, sp, lora
+        # gpt-oss's o_proj bias: whole on every rank, added to rank 0's partial sum only (so
+        # once to the total); rank 0's gradient is the whole one, the others' 0: partial over tp.
+        self.bias = mark_partial(bias, ("tp",)) if bias is not None else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = self.linear(x, self.weight, None)
+        y = self.linear(x, self.weight, self.bias if self.group.rank == 0 else None)
         if self.lora is not None:  # B·(A_r·x_r): a partial sum too, completed by the same reduction
             y = y + self.lora(x)
         return leave_region(y, self.group, self.sp)
@@ -298,6 +309,17 @@ class RegionEntryNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return enter_region(rms_norm(x, self.weight, self.eps, self.offset), self.group, self.sp)
+
+
+class RegionEntry(nn.Module):
+    """The entry into a TP region with no norm in front of it (OLMo 2's block)."""
+
+    def __init__(self, group: Group, sp: bool):
+        super().__init__()
+        self.group, self.sp = group, sp
+
+    def forward(self, x: Tensor) -> Tensor:
+        return enter_region(x, self.group, self.sp)
 
 
 @torch.no_grad()
@@ -353,27 +375,6 @@ class VocabParallelHead(nn.Module):
         return logits
 
 
-class SequenceShardedDropout(nn.Module):
-    """Dropout on this rank's positions that equals dropout on the whole sequence.
-
-    The ranks of a TP group share one random stream, the one a single device would use.
-    Each draws the mask of the full [b, s, h] tensor from it, exactly as `F.dropout` on the
-    full tensor would, and keeps its own positions: t× the random numbers, the same result.
-    """
-
-    def __init__(self, p: float, group: Group):
-        super().__init__()
-        self.p, self.group = p, group
-
-    def forward(self, x: Tensor) -> Tensor:
-        if not self.training or self.p == 0.0:
-            return x
-        s = x.shape[1]
-        full = x.new_ones((x.shape[0], s * self.group.size, *x.shape[2:]))
-        mask = F.dropout(full, self.p)  # the draws (and the 1/(1−p) scaling) of F.dropout
-        return x * mask.narrow(1, self.group.rank * s, s)
-
-
 # ---------------------------------------------------------------------------------------
 # The plan: which module of the plain model becomes which parallel module
 
@@ -415,6 +416,8 @@ def _head(m: nn.Linear, c: Context) -> nn.Module:
 
 
 def _entry_norm(m: RMSNorm, c: Context) -> nn.Module:
+    if not isinstance(m, RMSNorm):  # OLMo 2: no norm before the region
+        return RegionEntry(c.group, c.sp)
     return RegionEntryNorm(c.param(m.weight), m.eps, c.group, c.sp, m.offset)
 
 
@@ -439,7 +442,15 @@ def _column(m: nn.Linear, c: Context) -> nn.Module:
 
 
 def _row(m: nn.Linear, c: Context) -> nn.Module:
-    return RowParallelLinear(c.param(m.weight, 1), c.group, c.sp, _adapter(m, c, 1, None))
+    bias = c.param(m.bias) if m.bias is not None else None
+    return RowParallelLinear(c.param(m.weight, 1), c.group, c.sp, _adapter(m, c, 1, None), bias)
+
+
+def _attention(m: nn.Module, c: Context) -> nn.Module:
+    """Attention sinks (gpt-oss) are one logit per query head: split with the heads."""
+    if getattr(m, "sinks", None) is not None:
+        m.sinks = c.param(m.sinks, 0)
+    return m
 
 
 def _kv(m: nn.Linear, c: Context) -> nn.Module:
@@ -452,7 +463,19 @@ def _kv(m: nn.Linear, c: Context) -> nn.Module:
 
 def _head_norm(m: RMSNorm, c: Context) -> nn.Module:
     """A q/k norm weight is shared by every head, and each rank normalises only its own
-    heads: the whole weight on every rank, its gradient partial over tp."""
+    heads: the whole weight on every rank, its gradient partial over tp. OLMo 2's norm over
+    all heads: split with them, its statistics completed over tp (parallel/tensor_norms.py)."""
+    if c.args.qk_norm_all:
+        from ndtrain.parallel.tensor_norms import WholeWidthNorm
+        return WholeWidthNorm(c.param(m.weight, 0), m.eps, m.weight.shape[0], c.group)
+    m.weight = mark_partial(c.param(m.weight), ("tp",))
+    return m
+
+
+def _replicated(m: nn.Linear, c: Context) -> nn.Module:
+    """Latent attention's down-projections (wq_a, wkv_a): inside the region, whole on every
+    rank (each feeds every head); a rank's gradient covers its own heads only, so it is
+    partial over tp, like a q/k norm weight's."""
     m.weight = mark_partial(c.param(m.weight), ("tp",))
     return m
 
@@ -466,8 +489,11 @@ def _moe_layer(c: Context) -> bool:
 
 
 def _ffn_norm(m: RMSNorm, c: Context) -> nn.Module:
-    """The norm before the MLP enters its TP region; before an MoE, it stays a plain norm."""
-    return _entry_norm(m, c) if not _moe_layer(c) else _plain_norm(m, c)
+    """The norm before the MLP enters its TP region; before an MoE, it stays a plain norm
+    (or no norm: OLMo 2's block without pre-norms)."""
+    if _moe_layer(c):
+        return _plain_norm(m, c) if isinstance(m, RMSNorm) else m
+    return _entry_norm(m, c)
 
 
 def _plain_norm(m: RMSNorm, c: Context) -> nn.Module:
@@ -495,6 +521,7 @@ Swap = Callable[[nn.Module, Context], nn.Module]
 
 PLAN: dict[str, Swap] = {
     "tok_embeddings": _embedding,
+    "layers.*.attention": _attention,
     "layers.*.attention_norm": _entry_norm,
     "layers.*.attention.wq": _column,
     "layers.*.attention.wk": _kv,
@@ -502,6 +529,13 @@ PLAN: dict[str, Swap] = {
     "layers.*.attention.wo": _row,
     "layers.*.attention.q_norm": _head_norm,
     "layers.*.attention.k_norm": _head_norm,
+    # latent attention (model/mla.py): heads split, the down-projections and their norms whole
+    "layers.*.attention.wq_a": _replicated,
+    "layers.*.attention.q_a_norm": _head_norm,
+    "layers.*.attention.wq_b": _column,
+    "layers.*.attention.wkv_a": _replicated,
+    "layers.*.attention.kv_a_norm": _head_norm,
+    "layers.*.attention.wkv_b": _column,
     "layers.*.dropout": _dropout,
     "layers.*.ffn_norm": _ffn_norm,
     "layers.*.attention_post_norm": _plain_norm,

@@ -22,7 +22,8 @@ ZeRO only sees the module's local parameters, so a tensor-parallel shard or a pi
 stage's chunks are sharded the same way.
 
 Flat buffers (parallel/zero_flat.py). The parameters of one unit that share placement
-(`shard_dims`, duplicate or not, parallel/placement.py), weight-decay group and dtype are
+(`shard_dims`, duplicate or not, parallel/placement.py), weight-decay group, optimizer
+(Muon's matrices apart under train.optimizer = muon: parallel/muon.py) and dtype are
 packed into one flat buffer `full`, padded to a multiple of N; every parameter becomes a view
 into it. Rank r owns the slice [r·S, (r+1)·S), S = padded / N. Its fp32 *master* of that
 slice is what the optimizer updates (one tensor per flat buffer, so AdamW runs on N times
@@ -72,7 +73,7 @@ from ndtrain.mesh import ParallelMesh
 from ndtrain.parallel.construct import swap_parameters
 from ndtrain.parallel.fp8_gather import Fp8AllGather
 from ndtrain.parallel.placement import OptimSlice, is_duplicate, is_expert, partial_dims, shard_dims
-from ndtrain.parallel.states import decay_groups, decays, persistent_buffers
+from ndtrain.parallel.states import decay_groups, decays, muon_matrix, persistent_buffers
 from ndtrain.parallel.zero_flat import (SHARD_DIMS, FlatParam, Unit, allocate_storage, decoder_units, free_storage,
                                         link_units)
 
@@ -93,8 +94,10 @@ class ZeRO:
     def __init__(self, model: nn.Module, mesh: ParallelMesh, stage: int, compute_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, init: Callable, reshard_after_forward: bool = True,
                  defer: bool = False, decoders: dict[str, nn.Module] | None = None,
-                 fp8_weights: set[int] = frozenset()):
-        """`fp8_weights`: ids of the parameters stage 3 gathers in fp8 (parallel/fp8_gather.py)."""
+                 fp8_weights: set[int] = frozenset(), muon: bool = False):
+        """`fp8_weights`: ids of the parameters stage 3 gathers in fp8 (parallel/fp8_gather.py).
+        `muon` (train.optimizer = muon): Muon's matrices (states.muon_matrix) get flats of their own."""
+        self.muon = muon
         if stage not in (1, 2, 3):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3, not {stage}")
         self.stage, self.defer, self.fp8_weights = stage, defer, fp8_weights
@@ -146,24 +149,29 @@ class ZeRO:
 
     def _flats(self, unit_name, named, compute_dtype, reduce_dtype, init, device) -> list[FlatParam]:
         by_key: dict[tuple, list[nn.Parameter]] = {}
-        for _, p in named:
+        for param_name, p in named:
             fp8 = id(p) in self.fp8_weights and not is_expert(p)
-            key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device, fp8, p.requires_grad)
+            muon = self.muon and muon_matrix(param_name, p)
+            key = (shard_dims(p), is_duplicate(p), is_expert(p), decays(p), p.dtype, p.device, fp8, p.requires_grad,
+                   muon)
             by_key.setdefault(key, []).append(p)
         flats = []
-        for (dims, dup, experts, decay, _, _, fp8, trains), params in by_key.items():
+        for (dims, dup, experts, decay, _, _, fp8, trains, muon), params in by_key.items():
             name = ".".join([unit_name, "decay" if decay else "no_decay", *dims] + (["duplicate"] if dup else [])
                             + (["experts"] if experts else []) + (["fp8"] if fp8 else [])
-                            + ([] if trains else ["frozen"]))
+                            + ([] if trains else ["frozen"]) + (["muon"] if muon else []))
             group, group_dims = (self.expert_group, self.expert_dims) if experts else (self.group, SHARD_DIMS)
             flats.append(FlatParam(name, params, self.stage, group, compute_dtype, reduce_dtype, init, device,
                                    group_dims, fp8))
+            flats[-1].muon = muon
         return flats
 
     # -- the optimizer's view ---------------------------------------------------
-    def param_groups(self, weight_decay: float) -> list[dict]:
-        return decay_groups([f.master for f in self.flats if f.decays],
-                            [f.master for f in self.flats if not f.decays], weight_decay)
+    def param_groups(self, weight_decay: float, muon: bool = False) -> list[dict]:
+        """`muon`: the flats of Muon's matrices in a group of their own (built with muon=True)."""
+        return decay_groups([f.master for f in self.flats if f.decays and not f.muon],
+                            [f.master for f in self.flats if not f.decays], weight_decay,
+                            [f.master for f in self.flats if f.muon])
 
     def optim_params(self) -> list[nn.Parameter]:
         return [f.master for f in self.flats]
@@ -473,15 +481,16 @@ class ZeRO:
             h.remove()
 
 
-def model_state_bytes(psi: int, stage: int, n: int, compute_bytes: int) -> dict[str, float]:
+def model_state_bytes(psi: int, stage: int, n: int, compute_bytes: int, moments: int = 2) -> dict[str, float]:
     """Model-state bytes per rank for Ψ parameters over n ranks (the ZeRO paper's terms, with
     our gradient accumulator): parameters in `compute_bytes` (c) each; gradients accumulated
     in fp32 under bf16/fp16 (4 bytes: the paper counts 2, but adding many micro-batches in
     bf16 loses precision), else in the compute dtype; K bytes of optimizer state per
     parameter: the fp32 master (unless the compute dtype is fp32 or wider) and Adam's two
-    moments in that dtype. bf16/fp16: 2Ψ + 4Ψ + 12Ψ; fp32: 4Ψ + 4Ψ + 8Ψ; fp64: 8Ψ + 8Ψ + 16Ψ."""
+    moments in that dtype. bf16/fp16: 2Ψ + 4Ψ + 12Ψ; fp32: 4Ψ + 4Ψ + 8Ψ; fp64: 8Ψ + 8Ψ + 16Ψ.
+    `moments`: 1 for Muon's matrices (one momentum buffer: train/muon.py)."""
     low = compute_bytes < 4
-    k = 12 if low else 2 * compute_bytes
+    k = (4 + 4 * moments) if low else moments * compute_bytes
     params, grads, optim = compute_bytes * psi, (4 if low else compute_bytes) * psi, k * psi
     if stage >= 1:
         optim /= n

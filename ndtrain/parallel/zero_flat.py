@@ -70,6 +70,7 @@ class FlatParam:
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         self.accum_dtype = torch.float32 if has_masters(compute_dtype) else compute_dtype
         self.decays = decays(params[0])
+        self.muon = False  # Muon's matrices (ZeRO sets it: train.optimizer = muon)
         self.slot: dict[int, tuple[int, int]] = {}  # id(param) -> (offset, numel) in `full`
         # Each parameter and each slice starts aligned (placement.ALIGN); the gaps hold zeros.
         offsets, self.numel, self.shard_numel = flat_layout([p.numel() for p in params], group.size)

@@ -66,7 +66,8 @@ def moe_mlp(args: ModelArgs, c: int, tp: int, sp: bool, ep: int) -> list[Saved]:
     copy (widened from a low precision, or the positions a tp rank takes without SP), its
     probabilities (fp32), top-k's sort indices over all E experts (int64, kept by the gather
     of the k weights), the slots' order (int64) and combine weights (fp32). Per slot (k per
-    token): the experts' input rows, SwiGLU's four tensors of the expert width, the experts'
+    token): the experts' input rows, SwiGLU's four tensors of the expert width (seven for
+    the clamped SwiGLU), the experts'
     output and its copy in token order (kept by index_copy), and that one widened for the
     weighted sum; under expert parallelism also the two all-to-alls' send and receive buffers
     (the in-flight exchanges stay referenced by autograd until backward): four more rows.
@@ -75,7 +76,10 @@ def moe_mlp(args: ModelArgs, c: int, tp: int, sp: bool, ep: int) -> list[Saved]:
     router_input = w * h if (c < w or (tp > 1 and not sp)) else 0.0
     per_token = router_input + w * E + 8 * E + 8 * k + w * k
     rows = 2 + (4 if ep > 1 else 0)
-    per_slot = rows * c * h + 4 * c * fe + w * h
+    # SwiGLU keeps gate, silu(gate), up and their product; gpt-oss's clamped one seven: gate and
+    # up (the clamps' inputs), the clamped gate, up + 1, σ(1.702·gate) and two products
+    swiglu = 7 if args.moe_swiglu_limit else 4
+    per_slot = rows * c * h + swiglu * c * fe + w * h
     terms = [Saved("router, top-k, order, weights", per_token / tp, SPLIT),
              Saved("routed slots (expert inputs, SwiGLU, outputs)", k * per_slot / tp, SPLIT)]
     if args.moe_shared_experts:
@@ -94,14 +98,31 @@ def llama_block(args: ModelArgs, c: int, tp: int, cp: int = 1, cp_impl: str = "r
         Saved("norm 1/rms", 2 * w, RESIDUAL),
         Saved("normalised inputs", 2 * c * h, RESIDUAL),
         Saved("attention and MLP inputs", 2 * c * h, REGION),
-        *core_saved(args, c, tp, cp, cp_impl),
-        Saved("attention output", c * q, SPLIT),
+        *(mla_saved(args, c, tp) if args.is_mla else
+          [*core_saved(args, c, tp, cp, cp_impl), Saved("attention output", c * q, SPLIT)]),
         *mlp,
     ]
     if args.qk_norm:  # Qwen3: each q and k head's RMSNorm keeps its input (fp32), 1/rms and normalised
         heads = q / args.head_dim + kv / args.head_dim
         terms.append(Saved("q, k norms", (w + c) * (q + kv) + w * heads, SPLIT))
     return terms
+
+
+def mla_saved(args: ModelArgs, c: int, tp: int) -> list[Saved]:
+    """Latent attention (model/mla.py) in place of the core and the attention output: the
+    query latent and the K/V latent (whole on every tp rank; each norm keeps its input
+    widened, 1/rms, the normalised latent and its output, the up-projection's input), the
+    assembled q and k and the values padded to their width (every head), the fused kernel's
+    output at that width and its softmax statistics, and the output cut to the value width
+    (wo's input). The rotations keep nothing but the shared tables."""
+    w, heads, qk = wide(c), args.n_heads / tp, args.head_dim
+    ranks = [args.q_lora_rank, args.kv_lora_rank] if args.q_lora_rank else [args.kv_lora_rank]
+    latents = sum((w + 2 * c) * r + w for r in ranks)
+    return [Saved("latents (query, K/V) and their norms", latents, REGION),
+            Saved("q, k, v padded (all heads)", 3 * c * heads * qk, SPLIT, core=True),
+            Saved("kernel output (padded)", c * heads * qk, SPLIT, core=True),
+            Saved("softmax statistics", w * heads, SPLIT, core=True),
+            Saved("attention output", c * heads * args.v_head_dim, SPLIT)]
 
 
 def core_saved(args: ModelArgs, c: int, tp: int, cp: int, cp_impl: str) -> list[Saved]:
@@ -194,3 +215,33 @@ def recomputed(mode: str, layer: int) -> str:
         return mode
     every = 1 if mode == "full" else int(mode.split(":")[1])
     return "full" if layer % every == 0 else "none"
+
+
+# -- the loss and the MTP modules, of a step's shape (plan/memory.StepShape `s`) ----------
+
+def mtp_module_saved(s) -> float:
+    """What one multi-token prediction module keeps besides its head and loss (model/mtp.py):
+    its two input norms (the input widened, 1/rms, the normalised input and the output, as
+    any RMSNorm here), the projection's input (the two outputs, concatenated) and a block of
+    the last block's kind."""
+    w, h = wide(s.c), s.args.dim
+    return (2 * ((w + 2 * s.c) * h + w) + 2 * s.c * h) * s.n + s.block_saved(s.args.n_layers - 1)
+
+
+def loss_forward(s) -> tuple[float, float]:
+    """(the most the loss holds while it runs forward, what it keeps for backward). The loss
+    works in fp32 (fp64 in fp64): w bytes per value."""
+    v, n, c, w = s.vocab_local(), s.n, s.c, wide(s.c)
+    copy = w * v * n if c != w else 0  # the widened copy of low-precision logits
+    if s.tp > 1:  # vocab-parallel: logits, (masked), widened shifted logits → softmax kept
+        masked = c * v * n if v * s.tp != s.args.vocab_size else 0
+        return c * v * n + masked + copy + w * v * n, w * v * n
+    return c * v * n + copy + w * v * n, w * v * n  # logits, log-softmax kept
+
+
+def loss_backward(s) -> float:
+    """On top of what the loss kept: cross-entropy's gradient and log-softmax's."""
+    v, n, c, w = s.vocab_local(), s.n, s.c, wide(s.c)
+    if s.tp > 1:  # in place on the kept softmax; cast back to the compute dtype
+        return c * v * n if c != w else 0.0
+    return 2 * w * v * n

@@ -21,15 +21,19 @@ from ndtrain.model.args import ModelArgs
 
 def moe_dense_weights(args: ModelArgs) -> list[tuple[int, bool]]:
     """An MoE block's dense feed-forward weights on every tp rank, as (elements, is a matrix):
-    the router and the shared experts (gate, up, down), all whole."""
+    the router (and its bias: gpt-oss) and the shared experts (gate, up, down), all whole."""
     h = args.dim
     shared = args.moe_shared_experts * args.expert_dim
-    return [(args.moe_experts * h, True)] + ([(h * shared, True)] * 3 if shared else [])
+    router = [(args.moe_experts * h, True)] + ([(args.moe_experts, False)] if args.moe_router_bias else [])
+    return router + ([(h * shared, True)] * 3 if shared else [])
 
 
 def expert_weights(args: ModelArgs, ep: int) -> list[tuple[int, bool]]:
-    """The routed experts one rank holds in one MoE block: three stacked matrices of E/ep."""
-    return [(args.moe_experts // ep * args.dim * args.expert_dim, True)] * 3
+    """The routed experts one rank holds in one MoE block: three stacked matrices of E/ep
+    (and gpt-oss's biases of gate, up and down)."""
+    n = args.moe_experts // ep
+    biases = [(n * args.expert_dim, False)] * 2 + [(n * args.dim, False)] if args.moe_expert_bias else []
+    return [(n * args.dim * args.expert_dim, True)] * 3 + biases
 
 
 def routed_tokens(tokens: float, tp: int) -> float:

@@ -11,6 +11,7 @@ refuses it in one line, naming the model key, the bytes needed and the bytes the
 from __future__ import annotations
 
 from ndtrain.config import Config, ConfigError
+from ndtrain.model.args import kv_cache_elements_per_token
 from ndtrain.plan.params import stage_chunks, stage_states
 
 MODEL_KEYS = ("dim", "n_layers", "ffn_dim", "vocab_size", "n_heads", "n_kv_heads", "moe_experts", "moe_ffn_dim")
@@ -73,8 +74,8 @@ def sequence_floor(cfg: Config, vocab_size: int, rollout_rows: int = 0) -> float
     a = cfg.model_args(vocab_size=vocab_size)
     s = cfg.train.seq_len
     logits = 2 * 4 * s * vocab_size
-    rope = 6 * a.max_seq_len * a.head_dim
-    cache = 4 * rollout_rows * a.n_layers * 2 * a.n_kv_heads * a.head_dim * s
+    rope = 6 * a.max_seq_len * a.rope_dim
+    cache = 4 * rollout_rows * kv_cache_elements_per_token(a) * s  # MLA: the latent and rotary key
     return float(logits + rope + cache)
 
 

@@ -31,21 +31,38 @@ def block_weight_groups(args: ModelArgs, tp: int, layer: int = 0) -> tuple[list,
     """One block's dense parameters on one tensor-parallel rank, in registration order, as
     (elements, is a matrix): (those split by t: heads and features, a q/k/v bias with its
     rows, K/V weights whole when t exceeds the KV heads, the norms (and Qwen3's q/k norms)
-    whole; an MoE block's router and shared experts, whole on every tp rank). Its routed
+    whole, gpt-oss's sinks split with the heads and its o_proj bias whole; an MoE block's
+    router (and its bias) and shared experts, whole on every tp rank). Its routed
     experts are apart (plan/experts.expert_weights). Matrices and vectors are ZeRO's two flat
     buffers per unit (weight decay or not)."""
     h, q, kv, f = args.dim, args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim, args.ffn_dim
     kv_local = kv // tp if args.n_kv_heads % tp == 0 else kv  # replicated K/V weights
     bias = args.qkv_bias
-    weights = [(h, False), (h * q // tp, True), *([(q // tp, False)] if bias else []),
+    sinks = [(args.n_heads // tp, False)] if args.attn_sinks else []  # gpt-oss: split with the heads
+    weights = [(h, False), *sinks, (h * q // tp, True), *([(q // tp, False)] if bias else []),
                (h * kv_local, True), *([(kv_local, False)] if bias else []),
-               (h * kv_local, True), *([(kv_local, False)] if bias else []), (q // tp * h, True)]
+               (h * kv_local, True), *([(kv_local, False)] if bias else []), (q // tp * h, True),
+               *([(h, False)] if args.o_bias else [])]  # gpt-oss's o_proj bias: whole
+    if args.is_mla:
+        weights = [(h, False), *mla_weights(args, tp)]
     if args.qk_norm:
-        weights += [(args.head_dim, False), (args.head_dim, False)]
+        weights += [(q // tp, False), (kv_local, False)] if args.qk_norm_all else [(args.head_dim, False)] * 2
     weights.append((h, False))
+    if not args.pre_norm:  # OLMo 2: no pre-norms, the two norms after the sublayers instead (same count)
+        weights = weights[1:] + [(h, False)]
     if args.is_moe_layer(layer):
         return weights, moe_dense_weights(args)
     return weights + [(h * f // tp, True), (h * f // tp, True), (f // tp * h, True)], []
+
+
+def mla_weights(args: ModelArgs, tp: int) -> list[tuple[int, bool]]:
+    """Latent attention's parameters on one tp rank, in registration order (model/mla.py):
+    the down-projections and their norms whole, the up-projections and wo split by heads."""
+    h, heads, qk = args.dim, args.n_heads // tp, args.head_dim
+    r, kvr, rope = args.q_lora_rank, args.kv_lora_rank, args.qk_rope_head_dim
+    query = [(h * r, True), (r, False), (r * heads * qk, True)] if r else [(h * heads * qk, True)]
+    return query + [(h * (kvr + rope), True), (kvr, False),
+                    (kvr * heads * (args.qk_nope_head_dim + args.v_head_dim), True), (heads * args.v_head_dim * h, True)]
 
 
 def block_weights(args: ModelArgs, tp: int, layer: int = 0) -> list[tuple[int, bool]]:
@@ -92,6 +109,10 @@ def stage_split(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> tuple[int,
     tp, ep = cfg.parallel.tp, cfg.parallel.ep
     dense = sum(block_local(args, tp, i) for ch in chunks for i in ch.layer_ids)
     experts = sum(block_experts(args, i, ep) for ch in chunks for i in ch.layer_ids)
+    mtp = args.mtp_depth if any(ch.head for ch in chunks) else 0  # with the head (model/mtp.py)
+    last = args.n_layers - 1  # each module: two norms, the projection, a block of the last one's kind, a norm
+    dense += mtp * (3 * args.dim + 2 * args.dim * args.dim + block_local(args, tp, last))
+    experts += mtp * block_experts(args, last, ep)
     return dense + sum(root_local(args, ch, tp) for ch in chunks), experts
 
 
@@ -105,6 +126,19 @@ def stage_states(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> dict[str,
     p = cfg.parallel
     dense, experts = stage_split(cfg, args, chunks)
     c = BYTES[cfg.train.precision]
-    a = model_state_bytes(dense, p.zero, p.dp_shard * p.cp, c)
-    b = model_state_bytes(experts, p.zero, max(p.dp_shard * p.cp // p.ep, 1), c)
-    return {k: a[k] + b[k] for k in a}
+    muon = stage_muon(cfg, args, chunks) if cfg.train.optimizer == "muon" else 0  # one moment, not two
+    a = model_state_bytes(dense - muon, p.zero, p.dp_shard * p.cp, c)
+    m = model_state_bytes(muon, p.zero, p.dp_shard * p.cp, c, moments=1)
+    b = model_state_bytes(experts, p.zero, max(p.dp_shard * p.cp // p.ep, 1), c,
+                          moments=1 if cfg.train.optimizer == "muon" else 2)
+    return {k: a[k] + m[k] + b[k] for k in a}
+
+
+def stage_muon(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> int:
+    """The dense parameters Muon updates on one rank of a pipeline rank's chunks: the blocks'
+    matrices (attention, MLP, shared experts), not the router (the first of an MoE block's whole weights)."""
+    tp, n = cfg.parallel.tp, 0
+    for i in (i for ch in chunks for i in ch.layer_ids):
+        split, whole = block_weight_groups(args, tp, i)
+        n += sum(k for k, matrix in split if matrix) + sum(k for k, _ in whole[1:])
+    return n

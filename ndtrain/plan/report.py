@@ -61,8 +61,8 @@ def render(plan: Plan) -> str:
              f"memory per rank (pipeline stage {w.stage} of {p.pp}, the fullest)" if p.pp > 1 else "memory per rank",
              _row("parameters", gib(w.params), f"{w.params_count:,} on this rank"),
              _row("gradients", gib(w.grads), "" if w.grads_held else "shards: none yet when the step begins"),
-             _row("optimizer states", gib(w.optimizer), "fp32 master + Adam moments" if t.precision in ("bf16", "fp16")
-                  else "Adam moments"),
+             _row("optimizer states", gib(w.optimizer), ("fp32 master + " if t.precision in ("bf16", "fp16") else "")
+                  + ("Adam moments; Muon's matrices one momentum" if t.optimizer == "muon" else "Adam moments")),
              _row("activations at the peak", gib(w.activations),
                   f"{w.in_flight} micro-batch{'es' if w.in_flight != 1 else ''} in flight")]
     for what, n in sorted(w.at_peak.items(), key=lambda kv: -kv[1]):
@@ -89,7 +89,9 @@ def render(plan: Plan) -> str:
               _row(f"pipeline bubble ({p.pp_schedule if p.pp > 1 else 'none'})", seconds(st.bubble),
                    f"{st.detail.get('bubble_fraction', 0.0):.3f} of the busy time" if p.pp > 1 else ""),
               _row("data parallel / ZeRO (exposed)", seconds(st.dp)),
-              _row("optimizer step", seconds(st.optimizer), "" if c.compute is not None else "not modelled on GPUs"),
+              _row("optimizer step", seconds(st.optimizer), ("Muon: Newton–Schulz + owners' all-to-alls"
+                   + ("" if c.compute is not None else " only; AdamW not modelled on GPUs")) if t.optimizer == "muon"
+                   else "" if c.compute is not None else "not modelled on GPUs"),
               _row("step", seconds(st.total))]
     if plan.rate_source.startswith("given"):
         lines.append(_row("step at the given rate", seconds(plan.step_time_s), plan.rate_source))

@@ -177,6 +177,8 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster, fp8: Fp8 | None = 
             setattr(st, part, m * sum(times[ch.index].parts[part] for ch in chunks))
         st.dp = data_parallel(cfg, args, cluster, chunks, m, st, fp8) + moe_tp_reduction(cfg, args, cluster, chunks)
         st.optimizer = cluster.compute_model(t.precision).optimizer_seconds(optimizer_params(cfg, args, chunks))
+        if t.optimizer == "muon":
+            st.optimizer += muon_seconds(cfg, args, cluster, chunks, rate)
         stages.append(st)
     if p.pp > 1:
         # the first chunk's B (nothing) and W (whole) follow from lists.deferred in the simulation
@@ -191,6 +193,20 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster, fp8: Fp8 | None = 
     step.dp, step.optimizer = after.dp, after.optimizer
     step.detail["bubble_fraction"] = fraction
     return step, stages
+
+
+def muon_seconds(cfg: Config, args: ModelArgs, cluster: Cluster, chunks: list[Chunk], rate: float) -> float:
+    """Muon's extra time on a rank (parallel/muon.muon_costs): its share of the stage's Newton–Schulz FLOPs
+    at the compute rate, and the owners' two all-to-alls over the stage's ranks."""
+    from ndtrain.parallel.muon import muon_costs
+    from ndtrain.plan.params import stage_muon
+    p, t = cfg.parallel, cfg.train
+    n = p.dp * p.cp * p.tp
+    dense, experts = stage_muon(cfg, args, chunks), stage_split(cfg, args, chunks)[1]
+    held = dense / (p.dp_shard * p.cp if p.zero else 1) + experts / (max(p.dp_shard * p.cp // p.ep, 1) if p.zero else 1)
+    costs = muon_costs(args, n * p.pp, p.pp, held, t.muon_ns_steps, 4)
+    link = cluster.link("all_to_all", n, n > cluster.gpus_per_node)
+    return costs["ns_flops"] / rate + 2 * link.seconds("all_to_all", n, costs["bytes"] / 2)
 
 
 def optimizer_params(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> float:

@@ -21,6 +21,7 @@ from ndtrain.observe.memory import format_bytes, measure_peak, per_rank, storage
 from ndtrain.parallel import fp8
 from ndtrain.parallel.placement import is_expert
 from ndtrain.parallel.precision import compute_dtype
+from ndtrain.parallel.states import muon_matrix
 from ndtrain.parallel.zero import model_state_bytes
 
 COLUMNS = ("params", "grads", "optimizer", "activations", "peak")
@@ -76,15 +77,55 @@ def measure(cfg: Config, mesh: ParallelMesh) -> dict:
     experts = [memory.expert_params or 0, memory.expert_grads or 0, memory.expert_optimizer or 0]
     mine = [psi, psi_experts, construction, kept] + [getattr(memory, c) for c in COLUMNS] + experts
     mine += [memory.fp8_saved or 0, sum(p.numel() for p in frozen), sum(p.numel() for p in frozen if is_expert(p))]
+    mine += muon_figures(par, step.optimizer, t.optimizer == "muon")
     table = per_rank(mine, mesh.device)
     keys = ("psi", "psi_experts", "construction", "kept") + COLUMNS + EXPERT_COLUMNS + ("fp8_saved", "psi_frozen",
-                                                                                          "psi_frozen_experts")
+                                                                                          "psi_frozen_experts") + MUON_KEYS
     backends = (fp8.backend_counts(par.model, (t.micro_batch, t.seq_len // mesh.shape.cp), compute_dtype(t.precision, t.fp8_base),
                                    mesh.device) if t.precision == "fp8" else None)
     return {"ranks": [dict(zip(keys, map(int, row))) for row in table], "layout": mesh.describe(),
             "fp8_backends": backends, "device": str(mesh.device),
             "n_shard": mesh.size("dp_shard_cp"), "n_expert_shard": mesh.size("edp_shard"), "moe": args.is_moe,
             **construction_bounds(args)}
+
+
+MUON_KEYS = ("psi_muon", "psi_muon_experts", "muon_ns_flops", "muon_bytes")
+
+
+def muon_figures(par, optimizer, muon: bool) -> list[int]:
+    """This rank's Muon figures, measured: the parameters Muon updates (dense, routed experts),
+    the Newton–Schulz FLOPs of the matrices it owns, the bytes its owners' all-to-alls send."""
+    if not muon:
+        return [0, 0, 0, 0]
+    named = {id(p): (n, p) for n, p in par.model.named_parameters()}.values()
+    matrices = [p for n, p in named if muon_matrix(n, p)]
+    owners = optimizer.owners
+    size = optimizer.muon_groups[0]["params"][0].element_size() if owners.holders else 4
+    return [sum(p.numel() for p in matrices), sum(p.numel() for p in matrices if is_expert(p)),
+            int(owners.load[owners.group.rank]), owners.bytes_per_step(size)]
+
+
+def muon_lines(cfg: Config, result: dict, c: int) -> list[str]:
+    """Muon's figures per rank, measured beside parallel/muon.muon_costs."""
+    from ndtrain.parallel.muon import muon_costs
+    t, p = cfg.train, cfg.parallel
+    args = cfg.model_args(vocab_size=vocab_size(cfg))
+    element = max(c, 4)  # the optimizer's tensors: fp32 masters, or the fp32/fp64 parameters
+    world = len(result["ranks"])
+    lines = ["", f"Muon: {t.muon_ns_steps} Newton–Schulz steps per matrix and step, one momentum buffer per "
+                 "matrix element (AdamW: two moments); each matrix on one owning rank (parallel/muon.py)",
+             f"{'rank':>4}  {'Muon params':>12}  {'NS GFLOP owned':>14}  {'formula (avg)':>14}  "
+             f"{'owner bytes/step':>16}  {'formula':>12}"]
+    for rank, r in enumerate(result["ranks"]):
+        experts = r["psi_muon_experts"]
+        held = ((r["psi_muon"] - experts) / (result["n_shard"] if p.zero else 1)
+                + experts / (result["n_expert_shard"] if p.zero else 1))  # what its optimizer tensors hold
+        f = muon_costs(args, world, p.pp, held, t.muon_ns_steps, element)
+        lines.append(f"{rank:>4}  {r['psi_muon']:>12,}  {r['muon_ns_flops'] / 1e9:>14.3f}  {f['ns_flops'] / 1e9:>14.3f}  "
+                     f"{format_bytes(r['muon_bytes']):>16}  {format_bytes(f['bytes']):>12}")
+    lines.append("  formula: each matrix's owner holding an average share of it; the owners prefer a rank that holds "
+                 "more of a matrix, so where whole matrices lie in one rank's slice (ZeRO) fewer bytes move")
+    return lines
 
 
 def construction_bounds(args) -> dict:
@@ -144,6 +185,8 @@ def render(cfg: Config, result: dict) -> str:
             lines.append(f"fp8 back ends on rank 0 ({result['device']}): "
                          + "; ".join(f"{b} ({n} layers)" for b, n in result["fp8_backends"].items())
                          + " (scaled_mm: one torch._scaled_mm per matmul; the others in docs/fp8.md)")
+    if t.optimizer == "muon":
+        lines += muon_lines(cfg, result, c)
     extra = max(result["largest_param_bytes"], result["largest_unit_bytes"])
     lines.append("construction peak: the layout is built on the meta device, then each rank allocates only what it "
                  "keeps (model states), drawing one parameter's fp32 initial value at a time (ZeRO-3: one unit's "
@@ -167,10 +210,16 @@ def split_formula(r: dict, zero: int, result: dict, c: int) -> tuple[float, floa
     its experts (sharded over the ranks of dp_shard × cp holding the same experts)."""
     frozen_experts = r.get("psi_frozen_experts", 0)
     frozen = r.get("psi_frozen", 0) - frozen_experts
-    dense = sum(model_state_bytes(r["psi"] - r.get("psi_experts", 0) - frozen, zero, result["n_shard"], c).values())
+    muon_experts = r.get("psi_muon_experts", 0)
+    muon = r.get("psi_muon", 0) - muon_experts  # one moment (Muon's momentum) instead of two
+    dense_psi = r["psi"] - r.get("psi_experts", 0) - frozen - muon
+    dense = sum(model_state_bytes(dense_psi, zero, result["n_shard"], c).values())
+    dense += sum(model_state_bytes(muon, zero, result["n_shard"], c, moments=1).values())
     dense += model_state_bytes(frozen, zero, result["n_shard"], c)["params"]
     n_experts = result.get("n_expert_shard", 1)
-    experts = sum(model_state_bytes(r.get("psi_experts", 0) - frozen_experts, zero, n_experts, c).values())
+    expert_psi = r.get("psi_experts", 0) - frozen_experts - muon_experts
+    experts = sum(model_state_bytes(expert_psi, zero, n_experts, c).values())
+    experts += sum(model_state_bytes(muon_experts, zero, n_experts, c, moments=1).values())
     experts += model_state_bytes(frozen_experts, zero, n_experts, c)["params"]
     return dense, experts
 

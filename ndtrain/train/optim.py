@@ -1,4 +1,4 @@
-"""AdamW on whatever the layout's states hand it, and the learning-rate schedules (`train.schedule`).
+"""AdamW (or Muon with AdamW: train/muon.py) on whatever the layout's states hand it, and the learning-rate schedules (`train.schedule`).
 (Which parameters decay, and in which groups, is parallel/states.py's: ZeRO groups its flat
 shards by the same rule.)"""
 
@@ -11,10 +11,20 @@ import torch
 from ndtrain.config import TrainConfig
 
 
-def build_optimizer(groups: list[dict], t: TrainConfig, device: torch.device) -> torch.optim.Optimizer:
+def build_optimizer(groups: list[dict], t: TrainConfig, device: torch.device, muon: tuple | None = None,
+                    ) -> torch.optim.Optimizer:
+    """AdamW on `groups`; under train.optimizer = muon, AdamW on the groups not marked "muon"
+    and Muon on those (train/muon.py), given `muon` = (the states' optim_slices, the stage
+    group, the Newton–Schulz dtype)."""
     fused = device.type == "cuda"
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                             fused=fused or None, foreach=None if fused else True)
+    rest = [g for g in groups if not g.get("muon")]
+    adamw = torch.optim.AdamW(rest, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                              fused=fused or None, foreach=None if fused else True) if rest else None
+    if t.optimizer != "muon":
+        return adamw
+    from ndtrain.train.muon import MuonAdamW
+    slices, group, ns_dtype = muon
+    return MuonAdamW(groups, adamw, t, slices, group, ns_dtype)
 
 
 def lr_at(step: int, t: TrainConfig) -> float:

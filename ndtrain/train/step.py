@@ -15,11 +15,11 @@ import torch
 
 from ndtrain.config import Config
 from ndtrain.data.batch import MicroBatch
-from ndtrain.observe.memory import MemoryReport, measure_peak, model_state_bytes, storage_bytes
+from ndtrain.observe.memory import MemoryReport, measure_peak, model_state_bytes
 from ndtrain.parallel.clip import clip_grad_norm_, grad_norm
 from ndtrain.parallel.fp8 import saved_fp8_bytes
 from ndtrain.parallel.parallelize import Parallelized
-from ndtrain.parallel.precision import LossScaler
+from ndtrain.parallel.precision import LossScaler, compute_dtype
 from ndtrain.train.optim import build_optimizer, set_lr
 
 
@@ -27,7 +27,10 @@ class TrainStep:
     def __init__(self, par: Parallelized, cfg: Config):
         t = cfg.train
         self.par, self.mesh = par, par.mesh
-        self.optimizer = build_optimizer(par.states.param_groups(t.weight_decay), t, par.mesh.device)
+        muon = t.optimizer == "muon"
+        groups = par.states.param_groups(t.weight_decay, muon)
+        where = (par.states.optim_slices(), par.mesh.stage_group(), compute_dtype(t.precision, t.fp8_base)) if muon else None
+        self.optimizer = build_optimizer(groups, t, par.mesh.device, where)
         self.scaler = None
         if t.precision == "fp16" and t.loss_scaler:
             self.scaler = LossScaler(t.loss_scale_init, t.loss_scale_window, t.loss_scale_min)

@@ -218,6 +218,8 @@ class Trainer:
         record.update(task_metrics)
         if self.par.routing_stats is not None:
             record["moe"] = self.par.routing_stats
+        if self.par.mtp_loss is not None:  # multi-token prediction: its loss per target, over the modules
+            record["mtp_loss"] = self.par.mtp_loss
         if not self._counted:  # this process's first line
             record.update(self.param_counts)
             if t.precision == "fp8":
@@ -565,6 +567,9 @@ class Trainer:
             raise TrainingError(f"cannot resume {path}: {e}") from None
         source = sources.CheckpointSource(path, meta)
         layout.load(source, self.par, self.args.tie_embeddings, self.stepper.optimizer, meta.get("optimizer_step", 0))
+        if self.cfg.train.optimizer == "muon" and not source.has("momentum_buffer"):
+            self.report(f"{path} was trained with AdamW: Muon's matrices start with fresh (zero) momentum, "
+                        "the other tensors keep their AdamW moments")
         scaler = self.stepper.scaler
         if scaler is not None and meta.get("scaler"):
             scaler.load_state_dict(meta["scaler"])

@@ -8,6 +8,8 @@ Reading order:
 - `kernels.py`: the merge of blocks by their log-sum-exp, and a block in plain torch.
 - `fused.py`: a block on torch's fused attention ops (the plain one where none applies).
 - `ring.py`, `allgather.py`, `ulysses.py`: the three back ends (`parallel.cp_impl`).
+- `sinks.py`: gpt-oss's attention sinks on the fused ops, folded into their log-sum-exp
+  (one device's core, when cp = 1, and Ulysses').
 - `attention.py`: the module that replaces `AttentionCore`, `apply`, the dropout that stays
   equal to one device's, and the bytes each back end sends (`wire_bytes`).
 

@@ -24,7 +24,7 @@ from ndtrain.comm import ops
 from ndtrain.mesh import Group
 from ndtrain.model.dtypes import wide_dtype
 from ndtrain.parallel.context import fused
-from ndtrain.parallel.context.kernels import Partial, from_heads, to_heads
+from ndtrain.parallel.context.kernels import Partial, fold_sinks, from_heads, sinks_grad, to_heads
 from ndtrain.parallel.context.visibility import Visibility
 
 
@@ -69,20 +69,23 @@ def allgather_forward(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibi
 
 
 class AllGatherAttention(torch.autograd.Function):
-    """q [b, s, H, d], k and v [b, s, G, d] (after rotary) → [b, s, H·d]."""
+    """q [b, s, H, d], k and v [b, s, G, d] (after rotary) → [b, s, H·d]; `sinks` [H] as in
+    ring.RingAttention."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibility, recorder=None,
-                layer: str = "") -> Tensor:
+                layer: str = "", sinks: Tensor | None = None) -> Tensor:
         out, lse, kv = allgather_forward(q, k, v, group, vis, recorder, layer)
+        if sinks is not None:
+            out, lse = fold_sinks(out, lse, sinks)
         result = from_heads(out).to(q.dtype)
-        ctx.save_for_backward(q, kv, result, lse)
+        ctx.save_for_backward(q, kv, result, lse, sinks)
         ctx.group, ctx.vis, ctx.dtype = group, vis, k.dtype
         return result
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, kv, out, lse = ctx.saved_tensors
+        q, kv, out, lse, sinks = ctx.saved_tensors
         group, vis, scale = ctx.group, ctx.vis, 1.0 / math.sqrt(q.shape[-1])
         qh, dout, outh = (to_heads(t.reshape(q.shape)) for t in (q, grad, out))
         dq = torch.zeros(qh.shape, dtype=lse.dtype, device=qh.device)
@@ -97,4 +100,6 @@ class AllGatherAttention(torch.autograd.Function):
         send = _rank_order(dkv, group.size)
         mine = send.new_empty(send.shape[1:])
         ops.reduce_scatter(mine.view(-1), send.view(-1), group)  # this rank's slice, summed over the group
-        return dq.transpose(1, 2).to(q.dtype), mine[0].to(ctx.dtype), mine[1].to(ctx.dtype), None, None, None, None
+        dsinks = sinks_grad(dout, outh, lse, sinks).to(sinks.dtype) if sinks is not None else None
+        return (dq.transpose(1, 2).to(q.dtype), mine[0].to(ctx.dtype), mine[1].to(ctx.dtype), None, None, None, None,
+                dsinks)

@@ -5,6 +5,10 @@ attention, head merge: model/llama.py) for a `ContextParallelAttention` over the
 and every residual dropout for one that draws the whole sequence's mask. The projections,
 norms and MLP are untouched: they act on each token independently, so they work on any
 subset of the sequence.
+
+Latent attention (model/mla.py) hands the core q and k rotated already (`rotate=False`), and
+its values zero-padded to the query·key width: every back end here moves K and V as one
+message and runs the fused ops of any other model (fused.py `kernel_for`).
 """
 
 from __future__ import annotations
@@ -64,21 +68,22 @@ class ContextParallelAttention(nn.Module):
     sequence by `impl` (ring, allgather or ulysses). Same signature and result as the core
     it replaces, on this rank's tokens."""
 
-    def __init__(self, group: Group, impl: str, plans: Plans, window: int = 0):
+    def __init__(self, group: Group, impl: str, plans: Plans, window: int = 0, rotate: bool = True):
         super().__init__()
         if impl not in IMPLS:
             raise ValueError(f"unknown context-parallel attention {impl!r}; choose one of {', '.join(IMPLS)}")
-        self.group, self.impl, self.plans, self.window = group, impl, plans, window
+        self.group, self.impl, self.plans, self.window, self.rotate = group, impl, plans, window, rotate
         self.recorder = None  # a train.trace recorder while `ndtrain trace` watches the ring
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, cos: Tensor, sin: Tensor,
                 cache: KVCache | None = None, layer_key: str | None = None,
-                doc_ids: Tensor | None = None) -> Tensor:
+                doc_ids: Tensor | None = None, sinks: Tensor | None = None) -> Tensor:
         if cache is not None:
             raise ValueError("context parallelism splits sequences for training; decode with the plain model")
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.rotate:
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         vis = self.plans.visibility(q.shape[1], doc_ids, q.device, self.window)
-        args = (q, k, v, self.group, vis, self.recorder, layer_key or "")
+        args = (q, k, v, self.group, vis, self.recorder, layer_key or "", sinks)
         if self.impl == "ring":
             return RingAttention.apply(*args)
         if self.impl == "allgather":
@@ -130,7 +135,7 @@ def apply(model: nn.Module, group: Group, impl: str, sp_group: Group | None = No
         if core.softcap:
             raise ConfigError("parallel.cp", group.size, f"layer {name} soft-caps its attention scores (Gemma 2); "
                               "context parallelism's attention kernels have no soft-capping")
-        block.attention.core = ContextParallelAttention(group, impl, plans, core.window)
+        block.attention.core = ContextParallelAttention(group, impl, plans, core.window, core.rotate)
         swapped.append(f"layers.{name}.attention.core")
         dropout = getattr(block, "dropout", None)
         if dropout is not None and dropout.p > 0:

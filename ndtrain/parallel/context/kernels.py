@@ -15,6 +15,13 @@ The blocks run on torch's fused attention ops that return the log-sum-exp (`fuse
 this module holds the merge and the same block written in plain torch, which runs where no
 fused op can (`fused.py` says where). The plain block materialises its scores.
 
+Attention sinks (gpt-oss: a logit σ_h per head in every row's softmax denominator, with no
+value) fold into the merged result once every block is in (`fold_sinks`):
+lse' = logaddexp(lse, σ_h), out' = out·e^(lse−lse'). The blocks' backward, given out' and
+lse', is then the gradient of attention with sinks as it stands (the sink's column has no
+value, so it adds nothing to D = rowsum(dout ∘ out')), and the sink's own gradient is
+dσ_h = −Σ_rows e^(σ_h − lse')·D (`sinks_grad`).
+
 A row that sees no key of a block has lse = −inf there (and out = 0); the merge and the
 backward treat it as weight 0, so fully masked blocks and rows never produce NaN.
 
@@ -94,6 +101,21 @@ def attend_backward(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale:
     dq = (ds @ k.unsqueeze(2)).flatten(1, 2) * scale
     dk = (ds.reshape(b, g, r * sq, sk).transpose(-1, -2) @ q.reshape(b, g, r * sq, -1)) * scale
     return dq, dk, dv
+
+
+def fold_sinks(out: Tensor, lse: Tensor, sinks: Tensor) -> tuple[Tensor, Tensor]:
+    """The merged out [b, H, s, d] and lse [b, H, s] of every key block → those of attention
+    with one sink logit per head, `sinks` [H] (see the module docstring)."""
+    new = torch.logaddexp(lse, sinks.to(lse.dtype).view(1, -1, 1))
+    return out * (lse - new).exp().unsqueeze(-1), new
+
+
+def sinks_grad(dout: Tensor, out: Tensor, lse: Tensor, sinks: Tensor) -> Tensor:
+    """dσ [H] of these rows: −Σ_rows e^(σ_h − lse')·rowsum(dout ∘ out'), with the folded
+    out' [b, H, s, d] and lse' [b, H, s]; in lse's dtype."""
+    delta = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+    share = (sinks.to(lse.dtype).view(1, -1, 1) - lse).exp()
+    return -(share * delta).sum((0, 2))
 
 
 class Partial:

@@ -35,7 +35,7 @@ from ndtrain.comm import ops
 from ndtrain.mesh import Group
 from ndtrain.model.dtypes import wide_dtype
 from ndtrain.parallel.context import fused
-from ndtrain.parallel.context.kernels import Partial, from_heads, to_heads
+from ndtrain.parallel.context.kernels import Partial, fold_sinks, from_heads, sinks_grad, to_heads
 from ndtrain.parallel.context.visibility import Visibility
 
 
@@ -82,20 +82,23 @@ def ring_forward(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibility,
 
 
 class RingAttention(torch.autograd.Function):
-    """q [b, s, H, d], k and v [b, s, G, d] (after rotary) → [b, s, H·d]."""
+    """q [b, s, H, d], k and v [b, s, G, d] (after rotary) → [b, s, H·d]; `sinks` [H]: each
+    head's sink logit, folded into the merged result (kernels.fold_sinks)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibility, recorder=None,
-                layer: str = "") -> Tensor:
+                layer: str = "", sinks: Tensor | None = None) -> Tensor:
         out, lse = ring_forward(q, k, v, group, vis, recorder, layer)
+        if sinks is not None:
+            out, lse = fold_sinks(out, lse, sinks)
         result = from_heads(out).to(q.dtype)
-        ctx.save_for_backward(q, k, v, result, lse)
+        ctx.save_for_backward(q, k, v, result, lse, sinks)
         ctx.group, ctx.vis, ctx.recorder, ctx.layer = group, vis, recorder, layer
         return result
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, vis, recorder, layer = ctx.group, ctx.vis, ctx.recorder, ctx.layer
         scale = 1.0 / math.sqrt(q.shape[-1])
         qh, dout, outh = (to_heads(t.reshape(q.shape)) for t in (q, grad, out))
@@ -123,4 +126,5 @@ class RingAttention(torch.autograd.Function):
                 kv = exchange.wait()
         dkv = arriving.wait()  # every rank's contribution to this rank's own K/V
         dk, dv = (t.transpose(1, 2).to(k.dtype) for t in dkv)
-        return dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, None
+        dsinks = sinks_grad(dout, outh, lse, sinks).to(sinks.dtype) if sinks is not None else None
+        return dq.transpose(1, 2).to(q.dtype), dk, dv, None, None, None, None, dsinks

@@ -25,6 +25,7 @@ from torch import Tensor
 
 from ndtrain.comm import ops
 from ndtrain.mesh import Group
+from ndtrain.parallel.context.sinks import sink_attention
 from ndtrain.parallel.context.visibility import Visibility
 
 
@@ -70,8 +71,11 @@ class _Resplit(torch.autograd.Function):
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibility, recorder=None,
-                      layer: str = "") -> Tensor:
-    """q [b, s, H, d], k and v [b, s, G, d] (after rotary) → [b, s, H·d]."""
+                      layer: str = "", sinks: Tensor | None = None) -> Tensor:
+    """q [b, s, H, d], k and v [b, s, G, d] (after rotary) → [b, s, H·d]. `sinks` [H]
+    (gpt-oss): this rank's heads' sinks fold into its attention as on one device
+    (parallel/context/sinks.py), their gradient theirs (the other heads' entries 0; the step
+    sums the cp ranks' gradients)."""
     cp, n_kv = group.size, k.shape[2]
     if n_kv % cp:  # fewer KV heads than ranks: each rank gets a copy of the one it reads
         k, v = k.repeat_interleave(cp // n_kv, dim=2), v.repeat_interleave(cp // n_kv, dim=2)
@@ -90,7 +94,12 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, group: Group, vis: Visibi
     gqa = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
     mask = vis.sequence_mask(natural)
     causal = mask is None and vis.causal
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
+    if sinks is not None:
+        if mask is None and not causal:  # sink_attention reads None as causal
+            mask = torch.ones((1, 1, q.shape[2], k.shape[2]), dtype=torch.bool, device=q.device)
+        out = sink_attention(q, k, v, sinks.narrow(0, group.rank * (heads // cp), heads // cp), mask)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, **gqa)
     out = out.transpose(1, 2)[:, order]  # back to rank order
     if recorder:
         recorder.compute("attn F", layer, 0, start)

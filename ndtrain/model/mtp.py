@@ -1,0 +1,118 @@
+"""Multi-token prediction (DeepSeek-V3, arXiv 2412.19437 section 2.2): `model.mtp_depth` = D
+sequential modules after the last block, module d (1..D) predicting, at position i, the
+token d + 1 places after the next one.
+
+    h⁰ = the main model's last hidden state after its final norm (what the head reads)
+    hᵈ_i = norm_d(Block_d(eh_proj_d([enorm_d(Emb(t_{i+d})) ; hnorm_d(hᵈ⁻¹_i)])))
+    logitsᵈ_i = Head(hᵈ_i), target t_{i+d+1}
+
+The embedding and the head are the model's own (shared, as in DeepSeek-V3); each module has
+its two input norms, the projection of their concatenation (embedding first, as DeepSeek's
+checkpoints and transformers order it), one decoder block of the last block's kind and the
+norm before the head. The block attends over the same positions and documents as the main
+model (rotary attention depends only on relative positions, so using the token's position
+i + d instead would change nothing).
+
+Targets: t_{i+d} and t_{i+d+1} are the micro-batch's tokens and targets shifted left by d;
+the last d positions of a row have none, and a packed row never predicts across a document
+boundary: position i takes no MTP loss unless t_{i+d} is in i's document (its target is then
+in that document too, or IGNORE, as the main loss's is).
+
+Loss: train.mtp_weight / D × Σ_d (the token loss of module d, in the task's sum form), added
+to the objective through the step's `RoutingLog` (model/moe.py), as the MoE balance loss is,
+so every schedule divides it by the step's target count with the token loss. The per-module
+sums are kept for the metrics (`mtp_loss`: Σ over modules / D per target). Evaluation and
+generation do not run the modules (generation ignores them; no speculative decoding).
+
+The MTP block's MoE (if it has one) routes with its own router but records no statistics
+and no balance loss, and its selection bias is not updated by `train.moe_bias_rate`.
+
+Layouts: one process, data parallelism and ZeRO; tensor, pipeline, context and expert
+parallelism are refused with MTP (config/deepseek.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor, nn
+
+from .args import ModelArgs
+
+IGNORE = -100
+
+
+class MTPModule(nn.Module):
+    """`block`: a decoder block of the last block's kind; `norm`: the RMSNorm class (both
+    from model/llama.py, which builds these modules)."""
+
+    def __init__(self, args: ModelArgs, block: nn.Module, norm: type):
+        super().__init__()
+        self.enorm = norm(args.dim, args.norm_eps)
+        self.hnorm = norm(args.dim, args.norm_eps)
+        self.eh_proj = nn.Linear(2 * args.dim, args.dim, bias=False)
+        self.block = block
+        self.norm = norm(args.dim, args.norm_eps)
+
+    def forward(self, h: Tensor, e: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        x = self.eh_proj(torch.cat((self.enorm(e), self.hnorm(h)), dim=-1))
+        return self.norm(self.block(x, cos, sin, doc_ids=doc_ids))
+
+
+@dataclass
+class MTPStep:
+    """What the training step gives the model for its MTP losses: the task's loss function,
+    the weight, the current micro-batch (set by the schedule before each forward), and the
+    per-module loss sums of the step (detached)."""
+
+    loss_fn: object
+    weight: float
+    batch: object = None
+    sums: dict[int, Tensor] = field(default_factory=dict)
+
+
+def shift(t: Tensor, d: int, fill) -> Tensor:
+    """t [b, s] moved d places left, the last d positions `fill`."""
+    return torch.cat((t[:, d:], t.new_full((t.shape[0], d), fill)), dim=1)
+
+
+def depth_batch(mb, d: int):
+    """The micro-batch of module d: tokens t_{i+d}, targets t_{i+d+1} (IGNORE past the row's
+    end or where t_{i+d} is in another document than position i)."""
+    targets = shift(mb.targets, d, IGNORE)
+    if mb.doc_ids is not None:
+        targets = targets.masked_fill(shift(mb.doc_ids, d, -1) != mb.doc_ids, IGNORE)
+    weights = shift(mb.weights, d, 0.0) if mb.weights is not None else None
+    return replace(mb, tokens=shift(mb.tokens, d, 0), targets=targets, weights=weights)
+
+
+def hidden_states(model, h: Tensor, tokens: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None):
+    """Yield (d, hᵈ) for d = 1..D from h⁰ and the input tokens [b, s]."""
+    for d, module in enumerate(model.mtp.values(), start=1):
+        h = module(h, model.embed(shift(tokens, d, 0)), cos, sin, doc_ids)
+        yield d, h
+
+
+def add_losses(model, h: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None, step: MTPStep, pending: list) -> None:
+    """The MTP losses of the current micro-batch into `pending` (the step's model losses)."""
+    mb = step.batch
+    total = None
+    for d, hd in hidden_states(model, h, mb.tokens, cos, sin, doc_ids):
+        loss = step.loss_fn(model.output(hd), depth_batch(mb, d))
+        step.sums[d] = step.sums.get(d, 0.0) + loss.detach().double()
+        total = loss if total is None else total + loss
+    pending.append(total * (step.weight / len(model.mtp)))
+
+
+@torch.no_grad()
+def predict(model, tokens: Tensor) -> list[Tensor]:
+    """The logits of every MTP module [b, s, vocab] for `tokens` [b, s] (positions 0..s−1,
+    one document per row): module d's row i predicts t_{i+d+1}."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device)
+    cos, sin = model.rotary(positions)
+    h = model.embed(tokens)
+    for key, layer in model.layers.items():
+        h = layer(h, cos, sin, None, key)
+    h = model.norm(h)
+    return [model.output(hd) for _, hd in hidden_states(model, h, tokens, cos, sin, None)]

@@ -1,0 +1,98 @@
+"""DeepSeek-V3's architecture equals one process under every layout (issue 35): the
+deepseek-v3-tiny preset (multi-head latent attention with a low-rank query and values
+narrower than query·key, sigmoid routing limited to 2 of 4 expert groups with a scale, the
+aux-loss-free bias and a shared expert, the first block dense) trains 5 steps in fp64 and is
+held to the fp64 proofs' rule (tests/helpers.py `assert_proof`: first-step gradients at
+1e-10 of each tensor's largest element, the first loss and norm at 1e-12, later steps within
+the twin's gaps).
+
+The default tier proves one row per family of layout in one 2-rank launch (tensor + sequence
+parallel, ZeRO-3, a 1F1B pipeline, ring context parallelism, expert parallelism); the slow
+tier the other schedules and back ends, and 3-D rows on 8 ranks, and the preset with its
+multi-token prediction module (train.mtp_weight = 0.3) under the layouts MTP runs on (data
+parallelism, ZeRO-1 and ZeRO-3; the others refuse it: model/mtp.py).
+"""
+
+import pytest
+
+from helpers import assert_proof, proof_in_rank, reference_in_rank
+from ndtrain.testing import run_ranks
+
+DS = ["model.preset=deepseek-v3-tiny", "model.mtp_depth=0", "train.moe_aux_loss=0.01", "train.moe_bias_rate=0.001"]
+BATCH = ["train.micro_batch=2"]  # 4 micro-batches per step: what DualPipeV needs on pp = 2
+
+ROWS = [("tp2-sp", ["parallel.tp=2"]),
+        ("zero3-dp2", ["parallel.zero=3"]),
+        ("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+        ("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring"]),
+        ("ep2", ["parallel.ep=2"])]
+SLOW_ROWS = [("dp2", []),
+             ("zero1-dp2", ["parallel.zero=1"]),
+             ("zero2-dp2", ["parallel.zero=2"]),
+             ("tp2-no-sp", ["parallel.tp=2", "parallel.sp=false"]),
+             ("pp2-zb", ["parallel.pp=2", "parallel.pp_schedule=zb"]),
+             ("pp2-dualpipev", ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2"]),
+             ("cp2-allgather", ["parallel.cp=2", "parallel.cp_impl=allgather"]),
+             ("cp2-ulysses", ["parallel.cp=2", "parallel.cp_impl=ulysses"])]
+ROWS_8 = [("dp2-tp2-pp2", ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"]),
+          ("zero3-tp2-cp2-ep2", ["parallel.dp=2", "parallel.zero=3", "parallel.tp=2", "parallel.cp=2",
+                                 "parallel.ep=2"]),
+          ("pp2-cp2-ep2-dualpipev", ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2",
+                                     "parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
+                                     "train.micro_batch=1"])]  # 4 micro-batches per dp rank for DualPipeV
+
+
+def _reference(data_dir):
+    return reference_in_rank(DS + BATCH, data_dir)
+
+
+def _rows(data_dir, rows):
+    return {name: proof_in_rank(DS + BATCH + overrides, data_dir) for name, overrides in rows}
+
+
+def _check(results, ref):
+    for name, proof in results.items():
+        try:
+            d = assert_proof(proof, ref)
+        except AssertionError as e:
+            raise AssertionError(f"deepseek-v3-tiny {name}: {e}") from None
+        print(f"deepseek-v3-tiny {name}: gradients {d['grads']:.1e}, weights {d['state']:.1e}, "
+              f"losses {d['loss']:.1e}, norms {d['norm']:.1e}")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data):
+    return run_ranks(_reference, 1, tiny_data)[0]
+
+
+def test_deepseek_layouts_equal_one_process(tiny_data, reference):
+    _check(run_ranks(_rows, 2, tiny_data, ROWS, timeout=600)[0], reference)
+
+
+@pytest.mark.slow
+def test_deepseek_other_layouts_equal_one_process(tiny_data, reference):
+    _check(run_ranks(_rows, 2, tiny_data, SLOW_ROWS, timeout=900)[0], reference)
+
+
+@pytest.mark.slow
+def test_deepseek_3d_layouts_equal_one_process(tiny_data, reference):
+    _check(run_ranks(_rows, 8, tiny_data, ROWS_8, timeout=900)[0], reference)
+
+
+MTP = [arg for arg in DS if arg != "model.mtp_depth=0"]  # the preset's one MTP module
+MTP_ROWS = [("mtp-dp2", []), ("mtp-zero1-dp2", ["parallel.zero=1"]), ("mtp-zero3-dp2", ["parallel.zero=3"])]
+
+
+def _mtp_reference(data_dir):
+    return reference_in_rank(MTP + BATCH, data_dir)
+
+
+def _mtp_rows(data_dir, rows):
+    return {name: proof_in_rank(MTP + BATCH + overrides, data_dir) for name, overrides in rows}
+
+
+@pytest.mark.slow
+def test_deepseek_mtp_layouts_equal_one_process(tiny_data):
+    ref = run_ranks(_mtp_reference, 1, tiny_data)[0]
+    assert all(r.get("mtp_loss") is not None for r in ref["history"])
+    _check(run_ranks(_mtp_rows, 2, tiny_data, MTP_ROWS, timeout=900)[0], ref)
