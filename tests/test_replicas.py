@@ -256,10 +256,12 @@ def test_a_killed_replica_group_rejoins_and_the_run_equals_one_process_on_the_ro
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["parallel.tp=2"], ["parallel.pp=2"], ["parallel.dp=4", "parallel.zero=1"],
-                                    ["parallel.dp=4", "parallel.zero=3"]], ids=["tp", "pp", "hsdp-zero1", "hsdp-zero3"])
+                                    ["parallel.dp=4", "parallel.zero=3"], ["parallel.tp=2", "train.precision=bf16"]],
+                         ids=["tp", "pp", "hsdp-zero1", "hsdp-zero3", "tp-bf16"])
 def test_without_a_failure_replicas_equal_the_plain_layout_bit_for_bit(tiny_data, tmp_path, layout):
-    """2 groups × 2 ranks (TP, PP, or HSDP's ZeRO-1/3 shards inside each) against the same
-    layout without replicas: the same sums in the same order, so the same bits."""
+    """2 groups × 2 ranks (TP, PP, or HSDP's ZeRO-1/3 shards inside each; bf16 with fp32
+    masters) against the same layout without replicas: the same sums in the same order,
+    so the same bits."""
     from ndtrain.observe.metrics import read_metrics
     from ndtrain.train.worker import train_worker
     extra = ["train.steps=4", *layout]

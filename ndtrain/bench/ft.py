@@ -34,7 +34,7 @@ from ndtrain.bench.common import Bench, announce, bench_config, describe
 KILL_AT = 30
 BENCH = Bench("ft", (), ("train.steps=40", "train.save_every=20", "train.eval_every=0", "train.eval_batches=1",
                          "train.log_every=1", "parallel.dp_replicate=2", "run.progress=false", "run.plot=false", "run.heartbeat_s=60"),
-              ("model.", "train.", "parallel.dp_replicate", "parallel.tp", "parallel.zero", "run.device",
+              ("model.", "train.", "data.", "parallel.dp_replicate", "parallel.tp", "parallel.zero", "run.device",
                "run.threads", "run.heartbeat_s"))
 
 
