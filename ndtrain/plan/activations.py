@@ -121,6 +121,14 @@ def mla_saved(args: ModelArgs, c: int, tp: int) -> list[Saved]:
             Saved("attention output", c * heads * args.v_head_dim, SPLIT)]
 
 
+def mtp_inputs(args: ModelArgs, c: int) -> float:
+    """Bytes per token one multi-token prediction module (model/mtp.py) keeps before its
+    block: its two input norms (the input widened, 1/rms, the normalised input and the output,
+    as any RMSNorm here) and the projection's input (the two outputs, concatenated)."""
+    w, h = wide(c), args.dim
+    return 2 * ((w + 2 * c) * h + w) + 2 * c * h
+
+
 def core_saved(args: ModelArgs, c: int, tp: int, cp: int, cp_impl: str) -> list[Saved]:
     """What the attention core keeps, per token this rank holds. The fused kernel, and ring
     attention (parallel/context/ring.py): the rotated q and k, v, the softmax statistics.

@@ -34,7 +34,7 @@ from ndtrain.model.args import ModelArgs
 from ndtrain.parallel.pipeline.partition import Chunk, owner
 from ndtrain.parallel.pipeline.schedules import B, F, W, Action, compute_orders, vshape
 from ndtrain.plan.activations import (block_bytes_per_token, head_bytes_per_token, kv_width,
-                                      llama_mlp_bytes_per_token, recomputed, wide)
+                                      llama_mlp_bytes_per_token, mtp_inputs, recomputed, wide)
 from ndtrain.plan.params import (BYTES, block_experts, block_local, block_weight_groups, padded_vocab, root_local,
                                  stage_chunks, stage_params, stage_states)
 from ndtrain.plan.pipeline import deferred_backwards
@@ -248,15 +248,6 @@ class StepShape:
         return padded_vocab(self.args, self.tp) // self.tp
 
 
-def mtp_module_saved(s: StepShape) -> float:
-    """What one multi-token prediction module keeps besides its head and loss (model/mtp.py):
-    its two input norms (the input widened, 1/rms, the normalised input and the output, as
-    any RMSNorm here), the projection's input (the two outputs, concatenated) and a block of
-    the last block's kind."""
-    w, h = wide(s.c), s.args.dim
-    return (2 * ((w + 2 * s.c) * h + w) + 2 * s.c * h) * s.n + s.block_saved(s.args.n_layers - 1)
-
-
 def _loss_forward(s: StepShape) -> tuple[float, float]:
     """(the most the loss holds while it runs forward, what it keeps for backward). The loss
     works in fp32 (fp64 in fp64): w bytes per value."""
@@ -439,12 +430,10 @@ class Replay:
                 self.kept += block_g
         if ch.head:
             head = head_bytes_per_token(self.args, s.c, s.tp, self.cfg.parallel.sp) * s.n
-            self._keep(key, head)
             running, kept = _loss_forward(s)
-            book.moment(gathered_parameters=self.kept + root_g, loss=running)
-            book.add("loss", kept)
-            for _ in range(self.args.mtp_depth):  # model/mtp.py: each module after the head's loss
-                self._keep(key, mtp_module_saved(s) + head)
+            mtp = mtp_inputs(self.args, s.c) * s.n + s.block_saved(self.args.n_layers - 1) + head  # model/mtp.py
+            for saved in [head] + [mtp] * self.args.mtp_depth:  # the head and loss, then each MTP module's
+                self._keep(key, saved)
                 book.moment(gathered_parameters=self.kept + root_g, loss=running)
                 book.add("loss", kept)
         elif not self.turns(ch.index):  # the output sent on: the executor keeps the send until the step ends
