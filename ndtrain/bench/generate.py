@@ -42,7 +42,7 @@ def run(args) -> int:
         a = a.with_(max_seq_len=t.seq_len + max(LENGTHS))
     from ndtrain.model.args import kv_cache_elements_per_token, param_count
     cached = kv_cache_elements_per_token(a) * compute_dtype(t.precision, t.fp8_base).itemsize
-    what = "latent + rotary key (MLA)" if a.is_mla else "keys and values"
+    what = "MLA's latent and rotary key" if a.is_mla else "keys and values"
     announce(args, cfg, f"bench generate: KV cache vs recomputing the prefix · 1 process · model {cfg.model.preset} "
                         f"dim={a.dim} layers={a.n_layers} heads={a.n_heads}/{a.n_kv_heads} vocab={a.vocab_size} "
                         f"({param_count(a) / 1e6:.1f} M parameters) · cache {cached:,} bytes per token ({what}) · "

@@ -125,6 +125,14 @@ def mla_saved(args: ModelArgs, c: int, tp: int) -> list[Saved]:
             Saved("attention output", c * heads * args.v_head_dim, SPLIT)]
 
 
+def mtp_inputs(args: ModelArgs, c: int) -> float:
+    """Bytes per token one multi-token prediction module (model/mtp.py) keeps before its
+    block: its two input norms (the input widened, 1/rms, the normalised input and the output,
+    as any RMSNorm here) and the projection's input (the two outputs, concatenated)."""
+    w, h = wide(c), args.dim
+    return 2 * ((w + 2 * c) * h + w) + 2 * c * h
+
+
 def core_saved(args: ModelArgs, c: int, tp: int, cp: int, cp_impl: str) -> list[Saved]:
     """What the attention core keeps, per token this rank holds. The fused kernel, and ring
     attention (parallel/context/ring.py): the rotated q and k, v, the softmax statistics.
@@ -215,33 +223,3 @@ def recomputed(mode: str, layer: int) -> str:
         return mode
     every = 1 if mode == "full" else int(mode.split(":")[1])
     return "full" if layer % every == 0 else "none"
-
-
-# -- the loss and the MTP modules, of a step's shape (plan/memory.StepShape `s`) ----------
-
-def mtp_module_saved(s) -> float:
-    """What one multi-token prediction module keeps besides its head and loss (model/mtp.py):
-    its two input norms (the input widened, 1/rms, the normalised input and the output, as
-    any RMSNorm here), the projection's input (the two outputs, concatenated) and a block of
-    the last block's kind."""
-    w, h = wide(s.c), s.args.dim
-    return (2 * ((w + 2 * s.c) * h + w) + 2 * s.c * h) * s.n + s.block_saved(s.args.n_layers - 1)
-
-
-def loss_forward(s) -> tuple[float, float]:
-    """(the most the loss holds while it runs forward, what it keeps for backward). The loss
-    works in fp32 (fp64 in fp64): w bytes per value."""
-    v, n, c, w = s.vocab_local(), s.n, s.c, wide(s.c)
-    copy = w * v * n if c != w else 0  # the widened copy of low-precision logits
-    if s.tp > 1:  # vocab-parallel: logits, (masked), widened shifted logits → softmax kept
-        masked = c * v * n if v * s.tp != s.args.vocab_size else 0
-        return c * v * n + masked + copy + w * v * n, w * v * n
-    return c * v * n + copy + w * v * n, w * v * n  # logits, log-softmax kept
-
-
-def loss_backward(s) -> float:
-    """On top of what the loss kept: cross-entropy's gradient and log-softmax's."""
-    v, n, c, w = s.vocab_local(), s.n, s.c, wide(s.c)
-    if s.tp > 1:  # in place on the kept softmax; cast back to the compute dtype
-        return c * v * n if c != w else 0.0
-    return 2 * w * v * n

@@ -34,8 +34,7 @@ from ndtrain.model.args import ModelArgs
 from ndtrain.parallel.pipeline.partition import Chunk, owner
 from ndtrain.parallel.pipeline.schedules import B, F, W, Action, compute_orders, vshape
 from ndtrain.plan.activations import (block_bytes_per_token, head_bytes_per_token, kv_width,
-                                      llama_mlp_bytes_per_token, loss_backward, loss_forward, mtp_module_saved,
-                                      recomputed, wide)
+                                      llama_mlp_bytes_per_token, mtp_inputs, recomputed, wide)
 from ndtrain.plan.params import (BYTES, block_experts, block_local, block_weight_groups, padded_vocab, root_local,
                                  stage_chunks, stage_params, stage_states)
 from ndtrain.plan.pipeline import deferred_backwards
@@ -249,6 +248,25 @@ class StepShape:
         return padded_vocab(self.args, self.tp) // self.tp
 
 
+def _loss_forward(s: StepShape) -> tuple[float, float]:
+    """(the most the loss holds while it runs forward, what it keeps for backward). The loss
+    works in fp32 (fp64 in fp64): w bytes per value."""
+    v, n, c, w = s.vocab_local(), s.n, s.c, wide(s.c)
+    copy = w * v * n if c != w else 0  # the widened copy of low-precision logits
+    if s.tp > 1:  # vocab-parallel: logits, (masked), widened shifted logits → softmax kept
+        masked = c * v * n if v * s.tp != s.args.vocab_size else 0
+        return c * v * n + masked + copy + w * v * n, w * v * n
+    return c * v * n + copy + w * v * n, w * v * n  # logits, log-softmax kept
+
+
+def _loss_backward(s: StepShape) -> float:
+    """On top of what the loss kept: cross-entropy's gradient and log-softmax's."""
+    v, n, c, w = s.vocab_local(), s.n, s.c, wide(s.c)
+    if s.tp > 1:  # in place on the kept softmax; cast back to the compute dtype
+        return c * v * n if c != w else 0.0
+    return 2 * w * v * n
+
+
 @dataclass(frozen=True)
 class Unit:
     """One ZeRO unit on this rank (a block, or a chunk's root): the elements of its flat
@@ -412,12 +430,10 @@ class Replay:
                 self.kept += block_g
         if ch.head:
             head = head_bytes_per_token(self.args, s.c, s.tp, self.cfg.parallel.sp) * s.n
-            self._keep(key, head)
-            running, kept = loss_forward(s)
-            book.moment(gathered_parameters=self.kept + root_g, loss=running)
-            book.add("loss", kept)
-            for _ in range(self.args.mtp_depth):  # model/mtp.py: each module after the head's loss
-                self._keep(key, mtp_module_saved(s) + head)
+            running, kept = _loss_forward(s)
+            mtp = mtp_inputs(self.args, s.c) * s.n + s.block_saved(self.args.n_layers - 1) + head  # model/mtp.py
+            for saved in [head] + [mtp] * self.args.mtp_depth:  # the head and loss, then each MTP module's
+                self._keep(key, saved)
                 book.moment(gathered_parameters=self.kept + root_g, loss=running)
                 book.add("loss", kept)
         elif not self.turns(ch.index):  # the output sent on: the executor keeps the send until the step ends
@@ -549,8 +565,8 @@ class Replay:
         weight gradient lands in `root_buffer` (this pass's gradient buffers so far)."""
         s, book = self.s, self.book
         c, v = s.c, s.vocab_local()
-        kept = loss_forward(s)[1]
-        book.moment(gathered_parameters=self.kept, loss=loss_backward(s))
+        kept = _loss_forward(s)[1]
+        book.moment(gathered_parameters=self.kept, loss=_loss_backward(s))
         book.add("loss", -kept)
         if self.split:  # W still needs the loss's kept tensors and the logits' gradient (under TP: the same)
             self._keep(key, kept)
