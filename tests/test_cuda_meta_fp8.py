@@ -40,7 +40,7 @@ class NoReduce:
 
 
 def shard(local: int, full: int, rank: int) -> Dim:
-    return Dim(local, full, rank * local, split=NoReduce(), aligned=local % BLOCK == 0)
+    return Dim(local, full, rank * local, split=NoReduce(), aligned=local)
 
 
 @pytest.fixture

@@ -29,8 +29,9 @@ def check_lora(cfg: Config, a=None) -> None:
         _check_targets_select(cfg, a, targets)
     if lora.init not in INITS:
         raise ConfigError("lora.init", lora.init, f"expected one of {', '.join(INITS)}")
-    if t.precision == "fp8":
-        raise ConfigError("train.precision", t.precision, "LoRA adapters have no fp8 product; use bf16 with lora.rank > 0")
+    if t.precision in ("fp8", "nvfp4"):
+        raise ConfigError("train.precision", t.precision, f"LoRA adapters have no {t.precision} product; use bf16 "
+                          "with lora.rank > 0")
     if lora.dropout and (p.tp > 1 or p.cp > 1):
         key, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.cp", p.cp)
         raise ConfigError(key, value, "lora.dropout > 0 draws its mask on this rank's part of a layer's input, "

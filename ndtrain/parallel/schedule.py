@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ndtrain.data.batch import MicroBatch
+from ndtrain.kernels.fp8_linear import set_micro
 from ndtrain.model.moe import RoutingLog
 
 
@@ -75,6 +76,7 @@ class SingleStage:
         last = len(micro_batches) - 1
         for i, mb in enumerate(micro_batches):
             grad_sync.set_sync(i == last)
+            set_micro(self.model, i)
             loss = forward_loss(self.model, mb, self.loss_fn, routing)
             (with_model_loss(loss, routing) / n_targets).backward()
             total += loss.detach() / n_targets
