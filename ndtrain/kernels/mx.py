@@ -26,6 +26,7 @@ emulation runs and says so once.
 
 from __future__ import annotations
 
+import functools
 import zlib
 
 import torch
@@ -45,17 +46,28 @@ def e8m0_scale(amax: Tensor) -> Tensor:
     return amax_to_scale(amax, E4M3, pow2=True).clamp_(E8M0_MIN, E8M0_MAX)
 
 
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+# The midpoints between neighbours, and whether a tie there goes up: to the even code
+# (mantissa bit 0: 0, 1, 2, 4), so up at 0.75, 1.75 and 3.5, down at 0.25, 1.25, 2.5 and 5.
+_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
 def round_e2m1(v: Tensor, u: Tensor | None = None) -> Tensor:
     """v (already scaled) on E2M1's grid, saturated at ±6: to nearest, ties to even (`u` None),
-    or stochastically, up with probability (|v| - lower) / step, given `u` uniform in [0, 1).
-    The grid's step is 0.5 below 2, 1 below 4, 2 up to 6; each operation here is exact."""
+    or stochastically: up with probability (|v| − lower) / (upper − lower), given `u` uniform
+    in [0, 1). Both by a search among the grid's points (every operation exact)."""
     a = v.abs().clamp_(max=E2M1_MAX)
-    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)).to(a.dtype)
+    grid = torch.tensor(E2M1_GRID, dtype=a.dtype, device=a.device)
     if u is None:
-        out = torch.round(a / step) * step  # round half to even: an even multiple of the step is an even mantissa
+        # A tie that goes up: its boundary a hair below the midpoint, so the midpoint lands above.
+        mids = torch.tensor([m for m, _ in _MIDPOINTS], dtype=a.dtype, device=a.device)
+        up = torch.tensor([t for _, t in _MIDPOINTS], device=a.device)
+        mids = torch.where(up, torch.nextafter(mids, torch.zeros_like(mids)), mids)
+        out = grid[torch.bucketize(a, mids)]
     else:
-        low = torch.floor(a / step) * step
-        out = low + step * (u.to(a.dtype) < (a - low) / step)
+        i = (torch.bucketize(a, grid, right=True) - 1).clamp_(max=len(E2M1_GRID) - 2)
+        low, high = grid[i], grid[i + 1]
+        out = torch.where(u.to(a.dtype) * (high - low) < a - low, high, low)
     return torch.copysign(out, v)
 
 
@@ -113,14 +125,15 @@ def uniform(key: int, first_token: int, tokens: Dim, features: Dim, device: torc
     """[tokens, features] uniform numbers in [0, 1) (24 bits each, fp32), each a function of
     `key`, its token's global index (`first_token` + the token's index in its micro-batch) and
     its feature's global index only: the same number wherever a layout puts the element."""
-    t = (tokens.global_index(device) + first_token) & _M
-    f = features.global_index(device) & _M
-    h = _mix(_mix(t ^ (key & _M))[:, None] ^ f[None, :])
+    t = tokens.global_index(device) + first_token
+    f = features.global_index(device)
+    h = _mix(((t * features.full)[:, None] + f[None, :]) & _M ^ (key & _M))  # the element's index, 32 bits
     return (h >> 8).float() * 2.0 ** -24
 
 
 # -- The random Hadamard transform ----------------------------------------------------------
 
+@functools.lru_cache(maxsize=16)
 def hadamard(n: int, key: int, dtype: torch.dtype, device: torch.device) -> Tensor:
     """The n×n random Hadamard matrix H·diag(signs) / sqrt(n) (orthonormal: its transpose
     undoes it), signs from `key`. Entries ±1/4 for n = 16: exact in every float."""
