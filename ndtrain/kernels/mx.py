@@ -63,12 +63,17 @@ def round_e2m1(v: Tensor, u: Tensor | None = None) -> Tensor:
         mids = torch.tensor([m for m, _ in _MIDPOINTS], dtype=a.dtype, device=a.device)
         up = torch.tensor([t for _, t in _MIDPOINTS], device=a.device)
         mids = torch.where(up, torch.nextafter(mids, torch.zeros_like(mids)), mids)
-        out = grid[torch.bucketize(a, mids)]
+        out = _at(grid, torch.bucketize(a, mids))
     else:
         i = (torch.bucketize(a, grid, right=True) - 1).clamp_(max=len(E2M1_GRID) - 2)
-        low, high = grid[i], grid[i + 1]
+        low, high = _at(grid, i), _at(grid, i + 1)
         out = torch.where(u.to(a.dtype) * (high - low) < a - low, high, low)
     return torch.copysign(out, v)
+
+
+def _at(grid: Tensor, i: Tensor) -> Tensor:
+    """grid[i] by index_select (a fake CUDA tensor cannot be indexed with [] on CPU-only torch)."""
+    return grid.index_select(0, i.flatten()).view(i.shape)
 
 
 def quantize_mx(x: Tensor, dims: tuple[Dim, Dim], blocks: tuple[int, int]) -> Quantized:
@@ -217,7 +222,8 @@ def pack_e2m1(data: Tensor) -> Tensor:
     code = torch.bucketize(mag, torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=v.device), right=False)
     code = code + 8 * (torch.signbit(v) & (mag > 0)).long()
     pairs = code.view(v.shape[0], -1, 2)
-    return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8).view(torch.float4_e2m1fn_x2)
+    low, high = pairs.select(2, 0), pairs.select(2, 1)
+    return (low | (high << 4)).to(torch.uint8).view(torch.float4_e2m1fn_x2)
 
 
 def blackwell(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> Tensor:
