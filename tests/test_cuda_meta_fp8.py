@@ -305,7 +305,6 @@ def test_quantizing_divides_by_device_tensors_never_by_host_scalars():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from ndtrain.kernels.fp8 import E4M3, E5M2, Dim, quantize
-    from ndtrain.kernels.fp8_linear import RECIPES
 
     divisors = []
 
