@@ -50,6 +50,7 @@ def test_e2m1_rounds_to_the_nearest_grid_point_ties_to_even(dtype):
     assert torch.equal(mx.round_e2m1(v).double(), torch.copysign(grid[pick], v.double()))
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_picks_a_neighbour_without_bias():
     """Each value goes to one of its two grid neighbours, up with probability equal to its
     distance from the lower one: the mean of 2·10^5 roundings is within 4.5 standard errors."""
@@ -142,7 +143,8 @@ def test_pack_e2m1_codes():
     assert decoded == values.float().flatten().tolist()
 
 
-@pytest.mark.parametrize("recipe", ["mxfp8", "nvfp4", "nvfp4-1d"])
+@pytest.mark.parametrize("recipe", ["nvfp4", pytest.param("mxfp8", marks=pytest.mark.slow),
+                                    pytest.param("nvfp4-1d", marks=pytest.mark.slow)])
 def test_the_linear_layer_runs_each_matmul_on_the_recipes_operands(recipe):
     """Forward, input gradient and weight gradient of the micro-scaled linear equal fp64
     products of the operands quantized as the recipe says (NVFP4: with the Hadamard transform
@@ -187,6 +189,7 @@ def _key(nv, what, tokens):
     return key, g * tokens.full
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_changes_the_gradient_and_is_reproducible():
     """Two runs with the same (seed, step, micro-batch) give the same weight gradient bit for
     bit; another step draws other numbers, and rounding to nearest differs from both."""
