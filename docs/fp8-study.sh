@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The convergence study of docs/fp8.md: the default job (`ndtrain train`, 2 CPU processes or
-# every local GPU) in bf16 and in fp8 with each recipe, for each seed, one run after the other;
+# every local GPU) in bf16 and in fp8 with each recipe (arms: tensorwise rowwise blockwise
+# mxfp8, and nvfp4, nvfp4-nohadamard, nvfp4-nosr), for each seed, one run after the other;
 # and in fp32, a control: how far another precision's rounding alone moves a run from bf16's.
 # Every run evaluates every 50 steps (evaluation does not change training).
 # Usage: [STEPS=400] [ARMS="bf16 fp32 tensorwise rowwise blockwise"] [EXTRA="KEY=VALUE ..."] \
@@ -22,8 +23,13 @@ touch "$out/results.jsonl"
 for s in $seeds; do
   for arm in $arms; do
     if grep -q "\"arm\": \"$arm\", \"seed\": $s," "$out/results.jsonl"; then continue; fi
-    if [ "$arm" = bf16 ] || [ "$arm" = fp32 ]; then precision=(train.precision="$arm")
-    else precision=(train.precision=fp8 train.fp8_recipe="$arm"); fi
+    case "$arm" in
+      bf16|fp32) precision=(train.precision="$arm") ;;
+      nvfp4) precision=(train.precision=nvfp4) ;;
+      nvfp4-nohadamard) precision=(train.precision=nvfp4 train.nvfp4_hadamard=false) ;;
+      nvfp4-nosr) precision=(train.precision=nvfp4 train.nvfp4_stochastic_rounding=false) ;;
+      *) precision=(train.precision=fp8 train.fp8_recipe="$arm") ;;
+    esac
     t0=$(date +%s.%N)
     python -m ndtrain.cli train "${precision[@]}" "${extra[@]}" train.seed="$s" train.steps="$steps" train.eval_every=50 \
       run.progress=false run.dir="$out/$arm-$s" > "$out/$arm-$s.log" 2>&1

@@ -462,3 +462,25 @@ def test_rl_refuses_multi_token_prediction(tmp_path, capsys, monkeypatch):
     refused(RL + [f"data.cache_dir={tmp_path / 'cache'}", "model.preset=deepseek-v3-tiny"], tmp_path, capsys,
             "model.mtp_depth = 1: multi-token prediction trains on the token loss of pretraining and SFT, not "
             "ndtrain rl's objective; use 0")
+
+
+@pytest.mark.parametrize("overrides, fragment", [
+    (["train.precision=fp8", "train.fp8_recipe=mxfp8", "parallel.tp=2", "--nproc", "2"],
+     "parallel.tp = 2: mxfp8 needs every tensor-parallel shard to be whole 32-element blocks: KV heads × head_dim = 32 "
+     "gives 16 per rank"),
+    (["train.precision=nvfp4", "parallel.cp=2", "--nproc", "2"],
+     "parallel.cp = 2: nvfp4's Hadamard transform mixes runs of 16 tokens"),
+    (["train.precision=nvfp4", "model.preset=tiny-moe"], "train.precision = 'nvfp4': NVFP4 with MoE blocks is not built"),
+    (["train.precision=nvfp4", "train.compile=true"], "train.compile = True: nvfp4's stochastic rounding"),
+    (["train.nvfp4_hadamard=false"], "train.nvfp4_hadamard = False: applies only with train.precision=nvfp4"),
+    (["train.precision=fp8", "train.nvfp4_base_blocks=2"], "train.nvfp4_base_blocks = 2: applies only with"),
+    (["train.precision=nvfp4", "train.nvfp4_base_blocks=-2"], "train.nvfp4_base_blocks = -2: must be >= 0, or -1"),
+    (["train.precision=nvfp4", "train.fp8_recipe=mxfp8"], "train.fp8_recipe = 'mxfp8': applies only with train.precision=fp8"),
+    (["train.fp8_base=fp32"], "train.fp8_base = 'fp32': applies only with train.precision=fp8 or nvfp4"),
+])
+def test_micro_scaled_formats_refuse_what_they_cannot_do(overrides, fragment, tmp_path, capsys, monkeypatch):
+    """MXFP8 and NVFP4 (issue 38): a shard that cuts a block, Hadamard runs cut by context
+    parallelism, what NVFP4 has no keyed rounding for, and their keys without their format."""
+    monkeypatch.chdir(tmp_path)
+    refused(["train", "model.preset=tiny", "run.device=cpu", "train.steps=1", "train.seq_len=32",
+             f"data.cache_dir={tmp_path / 'cache'}"] + overrides, tmp_path, capsys, fragment)

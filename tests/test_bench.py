@@ -153,15 +153,16 @@ def test_bench_generate_takes_fewer_rounds_by_default(monkeypatch):
 
 
 def test_bench_fp8_runs_bf16_and_every_recipe():
-    """One round of bf16 and the three recipes, one process: a ratio per recipe, tensorwise last."""
+    """One round of bf16 and the five recipes (MXFP8 and NVFP4 included), one process: a ratio
+    per recipe, tensorwise last."""
     from ndtrain.bench import fp8
     from ndtrain.bench.common import bench_config
     cfg = bench_config(_args("model.preset=tiny", "train.seq_len=32", "train.global_batch=4", "run.device=cpu",
                              "run.threads=1", nproc=1), fp8.BENCH)
     cfg.train.precision = "bf16"
     out = fp8._worker(cfg.to_dict(), 1, 1)
-    for recipe in ("rowwise", "blockwise"):
-        assert re.search(rf"\nfp8 {recipe}/bf16 throughput ratio: \d+\.\d\d\n", out), out
+    for recipe in ("fp8 rowwise", "fp8 blockwise", "fp8 mxfp8", "nvfp4"):
+        assert re.search(rf"\n{recipe}/bf16 throughput ratio: \d+\.\d\d\n", out), out
     assert re.search(r"\nfp8 tensorwise/bf16 throughput ratio: \d+\.\d\d$", out), out
 
 

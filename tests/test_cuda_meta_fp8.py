@@ -26,6 +26,8 @@ import ndtrain.kernels.fp8 as fp8
 from ndtrain.kernels.fp8 import BLOCK, Dim
 from ndtrain.kernels.fp8_linear import RECIPES, Fp8Experts, Fp8Linear, LinearPlan, predict_backends, segments_of
 
+FP8 = {name: r for name, r in RECIPES.items() if not r.micro}  # the micro-scaled ones: tests/test_mx.py
+
 CUDA = torch.device("cuda")
 TOKENS = 4 * 2048
 DIM, FFN = 2048, 8192
@@ -40,7 +42,7 @@ class NoReduce:
 
 
 def shard(local: int, full: int, rank: int) -> Dim:
-    return Dim(local, full, rank * local, split=NoReduce(), aligned=local % BLOCK == 0)
+    return Dim(local, full, rank * local, split=NoReduce(), aligned=local)
 
 
 @pytest.fixture
@@ -100,7 +102,7 @@ def fake_step(plan: LinearPlan, tokens: int, dtype=torch.bfloat16, token_dim: Di
         ctx = Ctx()
         y = Fp8Linear.forward(ctx, x, w, None, plan, token_dim or Dim.whole(tokens))
         assert y.shape == (tokens, plan.n.size) and y.device.type == "cuda"
-        dx, dw, _, _, _ = Fp8Linear.backward(ctx, torch.empty_like(y))
+        dx, dw, *_ = Fp8Linear.backward(ctx, torch.empty_like(y))
         assert dx.shape == x.shape and dw.shape == w.shape
     return [str(c.message) for c in caught if issubclass(c.category, RuntimeWarning)]
 
@@ -115,7 +117,7 @@ SHAPES = {  # (k, n) as this rank holds them
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("recipe", sorted(RECIPES))
+@pytest.mark.parametrize("recipe", sorted(FP8))
 def test_every_matmul_is_one_scaled_mm_on_sm90(calls, recipe, shape):
     """Whole or 128-aligned shards: each of the three matmuls is one `_scaled_mm` that CUDA's
     rules accept, with blockwise scales laid as measured, and nothing warns."""
@@ -194,7 +196,7 @@ def test_m_need_not_be_a_multiple_of_16_but_k_and_n_must(calls):
 def test_predicted_backends_are_the_ones_a_run_records(calls):
     """The dry run and metrics.jsonl report `predict_backends` (fake tensors, usable under
     torch.compile); here against the record a (fake) run leaves, in every case above."""
-    for recipe in sorted(RECIPES):
+    for recipe in sorted(FP8):
         for k, n in [SHAPES[s]() for s in sorted(SHAPES)] + [(shard(704, 5632, 1), Dim.whole(DIM))]:
             for tokens in (TOKENS, 100):
                 plan = LinearPlan(RECIPES[recipe], k, n)
@@ -303,7 +305,6 @@ def test_quantizing_divides_by_device_tensors_never_by_host_scalars():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from ndtrain.kernels.fp8 import E4M3, E5M2, Dim, quantize
-    from ndtrain.kernels.fp8_linear import RECIPES
 
     divisors = []
 
@@ -316,8 +317,12 @@ def test_quantizing_divides_by_device_tensors_never_by_host_scalars():
 
     with FakeTensorMode(), Divisions():
         x = torch.empty((256, 512), dtype=torch.bfloat16, device="cuda")
-        for recipe in RECIPES.values():
+        for recipe in FP8.values():
             for fmt in (E4M3, E5M2):
                 for blocks in (recipe.x, recipe.w, recipe.dy_wgrad):
                     quantize(x, (Dim.whole(256), Dim.whole(512)), blocks, fmt, recipe.pow2)
+        from ndtrain.kernels import mx  # and the micro-scaled formats' (MXFP8, NVFP4 with its rounding)
+        dims = (Dim.whole(256), Dim.whole(512))
+        mx.quantize_mx(x, dims, (1, 32))
+        mx.quantize_nv(x, dims, (16, 16), torch.empty((256, 512), device="cuda"))
     assert divisors and all(device == "cuda" for _, device in divisors), divisors

@@ -200,3 +200,31 @@ def test_flops_per_token_is_six_n_plus_attention():
         n = param_count(a, embedding=False, active=True)
         assert n < param_count(a, embedding=False) if a.is_moe else n == param_count(a, embedding=False)
         assert flops_per_token(a, 2048) == training_flops_per_token(n, a.n_layers, a.dim, 2048, causal=True)
+
+
+# --------------------------------------------------------------------------------------
+# Megatron-Bridge performance summary (archive, NeMo 26.04.01): Llama3-70B on 64 GB200s in
+# FP8 (current scaling), MXFP8 and NVFP4: 4,224 / 3,712 / 4,864 tokens/s per GPU at 1,892 /
+# 1,664 / 2,202 model TFLOP/s per GPU (shared/research/frontier-2026-11.md, section 3). Llama3-70B:
+# 80 layers, dim 8,192, FFN 28,672, 64 heads, 8 KV heads, vocabulary 128,256, sequence 8,192.
+# Given each row's MFU against the GB200's dense bf16 peak (2,500 TFLOP/s), the planner's
+# tokens/s per GPU are within 15% of the published ones (issue 38).
+LLAMA3_70B = ["model.preset=8B", "model.n_layers=80", "model.dim=8192", "model.ffn_dim=28672", "model.n_heads=64",
+              "model.n_kv_heads=8", "model.vocab_size=128256", "train.seq_len=8192", "train.global_batch=128",
+              "train.micro_batch=1", "parallel.tp=2", "parallel.pp=4"]
+
+
+@pytest.mark.parametrize("precision, tflops, published", [
+    (["train.precision=fp8"], 1892, 4224), (["train.precision=fp8", "train.fp8_recipe=mxfp8"], 1664, 3712),
+    (["train.precision=nvfp4"], 2202, 4864)])
+def test_megatron_bridge_llama3_70b_gb200_rows(precision, tflops, published):
+    from ndtrain.plan.fp8 import fp8_settings
+    cluster = CLUSTERS["GB200"]
+    cfg, device = plan_config(load_config(None, LLAMA3_70B + precision), cluster, 64)
+    args = cfg.model_args()
+    assert param_count(args) / 1e9 == pytest.approx(70.6, rel=0.01)
+    fp8 = fp8_settings(cfg, {}, cluster)
+    plan = make_plan(cfg, args, device, rate=Rate(tflops / 2500, utilization=True, hardware=False), fp8=fp8)
+    per_gpu = plan.tokens_per_s / 64
+    print(f"{precision[-1]}: {per_gpu:,.0f} tokens/s per GPU, published {published:,} ({per_gpu / published - 1:+.1%})")
+    assert abs(per_gpu / published - 1) <= 0.15

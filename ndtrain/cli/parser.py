@@ -57,7 +57,7 @@ examples:
   ndtrain bench cp                               context parallelism: ring vs allgather vs ulysses vs one process
   ndtrain bench generate                         batched generation with a KV cache against recomputing the prefix
   ndtrain bench ep                               experts split over 2 ranks (ep=2) against replicated (ep=1)
-  ndtrain bench fp8 --nproc 1                    bf16 against fp8 tensorwise, rowwise, blockwise (CPU: the emulation)
+  ndtrain bench fp8 --nproc 1                    bf16 against fp8 tensorwise, rowwise, blockwise, mxfp8, nvfp4 (CPU: the emulation)
   ndtrain bench muon                             AdamW against Muon (train.optimizer=muon) under dp2 and ZeRO-3
   ndtrain bench compile                          the default job's step compiled (train.compile=true) against eager
   ndtrain bench gpu [--dry-run]                  the first GPU run: CUDA calls probed, CUDA tests, 1B MFU eager and
@@ -195,11 +195,12 @@ def _add_plan(sub) -> None:
                                    "pipeline bubble of the schedule simulated, DP/ZeRO, optimizer), tokens/s, MFU "
                                    "and HFU, and days, for a layout on a cluster too large for this machine; "
                                    "mixtures of experts (expert parallelism) and fp8 (train.precision=fp8, "
-                                   "train.fp8_recipe, train.fp8_all_gather: planned from formulas) included. "
+                                   "train.fp8_recipe, train.fp8_all_gather: planned from formulas; MXFP8 and "
+                                   "train.precision=nvfp4 on B200/GB200) included. "
                                    "Checks the layout with the rules train enforces. Formulas and sources: "
                                    "docs/plan.md.")
     p.add_argument("--cluster", required=True, metavar="SPEC",
-                   help="A100-40GB, A100-80GB, H100-SXM, H200, B200, this-machine (calibrated by bench matmul "
+                   help="A100-40GB, A100-80GB, H100-SXM, H200, B200, GB200, this-machine (calibrated by bench matmul "
                         "and bench comm; its compute by bench plan), or a TOML file")
     p.add_argument("--gpus", type=int, metavar="N", help="GPUs (processes); default: the layout's product, or one node")
     p.add_argument("--mfu", type=float, metavar="X", help="an achieved MFU (0-1: model FLOPs over the peak) instead "
@@ -268,7 +269,7 @@ def _add_bench(sub) -> None:
                                      "run.async_save, last line their ratio, lower is better), ep (experts split over --nproc ranks vs "
                                      "replicated), generate (KV cache vs recomputing the prefix, one process), "
                                      "plan (the planner's step time against the engine's, each layout on this "
-                                     "machine), fp8 (bf16 vs each fp8 recipe; on a CPU, the emulation), muon (AdamW vs "
+                                     "machine), fp8 (bf16 vs each fp8 recipe, MXFP8 and NVFP4; on a CPU, the emulation), muon (AdamW vs "
                                      "train.optimizer=muon under dp and ZeRO-3: step time and bytes), compile "
                                      "(train.compile=true vs eager, same layout), prepare (ndtrain prepare on "
                                      "data.workers processes vs a bare tokenizers encode_batch loop, MB/s), ft (one replica group "

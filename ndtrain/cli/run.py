@@ -31,6 +31,8 @@ def layout_words(cfg) -> str:
     precision = t.precision
     if precision == "fp8":
         precision = f"fp8 {t.fp8_recipe} (the rest {t.fp8_base})"
+    elif precision == "nvfp4":
+        precision = f"nvfp4 (the rest {t.fp8_base})"
     elif precision == "fp32" and t.tf32 and uses_cuda(cfg.run.device):
         precision = "fp32 (matmuls on TF32)"
     return (f"{p.world} process{'es' if p.world > 1 else ''} (pp={p.pp} dp={p.dp} cp={p.cp} tp={p.tp}"

@@ -235,12 +235,46 @@ def check_context(cfg: Config, a: ModelArgs) -> None:
                               f"n_kv_heads = {a.n_kv_heads}) to divide cp or be divisible by it")
 
 
+def check_micro(cfg: Config, a: ModelArgs) -> None:
+    """MXFP8 and NVFP4 (parallel/fp8.py): a block spans 32 (16) elements along a reduction, so
+    a tensor-parallel shard must be whole blocks; NVFP4's Hadamard runs of 16 tokens must lie
+    on one context-parallel rank; its stochastic rounding is keyed by the micro-batch that a
+    forward runs, which a compiled block or a pipeline's recomputed forward cannot follow."""
+    t, p = cfg.train, cfg.parallel
+    nv = t.precision == "nvfp4"
+    if not nv and t.fp8_recipe != "mxfp8":
+        return
+    name, block = ("nvfp4", 16) if nv else ("mxfp8", 32)
+    if p.tp > 1:
+        widths = {"attention heads × head_dim": a.n_heads * a.head_dim, "KV heads × head_dim": a.n_kv_heads * a.head_dim,
+                  "ffn_dim": a.ffn_dim}
+        for what, full in widths.items():
+            if full % p.tp or (full // p.tp) % block:
+                raise ConfigError("parallel.tp", p.tp, f"{name} needs every tensor-parallel shard to be whole {block}-"
+                                  f"element blocks: {what} = {full} gives {full / p.tp:g} per rank")
+    if not nv:
+        return
+    if a.is_moe:
+        raise ConfigError("train.precision", "nvfp4", "NVFP4 with MoE blocks is not built (its stochastic rounding "
+                          "of an expert's rows is not keyed across ep ranks yet); use fp8 with fp8_recipe=mxfp8")
+    if p.cp > 1 and t.nvfp4_hadamard and (t.seq_len // (2 * p.cp)) % block:
+        raise ConfigError("parallel.cp", p.cp, f"nvfp4's Hadamard transform mixes runs of 16 tokens: seq_len / (2·cp) "
+                          f"= {t.seq_len / (2 * p.cp):g} tokens per chunk must be a multiple of 16")
+    if t.nvfp4_stochastic_rounding and t.compile:
+        raise ConfigError("train.compile", True, "nvfp4's stochastic rounding is keyed by step and micro-batch, "
+                          "which a compiled block would guard on; set train.nvfp4_stochastic_rounding=false")
+    if t.nvfp4_stochastic_rounding and p.pp > 1 and t.recompute != "none":
+        raise ConfigError("train.recompute", t.recompute, "nvfp4's stochastic rounding under pipeline parallelism "
+                          "needs the forward's micro-batch in backward, which recomputation runs later; use none")
+
+
 def check_fp8(cfg: Config, a: ModelArgs) -> None:
     """train.precision = fp8: the fp8 all-gather's needs, and the layouts fp8 cannot make equal
     to one process (parallel/fp8.py says why)."""
     t, p = cfg.train, cfg.parallel
-    if t.precision != "fp8":
+    if t.precision not in ("fp8", "nvfp4"):
         return
+    check_micro(cfg, a)
     if t.fp8_all_gather and (t.fp8_recipe != "tensorwise" or p.zero != 3):
         raise ConfigError("train.fp8_all_gather", True, "gathers tensorwise fp8 weights under ZeRO-3: needs "
                           f"train.fp8_recipe=tensorwise and parallel.zero=3 (got {t.fp8_recipe}, zero={p.zero})")

@@ -32,8 +32,9 @@ def check_lora(cfg: Config, a=None) -> None:
     if t.optimizer == "muon":
         raise ConfigError("train.optimizer", t.optimizer, "Muon orthogonalises whole weight matrices; a LoRA "
                           "adapter's low-rank factors are not that: use train.optimizer=adamw with lora.rank > 0")
-    if t.precision == "fp8":
-        raise ConfigError("train.precision", t.precision, "LoRA adapters have no fp8 product; use bf16 with lora.rank > 0")
+    if t.precision in ("fp8", "nvfp4"):
+        raise ConfigError("train.precision", t.precision, f"LoRA adapters have no {t.precision} product; use bf16 "
+                          "with lora.rank > 0")
     if lora.dropout and (p.tp > 1 or p.cp > 1):
         key, value = ("parallel.tp", p.tp) if p.tp > 1 else ("parallel.cp", p.cp)
         raise ConfigError(key, value, "lora.dropout > 0 draws its mask on this rank's part of a layer's input, "

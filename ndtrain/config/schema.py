@@ -151,11 +151,15 @@ class TrainConfig:
     muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (Moonlight: 0.2·sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 0
-    precision: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on the CPU) | fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs) | fp8 (block matmuls in fp8, the rest in fp8_base)
+    precision: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on the CPU) | fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs) | fp8 (block matmuls in fp8, the rest in fp8_base) | nvfp4 (block matmuls in NVFP4, the rest in fp8_base)
     tf32: bool = True  # CUDA: matmuls that stay fp32 run on TF32 tensor cores (10-bit mantissa); false: full fp32
-    fp8_recipe: str = "tensorwise"  # precision = fp8: tensorwise | rowwise | blockwise (DeepSeek-V3's 1×128 / 128×128)
+    fp8_recipe: str = "tensorwise"  # precision = fp8: tensorwise | rowwise | blockwise (DeepSeek-V3's 1×128 / 128×128) | mxfp8 (1×32 blocks, E8M0 scales)
     fp8_all_gather: bool = False  # precision = fp8, tensorwise, zero = 3: gather weights in fp8 (half of bf16's bytes)
-    fp8_base: str = "bf16"  # precision = fp8: the dtype of everything not in fp8: bf16 | fp32 | fp64 (CPU proofs)
+    fp8_base: str = "bf16"  # precision = fp8 or nvfp4: the dtype of everything not in fp8/NVFP4: bf16 | fp32 | fp64 (CPU proofs)
+    nvfp4_hadamard: bool = True  # precision = nvfp4: 16×16 random Hadamard transform of the weight gradient's inputs
+    nvfp4_stochastic_rounding: bool = True  # precision = nvfp4: round gradients stochastically (keyed by seed, step, layer, element)
+    nvfp4_2d_weights: bool = True  # precision = nvfp4: weights in 16×16 blocks (false: 1×16 along each matmul's reduction)
+    nvfp4_base_blocks: int = -1  # precision = nvfp4: the last N blocks stay in fp8_base (-1: the last 15%, rounded)
     reduce_fp32: bool = True  # reduce gradients in fp32; false: in train.precision, half the bytes
     loss_scaler: bool = True  # fp16: dynamic loss scaling
     allow_unscaled_fp16: bool = False  # permit fp16 with loss_scaler = false

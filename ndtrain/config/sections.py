@@ -15,8 +15,10 @@ from ndtrain.data.chat import BAD_RECORD_POLICIES
 from ndtrain.data.packing import PACKINGS, TRUNCATIONS
 from ndtrain.model.args import PRESETS
 
-PRECISIONS = ("fp32", "bf16", "fp16", "fp64", "fp8")
-FP8_RECIPES = ("tensorwise", "rowwise", "blockwise")
+PRECISIONS = ("fp32", "bf16", "fp16", "fp64", "fp8", "nvfp4")
+FP8_RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
+NVFP4_KEYS = (("nvfp4_hadamard", True), ("nvfp4_stochastic_rounding", True), ("nvfp4_2d_weights", True),
+              ("nvfp4_base_blocks", -1))
 FP8_BASES = ("bf16", "fp32", "fp64")
 TEMPLATES = ("auto", "builtin", "hf")
 PP_SCHEDULES = ("afab", "1f1b", "interleaved", "zb", "zbv", "dualpipev")
@@ -179,9 +181,18 @@ def _check_fp8_keys(t: TrainConfig, device: str) -> None:
     if t.fp8_base not in FP8_BASES:
         raise ConfigError("train.fp8_base", t.fp8_base, f"choose one of {', '.join(FP8_BASES)}")
     if t.precision != "fp8":
-        for key, default in (("fp8_recipe", "tensorwise"), ("fp8_base", "bf16"), ("fp8_all_gather", False)):
+        for key, default in (("fp8_recipe", "tensorwise"), ("fp8_all_gather", False)):
             if getattr(t, key) != default:
                 raise ConfigError(f"train.{key}", getattr(t, key), "applies only with train.precision=fp8")
+    if t.precision != "nvfp4":
+        for key, default in NVFP4_KEYS:
+            if getattr(t, key) != default:
+                raise ConfigError(f"train.{key}", getattr(t, key), "applies only with train.precision=nvfp4")
+    if t.nvfp4_base_blocks < -1:
+        raise ConfigError("train.nvfp4_base_blocks", t.nvfp4_base_blocks, "must be >= 0, or -1 for the last 15%")
+    if t.precision not in ("fp8", "nvfp4"):
+        if t.fp8_base != "bf16":
+            raise ConfigError("train.fp8_base", t.fp8_base, "applies only with train.precision=fp8 or nvfp4")
     elif t.fp8_base == "fp64" and uses_cuda(device):
         raise ConfigError("train.fp8_base", "fp64", "fp64 is for the CPU layout proofs (run.device=cpu)")
 

@@ -58,14 +58,15 @@ class Dim:
     indices `offset + arange(size)` (or `index`, a CPU tensor, for a permuted one such as the
     tokens under context parallelism) of a dimension of `full` elements. `split`: the ranks
     holding the rest (None: all of it is here). `aligned`: every rank's share is made of
-    whole 128-blocks, so a block never spans ranks (the same answer on every rank)."""
+    whole runs of this many elements at multiples of it (0: unknown), so a block that divides
+    it never spans ranks (the same answer on every rank)."""
 
     size: int
     full: int
     offset: int = 0
     index: Tensor | None = field(default=None, compare=False)
     split: MaxReducer | None = field(default=None, compare=False)
-    aligned: bool = False
+    aligned: int = 0
 
     @staticmethod
     def whole(n: int) -> "Dim":
@@ -109,7 +110,7 @@ class Dim:
         """Whether a cell of this size can hold elements of several ranks."""
         if self.split is None or block == 1:
             return False
-        return block == WHOLE or not self.aligned
+        return block == WHOLE or not self.aligned or self.aligned % block != 0
 
     def runs(self, block: int) -> list[tuple[int, int, int]]:
         """The local stretches [start, end) whose elements share one cell, with that cell.
@@ -152,9 +153,13 @@ class Quantized:
     rows: Tensor | None = None
     cols: Tensor | None = None
     local: tuple[slice | None, slice | None] = (None, None)
+    # The micro-scaled formats (kernels/mx.py): "mxfp8" (E8M0 block scales) or "nvfp4" (E2M1
+    # values held exactly in E4M3, E4M3 block scales, and `outer`, the per-tensor fp32 scale).
+    kind: str = "fp8"
+    outer: Tensor | None = None
 
     def t(self) -> "Quantized":
-        return Quantized(self.data.t(), self.scale.t(), self.cols, self.rows, self.local[::-1])
+        return Quantized(self.data.t(), self.scale.t(), self.cols, self.rows, self.local[::-1], self.kind, self.outer)
 
     def scales(self) -> Tensor:
         """The scale of every element, broadcastable to [R, C] (fp32)."""
@@ -162,10 +167,16 @@ class Quantized:
         return s if self.cols is None else s.index_select(1, self.cols)
 
     def dequantized(self, dtype: torch.dtype = torch.float64) -> Tensor:
-        return self.data.to(dtype) * self.scales().to(dtype)
+        out = self.data.to(dtype) * self.scales().to(dtype)
+        return out if self.outer is None else out * self.outer.to(dtype)
 
     def nbytes(self) -> int:
-        return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+        """Bytes of the hardware format: fp8 values and fp32 scales; MXFP8's scales are one
+        byte (E8M0); NVFP4's values half a byte (E2M1), its scales one (E4M3), plus 4."""
+        if self.kind == "fp8":
+            return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+        values = self.data.numel() // 2 if self.kind == "nvfp4" else self.data.numel()
+        return values + self.scale.numel() + (4 if self.outer is not None else 0)
 
 
 def _cell_max(a: Tensor, ids: Tensor | None, n: int, dim: int, whole: slice | None, block: int) -> Tensor:

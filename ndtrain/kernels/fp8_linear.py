@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 
 from ndtrain.kernels import fp8 as kernels
+from ndtrain.kernels import mx
 from ndtrain.kernels.fp8 import (BLOCK, E4M3, E5M2, SCALED_MM_SM, WHOLE, Dim, Quantized, quantize, row_major,
                                 scaled_matmul, warn_once)
 
@@ -53,18 +54,69 @@ class Recipe:
     x_wgrad: tuple[int, int]
     grad_fmt: torch.dtype
     pow2: bool
+    kind: str = "fp8"  # "mxfp8", "nvfp4": the micro-scaled formats (kernels/mx.py)
 
     @property
     def saves_fp8_input(self) -> bool:
         return self.x == self.x_wgrad
 
+    @property
+    def micro(self) -> bool:
+        return self.kind != "fp8"
 
-_W, _B = WHOLE, BLOCK
+
+_W, _B, _X, _N = WHOLE, BLOCK, mx.MX_BLOCK, mx.NV_BLOCK
 RECIPES = {
     "tensorwise": Recipe("tensorwise", (_W, _W), (_W, _W), (_W, _W), (_W, _W), (_W, _W), (_W, _W), E5M2, False),
     "rowwise": Recipe("rowwise", (1, _W), (1, _W), (1, _W), (_W, 1), (_W, 1), (_W, 1), E4M3, True),
     "blockwise": Recipe("blockwise", (1, _B), (_B, _B), (1, _B), (_B, _B), (_B, 1), (_B, 1), E4M3, False),
+    # MXFP8: every operand in 1×32 blocks along its matmul's reduction (E4M3, E8M0 scales).
+    "mxfp8": Recipe("mxfp8", (1, _X), (1, _X), (1, _X), (_X, 1), (_X, 1), (_X, 1), E4M3, True, "mxfp8"),
+    # NVFP4: 1×16 blocks, the weight in 16×16 blocks (one quantization for both of its matmuls).
+    "nvfp4": Recipe("nvfp4", (1, _N), (_N, _N), (1, _N), (_N, _N), (_N, 1), (_N, 1), E4M3, False, "nvfp4"),
+    "nvfp4-1d": Recipe("nvfp4-1d", (1, _N), (1, _N), (1, _N), (_N, 1), (_N, 1), (_N, 1), E4M3, False, "nvfp4"),
 }
+
+
+@dataclass
+class Rounding:
+    """What identifies a stochastic rounding's random numbers (NVFP4's gradients): the seed,
+    the step, and the micro-batch's index in the step's global batch (`first` of this data-
+    parallel rank, plus `micro`, set by the schedule before each forward). With the layer's
+    name and each element's global token and feature index (kernels/mx.uniform), no rank's
+    generator is involved: every layout draws the numbers one process draws."""
+
+    seed: int
+    step: int = 0
+    first: int = 0
+    micro: int = 0
+
+    def key(self, layer: str, what: str) -> tuple[int, int]:
+        """(the stream's key, the micro-batch's index in the step) for `layer`'s `what`."""
+        g = self.first + self.micro
+        return mx.stream_key(self.seed, self.step, g, layer, what), g
+
+
+ROUNDING = "ndtrain_rounding"  # the attribute of a model (or pipeline chunk) that holds its Rounding
+
+
+def set_micro(model: torch.nn.Module, i: int) -> None:
+    """Before the forward of this rank's micro-batch i (the schedules call it): the index
+    that keys NVFP4's stochastic rounding, where the model has one."""
+    rounding = model.__dict__.get(ROUNDING)
+    if rounding is not None:
+        rounding.micro = i
+
+
+@dataclass(frozen=True)
+class Nvfp4:
+    """NVFP4's recipe pieces (arXiv 2509.25149): the 16×16 random Hadamard transform of the
+    weight gradient's inputs, and stochastic rounding of the gradients (`rounding`: None
+    rounds to nearest)."""
+
+    hadamard: bool = True
+    rounding: Rounding | None = None
+    seed: int = 0
 
 
 @dataclass
@@ -84,6 +136,7 @@ class LinearPlan:
     backend: str | None = None
     saved_fp8: list[int] = field(default_factory=lambda: [0])
     backends: dict[str, str] = field(default_factory=dict)
+    nv: Nvfp4 | None = None  # NVFP4's options (recipe kind "nvfp4")
 
 
 # A weight may carry its fp8 form, quantized and gathered elsewhere (ZeRO-3's fp8 all-gather,
@@ -112,30 +165,84 @@ def _numel(shape) -> int:
 
 
 def _quantize_weight(w: Tensor, plan: LinearPlan, blocks: tuple[int, int]) -> Quantized:
-    return quantize(w, (plan.n, plan.k), blocks, E4M3, plan.recipe.pow2)
+    return _quantize(w, (plan.n, plan.k), blocks, E4M3, plan.recipe)
+
+
+def _quantize(x: Tensor, dims: tuple[Dim, Dim], blocks: tuple[int, int], fmt: torch.dtype, r: Recipe,
+              u: Tensor | None = None) -> Quantized:
+    """x in the recipe's format: fp8 cells (kernels/fp8.py) or a micro-scaled format (kernels/mx.py;
+    `u`: NVFP4's stochastic rounding's numbers)."""
+    if r.kind == "mxfp8":
+        return mx.quantize_mx(x, dims, blocks)
+    if r.kind == "nvfp4":
+        return mx.quantize_nv(x, dims, blocks, u)
+    return quantize(x, dims, blocks, fmt, r.pow2)
+
+
+def _product(a: Quantized, b: Quantized, runs, out_dtype: torch.dtype, plan: LinearPlan, key: str) -> Tensor:
+    if a.kind != "fp8":
+        return mx.scaled_matmul(a, b, out_dtype, plan.backend, plan.backends, key)
+    return scaled_matmul(a, b, runs, out_dtype, plan.backend, plan.backends, key)
 
 
 def forward_matmul(x: Tensor, w: Tensor, plan: LinearPlan, tokens: Dim,
                    wq: Quantized | None = None) -> tuple[Tensor, Quantized]:
     """y = x·Wᵀ for x [T, K] and W [N, K]; returns y and x quantized."""
     r = plan.recipe
-    xq = quantize(x, (tokens, plan.k), r.x, E4M3, r.pow2)
+    xq = _quantize(x, (tokens, plan.k), r.x, E4M3, r)
     wq = wq if wq is not None else _weight_of(w, plan, r.w)
-    return scaled_matmul(xq, wq, plan.k.runs(r.x[1]), x.dtype, plan.backend, plan.backends, "forward"), xq
+    return _product(xq, wq, plan.k.runs(r.x[1]), x.dtype, plan, "forward"), xq
 
 
 def input_grad(dy: Tensor, w: Tensor, plan: LinearPlan, tokens: Dim, dyq: Quantized,
                wq: Quantized | None = None) -> Tensor:
     """dx = dy·W [T, K] from dy quantized for it."""
     wq = wq if wq is not None else _weight_of(w, plan, plan.recipe.w_dgrad)
-    return scaled_matmul(dyq, wq.t(), plan.n.runs(plan.recipe.dy[1]), dy.dtype, plan.backend, plan.backends,
-                         "input_grad")
+    return _product(dyq, wq.t(), plan.n.runs(plan.recipe.dy[1]), dy.dtype, plan, "input_grad")
+
+
+def _hadamard_tokens(t: Tensor, plan: LinearPlan, tokens: Dim) -> tuple[Tensor, Dim]:
+    """NVFP4's weight-gradient operand along the tokens: the 16×16 random Hadamard transform of
+    each run of 16 tokens where the recipe has it (runs of global token indices: the config
+    refuses a context-parallel chunk that is not a multiple of 16), and its token dimension."""
+    nv = plan.nv
+    if plan.recipe.kind != "nvfp4" or nv is None or not nv.hadamard:
+        return t, tokens
+    h = mx.hadamard(mx.NV_BLOCK, mx.stream_key(nv.seed, "hadamard"), torch.float64, t.device)
+    out = mx.transform_tokens(t if t.dtype == torch.float64 else t.float(), h)
+    if out.shape[0] == tokens.size:
+        return out, tokens
+    if tokens.split is not None or tokens.index is not None or tokens.size != tokens.full:
+        raise ValueError("the Hadamard transform needs a split token dimension cut in runs of 16")
+    return out, Dim.whole(out.shape[0])
+
+
+def wgrad_input(x: Tensor, plan: LinearPlan, tokens: Dim) -> Quantized:
+    """x as the weight gradient takes it (cells along the tokens; Hadamard-transformed under
+    NVFP4): what a micro-scaled forward keeps for backward instead of x."""
+    r = plan.recipe
+    xt, tt = _hadamard_tokens(x, plan, tokens)
+    return _quantize(xt, (tt, plan.k), r.x_wgrad, E4M3, r)
+
+
+def _uniform(sr: tuple[int, int] | None, tokens: Dim, features: Dim, device: torch.device) -> Tensor | None:
+    """Stochastic rounding's numbers for a gradient [tokens, features], or None (to nearest)."""
+    if sr is None:
+        return None
+    key, micro = sr
+    return mx.uniform(key, micro * tokens.full, tokens, features, device)
 
 
 def weight_grad(dy: Tensor, x: Tensor | Quantized, plan: LinearPlan, tokens: Dim, dyq: Quantized,
-                dtype: torch.dtype) -> Tensor:
-    """dW = dyᵀ·x [N, K]; `x` as saved (fp8 when the recipe reuses the forward's)."""
+                dtype: torch.dtype, sr: tuple[int, int] | None = None) -> Tensor:
+    """dW = dyᵀ·x [N, K]; `x` as saved (fp8 when the recipe reuses the forward's; under a
+    micro-scaled recipe, `wgrad_input`'s). `sr`: NVFP4's stochastic rounding of dy."""
     r = plan.recipe
+    if r.micro:
+        xq = x if isinstance(x, Quantized) else wgrad_input(x, plan, tokens)
+        dyt, tt = _hadamard_tokens(dy, plan, tokens)
+        dyq = _quantize(dyt, (tt, plan.n), r.dy_wgrad, r.grad_fmt, r, _uniform(sr, tt, plan.n, dy.device))
+        return _product(dyq.t(), xq.t(), None, dtype, plan, "weight_grad")
     if r.dy_wgrad != r.dy:
         dyq = quantize(dy, (tokens, plan.n), r.dy_wgrad, r.grad_fmt, r.pow2)
     xq = x if isinstance(x, Quantized) else quantize(x, (tokens, plan.k), r.x_wgrad, E4M3, r.pow2)
@@ -161,9 +268,9 @@ def predict_backends(plan: LinearPlan, tokens: Dim, dtype: torch.dtype, device: 
     return local.backends
 
 
-def quantize_grad(dy: Tensor, plan: LinearPlan, tokens: Dim) -> Quantized:
+def quantize_grad(dy: Tensor, plan: LinearPlan, tokens: Dim, sr: tuple[int, int] | None = None) -> Quantized:
     r = plan.recipe
-    return quantize(dy, (tokens, plan.n), r.dy, r.grad_fmt, r.pow2)
+    return _quantize(dy, (tokens, plan.n), r.dy, r.grad_fmt, r, _uniform(sr, tokens, plan.n, dy.device))
 
 
 def wanted(ctx, i: int) -> bool:
@@ -184,44 +291,59 @@ def wanted(ctx, i: int) -> bool:
 
 class Fp8Linear(torch.autograd.Function):
     """y = x·Wᵀ + b with the three matmuls in fp8 (module docstring). One autograd node, so
-    the zero-bubble split (parallel/pipeline/weightgrad.py) sees the weight used once."""
+    the zero-bubble split (parallel/pipeline/weightgrad.py) sees the weight used once.
+    `layer`: its name, which keys NVFP4's stochastic rounding."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, plan: LinearPlan, tokens: Dim) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, plan: LinearPlan, tokens: Dim,
+                layer: str = "") -> Tensor:
         y, xq = forward_matmul(x, weight, plan, tokens)
         if bias is not None:
             y = y + bias
         ctx.plan, ctx.tokens, ctx.has_bias = plan, tokens, bias is not None
-        if plan.recipe.saves_fp8_input:
+        saved = None
+        if plan.recipe.micro:  # the weight gradient's operand, quantized now (what the formats keep)
+            saved = wgrad_input(x, plan, tokens)
+            ctx.meta = (saved.rows, saved.cols, saved.local, saved.kind, saved.outer)
+            rounding = plan.nv.rounding if plan.nv is not None else None
+            ctx.sr = (rounding.key(layer, "input_grad"), rounding.key(layer, "weight_grad")) if rounding else (None, None)
+            ctx.save_for_backward(saved.data, saved.scale, weight)
+        elif plan.recipe.saves_fp8_input:
+            saved = xq
             ctx.save_for_backward(xq.data, xq.scale, weight)
-            if not torch.compiler.is_compiling():  # a Python counter in a graph is a guard: a recompile per call
-                plan.saved_fp8[0] += xq.nbytes()
         else:
             ctx.save_for_backward(x, weight)
+        if saved is not None and not torch.compiler.is_compiling():  # a Python counter in a graph: a recompile per call
+            plan.saved_fp8[0] += saved.nbytes()
         return y
 
     @staticmethod
     def backward(ctx, dy: Tensor):
         plan, tokens = ctx.plan, ctx.tokens
-        if plan.recipe.saves_fp8_input:
+        sr = (None, None)
+        if plan.recipe.micro:
+            data, scale, weight = ctx.saved_tensors
+            x = Quantized(data, scale, *ctx.meta)
+            sr = ctx.sr
+        elif plan.recipe.saves_fp8_input:
             data, scale, weight = ctx.saved_tensors
             x = Quantized(data, scale)  # tensorwise: one cell
         else:
             x, weight = ctx.saved_tensors
-        dyq = quantize_grad(dy, plan, tokens)
+        dyq = quantize_grad(dy, plan, tokens, sr[0])
         dx = dw = db = None
         if wanted(ctx, 0):
             dx = input_grad(dy, weight, plan, tokens, dyq)
         if wanted(ctx, 1):
-            dw = weight_grad(dy, x, plan, tokens, dyq, weight.dtype)
+            dw = weight_grad(dy, x, plan, tokens, dyq, weight.dtype, sr[1])
         if ctx.has_bias and wanted(ctx, 2):
             db = dy.sum(0)
-        return dx, dw, db, None, None
+        return dx, dw, db, None, None, None
 
 
-def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, plan: LinearPlan) -> Tensor:
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, plan: LinearPlan, layer: str = "") -> Tensor:
     """`F.linear` in fp8: x [..., K] (its leading dimensions are the tokens), W [N, K]."""
-    y = Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias, plan, plan.tokens(tuple(x.shape[:-1])))
+    y = Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias, plan, plan.tokens(tuple(x.shape[:-1])), layer)
     return y.view(*x.shape[:-1], y.shape[-1])
 
 

@@ -82,6 +82,7 @@ def gpu_peak(name: str, precision: str, tf32: bool) -> tuple[float | None, str]:
             if precision == "fp32":
                 return (tf32_peak, f"{name} datasheet, fp32 on TF32 tensor cores (train.tf32)") if tf32 \
                     else (fp32, f"{name} datasheet, fp32")
-            shown = "bf16 (fp8 runs are quoted against the bf16 peak)" if precision == "fp8" else precision
+            shown = (f"bf16 ({precision} runs are quoted against the bf16 peak)" if precision in ("fp8", "nvfp4")
+                     else precision)
             return low, f"{name} datasheet, {shown}"
     return None, f"unknown GPU {name!r}"

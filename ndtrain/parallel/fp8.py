@@ -49,8 +49,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ndtrain.comm import ops
-from ndtrain.kernels.fp8 import BLOCK, Dim
-from ndtrain.kernels.fp8_linear import RECIPES, LinearPlan, fp8_expert_matmul, fp8_linear, predict_backends
+from ndtrain.kernels.fp8 import Dim
+from ndtrain.kernels.fp8_linear import (RECIPES, ROUNDING, LinearPlan, Nvfp4, Rounding, fp8_expert_matmul,
+                                       fp8_linear, predict_backends)
 from ndtrain.mesh import Group, ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.moe import Experts
@@ -63,7 +64,10 @@ STAY = ("embedding, output head, norms, attention core, router (norm statistics,
         "in fp32)")
 SCALES = {"tensorwise": "x and W in E4M3, gradients in E5M2, one scale per tensor",
           "rowwise": "E4M3, one power-of-two scale per row along each matmul's reduction",
-          "blockwise": "E4M3, 1×128 tiles of activations and gradients, 128×128 weight blocks, fp32 every 128"}
+          "blockwise": "E4M3, 1×128 tiles of activations and gradients, 128×128 weight blocks, fp32 every 128",
+          "mxfp8": "MXFP8: E4M3 in 1×32 blocks along each matmul's reduction, E8M0 power-of-two scales (RCEIL)",
+          "nvfp4": "NVFP4: E2M1 in 1×16 blocks, E4M3 block scales and an fp32 tensor scale, 16×16 weight blocks",
+          "nvfp4-1d": "NVFP4: E2M1 in 1×16 blocks, E4M3 block scales and an fp32 tensor scale"}
 
 
 @dataclass(frozen=True)
@@ -81,7 +85,7 @@ def split_dim(local: int, group: Group) -> Dim:
     `group.size` (a tensor-parallel split; padding, if any, is zeros at the end)."""
     if not group.active:
         return Dim.whole(local)
-    return Dim(local, local * group.size, group.rank * local, split=MaxOver(group), aligned=local % BLOCK == 0)
+    return Dim(local, local * group.size, group.rank * local, split=MaxOver(group), aligned=local)
 
 
 class Tokens:
@@ -106,18 +110,19 @@ class Tokens:
         cp = self.cp.size
         full_s = s * cp
         index = (torch.arange(b)[:, None] * full_s + zigzag_index(full_s, cp, self.cp.rank)[None, :]).flatten()
-        return Dim(n, b * full_s, index=index, split=MaxOver(self.cp), aligned=(full_s // (2 * cp)) % BLOCK == 0)
+        return Dim(n, b * full_s, index=index, split=MaxOver(self.cp),
+                   aligned=full_s // (2 * cp) if full_s % (2 * cp) == 0 else 0)
 
 
 class Float8Linear(nn.Module):
     """`nn.Linear` with its matmuls in fp8: the same `weight` and `bias`."""
 
-    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, plan: LinearPlan):
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, plan: LinearPlan, layer: str = ""):
         super().__init__()
-        self.weight, self.bias, self.plan = weight, bias, plan
+        self.weight, self.bias, self.plan, self.layer = weight, bias, plan, layer
 
     def forward(self, x: Tensor) -> Tensor:
-        return fp8_linear(x, self.weight, self.bias, self.plan)
+        return fp8_linear(x, self.weight, self.bias, self.plan, self.layer)
 
     def extra_repr(self) -> str:
         return f"in={self.plan.k.full}, out={self.plan.n.full}, fp8 {self.plan.recipe.name}"
@@ -126,11 +131,11 @@ class Float8Linear(nn.Module):
 class _Product:
     """An fp8 `linear(x, weight, bias)` bound to its plan (a tensor-parallel layer's)."""
 
-    def __init__(self, plan: LinearPlan):
-        self.plan = plan
+    def __init__(self, plan: LinearPlan, layer: str = ""):
+        self.plan, self.layer = plan, layer
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        return fp8_linear(x, weight, bias, self.plan)
+        return fp8_linear(x, weight, bias, self.plan, self.layer)
 
 
 class _ExpertProduct:
@@ -141,28 +146,32 @@ class _ExpertProduct:
         return fp8_expert_matmul(x, w, counts, self.plan)
 
 
-def _swap(module: nn.Module, plan_for, tp: Group):
+def _swap(module: nn.Module, plan_for, tp: Group, name: str):
     """The fp8 version of one linear layer (or None to keep the module, given a product).
     `plan_for(k, n)`: the plan of a weight [n, k] as this rank holds it."""
     if isinstance(module, ColumnParallelLinear):
         out_local, k = module.weight.shape
-        module.linear = _Product(plan_for(Dim.whole(k), split_dim(out_local, tp)))
+        module.linear = _Product(plan_for(Dim.whole(k), split_dim(out_local, tp)), name)
         return None
     if isinstance(module, RowParallelLinear):
         n, in_local = module.weight.shape
-        module.linear = _Product(plan_for(split_dim(in_local, tp), Dim.whole(n)))
+        module.linear = _Product(plan_for(split_dim(in_local, tp), Dim.whole(n)), name)
         return None
     if type(module) is nn.Linear:
         return Float8Linear(module.weight, module.bias,
-                            plan_for(Dim.whole(module.in_features), Dim.whole(module.out_features)))
+                            plan_for(Dim.whole(module.in_features), Dim.whole(module.out_features)), name)
     raise ValueError(f"fp8 has no plan for a {type(module).__name__} "
                      "(tensor parallelism with fewer KV heads than tp ranks is refused in config)")
 
 
-def apply(model: nn.Module, mesh: ParallelMesh, recipe: str, backend: str | None = None) -> list[str]:
+def apply(model: nn.Module, mesh: ParallelMesh, recipe: str, backend: str | None = None,
+          nv: Nvfp4 | None = None, base_blocks: frozenset[int] = frozenset()) -> list[str]:
     """Swap the block linears and experts of `model` (a decoder or a pipeline chunk, laid
-    out by the other dimensions) for fp8 ones, in place; returns the names swapped."""
+    out by the other dimensions) for fp8 ones, in place; returns the names swapped. `nv`:
+    NVFP4's options; `base_blocks`: blocks left in the base dtype (NVFP4's tail)."""
     r = RECIPES[recipe]
+    if nv is not None and nv.rounding is not None:
+        setattr(model, ROUNDING, nv.rounding)  # the schedules set its micro-batch (set_micro)
     tokens, tp, expert_tokens = Tokens(mesh.group("cp")), mesh.group("tp"), Tokens()
     # One plan per shape, shared by every block: torch.compile guards on the plan object a
     # block reads, so a plan per block made it compile every block anew (8 graphs for 8
@@ -173,13 +182,15 @@ def apply(model: nn.Module, mesh: ParallelMesh, recipe: str, backend: str | None
     def plan_for(k: Dim, n: Dim, experts: bool = False) -> LinearPlan:
         key = (k, n, experts)  # a Dim compares by its sizes and offset
         if key not in shared:
-            shared[key] = LinearPlan(r, k, n, expert_tokens if experts else tokens, backend)
+            shared[key] = LinearPlan(r, k, n, expert_tokens if experts else tokens, backend, nv=nv)
         return shared[key]
 
     done = []
     for name, module in list(model.named_modules()):
+        if name.startswith("layers.") and int(name.split(".")[1]) in base_blocks:
+            continue
         if any(fnmatchcase(name, p) for p in LINEARS):
-            new = _swap(module, plan_for, tp)
+            new = _swap(module, plan_for, tp, name)
             if new is not None:
                 model.set_submodule(name, new)
             done.append(name)
@@ -189,6 +200,46 @@ def apply(model: nn.Module, mesh: ParallelMesh, recipe: str, backend: str | None
                 module.matmuls[w] = _ExpertProduct(plan_for(Dim.whole(k), Dim.whole(n), experts=True))
             done.append(name)
     return done
+
+
+def recipe_of(t) -> str | None:
+    """The recipe a train section runs (None: no fp8 or micro-scaled matmuls)."""
+    if t.precision == "nvfp4":
+        return "nvfp4" if t.nvfp4_2d_weights else "nvfp4-1d"
+    return t.fp8_recipe if t.precision == "fp8" else None
+
+
+def options(t, n_layers: int) -> tuple[Nvfp4 | None, frozenset[int]]:
+    """NVFP4's options and tail for a train section (None and no tail otherwise)."""
+    if t.precision != "nvfp4":
+        return None, frozenset()
+    rounding = Rounding(t.seed) if t.nvfp4_stochastic_rounding else None
+    return Nvfp4(t.nvfp4_hadamard, rounding, t.seed), base_blocks(n_layers, t.nvfp4_base_blocks)
+
+
+def summary(t, args: ModelArgs) -> str:
+    """The dry run's and the run summary's line on what runs in which format."""
+    nv, tail = options(t, args.n_layers)
+    extra = ""
+    if nv is not None:
+        extra = (f"; weight-gradient inputs {'through' if nv.hadamard else 'without'} the 16×16 random Hadamard "
+                 f"transform; gradients rounded {'stochastically' if nv.rounding else 'to nearest'}")
+    return describe(args, recipe_of(t), t.fp8_base, tail, extra)["text"]
+
+
+def base_blocks(n_layers: int, keep: int) -> frozenset[int]:
+    """NVFP4's tail: the last `keep` blocks (-1: the last 15%, rounded, as torchtitan's
+    nvfp4.md keeps; arXiv 2509.25149 keeps about 16% of a 12B model's)."""
+    n = round(0.15 * n_layers) if keep < 0 else keep
+    return frozenset(range(n_layers - n, n_layers))
+
+
+def begin_step(model: nn.Module, step: int, first_micro: int) -> None:
+    """Before a step: its number, and the index in the global batch of this data-parallel
+    rank's first micro-batch, for NVFP4's stochastic rounding (every plan's, one object)."""
+    for plan in plans(model):
+        if plan.nv is not None and plan.nv.rounding is not None:
+            plan.nv.rounding.step, plan.nv.rounding.first = step, first_micro
 
 
 def plans(model: nn.Module) -> list[LinearPlan]:
@@ -246,23 +297,27 @@ def saved_fp8_bytes(model: nn.Module, reset: bool = False) -> int:
     return total
 
 
-def describe(args: ModelArgs, recipe: str, base: str) -> dict:
-    """Which matmuls run in fp8 and which stay in the base dtype (the dry run and the run
-    summary print it)."""
-    moe = [i for i in range(args.n_layers) if args.is_moe_layer(i)]
-    dense = args.n_layers - len(moe)
-    parts = [f"attention wq wk wv wo ({args.n_layers} blocks)"]
+def describe(args: ModelArgs, recipe: str, base: str, tail: frozenset[int] = frozenset(), extra: str = "") -> dict:
+    """Which matmuls run in fp8 (or a micro-scaled format) and which stay in the base dtype
+    (the dry run and the run summary print it). `tail`: blocks kept whole in the base dtype."""
+    blocks = [i for i in range(args.n_layers) if i not in tail]
+    moe = [i for i in blocks if args.is_moe_layer(i)]
+    dense = len(blocks) - len(moe)
+    parts = [f"attention wq wk wv wo ({len(blocks)} blocks)"]
     if dense:
         parts.append(f"MLP w1 w2 w3 ({dense} blocks)")
     if moe:
         parts.append(f"routed experts w1 w2 w3 ({args.moe_experts} per block, {len(moe)} blocks)")
         if args.moe_shared_experts:
             parts.append("shared experts w1 w2 w3")
-    linears = 4 * args.n_layers + 3 * dense + 3 * len(moe) * (args.moe_experts + (1 if args.moe_shared_experts else 0))
+    linears = 4 * len(blocks) + 3 * dense + 3 * len(moe) * (args.moe_experts + (1 if args.moe_shared_experts else 0))
+    fmt = RECIPES[recipe].kind if RECIPES[recipe].micro else "fp8"
+    stay = STAY + (f", blocks {min(tail)}-{max(tail)} (the last {len(tail)})" if tail else "")
+    name = recipe if fmt == "fp8" else fmt
     return {"recipe": recipe, "scales": SCALES[recipe], "fp8": parts, "fp8_linears": linears, "base": base,
-            "stay": STAY,
-            "text": (f"fp8 {recipe} ({SCALES[recipe]}): forward, input- and weight-gradient matmuls of "
-                     f"{linears} linear layers: {'; '.join(parts)}. In {base}: {STAY}.")}
+            "stay": stay,
+            "text": (f"{'fp8 ' if fmt == 'fp8' else ''}{name} ({SCALES[recipe]}{extra}): forward, input- and "
+                     f"weight-gradient matmuls of {linears} linear layers: {'; '.join(parts)}. In {base}: {stay}.")}
 
 
 def weights(model: nn.Module) -> set[int]:

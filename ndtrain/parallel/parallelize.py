@@ -173,6 +173,7 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
     tp, cp = mesh.group("tp"), mesh.group("cp")
     if args.lora_tokens and (tp.active or mesh.shape.pp > 1):  # the command refuses it (config/lora.py)
         raise ValueError("LoRA's trained token rows (model/lora.TokenRows) are not split over tp or pp")
+    nv, tail = fp8.options(cfg.train, args.n_layers)  # one rounding state for every chunk of this rank
 
     def make(layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
         if tp.active:
@@ -185,8 +186,8 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
         elif args.attn_sinks:  # gpt-oss's sinks on the fused ops (context parallelism folds them itself)
             context_sinks.apply(model)
         expert.parallelize(model, mesh, cfg.parallel.sp)
-        if cfg.train.precision == "fp8":
-            fp8.apply(model, mesh, cfg.train.fp8_recipe)
+        if fp8.recipe_of(cfg.train):
+            fp8.apply(model, mesh, fp8.recipe_of(cfg.train), None, nv, tail)
         if args.lora_rank:  # only the adapters train: no gradient, buffer or optimizer state for the rest
             freeze_base(model)
         return model

@@ -42,7 +42,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, 
 def compute_dtype(precision: str, fp8_base: str = "bf16") -> torch.dtype:
     """The dtype of parameters and activations. Under fp8 (parallel/fp8.py) only the block
     linears' matmul operands are fp8; everything else is `fp8_base`."""
-    return DTYPES[fp8_base if precision == "fp8" else precision]
+    return DTYPES[fp8_base if precision in ("fp8", "nvfp4") else precision]
 
 
 def has_masters(dtype: torch.dtype) -> bool:

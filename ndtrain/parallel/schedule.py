@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ndtrain.data.batch import MicroBatch
+from ndtrain.kernels.fp8_linear import set_micro
 from ndtrain.model.moe import RoutingLog
 
 
@@ -77,6 +78,7 @@ class SingleStage:
             grad_sync.set_sync(i == last)
             if routing is not None and routing.mtp is not None:  # multi-token prediction reads the batch
                 routing.mtp.batch = mb
+            set_micro(self.model, i)
             loss = forward_loss(self.model, mb, self.loss_fn, routing)
             (with_model_loss(loss, routing) / n_targets).backward()
             total += loss.detach() / n_targets

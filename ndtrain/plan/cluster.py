@@ -62,10 +62,10 @@ class Cluster:
     def peak_flops(self, precision: str) -> float:
         return self.peak.get(precision) or self.peak["fp32"]
 
-    def compute_model(self, precision: str):
+    def compute_model(self, precision: str, low: str = "fp8"):
         """How a rank's work is priced (plan/compute.py): measured kernel by kernel, or the peak
-        times the efficiency."""
-        return self.compute or Peak(self.peak_flops(precision), self.peak.get("fp8", 0.0), self.efficiency)
+        times the efficiency; the low-precision matmuls at the `low` peak (fp8, or fp4 for NVFP4)."""
+        return self.compute or Peak(self.peak_flops(precision), self.peak.get(low, 0.0), self.efficiency)
 
     def per_device(self, local: int) -> "Cluster":
         """A shared node split among `local` processes (a CPU); a GPU cluster as it is."""
@@ -86,10 +86,13 @@ class Cluster:
         return self.inter if spans_nodes else self.intra
 
 
-def _gpu(name, bf16_tflops, fp32_tflops, fp8_tflops, memory_gb, nvlink_gbps, ib_gbps, gpus_per_node=8):
+def _gpu(name, bf16_tflops, fp32_tflops, fp8_tflops, memory_gb, nvlink_gbps, ib_gbps, gpus_per_node=8,
+         fp4_tflops=0):
     peak = {"bf16": bf16_tflops * TB, "fp16": bf16_tflops * TB, "fp32": fp32_tflops * TB}
     if fp8_tflops:
         peak["fp8"] = fp8_tflops * TB
+    if fp4_tflops:  # Blackwell's block-scaled tensor cores: MXFP8 at the fp8 rate, NVFP4 at this one
+        peak["fp4"] = fp4_tflops * TB
     return Cluster(name, peak, memory_gb * GB, gpus_per_node, LinkFit(10e-6, nvlink_gbps * GB),
                    LinkFit(20e-6, ib_gbps * GB))
 
@@ -98,17 +101,21 @@ def _gpu(name, bf16_tflops, fp32_tflops, fp8_tflops, memory_gb, nvlink_gbps, ib_
 # H100/H200 900 GB/s, B200 1.8 TB/s bidirectional. Between nodes: one NIC per GPU, A100
 # HDR 200 Gb/s, H100/H200/B200 NDR 400 Gb/s. fp32 is the non-tensor-core rate; fp8 the dense
 # fp8 tensor-core rate (H100 SXM 1,979 = half its 3,958 with sparsity; HGX B200 4,500; none on
-# the A100). Memory as sold (GB).
+# the A100). Memory as sold (GB). fp4: the dense NVFP4 rate of Blackwell (HGX B200 9,000 =
+# half of 18,000 with sparsity). GB200 (NVL72 datasheet, per GPU: dense bf16 2,500, fp8 5,000,
+# fp4 10,000 TFLOP/s, 186 GB, NVLink 1.8 TB/s both ways across the 72 GPUs of a rack, one
+# 400 Gb/s NIC per GPU; its fp32 is not on the datasheet: the B200's).
 PRESETS: dict[str, Cluster] = {c.name: c for c in (
     _gpu("A100-40GB", 312, 19.5, 0, 40, 300, 25),
     _gpu("A100-80GB", 312, 19.5, 0, 80, 300, 25),
     _gpu("H100-SXM", 989, 67, 1979, 80, 450, 50),
     _gpu("H200", 989, 67, 1979, 141, 450, 50),
-    _gpu("B200", 2250, 80, 4500, 180, 900, 50),
+    _gpu("B200", 2250, 80, 4500, 180, 900, 50, fp4_tflops=9000),
+    _gpu("GB200", 2500, 80, 5000, 186, 900, 50, gpus_per_node=72, fp4_tflops=10000),
 )}
 THIS_MACHINE = "this-machine"
 _ALIASES = {"a100": "A100-80GB", "a100-40": "A100-40GB", "a100-80": "A100-80GB", "h100": "H100-SXM",
-            "h100-sxm": "H100-SXM", "h200": "H200", "b200": "B200", "cpu": THIS_MACHINE, "local": THIS_MACHINE}
+            "h100-sxm": "H100-SXM", "h200": "H200", "b200": "B200", "gb200": "GB200", "cpu": THIS_MACHINE, "local": THIS_MACHINE}
 
 
 def physical_memory() -> int:

@@ -14,6 +14,12 @@ not from measurements:
 - ZeRO-3 with `train.fp8_all_gather=true` (tensorwise only): those weights travel and stay
   gathered in one byte each, half of bf16's, plus one all-reduce of their amaxes per step.
 A cluster without an fp8 peak (the A100, this machine) cannot plan fp8.
+
+The micro-scaled formats (issue 38) need Blackwell's block-scaled tensor cores (a cluster with
+an fp4 peak: B200, GB200): `train.fp8_recipe=mxfp8` runs those matmuls at the fp8 peak with one
+byte per value and one E8M0 byte per 32 values; `train.precision=nvfp4` at the fp4 peak with
+half a byte per value, one E4M3 byte per 16×16 weight block and a 4-byte tensor scale, except
+its tail (`train.nvfp4_base_blocks`, the last 15% by default), whose linears stay in bf16.
 """
 
 from __future__ import annotations
@@ -23,27 +29,61 @@ from dataclasses import dataclass
 from ndtrain.config import ConfigError
 from ndtrain.model.args import ModelArgs
 
-RECIPES = ("tensorwise", "rowwise", "blockwise")
+RECIPES = ("tensorwise", "rowwise", "blockwise", "mxfp8")
 KEYS = ("train.precision", "train.fp8_recipe", "train.fp8_all_gather")
 BLOCK = 128
 
 
 @dataclass(frozen=True)
 class Fp8:
-    recipe: str = "tensorwise"
+    recipe: str = "tensorwise"  # or "mxfp8", or "nvfp4" (train.precision = nvfp4)
     all_gather: bool = False
+    base_blocks: int = -1  # NVFP4's tail (train.nvfp4_base_blocks)
 
     @property
     def gathered_bytes(self) -> float:
         return 1.0
 
+    @property
+    def precision(self) -> str:
+        return "nvfp4" if self.recipe == "nvfp4" else "fp8"
+
+    @property
+    def peak_key(self) -> str:
+        """The cluster peak its low-precision matmuls run at."""
+        return "fp4" if self.recipe == "nvfp4" else "fp8"
+
+    @property
+    def label(self) -> str:
+        if self.recipe == "nvfp4":
+            return "nvfp4 (E2M1, 1×16 blocks, 16×16 weight blocks)"
+        return f"fp8 ({self.recipe}{', fp8 all-gathers' if self.all_gather else ''})"
+
+    def tail(self, args: ModelArgs) -> frozenset[int]:
+        """Blocks whose linears stay in bf16 (NVFP4's last 15%, or train.nvfp4_base_blocks)."""
+        if self.recipe != "nvfp4":
+            return frozenset()
+        n = round(0.15 * args.n_layers) if self.base_blocks < 0 else self.base_blocks
+        return frozenset(range(args.n_layers - n, args.n_layers))
+
     def scale_count(self, rows: int, cols: int) -> float:
-        """fp32 scales of one weight of rows × cols under the recipe."""
+        """Scales of one weight of rows × cols under the recipe."""
         if self.recipe == "tensorwise":
             return 1.0
         if self.recipe == "rowwise":
             return float(rows)
+        if self.recipe == "mxfp8":  # 1×32 along K for the forward, 32×1 for the input gradient's copy
+            return float(rows * -(-cols // 32))
+        if self.recipe == "nvfp4":
+            return float(-(-rows // 16) * -(-cols // 16))
         return float(-(-rows // BLOCK) * -(-cols // BLOCK))
+
+    def value_bytes(self) -> float:
+        return 0.5 if self.recipe == "nvfp4" else 1.0
+
+    def scale_bytes(self) -> float:
+        """Bytes per scale: fp32, or one byte (E8M0 for MXFP8, E4M3 for NVFP4)."""
+        return 1.0 if self.recipe in ("mxfp8", "nvfp4") else 4.0
 
     def scales(self, args: ModelArgs, chunks) -> float:
         """Scales of the fp8 weights of `chunks`' blocks (one amax each, all-reduced per step)."""
@@ -51,11 +91,15 @@ class Fp8:
 
     def copy_bytes(self, args: ModelArgs, layers, tp: int, ep: int) -> float:
         """The fp8 copies of the linear weights of `layers` on one rank, with their scales."""
-        total = 0.0
+        total, tail = 0.0, self.tail(args)
         for i in layers:
+            if i in tail:
+                continue
             for rows, cols, times, split in linear_shapes(args, i, ep):
                 rows_local = rows // tp if split else rows
-                total += times * (rows_local * cols + 4 * self.scale_count(rows_local, cols))
+                total += times * (self.value_bytes() * rows_local * cols
+                                  + self.scale_bytes() * self.scale_count(rows_local, cols)
+                                  + (4 if self.recipe == "nvfp4" else 0))
         return total
 
 
@@ -103,6 +147,11 @@ def fp8_settings(cfg, given: dict[str, str], cluster) -> Fp8 | None:
     """The fp8 settings of a plan, validated (None: not fp8). `given`: what `take_fp8` took;
     once the configuration knows the keys, they come from `cfg` itself."""
     t = cfg.train
+    if t.precision == "nvfp4":
+        if not cluster.peak.get("fp4"):
+            raise ConfigError("train.precision", "nvfp4", f"{cluster.name} has no block-scaled fp4 tensor cores to "
+                              "plan with (Blackwell: B200, GB200)")
+        return Fp8("nvfp4", base_blocks=t.nvfp4_base_blocks)
     if t.precision == "fp8":
         given = {"train.precision": "fp8", "train.fp8_recipe": t.fp8_recipe,
                  "train.fp8_all_gather": str(t.fp8_all_gather)}
@@ -124,4 +173,7 @@ def fp8_settings(cfg, given: dict[str, str], cluster) -> Fp8 | None:
     if not cluster.peak.get("fp8"):
         raise ConfigError("train.precision", "fp8", f"{cluster.name} has no fp8 matmul rate to plan with "
                           "(the A100 has no fp8 tensor cores; H100, H200 and B200 do)")
+    if recipe == "mxfp8" and not cluster.peak.get("fp4"):
+        raise ConfigError("train.fp8_recipe", "mxfp8", f"{cluster.name} has no block-scaled (MX) tensor cores to "
+                          "plan with (Blackwell: B200, GB200)")
     return Fp8(recipe, gather)

@@ -20,7 +20,7 @@ from ndtrain.parallel.zero import model_state_bytes
 from ndtrain.plan.experts import expert_weights, moe_dense_weights
 
 # fp8: parameters and activations in bf16 (train.fp8_base) until the planner models fp8 (issue 25)
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 2}
+BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp64": 8, "fp8": 2, "nvfp4": 2}
 
 
 def padded_vocab(args: ModelArgs, tp: int) -> int:

@@ -130,7 +130,7 @@ class Plan:
             "params": param_count(self.args),
             "active_params": param_count(self.args, active=True),
             "train": {"global_batch": t.global_batch, "micro_batch": t.micro_batch, "seq_len": t.seq_len,
-                      "precision": "fp8" if self.fp8 else t.precision, "recompute": t.recompute,
+                      "precision": self.fp8.precision if self.fp8 else t.precision, "recompute": t.recompute,
                       **({"fp8_recipe": self.fp8.recipe, "fp8_all_gather": self.fp8.all_gather} if self.fp8 else {})},
             "moe_imbalance": self.imbalance,
             "memory_per_rank": {k: int(v) for k, v in w.as_dict().items()},
@@ -184,12 +184,13 @@ def plan_config(cfg: Config, cluster: Cluster, gpus: int | None) -> tuple[Config
 def priced_in_bf16(cfg: Config) -> Config:
     """An fp8 config as the planner prices it, once validated as fp8 (the rules `train`
     enforces): bf16 for everything but the blocks' fp8 matmul operands, which `Fp8` holds."""
-    if cfg.train.precision != "fp8":
+    if cfg.train.precision not in ("fp8", "nvfp4"):
         return cfg
     cfg = cfg.copy()
     t = cfg.train
     t.precision = "bf16"
-    for key in ("fp8_recipe", "fp8_base", "fp8_all_gather"):
+    for key in ("fp8_recipe", "fp8_base", "fp8_all_gather", "nvfp4_hadamard", "nvfp4_stochastic_rounding",
+                "nvfp4_2d_weights", "nvfp4_base_blocks"):
         setattr(t, key, type(t).__dataclass_fields__[key].default)
     return cfg
 
@@ -204,9 +205,9 @@ def make_plan(cfg: Config, args: ModelArgs, cluster: Cluster, *, rate: Rate | No
     if rate is not None:
         flops = (hardware_flops_per_step if rate.hardware else model_flops_per_step)(cfg, args)
         per_gpu = rate.flops_per_s(peak)
-        limit = cluster.peak_flops("fp8") if fp8 is not None else peak
+        limit = cluster.peak_flops(fp8.peak_key) if fp8 is not None else peak
         if per_gpu > limit:
-            raise ConfigError(rate.flag, rate.value, f"is above the {'fp8' if fp8 is not None else cfg.train.precision}"
+            raise ConfigError(rate.flag, rate.value, f"is above the {fp8.peak_key if fp8 is not None else cfg.train.precision}"
                               f" peak of {cluster.name}, {limit / 1e12:,.4g} TFLOP/s per GPU: no run achieves more "
                               "than the peak")
         kind = "hardware" if rate.hardware else "model"

@@ -47,8 +47,7 @@ def render(plan: Plan) -> str:
     w = plan.worst
     active = (f", {param_count(a, active=True) / 1e9:,.2f} B active: {a.moe_experts} experts of {a.expert_dim}, "
               f"top-{a.moe_top_k}" if a.is_moe else "")
-    precision = f"fp8 ({plan.fp8.recipe}{', fp8 all-gathers' if plan.fp8.all_gather else ''})" if plan.fp8 \
-        else t.precision
+    precision = plan.fp8.label if plan.fp8 else t.precision
     lines = [f"ndtrain plan: {model_name(cfg, a)} ({param_count(a) / 1e9:,.2f} B parameters{active}: {a.n_layers} "
              f"layers, dim {a.dim}, ffn {a.ffn_dim}, {a.n_heads}/{a.n_kv_heads} heads, vocab {a.vocab_size}) "
              f"on {plan.world} × {c.name}",
@@ -75,7 +74,7 @@ def render(plan: Plan) -> str:
     lines.append("  one micro-batch's saved blocks on this stage by recompute mode: " + " · ".join(
         f"{mode} {gib(v)}" for mode, v in w.saved_by_mode.items()))
     st = plan.step
-    peaks = f"{rate(c.peak_flops(t.precision))} {t.precision}" + (f", {rate(c.peak['fp8'])} fp8" if plan.fp8 else "")
+    peaks = f"{rate(c.peak_flops(t.precision))} {t.precision}" + (f", {rate(c.peak[plan.fp8.peak_key])} {plan.fp8.peak_key}" if plan.fp8 else "")
     compute = ("compute (measured kernels)", "bench plan's calibration of this machine") if c.compute is not None \
         else (f"compute at {c.efficiency:.0%} of peak", f"{peaks} peak")
     lines += ["", f"step time ({'modelled; ' if plan.rate_source.startswith('given') else ''}busiest stage)",

@@ -110,13 +110,14 @@ class ChunkTime:
 def micro_shape(cfg: Config, args: ModelArgs, fp8: Fp8 | None, imbalance: float) -> Shape:
     p, t = cfg.parallel, cfg.train
     return Shape(args, t.micro_batch * t.seq_len // p.cp, t.micro_batch, t.seq_len, p.tp, p.cp, p.ep,
-                 BYTES[t.precision], fp8 is not None, imbalance, p.cp_impl)
+                 BYTES[t.precision], fp8 is not None, imbalance, p.cp_impl,
+                 fp8.peak_key if fp8 is not None else "fp8", fp8.tail(args) if fp8 is not None else frozenset())
 
 
 def chunk_time(cfg: Config, args: ModelArgs, cluster: Cluster, ch: Chunk, n_chunks: int, shape: Shape,
                rate: float) -> ChunkTime:
     p, t = cfg.parallel, cfg.train
-    model = cluster.compute_model(t.precision)
+    model = cluster.compute_model(t.precision, shape.low)
     split = p.pp_schedule in SPLIT and p.pp > 1
     passes = chunk_passes(shape, ch.layer_ids, ch.embed, ch.head, t.recompute, split)
     psi = stage_split(cfg, args, [ch])

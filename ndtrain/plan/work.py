@@ -117,6 +117,8 @@ class Shape:
     fp8: bool = False
     imbalance: float = 1.0  # the busiest rank's routed slots over the average
     cp_impl: str = "ring"
+    low: str = "fp8"  # the peak the fp8-flagged matmuls run at: fp8, or fp4 (NVFP4)
+    base_layers: frozenset = frozenset()  # blocks whose linears stay in the compute dtype (NVFP4's tail)
 
     def attention(self) -> Work:
         """The scores QKᵀ and the weighted sum AV, causal half, over rows and heads: the queries
@@ -138,7 +140,7 @@ class Shape:
         a, t, T, c = self.args, self.tp, self.tokens, self.c
         q, kv, f = a.n_heads * a.head_dim // t, kv_width(a, t), a.ffn_dim // t
         w, h = wide(c), a.dim
-        fp8 = self.fp8
+        fp8 = self.fp8 and layer not in self.base_layers
         attention = [Matmul(T, h, q, fp8=fp8), Matmul(T, h, kv, fp8=fp8), Matmul(T, h, kv, fp8=fp8),
                      Matmul(T, q, h, fp8=fp8)]
         # elementwise bytes per token: two RMSNorms in fp32 (about 6 passes of w·h each), the

@@ -82,7 +82,7 @@ def measure(cfg: Config, mesh: ParallelMesh) -> dict:
     keys = ("psi", "psi_experts", "construction", "kept") + COLUMNS + EXPERT_COLUMNS + ("fp8_saved", "psi_frozen",
                                                                                           "psi_frozen_experts") + MUON_KEYS
     backends = (fp8.backend_counts(par.model, (t.micro_batch, t.seq_len // mesh.shape.cp), compute_dtype(t.precision, t.fp8_base),
-                                   mesh.device) if t.precision == "fp8" else None)
+                                   mesh.device) if fp8.recipe_of(t) else None)
     return {"ranks": [dict(zip(keys, map(int, row))) for row in table], "layout": mesh.describe(),
             "fp8_backends": backends, "device": str(mesh.device),
             "n_shard": mesh.size("dp_shard_cp"), "n_expert_shard": mesh.size("edp_shard"), "moe": args.is_moe,
@@ -176,10 +176,11 @@ def render(cfg: Config, result: dict) -> str:
             lines.append(f"{rank:>4}  {r['psi'] - r['psi_experts']:>14,}  {format_bytes(d_states):>14}  "
                          f"{format_bytes(dense):>14}  {r['psi_experts']:>14,}  {format_bytes(e_states):>14}  "
                          f"{format_bytes(experts):>14}")
-    if t.precision == "fp8":
-        lines += ["", fp8.describe(cfg.model_args(), t.fp8_recipe, t.fp8_base)["text"],
-                  "fp8 copies kept for backward in a step (inside activations; only tensorwise keeps x in fp8, "
-                  "the others keep it as it came and quantize again in backward): "
+    if fp8.recipe_of(t):
+        lines += ["", fp8.summary(t, cfg.model_args()),
+                  "low-precision copies kept for backward in a step (inside activations; tensorwise keeps x in fp8, "
+                  "MXFP8 and NVFP4 x quantized for the weight gradient, the others keep x as it came and quantize "
+                  "again in backward): "
                   + ", ".join(f"rank {i} {format_bytes(r['fp8_saved'])}" for i, r in enumerate(result["ranks"]))]
         if result.get("fp8_backends"):
             lines.append(f"fp8 back ends on rank 0 ({result['device']}): "

@@ -35,7 +35,7 @@ class TrainStep:
         if t.precision == "fp16" and t.loss_scaler:
             self.scaler = LossScaler(t.loss_scale_init, t.loss_scale_window, t.loss_scale_min)
         self.memory = MemoryReport()
-        self.fp8 = t.precision == "fp8"
+        self.fp8 = t.precision in ("fp8", "nvfp4")
         self._grad_norm: torch.Tensor | None = None
 
     def forward_backward(self, micro_batches: list[MicroBatch], n_targets: float | torch.Tensor,

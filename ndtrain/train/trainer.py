@@ -183,6 +183,7 @@ class Trainer:
         self.seed_dropout(step)
         self.task.before_update(step, self)
         batch = self.local_batch("train", step)
+        fp8.begin_step(self.par.model, step, self.mesh.dp_rank * (t.global_batch // self.mesh.dp_size) // t.micro_batch)
         # The global target count, on the device: a fill (no copy from the host), then a sum.
         local = torch.full((), float(batch.n_targets), dtype=torch.float32, device=self.mesh.device)
         n_targets = all_reduce_bookkeeping(local, self.mesh.group("dp_cp"))
@@ -222,7 +223,7 @@ class Trainer:
             record["mtp_loss"] = self.par.mtp_loss
         if not self._counted:  # this process's first line
             record.update(self.param_counts)
-            if t.precision == "fp8":
+            if fp8.recipe_of(t):
                 record["fp8_backends"] = self.fp8_backends()
             self._counted = True
         return record
@@ -432,9 +433,8 @@ class Trainer:
             summary["source_tokens"] = self.history[-1]["source_tokens"]
             summary["source_val_loss"] = {k.split(".", 1)[1]: v for k, v in last_eval.items()
                                           if k.startswith("val_loss.")}
-        if self.cfg.train.precision == "fp8":
-            t = self.cfg.train
-            summary["fp8"] = fp8.describe(self.args, t.fp8_recipe, t.fp8_base)["text"]
+        if fp8.recipe_of(self.cfg.train):
+            summary["fp8"] = fp8.summary(self.cfg.train, self.args)
         if self.cfg.run.plot:
             png = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
                             baseline=task.baseline, baseline_label=task.baseline_label, title=f"{self.cfg.model.preset} · {self.mesh.describe()}")

@@ -49,6 +49,7 @@ from ndtrain.parallel.pipeline.verify import groups, verify
 from ndtrain.parallel.pipeline.weightgrad import SplitBackward
 from ndtrain.data.batch import MicroBatch
 from ndtrain.model.moe import RoutingLog
+from ndtrain.kernels.fp8_linear import set_micro
 from ndtrain.parallel.schedule import GradSync, carry_loss, with_model_loss
 
 
@@ -228,6 +229,7 @@ class PipelineSchedule:
 
     def _forward(self, a: Action, x: torch.Tensor, mb: MicroBatch, step: _Step) -> None:
         """Adds the micro-batch's token loss to the step's on the last chunk."""
+        set_micro(self.chunks[a.chunk], a.micro)
         out = self._chunk(a.chunk, x, mb, step.routing)
         if a.chunk == self.n_chunks - 1:
             token_loss = self.loss_fn(out, mb)

@@ -1,0 +1,99 @@
+"""MXFP8 equals MXFP8, NVFP4 equals NVFP4: every layout family trains like one process in the
+same micro-scaled format (issue 38, parallel/fp8.py, kernels/mx.py).
+
+As tests/test_fp8_layouts.py: TINY (or tiny-moe) with `train.fp8_base=fp64`, the block linears'
+operands in the format, their products exact (kernels/mx.py: a value times its block scale is
+exact, so the fp64 back end only sums in another order), held to the fp64 proofs' rule
+(tests/helpers.py). The argument for fp64 around the quantizers is that file's: a value
+changes only where a layout's fp64 round-off (~1e-16) moves it across a rounding midpoint (or,
+for stochastic rounding, across its random threshold), ~1e-16 / 2^-3 per element for E2M1.
+
+NVFP4 runs its published recipe: 16×16 weight blocks, the Hadamard transform of the weight
+gradient's inputs, and stochastic rounding of the gradients, whose numbers are keyed by
+(seed, step, the micro-batch's index in the global batch, the layer, each element's global
+token and feature index), so a layout draws the numbers one process draws. The model has 4
+KV heads (tiny has 2), so tp = 2 shards every projection into whole 32-element blocks, and
+NVFP4's sequence is 64 tokens, so cp = 2 cuts it into chunks of 16 (the Hadamard runs).
+NVFP4 has no MoE yet (config refuses it): MXFP8 proves expert parallelism.
+"""
+
+import pytest
+
+from helpers import assert_proof, proof_in_rank, reference_in_rank
+from ndtrain.testing import run_ranks
+
+MOE = ["model.preset=tiny-moe", "train.moe_aux_loss=0.01", "train.moe_bias_rate=0.001"]
+BASE = ["train.fp8_base=fp64", "train.micro_batch=4", "model.n_kv_heads=4", "model.n_layers=2", "train.steps=3"]
+FORMATS = {"nvfp4": ["train.precision=nvfp4", "train.seq_len=64"],
+           "mxfp8": ["train.precision=fp8", "train.fp8_recipe=mxfp8"]}
+TP, CP, ZERO3 = ("tp2-sp", ["parallel.tp=2"]), ("cp2", ["parallel.cp=2"]), ("zero3-dp2", ["parallel.zero=3"])
+PP, ZB, EP = (("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+              ("pp2-zb", ["parallel.pp=2", "parallel.pp_schedule=zb"]), ("ep2", MOE + ["parallel.ep=2"]))
+# The default tier: one row per layout family, NVFP4 (the recipe with the most to agree on:
+# tensor amaxes, Hadamard runs, random numbers) on the dense ones, MXFP8 on experts.
+DEFAULT = [("nvfp4", TP), ("nvfp4", CP), ("nvfp4", ZERO3), ("nvfp4", PP), ("mxfp8", EP)]
+SLOW = [("mxfp8", row) for row in (TP, CP, ZERO3, PP, ZB)] + [("nvfp4", ZB)]
+# NVFP4's options one at a time, on the rows their mechanisms touch.
+ABLATIONS = {"nvfp4-1d": ["train.nvfp4_2d_weights=false"], "nvfp4-nohadamard": ["train.nvfp4_hadamard=false"],
+             "nvfp4-nosr": ["train.nvfp4_stochastic_rounding=false"]}
+
+
+def overrides(fmt: str, extra: list[str]) -> list[str]:
+    base, variant = fmt.split("+")[0], ABLATIONS.get(fmt.split("+")[-1], [])
+    return FORMATS[base] + BASE + variant + extra
+
+
+def _references(data_dir, keys):
+    return {key: reference_in_rank(overrides(key[0], MOE if key[1] else []), data_dir) for key in keys}
+
+
+def _rows(data_dir, rows, broken=None):
+    if broken == "rank-local micro-batches":
+        import ndtrain.parallel.fp8 as fp8_layout
+        real = fp8_layout.begin_step
+        fp8_layout.begin_step = lambda model, step, first: real(model, step, 0)
+    return {(fmt, name): proof_in_rank(overrides(fmt, extra), data_dir) for fmt, (name, extra) in rows}
+
+
+def _key(fmt, row):
+    return fmt, MOE[0] in row[1]
+
+
+def check(rows, data_dir, broken=None):
+    refs = run_ranks(_references, 1, data_dir, sorted({_key(f, r) for f, r in rows}), timeout=900)[0]
+    results = run_ranks(_rows, 2, data_dir, rows, broken, timeout=900)[0]
+    out = {}
+    for fmt, row in rows:
+        try:
+            d = assert_proof(results[(fmt, row[0])], refs[_key(fmt, row)])
+            print(f"{fmt} {row[0]}: gradients {d['grads']:.1e}, weights {d['state']:.1e}, losses {d['loss']:.1e}")
+            out[(fmt, row[0])] = None
+        except AssertionError as e:
+            out[(fmt, row[0])] = f"{fmt} {row[0]}: {e}"
+    return out
+
+
+def test_every_layout_family_equals_one_process_in_nvfp4_and_mxfp8(tiny_data):
+    failures = [e for e in check(DEFAULT, tiny_data).values() if e]
+    assert not failures, failures
+
+
+@pytest.mark.slow
+def test_mxfp8_on_every_dense_row_and_nvfp4_zero_bubble(tiny_data):
+    failures = [e for e in check(SLOW, tiny_data).values() if e]
+    assert not failures, failures
+
+
+@pytest.mark.slow
+def test_nvfp4_ablations_stay_layout_invariant(tiny_data):
+    rows = [("nvfp4+nvfp4-1d", TP), ("nvfp4+nvfp4-nohadamard", CP), ("nvfp4+nvfp4-nosr", ZERO3)]
+    failures = [e for e in check(rows, tiny_data).values() if e]
+    assert not failures, failures
+
+
+@pytest.mark.slow
+def test_rounding_keyed_by_the_ranks_own_micro_batches_fails(tiny_data):
+    """The control: numbers keyed by a rank's own micro-batch index, not the global one, make
+    data parallelism draw other numbers than one process, and the proof catches it."""
+    result = check([("nvfp4", ZERO3)], tiny_data, broken="rank-local micro-batches")
+    assert result[("nvfp4", "zero3-dp2")] is not None
