@@ -525,7 +525,6 @@ def test_new_rows_are_saved_loaded_and_exported(chat_runs, tmp_path, capsys):
     torch.testing.assert_close(delta, _effective_rows(trained).float(), rtol=0, atol=0)
     hf_base = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-base").float().eval()
     hf_base.resize_token_embeddings(516)  # PEFT replaces the new rows; their resized values do not matter
-    assert json.loads((tmp_path / "hf-merged" / "config.json").read_text())["model_type"] == "qwen2"
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf-merged").float().eval()
     with torch.no_grad():
         peft_logits = PeftModel.from_pretrained(hf_base, tmp_path / "adapter").eval()(input_ids=tokens).logits

@@ -91,10 +91,10 @@ def counting(counter: HostWaits):
             counter.step = step
             return run_step(step)
 
-        def host_batch(split, step):
+        def host_batch(split, step, *part):
             counter.paused = True
             try:
-                return local_batch(split, step)
+                return local_batch(split, step, *part)
             finally:
                 counter.paused = False
         trainer.train_step, trainer.local_batch = train_step, host_batch
