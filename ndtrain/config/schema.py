@@ -138,6 +138,7 @@ class TrainConfig:
     recompute: str = "none"  # none | full | selective (attention core) | every:K (blocks 0, K, 2K, ...)
     compile: bool = False  # torch.compile each decoder block and the loss (parallel/compile.py)
     compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: the proofs) | eager
+    loss_chunk: int = 0  # positions per chunk of the output head and loss (no whole [b, s, vocab] logits); 0 = off
     moe_aux_loss: float = 0.01  # coefficient of the MoE load-balancing loss; 0 = none
     moe_bias_rate: float = 0.0  # aux-loss-free balancing: router bias step per optimizer step; 0 = off
     eval_every: int = 100  # 0 = evaluate only at the end

@@ -203,7 +203,7 @@ class RL(Task):
             return tuple(values)
         t = self.env.template
         return generate_everywhere(model, self.generator.layout, prompts, seeds, sampling, t.stop_ids, t.pad_id,
-                                   score, reference, self.cfg.train.micro_batch)
+                                   score, reference, self.cfg.train.micro_batch, self.cfg.train.loss_chunk)
 
     def _generator(self, trainer) -> Generator:
         if self.generator is None:
