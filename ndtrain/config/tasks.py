@@ -23,6 +23,9 @@ def check_sft(s: SFTConfig) -> None:
                           "completion and reference that returns a number)")
 
 
+OFF_POLICY = ("tis", "decoupled")
+
+
 def check_rl(r: RLConfig) -> None:
     """The rl keys on their own; `check_rl_job` adds what only `ndtrain rl` needs."""
     if r.task not in RL_TASKS:
@@ -41,6 +44,16 @@ def check_rl(r: RLConfig) -> None:
                 "format_reward", "temperature", "generate_tp"):
         positive(f"rl.{key}", getattr(r, key), zero_ok=True)
     positive("rl.warmup_examples", r.warmup_examples)
+    for key in ("generate_ranks", "max_staleness"):
+        positive(f"rl.{key}", getattr(r, key), zero_ok=True)
+    positive("rl.exchange_timeout_s", r.exchange_timeout_s)
+    if r.off_policy not in OFF_POLICY:
+        raise ConfigError("rl.off_policy", r.off_policy, f"choose one of {', '.join(OFF_POLICY)}")
+    if r.tis_cap < 1.0:
+        raise ConfigError("rl.tis_cap", r.tis_cap, "must be >= 1 (a cap below 1 would shrink even fresh tokens' weight)")
+    if r.max_staleness and not r.generate_ranks:
+        raise ConfigError("rl.max_staleness", r.max_staleness, "needs rl.generate_ranks >= 1: generation on the "
+                          "training ranks is synchronous (staleness 0)")
     positive("rl.warmup_check_every", r.warmup_check_every)
     if not 0.0 <= r.warmup_target <= 1.0:
         raise ConfigError("rl.warmup_target", r.warmup_target, "must be in [0, 1] (a held-out pass@1; 0 = train all "
