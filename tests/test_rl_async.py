@@ -118,11 +118,14 @@ def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference
     """One launch of 1 process (plus its generator), one of 2 (plus one generator): K = 0
     against the synchronous job, bit for bit where both sample without tensor parallelism
     (one process, dp2, ZeRO-3, pp2, cp2), under the tolerance rule under tp2; K = 2 against
-    DelayedRL under the tolerance rule (one process, dp2); a generator killed before its
+    DelayedRL under the tolerance rule (one process, dp2); with the newest weights a
+    generator holds, never staler than K; a generator killed before its
     weights of rollout 1 ends both training ranks with the same line."""
     from helpers import assert_proof
     one = run_ranks(_rows, 1, [("sync", [], "reference"), ("k0", ASYNC, "async"), ("delayed", [], "delayed"),
-                               ("k2", ASYNC + [f"rl.max_staleness={STALE}"], "async")], timeout=600)[0]
+                               ("k2", ASYNC + [f"rl.max_staleness={STALE}"], "async"),
+                               ("newest", ASYNC + [f"rl.max_staleness={STALE}", "rl.async_weights=newest"], "async")],
+                    timeout=600)[0]
     sync, ref = one["sync"], one["delayed"]
     assert _same(one["k0"], sync)
     assert [m["staleness"] for m in one["k0"]["metrics"]] == [0] * 5
@@ -131,6 +134,9 @@ def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference
     assert ref["losses"] != sync["losses"]
     assert [m["reward_mean"] for m in one["k2"]["metrics"]] == [m["reward_mean"] for m in ref["metrics"]]
     assert_proof(one["k2"], ref)
+    assert [m["staleness"] for m in one["k2"]["metrics"]] == [0, 1, 2, 2, 2]
+    # the newest weights a generator holds: never older than K (which weights is the race's)
+    assert all(0 <= m["staleness"] <= STALE for m in one["newest"]["metrics"]), one["newest"]["metrics"]
     rows = [row for name, o in FAMILIES for row in ((f"{name}-sync", o, "async"), (f"{name}-k0", ASYNC + o, "async"))]
     two = run_ranks(_rows, 2, rows + [
         ("tp2-k0", ASYNC + ["parallel.tp=2"], "async"),
@@ -150,6 +156,7 @@ def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference
 @pytest.mark.parametrize("extra, expect", [
     (["rl.max_staleness=2"], "rl.max_staleness = 2: needs rl.generate_ranks >= 1"),
     (["rl.off_policy=ppo"], "rl.off_policy = 'ppo': choose one of tis, decoupled"),
+    (["rl.async_weights=latest"], "rl.async_weights = 'latest': choose fixed or newest"),
     (["rl.tis_cap=0.5"], "rl.tis_cap = 0.5: must be >= 1"),
     (["rl.generate_ranks=-1"], "rl.generate_ranks = -1: must be >= 0"),
     (["rl.exchange_timeout_s=0"], "rl.exchange_timeout_s = 0.0: must be > 0"),

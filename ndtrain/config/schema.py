@@ -196,6 +196,7 @@ class RLConfig:
     # Asynchronous rollouts (train/rl/asynchronous.py): generator processes beside the training ranks
     generate_ranks: int = 0  # generator processes (one model each) that sample while the ranks train; 0 = generate on the training ranks, synchronously
     max_staleness: int = 0  # K: rollout t is sampled with the weights of rollout t - K (0 = the current weights; needs generate_ranks > 0 for K > 0)
+    async_weights: str = "fixed"  # fixed: rollout t sampled with the weights of rollout t - K exactly | newest: the newest a generator holds (at least those)
     off_policy: str = "tis"  # stale rollouts: tis (importance weight π_old/π_behaviour truncated at tis_cap) | decoupled (untruncated)
     tis_cap: float = 2.0  # tis: the largest importance weight of a token
     exchange_timeout_s: float = 300.0  # the longest wait for a generator's rollout or for weights, then one line and exit

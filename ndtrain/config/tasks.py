@@ -47,6 +47,8 @@ def check_rl(r: RLConfig) -> None:
     for key in ("generate_ranks", "max_staleness"):
         positive(f"rl.{key}", getattr(r, key), zero_ok=True)
     positive("rl.exchange_timeout_s", r.exchange_timeout_s)
+    if r.async_weights not in ("fixed", "newest"):
+        raise ConfigError("rl.async_weights", r.async_weights, "choose fixed or newest")
     if r.off_policy not in OFF_POLICY:
         raise ConfigError("rl.off_policy", r.off_policy, f"choose one of {', '.join(OFF_POLICY)}")
     if r.tis_cap < 1.0:

@@ -7,11 +7,15 @@ They are not ranks of the torch.distributed world: they talk to training rank 0 
 local authenticated socket (`multiprocessing.connection`), which the training ranks need
 not join.
 
-**The schedule** (fixed, so that a run is a function of its seed): rollout t is sampled by
-generator (t − start) mod N with the weights of rollout t − K, K = `rl.max_staleness` (the
-weights the synchronous job samples rollout t − K with; before the run's first rollout, its
-first weights). So with K ≥ 1 a generator samples rollout t + 1 while the ranks train on
-rollout t; with K = 0 the ranks wait for each rollout, as in the synchronous job.
+**The schedule**: rollout t is sampled by generator (t − start) mod N with the weights of
+rollout t − K, K = `rl.max_staleness` (the weights the synchronous job samples rollout t − K
+with; before the run's first rollout, its first weights): `rl.async_weights = fixed`, so that
+a run is a function of its seed. With `newest`, a generator samples with the newest weights
+it holds when it starts the rollout, at least those of rollout t − K (every generator then
+receives every version): staleness at most K, fresher when the generators keep up, and a
+run no longer a function of its seed alone. So with K ≥ 1 a generator samples rollout t + 1
+while the ranks train on rollout t; with K = 0 the ranks wait for each rollout, as in the
+synchronous job.
 
 **Before rollout t's update** every training rank calls `take(t)`:
 1. the current weights (version t) are gathered whole on rank 0 (`Parallelized.full_model_state`,
@@ -66,6 +70,7 @@ class AsyncRollouts:
         r = cfg.rl
         self.cfg, self.start, self.n, self.k = cfg, start, r.generate_ranks, r.max_staleness
         self.timeout = r.exchange_timeout_s
+        self.newest = r.async_weights == "newest"
         self.total = math.ceil(cfg.train.steps / r.ppo_epochs)
         self.world = trainer.mesh.world
         self.lead = trainer.mesh.rank == 0
@@ -82,9 +87,12 @@ class AsyncRollouts:
         return self.world + g
 
     def needs(self, v: int) -> list[int]:
-        """The generators that sample with the weights of rollout v."""
+        """The generators that sample with the weights of rollout v (`newest`: every one
+        that has a rollout still to sample)."""
         if v == self.start:  # every generator's first weights (its reference too)
             return list(range(self.n))
+        if self.newest:
+            return sorted({owner_of(t, self.start, self.n) for t in range(v, min(self.total, v + self.n))})
         t = v + self.k
         return [owner_of(t, self.start, self.n)] if t < self.total else []
 

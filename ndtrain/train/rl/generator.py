@@ -2,8 +2,9 @@
 started by train/rl/asynchronous.py with the socket's key in its environment).
 
 It holds one whole model and the frozen reference (the first weights it receives), and
-samples its rollouts of the fixed schedule in order: rollout t with the weights of rollout
-version_of(t), waiting for them if they have not come yet. A thread receives every message
+samples its rollouts of the schedule in order: rollout t with the weights of rollout
+version_of(t) (`rl.async_weights = fixed`), or with the newest it holds, at least those
+(`newest`), waiting for them if they have not come yet. A thread receives every message
 as it comes (so the trainer's send takes only the copy), keeping the newest weights of each
 version it still needs. A rollout is sampled and scored exactly as the synchronous job does
 it on one rank (`RL.sample_rounds`, `rollout.generate_everywhere` on a one-process layout):
@@ -68,14 +69,18 @@ class Inbox:
             if message[0] != "weights":
                 return
 
-    def wait(self, version: int, timeout: float):
-        """The weights of `version` (dropping older ones; the next rollout may use them again), or
-        None: stopped or timed out."""
+    def wait(self, version: int, timeout: float, newest: bool = False):
+        """(the weights of `version`, or with `newest` of the newest version at or after it;
+        None if stopped or timed out, that version, whether the trainer stopped). Older
+        versions are dropped; the returned one stays (the next rollout may use it again)."""
         with self.ready:
-            self.ready.wait_for(lambda: version in self.weights or self.closed, timeout)
-            for v in [v for v in self.weights if v < version]:
+            self.ready.wait_for(lambda: any(v >= version if newest else v == version for v in self.weights)
+                                or self.closed, timeout)
+            held = [v for v in self.weights if (v >= version if newest else v == version)]
+            chosen = max(held) if held else version
+            for v in [v for v in self.weights if v < chosen]:
                 del self.weights[v]
-            return self.weights.get(version), self.closed
+            return self.weights.get(chosen), chosen, self.closed
 
 
 def serve(conn) -> int:
@@ -99,9 +104,8 @@ def serve(conn) -> int:
     for t in range(start, total):
         if owner_of(t, start, n) != g:
             continue
-        v = version_of(t, start, k)
         t0 = time.perf_counter()
-        state, closed = inbox.wait(v, setup["timeout"])
+        state, v, closed = inbox.wait(version_of(t, start, k), setup["timeout"], cfg.rl.async_weights == "newest")
         if state is None:
             if closed:
                 return 0
