@@ -54,16 +54,18 @@ def _make(kind: str):
                 return self.assemble(rounds, kept, index, version, trainer)
 
         class KilledGenerator(RL):
-            """Kills its generator just before the trainer sends it the weights of rollout 1."""
+            """Kills its generator just before the trainer sends it the weights of rollout 1
+            ("killed"), or stops it (SIGSTOP: alive, silent; "hung")."""
 
             def before_update(self, step, trainer):
                 if step == 1 and self.rollouts is not None and self.rollouts.procs:
                     proc = self.rollouts.procs[0]
-                    os.kill(proc.pid, signal.SIGKILL)
-                    proc.wait()
+                    os.kill(proc.pid, signal.SIGKILL if kind == "killed" else signal.SIGSTOP)
+                    if kind in ("killed", "hung"):
+                        proc.wait()
                 super().before_update(step, trainer)
 
-        cls = {"delayed": DelayedRL, "killed": KilledGenerator}.get(kind, RL)
+        cls = {"delayed": DelayedRL, "killed": KilledGenerator, "hung": KilledGenerator}.get(kind, RL)
         task = cls(cfg, Environment(cfg, BuiltinTemplate(char_tokenizer())))
         TASKS.append(task)
         return task
@@ -79,7 +81,7 @@ def _rows(rows):
     out = {}
     for name, overrides, kind in rows:
         try:
-            if kind == "killed":
+            if kind in ("killed", "hung"):
                 try:
                     train_in_rank(ASYNC_PROOF + overrides, "", make_task=_make(kind))
                     out[name] = "no error"
@@ -141,7 +143,8 @@ def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference
     two = run_ranks(_rows, 2, rows + [
         ("tp2-k0", ASYNC + ["parallel.tp=2"], "async"),
         ("dp2-k2", ASYNC + [f"rl.max_staleness={STALE}", "parallel.dp=2", "train.micro_batch=2"], "async"),
-        ("killed", ASYNC + ["parallel.dp=2"], "killed")], timeout=900)
+        ("killed", ASYNC + ["parallel.dp=2"], "killed"),
+        ("hung", ASYNC + ["parallel.dp=2", "rl.exchange_timeout_s=5"], "hung")], timeout=900)
     runs = two[0]
     for name, _ in FAMILIES:
         assert _same(runs[f"{name}-k0"], runs[f"{name}-sync"]), name
@@ -151,6 +154,47 @@ def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference
     line = (r"ndtrain rl: generator rank 2 exited with status -9 (before sending rollout 1|while sent the weights of "
             r"rollout 1) \(update 1\)")
     assert re.fullmatch(line, runs["killed"]) and two[1]["killed"] == runs["killed"], two
+    # alive but silent: the weights it no longer reads, or the rollout it never sends, time out
+    line = (r"ndtrain rl: generator rank 2 (did not take it within 5 s \(rl.exchange_timeout_s\) while sent the "
+            r"weights of rollout 1 \(update 1\)|sent no rollout 1 within 5 s \(rl.exchange_timeout_s; update 1\))")
+    assert re.fullmatch(line, runs["hung"]) and two[1]["hung"] == runs["hung"], two
+
+
+@pytest.mark.slow
+def test_a_generator_the_trainer_never_answers_exits_with_one_line(tmp_path):
+    """The generator's side of the limit: it connects, takes its setup, and no weights come:
+    after rl.exchange_timeout_s it exits with status 1 and one line naming its rank and the
+    rollout it waited for; and when the trainer's connection closes instead, it exits 0."""
+    import pickle
+    import subprocess
+    import sys
+    from multiprocessing.connection import Listener
+
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.template import BuiltinTemplate
+    from ndtrain.data.verifiable import char_tokenizer
+    from ndtrain.train.rl.asynchronous import KEY_ENV
+    cfg = validate(load_config(None, ["model.preset=tiny", "run.device=cpu", "train.global_batch=8",
+                                      "rl.group_size=4", "train.seq_len=16"]), world=1)
+    for close in (False, True):
+        key = os.urandom(16)
+        with Listener(("127.0.0.1", 0), authkey=key) as listener:
+            env = dict(os.environ, **{KEY_ENV: key.hex(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+            proc = subprocess.Popen([sys.executable, "-m", "ndtrain.train.rl.generator", *map(str, listener.address)],
+                                    env=env, stderr=subprocess.PIPE, text=True)
+            conn = listener.accept()
+            conn.send_bytes(pickle.dumps({"cfg": cfg.to_dict(), "args": cfg.model_args(), "generator": 0, "world": 2,
+                                          "template": BuiltinTemplate(char_tokenizer()), "start": 0, "total": 3,
+                                          "staleness": 0, "generators": 1, "threads": 1, "timeout": 3.0,
+                                          "device": "cpu"}))
+            if close:
+                conn.close()
+            code, err = proc.wait(120), proc.stderr.read().strip()
+        if close:
+            assert code == 0 and err == "", err
+        else:
+            assert code == 1 and err == ("ndtrain rl: generator rank 2: no weights of rollout 0 (for rollout 0) from "
+                                         "the trainer within 3 s (rl.exchange_timeout_s); exiting"), err
 
 
 @pytest.mark.parametrize("extra, expect", [

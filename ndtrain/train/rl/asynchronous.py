@@ -32,7 +32,10 @@ synchronous job.
 exits (killed, crashed) is noticed at the next poll. The failure travels with the rollout's
 broadcast, so every training rank ends with the same one line naming the generator's rank
 and the update (`TrainingError`, exit status 1). A generator that hears nothing from the
-trainer within the limit, or whose connection closes, exits with one line.
+trainer within the limit, or whose connection closes, exits with one line. A stop request
+(Ctrl-C, SIGTERM) while rank 0 waits for a rollout travels the same way: every training rank
+raises `supervisor.Interrupted` at that update, and the run saves the update before it, as
+a stop during a synchronous rollout does.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ from multiprocessing.connection import Connection, Listener
 
 import torch.distributed as dist
 
+from ndtrain import supervisor
 from ndtrain.config import Config
 from ndtrain.train.trainer import TrainingError
 
@@ -136,9 +140,9 @@ class AsyncRollouts:
         return box[0]
 
     def _send(self, g: int, message, what: str, update: int) -> None:
-        """Pickle `message` now (plain pickle: the bytes of every tensor, no shared memory), send it by a thread within the limit; a failure is kept
-        for the next rollout's broadcast (never raised here: the other ranks are not
-        waiting on a collective)."""
+        """Pickle `message` now (plain pickle: the bytes of every tensor, no shared memory),
+        send it by a thread within the limit; a failure is kept for the next rollout's
+        broadcast (never raised here: the other ranks are not waiting on a collective)."""
         if self.error is not None:
             return
         data = pickle.dumps(message, protocol=5)
@@ -152,10 +156,13 @@ class AsyncRollouts:
         thread = threading.Thread(target=send, daemon=True)
         thread.start()
         thread.join(self.timeout)
+        status = self.procs[g].poll()
+        if failed and status == 0:  # it sampled its last rollout and left (newest weights: before these came)
+            return
         if thread.is_alive() or failed:
-            why = f"exited with status {self.procs[g].poll()}" if self.procs[g].poll() is not None else (
+            why = f"exited with status {status}" if status is not None else (
                 f"did not take it within {self.timeout:g} s (rl.exchange_timeout_s)" if thread.is_alive()
-                else f"its connection failed ({type(failed[0]).__name__})")
+                else f"lost its connection ({type(failed[0]).__name__})")
             self.error = f"ndtrain rl: generator rank {self.rank_of(g)} {why} while sent {what} (update {update})"
 
     # -- every rollout -------------------------------------------------------------
@@ -185,6 +192,8 @@ class AsyncRollouts:
         waited = time.perf_counter() - t0
         if "error" in payload:
             raise TrainingError(payload["error"])
+        if payload.get("interrupted"):
+            raise supervisor.Interrupted("a stop request came while waiting for a rollout")
         batch, metrics = task.assemble(payload["rounds"], payload["kept"], index, payload["version"], trainer)
         busy, idle = payload["busy_s"], payload["idle_s"]
         metrics.update(trainer_wait_s=waited, weight_push_s=self.pushed_s,
@@ -198,6 +207,8 @@ class AsyncRollouts:
         conn, proc, rank = self.conns[g], self.procs[g], self.rank_of(g)
         deadline = time.monotonic() + self.timeout
         while time.monotonic() < deadline:
+            if supervisor.stop_requested():  # Ctrl-C, SIGTERM: every training rank stops at this update
+                return {"interrupted": True}
             try:
                 if conn.poll(0.2):
                     message = pickle.loads(conn.recv_bytes())

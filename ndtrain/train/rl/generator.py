@@ -113,7 +113,11 @@ def serve(conn) -> int:
                   f"within {setup['timeout']:g} s (rl.exchange_timeout_s); exiting", file=sys.stderr, flush=True)
             return 1
         idle = time.perf_counter() - t0
-        model.load_state_dict(state, strict=False)
+        params = dict(model.named_parameters())
+        missing = [n for n in model.load_state_dict(state, strict=False).missing_keys if n in params]
+        if missing:  # sampling from weights the trainer did not send would be silently wrong
+            conn.send_bytes(pickle.dumps({"index": t, "error": f"the trainer's weights lack {missing[:3]}"}))
+            return 1
         if reference is None:
             reference = copy.deepcopy(model)
         t1 = time.perf_counter()
