@@ -115,6 +115,14 @@ def _same(a: dict, b: dict) -> bool:
             and all(torch.equal(a["state"][k], v) for k, v in b["state"].items()))
 
 
+def test_a_generator_process_at_k0_changes_nothing():
+    """The default tier's row: one process and its generator at K = 0, two updates, equal
+    to the synchronous job bit for bit in fp64 (the slow tier proves every family and K = 2)."""
+    short = ["train.steps=2"]
+    runs = run_ranks(_rows, 1, [("sync", short, "async"), ("k0", ASYNC + short, "async")], timeout=300)[0]
+    assert _same(runs["k0"], runs["sync"]) and len(runs["sync"]["losses"]) == 2
+
+
 @pytest.mark.slow
 def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference():
     """One launch of 1 process (plus its generator), one of 2 (plus one generator): K = 0
@@ -204,6 +212,8 @@ def test_a_generator_the_trainer_never_answers_exits_with_one_line(tmp_path):
     (["rl.tis_cap=0.5"], "rl.tis_cap = 0.5: must be >= 1"),
     (["rl.generate_ranks=-1"], "rl.generate_ranks = -1: must be >= 0"),
     (["rl.exchange_timeout_s=0"], "rl.exchange_timeout_s = 0.0: must be > 0"),
+    (["rl.generate_ranks=1", "rl.exchange_timeout_s=700"],
+     "rl.exchange_timeout_s = 700.0: must be below run.collective_timeout_s = 600"),
 ])
 def test_bad_async_input_is_one_line_exit_2_nothing_written(extra, expect, tmp_path, capsys, monkeypatch):
     from ndtrain.cli import main

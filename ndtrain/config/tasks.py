@@ -75,6 +75,10 @@ def check_rl_job(cfg: Config) -> None:
     """What `ndtrain rl` needs of a validated config: whole groups on every data-parallel
     rank, groups that can disagree, an update rule that fits the batch."""
     r, t, p = cfg.rl, cfg.train, cfg.parallel
+    if r.generate_ranks and r.exchange_timeout_s >= cfg.run.collective_timeout_s:
+        raise ConfigError("rl.exchange_timeout_s", r.exchange_timeout_s, "must be below run.collective_timeout_s = "
+                          f"{cfg.run.collective_timeout_s:g}: the other training ranks wait for rank 0's rollout in a "
+                          "collective, which would time out first, without naming the generator")
     if r.loss != "reinforce" and r.group_size < 2:
         raise ConfigError("rl.group_size", r.group_size, f"rl.loss = {r.loss} normalises rewards within a group of "
                           "completions of one prompt: it needs at least 2 (or rl.loss = reinforce)")

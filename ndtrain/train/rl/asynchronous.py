@@ -28,8 +28,9 @@ synchronous job.
    forward (the proximal policy), and for a stale rollout the importance weights from the
    behaviour policy (the sampler's recorded log-probabilities) to it.
 
-**Nothing hangs.** Every exchange has a limit (`rl.exchange_timeout_s`); a generator that
-exits (killed, crashed) is noticed at the next poll. The failure travels with the rollout's
+**Nothing hangs.** Every exchange has a limit (`rl.exchange_timeout_s`; a generator's start
+and connection at least START_S, since a process start under load can take that); a
+generator that exits (killed, crashed) is noticed at the next poll. The failure travels with the rollout's
 broadcast, so every training rank ends with the same one line naming the generator's rank
 and the update (`TrainingError`, exit status 1). A generator that hears nothing from the
 trainer within the limit, or whose connection closes, exits with one line. A stop request
@@ -55,6 +56,7 @@ from ndtrain import supervisor
 from ndtrain.config import Config
 from ndtrain.train.trainer import TrainingError
 
+START_S = 120.0  # the least a generator is given to start (Python, torch, the model) and connect
 KEY_ENV = "NDTRAIN_GENERATOR_KEY"  # the socket's key reaches a generator by its environment, never its argv
 
 
@@ -126,7 +128,8 @@ class AsyncRollouts:
         box: list = []
         thread = threading.Thread(target=lambda: box.append(listener.accept()), daemon=True)
         thread.start()
-        deadline = time.monotonic() + self.timeout
+        limit = max(self.timeout, min(START_S, 0.9 * self.cfg.run.collective_timeout_s))  # within the others' wait
+        deadline = time.monotonic() + limit
         while thread.is_alive() and time.monotonic() < deadline:
             if self.procs[g].poll() is not None:
                 self.error = (f"ndtrain rl: generator rank {self.rank_of(g)} exited with status "
@@ -134,8 +137,9 @@ class AsyncRollouts:
                 return None
             thread.join(0.2)
         if not box:
-            self.error = (f"ndtrain rl: generator rank {self.rank_of(g)} did not connect within "
-                          f"{self.timeout:g} s (rl.exchange_timeout_s; update {self.start})")
+            self.error = (f"ndtrain rl: generator rank {self.rank_of(g)} did not connect within {limit:g} s "
+                          f"(the larger of rl.exchange_timeout_s and a process start's {START_S:g} s; update "
+                          f"{self.start})")
             return None
         return box[0]
 
@@ -157,6 +161,11 @@ class AsyncRollouts:
         thread.start()
         thread.join(self.timeout)
         status = self.procs[g].poll()
+        if failed and status is None:  # a connection closed by a process on its way out: let it finish
+            try:
+                status = self.procs[g].wait(min(5.0, self.timeout))
+            except subprocess.TimeoutExpired:
+                pass
         if failed and status == 0:  # it sampled its last rollout and left (newest weights: before these came)
             return
         if thread.is_alive() or failed:
