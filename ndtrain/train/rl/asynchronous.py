@@ -237,13 +237,13 @@ class AsyncRollouts:
                          f"(rl.exchange_timeout_s; update {update})"}
 
     def close(self) -> None:
-        """Stop the generators (rank 0): a stop message, then a short wait, then kill."""
+        """Stop the generators (rank 0): a stop message (by a thread, given a second: a
+        stopped generator reads nothing), then a short wait, then kill."""
+        stop = pickle.dumps(("stop",))
         for conn in self.conns:
-            try:
-                conn.send_bytes(pickle.dumps(("stop",)))
-                conn.close()
-            except OSError:
-                pass
+            thread = threading.Thread(target=_send_quietly, args=(conn, stop), daemon=True)
+            thread.start()
+            thread.join(1.0)
         for proc in self.procs:
             try:
                 proc.wait(5)
@@ -251,6 +251,14 @@ class AsyncRollouts:
                 proc.kill()
                 proc.wait()
         self.conns, self.procs = [], []
+
+
+def _send_quietly(conn: Connection, data: bytes) -> None:
+    try:
+        conn.send_bytes(data)
+        conn.close()
+    except OSError:
+        pass
 
 
 def _threads() -> int:
