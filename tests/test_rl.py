@@ -253,11 +253,15 @@ def _rl_rows(rows):
     return out
 
 
-RL_LAYOUTS = [("dp2", ["parallel.dp=2", "train.micro_batch=2"]),
-              ("zero3-dp2", ["parallel.zero=3", "train.micro_batch=2"]),
-              ("tp2", ["parallel.tp=2"]),
-              ("pp2", ["parallel.pp=2", "train.micro_batch=2"]),
-              ("cp2", ["parallel.cp=2", "train.micro_batch=4"])]
+# Every layout runs the head and loss in chunks of 5 positions (train.loss_chunk, not a
+# divisor of any micro-batch's positions), against one process with the whole logits: the
+# chunked-logits proof under every layout family (tests/test_loss_chunks.py: one process).
+CHUNKED = ["train.loss_chunk=5"]
+RL_LAYOUTS = [("dp2", ["parallel.dp=2", "train.micro_batch=2", *CHUNKED]),
+              ("zero3-dp2", ["parallel.zero=3", "train.micro_batch=2", *CHUNKED]),
+              ("tp2", ["parallel.tp=2", *CHUNKED]),
+              ("pp2", ["parallel.pp=2", "train.micro_batch=2", *CHUNKED]),
+              ("cp2", ["parallel.cp=2", "train.micro_batch=4", *CHUNKED])]
 FP32_CONSISTENCY = [("dp2-fp32", ["parallel.dp=2", "train.precision=fp32", "train.steps=2"], "fp32"),
                     ("tp2-fp32", ["parallel.tp=2", "train.precision=fp32", "train.steps=2"], "fp32"),
                     ("dp2-fp32-strict", ["parallel.dp=2", "train.precision=fp32", "train.steps=2",
@@ -323,6 +327,7 @@ def broken_reward(prompt: str, completion: str, answer: str):
     (["rl.reward=fuzzy"], "rl.reward = 'fuzzy': choose builtin, exact, math, or MODULE:FUNCTION"),
     (["rl.warmup_target=1.5"], "rl.warmup_target = 1.5: must be in [0, 1]"),
     (["rl.data=missing.jsonl"], "rl.data missing.jsonl: no such file or folder"),
+    (["train.loss_chunk=-1"], "train.loss_chunk = -1: must be >= 0"),
 ])
 def test_bad_input_is_one_line_exit_2_nothing_written(extra, expect, tmp_path, capsys, monkeypatch):
     from ndtrain.cli import main

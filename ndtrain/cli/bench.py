@@ -7,7 +7,7 @@ from __future__ import annotations
 # Benchmarks whose steps are long on a CPU take fewer rounds by default: one generation of
 # 256 new tokens without a cache is about 20 s there (docs/benchmarks.md); bench plan times
 # nine layouts and calibrates the machine in every round.
-BENCH_ROUNDS_STEPS = {"generate": (5, 1), "plan": (5, 2), "prepare": (5, 1), "ft": (2, 1)}
+BENCH_ROUNDS_STEPS = {"generate": (5, 1), "plan": (5, 2), "prepare": (5, 1), "ft": (2, 1), "rl": (3, 1)}
 CALIBRATING = ("matmul", "comm", "plan")  # benchmarks that save a calibration in data.cache_dir
 
 
@@ -36,7 +36,7 @@ def cmd_bench(args) -> int:
         from ndtrain.bench.gpu import run as run_gpu
         return run_gpu(args)
     from ndtrain.bench import (checkpoint, comm, compile, cp, dp, ep, fp8, ft, generate, lora, muon, plan, pp,
-                               prepare, sft, tp, zero)
+                               prepare, rl, sft, tp, zero)
     return {"ft": ft, "dp": dp, "tp": tp, "zero": zero, "pp": pp, "cp": cp, "comm": comm, "sft": sft, "lora": lora,
             "checkpoint": checkpoint, "ep": ep, "generate": generate, "plan": plan, "fp8": fp8, "muon": muon,
-            "compile": compile, "prepare": prepare}[args.what].run(args)
+            "compile": compile, "prepare": prepare, "rl": rl}[args.what].run(args)

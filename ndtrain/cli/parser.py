@@ -276,7 +276,9 @@ def _add_bench(sub) -> None:
                                      "killed mid-run: run.fault_tolerance=restart vs replicas, wall time and steps lost; "
                                      "default 2 rounds), gpu (the "
                                      "one-GPU acceptance run: CUDA tests, 1B MFU eager/compiled, one-GPU benches; "
-                                     "--dry-run lists them); "
+                                     "--dry-run lists them), rl (synchronous RL on --nproc ranks vs asynchronous: "
+                                     "--nproc - 1 training, 1 generator process, staleness 1; whole jobs alternated, "
+                                     "default 3 rounds; the ratio is async/sync wall time per update); "
                                      "KEY=VALUE reaches both sides or is refused",
                        description="Run ndtrain and its PyTorch-native anchor side by side (sft: packed and padded "
                                    "rows), alternating rounds; the last line is the ratio of their median "
@@ -284,7 +286,7 @@ def _add_bench(sub) -> None:
                                    "train.recompute, train.micro_batch, ...) reaches both sides; others are refused. "
                                    "docs/benchmarks.md lists the settings of each side.")
     p.add_argument("what", choices=["matmul", "dp", "tp", "zero", "pp", "cp", "comm", "sft", "lora", "checkpoint", "ep",
-                                    "generate", "plan", "fp8", "muon", "compile", "prepare", "ft", "gpu"])
+                                    "generate", "plan", "fp8", "muon", "compile", "prepare", "ft", "gpu", "rl"])
     p.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks for distributed benchmarks")
     p.add_argument("--dry-run", action="store_true", help="gpu: print the steps and their time budgets, run nothing")
     p.add_argument("--rounds", type=int, help="alternating A/B rounds (default 10; generate 5)")

@@ -129,7 +129,9 @@ def cmd_rl(args) -> int:
     asked = f"{r.data} (rl.reward {r.reward})" if r.data else f"{r.task} (size {r.size})"
     banner = (f"ndtrain rl: {r.loss} on {asked}, {model_words(cfg)} from "
               f"{cfg.model.init_from or 'random weights'}, {layout_words(cfg)}, {cfg.train.steps} updates of "
-              f"{cfg.train.global_batch // r.group_size} prompts × {r.group_size} completions → {run_dir}"
+              f"{cfg.train.global_batch // r.group_size} prompts × {r.group_size} completions"
+              + (f", sampled asynchronously by {r.generate_ranks} generator process(es) beside them (staleness "
+                 f"{r.max_staleness}, {r.async_weights} weights)" if r.generate_ranks else "") + f" → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""))
     return run_task(cfg, world, run_dir, job.rl_worker, (cfg.to_dict(), str(run_dir), template),
                     ("ndtrain.train.rl.job", "ndtrain.train.trainer"), [banner], job.describe_summary, args.argv)

@@ -169,6 +169,7 @@ class TrainConfig:
     recompute: str = "none"  # none | full | selective (attention core) | every:K (blocks 0, K, 2K, ...)
     compile: bool = False  # torch.compile each decoder block and the loss (parallel/compile.py)
     compile_backend: str = "inductor"  # inductor | aot_eager (no code generation: the proofs) | eager
+    loss_chunk: int = 0  # positions per chunk of the output head and loss (no whole [b, s, vocab] logits); 0 = off
     moe_aux_loss: float = 0.01  # coefficient of the MoE load-balancing loss; 0 = none
     moe_bias_rate: float = 0.0  # aux-loss-free balancing: router bias step per optimizer step; 0 = off
     mtp_weight: float = 0.3  # multi-token prediction: weight of its loss (model.mtp_depth > 0; DeepSeek-V3's 0.3)
@@ -227,6 +228,13 @@ class RLConfig:
     top_k: int = 0  # 0 = the whole vocabulary
     top_p: float = 1.0
     generate_tp: int = 0  # tensor parallelism of generation (0 = parallel.tp); the other ranks generate data-parallel
+    # Asynchronous rollouts (train/rl/asynchronous.py): generator processes beside the training ranks
+    generate_ranks: int = 0  # generator processes (one model each) that sample while the ranks train; 0 = generate on the training ranks, synchronously
+    max_staleness: int = 0  # K: rollout t is sampled with the weights of rollout t - K (0 = the current weights; needs generate_ranks > 0 for K > 0)
+    async_weights: str = "fixed"  # fixed: rollout t sampled with the weights of rollout t - K exactly | newest: the newest a generator holds (at least those)
+    off_policy: str = "tis"  # stale rollouts: tis (importance weight π_old/π_behaviour truncated at tis_cap) | decoupled (untruncated)
+    tis_cap: float = 2.0  # tis: the largest importance weight of a token
+    exchange_timeout_s: float = 300.0  # the longest wait for a generator's rollout or for weights, then one line and exit
     # The update
     loss: str = "grpo"  # reinforce | grpo | dr_grpo | dapo
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]

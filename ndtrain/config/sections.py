@@ -88,7 +88,7 @@ def check_train(t: TrainConfig, device: str) -> None:
     positive("train.lr", t.lr)
     positive("train.global_batch", t.global_batch)
     positive("train.micro_batch", t.micro_batch, zero_ok=True)
-    for key in ("warmup", "eval_every", "save_every", "eval_batches", "grad_clip", "weight_decay"):
+    for key in ("warmup", "eval_every", "save_every", "eval_batches", "grad_clip", "weight_decay", "loss_chunk"):
         positive(f"train.{key}", getattr(t, key), zero_ok=True)
     positive("train.log_every", t.log_every)
     if not 0 <= t.seed < 2**32:

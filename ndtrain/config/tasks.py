@@ -24,6 +24,9 @@ def check_sft(s: SFTConfig) -> None:
                           "completion and reference that returns a number)")
 
 
+OFF_POLICY = ("tis", "decoupled")
+
+
 def check_rl(r: RLConfig) -> None:
     """The rl keys on their own; `check_rl_job` adds what only `ndtrain rl` needs."""
     if r.task not in RL_TASKS:
@@ -42,6 +45,18 @@ def check_rl(r: RLConfig) -> None:
                 "format_reward", "temperature", "generate_tp"):
         positive(f"rl.{key}", getattr(r, key), zero_ok=True)
     positive("rl.warmup_examples", r.warmup_examples)
+    for key in ("generate_ranks", "max_staleness"):
+        positive(f"rl.{key}", getattr(r, key), zero_ok=True)
+    positive("rl.exchange_timeout_s", r.exchange_timeout_s)
+    if r.async_weights not in ("fixed", "newest"):
+        raise ConfigError("rl.async_weights", r.async_weights, "choose fixed or newest")
+    if r.off_policy not in OFF_POLICY:
+        raise ConfigError("rl.off_policy", r.off_policy, f"choose one of {', '.join(OFF_POLICY)}")
+    if r.tis_cap < 1.0:
+        raise ConfigError("rl.tis_cap", r.tis_cap, "must be >= 1 (a cap below 1 would shrink even fresh tokens' weight)")
+    if r.max_staleness and not r.generate_ranks:
+        raise ConfigError("rl.max_staleness", r.max_staleness, "needs rl.generate_ranks >= 1: generation on the "
+                          "training ranks is synchronous (staleness 0)")
     positive("rl.warmup_check_every", r.warmup_check_every)
     if not 0.0 <= r.warmup_target <= 1.0:
         raise ConfigError("rl.warmup_target", r.warmup_target, "must be in [0, 1] (a held-out pass@1; 0 = train all "
@@ -70,6 +85,10 @@ def check_rl_job(cfg: Config) -> None:
     rank, groups that can disagree, an update rule that fits the batch."""
     r, t, p = cfg.rl, cfg.train, cfg.parallel
     refuse_mtp(cfg, "ndtrain rl")
+    if r.generate_ranks and r.exchange_timeout_s >= cfg.run.collective_timeout_s:
+        raise ConfigError("rl.exchange_timeout_s", r.exchange_timeout_s, "must be below run.collective_timeout_s = "
+                          f"{cfg.run.collective_timeout_s:g}: the other training ranks wait for rank 0's rollout in a "
+                          "collective, which would time out first, without naming the generator")
     if r.loss != "reinforce" and r.group_size < 2:
         raise ConfigError("rl.group_size", r.group_size, f"rl.loss = {r.loss} normalises rewards within a group of "
                           "completions of one prompt: it needs at least 2 (or rl.loss = reinforce)")

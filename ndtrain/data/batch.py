@@ -39,6 +39,7 @@ class MicroBatch:
     advantages: Tensor | None = None  # [b, s] RL: the advantage of each sampled token
     old_logprobs: Tensor | None = None  # [b, s] RL: log p(target) under the policy before the update
     ref_logprobs: Tensor | None = None  # [b, s] RL: log p(target) under the frozen reference
+    is_weights: Tensor | None = None  # [b, s] RL, stale rollouts: each token's importance weight π_old / π_behaviour
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         return replace(self, **{f.name: to_device(getattr(self, f.name), device) for f in fields(self)

@@ -430,7 +430,7 @@ class Transformer(nn.Module):
 
     def forward(self, x: Tensor, positions: Tensor | None = None,
                 cache: KVCache | None = None, doc_ids: Tensor | None = None,
-                routing: RoutingLog | None = None, last: bool = False) -> Tensor:
+                routing: RoutingLog | None = None, last: bool = False, head_fn=None) -> Tensor:
         """x: tokens [b, s] (or hidden states without the embedding). positions: [s] or
         [b, s], the RoPE position of each token (default 0..s-1, after the cache);
         a packed row restarts them at each document. doc_ids: [b, s], see AttentionCore; with
@@ -438,7 +438,9 @@ class Transformer(nn.Module):
         routing: a training step's log, which the MoE blocks fill with their load-balancing
         loss and routing statistics (model/moe.py); None (evaluation, generation): nothing
         is recorded. last: the output at the last position only ([b, 1, ...]: what sampling
-        reads, without the logits of a whole prompt)."""
+        reads, without the logits of a whole prompt). head_fn: instead of the logits, what
+        `head_fn(features, head)` returns from the final features and the output head
+        (model/loss.chunked_nll: the loss without the whole logits)."""
         s = x.shape[1]
         if positions is None:
             start = cache.pos if cache is not None else 0
@@ -460,7 +462,7 @@ class Transformer(nn.Module):
             h = self.norm(h)
             if self.mtp is not None and routing is not None and routing.mtp is not None and not last:
                 add_mtp_losses(self, h, cos, sin, doc_ids, routing.mtp, routing.pending)  # model/mtp.py
-            h = self.output(h)
+            h = self.output(h) if head_fn is None else head_fn(h, self.output)
         return h
 
     def embed(self, x: Tensor) -> Tensor:

@@ -38,6 +38,7 @@ from ndtrain.parallel import expert, tensor
 from ndtrain.parallel.construct import replace_parameters
 from ndtrain.parallel.parallelize import Parallelized
 from ndtrain.parallel.precision import compute_dtype
+from ndtrain.parallel.vocab_loss import VocabParallelNLL
 from ndtrain.parallel.weight_sync import Transfer, sync_weights
 
 
@@ -49,7 +50,14 @@ class GatheredLogits(nn.Module):
         super().__init__()
         self.model, self.group, self.args = model, group, model.args
 
+    @property
+    def nll(self) -> VocabParallelNLL:
+        """Each position's loss from this rank's logit columns (a `head_fn`'s, model/loss.chunked_nll)."""
+        return VocabParallelNLL(self.group)
+
     def forward(self, x: Tensor, **kwargs) -> Tensor:
+        if kwargs.get("head_fn") is not None:  # the head's output goes to the function: nothing to gather
+            return self.model(x, **kwargs)
         local = self.model(x, **kwargs)
         parts = local.new_empty((self.group.size * local.shape[0], *local.shape[1:]))
         ops.all_gather(parts, local.contiguous(), self.group)

@@ -210,7 +210,7 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     nll = tensor.VocabParallelNLL(tp) if tp.active else token_nll
     if t.compile and not tp.active:  # the vocabulary-parallel loss's collectives stay eager
         nll = compile_loss(nll, t.compile_backend)
-    loss_fn = TokenLoss(nll, objective)
+    loss_fn = TokenLoss(nll, objective, t.loss_chunk)
     pipelined = mesh.shape.pp > 1
     # The whole model, or under pipeline parallelism only this rank's chunks; module swaps
     # (tensor parallelism, in `decoder`) and recomputation wrappers apply to each chunk,

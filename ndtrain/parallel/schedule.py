@@ -33,8 +33,8 @@ class GradSync(Protocol):
 def forward_loss(model: nn.Module, mb: MicroBatch, loss_fn: Callable,
                  routing: RoutingLog | None = None) -> torch.Tensor:
     """The sum of the micro-batch's token losses (weighted, where it has weights)."""
-    logits = model(mb.tokens, positions=mb.positions, doc_ids=mb.doc_ids, routing=routing)
-    return loss_fn(logits, mb)
+    out = model(mb.tokens, positions=mb.positions, doc_ids=mb.doc_ids, routing=routing, **loss_fn.model_kwargs(mb))
+    return loss_fn(out, mb)
 
 
 def with_model_loss(loss: torch.Tensor, routing: RoutingLog | None) -> torch.Tensor:
@@ -96,5 +96,5 @@ class SingleStage:
     @torch.no_grad()
     def logprobs(self, micro_batches: list[MicroBatch]) -> list[torch.Tensor]:
         """log p(target) [b, s] of every micro-batch, forward only."""
-        return [self.loss_fn.logprobs(self.model(mb.tokens, positions=mb.positions, doc_ids=mb.doc_ids), mb)
-                for mb in micro_batches]
+        return [self.loss_fn.logprobs(self.model(mb.tokens, positions=mb.positions, doc_ids=mb.doc_ids,
+                                                 **self.loss_fn.model_kwargs(mb)), mb) for mb in micro_batches]

@@ -225,7 +225,8 @@ class PipelineSchedule:
             if self._positions is None or self._positions.numel() != s:
                 self._positions = torch.arange(s, device=mb.tokens.device)
             positions = self._positions
-        return self.chunks[c](x, positions=positions, doc_ids=mb.doc_ids, routing=routing)
+        extra = self.loss_fn.model_kwargs(mb) if c == self.n_chunks - 1 else {}  # chunked logits: the loss
+        return self.chunks[c](x, positions=positions, doc_ids=mb.doc_ids, routing=routing, **extra)
 
     def _forward(self, a: Action, x: torch.Tensor, mb: MicroBatch, step: _Step) -> None:
         """Adds the micro-batch's token loss to the step's on the last chunk."""

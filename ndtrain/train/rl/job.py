@@ -183,7 +183,10 @@ def _rl(cfg: Config, run_dir: str, template, evaluate_only: bool, control) -> di
             return result if mesh.rank == 0 else {}
         if env.rank == 0:
             write_posttrain_files(cfg, run, template)
-        return reinforce(trainer, task, cfg, run)
+        try:
+            return reinforce(trainer, task, cfg, run)
+        finally:
+            task.close()  # the generator processes of asynchronous RL
     finally:
         shutdown()
 

@@ -102,6 +102,8 @@ class PolicyObjective:
             clipped = ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high) * adv
             term = -torch.minimum(plain, clipped)
             self.clipped = self.clipped + ((clipped < plain) * valid).sum().detach().double()
+        if mb.is_weights is not None:  # a stale rollout: from the behaviour policy to π_old (behaviour_weights)
+            term = mb.is_weights.flatten().to(nll.dtype) * term
         if self.kl_coef:
             term = term + self.kl_coef * k3(logp, mb.ref_logprobs.flatten().to(nll.dtype))
         self.tokens = self.tokens + valid.sum().detach().double()
@@ -112,6 +114,19 @@ class PolicyObjective:
         out = (float(self.clipped), float(self.tokens))
         self.clipped = self.tokens = 0.0
         return out
+
+
+def behaviour_weights(old_logprobs: Tensor, behaviour_logprobs: Tensor, trained: Tensor, off_policy: str,
+                      cap: float) -> Tensor:
+    """Each token's importance weight from the behaviour policy that sampled it to π_old
+    (the proximal policy: the weights before this update, recomputed by the training
+    forward): w = π_old / π_behaviour = exp(log π_old − log π_behaviour), truncated at `cap`
+    under `tis`, whole under `decoupled`; 1 where nothing is trained. Constants of the loss
+    (no gradient)."""
+    w = torch.exp(old_logprobs - behaviour_logprobs)
+    if off_policy == "tis":
+        w = w.clamp_max(cap)
+    return torch.where(trained, w, torch.ones_like(w))
 
 
 def k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:

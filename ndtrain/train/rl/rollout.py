@@ -20,6 +20,7 @@ completion is a function of its prompt and seed).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -31,7 +32,7 @@ from ndtrain import supervisor
 from ndtrain.comm.group import Group
 from ndtrain.comm.ops import all_reduce_scalars
 from ndtrain.generate.sampler import generate
-from ndtrain.model.loss import IGNORE, token_nll
+from ndtrain.model.loss import IGNORE, chunked_nll, token_nll
 from ndtrain.parallel.generation import GenerationLayout, gather_rows
 
 SCORE_FIELDS = ("reward", "format", "correct", "error")
@@ -75,12 +76,13 @@ class Generations:
 
 @torch.no_grad()
 def completion_logprobs(model: nn.Module, prompts: list[list[int]], completions: list[list[int]],
-                        width: int, pad_id: int, rows_per_forward: int) -> Tensor:
+                        width: int, pad_id: int, rows_per_forward: int, chunk: int = 0) -> Tensor:
     """log p [n, width] (fp64, on the host) of each completion's tokens after its prompt
     under `model`: a plain forward of the right-padded rows, each token's log-probability
     minus its cross-entropy as the training step computes it (model/loss.token_nll), on the
     model's device, `rows_per_forward` rows at a time: the logits of more rows never exist
-    at once, and only [rows, width] numbers reach the host."""
+    at once, and only [rows, width] numbers reach the host. `chunk` > 0: the head and the
+    loss `chunk` positions at a time (train.loss_chunk, model/loss.chunked_nll)."""
     device = next(model.parameters()).device
     out = torch.zeros((len(prompts), width), dtype=torch.float64)
     was_training = model.training
@@ -95,7 +97,12 @@ def completion_logprobs(model: nn.Module, prompts: list[list[int]], completions:
             tokens[i, :len(p) + len(c)] = torch.tensor(p + c)
             targets[i, len(p) - 1:len(p) - 1 + len(c)] = torch.tensor(c, dtype=torch.long)
             at[i] = (torch.arange(width) + len(p) - 1).clamp_max(length - 1)
-        nll = token_nll(model(tokens.to(device)), targets.to(device)).view(len(ps), length)
+        tokens, targets = tokens.to(device), targets.to(device)
+        if chunk:
+            head_fn = functools.partial(chunked_nll, nll=getattr(model, "nll", token_nll), targets=targets, chunk=chunk)
+            nll = model(tokens, head_fn=head_fn).view(len(ps), length)
+        else:
+            nll = token_nll(model(tokens), targets).view(len(ps), length)
         logp = (-nll).gather(1, at.to(device)).double().cpu()
         valid = torch.arange(width)[None, :] < torch.tensor([len(c) for c in cs])[:, None]
         out[lo:lo + len(ps)] = logp.masked_fill(~valid, 0.0)
@@ -106,7 +113,7 @@ def completion_logprobs(model: nn.Module, prompts: list[list[int]], completions:
 def generate_everywhere(model: nn.Module, layout: GenerationLayout, prompts: list[list[int]], seeds: list[int],
                         sampling: Sampling, stop_ids, pad_id: int,
                         score: Callable[[int, list[int]], tuple[float, float, float, float]],
-                        reference: nn.Module | None = None, rows_per_forward: int = 8) -> Generations:
+                        reference: nn.Module | None = None, rows_per_forward: int = 8, chunk: int = 0) -> Generations:
     """Sample a completion for every prompt (row i with seed i) under the generation
     `layout`, scored by `score(i, completion)` → (reward, format, correct, error), every
     row on every rank. Collective (every rank calls it with the same arguments)."""
@@ -132,7 +139,7 @@ def generate_everywhere(model: nn.Module, layout: GenerationLayout, prompts: lis
                                                              dtype=torch.float64)
         if reference is not None:
             mine[rows, cols - 1 - width:cols - 1] = completion_logprobs(reference, prompts[a:b], out.tokens, width,
-                                                                        pad_id, rows_per_forward)
+                                                                        pad_id, rows_per_forward, chunk)
     rows = gather_rows(mine.to(layout.mesh.device), layout).cpu()
     if rows[:, -1].any():
         raise supervisor.Interrupted("a stop request cut the rollout short")

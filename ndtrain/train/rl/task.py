@@ -43,6 +43,7 @@ from ndtrain.model.loss import IGNORE
 from ndtrain.parallel.generation import (GenerationLayout, Generator, empty_generation_model, frozen_copy,
                                          sampling_view)
 from ndtrain.train.rl import losses
+from ndtrain.train.rl.asynchronous import AsyncRollouts
 from ndtrain.train.rl.rollout import Generations, Sampling, generate_everywhere
 from ndtrain.train.tasks import Task, call_scorer, load_function
 from ndtrain.train.trainer import TrainingError
@@ -137,6 +138,7 @@ class RL(Task):
         self.sampling = Sampling(r.max_new_tokens, r.temperature, r.top_k, r.top_p)
         self.reference = None
         self.generator: Generator | None = None
+        self.rollouts = None  # asynchronous.AsyncRollouts under rl.generate_ranks
         self.batch: MicroBatch | None = None
         self.metrics: dict = {}
         self.eval_problems = env.draw(0, "evaluation", r.eval_prompts, "held_out")
@@ -153,8 +155,20 @@ class RL(Task):
             self.metrics = {"rollout_time_s": 0.0}  # the same rollout, another update
             return
         t0 = time.perf_counter()
-        self.batch, self.metrics = self.rollout(step // self.cfg.rl.ppo_epochs, trainer)
+        index = step // self.cfg.rl.ppo_epochs
+        if self.cfg.rl.generate_ranks:  # generator processes sample; the training ranks take their rollouts
+            if self.rollouts is None:
+                self.rollouts = AsyncRollouts(self.cfg, trainer, index)
+            self.batch, self.metrics = self.rollouts.take(index, self, trainer)
+        else:
+            self.batch, self.metrics = self.rollout(index, trainer)
         self.metrics["rollout_time_s"] = time.perf_counter() - t0
+
+    def close(self) -> None:
+        """Stops the generator processes, if any (every rank may call it)."""
+        if self.rollouts is not None:
+            self.rollouts.close()
+            self.rollouts = None
 
     def step_metrics(self, trainer) -> dict:
         clipped, tokens = self.objective.take_counts()
@@ -203,7 +217,7 @@ class RL(Task):
             return tuple(values)
         t = self.env.template
         return generate_everywhere(model, self.generator.layout, prompts, seeds, sampling, t.stop_ids, t.pad_id,
-                                   score, reference, self.cfg.train.micro_batch)
+                                   score, reference, self.cfg.train.micro_batch, self.cfg.train.loss_chunk)
 
     def _generator(self, trainer) -> Generator:
         if self.generator is None:
@@ -227,21 +241,34 @@ class RL(Task):
         return self.reference
 
     def rollout(self, index: int, trainer) -> tuple[MicroBatch, dict]:
-        r, t = self.cfg.rl, self.cfg.train
+        """Rollout `index` sampled now, on the training ranks (the synchronous job). Collective."""
         generator = self._generator(trainer)
         model = generator.model()
         reference = self._reference(trainer)
+        rounds, kept = self.sample_rounds(index, lambda rows, prompts, seeds: self._generate(
+            trainer, model, rows, prompts, seeds, self.sampling, reference))
+        batch, metrics = self.assemble(rounds, kept, index, index, trainer)
+        sent = ops.all_reduce_scalars([generator.transfer.bytes], generator.layout.world)[0]
+        metrics.update(weight_sync_s=generator.transfer.seconds, weight_sync_bytes=sent)
+        return batch, metrics
+
+    def sample_rounds(self, index: int, generate) -> tuple[list, list[tuple[int, int]]]:
+        """The rounds of rollout `index` (dapo: refilled until its groups are informative):
+        [(problems, prompt ids, Generations, shaped rewards [groups, G])], and the kept
+        (round, group) pairs. `generate(problems, prompts, seeds)` samples; the rest is a
+        pure function of its results, so a generator process computes the same."""
+        r, t = self.cfg.rl, self.cfg.train
         n_groups, g = t.global_batch // r.group_size, r.group_size
         dynamic = r.loss == "dapo"
         buffer = rl_overlong_buffer(r)
-        rounds = []  # (problems, generations, shaped rewards [n_groups, g])
+        rounds = []  # (problems, prompts, generations, shaped rewards [n_groups, g])
         kept: list[tuple[int, int]] = []  # (round, group)
         for k in range(1 + (r.max_refills if dynamic else 0)):
             problems = self.env.draw(t.seed, f"rollout/{index}/{k}", n_groups, "train")
             rows = [p for p in problems for _ in range(g)]
             prompts = [self.env.prompt_ids(p) for p in rows]
             seeds = [row_seed(t.seed, index, k, i) for i in range(len(rows))]
-            gen = self._generate(trainer, model, rows, prompts, seeds, self.sampling, reference)
+            gen = generate(rows, prompts, seeds)
             if self.env.custom is not None and bool((gen.score("error") > 0).all()):
                 raise TrainingError(f"rl.reward = {r.reward!r} failed on all {len(rows)} completions of rollout "
                                     f"{index} (it {self.env.last_failure}): stopping rather than training on "
@@ -256,10 +283,25 @@ class RL(Task):
         if len(kept) < n_groups:  # refills ran out: complete with groups that teach nothing (advantage 0)
             spare = [(k, j) for k in range(len(rounds)) for j in range(n_groups) if (k, j) not in kept]
             kept += spare[:n_groups - len(kept)]
+        return rounds, kept
+
+    def assemble(self, rounds, kept, index: int, version: int, trainer) -> tuple[MicroBatch, dict]:
+        """The batch of rollout `index` sampled with the weights of rollout `version`, and its
+        metrics. A stale one (version < index) trains with importance weights from the
+        sampler's (behaviour) log-probabilities to the training forward's (π_old), and its
+        log-probability gap is not a consistency check (other weights sampled it)."""
+        r = self.cfg.rl
         batch, rollout_logp = self._batch(rounds, kept, index, trainer)
-        metrics = self._metrics(rounds, batch, rollout_logp, trainer)
-        sent = ops.all_reduce_scalars([generator.transfer.bytes], generator.layout.world)[0]
-        metrics.update(refills=len(rounds) - 1, weight_sync_s=generator.transfer.seconds, weight_sync_bytes=sent)
+        trained = batch.targets != IGNORE
+        stale = version < index
+        if stale:
+            batch.is_weights = losses.behaviour_weights(batch.old_logprobs, rollout_logp, trained, r.off_policy,
+                                                        r.tis_cap)
+        metrics = self._metrics(rounds, batch, rollout_logp, trainer, check=not stale)
+        metrics.update(refills=len(rounds) - 1, staleness=index - version)
+        if stale and trained.any():
+            w = torch.exp(batch.old_logprobs - rollout_logp)[trained]
+            metrics.update(behaviour_weight=float(w.mean()), tis_truncated=float((w > r.tis_cap).double().mean()))
         return batch, metrics
 
     def _batch(self, rounds, kept, index: int, trainer) -> tuple[MicroBatch, Tensor]:
@@ -298,7 +340,7 @@ class RL(Task):
         batch.old_logprobs = trainer.logprobs_everywhere(batch)  # the training forward's, every row on every rank
         return batch, rollout
 
-    def _metrics(self, rounds, batch: MicroBatch, rollout_logp: Tensor, trainer) -> dict:
+    def _metrics(self, rounds, batch: MicroBatch, rollout_logp: Tensor, trainer, check: bool = True) -> dict:
         r = self.cfg.rl
         gens = [gen for _, _, gen, _ in rounds]
         scores = torch.cat([gen.scores for gen in gens])
@@ -318,7 +360,7 @@ class RL(Task):
             out["format"] = float(scores[:, 1].nanmean())
         if batch.ref_logprobs is not None:
             out["kl"] = float(losses.k3(batch.old_logprobs, batch.ref_logprobs)[trained].mean())
-        if gap > r.logprob_tol and self.cfg.train.precision in PRECISE:
+        if check and gap > r.logprob_tol and self.cfg.train.precision in PRECISE:
             raise TrainingError(
                 f"log-probabilities of the sampled tokens differ by up to {gap:.2e} between the sampler and the "
                 f"training forward on the same weights (rl.logprob_tol = {r.logprob_tol:g}): inference and "

@@ -1,0 +1,266 @@
+"""Asynchronous rollouts: generator processes sample while the training ranks train.
+
+With `rl.generate_ranks = N` > 0, training rank 0 starts N generator processes
+(`train/rl/generator.py`) beside the training world, each holding one whole model (the
+training model's weights, in the compute dtype, on one process) and a frozen reference.
+They are not ranks of the torch.distributed world: they talk to training rank 0 over a
+local authenticated socket (`multiprocessing.connection`), which the training ranks need
+not join.
+
+**The schedule**: rollout t is sampled by generator (t − start) mod N with the weights of
+rollout t − K, K = `rl.max_staleness` (the weights the synchronous job samples rollout t − K
+with; before the run's first rollout, its first weights): `rl.async_weights = fixed`, so that
+a run is a function of its seed. With `newest`, a generator samples with the newest weights
+it holds when it starts the rollout, at least those of rollout t − K (every generator then
+receives every version): staleness at most K, fresher when the generators keep up, and a
+run no longer a function of its seed alone. So with K ≥ 1 a generator samples rollout t + 1
+while the ranks train on rollout t; with K = 0 the ranks wait for each rollout, as in the
+synchronous job.
+
+**Before rollout t's update** every training rank calls `take(t)`:
+1. the current weights (version t) are gathered whole on rank 0 (`Parallelized.full_model_state`,
+   collective over the training ranks) and sent to the generators that will sample with
+   them, if any; pickled once on rank 0's main thread (the copy: the optimizer may change
+   the weights right after), sent by a thread, received by a thread of each generator, so
+   neither side stops longer than the copy;
+2. rank 0 waits for rollout t from its generator and broadcasts it to the training ranks;
+3. each rank assembles the batch (`RL.assemble`): the old log-probabilities by the training
+   forward (the proximal policy), and for a stale rollout the importance weights from the
+   behaviour policy (the sampler's recorded log-probabilities) to it.
+
+**Nothing hangs.** Every exchange has a limit (`rl.exchange_timeout_s`; a generator's start
+and connection at least START_S, since a process start under load can take that); a
+generator that exits (killed, crashed) is noticed at the next poll. The failure travels with the rollout's
+broadcast, so every training rank ends with the same one line naming the generator's rank
+and the update (`TrainingError`, exit status 1). A generator that hears nothing from the
+trainer within the limit, or whose connection closes, exits with one line. A stop request
+(Ctrl-C, SIGTERM) while rank 0 waits for a rollout travels the same way: every training rank
+raises `supervisor.Interrupted` at that update, and the run saves the update before it, as
+a stop during a synchronous rollout does.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, Listener
+
+import torch.distributed as dist
+
+from ndtrain import supervisor
+from ndtrain.config import Config
+from ndtrain.train.trainer import TrainingError
+
+START_S = 120.0  # the least a generator is given to start (Python, torch, the model) and connect
+KEY_ENV = "NDTRAIN_GENERATOR_KEY"  # the socket's key reaches a generator by its environment, never its argv
+
+
+def version_of(t: int, start: int, staleness: int) -> int:
+    """The rollout whose weights sample rollout t."""
+    return max(start, t - staleness)
+
+
+def owner_of(t: int, start: int, n: int) -> int:
+    return (t - start) % n
+
+
+class AsyncRollouts:
+    """Training rank 0's generators, and every training rank's side of the exchange."""
+
+    def __init__(self, cfg: Config, trainer, start: int):
+        r = cfg.rl
+        self.cfg, self.start, self.n, self.k = cfg, start, r.generate_ranks, r.max_staleness
+        self.timeout = r.exchange_timeout_s
+        self.newest = r.async_weights == "newest"
+        self.total = math.ceil(cfg.train.steps / r.ppo_epochs)
+        self.world = trainer.mesh.world
+        self.lead = trainer.mesh.rank == 0
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self.error: str | None = None  # rank 0: a failed send, reported with the next rollout
+        self.pushed_s = 0.0
+        if self.lead:
+            self._spawn(trainer)
+
+    # -- the schedule --------------------------------------------------------------
+    def rank_of(self, g: int) -> int:
+        """A generator's rank in messages: after the training ranks."""
+        return self.world + g
+
+    def needs(self, v: int) -> list[int]:
+        """The generators that sample with the weights of rollout v (`newest`: every one
+        that has a rollout still to sample)."""
+        if v == self.start:  # every generator's first weights (its reference too)
+            return list(range(self.n))
+        if self.newest:
+            return sorted({owner_of(t, self.start, self.n) for t in range(v, min(self.total, v + self.n))})
+        t = v + self.k
+        return [owner_of(t, self.start, self.n)] if t < self.total else []
+
+    # -- processes -----------------------------------------------------------------
+    def _spawn(self, trainer) -> None:
+        key = os.urandom(16)
+        listener = Listener(("127.0.0.1", 0), authkey=key)
+        env = dict(os.environ, **{KEY_ENV: key.hex(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+        host, port = listener.address
+        for g in range(self.n):
+            self.procs.append(subprocess.Popen([sys.executable, "-m", "ndtrain.train.rl.generator", host, str(port)],
+                                               env=env))
+            conn = self._accept(listener, g)
+            if conn is None:
+                break
+            self.conns.append(conn)
+        listener.close()
+        if self.error is None:
+            setup = {"cfg": self.cfg.to_dict(), "args": trainer.args, "template": trainer.task.env.template,
+                     "start": self.start, "total": self.total, "staleness": self.k, "generators": self.n,
+                     "threads": _threads(), "timeout": self.timeout, "world": self.world,
+                     "device": trainer.mesh.device.type}
+            for g, conn in enumerate(self.conns):
+                self._send(g, dict(setup, generator=g), "its setup", 0)
+
+    def _accept(self, listener: Listener, g: int) -> Connection | None:
+        box: list = []
+        thread = threading.Thread(target=lambda: box.append(listener.accept()), daemon=True)
+        thread.start()
+        limit = max(self.timeout, min(START_S, 0.9 * self.cfg.run.collective_timeout_s))  # within the others' wait
+        deadline = time.monotonic() + limit
+        while thread.is_alive() and time.monotonic() < deadline:
+            if self.procs[g].poll() is not None:
+                self.error = (f"ndtrain rl: generator rank {self.rank_of(g)} exited with status "
+                              f"{self.procs[g].returncode} before it connected (update {self.start})")
+                return None
+            thread.join(0.2)
+        if not box:
+            self.error = (f"ndtrain rl: generator rank {self.rank_of(g)} did not connect within {limit:g} s "
+                          f"(the larger of rl.exchange_timeout_s and a process start's {START_S:g} s; update "
+                          f"{self.start})")
+            return None
+        return box[0]
+
+    def _send(self, g: int, message, what: str, update: int) -> None:
+        """Pickle `message` now (plain pickle: the bytes of every tensor, no shared memory),
+        send it by a thread within the limit; a failure is kept for the next rollout's
+        broadcast (never raised here: the other ranks are not waiting on a collective)."""
+        if self.error is not None:
+            return
+        data = pickle.dumps(message, protocol=5)
+        failed: list = []
+
+        def send():
+            try:
+                self.conns[g].send_bytes(data)
+            except OSError as e:
+                failed.append(e)
+        thread = threading.Thread(target=send, daemon=True)
+        thread.start()
+        thread.join(self.timeout)
+        status = self.procs[g].poll()
+        if failed and status is None:  # a connection closed by a process on its way out: let it finish
+            try:
+                status = self.procs[g].wait(min(5.0, self.timeout))
+            except subprocess.TimeoutExpired:
+                pass
+        if failed and status == 0:  # it sampled its last rollout and left (newest weights: before these came)
+            return
+        if thread.is_alive() or failed:
+            why = f"exited with status {status}" if status is not None else (
+                f"did not take it within {self.timeout:g} s (rl.exchange_timeout_s)" if thread.is_alive()
+                else f"lost its connection ({type(failed[0]).__name__})")
+            self.error = f"ndtrain rl: generator rank {self.rank_of(g)} {why} while sent {what} (update {update})"
+
+    # -- every rollout -------------------------------------------------------------
+    def push(self, v: int, trainer, update: int) -> None:
+        """Send the current weights (version v) to the generators that need them. Collective
+        over the training ranks when any does."""
+        targets = self.needs(v)
+        if not targets:
+            return
+        t0 = time.perf_counter()
+        state = trainer.par.full_model_state()  # whole on rank 0
+        if self.lead:
+            for g in targets:
+                self._send(g, ("weights", v, state), f"the weights of rollout {v}", update)
+        self.pushed_s = time.perf_counter() - t0
+
+    def take(self, index: int, task, trainer) -> tuple:
+        """Rollout `index`'s batch and metrics, on every training rank. Collective."""
+        update = trainer.step
+        self.push(index, trainer, update)
+        t0 = time.perf_counter()
+        payload = self._receive(index, update) if self.lead else None
+        if self.world > 1:
+            box = [payload]
+            dist.broadcast_object_list(box, src=0)
+            payload = box[0]
+        waited = time.perf_counter() - t0
+        if "error" in payload:
+            raise TrainingError(payload["error"])
+        if payload.get("interrupted"):
+            raise supervisor.Interrupted("a stop request came while waiting for a rollout")
+        batch, metrics = task.assemble(payload["rounds"], payload["kept"], index, payload["version"], trainer)
+        busy, idle = payload["busy_s"], payload["idle_s"]
+        metrics.update(trainer_wait_s=waited, weight_push_s=self.pushed_s,
+                       generator_idle=idle / (busy + idle) if busy + idle else 0.0)
+        return batch, metrics
+
+    def _receive(self, index: int, update: int) -> dict:
+        g = owner_of(index, self.start, self.n)
+        if self.error is not None:
+            return {"error": self.error}
+        conn, proc, rank = self.conns[g], self.procs[g], self.rank_of(g)
+        deadline = time.monotonic() + self.timeout
+        while time.monotonic() < deadline:
+            if supervisor.stop_requested():  # Ctrl-C, SIGTERM: every training rank stops at this update
+                return {"interrupted": True}
+            try:
+                if conn.poll(0.2):
+                    message = pickle.loads(conn.recv_bytes())
+                    if message.get("error"):
+                        return {"error": f"ndtrain rl: generator rank {rank} failed on rollout {index} (update "
+                                         f"{update}): {message['error']}"}
+                    if message["index"] != index:
+                        return {"error": f"ndtrain rl: generator rank {rank} sent rollout {message['index']} where "
+                                         f"rollout {index} was due (update {update})"}
+                    return message
+            except (EOFError, OSError):
+                pass
+            if proc.poll() is not None:
+                return {"error": f"ndtrain rl: generator rank {rank} exited with status {proc.returncode} before "
+                                 f"sending rollout {index} (update {update})"}
+        return {"error": f"ndtrain rl: generator rank {rank} sent no rollout {index} within {self.timeout:g} s "
+                         f"(rl.exchange_timeout_s; update {update})"}
+
+    def close(self) -> None:
+        """Stop the generators (rank 0): a stop message (by a thread, given a second: a
+        stopped generator reads nothing), then a short wait, then kill."""
+        stop = pickle.dumps(("stop",))
+        for conn in self.conns:
+            thread = threading.Thread(target=_send_quietly, args=(conn, stop), daemon=True)
+            thread.start()
+            thread.join(1.0)
+        for proc in self.procs:
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.conns, self.procs = [], []
+
+
+def _send_quietly(conn: Connection, data: bytes) -> None:
+    try:
+        conn.send_bytes(data)
+        conn.close()
+    except OSError:
+        pass
+
+
+def _threads() -> int:
+    import torch
+    return torch.get_num_threads()

@@ -1,0 +1,242 @@
+"""Asynchronous RL (rl.generate_ranks, rl.max_staleness; train/rl/asynchronous.py): what a
+run with generator processes equals, and that nothing hangs.
+
+- K = 0: generator processes change nothing: the same losses, gradient norms and final
+  weights as the synchronous job, bit for bit in fp64.
+- K = 2: the run equals a reference built directly: one process, synchronous, that keeps a
+  copy of the weights before every rollout and samples rollout t with the copy of rollout
+  t − 2 (`DelayedRL`), training with the same off-policy correction; fp64, the tolerance
+  rule (the first update at exact precision, later ones within the twin's gaps).
+- A generator killed while the trainer sends it weights ends every training rank with the
+  same one line naming its rank and the update, well before any limit."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+
+import pytest
+
+from ndtrain.testing import run_ranks
+
+from test_rl import RL_PROOF
+
+STALE = 2
+# grpo on every update (the staleness proof needs no cycle of losses), a rollout per update
+# (ppo_epochs 1: the ratio against π_old is 1, the importance weight carries staleness).
+ASYNC_PROOF = [o for o in RL_PROOF if not o.startswith("rl.ppo_epochs")] + ["rl.ppo_epochs=1", "train.steps=5",
+                                                                            "rl.exchange_timeout_s=40"]
+TASKS: list = []  # the tasks made in this process, closed after each run (their generators)
+
+
+def _make(kind: str):
+    def make(cfg):
+        from ndtrain.data.template import BuiltinTemplate
+        from ndtrain.data.verifiable import char_tokenizer
+        from ndtrain.parallel.generation import frozen_copy
+        from ndtrain.train.rl.task import RL, Environment
+
+        class DelayedRL(RL):
+            """The reference of rl.max_staleness = STALE, built directly: synchronous, one
+            process, rollout t sampled with a copy of the weights taken before rollout
+            t − STALE (the first weights before that)."""
+
+            snapshots: dict = {}
+
+            def rollout(self, index, trainer):
+                layout = self._generator(trainer).layout
+                self.snapshots[index] = frozen_copy(trainer.par, self.cfg, trainer.args, layout)
+                version = max(0, index - STALE)
+                model, reference = self.snapshots[version], self._reference(trainer)
+                rounds, kept = self.sample_rounds(index, lambda rows, prompts, seeds: self._generate(
+                    trainer, model, rows, prompts, seeds, self.sampling, reference))
+                return self.assemble(rounds, kept, index, version, trainer)
+
+        class KilledGenerator(RL):
+            """Kills its generator just before the trainer sends it the weights of rollout 1
+            ("killed"), or stops it (SIGSTOP: alive, silent; "hung": not in the proof, where
+            it did not end within 400 s: docs/rl.md, not done)."""
+
+            def before_update(self, step, trainer):
+                if step == 1 and self.rollouts is not None and self.rollouts.procs:
+                    proc = self.rollouts.procs[0]
+                    os.kill(proc.pid, signal.SIGKILL if kind == "killed" else signal.SIGSTOP)
+                    if kind in ("killed", "hung"):
+                        proc.wait()
+                super().before_update(step, trainer)
+
+        cls = {"delayed": DelayedRL, "killed": KilledGenerator, "hung": KilledGenerator}.get(kind, RL)
+        task = cls(cfg, Environment(cfg, BuiltinTemplate(char_tokenizer())))
+        TASKS.append(task)
+        return task
+    return make
+
+
+def _rows(rows):
+    """Each row: (name, overrides, kind): "async" (a proof run, with or without generators),
+    "reference" (the synchronous job and its twin), "delayed" (DelayedRL and its twin),
+    "killed" (the message every rank ends with)."""
+    from helpers import proof_in_rank, reference_in_rank, train_in_rank
+    from ndtrain.launch import set_collective_timeout
+    from ndtrain.train.trainer import TrainingError
+    # The job's collective limit (run.collective_timeout_s, 600 s), as `ndtrain rl` sets it, not
+    # run_ranks' 120 s: the other ranks wait in a broadcast while rank 0 waits for a generator
+    # to start (up to 120 s on a loaded machine) or for a rollout.
+    set_collective_timeout(600.0)
+    out = {}
+    for name, overrides, kind in rows:
+        try:
+            if kind in ("killed", "hung"):
+                try:
+                    train_in_rank(ASYNC_PROOF + overrides, "", make_task=_make(kind))
+                    out[name] = "no error"
+                except TrainingError as e:
+                    out[name] = str(e)
+                continue
+            run = (reference_in_rank if kind in ("delayed", "reference") else proof_in_rank)(
+                ASYNC_PROOF + overrides, "", make_task=_make(kind))
+            history = run.pop("history")
+            run["metrics"] = [{k: r.get(k) for k in ("reward_mean", "staleness", "behaviour_weight",
+                                                      "generator_idle")} for r in history]
+            out[name] = run
+        finally:
+            while TASKS:
+                TASKS.pop().close()
+    return out
+
+
+ASYNC = ["rl.generate_ranks=1"]
+# The layout families whose synchronous job samples without tensor parallelism (the training
+# model itself, or a one-process copy), as a generator process does: there K = 0 is the
+# synchronous job bit for bit. Under tp2 the synchronous job samples tensor-parallel (other
+# rounding of the behaviour and reference log-probabilities): the tolerance rule.
+FAMILIES = [("dp2", ["parallel.dp=2", "train.micro_batch=2"]), ("zero3", ["parallel.zero=3", "train.micro_batch=2"]),
+            ("pp2", ["parallel.pp=2", "train.micro_batch=2"]), ("cp2", ["parallel.cp=2", "train.micro_batch=4"])]
+
+
+def _same(a: dict, b: dict) -> bool:
+    import torch
+    return (a["losses"] == b["losses"] and a["norms"] == b["norms"] and a["state"].keys() == b["state"].keys()
+            and all(torch.equal(a["state"][k], v) for k, v in b["state"].items()))
+
+
+def test_a_generator_process_at_k0_changes_nothing():
+    """The default tier's row: one process and its generator at K = 0, two updates, equal
+    to the synchronous job bit for bit in fp64 (the slow tier proves every family and K = 2)."""
+    short = ["train.steps=2"]
+    runs = run_ranks(_rows, 1, [("sync", short, "async"), ("k0", ASYNC + short, "async")], timeout=300)[0]
+    assert _same(runs["k0"], runs["sync"]) and len(runs["sync"]["losses"]) == 2
+
+
+@pytest.mark.slow
+def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference():
+    """One launch of 1 process (plus its generator), one of 2 (plus one generator): K = 0
+    against the synchronous job, bit for bit where both sample without tensor parallelism
+    (one process, dp2, ZeRO-3, pp2, cp2), under the tolerance rule under tp2; K = 2 against
+    DelayedRL under the tolerance rule (one process, dp2); with the newest weights a
+    generator holds, never staler than K; a generator killed before its
+    weights of rollout 1 ends both training ranks with the same line."""
+    from helpers import assert_proof
+    one = run_ranks(_rows, 1, [("sync", [], "reference"), ("k0", ASYNC, "async"), ("delayed", [], "delayed"),
+                               ("k2", ASYNC + [f"rl.max_staleness={STALE}"], "async"),
+                               ("newest", ASYNC + [f"rl.max_staleness={STALE}", "rl.async_weights=newest"], "async")],
+                    timeout=600)[0]
+    sync, ref = one["sync"], one["delayed"]
+    assert _same(one["k0"], sync)
+    assert [m["staleness"] for m in one["k0"]["metrics"]] == [0] * 5
+    assert [m["staleness"] for m in ref["metrics"]] == [0, 1, 2, 2, 2]
+    assert all(m["behaviour_weight"] != 1.0 for m in ref["metrics"][1:])  # the correction is at work
+    assert ref["losses"] != sync["losses"]
+    assert [m["reward_mean"] for m in one["k2"]["metrics"]] == [m["reward_mean"] for m in ref["metrics"]]
+    assert_proof(one["k2"], ref)
+    assert [m["staleness"] for m in one["k2"]["metrics"]] == [0, 1, 2, 2, 2]
+    # the newest weights a generator holds: never older than K (which weights is the race's)
+    assert all(0 <= m["staleness"] <= STALE for m in one["newest"]["metrics"]), one["newest"]["metrics"]
+    rows = [row for name, o in FAMILIES for row in ((f"{name}-sync", o, "async"), (f"{name}-k0", ASYNC + o, "async"))]
+    two = run_ranks(_rows, 2, rows + [
+        ("tp2-k0", ASYNC + ["parallel.tp=2"], "async"),
+        ("dp2-k2", ASYNC + [f"rl.max_staleness={STALE}", "parallel.dp=2", "train.micro_batch=2"], "async"),
+        ("killed", ASYNC + ["parallel.dp=2"], "killed")], timeout=900)
+    runs = two[0]
+    for name, _ in FAMILIES:
+        assert _same(runs[f"{name}-k0"], runs[f"{name}-sync"]), name
+        assert_proof(runs[f"{name}-sync"], sync)  # and both equal one process
+    assert_proof(runs["tp2-k0"], sync)
+    assert_proof(runs["dp2-k2"], ref)
+    line = (r"ndtrain rl: generator rank 2 exited with status -9 (before sending rollout 1|while sent the weights of "
+            r"rollout 1) \(update 1\)")
+    assert re.fullmatch(line, runs["killed"]) and two[1]["killed"] == runs["killed"], two
+
+
+@pytest.mark.slow
+def test_a_generator_the_trainer_never_answers_exits_with_one_line(tmp_path):
+    """The generator's side of the limit: it connects, takes its setup, and no weights come:
+    after rl.exchange_timeout_s it exits with status 1 and one line naming its rank and the
+    rollout it waited for; and when the trainer's connection closes instead, it exits 0."""
+    import pickle
+    import subprocess
+    import sys
+    from multiprocessing.connection import Listener
+
+    from ndtrain.config import load_config, validate
+    from ndtrain.data.template import BuiltinTemplate
+    from ndtrain.data.verifiable import char_tokenizer
+    from ndtrain.train.rl.asynchronous import KEY_ENV
+    cfg = validate(load_config(None, ["model.preset=tiny", "run.device=cpu", "train.global_batch=8",
+                                      "rl.group_size=4", "train.seq_len=16"]), world=1)
+    for close in (False, True):
+        key = os.urandom(16)
+        with Listener(("127.0.0.1", 0), authkey=key) as listener:
+            env = dict(os.environ, **{KEY_ENV: key.hex(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
+            proc = subprocess.Popen([sys.executable, "-m", "ndtrain.train.rl.generator", *map(str, listener.address)],
+                                    env=env, stderr=subprocess.PIPE, text=True)
+            conn = listener.accept()
+            conn.send_bytes(pickle.dumps({"cfg": cfg.to_dict(), "args": cfg.model_args(), "generator": 0, "world": 2,
+                                          "template": BuiltinTemplate(char_tokenizer()), "start": 0, "total": 3,
+                                          "staleness": 0, "generators": 1, "threads": 1, "timeout": 3.0,
+                                          "device": "cpu"}))
+            if close:
+                conn.close()
+            code, err = proc.wait(120), proc.stderr.read().strip()
+        if close:
+            assert code == 0 and err == "", err
+        else:
+            assert code == 1 and err == ("ndtrain rl: generator rank 2: no weights of rollout 0 (for rollout 0) from "
+                                         "the trainer within 3 s (rl.exchange_timeout_s); exiting"), err
+
+
+@pytest.mark.parametrize("extra, expect", [
+    (["rl.max_staleness=2"], "rl.max_staleness = 2: needs rl.generate_ranks >= 1"),
+    (["rl.off_policy=ppo"], "rl.off_policy = 'ppo': choose one of tis, decoupled"),
+    (["rl.async_weights=latest"], "rl.async_weights = 'latest': choose fixed or newest"),
+    (["rl.tis_cap=0.5"], "rl.tis_cap = 0.5: must be >= 1"),
+    (["rl.generate_ranks=-1"], "rl.generate_ranks = -1: must be >= 0"),
+    (["rl.exchange_timeout_s=0"], "rl.exchange_timeout_s = 0.0: must be > 0"),
+    (["rl.generate_ranks=1", "rl.exchange_timeout_s=700"],
+     "rl.exchange_timeout_s = 700.0: must be below run.collective_timeout_s = 600"),
+])
+def test_bad_async_input_is_one_line_exit_2_nothing_written(extra, expect, tmp_path, capsys, monkeypatch):
+    from ndtrain.cli import main
+    monkeypatch.chdir(tmp_path)
+    code = main(["rl", "--nproc", "1", "model.init_from=scratch", "model.preset=tiny", "run.device=cpu",
+                 f"data.cache_dir={tmp_path / 'cache'}", *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and expect in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_behaviour_weights_by_hand():
+    """w = π_old / π_behaviour per trained token, truncated at the cap under tis, 1 elsewhere."""
+    import math
+
+    import torch
+    from ndtrain.train.rl.losses import behaviour_weights
+    old = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64)
+    behaviour = torch.tensor([[-1.5, -1.0, -3.0]], dtype=torch.float64)
+    trained = torch.tensor([[True, True, False]])
+    tis = behaviour_weights(old, behaviour, trained, "tis", 1.5)
+    assert torch.allclose(tis, torch.tensor([[1.5, math.exp(-1.0), 1.0]], dtype=torch.float64), rtol=0, atol=1e-15)
+    whole = behaviour_weights(old, behaviour, trained, "decoupled", 1.5)
+    assert torch.allclose(whole, torch.tensor([[math.exp(0.5), math.exp(-1.0), 1.0]], dtype=torch.float64),
+                          rtol=0, atol=1e-15)
