@@ -128,7 +128,9 @@ def test_fp8_all_gathers_carry_one_byte_per_linear_weight():
 @pytest.mark.parametrize("argv, key, rule", [
     (["--cluster", "A100-80GB", "train.precision=fp8"], "train.precision = 'fp8'", "no fp8 matmul rate"),
     (["--cluster", "H100", "train.precision=fp8", "train.fp8_recipe=mxfp8"], "train.fp8_recipe = 'mxfp8'",
-     "choose one of tensorwise, rowwise, blockwise"),
+     "has no block-scaled (MX) tensor cores to plan with"),
+    (["--cluster", "H100", "train.precision=fp8", "train.fp8_recipe=mx"], "train.fp8_recipe = 'mx'",
+     "choose one of"),
     (["--cluster", "H100", "train.precision=fp8", "train.fp8_all_gather=true"], "train.fp8_all_gather = 'true'",
      "needs parallel.zero=3"),
     (["--cluster", "H100", "train.precision=fp8", "train.fp8_recipe=rowwise", "train.fp8_all_gather=true",
