@@ -149,6 +149,7 @@ print(out)
 """
 
 
+@pytest.mark.slow  # 8 s; the default tier keeps the resumable and parallel prepare tests
 def test_a_corpus_larger_than_the_memory_left_is_prepared(corpus, tokenizer_file, tmp_path):
     """A process whose address space may grow by only 16 MB past what it has mapped after its
     imports (RLIMIT_AS) prepares a 24 MB corpus into more than 16 MB of shards.
