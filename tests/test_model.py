@@ -201,9 +201,10 @@ def test_sample_seeded_eot_and_truncation():
     # Stops after the end-of-text token, which is included.
     stopped = sample(model, prompt, 10, temperature=1.0, top_k=20, seed=3, eot_id=a[3])
     assert stopped == a[:a.index(a[3]) + 1]
-    # A prompt longer than the context is cut from the left.
+    # A prompt longer than the context is cut from the left, with a warning that says so.
     long_prompt = tokens(args, b=1, s=50)[0].tolist()
-    new = sample(model, long_prompt, 8, temperature=0)
+    with pytest.warns(UserWarning, match="the prompt's first 25 of 50 tokens were dropped"):
+        new = sample(model, long_prompt, 8, temperature=0)
     assert new == sample(model, long_prompt[-(32 - 8 + 1):], 8, temperature=0)
     assert model.training  # sample restores the mode
 
