@@ -100,6 +100,18 @@ def piece_elements(p: PieceInfo) -> tuple[torch.Tensor, torch.Tensor, torch.Tens
     return positions, flat // (a * b), flat % (a * b)
 
 
+def as_run(index: torch.Tensor) -> torch.Tensor | slice:
+    """`index` as a slice when it is one run of consecutive elements, else as it is."""
+    n = index.numel()
+    if n and int(index[-1]) - int(index[0]) == n - 1 and (n == 1 or bool((index.diff() == 1).all())):
+        return slice(int(index[0]), int(index[0]) + n)
+    return index
+
+
+def count(index: torch.Tensor | slice) -> int:
+    return index.stop - index.start if isinstance(index, slice) else index.numel()
+
+
 @dataclass
 class Part:
     """A run of one holder's elements and where they go in one matrix."""
@@ -180,7 +192,18 @@ class MatrixOwners:
                 assert bool(covered.all()), f"muon: no rank holds all of {key}"
         if holders and holders[0].device.type != "cpu":  # the step's index copies stay on the device
             self._to(holders[0].device)
+        self._runs()
         self._sizes = self.sizes()
+
+    def _runs(self) -> None:
+        """Each index set that is one run of consecutive elements becomes a slice: the step
+        then copies views, not gathers (under plain DP every matrix is one run of its holder)."""
+        run = lambda p: Part(p.holder, as_run(p.positions), as_run(p.index))  # noqa: E731
+        self.send_in = [[run(p) for p in parts] for parts in self.send_in]
+        self.recv_out = [[run(p) for p in parts] for parts in self.recv_out]
+        self.own = {key: [run(p) for p in parts] for key, parts in self.own.items()}
+        self.recv_in = [[(k, as_run(i)) for k, i in items] for items in self.recv_in]
+        self.send_out = [[(k, as_run(i)) for k, i in items] for items in self.send_out]
 
     def _to(self, device) -> None:
         move = lambda p: Part(p.holder, p.positions.to(device), p.index.to(device))  # noqa: E731
@@ -194,10 +217,10 @@ class MatrixOwners:
         """Elements per rank of the group: sent to owners, received as owner, sent back as
         owner, received back (fixed by the plan)."""
         def parts(xs):
-            return sum(p.index.numel() for p in xs)
+            return sum(count(p.index) for p in xs)
 
         def pairs(xs):
-            return sum(i.numel() for _, i in xs)
+            return sum(count(i) for _, i in xs)
         return ([parts(x) for x in self.send_in], [pairs(x) for x in self.recv_in],
                 [pairs(x) for x in self.send_out], [parts(x) for x in self.recv_out])
 
@@ -224,6 +247,9 @@ class MatrixOwners:
         whole: dict[tuple[str, int], torch.Tensor] = {}
         for key, parts in self.own.items():
             a, b = self.shapes[key]
+            if len(parts) == 1 and count(parts[0].index) == a * b and isinstance(parts[0].positions, slice):
+                whole[key] = flat[parts[0].holder][parts[0].positions]  # held whole here: a view (ns copies)
+                continue
             m = torch.zeros(a * b, dtype=dtype, device=device)
             for p in parts:
                 m[p.index] = flat[p.holder][p.positions]
@@ -231,8 +257,8 @@ class MatrixOwners:
         for r, data in enumerate(arrived):
             at = 0
             for key, index in self.recv_in[r]:
-                whole[key][index] = data[at:at + index.numel()]
-                at += index.numel()
+                whole[key][index] = data[at:at + count(index)]
+                at += count(index)
         result = {key: ns(m.view(self.shapes[key])).to(dtype).reshape(-1) for key, m in whole.items()}
         outs = [torch.zeros_like(x) for x in flat]
         for key, parts in self.own.items():
@@ -244,8 +270,8 @@ class MatrixOwners:
         for r, data in enumerate(back):
             at = 0
             for p in self.recv_out[r]:
-                outs[p.holder][p.positions] = data[at:at + p.index.numel()]
-                at += p.index.numel()
+                outs[p.holder][p.positions] = data[at:at + count(p.index)]
+                at += count(p.index)
         return [o.view_as(x) for o, x in zip(outs, inputs)]
 
     def bytes_per_step(self, element_size: int) -> int:
