@@ -121,10 +121,9 @@ LAYOUTS: dict[int, list[tuple[str, list[str]]]] = {
 # kind of composition; the other rows repeat them at other sizes, micro-batch counts and
 # combinations and run with `python -m pytest -m slow` (docs/architecture.md, "Tests").
 DEFAULT_TIER = {
-    2: {"dp2-accumulation", "dp2-small-tied", "pp2-afab-m2", "pp2-1f1b-m4", "pp2-zb-m4", "pp2-zbv-m4-pp_virtual=2",
-        "pp2-dualpipev-m4-pp_virtual=2-preset=small",
-        "pp2-interleaved-m4-pp_virtual=2", "pp2-1f1b-m2-recompute=full", "zero1", "zero2",
-        "zero3-accumulation-keep-gathered", "zero3-recompute-selective", "tp2-sp", "tp2", "tp2-sp-small-tied"},
+    2: {"dp2-accumulation", "pp2-afab-m2", "pp2-1f1b-m4", "pp2-zb-m4", "pp2-zbv-m4-pp_virtual=2",
+        "pp2-dualpipev-m4-pp_virtual=2-preset=small", "zero1", "zero2",
+        "zero3-accumulation-keep-gathered", "zero3-recompute-selective", "tp2-sp", "tp2-sp-small-tied"},
     4: {"hsdp2x2-zero3", "tp2-sp-dp2-zero3", "pp2-zb-m4-tp=2", "pp2-interleaved-m2-dp=2-zero=3-pp_virtual=2"},
     8: {"pp2-1f1b-m2-tp=2-dp=2"},
 }
