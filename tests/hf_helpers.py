@@ -68,3 +68,40 @@ def ours_from(folder):
     model = Transformer(source.args).eval()
     load_model(source, model)
     return model
+
+
+def parity_and_round_trip(folder, theirs, ours, tmp_path, capsys, prompt, x, new: int) -> str:
+    """Greedy generation of `new` tokens after `prompt` and the logits at `x` equal
+    transformers' (`theirs`, saved in `folder`); `convert --from-hf` then `--to-hf` gives
+    every tensor back bit for bit and a config transformers reads to the same logits, with no
+    quantization_config. Returns what the export said on stderr."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from ndtrain.cli import main
+    from ndtrain.generate.sampler import generate
+
+    with torch.no_grad():
+        theirs_new = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new,
+                                     do_sample=False)[0, prompt.shape[1]:].tolist()
+    assert generate(ours, prompt.tolist(), new, temperature=0.0, stop_ids={2}).tokens[0] == theirs_new
+
+    with torch.no_grad():
+        expected = theirs(input_ids=x).logits
+        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)
+
+    run, out = tmp_path / "run", tmp_path / "out"
+    assert main(["convert", "--from-hf", str(folder), "--to", str(run)]) == 0
+    capsys.readouterr()
+    assert main(["convert", "--to-hf", str(run), "--out", str(out)]) == 0
+    said = capsys.readouterr().err
+    original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
+    assert original.keys() == exported.keys()
+    for key, t in original.items():
+        assert t.dtype == exported[key].dtype and torch.equal(t, exported[key]), key
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == theirs.config.model_type and "quantization_config" not in config
+    again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=x).logits, expected, atol=1e-5, rtol=1e-5)
+    return said

@@ -19,6 +19,8 @@ import json
 import pytest
 import torch
 
+from hf_helpers import ours_from, parity_and_round_trip
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ, PROMPT, NEW = 320, 256, 100, 6
@@ -57,24 +59,9 @@ def tokens(n: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(3))
 
 
-def ours_from(folder):
-    from ndtrain.checkpoint.layout import load_model
-    from ndtrain.checkpoint.sources import HFSource
-    from ndtrain.model.llama import Transformer
-    source = HFSource(folder)
-    model = Transformer(source.args).eval()
-    load_model(source, model)
-    return model
-
-
 @pytest.mark.slow  # transformers models: the slow tier (the default tier's budget, issue 35)
 @pytest.mark.parametrize("name", VARIANTS)
 def test_deepseek_v3_logits_generation_and_round_trip(name, tmp_path, capsys):
-    from safetensors.torch import load_file
-
-    from ndtrain.cli import main
-    from ndtrain.generate.sampler import generate
-
     folder = tmp_path / "hf"
     theirs = make(folder, VARIANTS[name])
     ours = ours_from(folder)
@@ -82,30 +69,7 @@ def test_deepseek_v3_logits_generation_and_round_trip(name, tmp_path, capsys):
     assert (a.attention, a.moe_groups, a.moe_topk_groups, a.first_k_dense, a.moe_route_scale) == ("mla", 4, 2, 1, 2.5)
     assert ours.layers["1"].feed_forward.router.expert_bias.abs().max() > 0
 
-    prompt = tokens(PROMPT)
-    with torch.no_grad():
-        theirs_new = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
-                                     do_sample=False)[0, PROMPT:].tolist()
-    assert generate(ours, prompt.tolist(), NEW, temperature=0.0, stop_ids={2}).tokens[0] == theirs_new
-
-    x = tokens(SEQ)
-    with torch.no_grad():
-        expected = theirs(input_ids=x).logits
-        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)
-
-    run, out = tmp_path / "run", tmp_path / "out"
-    assert main(["convert", "--from-hf", str(folder), "--to", str(run)]) == 0
-    assert main(["convert", "--to-hf", str(run), "--out", str(out)]) == 0
-    capsys.readouterr()
-    original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
-    assert original.keys() == exported.keys()
-    for key, t in original.items():
-        assert t.dtype == exported[key].dtype and torch.equal(t, exported[key]), key
-    config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == "deepseek_v3"
-    again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        torch.testing.assert_close(again(input_ids=x).logits, expected, atol=1e-5, rtol=1e-5)
+    parity_and_round_trip(folder, theirs, ours, tmp_path, capsys, tokens(PROMPT), tokens(SEQ), NEW)
 
 
 def test_kimi_k2_config_reads_as_deepseek_v3():

@@ -23,6 +23,8 @@ import json
 import pytest
 import torch
 
+from hf_helpers import ours_from, parity_and_round_trip
+
 transformers = pytest.importorskip("transformers")
 
 VOCAB, SEQ, PROMPT, NEW = 96, 160, 60, 6
@@ -67,17 +69,6 @@ def hf_gpt_oss(tmp_path_factory):
     return folder, make_gpt_oss(folder)
 
 
-def ours_from(folder):
-    from ndtrain.checkpoint.layout import load_model
-    from ndtrain.checkpoint.sources import HFSource
-    from ndtrain.model.llama import Transformer
-    source = HFSource(folder)
-    source.check()
-    model = Transformer(source.args).eval()
-    load_model(source, model)
-    return model
-
-
 def tokens(n: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(3))
 
@@ -90,7 +81,7 @@ def test_gpt_oss_logits_generation_and_round_trip(hf_gpt_oss, tmp_path, capsys):
         (True, True, True, True, True, 2.0)
     assert (a.sliding_window, a.window_layers, a.moe_router, a.moe_experts, a.moe_top_k) == (8, (0,), "topk_softmax", 4, 2)
     assert json.loads(a.rope_scaling)["rope_type"] == "yarn"
-    said = parity_and_round_trip(folder, theirs, ours, tmp_path, capsys)
+    said = parity_and_round_trip(folder, theirs, ours, tmp_path, capsys, tokens(PROMPT), tokens(SEQ), NEW)
     assert "experts are written unquantized, as float32 gate_up_proj and down_proj (not MXFP4)" in said, said
 
 
@@ -122,43 +113,7 @@ def test_family_logits_generation_and_round_trip(name, tmp_path, capsys):
     if name == "olmo2":
         a = ours.args
         assert (a.qk_norm, a.qk_norm_all, a.pre_norm, a.sandwich_norm, a.rope_theta) == (True, True, False, True, 2e4)
-    parity_and_round_trip(tmp_path / "model", theirs, ours, tmp_path, capsys)
-
-
-def parity_and_round_trip(folder, theirs, ours, tmp_path, capsys) -> str:
-    """Logits, greedy generation, and the round trip through an ndtrain run (module
-    docstring); returns what the export said."""
-    from safetensors.torch import load_file
-
-    from ndtrain.cli import main
-    from ndtrain.generate.sampler import generate
-
-    prompt = tokens(PROMPT)
-    with torch.no_grad():
-        theirs_new = theirs.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW,
-                                     do_sample=False)[0, PROMPT:].tolist()
-    assert generate(ours, prompt.tolist(), NEW, temperature=0.0, stop_ids={2}).tokens[0] == theirs_new
-
-    x = tokens(SEQ)
-    with torch.no_grad():
-        expected = theirs(input_ids=x).logits
-        torch.testing.assert_close(ours(x), expected, atol=1e-5, rtol=1e-5)
-
-    run, out = tmp_path / "run", tmp_path / "out"
-    assert main(["convert", "--from-hf", str(folder), "--to", str(run)]) == 0
-    capsys.readouterr()
-    assert main(["convert", "--to-hf", str(run), "--out", str(out)]) == 0
-    said = capsys.readouterr().err
-    original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
-    assert original.keys() == exported.keys()
-    for key, t in original.items():
-        assert t.dtype == exported[key].dtype and torch.equal(t, exported[key]), key
-    config = json.loads((out / "config.json").read_text())
-    assert config["model_type"] == theirs.config.model_type and "quantization_config" not in config
-    again = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").float().eval()
-    with torch.no_grad():
-        torch.testing.assert_close(again(input_ids=x).logits, expected, atol=1e-5, rtol=1e-5)
-    return said
+    parity_and_round_trip(tmp_path / "model", theirs, ours, tmp_path, capsys, tokens(PROMPT), tokens(SEQ), NEW)
 
 
 def _quantize(t: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:

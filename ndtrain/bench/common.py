@@ -206,12 +206,19 @@ class Contest:
         return cls(cfg, env, args, MicroBatch(x, y).split(t.micro_batch), float(t.global_batch * t.seq_len), ours)
 
     def step_ours(self) -> None:
-        """Forward and backward of every micro-batch, the clip, AdamW: a training step."""
+        """Forward and backward of every micro-batch, the clip, the optimizer: a training step."""
+        self.step_of(self.ours)()
+
+    def step_of(self, stepper) -> Callable[[], None]:
+        """A training step of `stepper` (a TrainStep on this contest's batch), as a function."""
         t = self.cfg.train
-        self.ours.forward_backward(self.micro, self.n_targets)
-        if t.grad_clip:
-            self.ours.clip_grad_norm(t.grad_clip)
-        self.ours.optimizer_step(t.lr)
+
+        def step() -> None:
+            stepper.forward_backward(self.micro, self.n_targets)
+            if t.grad_clip:
+                stepper.clip_grad_norm(t.grad_clip)
+            stepper.optimizer_step(t.lr)
+        return step
 
     @property
     def tokens(self) -> int:

@@ -55,17 +55,8 @@ def _contender(cfg, env, recipe: str | None):
 def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
     c = Contest.start(cfg_dict)  # bf16
     try:
-        t = c.cfg.train
         steppers = {"bf16": c.ours, **{_name(r): _contender(c.cfg, c.env, r) for r in RECIPES}}
-
-        def step_of(stepper):
-            def step():
-                stepper.forward_backward(c.micro, c.n_targets)
-                if t.grad_clip:
-                    stepper.clip_grad_norm(t.grad_clip)
-                stepper.optimizer_step(t.lr)
-            return step
-        times = alternate({name: step_of(s) for name, s in steppers.items()}, rounds, steps, c.env.device)
+        times = alternate({name: c.step_of(s) for name, s in steppers.items()}, rounds, steps, c.env.device)
         body = report(times, c.tokens, "tok/s", "fp8 tensorwise/bf16", numerator="fp8-tensorwise", denominator="bf16")
         table, last = body.rsplit("\n", 1)
         median = {n: statistics.median(v) for n, v in times.items()}

@@ -40,23 +40,14 @@ def _contender(cfg, env, optimizer: str, zero: int):
 def _worker(cfg_dict: dict, rounds: int, steps: int) -> str:
     c = Contest.start(cfg_dict)  # AdamW, zero = 0
     try:
-        t = c.cfg.train
         steppers = {"adamw-dp": c.ours}
         steppers.update({f"{o}-{'zero3' if z else 'dp'}": _contender(c.cfg, c.env, o, z) for o, z in CONTENDERS[1:]})
-
-        def step_of(stepper):
-            def step():
-                stepper.forward_backward(c.micro, c.n_targets)
-                if t.grad_clip:
-                    stepper.clip_grad_norm(t.grad_clip)
-                stepper.optimizer_step(t.lr)
-            return step
         sent = {}
         for name, s in steppers.items():  # one step each, counted alone
             s.mesh.stats.reset()
-            step_of(s)()
+            c.step_of(s)()
             sent[name] = {f"{dim}.{kind}": tally.wire for (dim, kind), tally in s.mesh.stats.tallies.items()}
-        times = alternate({name: step_of(s) for name, s in steppers.items()}, rounds, steps, c.env.device)
+        times = alternate({name: c.step_of(s) for name, s in steppers.items()}, rounds, steps, c.env.device)
         table = report(times, c.tokens, "tok/s", "", numerator="muon-dp", denominator="adamw-dp").rsplit("\n", 1)[0]
         median = {n: statistics.median(v) for n, v in times.items()}
         lines = [table, "bytes sent by rank 0 in one step (comm accounting, by group.collective):"]
