@@ -121,6 +121,16 @@ def oversubscribed(processes: int, device: str) -> str | None:
             f"than with {cores}, and each process takes its own memory")
 
 
+def default_threads(local_world: int) -> int:
+    """Torch threads per CPU rank when `run.threads` is 0: `OMP_NUM_THREADS` when it is set
+    (the standard knob; torchrun sets it to 1 for several processes), else cores / local ranks."""
+    try:
+        omp = int(os.environ.get("OMP_NUM_THREADS", "") or 0)
+    except ValueError:
+        omp = 0
+    return omp if omp > 0 else max(1, (os.cpu_count() or 1) // local_world)
+
+
 _joined: list[int] = []  # this process's rank, once it has joined a group (release_groups)
 
 
@@ -136,7 +146,7 @@ def init_process(device_kind: str = "auto", threads: int = 0, timeout_s: float =
         allocator_defaults()
         torch.cuda.set_device(device)
     else:
-        torch.set_num_threads(threads or max(1, (os.cpu_count() or 1) // local_world))
+        torch.set_num_threads(threads or default_threads(local_world))
     if world > 1 and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         kwargs = {"device_id": device} if device.type == "cuda" else {}

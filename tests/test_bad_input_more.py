@@ -328,11 +328,15 @@ def test_a_real_ctrl_c_inside_a_scorer_is_still_a_ctrl_c():
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(30)  # the handler runs here, at once
         return 1.0
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with pytest.raises(KeyboardInterrupt):
-        call_scorer(ctrl_c, "p", "c", "a")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    assert call_scorer(interrupts, "p", "c", "a") == (None, "raised KeyboardInterrupt")
+    # A shell's background job starts with SIGINT ignored; Python's own handler is the premise.
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            call_scorer(ctrl_c, "p", "c", "a")
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert call_scorer(interrupts, "p", "c", "a") == (None, "raised KeyboardInterrupt")
+    finally:
+        signal.signal(signal.SIGINT, outer)
 
 
 def test_rl_max_new_tokens_beyond_the_models_context_is_refused(tmp_path, capsys, monkeypatch):

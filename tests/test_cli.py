@@ -254,6 +254,19 @@ def test_more_cpu_processes_than_cores_is_one_warning(monkeypatch):
     assert line.startswith(f"{64 * cores} processes on {cores} CPU cores") and "\n" not in line
 
 
+def test_run_threads_zero_takes_omp_num_threads_else_cores_per_local_rank(monkeypatch):
+    import os
+
+    from ndtrain.launch import default_threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert default_threads(2) == 3
+    for unset in ("", "lots"):
+        monkeypatch.setenv("OMP_NUM_THREADS", unset)
+        assert default_threads(1) == max(1, os.cpu_count() or 1)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert default_threads(64 * (os.cpu_count() or 1)) == 1
+
+
 def _train_with_own_clock(cfg_dict: dict, root: str, data_dir: str) -> list[str]:
     """Every rank enters train_worker with a run directory of its own, as ranks under torchrun
     whose clocks tick apart derive them; rank 0's must win."""

@@ -504,6 +504,9 @@ def test_an_fp8_linear_compiles_to_one_forward_and_one_backward_graph(recipe):
             return make_boxed_func(gm.forward)
         return compiler
     torch._dynamo.reset()
+    # dynamo's map of torch functions, built once by name: built while a test (the fake-CUDA
+    # ones) had torch._scaled_mm patched, it would not know the real one
+    getattr(torch._dynamo.trace_rules, "clear_lru_cache", lambda: None)()
     plan = LinearPlan(RECIPES[recipe], Dim.whole(384), Dim.whole(256))
     linear = torch.compile(lambda x, w: fp8_linear(x, w, None, plan), fullgraph=True,
                            backend=aot_autograd(fw_compiler=counting("forward"), bw_compiler=counting("backward")))

@@ -111,3 +111,28 @@ DEEPSEEK_ROWS = [("deepseek-v3-tiny-tp2", DEEPSEEK + ["parallel.tp=2"]),
 @pytest.mark.slow
 def test_planned_memory_matches_the_dry_run_deepseek():
     _check_rows(2, DEEPSEEK_ROWS)
+
+
+@pytest.mark.parametrize("family", ["tiny", "gemma2-norms", "olmo2-norms", "qwen2-bias", "qwen3-qk-norm", "tiny-moe",
+                                    "deepseek-v3-tiny", "gpt-oss-tiny"])
+def test_the_planners_block_holds_the_models_parameters(family):
+    """Every block's dense and routed-expert parameter counts (plan/params.py) against the
+    block the model builds, on the meta device, layer by layer: Gemma 2's norms after the
+    sublayers once went uncounted (2·dim per layer)."""
+    import dataclasses
+
+    import torch
+
+    from ndtrain.model.args import PRESETS
+    from ndtrain.model.llama import Transformer
+    from ndtrain.plan.params import block_experts, block_local
+    shapes = {"gemma2-norms": dict(sandwich_norm=True), "olmo2-norms": dict(sandwich_norm=True, pre_norm=False),
+              "qwen2-bias": dict(qkv_bias=True), "qwen3-qk-norm": dict(qk_norm=True)}
+    args = PRESETS[family if family in PRESETS else "tiny"]
+    args = dataclasses.replace(args, **shapes.get(family, {}))
+    with torch.device("meta"):
+        model = Transformer(args)
+    for i, block in enumerate(model.layers.values() if isinstance(model.layers, torch.nn.ModuleDict) else model.layers):
+        experts = sum(p.numel() for n, p in block.named_parameters() if ".experts." in f".{n}")
+        dense = sum(p.numel() for p in block.parameters()) - experts
+        assert (block_local(args, 1, i), block_experts(args, i, 1)) == (dense, experts), f"{family} layer {i}"

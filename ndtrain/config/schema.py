@@ -278,7 +278,7 @@ class RunConfig:
     resume: str = "auto"  # auto: continue if run.dir holds a checkpoint; true: must; false: must not
     nproc: int = 0  # 0 = the product of the parallel sizes, or 2 CPU processes / every local GPU
     device: str = "auto"  # auto | cpu | cuda
-    threads: int = 0  # torch threads per rank on the CPU; 0 = cores / local ranks
+    threads: int = 0  # torch threads per rank on the CPU; 0 = OMP_NUM_THREADS if set, else cores / local ranks
     stop_after: int = 0  # stop (with a checkpoint) after this many steps in this invocation; 0 = never
     stop_after_s: float = 0.0  # stop (with a checkpoint) at the first step boundary after this many seconds of training in this invocation; 0 = never
     max_restarts: int = 0  # local launcher: restart every rank this often after one dies or hangs (last good checkpoint)

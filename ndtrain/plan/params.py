@@ -48,11 +48,12 @@ def block_weight_groups(args: ModelArgs, tp: int, layer: int = 0) -> tuple[list,
     if args.qk_norm:
         weights += [(q // tp, False), (kv_local, False)] if args.qk_norm_all else [(args.head_dim, False)] * 2
     weights.append((h, False))
-    if not args.pre_norm:  # OLMo 2: no pre-norms, the two norms after the sublayers instead (same count)
-        weights = weights[1:] + [(h, False)]
+    if not args.pre_norm:  # OLMo 2: no norms before the sublayers
+        weights = weights[1:-1]
+    post = [(h, False)] * 2 if args.sandwich_norm else []  # Gemma 2, OLMo 2: after attention and the MLP
     if args.is_moe_layer(layer):
-        return weights, moe_dense_weights(args)
-    return weights + [(h * f // tp, True), (h * f // tp, True), (f // tp * h, True)], []
+        return weights + post, moe_dense_weights(args)
+    return weights + [(h * f // tp, True), (h * f // tp, True), (f // tp * h, True)] + post, []
 
 
 def mla_weights(args: ModelArgs, tp: int) -> list[tuple[int, bool]]:
