@@ -97,8 +97,11 @@ def test_muon_per_shard_newton_schulz_fails_the_proof(tiny_data, muon_refs):
 def _blockwise_rows(data_dir, rows):
     import ndtrain.parallel.muon as muon
 
-    def per_shard(self, inputs, ns):
-        return [ns(x).to(x.dtype).reshape(x.shape) if x.ndim == 2 else torch.zeros_like(x) for x in inputs]
+    def per_shard(self, inputs, ns, apply, during):  # each 2-D shard alone, at its matrix's learning rate
+        during()
+        for i, x in enumerate(inputs):
+            if x is not None and x.ndim == 2:
+                apply(i, slice(0, x.numel()), ns(x).to(x.dtype), self.spans[i][0][2])
     muon.MatrixOwners.orthogonalize = per_shard
     return _rows(data_dir, rows)
 
