@@ -19,8 +19,10 @@ description of its pieces; each rank then computes the same plan:
   else the lowest rank that holds it (a replicated element crosses the wire once).
 
 Each step (`orthogonalize`): the holders' inputs (momentum, Nesterov-mixed) go to the owners
-in one all-to-all; each owner assembles its matrices whole, runs `ns` on each, and sends
-every holder its elements of the result in a second all-to-all. Bytes per rank: at most its
+in one all-to-all (none where nothing moves in: plain DP); each owner assembles its matrices
+whole, runs `ns` on each, and sends every holder its elements of the result in a second
+all-to-all, asynchronous: the caller's other work (AdamW, the weight decay) and the owner's
+own parts run while it travels. Bytes per rank: at most its
 share of the matrices in, its holdings out — an all-gather's worth, where Megatron's
 layer-wise owners broadcast whole matrices and DeepSpeed gathers every matrix on every
 holder. docs/architecture.md, "Muon", compares them.
@@ -202,11 +204,15 @@ class MatrixOwners:
         self._sizes = self.sizes()
         self.moves_in &= group.active
         self.moves_out &= group.active
-        # The holders whose input the step needs here: those with parts this rank owns or sends.
-        self.needed = [False] * len(holders)
-        for p in [p for parts in self.own.values() for p in parts] + [p for parts in self.send_in for p in parts]:
-            self.needed[p.holder] = True
+        self.needed = self._needed()
         self._buffers: dict = {}
+
+    def _needed(self) -> list[bool]:
+        """The holders whose input the step needs here: those with parts this rank owns or sends."""
+        needed = [False] * len(self.holders)
+        for p in [p for parts in self.own.values() for p in parts] + [p for parts in self.send_in for p in parts]:
+            needed[p.holder] = True
+        return needed
 
     def _runs(self) -> None:
         """Each index set that is one run of consecutive elements becomes a slice: the step
