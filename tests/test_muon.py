@@ -103,6 +103,21 @@ def _blockwise_rows(data_dir, rows):
     return _rows(data_dir, rows)
 
 
+def _nccl_rows(data_dir, rows):
+    return {name: (proof_in_rank(MUON + o, data_dir), proof_in_rank(MUON + o, data_dir, nccl=True)) for name, o in rows}
+
+
+@pytest.mark.slow
+def test_muon_under_nccl_semantics_equals_gloo_bit_for_bit(tiny_data):
+    """The owners' all-to-alls (the second one in flight while AdamW runs) under NCCL's
+    semantics (tests/nccl_like.py: contiguous tensors only, its backend name) equal the same
+    runs on gloo bit for bit: ZeRO-3 (both all-to-alls) and tp2+sp."""
+    from helpers import assert_same_proof
+    rows = [row for row in ROWS_2 if row[0] in ("zero3", "tp2-sp")]
+    for name, (gloo, nccl) in run_ranks(_nccl_rows, 2, tiny_data, rows, timeout=600)[0].items():
+        assert_same_proof(nccl, gloo, f"muon {name}")
+
+
 # -- one process: torch.optim.Muon -----------------------------------------------------------
 
 def test_newton_schulz_is_torch_optim_muons(one_thread):
