@@ -205,7 +205,6 @@ class MatrixOwners:
         self.moves_in &= group.active
         self.moves_out &= group.active
         self.needed = self._needed()
-        self._buffers: dict = {}
 
     def _needed(self) -> list[bool]:
         """The holders whose input the step needs here: those with parts this rank owns or sends."""
@@ -243,16 +242,9 @@ class MatrixOwners:
         return ([parts(x) for x in self.send_in], [pairs(x) for x in self.recv_in],
                 [pairs(x) for x in self.send_out], [parts(x) for x in self.recv_out])
 
-    def _buffer(self, name: str, n: int, dtype, device) -> torch.Tensor:
-        """A buffer kept from step to step (the step's sizes are fixed by the plan)."""
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() != n or buf.dtype != dtype or buf.device != device:
-            buf = self._buffers[name] = torch.empty(n, dtype=dtype, device=device)
-        return buf
-
-    def _start(self, send: torch.Tensor, out_sizes: list[int], in_sizes: list[int], dtype, device, name: str):
-        """One all-to-all (in flight on return: `.wait()` the handle) into a kept buffer."""
-        out = self._buffer(name, sum(out_sizes), dtype, device)
+    def _start(self, send: torch.Tensor, out_sizes: list[int], in_sizes: list[int], dtype, device):
+        """One all-to-all, in flight on return (`.wait()` the handle)."""
+        out = torch.empty(sum(out_sizes), dtype=dtype, device=device)
         work = ops.all_to_all(out, send, self.group, out_sizes, in_sizes, async_op=True)
         return work, out.split(out_sizes)
 
@@ -276,14 +268,14 @@ class MatrixOwners:
             if len(parts) == 1 and count(parts[0].index) == a * b and isinstance(parts[0].positions, slice):
                 whole[key] = flat[parts[0].holder][parts[0].positions]  # held whole here: a view (ns copies)
                 continue
-            m = self._buffer(key, a * b, dtype, device)  # every element is written: own parts and arrivals
+            m = torch.empty(a * b, dtype=dtype, device=device)  # every element is written: own parts and arrivals
             for p in parts:
                 m[p.index] = flat[p.holder][p.positions]
             whole[key] = m
         if self.moves_in:  # the owners' missing elements, from their holders
             pieces = [flat[p.holder][p.positions] for parts in self.send_in for p in parts]
             send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype, device=device)
-            work, arrived = self._start(send, recv_in, send_in, dtype, device, "in")
+            work, arrived = self._start(send, recv_in, send_in, dtype, device)
             work.wait()
             for r, data in enumerate(arrived):
                 at = 0
@@ -301,14 +293,14 @@ class MatrixOwners:
                 flat_result[key] = r.reshape(-1)
             return flat_result[key][index]
         if self.moves_out:  # every holder's elements of the results, from their owners
-            send = self._buffer("send", sum(send_out), dtype, device)
+            send = torch.empty(sum(send_out), dtype=dtype, device=device)
             at = 0
             for items in self.send_out:
                 for key, index in items:
                     n = count(index)
                     send[at:at + n].view(part_of(key, index).shape).copy_(part_of(key, index))
                     at += n
-            work, back = self._start(send, recv_out, send_out, dtype, device, "out")
+            work, back = self._start(send, recv_out, send_out, dtype, device)
         during()
         for key, parts in self.own.items():
             for p in parts:

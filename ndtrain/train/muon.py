@@ -78,7 +78,6 @@ class MuonAdamW(torch.optim.Optimizer):
         held = {id(h) for h in holders}
         mine = [s for s in slices if id(s.holder) in held]
         self.owners = MatrixOwners(holders, mine, group, self.ns_steps)
-        self._scratches: dict[int, torch.Tensor] = {}
         self._share()
 
     def _share(self) -> None:
@@ -120,7 +119,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 if not needed[i]:  # neither owned nor sent from here: only its momentum moves on
                     inputs.append(None)
                 elif group["nesterov"]:
-                    inputs.append(torch.lerp(grad, buf, mu, out=self._scratch(i, p)))
+                    inputs.append(grad.lerp(buf, mu))
                 else:
                     inputs.append(buf)
                 state["step"] += 1
@@ -147,10 +146,3 @@ class MuonAdamW(torch.optim.Optimizer):
                 flats[i][positions] = flats[i][positions].add(values, alpha=alpha)
         self.owners.orthogonalize(inputs, self.ns, apply, during)
         return None
-
-    def _scratch(self, i: int, p: torch.Tensor) -> torch.Tensor:
-        """Holder i's Nesterov input, in a buffer kept from step to step (not state: not saved)."""
-        s = self._scratches.get(i)
-        if s is None or s.shape != p.shape or s.dtype != p.dtype:
-            s = self._scratches[i] = torch.empty_like(p)
-        return s
