@@ -28,10 +28,12 @@ ROWS_2 = [("dp2", []),
 ROWS_4 = [("hsdp-zero3", ["parallel.dp_replicate=2", "parallel.zero=3"])]
 ROWS_8 = [("pp2-tp2-dp2", ["parallel.pp=2", "parallel.tp=2", "parallel.dp=2"]),
           ("zero3-tp2-dp4", ["parallel.zero=3", "parallel.tp=2"])]
-# The default tier: one launch of 2 ranks proving ZeRO-3 (flat slices that cut across
-# matrices) and tp2+sp (row and column shards) against the dense reference; the rest, ep2
-# (experts as matrices) included, in the slow tier.
-DEFAULT = [row for row in ROWS_2 if row[0] in ("zero3", "tp2-sp")]
+# The default tier: one launch of 2 ranks, one row per way the owners meet a layout: plain DP
+# (replicas: nothing moves in), ZeRO-3 (flat slices that cut across matrices), tp2+sp (row and
+# column shards), a pipeline (each stage owns its own matrices) and ep2 (experts as matrices),
+# against the references of one launch of 1 rank. cp2 (replicas again, as dp2, and the
+# costliest row), ZeRO-1/2, 1F1B, ep2+ZeRO-3, HSDP and the 8-rank layouts in the slow tier.
+DEFAULT = [row for row in ROWS_2 if row[0] in ("dp2", "zero3", "tp2-sp", "pp2-zb", "ep2")]
 
 
 def _references(data_dir, moe: bool, dense: bool = True):
@@ -59,17 +61,12 @@ def _check(results, refs, rows):
 
 
 @pytest.fixture(scope="module")
-def dense_ref(tiny_data):
-    return run_ranks(_references, 1, tiny_data, False, timeout=600)[0]
+def muon_refs(tiny_data):
+    return run_ranks(_references, 1, tiny_data, True, timeout=600)[0]
 
 
-@pytest.fixture(scope="module")
-def muon_refs(tiny_data, dense_ref):
-    return {**dense_ref, **run_ranks(_references, 1, tiny_data, True, False, timeout=600)[0]}
-
-
-def test_muon_layouts_equal_one_process(tiny_data, dense_ref):
-    _check(run_ranks(_rows, 2, tiny_data, DEFAULT, timeout=600)[0], dense_ref, DEFAULT)
+def test_muon_layouts_equal_one_process(tiny_data, muon_refs):
+    _check(run_ranks(_rows, 2, tiny_data, DEFAULT, timeout=600)[0], muon_refs, DEFAULT)
 
 
 @pytest.mark.slow
@@ -97,15 +94,33 @@ def test_muon_per_shard_newton_schulz_fails_the_proof(tiny_data, muon_refs):
 def _blockwise_rows(data_dir, rows):
     import ndtrain.parallel.muon as muon
 
-    def per_shard(self, inputs, ns):
-        return [ns(x).to(x.dtype).reshape(x.shape) if x.ndim == 2 else torch.zeros_like(x) for x in inputs]
+    def per_shard(self, inputs, ns, apply, during):  # each 2-D shard alone, at its matrix's learning rate
+        during()
+        for i, x in enumerate(inputs):
+            if x is not None and x.ndim == 2:
+                apply(i, slice(0, x.numel()), ns(x).to(x.dtype), self.spans[i][0][2])
     muon.MatrixOwners.orthogonalize = per_shard
     return _rows(data_dir, rows)
 
 
+def _nccl_rows(data_dir, rows):
+    return {name: (proof_in_rank(MUON + o, data_dir), proof_in_rank(MUON + o, data_dir, nccl=True)) for name, o in rows}
+
+
+@pytest.mark.slow
+def test_muon_under_nccl_semantics_equals_gloo_bit_for_bit(tiny_data):
+    """The owners' all-to-alls (the second one in flight while AdamW runs) under NCCL's
+    semantics (tests/nccl_like.py: contiguous tensors only, its backend name) equal the same
+    runs on gloo bit for bit: ZeRO-3 (both all-to-alls) and tp2+sp."""
+    from helpers import assert_same_proof
+    rows = [row for row in ROWS_2 if row[0] in ("zero3", "tp2-sp")]
+    for name, (gloo, nccl) in run_ranks(_nccl_rows, 2, tiny_data, rows, timeout=600)[0].items():
+        assert_same_proof(nccl, gloo, f"muon {name}")
+
+
 # -- one process: torch.optim.Muon -----------------------------------------------------------
 
-def test_newton_schulz_is_torch_optim_muons():
+def test_newton_schulz_is_torch_optim_muons(one_thread):
     from torch.optim._muon import _zeropower_via_newtonschulz
 
     from ndtrain.train.muon import NS_EPS, newton_schulz
@@ -116,7 +131,7 @@ def test_newton_schulz_is_torch_optim_muons():
 
 
 @pytest.mark.parametrize("adjust, muon_lr", [("original", 0.02), ("match_rms_adamw", 0.0)])
-def test_one_process_equals_torch_muon_and_adamw(adjust, muon_lr):
+def test_one_process_equals_torch_muon_and_adamw(adjust, muon_lr, one_thread):
     """A one-block model, 3 steps of random gradients: MuonAdamW (iteration in bf16, as
     torch.optim.Muon's) gives the same weights as torch.optim.Muon on the blocks' matrices
     and torch.optim.AdamW on the rest, bit for bit."""

@@ -19,8 +19,10 @@ description of its pieces; each rank then computes the same plan:
   else the lowest rank that holds it (a replicated element crosses the wire once).
 
 Each step (`orthogonalize`): the holders' inputs (momentum, Nesterov-mixed) go to the owners
-in one all-to-all; each owner assembles its matrices whole, runs `ns` on each, and sends
-every holder its elements of the result in a second all-to-all. Bytes per rank: at most its
+in one all-to-all (none where nothing moves in: plain DP); each owner assembles its matrices
+whole, runs `ns` on each, and sends every holder its elements of the result in a second
+all-to-all, asynchronous: the caller's other work (AdamW, the weight decay) and the owner's
+own parts run while it travels. Bytes per rank: at most its
 share of the matrices in, its holdings out — an all-gather's worth, where Megatron's
 layer-wise owners broadcast whole matrices and DeepSpeed gathers every matrix on every
 holder. docs/architecture.md, "Muon", compares them.
@@ -128,6 +130,7 @@ class MatrixOwners:
 
     def __init__(self, holders: list[torch.Tensor], slices: list[OptimSlice], group: Group, ns_steps: int):
         self.holders, self.group = holders, group
+        self.spans = holder_spans(holders, slices)  # each holder's runs: (at, n, matrix shape)
         mine = describe(slices, holders)
         everyone = [mine]
         if group.active:
@@ -164,6 +167,8 @@ class MatrixOwners:
         self.recv_in = [[] for _ in range(n)]   # (matrix, index) arriving from rank r
         self.send_out = [[] for _ in range(n)]  # (matrix, index) I send back to holder r
         self.recv_out = [[] for _ in range(n)]  # parts of mine that arrive from owner r
+        self.recv_out_keys = [[] for _ in range(n)]  # the matrix of each
+        self.moves_in = self.moves_out = False  # whether anything moves, on any rank of the group
         self.own: dict[tuple[str, int], list[Part]] = {}  # the owner's own parts of its matrices
         for key in self.matrices:
             o, parts = self.owner[key], pieces.get(key, [])
@@ -180,12 +185,15 @@ class MatrixOwners:
                 new = ~covered[part.index]
                 covered[part.index[new]] = True
                 sent = Part(part.holder, part.positions[new], part.index[new])
+                self.moves_in |= bool(sent.index.numel())
+                self.moves_out = True
                 if rank == me and sent.index.numel():
                     self.send_in[o].append(sent)
                 if o == me and sent.index.numel():
                     self.recv_in[rank].append((key, sent.index))
                 if rank == me:
                     self.recv_out[o].append(part)
+                    self.recv_out_keys[o].append(key)
                 if o == me:
                     self.send_out[rank].append((key, part.index))
             if o == me:
@@ -194,6 +202,16 @@ class MatrixOwners:
             self._to(holders[0].device)
         self._runs()
         self._sizes = self.sizes()
+        self.moves_in &= group.active
+        self.moves_out &= group.active
+        self.needed = self._needed()
+
+    def _needed(self) -> list[bool]:
+        """The holders whose input the step needs here: those with parts this rank owns or sends."""
+        needed = [False] * len(self.holders)
+        for p in [p for parts in self.own.values() for p in parts] + [p for parts in self.send_in for p in parts]:
+            needed[p.holder] = True
+        return needed
 
     def _runs(self) -> None:
         """Each index set that is one run of consecutive elements becomes a slice: the step
@@ -224,55 +242,76 @@ class MatrixOwners:
         return ([parts(x) for x in self.send_in], [pairs(x) for x in self.recv_in],
                 [pairs(x) for x in self.send_out], [parts(x) for x in self.recv_out])
 
-    def _exchange(self, chunks: list[torch.Tensor], out_sizes: list[int], dtype, device) -> list[torch.Tensor]:
-        inp = torch.cat(chunks) if chunks else torch.zeros(0, dtype=dtype, device=device)
-        in_sizes = [0] * self.group.size
+    def _start(self, send: torch.Tensor, out_sizes: list[int], in_sizes: list[int], dtype, device):
+        """One all-to-all, in flight on return (`.wait()` the handle)."""
         out = torch.empty(sum(out_sizes), dtype=dtype, device=device)
-        if self.group.active:
-            for r, c in enumerate(chunks):
-                in_sizes[r] = c.numel()
-            ops.all_to_all(out, inp, self.group, out_sizes, in_sizes)
-        return list(out.split(out_sizes))
+        work = ops.all_to_all(out, send, self.group, out_sizes, in_sizes, async_op=True)
+        return work, out.split(out_sizes)
 
     @torch.no_grad()
-    def orthogonalize(self, inputs: list[torch.Tensor], ns: Callable[[torch.Tensor], torch.Tensor]) -> list[torch.Tensor]:
-        """`inputs[i]`: what Muon orthogonalises, shaped as `holders[i]`; returns, shaped the
-        same, each holder's part of ns(whole matrix) (zeros where it holds no matrix)."""
-        flat = [x.reshape(-1) for x in inputs]
-        dtype, device = flat[0].dtype, flat[0].device
-        _, recv_in, _, recv_out = self._sizes
-        chunks = [torch.cat([flat[p.holder][p.positions] for p in parts]) if parts else flat[0][:0]
-                  for parts in self.send_in]
-        arrived = self._exchange(chunks, recv_in, dtype, device)
+    def orthogonalize(self, inputs: list[torch.Tensor | None], ns: Callable[[torch.Tensor], torch.Tensor],
+                      apply: Callable, during: Callable[[], None] = lambda: None) -> None:
+        """`inputs[i]`: what Muon orthogonalises, shaped as `holders[i]` (None where
+        `needed[i]` is False: this rank neither owns nor sends any of it). Hands every holder
+        its part of ns(whole matrix) as `apply(i, positions, values, (A, B))`: `values` go to
+        elements `positions` of holder i's flat view (a slice, or an index), and are the
+        matrix's A×B result itself where the holder holds it whole. `during()` runs while the
+        results travel back (the caller's other work: AdamW, the weight decay); the owner's
+        own parts are applied then too, before the received ones."""
+        flat = [x.reshape(-1) if x is not None else None for x in inputs]
+        h = self.holders[0]
+        dtype, device = h.dtype, h.device
+        send_in, recv_in, send_out, recv_out = self._sizes
         whole: dict[tuple[str, int], torch.Tensor] = {}
         for key, parts in self.own.items():
             a, b = self.shapes[key]
             if len(parts) == 1 and count(parts[0].index) == a * b and isinstance(parts[0].positions, slice):
                 whole[key] = flat[parts[0].holder][parts[0].positions]  # held whole here: a view (ns copies)
                 continue
-            m = torch.zeros(a * b, dtype=dtype, device=device)
+            m = torch.empty(a * b, dtype=dtype, device=device)  # every element is written: own parts and arrivals
             for p in parts:
                 m[p.index] = flat[p.holder][p.positions]
             whole[key] = m
-        for r, data in enumerate(arrived):
+        if self.moves_in:  # the owners' missing elements, from their holders
+            pieces = [flat[p.holder][p.positions] for parts in self.send_in for p in parts]
+            send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype, device=device)
+            work, arrived = self._start(send, recv_in, send_in, dtype, device)
+            work.wait()
+            for r, data in enumerate(arrived):
+                at = 0
+                for key, index in self.recv_in[r]:
+                    whole[key][index] = data[at:at + count(index)]
+                    at += count(index)
+        result = {key: ns(m.view(self.shapes[key])).to(dtype) for key, m in whole.items()}
+        flat_result: dict[tuple[str, int], torch.Tensor] = {}
+
+        def part_of(key, index):  # the result's elements `index`, 2-D when all of it
+            r = result[key]
+            if isinstance(index, slice) and index.start == 0 and index.stop == r.numel():
+                return r
+            if key not in flat_result:
+                flat_result[key] = r.reshape(-1)
+            return flat_result[key][index]
+        if self.moves_out:  # every holder's elements of the results, from their owners
+            send = torch.empty(sum(send_out), dtype=dtype, device=device)
             at = 0
-            for key, index in self.recv_in[r]:
-                whole[key][index] = data[at:at + count(index)]
-                at += count(index)
-        result = {key: ns(m.view(self.shapes[key])).to(dtype).reshape(-1) for key, m in whole.items()}
-        outs = [torch.zeros_like(x) for x in flat]
+            for items in self.send_out:
+                for key, index in items:
+                    n = count(index)
+                    send[at:at + n].view(part_of(key, index).shape).copy_(part_of(key, index))
+                    at += n
+            work, back = self._start(send, recv_out, send_out, dtype, device)
+        during()
         for key, parts in self.own.items():
             for p in parts:
-                outs[p.holder][p.positions] = result[key][p.index]
-        chunks = [torch.cat([result[key][index] for key, index in items]) if items else flat[0][:0]
-                  for items in self.send_out]
-        back = self._exchange(chunks, recv_out, dtype, device)
-        for r, data in enumerate(back):
-            at = 0
-            for p in self.recv_out[r]:
-                outs[p.holder][p.positions] = data[at:at + count(p.index)]
-                at += count(p.index)
-        return [o.view_as(x) for o, x in zip(outs, inputs)]
+                apply(p.holder, p.positions, part_of(key, p.index), self.shapes[key])
+        if self.moves_out:
+            work.wait()
+            for r, data in enumerate(back):
+                at = 0
+                for p, key in zip(self.recv_out[r], self.recv_out_keys[r]):
+                    apply(p.holder, p.positions, data[at:at + count(p.index)], self.shapes[key])
+                    at += count(p.index)
 
     def bytes_per_step(self, element_size: int) -> int:
         """Bytes this rank sends per step (both all-to-alls)."""

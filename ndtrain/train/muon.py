@@ -25,7 +25,7 @@ import math
 import torch
 
 from ndtrain.config.sections import muon_coefficients
-from ndtrain.parallel.muon import MatrixOwners, holder_spans
+from ndtrain.parallel.muon import MatrixOwners
 
 NS_EPS = 1e-7  # torch.optim.Muon's (Keller Jordan's) guard of the first normalisation
 
@@ -78,7 +78,6 @@ class MuonAdamW(torch.optim.Optimizer):
         held = {id(h) for h in holders}
         mine = [s for s in slices if id(s.holder) in held]
         self.owners = MatrixOwners(holders, mine, group, self.ns_steps)
-        self.spans = holder_spans(holders, mine)
         self._share()
 
     def _share(self) -> None:
@@ -101,9 +100,11 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        if self.adamw is not None:
-            self.adamw.step()
+        """Muon's momentum, then the owners' iteration (parallel/muon.MatrixOwners), with
+        AdamW's step and the weight decay run while the results travel back; each holder's
+        part of a result is added as it is handed over."""
         params, inputs = [], []
+        needed = self.owners.needed
         for group in self.muon_groups:
             mu = group["momentum"]
             for p in group["params"]:
@@ -114,16 +115,34 @@ class MuonAdamW(torch.optim.Optimizer):
                 grad = p.grad if p.grad is not None else torch.zeros_like(p)
                 buf = state["momentum_buffer"]
                 buf.lerp_(grad, 1 - mu)
-                inputs.append(grad.lerp(buf, mu) if group["nesterov"] else buf)
+                i = len(params)
+                if not needed[i]:  # neither owned nor sent from here: only its momentum moves on
+                    inputs.append(None)
+                elif group["nesterov"]:
+                    inputs.append(grad.lerp(buf, mu))
+                else:
+                    inputs.append(buf)
                 state["step"] += 1
                 params.append((p, group))
         if not params:
+            if self.adamw is not None:
+                self.adamw.step()
             return None
-        outs = self.owners.orthogonalize(inputs, self.ns)
-        for i, ((p, group), o) in enumerate(zip(params, outs)):
-            lr = group["muon_lr"] * (group["lr"] / group["base_lr"]) if group["muon_lr"] else group["lr"]
-            p.mul_(1 - lr * group["weight_decay"])
-            flat_p, flat_o = p.view(-1), o.reshape(-1)
-            for at, n, shape in self.spans[i]:
-                flat_p[at:at + n].add_(flat_o[at:at + n], alpha=-(lr * lr_ratio(shape, self.adjust)))
+        rates = [group["muon_lr"] * (group["lr"] / group["base_lr"]) if group["muon_lr"] else group["lr"]
+                 for _, group in params]
+        flats = [p.view(-1) for p, _ in params]
+
+        def during():  # AdamW's tensors, and the decay of every Muon holder before its update
+            if self.adamw is not None:
+                self.adamw.step()
+            for (p, group), lr in zip(params, rates):
+                p.mul_(1 - lr * group["weight_decay"])
+
+        def apply(i, positions, values, shape):
+            alpha = -(rates[i] * lr_ratio(shape, self.adjust))
+            if isinstance(positions, slice):
+                flats[i][positions].view(values.shape).add_(values, alpha=alpha)
+            else:
+                flats[i][positions] = flats[i][positions].add(values, alpha=alpha)
+        self.owners.orthogonalize(inputs, self.ns, apply, during)
         return None
