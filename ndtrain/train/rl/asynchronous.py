@@ -83,6 +83,7 @@ class AsyncRollouts:
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.error: str | None = None  # rank 0: a failed send, reported with the next rollout
+        self.silent: set[int] = set()  # generators that let a limit pass: alive perhaps, but not answering
         self.pushed_s = 0.0
         if self.lead:
             self._spawn(trainer)
@@ -169,6 +170,8 @@ class AsyncRollouts:
         if failed and status == 0:  # it sampled its last rollout and left (newest weights: before these came)
             return
         if thread.is_alive() or failed:
+            if thread.is_alive():
+                self.silent.add(g)
             why = f"exited with status {status}" if status is not None else (
                 f"did not take it within {self.timeout:g} s (rl.exchange_timeout_s)" if thread.is_alive()
                 else f"lost its connection ({type(failed[0]).__name__})")
@@ -233,14 +236,21 @@ class AsyncRollouts:
             if proc.poll() is not None:
                 return {"error": f"ndtrain rl: generator rank {rank} exited with status {proc.returncode} before "
                                  f"sending rollout {index} (update {update})"}
+        self.silent.add(g)
         return {"error": f"ndtrain rl: generator rank {rank} sent no rollout {index} within {self.timeout:g} s "
                          f"(rl.exchange_timeout_s; update {update})"}
 
     def close(self) -> None:
         """Stop the generators (rank 0): a stop message (by a thread, given a second: a
-        stopped generator reads nothing), then a short wait, then kill."""
+        stopped generator reads nothing), then a short wait, then kill; a generator that let
+        a limit pass (stopped, SIGSTOP, or stuck) is killed at once, without the wait."""
         stop = pickle.dumps(("stop",))
-        for conn in self.conns:
+        for g in self.silent:
+            if g < len(self.procs):
+                self.procs[g].kill()
+        for g, conn in enumerate(self.conns):
+            if g in self.silent:
+                continue
             thread = threading.Thread(target=_send_quietly, args=(conn, stop), daemon=True)
             thread.start()
             thread.join(1.0)
