@@ -24,6 +24,7 @@ from ndtrain.testing import run_ranks
 from test_rl import RL_PROOF
 
 STALE = 2
+PARTIAL = 2  # rl.partial_tokens of the partial-rollout proof: 3 segments of the 6 new tokens
 # grpo on every update (the staleness proof needs no cycle of losses), a rollout per update
 # (ppo_epochs 1: the ratio against π_old is 1, the importance weight carries staleness).
 ASYNC_PROOF = [o for o in RL_PROOF if not o.startswith("rl.ppo_epochs")] + ["rl.ppo_epochs=1", "train.steps=5",
@@ -54,6 +55,24 @@ def _make(kind: str):
                     trainer, model, rows, prompts, seeds, self.sampling, reference))
                 return self.assemble(rounds, kept, index, version, trainer)
 
+        class PartialRL(DelayedRL):
+            """The reference of rl.partial_rollout = continue at K = STALE, built directly: rollout
+            t sampled PARTIAL tokens at a time, segment j with the copy of the weights taken
+            before rollout min(t − STALE + j, t) (the first weights before the run's first), each
+            token keeping its version and that version's log-probability."""
+
+            def rollout(self, index, trainer):
+                from ndtrain.train.rl.rollout import generate_in_segments
+                layout = self._generator(trainer).layout
+                self.snapshots[index] = frozen_copy(trainer.par, self.cfg, trainer.args, layout)
+                version, reference, t = max(0, index - STALE), self._reference(trainer), self.cfg.train
+                versions = lambda j: (self.snapshots[min(version + j, index)], min(version + j, index))  # noqa: E731
+                rounds, kept = self.sample_rounds(index, lambda rows, prompts, seeds: generate_in_segments(
+                    versions, PARTIAL, prompts, seeds, self.sampling, self.env.template.stop_ids,
+                    self.env.template.pad_id, lambda i, ids: self.env.score(rows[i], ids)[:4], reference,
+                    t.micro_batch, t.loss_chunk))
+                return self.assemble(rounds, kept, index, version, trainer)
+
         class KilledGenerator(RL):
             """Kills its generator just before the trainer sends it the weights of rollout 1
             ("killed"), or stops it there (SIGSTOP, "hung": alive and silent). The time of the
@@ -70,7 +89,8 @@ def _make(kind: str):
                         proc.wait()
                 super().before_update(step, trainer)
 
-        cls = {"delayed": DelayedRL, "killed": KilledGenerator, "hung": KilledGenerator}.get(kind, RL)
+        cls = {"delayed": DelayedRL, "partial": PartialRL, "killed": KilledGenerator,
+               "hung": KilledGenerator}.get(kind, RL)
         task = cls(cfg, Environment(cfg, BuiltinTemplate(char_tokenizer())))
         TASKS.append(task)
         return task
@@ -100,11 +120,11 @@ def _rows(rows):
                 stopped = next((t.stopped_at for t in TASKS if getattr(t, "stopped_at", None)), None)
                 out[f"{name}-s"] = None if stopped is None else time.monotonic() - stopped  # rank 0's
                 continue
-            run = (reference_in_rank if kind in ("delayed", "reference") else proof_in_rank)(
+            run = (reference_in_rank if kind in ("delayed", "partial", "reference") else proof_in_rank)(
                 ASYNC_PROOF + overrides, "", make_task=_make(kind))
             history = run.pop("history")
             run["metrics"] = [{k: r.get(k) for k in ("reward_mean", "staleness", "behaviour_weight",
-                                                      "generator_idle")} for r in history]
+                                                      "generator_idle", "token_staleness")} for r in history]
             out[name] = run
         finally:
             while TASKS:
@@ -173,6 +193,27 @@ def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference
     line = (r"ndtrain rl: generator rank 2 exited with status -9 (before sending rollout 1|while sent the weights of "
             r"rollout 1) \(update 1\)")
     assert re.fullmatch(line, runs["killed"]) and two[1]["killed"] == runs["killed"], two
+
+
+@pytest.mark.slow
+def test_partial_rollouts_continue_on_new_weights_equal_the_mixed_version_reference():
+    """rl.partial_rollout = continue at K = 2, segments of 2 of the 6 new tokens, one process
+    and its generator: rollout t's segments sampled by the weights of t − 2, t − 1 and t,
+    each token's importance weight from its own version; against PartialRL (one process,
+    the mixed-version sequences built directly from copies of the weights), fp64, the
+    tolerance rule. The same rewards, the staleness of the oldest token 2 and of the mean
+    token between 0 and 2; and the reference differs from K = 2 without continuing (the
+    segments matter)."""
+    from helpers import assert_proof
+    partial = ASYNC + [f"rl.max_staleness={STALE}", "rl.partial_rollout=continue", f"rl.partial_tokens={PARTIAL}"]
+    runs = run_ranks(_rows, 1, [("ref", [], "partial"), ("run", partial, "async"), ("delayed", [], "delayed")],
+                     timeout=600)[0]
+    ref, run = runs["ref"], runs["run"]
+    assert [m["reward_mean"] for m in run["metrics"]] == [m["reward_mean"] for m in ref["metrics"]]
+    assert [m["staleness"] for m in run["metrics"]] == [0, 1, 2, 2, 2] == [m["staleness"] for m in ref["metrics"]]
+    assert all(0 < m["token_staleness"] < 2 for m in ref["metrics"][2:]), ref["metrics"]
+    assert ref["losses"] != runs["delayed"]["losses"]
+    assert_proof(run, ref)
 
 
 HUNG_LIMIT = 5.0  # rl.exchange_timeout_s of the stopped-generator rows

@@ -77,6 +77,8 @@ class AsyncRollouts:
         self.cfg, self.start, self.n, self.k = cfg, start, r.generate_ranks, r.max_staleness
         self.timeout = r.exchange_timeout_s
         self.newest = r.async_weights == "newest"
+        # partial rollouts: a rollout takes newer weights every partial_tokens new tokens, up to this many times
+        self.segments = math.ceil(r.max_new_tokens / r.partial_tokens) if r.partial_rollout == "continue" else 1
         self.total = math.ceil(cfg.train.steps / r.ppo_epochs)
         self.world = trainer.mesh.world
         self.lead = trainer.mesh.rank == 0
@@ -99,9 +101,11 @@ class AsyncRollouts:
         if v == self.start:  # every generator's first weights (its reference too)
             return list(range(self.n))
         if self.newest:
-            return sorted({owner_of(t, self.start, self.n) for t in range(v, min(self.total, v + self.n))})
-        t = v + self.k
-        return [owner_of(t, self.start, self.n)] if t < self.total else []
+            ahead = max(self.n, self.k + 1) if self.segments > 1 else self.n
+            return sorted({owner_of(t, self.start, self.n) for t in range(v, min(self.total, v + ahead))})
+        # fixed: rollout t's segment j takes the weights of min(version_of(t) + j, t) (one segment: version_of(t))
+        return sorted({owner_of(t, self.start, self.n) for t in range(v, min(self.total, v + self.k + 1))
+                       if version_of(t, self.start, self.k) <= v < version_of(t, self.start, self.k) + self.segments})
 
     # -- processes -----------------------------------------------------------------
     def _spawn(self, trainer) -> None:
