@@ -17,6 +17,11 @@ run no longer a function of its seed alone. So with K ≥ 1 a generator samples 
 while the ranks train on rollout t; with K = 0 the ranks wait for each rollout, as in the
 synchronous job.
 
+**Partial rollouts** (`rl.partial_rollout = continue`): a generator samples rollout t
+`rl.partial_tokens` new tokens at a time, segment j with the weights of min(version + j, t)
+(`rollout.generate_in_segments`), so it needs the versions from version_of(t) to t; every
+token travels with its version, and `RL.assemble` weights each stale token by its own.
+
 **Before rollout t's update** every training rank calls `take(t)`:
 1. the current weights (version t) are gathered whole on rank 0 (`Parallelized.full_model_state`,
    collective over the training ranks) and sent to the generators that will sample with
