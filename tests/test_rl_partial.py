@@ -80,3 +80,17 @@ def test_a_continued_generation_is_its_segments_each_on_its_own_weights_in_fp64(
     logp = completion_logprobs(a, prompts, [whole.tokens[i, :int(n)].tolist() for i, n in enumerate(whole.lengths)],
                                8, 0, 8)
     assert torch.allclose(logp, whole.logprobs, rtol=0, atol=1e-12)
+
+
+def test_a_long_tail_cuts_all_but_a_share_of_prompts_and_keeps_their_tokens():
+    """rl.long_tail: about that share of prompts (a hash of their tokens) may run to
+    max_new_tokens, the others are cut at max_new_tokens // 8; a row cut at its limit holds
+    the first tokens of the uncut generation (the same stream), and did not stop."""
+    limits = Sampling(32, long_tail=0.1).limits([[i, i + 1] for i in range(2000)])
+    assert set(limits) == {4, 32} and 0.08 < limits.count(32) / 2000 < 0.12
+    assert Sampling(32).limits([[1]]) is None
+    model, prompts, seeds = _model(3), [[1, 2, 4], [5, 6], [7, 8, 9]], [1, 2, 3]
+    whole = generate(model, prompts, 8, seeds=seeds)
+    cut = generate(model, prompts, 8, seeds=seeds, limits=[2, 8, 5])
+    assert [len(t) for t in cut.tokens] == [2, 8, 5] and cut.stopped == [False] * 3
+    assert all(c == w[:len(c)] for c, w in zip(cut.tokens, whole.tokens))

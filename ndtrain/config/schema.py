@@ -227,6 +227,7 @@ class RLConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0 = the whole vocabulary
     top_p: float = 1.0
+    long_tail: float = 0.0  # > 0: only this share of prompts may run to max_new_tokens, the others are cut at max_new_tokens // 8 (a workload with a long tail: bench rl)
     generate_tp: int = 0  # tensor parallelism of generation (0 = parallel.tp); the other ranks generate data-parallel
     # Asynchronous rollouts (train/rl/asynchronous.py): generator processes beside the training ranks
     generate_ranks: int = 0  # generator processes (one model each) that sample while the ranks train; 0 = generate on the training ranks, synchronously

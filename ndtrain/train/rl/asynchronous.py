@@ -92,6 +92,7 @@ class AsyncRollouts:
         self.error: str | None = None  # rank 0: a failed send, reported with the next rollout
         self.silent: set[int] = set()  # generators that let a limit pass: alive perhaps, but not answering
         self.pushed_s = 0.0
+        self.times: dict = {}  # the last rollout's wall-clock times (RL.timeline)
         if self.lead:
             self._spawn(trainer)
 
@@ -204,6 +205,7 @@ class AsyncRollouts:
         """Rollout `index`'s batch and metrics, on every training rank. Collective."""
         update = trainer.step
         self.push(index, trainer, update)
+        pushed = time.time()
         t0 = time.perf_counter()
         payload = self._receive(index, update) if self.lead else None
         if self.world > 1:
@@ -215,6 +217,7 @@ class AsyncRollouts:
             raise TrainingError(payload["error"])
         if payload.get("interrupted"):
             raise supervisor.Interrupted("a stop request came while waiting for a rollout")
+        self.times = {"pushed": pushed, "received": time.time(), "generator": payload.get("times")}
         batch, metrics = task.assemble(payload["rounds"], payload["kept"], index, payload["version"], trainer)
         busy, idle = payload["busy_s"], payload["idle_s"]
         metrics.update(trainer_wait_s=waited, weight_push_s=self.pushed_s,

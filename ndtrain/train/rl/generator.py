@@ -128,9 +128,10 @@ def serve(conn) -> int:
     for t in range(start, total):
         if owner_of(t, start, n) != g:
             continue
-        waits = [0.0]
+        waits, began = [0.0], time.time()
         try:
             v, idle = weights(version_of(t, start, k))
+            ready = time.time()
             if reference is None:
                 reference = copy.deepcopy(model)
             t1 = time.perf_counter()
@@ -155,7 +156,7 @@ def serve(conn) -> int:
             rounds, kept = task.sample_rounds(t, generate)
             idle += waits[0]
             message = {"index": t, "version": v, "rounds": rounds, "kept": kept, "idle_s": idle,
-                       "busy_s": time.perf_counter() - t1 - waits[0]}
+                       "busy_s": time.perf_counter() - t1 - waits[0], "times": (began, ready, time.time())}
         except NoWeights as e:
             if e.closed:
                 return 0

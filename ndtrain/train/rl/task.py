@@ -135,12 +135,17 @@ class RL(Task):
         self.cfg, self.env = cfg, env
         self.vocab_size = env.template.vocab_size
         self.objective = losses.PolicyObjective(r.loss, r.clip_low, rl_clip_high(r), r.kl_coef)
-        self.sampling = Sampling(r.max_new_tokens, r.temperature, r.top_k, r.top_p)
+        self.sampling = Sampling(r.max_new_tokens, r.temperature, r.top_k, r.top_p, r.long_tail)
         self.reference = None
         self.generator: Generator | None = None
         self.rollouts = None  # asynchronous.AsyncRollouts under rl.generate_ranks
+        self.last_sampled = None  # when this rank's share of the last synchronous rollout was sampled
         self.batch: MicroBatch | None = None
         self.metrics: dict = {}
+        # Each rollout phase's wall-clock times on this rank (docs/rl_timeline_plot.py draws them):
+        # begin, end, and in the synchronous job `sampled` (this rank's share done, before the
+        # gather), in the asynchronous one `pushed` (the weights sent) and the generator's times.
+        self.timeline: list[dict] = []
         self.eval_problems = env.draw(0, "evaluation", r.eval_prompts, "held_out")
 
     # -- the task interface ---------------------------------------------------------
@@ -154,15 +159,18 @@ class RL(Task):
         if self.batch is not None and step % self.cfg.rl.ppo_epochs:
             self.metrics = {"rollout_time_s": 0.0}  # the same rollout, another update
             return
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.time()
         index = step // self.cfg.rl.ppo_epochs
         if self.cfg.rl.generate_ranks:  # generator processes sample; the training ranks take their rollouts
             if self.rollouts is None:
                 self.rollouts = AsyncRollouts(self.cfg, trainer, index)
             self.batch, self.metrics = self.rollouts.take(index, self, trainer)
+            times = self.rollouts.times
         else:
             self.batch, self.metrics = self.rollout(index, trainer)
+            times = {"sampled": self.last_sampled}
         self.metrics["rollout_time_s"] = time.perf_counter() - t0
+        self.timeline.append({"step": step, "begin": began, "end": time.time(), **times})
 
     def close(self) -> None:
         """Stops the generator processes, if any (every rank may call it)."""
@@ -247,6 +255,7 @@ class RL(Task):
         reference = self._reference(trainer)
         rounds, kept = self.sample_rounds(index, lambda rows, prompts, seeds: self._generate(
             trainer, model, rows, prompts, seeds, self.sampling, reference))
+        self.last_sampled = rounds[-1][2].times[1] if rounds[-1][2].times else None
         batch, metrics = self.assemble(rounds, kept, index, index, trainer)
         sent = ops.all_reduce_scalars([generator.transfer.bytes], generator.layout.world)[0]
         metrics.update(weight_sync_s=generator.transfer.seconds, weight_sync_bytes=sent)
