@@ -161,31 +161,18 @@ class AsyncRollouts:
         if self.error is not None:
             return
         data = pickle.dumps(message, protocol=5)
-        failed: list = []
-
-        def send():
-            try:
-                self.conns[g].send_bytes(data)
-            except OSError as e:
-                failed.append(e)
-        thread = threading.Thread(target=send, daemon=True)
+        thread = threading.Thread(target=_send_quietly, args=(self.conns[g], data, False), daemon=True)
         thread.start()
         thread.join(self.timeout)
-        status = self.procs[g].poll()
-        if failed and status is None:  # a connection closed by a process on its way out: let it finish
-            try:
-                status = self.procs[g].wait(min(5.0, self.timeout))
-            except subprocess.TimeoutExpired:
-                pass
-        if failed and status == 0:  # it sampled its last rollout and left (newest weights: before these came)
-            return
-        if thread.is_alive() or failed:
-            if thread.is_alive():
-                self.silent.add(g)
-            why = f"exited with status {status}" if status is not None else (
-                f"did not take it within {self.timeout:g} s (rl.exchange_timeout_s)" if thread.is_alive()
-                else f"lost its connection ({type(failed[0]).__name__})")
+        if thread.is_alive():  # alive and not reading (stopped, stuck), or gone while the send blocked
+            self.silent.add(g)
+            status = self.procs[g].poll()
+            why = (f"exited with status {status}" if status is not None else
+                   f"did not take it within {self.timeout:g} s (rl.exchange_timeout_s)")
             self.error = f"ndtrain rl: generator rank {self.rank_of(g)} {why} while sent {what} (update {update})"
+        # A send that failed (the connection closed) is no error by itself: the generator left
+        # after its last rollout (newest weights: before these came; its exit may take a while
+        # on a loaded machine), or died, which the wait for its next rollout finds and names.
 
     # -- every rollout -------------------------------------------------------------
     def push(self, v: int, trainer, update: int) -> None:
@@ -243,8 +230,8 @@ class AsyncRollouts:
                         return {"error": f"ndtrain rl: generator rank {rank} sent rollout {message['index']} where "
                                          f"rollout {index} was due (update {update})"}
                     return message
-            except (EOFError, OSError):
-                pass
+            except (EOFError, OSError):  # closed: nothing more will come; its exit (or the limit) says why
+                time.sleep(0.2)
             if proc.poll() is not None:
                 return {"error": f"ndtrain rl: generator rank {rank} exited with status {proc.returncode} before "
                                  f"sending rollout {index} (update {update})"}
@@ -275,10 +262,11 @@ class AsyncRollouts:
         self.conns, self.procs = [], []
 
 
-def _send_quietly(conn: Connection, data: bytes) -> None:
+def _send_quietly(conn: Connection, data: bytes, close: bool = True) -> None:
     try:
         conn.send_bytes(data)
-        conn.close()
+        if close:
+            conn.close()
     except OSError:
         pass
 
