@@ -103,34 +103,13 @@ def serve(conn) -> int:
     t_ = cfg.train
     template = task.env.template
     newest, continued = cfg.rl.async_weights == "newest", cfg.rl.partial_rollout == "continue"
-    loaded = [None]  # the version the model holds
-
-    def load(state, v) -> None:
-        if v == loaded[0]:
-            return
-        params = dict(model.named_parameters())
-        missing = [n for n in model.load_state_dict(state, strict=False).missing_keys if n in params]
-        if missing:  # sampling from weights the trainer did not send would be silently wrong
-            raise WeightsLacking(f"the trainer's weights lack {missing[:3]}")
-        loaded[0] = v
-
-    def weights(version: int, keep: int | None = None) -> tuple:
-        """The weights of `version` (newest: the newest at or after it) loaded into the model;
-        (its version, seconds waited). Raises NoWeights."""
-        t0 = time.perf_counter()
-        state, v, closed = inbox.wait(version, setup["timeout"], newest, keep)
-        if state is None:
-            raise NoWeights(v, closed)
-        waited = time.perf_counter() - t0
-        load(state, v)
-        return v, waited
-
+    held = Held(model, inbox, setup["timeout"], newest)
     for t in range(start, total):
         if owner_of(t, start, n) != g:
             continue
         waits, began = [0.0], time.time()
         try:
-            v, idle = weights(version_of(t, start, k))
+            v, idle = held.take(version_of(t, start, k))
             ready = time.time()
             if reference is None:
                 reference = copy.deepcopy(model)
@@ -141,7 +120,7 @@ def serve(conn) -> int:
                 newest held (newest); the generation waits for them as for a rollout's first."""
                 if j == 0:
                     return model, v
-                vj, waited = weights(loaded[0] if newest else min(v + j, t), keep=v)
+                vj, waited = held.take(held.version if newest else min(v + j, t), keep=v)
                 waits[0] += waited
                 return model, vj
 
@@ -172,6 +151,30 @@ def serve(conn) -> int:
         if "error" in message:
             return 1
     return 0
+
+
+class Held:
+    """The model's weights: which version it holds, and taking another from the inbox."""
+
+    def __init__(self, model, inbox: Inbox, timeout: float, newest: bool):
+        self.model, self.inbox, self.timeout, self.newest = model, inbox, timeout, newest
+        self.version = None
+
+    def take(self, version: int, keep: int | None = None) -> tuple:
+        """The weights of `version` (newest: the newest at or after it) loaded into the model;
+        (its version, seconds waited). Raises NoWeights, or WeightsLacking."""
+        t0 = time.perf_counter()
+        state, v, closed = self.inbox.wait(version, self.timeout, self.newest, keep)
+        if state is None:
+            raise NoWeights(v, closed)
+        waited = time.perf_counter() - t0
+        if v != self.version:
+            params = dict(self.model.named_parameters())
+            missing = [n for n in self.model.load_state_dict(state, strict=False).missing_keys if n in params]
+            if missing:  # sampling from weights the trainer did not send would be silently wrong
+                raise WeightsLacking(f"the trainer's weights lack {missing[:3]}")
+            self.version = v
+        return v, waited
 
 
 class NoWeights(Exception):
