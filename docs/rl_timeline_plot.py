@@ -27,7 +27,7 @@ def jobs() -> dict:
     for side, keys in SIDES.items():
         world = 3 if side == "sync" else 2
         cfg = validate(load_config(None, list(BENCH.model + BENCH.settings) + keys + [
-            f"train.steps={STEPS}", "run.threads=1", "run.device=cpu", "model.init_from=scratch"]), world=world)
+            f"train.steps={STEPS}", "run.threads=1", "run.device=cpu"]), world=world)
         cfg.train.seq_len = job.row_length(cfg)
         out[side] = launch_local(world, _worker, cfg.to_dict(), _template())
     return out
@@ -46,11 +46,12 @@ def bars(side: str, ranks: list[dict]) -> dict[str, list[tuple[str, float, float
                 mine += [("send", a["begin"], a["pushed"]), ("wait", a["pushed"], a["received"]),
                          ("train", a["received"], b["begin"])]
         rows[f"rank {r}"] = mine
-        if side == "async" and r == 0:
-            gen = []
-            for a in tl[1:-1]:
+        if side == "async" and r == 0:  # the rollouts it sampled while update 1 and later ran (its first ones earlier)
+            start, gen = tl[1]["begin"], []
+            for a in tl[1:]:
                 began, ready, done = a["generator"]
-                gen += [("wait", began, ready), ("generate", ready, done)]
+                gen += [(kind, max(s, start), e) for kind, s, e in (("wait", began, ready), ("generate", ready, done))
+                        if e > start]
             rows["generator"] = gen
     return rows
 
@@ -64,12 +65,12 @@ def main(out: str) -> None:
     runs = jobs()
     panels = {side: bars(side, ranks) for side, ranks in runs.items()}
     spans = {side: max(e for row in p.values() for _, _, e in row) - min(s for row in p.values() for _, s, _ in row)
-             for side, p in panels.items()}
+             for side, p in panels.items()}  # from update 1's start to the last update's end (or the last sample's)
     fig, axes = plt.subplots(2, 1, figsize=(11, 4.6), sharex=True)
     titles = {"sync": "synchronous: 3 ranks generate their shares, then all train",
               "async": "asynchronous: 2 training ranks, 1 generator, staleness 1"}
     for ax, (side, rows) in zip(axes, panels.items()):
-        t0 = min(s for row in rows.values() for _, s, _ in row)
+        t0 = min(s for label, row in rows.items() if label.startswith("rank") for _, s, _ in row)
         labels = list(rows)
         for y, label in enumerate(labels):
             for kind, s, e in rows[label]:
