@@ -94,3 +94,20 @@ def test_a_long_tail_cuts_all_but_a_share_of_prompts_and_keeps_their_tokens():
     cut = generate(model, prompts, 8, seeds=seeds, limits=[2, 8, 5])
     assert [len(t) for t in cut.tokens] == [2, 8, 5] and cut.stopped == [False] * 3
     assert all(c == w[:len(c)] for c, w in zip(cut.tokens, whole.tokens))
+
+
+def test_bench_rl_idle_fractions_from_recorded_times_by_hand():
+    """bench rl's idle fractions from the ranks' timelines (updates after the first, each
+    spanning to the next one's start): synchronous, the rollout phase and the time not
+    sampling; asynchronous, the wait for the rollout and the generator's own idle share."""
+    from ndtrain.bench.rl import _measure
+    hist = [{"step_time_s": 9.0}, {"step_time_s": 2.0}, {"step_time_s": 4.0}]
+    sync = [{"history": hist, "timeline": [{"begin": 0, "end": 1, "sampled": 0.5}, {"begin": 2, "end": 3, "sampled": 2.5},
+                                           {"begin": 6, "end": 7, "sampled": 6.5}]},
+            {"history": hist, "timeline": [{"begin": 0, "end": 1, "sampled": 1}, {"begin": 2, "end": 4, "sampled": 3},
+                                           {"begin": 6, "end": 9, "sampled": 7}]}]
+    # rank 0: span 4, not training 1, sampling 0.5; rank 1: span 4, not training 2, sampling 1
+    assert _measure(sync) == (3.0, 3 / 8, 1 - 1.5 / 8)
+    hist = [dict(h, generator_idle=g) for h, g in zip(hist, (0.9, 0.1, 0.3))]
+    tl = [{"begin": 0, "pushed": 0.1, "received": 1}, {"begin": 2, "pushed": 2.5, "received": 3}, {"begin": 4}]
+    assert _measure([{"history": hist, "timeline": tl}]) == (3.0, 0.5, 0.2)
