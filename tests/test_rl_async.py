@@ -7,8 +7,11 @@ run with generator processes equals, and that nothing hangs.
   copy of the weights before every rollout and samples rollout t with the copy of rollout
   t − 2 (`DelayedRL`), training with the same off-policy correction; fp64, the tolerance
   rule (the first update at exact precision, later ones within the twin's gaps).
+- Partial rollouts (rl.partial_rollout = continue) at K = 2 equal `PartialRL`, one process
+  sampling each segment with a copy of its version's weights (fp64, the tolerance rule).
 - A generator killed while the trainer sends it weights ends every training rank with the
-  same one line naming its rank and the update, well before any limit."""
+  same one line naming its rank and the update, well before any limit; one stopped (SIGSTOP)
+  there, or mid-run under the CLI, within one limit and a margin."""
 
 from __future__ import annotations
 
