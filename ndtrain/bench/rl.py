@@ -49,6 +49,7 @@ def _worker(cfg_dict: dict, template) -> dict:
     try:
         trainer = Trainer(cfg, ParallelMesh.build(mesh_shape(cfg), env.device), task, None)
         trainer.meter_steps = 0
+        trainer.start()  # model.init_from's weights, if any (no run folder: nothing to resume)
         trainer.fit()
         task.close()  # the generators (their last rollout's times are in the timeline)
         passed = task.evaluate(trainer).get("pass@1") if cfg.rl.eval_prompts else None
