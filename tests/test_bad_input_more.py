@@ -488,3 +488,15 @@ def test_micro_scaled_formats_refuse_what_they_cannot_do(overrides, fragment, tm
     monkeypatch.chdir(tmp_path)
     refused(["train", "model.preset=tiny", "run.device=cpu", "train.steps=1", "train.seq_len=32",
              f"data.cache_dir={tmp_path / 'cache'}"] + overrides, tmp_path, capsys, fragment)
+
+
+@pytest.mark.parametrize("extra, fragment", [
+    (["rl.partial_rollout=restart"], "rl.partial_rollout = 'restart': choose finish or continue"),
+    (["rl.partial_rollout=continue"], "rl.partial_rollout = 'continue': needs rl.generate_ranks >= 1"),
+    (["rl.partial_tokens=0"], "rl.partial_tokens = 0: must be > 0"),
+])
+def test_rl_partial_rollout_keys_are_refused_when_wrong(extra, fragment, tmp_path, capsys, monkeypatch):
+    """Partial rollouts (issue 36): an unknown mode, continuing without generator processes
+    (generation on the training ranks is never interrupted), segments of no tokens."""
+    monkeypatch.chdir(tmp_path)
+    refused(RL + [f"data.cache_dir={tmp_path / 'cache'}"] + extra, tmp_path, capsys, fragment)

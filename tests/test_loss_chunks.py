@@ -6,9 +6,6 @@ the RL layout proof (tests/test_rl.py), against one unchunked process in fp64.""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -67,15 +64,6 @@ def test_chunked_loss_equals_the_whole_logits_in_fp64(softcap):
         assert float((g_chunked[name] - g).abs().max()) <= 1e-12 * scale, name
 
 
-def _bench():
-    """benchmarks/loss_chunks.py, whose `peak` the test and the recorded figures share."""
-    path = Path(__file__).parent.parent / "benchmarks" / "loss_chunks.py"
-    spec = importlib.util.spec_from_file_location("loss_chunks_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.slow
 def test_chunked_logits_peak_is_under_a_third_of_the_whole_at_vocab_32k():
     """A one-block model at vocabulary 32,768, 4 rows × 64 positions, fp32: the whole
@@ -84,7 +72,7 @@ def test_chunked_logits_peak_is_under_a_third_of_the_whole_at_vocab_32k():
     alone are 4·64·32768·4 B = 32 MiB, and the loss keeps their log-softmax and the backward
     their gradient; a chunk holds an eighth of a row's worth."""
     model, mb = _model(32768, dtype=torch.float32), _batch(32768, 4, 64)
-    peak = _bench().peak
+    from ndtrain.bench.logits import peak  # the measurement bench rl and benchmarks/loss_chunks.py report
     whole, chunked = peak(model, mb, 0), peak(model, mb, 32)
     logits = 4 * 64 * 32768 * 4
     assert whole >= 2 * logits, whole  # the whole logits and their log-softmax, at least

@@ -7,14 +7,18 @@ run with generator processes equals, and that nothing hangs.
   copy of the weights before every rollout and samples rollout t with the copy of rollout
   t − 2 (`DelayedRL`), training with the same off-policy correction; fp64, the tolerance
   rule (the first update at exact precision, later ones within the twin's gaps).
+- Partial rollouts (rl.partial_rollout = continue) at K = 2 equal `PartialRL`, one process
+  sampling each segment with a copy of its version's weights (fp64, the tolerance rule).
 - A generator killed while the trainer sends it weights ends every training rank with the
-  same one line naming its rank and the update, well before any limit."""
+  same one line naming its rank and the update, well before any limit; one stopped (SIGSTOP)
+  there, or mid-run under the CLI, within one limit and a margin."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+import time
 
 import pytest
 
@@ -23,6 +27,7 @@ from ndtrain.testing import run_ranks
 from test_rl import RL_PROOF
 
 STALE = 2
+PARTIAL = 2  # rl.partial_tokens of the partial-rollout proof: 3 segments of the 6 new tokens
 # grpo on every update (the staleness proof needs no cycle of losses), a rollout per update
 # (ppo_epochs 1: the ratio against π_old is 1, the importance weight carries staleness).
 ASYNC_PROOF = [o for o in RL_PROOF if not o.startswith("rl.ppo_epochs")] + ["rl.ppo_epochs=1", "train.steps=5",
@@ -53,20 +58,42 @@ def _make(kind: str):
                     trainer, model, rows, prompts, seeds, self.sampling, reference))
                 return self.assemble(rounds, kept, index, version, trainer)
 
+        class PartialRL(DelayedRL):
+            """The reference of rl.partial_rollout = continue at K = STALE, built directly: rollout
+            t sampled PARTIAL tokens at a time, segment j with the copy of the weights taken
+            before rollout min(t − STALE + j, t) (the first weights before the run's first), each
+            token keeping its version and that version's log-probability."""
+
+            def rollout(self, index, trainer):
+                from ndtrain.train.rl.rollout import generate_in_segments
+                layout = self._generator(trainer).layout
+                self.snapshots[index] = frozen_copy(trainer.par, self.cfg, trainer.args, layout)
+                version, reference, t = max(0, index - STALE), self._reference(trainer), self.cfg.train
+                versions = lambda j: (self.snapshots[min(version + j, index)], min(version + j, index))  # noqa: E731
+                rounds, kept = self.sample_rounds(index, lambda rows, prompts, seeds: generate_in_segments(
+                    versions, PARTIAL, prompts, seeds, self.sampling, self.env.template.stop_ids,
+                    self.env.template.pad_id, lambda i, ids: self.env.score(rows[i], ids)[:4], reference,
+                    t.micro_batch, t.loss_chunk))
+                return self.assemble(rounds, kept, index, version, trainer)
+
         class KilledGenerator(RL):
             """Kills its generator just before the trainer sends it the weights of rollout 1
-            ("killed"), or stops it (SIGSTOP: alive, silent; "hung": not in the proof, where
-            it did not end within 400 s: docs/rl.md, not done)."""
+            ("killed"), or stops it there (SIGSTOP, "hung": alive and silent). The time of the
+            signal is kept (`stopped_at`, rank 0's clock)."""
+
+            stopped_at = None
 
             def before_update(self, step, trainer):
                 if step == 1 and self.rollouts is not None and self.rollouts.procs:
                     proc = self.rollouts.procs[0]
                     os.kill(proc.pid, signal.SIGKILL if kind == "killed" else signal.SIGSTOP)
-                    if kind in ("killed", "hung"):
+                    KilledGenerator.stopped_at = time.monotonic()
+                    if kind == "killed":  # (a stopped process never ends: no wait for it)
                         proc.wait()
                 super().before_update(step, trainer)
 
-        cls = {"delayed": DelayedRL, "killed": KilledGenerator, "hung": KilledGenerator}.get(kind, RL)
+        cls = {"delayed": DelayedRL, "partial": PartialRL, "killed": KilledGenerator,
+               "hung": KilledGenerator}.get(kind, RL)
         task = cls(cfg, Environment(cfg, BuiltinTemplate(char_tokenizer())))
         TASKS.append(task)
         return task
@@ -93,12 +120,14 @@ def _rows(rows):
                     out[name] = "no error"
                 except TrainingError as e:
                     out[name] = str(e)
+                stopped = next((t.stopped_at for t in TASKS if getattr(t, "stopped_at", None)), None)
+                out[f"{name}-s"] = None if stopped is None else time.monotonic() - stopped  # rank 0's
                 continue
-            run = (reference_in_rank if kind in ("delayed", "reference") else proof_in_rank)(
+            run = (reference_in_rank if kind in ("delayed", "partial", "reference") else proof_in_rank)(
                 ASYNC_PROOF + overrides, "", make_task=_make(kind))
             history = run.pop("history")
             run["metrics"] = [{k: r.get(k) for k in ("reward_mean", "staleness", "behaviour_weight",
-                                                      "generator_idle")} for r in history]
+                                                      "generator_idle", "token_staleness")} for r in history]
             out[name] = run
         finally:
             while TASKS:
@@ -167,6 +196,105 @@ def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference
     line = (r"ndtrain rl: generator rank 2 exited with status -9 (before sending rollout 1|while sent the weights of "
             r"rollout 1) \(update 1\)")
     assert re.fullmatch(line, runs["killed"]) and two[1]["killed"] == runs["killed"], two
+
+
+@pytest.mark.slow
+def test_partial_rollouts_continue_on_new_weights_equal_the_mixed_version_reference():
+    """rl.partial_rollout = continue at K = 2, segments of 2 of the 6 new tokens, one process
+    and its generator: rollout t's segments sampled by the weights of t − 2, t − 1 and t,
+    each token's importance weight from its own version; against PartialRL (one process,
+    the mixed-version sequences built directly from copies of the weights), fp64, the
+    tolerance rule. The same rewards, the staleness of the oldest token 2 and of the mean
+    token between 0 and 2; and the reference differs from K = 2 without continuing (the
+    segments matter)."""
+    from helpers import assert_proof
+    partial = ASYNC + [f"rl.max_staleness={STALE}", "rl.partial_rollout=continue", f"rl.partial_tokens={PARTIAL}"]
+    runs = run_ranks(_rows, 1, [("ref", [], "partial"), ("run", partial, "async"), ("delayed", [], "delayed")],
+                     timeout=600)[0]
+    ref, run = runs["ref"], runs["run"]
+    assert [m["reward_mean"] for m in run["metrics"]] == [m["reward_mean"] for m in ref["metrics"]]
+    assert [m["staleness"] for m in run["metrics"]] == [0, 1, 2, 2, 2] == [m["staleness"] for m in ref["metrics"]]
+    assert all(0 < m["token_staleness"] < 2 for m in ref["metrics"][2:]), ref["metrics"]
+    assert ref["losses"] != runs["delayed"]["losses"]
+    assert_proof(run, ref)
+
+
+HUNG_LIMIT = 5.0  # rl.exchange_timeout_s of the stopped-generator rows
+# A stopped generator lets one limit pass (the weights' send, or the rollout's wait: the send
+# ends the wait at once when it fails), then rank 0 kills it; the margin is a loaded machine's.
+HUNG_BOUND = 2 * HUNG_LIMIT + 30.0
+HUNG_LINE = (r"ndtrain rl: generator rank 2 (sent no rollout 1 within 5 s \(rl.exchange_timeout_s; update 1\)|did not "
+             r"take it within 5 s \(rl.exchange_timeout_s\) while sent the weights of rollout 1 \(update 1\))")
+
+
+@pytest.mark.slow
+def test_a_stopped_generator_ends_every_training_rank_within_the_limit():
+    """dp2 and one generator, stopped (SIGSTOP: alive, silent) just before the trainer sends
+    it the weights of rollout 1: both training ranks end with the same one line naming the
+    generator's rank and the update, within the limit and a margin (the code before hung here:
+    the test waited on the stopped process)."""
+    runs = run_ranks(_rows, 2, [("hung", ASYNC + ["parallel.dp=2", f"rl.exchange_timeout_s={HUNG_LIMIT:g}"], "hung")],
+                     timeout=600)
+    assert re.fullmatch(HUNG_LINE, runs[0]["hung"]) and runs[1]["hung"] == runs[0]["hung"], runs
+    assert runs[0]["hung-s"] < HUNG_BOUND, runs
+
+
+@pytest.mark.slow
+def test_the_cli_ends_a_run_whose_generator_stops_in_one_line(tmp_path):
+    """`ndtrain rl --nproc 2` with a generator, stopped (SIGSTOP) mid-run after its second
+    rollout: the run exits with status 1 within the limit and a margin, its last stderr line
+    names the generator's rank and the update, and no traceback is printed."""
+    import subprocess
+    import sys
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ndtrain.cli", "rl", "--nproc", "2", "model.init_from=scratch", "model.preset=tiny",
+         "run.device=cpu", f"data.cache_dir={tmp_path / 'cache'}", f"run.dir={tmp_path / 'run'}", "train.global_batch=8",
+         "rl.group_size=4", "train.steps=200", "rl.max_new_tokens=8", "rl.eval_prompts=0", "train.eval_every=0",
+         "run.progress=false", "run.plot=false", "run.threads=1", "rl.generate_ranks=1", "rl.max_staleness=1",
+         f"rl.exchange_timeout_s={HUNG_LIMIT:g}"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        generator = None
+        while proc.poll() is None and (generator is None or not metrics.exists()
+                                       or len(metrics.read_text().splitlines()) < 2):
+            generator = generator or next((p for p in _descendants(proc.pid)
+                                           if b"ndtrain.train.rl.generator" in _cmdline(p)), None)
+            time.sleep(0.05)
+        assert proc.poll() is None, proc.stderr.read()
+        os.kill(generator, signal.SIGSTOP)
+        stopped = time.monotonic()
+        code = proc.wait(600)
+        elapsed = time.monotonic() - stopped
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = proc.stderr.read()
+    last = err.strip().splitlines()[-1]
+    assert code == 1 and "Traceback" not in err, err
+    assert re.fullmatch(r"ndtrain: error: rank [01] failed: TrainingError: ndtrain rl: generator rank 2 (sent no "
+                        r"rollout \d+ within 5 s \(rl.exchange_timeout_s; update \d+\)|did not take it within 5 s "
+                        r"\(rl.exchange_timeout_s\) while sent the weights of rollout \d+ \(update \d+\))", last), err
+    assert elapsed < HUNG_BOUND, (elapsed, err)
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process under `pid` (Linux /proc), so the signal reaches this test's generator only."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task") if os.path.isdir(f"/proc/{pid}/task") else []:
+        try:
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        except OSError:
+            pass
+    return out + [d for c in out for d in _descendants(c)]
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:
+        return b""
 
 
 @pytest.mark.slow

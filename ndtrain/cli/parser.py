@@ -64,6 +64,8 @@ examples:
                                                  compiled, 2+ GPUs: every layout vs one GPU → runs/bench-gpu-*/report.md
   ndtrain bench prepare                          ndtrain prepare (a process per core) vs a bare tokenizers encode_batch loop
   ndtrain bench checkpoint                       our checkpoint save/load against torch.distributed.checkpoint (125M, 2 ranks)
+  ndtrain bench rl --nproc 3                     synchronous RL on 3 ranks vs 2 training ranks + 1 generator (staleness 1),
+                                                 a long tail of lengths; idle fractions, the logits peak, the wall-time ratio
   ndtrain train --nproc 4 parallel.tp=2          tensor (+ sequence) parallel over 2 ranks, times DP 2
   ndtrain train --nproc 4 model.preset=tiny-moe parallel.ep=2 parallel.dp=4
                                                  mixture of experts, experts split over 2 of the 4 data-parallel ranks

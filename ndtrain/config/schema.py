@@ -227,6 +227,7 @@ class RLConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0 = the whole vocabulary
     top_p: float = 1.0
+    long_tail: float = 0.0  # > 0: only this share of prompts may run to max_new_tokens, the others are cut at max_new_tokens // 8 (a workload with a long tail: bench rl)
     generate_tp: int = 0  # tensor parallelism of generation (0 = parallel.tp); the other ranks generate data-parallel
     # Asynchronous rollouts (train/rl/asynchronous.py): generator processes beside the training ranks
     generate_ranks: int = 0  # generator processes (one model each) that sample while the ranks train; 0 = generate on the training ranks, synchronously
@@ -235,6 +236,8 @@ class RLConfig:
     off_policy: str = "tis"  # stale rollouts: tis (importance weight π_old/π_behaviour truncated at tis_cap) | decoupled (untruncated)
     tis_cap: float = 2.0  # tis: the largest importance weight of a token
     exchange_timeout_s: float = 300.0  # the longest wait for a generator's rollout or for weights, then one line and exit
+    partial_rollout: str = "finish"  # a generation that a weight update interrupts: finish (on the old weights) | continue (on the new ones, every partial_tokens tokens)
+    partial_tokens: int = 8  # continue: the new tokens between two points where a generation may take newer weights
     # The update
     loss: str = "grpo"  # reinforce | grpo | dr_grpo | dapo
     clip_low: float = 0.2  # ratio clipped to [1 - clip_low, 1 + clip_high]

@@ -54,6 +54,15 @@ def check_rl(r: RLConfig) -> None:
         raise ConfigError("rl.off_policy", r.off_policy, f"choose one of {', '.join(OFF_POLICY)}")
     if r.tis_cap < 1.0:
         raise ConfigError("rl.tis_cap", r.tis_cap, "must be >= 1 (a cap below 1 would shrink even fresh tokens' weight)")
+    if not 0.0 <= r.long_tail <= 1.0:
+        raise ConfigError("rl.long_tail", r.long_tail, "must be in [0, 1] (the share of prompts that may run to "
+                          "rl.max_new_tokens; 0 = every prompt)")
+    positive("rl.partial_tokens", r.partial_tokens)
+    if r.partial_rollout not in ("finish", "continue"):
+        raise ConfigError("rl.partial_rollout", r.partial_rollout, "choose finish or continue")
+    if r.partial_rollout == "continue" and not r.generate_ranks:
+        raise ConfigError("rl.partial_rollout", r.partial_rollout, "needs rl.generate_ranks >= 1: generation on the "
+                          "training ranks is never interrupted by a weight update")
     if r.max_staleness and not r.generate_ranks:
         raise ConfigError("rl.max_staleness", r.max_staleness, "needs rl.generate_ranks >= 1: generation on the "
                           "training ranks is synchronous (staleness 0)")

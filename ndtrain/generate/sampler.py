@@ -95,7 +95,7 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device) -> tuple[Ten
 def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, seeds: Sequence[int] | None = None,
              stop_ids: Collection[int] = (), pad_id: int = 0, use_cache: bool = True,
-             should_stop: Callable[[], bool] | None = None) -> Generated:
+             should_stop: Callable[[], bool] | None = None, limits: Sequence[int] | None = None) -> Generated:
     """Continue every prompt by up to `max_new_tokens` tokens, a row ending after any of
     `stop_ids`. `model(tokens, positions=, cache=, doc_ids=)` returns logits [b, s, V] (a
     `Transformer`, or a tensor-parallel one that gathers its vocabulary); `seeds`: one per
@@ -103,7 +103,9 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, tempe
     `model.args.max_seq_len`. `use_cache=False` recomputes every position at every step
     (the same tokens, for `ndtrain bench generate`). `should_stop()`, asked after every
     token, ends the generation early with `interrupted` set (a stop request during an RL
-    rollout; it must answer alike on every rank of a tensor-parallel model)."""
+    rollout; it must answer alike on every rank of a tensor-parallel model). `limits`: each
+    row's own largest number of new tokens (at most `max_new_tokens`; a row cut there did
+    not stop)."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("generate: every prompt needs at least one token")
     seeds = list(range(len(prompts))) if seeds is None else list(seeds)
@@ -126,7 +128,8 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, tempe
     model.eval()
     try:
         *table, interrupted = _sample(model, prompts, max_new_tokens, temperature, top_k, top_p, u, stops, pad_id,
-                                      use_cache, device, should_stop)
+                                      use_cache, device, should_stop,
+                                      None if limits is None else torch.tensor(list(limits), device=device))
     finally:
         model.train(was_training)
     token_ids, logprobs, entropies, lengths = (t.cpu() for t in table)  # the one transfer of the results
@@ -140,7 +143,7 @@ def generate(model, prompts: Sequence[Sequence[int]], max_new_tokens: int, tempe
 
 def _sample(model, prompts, max_new_tokens: int, temperature: float, top_k: int, top_p: float, u: Tensor | None,
             stops: Tensor, pad_id: int, use_cache: bool, device,
-            should_stop=None) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
+            should_stop=None, limits: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor, bool]:
     """The decoding loop on the device: tokens [b, M], their log-probabilities and the
     entropies [b, M] (fp64), each row's length [b], and whether `should_stop` ended it."""
     b, width = len(prompts), max(len(p) for p in prompts)
@@ -167,6 +170,8 @@ def _sample(model, prompts, max_new_tokens: int, temperature: float, top_k: int,
         out_entropy[:, step] = (-(logp.exp() * logp.nan_to_num(neginf=0.0)).sum(-1)).double().masked_fill(~running, 0.0)
         lengths += running.long()
         running &= ~torch.isin(token, stops)
+        if limits is not None:
+            running &= lengths < limits
         if step == max_new_tokens - 1 or not bool(running.any()):  # the host's one read of this step
             break
         if should_stop is not None and should_stop():

@@ -17,6 +17,11 @@ run no longer a function of its seed alone. So with K ≥ 1 a generator samples 
 while the ranks train on rollout t; with K = 0 the ranks wait for each rollout, as in the
 synchronous job.
 
+**Partial rollouts** (`rl.partial_rollout = continue`): a generator samples rollout t
+`rl.partial_tokens` new tokens at a time, segment j with the weights of min(version + j, t)
+(`rollout.generate_in_segments`), so it needs the versions from version_of(t) to t; every
+token travels with its version, and `RL.assemble` weights each stale token by its own.
+
 **Before rollout t's update** every training rank calls `take(t)`:
 1. the current weights (version t) are gathered whole on rank 0 (`Parallelized.full_model_state`,
    collective over the training ranks) and sent to the generators that will sample with
@@ -77,13 +82,17 @@ class AsyncRollouts:
         self.cfg, self.start, self.n, self.k = cfg, start, r.generate_ranks, r.max_staleness
         self.timeout = r.exchange_timeout_s
         self.newest = r.async_weights == "newest"
+        # partial rollouts: a rollout takes newer weights every partial_tokens new tokens, up to this many times
+        self.segments = math.ceil(r.max_new_tokens / r.partial_tokens) if r.partial_rollout == "continue" else 1
         self.total = math.ceil(cfg.train.steps / r.ppo_epochs)
         self.world = trainer.mesh.world
         self.lead = trainer.mesh.rank == 0
         self.procs: list[subprocess.Popen] = []
         self.conns: list[Connection] = []
         self.error: str | None = None  # rank 0: a failed send, reported with the next rollout
+        self.silent: set[int] = set()  # generators that let a limit pass: alive perhaps, but not answering
         self.pushed_s = 0.0
+        self.times: dict = {}  # the last rollout's wall-clock times (RL.timeline)
         if self.lead:
             self._spawn(trainer)
 
@@ -98,9 +107,11 @@ class AsyncRollouts:
         if v == self.start:  # every generator's first weights (its reference too)
             return list(range(self.n))
         if self.newest:
-            return sorted({owner_of(t, self.start, self.n) for t in range(v, min(self.total, v + self.n))})
-        t = v + self.k
-        return [owner_of(t, self.start, self.n)] if t < self.total else []
+            ahead = max(self.n, self.k + 1) if self.segments > 1 else self.n
+            return sorted({owner_of(t, self.start, self.n) for t in range(v, min(self.total, v + ahead))})
+        # fixed: rollout t's segment j takes the weights of min(version_of(t) + j, t) (one segment: version_of(t))
+        return sorted({owner_of(t, self.start, self.n) for t in range(v, min(self.total, v + self.k + 1))
+                       if version_of(t, self.start, self.k) <= v < version_of(t, self.start, self.k) + self.segments})
 
     # -- processes -----------------------------------------------------------------
     def _spawn(self, trainer) -> None:
@@ -150,29 +161,18 @@ class AsyncRollouts:
         if self.error is not None:
             return
         data = pickle.dumps(message, protocol=5)
-        failed: list = []
-
-        def send():
-            try:
-                self.conns[g].send_bytes(data)
-            except OSError as e:
-                failed.append(e)
-        thread = threading.Thread(target=send, daemon=True)
+        thread = threading.Thread(target=_send_quietly, args=(self.conns[g], data, False), daemon=True)
         thread.start()
         thread.join(self.timeout)
-        status = self.procs[g].poll()
-        if failed and status is None:  # a connection closed by a process on its way out: let it finish
-            try:
-                status = self.procs[g].wait(min(5.0, self.timeout))
-            except subprocess.TimeoutExpired:
-                pass
-        if failed and status == 0:  # it sampled its last rollout and left (newest weights: before these came)
-            return
-        if thread.is_alive() or failed:
-            why = f"exited with status {status}" if status is not None else (
-                f"did not take it within {self.timeout:g} s (rl.exchange_timeout_s)" if thread.is_alive()
-                else f"lost its connection ({type(failed[0]).__name__})")
+        if thread.is_alive():  # alive and not reading (stopped, stuck), or gone while the send blocked
+            self.silent.add(g)
+            status = self.procs[g].poll()
+            why = (f"exited with status {status}" if status is not None else
+                   f"did not take it within {self.timeout:g} s (rl.exchange_timeout_s)")
             self.error = f"ndtrain rl: generator rank {self.rank_of(g)} {why} while sent {what} (update {update})"
+        # A send that failed (the connection closed) is no error by itself: the generator left
+        # after its last rollout (newest weights: before these came; its exit may take a while
+        # on a loaded machine), or died, which the wait for its next rollout finds and names.
 
     # -- every rollout -------------------------------------------------------------
     def push(self, v: int, trainer, update: int) -> None:
@@ -192,6 +192,7 @@ class AsyncRollouts:
         """Rollout `index`'s batch and metrics, on every training rank. Collective."""
         update = trainer.step
         self.push(index, trainer, update)
+        pushed = time.time()
         t0 = time.perf_counter()
         payload = self._receive(index, update) if self.lead else None
         if self.world > 1:
@@ -203,6 +204,7 @@ class AsyncRollouts:
             raise TrainingError(payload["error"])
         if payload.get("interrupted"):
             raise supervisor.Interrupted("a stop request came while waiting for a rollout")
+        self.times = {"pushed": pushed, "received": time.time(), "generator": payload.get("times")}
         batch, metrics = task.assemble(payload["rounds"], payload["kept"], index, payload["version"], trainer)
         busy, idle = payload["busy_s"], payload["idle_s"]
         metrics.update(trainer_wait_s=waited, weight_push_s=self.pushed_s,
@@ -228,19 +230,26 @@ class AsyncRollouts:
                         return {"error": f"ndtrain rl: generator rank {rank} sent rollout {message['index']} where "
                                          f"rollout {index} was due (update {update})"}
                     return message
-            except (EOFError, OSError):
-                pass
+            except (EOFError, OSError):  # closed: nothing more will come; its exit (or the limit) says why
+                time.sleep(0.2)
             if proc.poll() is not None:
                 return {"error": f"ndtrain rl: generator rank {rank} exited with status {proc.returncode} before "
                                  f"sending rollout {index} (update {update})"}
+        self.silent.add(g)
         return {"error": f"ndtrain rl: generator rank {rank} sent no rollout {index} within {self.timeout:g} s "
                          f"(rl.exchange_timeout_s; update {update})"}
 
     def close(self) -> None:
         """Stop the generators (rank 0): a stop message (by a thread, given a second: a
-        stopped generator reads nothing), then a short wait, then kill."""
+        stopped generator reads nothing), then a short wait, then kill; a generator that let
+        a limit pass (stopped, SIGSTOP, or stuck) is killed at once, without the wait."""
         stop = pickle.dumps(("stop",))
-        for conn in self.conns:
+        for g in self.silent:
+            if g < len(self.procs):
+                self.procs[g].kill()
+        for g, conn in enumerate(self.conns):
+            if g in self.silent:
+                continue
             thread = threading.Thread(target=_send_quietly, args=(conn, stop), daemon=True)
             thread.start()
             thread.join(1.0)
@@ -253,10 +262,11 @@ class AsyncRollouts:
         self.conns, self.procs = [], []
 
 
-def _send_quietly(conn: Connection, data: bytes) -> None:
+def _send_quietly(conn: Connection, data: bytes, close: bool = True) -> None:
     try:
         conn.send_bytes(data)
-        conn.close()
+        if close:
+            conn.close()
     except OSError:
         pass
 

@@ -31,7 +31,7 @@ from ndtrain.config import from_dict
 from ndtrain.model.llama import Transformer
 from ndtrain.parallel.precision import compute_dtype
 from ndtrain.train.rl.asynchronous import KEY_ENV, owner_of, version_of
-from ndtrain.train.rl.rollout import generate_everywhere
+from ndtrain.train.rl.rollout import generate_everywhere, generate_in_segments
 
 
 class _Alone:
@@ -69,16 +69,17 @@ class Inbox:
             if message[0] != "weights":
                 return
 
-    def wait(self, version: int, timeout: float, newest: bool = False):
+    def wait(self, version: int, timeout: float, newest: bool = False, keep: int | None = None):
         """(the weights of `version`, or with `newest` of the newest version at or after it;
-        None if stopped or timed out, that version, whether the trainer stopped). Older
-        versions are dropped; the returned one stays (the next rollout may use it again)."""
+        None if stopped or timed out, that version, whether the trainer stopped). Versions
+        older than the returned one (or than `keep`, when given) are dropped; the returned
+        one stays (the next rollout may use it again)."""
         with self.ready:
             self.ready.wait_for(lambda: any(v >= version if newest else v == version for v in self.weights)
                                 or self.closed, timeout)
             held = [v for v in self.weights if (v >= version if newest else v == version)]
             chosen = max(held) if held else version
-            for v in [v for v in self.weights if v < chosen]:
+            for v in [v for v in self.weights if v < (chosen if keep is None else keep)]:
                 del self.weights[v]
             return self.weights.get(chosen), chosen, self.closed
 
@@ -101,37 +102,48 @@ def serve(conn) -> int:
     start, total, k, n = setup["start"], setup["total"], setup["staleness"], setup["generators"]
     t_ = cfg.train
     template = task.env.template
+    newest, continued = cfg.rl.async_weights == "newest", cfg.rl.partial_rollout == "continue"
+    held = Held(model, inbox, setup["timeout"], newest)
     for t in range(start, total):
         if owner_of(t, start, n) != g:
             continue
-        t0 = time.perf_counter()
-        state, v, closed = inbox.wait(version_of(t, start, k), setup["timeout"], cfg.rl.async_weights == "newest")
-        if state is None:
-            if closed:
-                return 0
-            print(f"ndtrain rl: generator rank {rank}: no weights of rollout {v} (for rollout {t}) from the trainer "
-                  f"within {setup['timeout']:g} s (rl.exchange_timeout_s); exiting", file=sys.stderr, flush=True)
-            return 1
-        idle = time.perf_counter() - t0
-        params = dict(model.named_parameters())
-        missing = [n for n in model.load_state_dict(state, strict=False).missing_keys if n in params]
-        if missing:  # sampling from weights the trainer did not send would be silently wrong
-            conn.send_bytes(pickle.dumps({"index": t, "error": f"the trainer's weights lack {missing[:3]}"}))
-            return 1
-        if reference is None:
-            reference = copy.deepcopy(model)
-        t1 = time.perf_counter()
-
-        def generate(rows, prompts, seeds):
-            return generate_everywhere(model, _Alone(device), prompts, seeds, task.sampling, template.stop_ids,
-                                       template.pad_id, lambda i, ids: task.env.score(rows[i], ids)[:4],
-                                       reference, t_.micro_batch, t_.loss_chunk)
+        waits, began = [0.0], time.time()
         try:
+            v, idle = held.take(version_of(t, start, k))
+            ready = time.time()
+            if reference is None:
+                reference = copy.deepcopy(model)
+            t1 = time.perf_counter()
+
+            def segment_weights(j: int) -> tuple:
+                """Partial rollouts: segment j's weights, those of min(v + j, t) (fixed) or the
+                newest held (newest); the generation waits for them as for a rollout's first."""
+                if j == 0:
+                    return model, v
+                vj, waited = held.take(held.version if newest else min(v + j, t), keep=v)
+                waits[0] += waited
+                return model, vj
+
+            def generate(rows, prompts, seeds):
+                score = lambda i, ids: task.env.score(rows[i], ids)[:4]  # noqa: E731
+                if continued:
+                    return generate_in_segments(segment_weights, cfg.rl.partial_tokens, prompts, seeds, task.sampling,
+                                                template.stop_ids, template.pad_id, score, reference, t_.micro_batch,
+                                                t_.loss_chunk)
+                return generate_everywhere(model, _Alone(device), prompts, seeds, task.sampling, template.stop_ids,
+                                           template.pad_id, score, reference, t_.micro_batch, t_.loss_chunk)
             rounds, kept = task.sample_rounds(t, generate)
+            idle += waits[0]
             message = {"index": t, "version": v, "rounds": rounds, "kept": kept, "idle_s": idle,
-                       "busy_s": time.perf_counter() - t1}
+                       "busy_s": time.perf_counter() - t1 - waits[0], "times": (began, ready, time.time())}
+        except NoWeights as e:
+            if e.closed:
+                return 0
+            print(f"ndtrain rl: generator rank {rank}: no weights of rollout {e.version} (for rollout {t}) from the "
+                  f"trainer within {setup['timeout']:g} s (rl.exchange_timeout_s); exiting", file=sys.stderr, flush=True)
+            return 1
         except Exception as e:  # the trainer says it in one line and stops
-            message = {"index": t, "error": f"{type(e).__name__}: {e}"}
+            message = {"index": t, "error": str(e) if isinstance(e, WeightsLacking) else f"{type(e).__name__}: {e}"}
         try:
             conn.send_bytes(pickle.dumps(message, protocol=5))
         except OSError:
@@ -139,6 +151,40 @@ def serve(conn) -> int:
         if "error" in message:
             return 1
     return 0
+
+
+class Held:
+    """The model's weights: which version it holds, and taking another from the inbox."""
+
+    def __init__(self, model, inbox: Inbox, timeout: float, newest: bool):
+        self.model, self.inbox, self.timeout, self.newest = model, inbox, timeout, newest
+        self.version = None
+
+    def take(self, version: int, keep: int | None = None) -> tuple:
+        """The weights of `version` (newest: the newest at or after it) loaded into the model;
+        (its version, seconds waited). Raises NoWeights, or WeightsLacking."""
+        t0 = time.perf_counter()
+        state, v, closed = self.inbox.wait(version, self.timeout, self.newest, keep)
+        if state is None:
+            raise NoWeights(v, closed)
+        waited = time.perf_counter() - t0
+        if v != self.version:
+            params = dict(self.model.named_parameters())
+            missing = [n for n in self.model.load_state_dict(state, strict=False).missing_keys if n in params]
+            if missing:  # sampling from weights the trainer did not send would be silently wrong
+                raise WeightsLacking(f"the trainer's weights lack {missing[:3]}")
+            self.version = v
+        return v, waited
+
+
+class NoWeights(Exception):
+    def __init__(self, version: int, closed: bool):
+        super().__init__(version)
+        self.version, self.closed = version, closed
+
+
+class WeightsLacking(Exception):
+    pass
 
 
 def main(argv: list[str]) -> int:

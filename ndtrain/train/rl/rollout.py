@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import math
+import time
+import zlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -56,6 +58,17 @@ class Sampling:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    long_tail: float = 0.0  # > 0: only this share of prompts may run to max_new_tokens (row_limits)
+
+    def limits(self, prompts: list[list[int]]) -> list[int] | None:
+        """rl.long_tail's lengths: a share `long_tail` of the prompts (by a hash of their
+        tokens, so the same prompt always) may run to max_new_tokens, the others are cut at
+        max_new_tokens // 8 (at least 1); None without a long tail."""
+        if not self.long_tail:
+            return None
+        short = max(1, self.max_new_tokens // 8)
+        return [self.max_new_tokens if zlib.crc32(str(p).encode()) % 10_000 < self.long_tail * 10_000 else short
+                for p in prompts]
 
 
 @dataclass
@@ -69,6 +82,8 @@ class Generations:
     entropies: Tensor  # [n, M] fp64
     ref_logprobs: Tensor | None  # [n, M] fp64: under the frozen reference
     scores: Tensor  # [n, len(SCORE_FIELDS)] fp64
+    versions: Tensor | None = None  # [n, M] long: the weights' version that sampled each token (None: one for all)
+    times: tuple | None = None  # (start, this rank's share sampled, every share gathered): wall-clock seconds
 
     def score(self, name: str) -> Tensor:
         return self.scores[:, SCORE_FIELDS.index(name)]
@@ -123,9 +138,11 @@ def generate_everywhere(model: nn.Module, layout: GenerationLayout, prompts: lis
     lo, hi = min(n, me * share), min(n, (me + 1) * share)
     cols = 3 * width + 2 + len(SCORE_FIELDS) + (width if reference is not None else 0) + 1
     mine = torch.zeros((share, cols), dtype=torch.float64)  # the last column: the share was cut short
+    began = time.time()
     for a, b in sampling_batches(lo, hi, model.args.vocab_size):
         out = generate(model, prompts[a:b], width, sampling.temperature, sampling.top_k, sampling.top_p,
-                       seeds[a:b], stop_ids, pad_id, should_stop=_stop_agreed_in(layout.tp))
+                       seeds[a:b], stop_ids, pad_id, should_stop=_stop_agreed_in(layout.tp),
+                       limits=sampling.limits(prompts[a:b]))
         if out.interrupted:  # every rank of this tp group agreed: the gather tells the others
             mine[:, -1] = 1.0
             break
@@ -140,6 +157,7 @@ def generate_everywhere(model: nn.Module, layout: GenerationLayout, prompts: lis
         if reference is not None:
             mine[rows, cols - 1 - width:cols - 1] = completion_logprobs(reference, prompts[a:b], out.tokens, width,
                                                                         pad_id, rows_per_forward, chunk)
+    sampled = time.time()
     rows = gather_rows(mine.to(layout.mesh.device), layout).cpu()
     if rows[:, -1].any():
         raise supervisor.Interrupted("a stop request cut the rollout short")
@@ -149,7 +167,65 @@ def generate_everywhere(model: nn.Module, layout: GenerationLayout, prompts: lis
         tokens=rows[:, :width].long(), lengths=rows[:, 3 * width].long(), stopped=rows[:, 3 * width + 1] > 0,
         logprobs=rows[:, width:2 * width], entropies=rows[:, 2 * width:3 * width],
         ref_logprobs=rows[:, cols - 1 - width:cols - 1] if reference is not None else None,
-        scores=rows[:, at:at + len(SCORE_FIELDS)])
+        scores=rows[:, at:at + len(SCORE_FIELDS)], times=(began, sampled, time.time()))
+
+
+def generate_in_segments(weights: Callable[[int], tuple[nn.Module, int]], segment: int, prompts: list[list[int]],
+                         seeds: list[int], sampling: Sampling, stop_ids, pad_id: int,
+                         score: Callable[[int, list[int]], tuple[float, float, float, float]],
+                         reference: nn.Module | None = None, rows_per_forward: int = 8,
+                         chunk: int = 0) -> Generations:
+    """Partial rollouts (rl.partial_rollout = continue), on one process: every row's
+    completion sampled `segment` new tokens at a time, segment j by the weights
+    `weights(j)` = (model, version), which may be newer than the last segment's (a weight
+    update interrupted the generation; `weights` may wait for them). A row's next segment
+    continues its prompt and the tokens so far under the new weights (a fresh prefill: the
+    old weights' cache is not reused), with the row's own random stream for that segment
+    (its seed for segment 0, `segment_seed` after). Each token keeps the log-probability
+    its own version gave it (the behaviour policy of that token) and that version
+    (`versions`); the scores and the frozen reference's log-probabilities are the whole
+    completion's, as `generate_everywhere` computes them."""
+    n, width = len(prompts), sampling.max_new_tokens
+    done = [[] for _ in range(n)]  # per row: (token, log p, entropy, version) so far
+    stop_set, j = set(stop_ids), 0
+    limits = sampling.limits(prompts) or [width] * n
+    while True:
+        active = [i for i in range(n) if len(done[i]) < limits[i] and not (done[i] and done[i][-1][0] in stop_set)]
+        if not active:
+            break
+        model, version = weights(j)
+        new = min(segment, width - j * segment)
+        for a, b in sampling_batches(0, len(active), model.args.vocab_size):
+            rows = active[a:b]
+            out = generate(model, [prompts[i] + [t for t, *_ in done[i]] for i in rows], new, sampling.temperature,
+                           sampling.top_k, sampling.top_p, [segment_seed(seeds[i], j) for i in rows], stop_ids, pad_id,
+                           should_stop=supervisor.stop_requested, limits=[min(new, limits[i] - len(done[i])) for i in rows])
+            if out.interrupted:
+                raise supervisor.Interrupted("a stop request cut the rollout short")
+            for i, toks, lps, ents in zip(rows, out.tokens, out.logprobs, out.entropies):
+                done[i] += [(t, lp, e, version) for t, lp, e in zip(toks, lps, ents)]
+        j += 1
+    tokens = torch.full((n, width), pad_id, dtype=torch.long)
+    versions = torch.zeros((n, width), dtype=torch.long)
+    logprobs, entropies = torch.zeros((n, width), dtype=torch.float64), torch.zeros((n, width), dtype=torch.float64)
+    for i, row in enumerate(done):
+        if row:
+            t, lp, e, v = zip(*row)
+            tokens[i, :len(row)], versions[i, :len(row)] = torch.tensor(t), torch.tensor(v)
+            logprobs[i, :len(row)], entropies[i, :len(row)] = torch.tensor(lp, dtype=torch.float64), torch.tensor(e)
+    completions = [[t for t, *_ in row] for row in done]
+    ref = (completion_logprobs(reference, prompts, completions, width, pad_id, rows_per_forward, chunk)
+           if reference is not None else None)
+    return Generations(tokens=tokens, lengths=torch.tensor([len(c) for c in completions]),
+                       stopped=torch.tensor([bool(c) and c[-1] in stop_set for c in completions]),
+                       logprobs=logprobs, entropies=entropies, ref_logprobs=ref,
+                       scores=torch.tensor([score(i, c) for i, c in enumerate(completions)], dtype=torch.float64)
+                       .view(n, len(SCORE_FIELDS)), versions=versions)
+
+
+def segment_seed(seed: int, j: int) -> int:
+    """A row's random stream for segment j of a partial rollout (its own seed for the first)."""
+    return seed if j == 0 else zlib.crc32(f"{seed}/segment/{j}".encode())
 
 
 def _stop_agreed_in(tp: Group) -> Callable[[], bool]:

@@ -135,12 +135,17 @@ class RL(Task):
         self.cfg, self.env = cfg, env
         self.vocab_size = env.template.vocab_size
         self.objective = losses.PolicyObjective(r.loss, r.clip_low, rl_clip_high(r), r.kl_coef)
-        self.sampling = Sampling(r.max_new_tokens, r.temperature, r.top_k, r.top_p)
+        self.sampling = Sampling(r.max_new_tokens, r.temperature, r.top_k, r.top_p, r.long_tail)
         self.reference = None
         self.generator: Generator | None = None
         self.rollouts = None  # asynchronous.AsyncRollouts under rl.generate_ranks
+        self.last_sampled = None  # when this rank's share of the last synchronous rollout was sampled
         self.batch: MicroBatch | None = None
         self.metrics: dict = {}
+        # Each rollout phase's wall-clock times on this rank (docs/rl_timeline_plot.py draws them):
+        # begin, end, and in the synchronous job `sampled` (this rank's share done, before the
+        # gather), in the asynchronous one `pushed` (the weights sent) and the generator's times.
+        self.timeline: list[dict] = []
         self.eval_problems = env.draw(0, "evaluation", r.eval_prompts, "held_out")
 
     # -- the task interface ---------------------------------------------------------
@@ -154,15 +159,18 @@ class RL(Task):
         if self.batch is not None and step % self.cfg.rl.ppo_epochs:
             self.metrics = {"rollout_time_s": 0.0}  # the same rollout, another update
             return
-        t0 = time.perf_counter()
+        t0, began = time.perf_counter(), time.time()
         index = step // self.cfg.rl.ppo_epochs
         if self.cfg.rl.generate_ranks:  # generator processes sample; the training ranks take their rollouts
             if self.rollouts is None:
                 self.rollouts = AsyncRollouts(self.cfg, trainer, index)
             self.batch, self.metrics = self.rollouts.take(index, self, trainer)
+            times = self.rollouts.times
         else:
             self.batch, self.metrics = self.rollout(index, trainer)
+            times = {"sampled": self.last_sampled}
         self.metrics["rollout_time_s"] = time.perf_counter() - t0
+        self.timeline.append({"step": step, "begin": began, "end": time.time(), **times})
 
     def close(self) -> None:
         """Stops the generator processes, if any (every rank may call it)."""
@@ -247,6 +255,7 @@ class RL(Task):
         reference = self._reference(trainer)
         rounds, kept = self.sample_rounds(index, lambda rows, prompts, seeds: self._generate(
             trainer, model, rows, prompts, seeds, self.sampling, reference))
+        self.last_sampled = rounds[-1][2].times[1] if rounds[-1][2].times else None
         batch, metrics = self.assemble(rounds, kept, index, index, trainer)
         sent = ops.all_reduce_scalars([generator.transfer.bytes], generator.layout.world)[0]
         metrics.update(weight_sync_s=generator.transfer.seconds, weight_sync_bytes=sent)
@@ -286,26 +295,31 @@ class RL(Task):
         return rounds, kept
 
     def assemble(self, rounds, kept, index: int, version: int, trainer) -> tuple[MicroBatch, dict]:
-        """The batch of rollout `index` sampled with the weights of rollout `version`, and its
-        metrics. A stale one (version < index) trains with importance weights from the
-        sampler's (behaviour) log-probabilities to the training forward's (π_old), and its
-        log-probability gap is not a consistency check (other weights sampled it)."""
+        """The batch of rollout `index` sampled with the weights of rollout `version` (each
+        token with its own version where a partial rollout took newer weights part-way:
+        `Generations.versions`), and its metrics. A stale token (its version < index) trains
+        with the importance weight from the sampler's (behaviour) log-probability, its own
+        version's, to the training forward's (π_old); a fresh one with none, and only fresh
+        tokens' log-probability gaps are a consistency check (other weights sampled the rest)."""
         r = self.cfg.rl
-        batch, rollout_logp = self._batch(rounds, kept, index, trainer)
+        batch, rollout_logp, versions = self._batch(rounds, kept, index, version, trainer)
         trained = batch.targets != IGNORE
-        stale = version < index
-        if stale:
-            batch.is_weights = losses.behaviour_weights(batch.old_logprobs, rollout_logp, trained, r.off_policy,
+        stale = trained & (versions < index)
+        if stale.any():
+            batch.is_weights = losses.behaviour_weights(batch.old_logprobs, rollout_logp, stale, r.off_policy,
                                                         r.tis_cap)
-        metrics = self._metrics(rounds, batch, rollout_logp, trainer, check=not stale)
+        metrics = self._metrics(rounds, batch, rollout_logp, trainer, check=trained & ~stale)
         metrics.update(refills=len(rounds) - 1, staleness=index - version)
-        if stale and trained.any():
-            w = torch.exp(batch.old_logprobs - rollout_logp)[trained]
+        if stale.any():
+            w = torch.exp(batch.old_logprobs - rollout_logp)[stale]
             metrics.update(behaviour_weight=float(w.mean()), tis_truncated=float((w > r.tis_cap).double().mean()))
+        if trained.any():
+            metrics["token_staleness"] = float((index - versions)[trained].double().mean())
         return batch, metrics
 
-    def _batch(self, rounds, kept, index: int, trainer) -> tuple[MicroBatch, Tensor]:
-        """The rollout as global rows, with old log-probabilities from the training forward."""
+    def _batch(self, rounds, kept, index: int, version: int, trainer) -> tuple[MicroBatch, Tensor, Tensor]:
+        """The rollout as global rows, with old log-probabilities from the training forward;
+        and the sampler's log-probability and the weights' version of every position."""
         r, t = self.cfg.rl, self.cfg.train
         g = r.group_size
         rewards = torch.stack([rounds[k][3][j] for k, j in kept])  # [groups, g]
@@ -321,6 +335,7 @@ class RL(Task):
         tokens = torch.full((n, s), pad, dtype=torch.long)
         targets = torch.full((n, s), IGNORE, dtype=torch.long)
         advantages, weights, ref, rollout = (torch.zeros((n, s), dtype=torch.float64) for _ in range(4))
+        versions = torch.full((n, s), version, dtype=torch.long)
         for row, (prompt, gen, i) in enumerate(rows):
             c, p = int(gen.lengths[i]), len(prompt)
             if p + c > s:
@@ -333,14 +348,18 @@ class RL(Task):
             targets[row, at] = completion
             advantages[row, at], weights[row, at] = float(adv[row]), float(weight[row])
             rollout[row, at] = gen.logprobs[i, :c]
+            if gen.versions is not None:
+                versions[row, at] = gen.versions[i, :c]
             if gen.ref_logprobs is not None:
                 ref[row, at] = gen.ref_logprobs[i, :c]
         batch = MicroBatch(tokens, targets, weights=weights, advantages=advantages,
                            ref_logprobs=ref if rounds[0][2].ref_logprobs is not None else None)
         batch.old_logprobs = trainer.logprobs_everywhere(batch)  # the training forward's, every row on every rank
-        return batch, rollout
+        return batch, rollout, versions
 
-    def _metrics(self, rounds, batch: MicroBatch, rollout_logp: Tensor, trainer, check: bool = True) -> dict:
+    def _metrics(self, rounds, batch: MicroBatch, rollout_logp: Tensor, trainer, check: Tensor) -> dict:
+        """The rollout's metrics; `check`: the tokens whose sampler and training log-probabilities
+        must agree (those sampled with the current weights)."""
         r = self.cfg.rl
         gens = [gen for _, _, gen, _ in rounds]
         scores = torch.cat([gen.scores for gen in gens])
@@ -360,9 +379,10 @@ class RL(Task):
             out["format"] = float(scores[:, 1].nanmean())
         if batch.ref_logprobs is not None:
             out["kl"] = float(losses.k3(batch.old_logprobs, batch.ref_logprobs)[trained].mean())
-        if check and gap > r.logprob_tol and self.cfg.train.precision in PRECISE:
+        fresh = float((batch.old_logprobs - rollout_logp).abs()[check].max()) if check.any() else 0.0
+        if fresh > r.logprob_tol and self.cfg.train.precision in PRECISE:
             raise TrainingError(
-                f"log-probabilities of the sampled tokens differ by up to {gap:.2e} between the sampler and the "
+                f"log-probabilities of the sampled tokens differ by up to {fresh:.2e} between the sampler and the "
                 f"training forward on the same weights (rl.logprob_tol = {r.logprob_tol:g}): inference and "
                 "training disagree")
         return out
