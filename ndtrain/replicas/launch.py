@@ -21,6 +21,12 @@ import time
 from ndtrain.supervisor import (GRACE_S, Failure, RankFailure, Results, _Attempt, _check, _collect, _rank_main,
                                 _root_cause)
 
+# What a rank of a replica group imports before it can build its trainer (replicas run
+# `ndtrain train` only): imported once by the fork server, so a restarted group's processes
+# start with them, instead of seconds of imports (torch._dynamo, matplotlib, ...) each,
+# which on a loaded machine took longer than the steps left for the group to rejoin in.
+PRELOAD = ("ndtrain.train.worker", "ndtrain.train.trainer")
+
 
 def _replica_rank(fn, args, env: dict):
     """A rank of a replica group: its place among the groups, then the usual work. Its
@@ -85,7 +91,8 @@ def launch_replicas(nproc: int, replicas: int, fn, args: tuple, *, max_restarts:
     a group's restarts are spent, or when no group is left."""
     import torch.distributed as dist
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["ndtrain.forkserver", "torch", "torch.distributed", "ndtrain.supervisor", *preload])
+    ctx.set_forkserver_preload(["ndtrain.forkserver", "torch", "torch.distributed", "ndtrain.supervisor", *PRELOAD,
+                                *preload])
     size = nproc // replicas
     lighthouse = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     for r in range(replicas):
