@@ -34,11 +34,15 @@ def _faults(plan: dict, trainer) -> None:
     then rescaled) or "transfer" (a joiner, while it receives the state). plan["wait"]:
     [(step, incarnation)]: replica group 0 waits before `step` until that incarnation of
     group 1 is ready to join (so the rejoin happens inside a short test run, whatever the
-    machine's speed). Only rank 0 of a group is hit; its group dies with it."""
+    machine's speed). plan["pace"]: (step, seconds): from that step on, group 0's steps take
+    at least that long (the default model's step time on a CPU, where the tiny model's are
+    milliseconds). Only rank 0 of a group is hit; its group dies with it."""
     replica = int(os.environ["NDTRAIN_REPLICA"])
     incarnation = int(os.environ["NDTRAIN_REPLICA_INCARNATION"])
     if replica == 0 and plan.get("wait"):
         _wait_for_joiners(trainer, dict(plan["wait"]))
+    if replica == 0 and plan.get("pace"):
+        _pace(trainer, *plan["pace"])
     for r, inc, at, where, sig in plan["faults"]:
         if (replica, incarnation) == (r, inc) and trainer.mesh.rank == 0:
             _install(trainer, at, where, functools.partial(os.kill, os.getpid(), sig))
@@ -81,6 +85,20 @@ def _wait_for_joiners(trainer, waits: dict) -> None:
                 supervisor.heartbeat()
                 time.sleep(0.05)
         return run_step(step)
+    trainer.train_step = train_step
+
+
+def _pace(trainer, start: int, seconds: float) -> None:
+    from ndtrain import supervisor
+    run_step = trainer.train_step
+
+    def train_step(step):
+        end = time.monotonic() + seconds
+        out = run_step(step)
+        while step >= start and time.monotonic() < end:
+            supervisor.heartbeat()
+            time.sleep(0.02)
+        return out
     trainer.train_step = train_step
 
 
@@ -252,6 +270,21 @@ def test_a_killed_replica_group_rejoins_and_the_run_equals_one_process_on_the_ro
                         {"faults": [(1, 0, 3, "backward", signal.SIGKILL)], "wait": [(6, 1)]})
     used = _assert_equals_its_reference(run, extra, tiny_data, 8)
     assert used[:3] == [[0, 1]] * 3 and used[3:6] == [[0]] * 3 and used[6:] == [[0, 1]] * 2, used
+
+
+@pytest.mark.slow
+def test_a_killed_replica_group_is_back_within_ten_steps_on_its_own(tiny_data, tmp_path, one_thread):
+    """The issue's target, by step count: group 1 is killed (SIGKILL) at the start of step 4
+    of 16 and nothing waits for it; group 0's steps take 1 s each from then on (the default
+    model's order of magnitude here; the tiny model's steps are milliseconds). Its restart
+    (processes forked from a server that imported the trainer, the model, the state from
+    group 0) must be back within 10 steps by metrics.jsonl, and the run equal to one process
+    on the rows the metrics name."""
+    extra = ["train.steps=16"]
+    run = _replicas_run(tmp_path, tiny_data, extra, 2, {"faults": [(1, 0, 4, "step", signal.SIGKILL)], "pace": (4, 1.0)})
+    used = _assert_equals_its_reference(run, extra, tiny_data, 16)
+    back = next(s for s in range(5, 16) if used[s] == [0, 1])
+    assert used[4] == [0] and back <= 4 + 10 and used[back:] == [[0, 1]] * (16 - back), used
 
 
 @pytest.mark.slow
