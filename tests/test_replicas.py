@@ -105,30 +105,30 @@ def _pace(trainer, start: int, seconds: float) -> None:
 # --------------------------------------------------------------------------- the one-process reference
 
 def _reference(overrides: list[str], data_dir: str, live: list[list[int]], replicas: int, diloco: int = 0,
-               twin: bool = False) -> dict:
+               twin: bool = False, parts: list[list[tuple[int, int]]] | None = None) -> dict:
     """One process: step s trains on the rows of the replica groups in live[s] (their
-    parts of the global batch, the loss over their targets); with `diloco`, DiLoCo's
-    simulation (_diloco_reference). Returns losses and final weights; with `twin`, of the
-    perturbed run (helpers.perturb_gradients)."""
+    parts of the global batch, the loss over their targets), or with `parts` on the parts
+    (step, group) in parts[s] (re-queued rows); with `diloco`, DiLoCo's simulation
+    (_diloco_reference). Returns losses and final weights; with `twin`, of the perturbed
+    run (helpers.perturb_gradients)."""
     from helpers import perturb_gradients, train_in_rank
+    parts = parts or [[(s, r) for r in used] for s, used in enumerate(live)]
 
-    def rows_of(trainer, part_rows, parts):
+    def rows_of(trainer, part_rows):
         task, run_step = trainer.task, trainer.local_batch
 
         def local_batch(split, step, part=None):
             if split != "train":
                 return run_step(split, step, part)
             from ndtrain.train.tasks import StepData
-            used = parts(step)
-            assert used == list(range(len(used))), "the tests lose the last groups only: a prefix of the rows"
-            rows = task.rows(split, step, 0, len(used) * part_rows)
-            return StepData(rows.split(trainer.cfg.train.micro_batch), task.targets(rows))
+            rows = [task.rows(split, s, r * part_rows, (r + 1) * part_rows) for s, r in parts[step]]
+            return StepData([m for x in rows for m in x.split(trainer.cfg.train.micro_batch)],
+                            sum(task.targets(x) for x in rows))
         trainer.local_batch = local_batch
 
     if not diloco:
         def prepare(trainer):
-            g = trainer.cfg.train.global_batch
-            rows_of(trainer, g // replicas, lambda s: live[s])
+            rows_of(trainer, trainer.cfg.train.global_batch // replicas)
             if twin:
                 perturb_gradients(trainer)
         out, state, trainer = train_in_rank(FP64 + overrides, data_dir, before_fit=prepare)
@@ -247,11 +247,23 @@ def _assert_equals_its_reference(run: dict, extra: list[str], data_dir: str, ste
     live = {r["step"]: r["replicas"] for r in m if "replicas" in r}
     assert sorted(live) == [s for s in range(steps) if (s + 1) % rounds == 0]
     rows = 8 // 2 * 32 * rounds  # a group's rows × seq_len (TINY: global_batch 8, seq_len 32) per round
-    assert all(r["skipped_tokens"] == (2 - len(r["replicas"])) * rows for r in m if "replicas" in r)
+    requeue = "requeued" in m[0]
+    for r in m:
+        if requeue:  # every part missed is queued; only those still queued at the end are skipped
+            assert r["requeued_tokens"] == len(r["requeued"]) * rows, r
+            assert r["requeued"] == [[r["step"], g] for g in range(2) if g not in r["replicas"]], r
+            assert r["skipped_tokens"] == (0 if r["step"] < steps - 1 else r["skipped_tokens"]), r
+        elif "replicas" in r:
+            assert r["skipped_tokens"] == (2 - len(r["replicas"])) * rows, r
     used = [live.get(s, [0, 1]) for s in range(steps)]
-    one = [o for o in extra if not o.startswith("parallel.")]  # the reference is one process
-    ref = _reference(one, data_dir, used, 2, diloco)
-    twin = _reference(one, data_dir, used, 2, diloco, twin=True)
+    parts = [[(s, g) for g in used[s]] + [tuple(p) for p in m[s].get("from_queue", [])] for s in range(steps)]
+    if requeue:  # each part trained once, and those never trained are the ones skipped at the end
+        trained = [p for ps in parts for p in ps]
+        assert len(set(trained)) == len(trained), trained
+        assert (2 * steps - len(trained)) * rows == m[-1]["skipped_tokens"], (trained, m[-1])
+    one = [o for o in extra if not o.startswith(("parallel.", "run.lost_rows"))]  # the reference is one process
+    ref = _reference(one, data_dir, used, 2, diloco, parts=parts)
+    twin = _reference(one, data_dir, used, 2, diloco, twin=True, parts=parts)
     loss_tol = proof_tolerances({**ref, "norms": [1.0] * steps}, {**twin, "norms": [1.0] * steps})
     for i, (x, y) in enumerate(zip([r["loss"] for r in m], ref["losses"])):
         assert abs(x - y) / abs(y) <= loss_tol["loss"][i], f"step {i}: loss {x!r} vs the reference's {y!r}"
@@ -270,6 +282,43 @@ def test_a_killed_replica_group_rejoins_and_the_run_equals_one_process_on_the_ro
                         {"faults": [(1, 0, 3, "backward", signal.SIGKILL)], "wait": [(6, 1)]})
     used = _assert_equals_its_reference(run, extra, tiny_data, 8)
     assert used[:3] == [[0, 1]] * 3 and used[3:6] == [[0]] * 3 and used[6:] == [[0, 1]] * 2, used
+
+
+@pytest.mark.slow
+def test_a_lost_groups_rows_are_requeued_to_a_live_group_and_the_run_equals_one_process_on_them(tiny_data, tmp_path,
+                                                                                                 one_thread):
+    """run.lost_rows = "requeue", 2 groups of 1 rank, 8 steps: group 1 dies (SIGKILL) in
+    step 3's backward and rejoins before step 6. Its parts of steps 3-5 are queued, and group
+    0 trains each one step later on top of its own (steps 4-6): no row is skipped, and the
+    weights equal one process that trained, at each step, exactly the parts the metrics name."""
+    extra = ["train.steps=8", "run.lost_rows=requeue"]
+    run = _replicas_run(tmp_path, tiny_data, extra, 2,
+                        {"faults": [(1, 0, 3, "backward", signal.SIGKILL)], "wait": [(6, 1)]})
+    used = _assert_equals_its_reference(run, extra, tiny_data, 8)
+    m = run["metrics"]
+    assert used[3:6] == [[0]] * 3 and used[6:] == [[0, 1]] * 2, used
+    assert [r["from_queue"] for r in m] == [[]] * 4 + [[[3, 1]], [[4, 1]], [[5, 1]], []], m
+    assert m[-1]["skipped_tokens"] == 0
+
+
+def test_the_requeue_puts_back_a_queued_part_whose_group_died():
+    """Requeue's bookkeeping alone: 3 groups; the queued parts are taken oldest first by
+    replica number; a group that dies with one puts it back in front, with its own part of
+    the step at the end; parts still queued at the end are what the run skipped."""
+    from ndtrain.replicas.requeue import Requeue
+    q = Requeue(3)
+    q.assign([0, 1, 2])
+    assert q.settle(0, [0, 2]) == {"requeued": [[0, 1]], "from_queue": []} and q.queue == [(0, 1)]
+    q.assign([0, 2])
+    assert q.extra(0) == (0, 1) and q.extra(2) is None
+    assert q.settle(1, [2]) == {"requeued": [[0, 1], [1, 0], [1, 1]], "from_queue": []}
+    q.assign([1, 2])  # 1 rejoined; 0 is still down
+    assert (q.extra(1), q.extra(2)) == ((0, 1), (1, 0))
+    assert q.settle(2, [1, 2]) == {"requeued": [[2, 0]], "from_queue": [[0, 1], [1, 0]]}
+    assert q.queue == [(1, 1), (2, 0)]
+    copy = Requeue(3)
+    copy.decode(q.encode())
+    assert copy.queue == q.queue
 
 
 @pytest.mark.slow

@@ -18,6 +18,7 @@ from ndtrain.config import Config
 from ndtrain.replicas.diloco import DiLoCo
 from ndtrain.replicas.exchange import Exchange
 from ndtrain.replicas.lighthouse import Lighthouse, Quorum
+from ndtrain.replicas.requeue import Requeue
 
 
 def inner_config(cfg: Config, replicas: int) -> Config:
@@ -37,7 +38,8 @@ class ReplicaRun:
         self.mesh, self.par, self.optimizer = mesh, par, optimizer
         t = cfg.train
         self.rows_per_replica = t.global_batch  # cfg is the inner config: this group's share
-        self.seq_len = t.seq_len
+        self.seq_len, self.steps = t.seq_len, t.steps
+        self.requeue = Requeue(self.replicas) if cfg.run.lost_rows == "requeue" else None
         self.diloco = DiLoCo(par.states.optim_params(), t.diloco_inner_steps, t.diloco_outer_lr,
                              t.diloco_outer_momentum) if t.diloco_inner_steps else None
         self.quorum: Quorum | None = None
@@ -65,6 +67,8 @@ class ReplicaRun:
             q = self.lh.admission()
             if self.exchange.send_state(q, self.state_tensors):
                 self.par.states.after_step()  # masters → parameters (ZeRO: gathered again)
+                if self.requeue is not None:  # the source wrote it before sending
+                    self.requeue.decode(self.lh.store.get(f"{q.key}/queue").decode())
                 self.lh.store.set(f"ft/joined/{self.replica}/{self.lh.incarnation}", q.key)
                 self._admitted, self._anchored = q, True
                 tag = q.key.split("/")[2]
@@ -108,8 +112,7 @@ class ReplicaRun:
         the first step of a round only (joiners enter between rounds)."""
         if self._admitted is not None:  # this group just joined at this step
             q, self._admitted = self._admitted, None
-            self.quorum = q
-            return q
+            return self._started(q)
         if self.diloco is not None:
             if not self._anchored:
                 self.diloco.anchor()
@@ -118,11 +121,28 @@ class ReplicaRun:
                 return None
         q = self.exchange.start(str(step), admit=step > 0)  # a live group's optimizer has its state after step 0
         while q.joiners:
+            if self.requeue is not None:
+                self.lh.store.set(f"{q.key}/queue", self.requeue.encode())
             if self.exchange.send_state(q, self.state_tensors):
                 break
             q = self.exchange.retry(q)
+        return self._started(q)
+
+    def _started(self, q: Quorum) -> Quorum:
         self.quorum = q
+        if self.requeue is not None:
+            self.requeue.assign(q.replicas)
         return q
+
+    def batch(self, local_batch, step: int):
+        """This rank's rows of `step` (`local_batch`: Trainer.local_batch), and under
+        run.lost_rows = "requeue" those of the queued part this group takes, after them."""
+        own = local_batch("train", step)
+        extra = self.requeue.extra(self.replica) if self.requeue is not None else None
+        if extra is None:
+            return own
+        more = local_batch("train", *extra)
+        return type(own)(list(own.micro_batches) + list(more.micro_batches), own.n_targets + more.n_targets)
 
     def count(self, local: torch.Tensor) -> torch.Tensor:
         """The step's target count over the live groups (DiLoCo: this group's own)."""
@@ -157,5 +177,11 @@ class ReplicaRun:
             return {}
         live = self.quorum.replicas
         rounds = self.diloco.inner_steps if self.diloco is not None else 1
-        skipped = (self.replicas - len(live)) * self.rows_per_replica * self.seq_len * rounds
-        return {"replicas": live, "skipped_tokens": skipped, "ended_at": time.time()}
+        part = self.rows_per_replica * self.seq_len
+        if self.requeue is None:
+            return {"replicas": live, "skipped_tokens": (self.replicas - len(live)) * part * rounds,
+                    "ended_at": time.time()}
+        out = self.requeue.settle(step, live)
+        last = step == self.steps - 1  # the parts still queued are dropped
+        return {"replicas": live, **out, "requeued_tokens": len(out["requeued"]) * part,
+                "skipped_tokens": len(self.requeue.queue) * part if last else 0, "ended_at": time.time()}

@@ -182,7 +182,7 @@ class Trainer:
             rep.begin(step)
         self.seed_dropout(step)
         self.task.before_update(step, self)
-        batch = self.local_batch("train", step)
+        batch = self.local_batch("train", step) if rep is None else rep.batch(self.local_batch, step)
         fp8.begin_step(self.par.model, step, self.mesh.dp_rank * (t.global_batch // self.mesh.dp_size) // t.micro_batch)
         # The global target count, on the device: a fill (no copy from the host), then a sum.
         local = torch.full((), float(batch.n_targets), dtype=torch.float32, device=self.mesh.device)
