@@ -395,3 +395,23 @@ def test_diloco_with_a_lost_group_misses_one_outer_round(tiny_data, tmp_path, on
                         {"faults": [(1, 0, 5, "step", signal.SIGKILL)], "wait": [(8, 1)]})
     used = _assert_equals_its_reference(run, extra, tiny_data, 16, diloco=4)
     assert [used[s] for s in (3, 7, 11, 15)] == [[0, 1], [0], [0, 1], [0, 1]], used
+
+
+@pytest.mark.slow
+def test_a_diloco_run_resumed_mid_round_equals_the_uninterrupted_one(tiny_data, tmp_path, one_thread):
+    """H = 4 over 12 steps on 2 groups of 1 rank, Nesterov momentum 0.9: stopped after step
+    6 (inside the second round: each group's weights and AdamW differ, the anchor is the
+    round's start) and resumed, against the same 12 steps in one go. Every group's
+    checkpoint holds its own weights and AdamW moments and the round's anchor and outer
+    momentum (replicas/diloco.py), so the resumed run ends on the same bits."""
+    extra = ["train.steps=12", "train.diloco_inner_steps=4", "train.diloco_outer_lr=0.7",
+             "train.diloco_outer_momentum=0.9", "train.save_every=0"]
+    whole = _replicas_run(tmp_path / "whole", tiny_data, extra, 2)
+    first = _replicas_run(tmp_path / "resumed", tiny_data, [*extra, "run.stop_after=6"], 2)
+    assert [r["step"] for r in first["metrics"]] == list(range(6)) and first["meta"]["step"] == 6
+    assert first["meta"]["diloco_inner_steps"] == 4
+    resumed = _replicas_run(tmp_path / "resumed", tiny_data, extra, 2)
+    assert [r["step"] for r in resumed["metrics"]] == list(range(12))
+    assert [r["loss"] for r in resumed["metrics"]] == [r["loss"] for r in whole["metrics"]]
+    for k, v in whole["weights"].items():
+        assert torch.equal(resumed["weights"][k], v), k

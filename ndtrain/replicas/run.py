@@ -58,6 +58,43 @@ class ReplicaRun:
         """Whether this group writes the run's checkpoints: the first of the live ones."""
         return not self.lh.last or self.lh.last[0][0] == self.replica
 
+    # -- checkpoints ----------------------------------------------------------------------
+    def checkpoint_dir(self, run_dir):
+        """Where this group writes its checkpoints (None: it writes none). Without DiLoCo
+        every group holds the same state: the first live one writes the run's. Under DiLoCo
+        each group's weights and inner AdamW differ inside a round: group 0 writes the run's,
+        group R its own under run_dir/replicaR, and each resumes its own."""
+        if self.diloco is None:
+            return run_dir if self.saves else None
+        return run_dir if self.replica == 0 else run_dir / f"replica{self.replica}"
+
+    def checkpoint_extra(self) -> tuple[tuple[dict, tuple[str, ...]] | None, dict]:
+        """DiLoCo's tensors for checkpoint/layout.share, and meta.json's facts: H and where
+        in its round the step is."""
+        if self.diloco is None:
+            return None, {}
+        return self.diloco.checkpoint_state(), {"diloco_inner_steps": self.diloco.inner_steps}
+
+    @torch.no_grad()
+    def load_checkpoint(self, source, tie_embeddings: bool, meta: dict) -> str | None:
+        """DiLoCo: the anchors and outer momentum of a checkpoint that has them (one without
+        them, or saved mid-round with another H: the round restarts from the weights, and the
+        returned line says so)."""
+        from ndtrain.checkpoint.layout import held
+        if self.diloco is None:
+            return None
+        step, h = int(meta["step"]), meta.get("diloco_inner_steps")
+        state, kinds = self.diloco.checkpoint_state()
+        if h is None or not source.has("diloco_anchor"):
+            return f"the checkpoint of step {step} has no DiLoCo state: the outer momentum starts from zero"
+        if h != self.diloco.inner_steps and step % h:
+            return (f"the checkpoint of step {step} is inside a round of train.diloco_inner_steps = {h}: its "
+                    f"anchor is dropped, a round of {self.diloco.inner_steps} starts from the weights")
+        for piece in held(self.par.states, tie_embeddings, state, kinds if source.has("diloco_momentum") else kinds[:1]):
+            source.fill(piece.key, piece.piece, piece.data)
+        self._anchored = True
+        return None
+
     # -- a restarted group --------------------------------------------------------------
     def join(self) -> int:
         """Wait to be admitted, receive the state from a live peer, and return the step to
