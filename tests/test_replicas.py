@@ -43,6 +43,8 @@ def _faults(plan: dict, trainer) -> None:
         _wait_for_joiners(trainer, dict(plan["wait"]))
     if replica == 0 and plan.get("pace"):
         _pace(trainer, *plan["pace"])
+    if plan.get("sgd"):
+        _use_sgd(trainer)
     for r, inc, at, where, sig in plan["faults"]:
         if (replica, incarnation) == (r, inc) and trainer.mesh.rank == 0:
             _install(trainer, at, where, functools.partial(os.kill, os.getpid(), sig))
@@ -88,6 +90,12 @@ def _wait_for_joiners(trainer, waits: dict) -> None:
     trainer.train_step = train_step
 
 
+def _use_sgd(trainer) -> None:
+    """Plain SGD (no momentum, no weight decay) in place of AdamW: an update linear in the
+    gradient. ndtrain has no such optimizer key; the tests swap it in."""
+    trainer.stepper.optimizer = torch.optim.SGD(trainer.par.states.optim_params(), lr=0.0)
+
+
 def _pace(trainer, start: int, seconds: float) -> None:
     from ndtrain import supervisor
     run_step = trainer.train_step
@@ -105,7 +113,7 @@ def _pace(trainer, start: int, seconds: float) -> None:
 # --------------------------------------------------------------------------- the one-process reference
 
 def _reference(overrides: list[str], data_dir: str, live: list[list[int]], replicas: int, diloco: int = 0,
-               twin: bool = False, parts: list[list[tuple[int, int]]] | None = None) -> dict:
+               twin: bool = False, parts: list[list[tuple[int, int]]] | None = None, sgd: bool = False) -> dict:
     """One process: step s trains on the rows of the replica groups in live[s] (their
     parts of the global batch, the loss over their targets), or with `parts` on the parts
     (step, group) in parts[s] (re-queued rows); with `diloco`, DiLoCo's simulation
@@ -129,6 +137,8 @@ def _reference(overrides: list[str], data_dir: str, live: list[list[int]], repli
     if not diloco:
         def prepare(trainer):
             rows_of(trainer, trainer.cfg.train.global_batch // replicas)
+            if sgd:
+                _use_sgd(trainer)
             if twin:
                 perturb_gradients(trainer)
         out, state, trainer = train_in_rank(FP64 + overrides, data_dir, before_fit=prepare)
@@ -237,7 +247,8 @@ def _replicas_run(tmp: Path, data_dir: str, extra: list[str], world: int, plan: 
     return {"metrics": read_metrics(run / "metrics.jsonl"), "weights": weights, "meta": meta}
 
 
-def _assert_equals_its_reference(run: dict, extra: list[str], data_dir: str, steps: int, diloco: int = 0) -> list:
+def _assert_equals_its_reference(run: dict, extra: list[str], data_dir: str, steps: int, diloco: int = 0,
+                                 sgd: bool = False) -> list:
     """The run's losses and final weights equal one process trained on the rows the
     metrics name, under the twin rule; the metrics account for every row skipped. Returns
     the replica groups each step used."""
@@ -262,10 +273,14 @@ def _assert_equals_its_reference(run: dict, extra: list[str], data_dir: str, ste
         assert len(set(trained)) == len(trained), trained
         assert (2 * steps - len(trained)) * rows == m[-1]["skipped_tokens"], (trained, m[-1])
     one = [o for o in extra if not o.startswith(("parallel.", "run.lost_rows"))]  # the reference is one process
-    ref = _reference(one, data_dir, used, 2, diloco, parts=parts)
-    twin = _reference(one, data_dir, used, 2, diloco, twin=True, parts=parts)
+    if sgd:  # DiLoCo with H = 1 against plain data parallelism: the reference is one process without it
+        one = [o for o in one if not o.startswith("train.diloco_")]
+    ref = _reference(one, data_dir, used, 2, diloco, parts=parts, sgd=sgd)
+    twin = _reference(one, data_dir, used, 2, diloco, twin=True, parts=parts, sgd=sgd)
     loss_tol = proof_tolerances({**ref, "norms": [1.0] * steps}, {**twin, "norms": [1.0] * steps})
     for i, (x, y) in enumerate(zip([r["loss"] for r in m], ref["losses"])):
+        if sgd:  # a DiLoCo group logs the loss on its own rows: the identity is the weights'
+            break
         assert abs(x - y) / abs(y) <= loss_tol["loss"][i], f"step {i}: loss {x!r} vs the reference's {y!r}"
     assert_tensors_close(run["weights"], ref["state"], loss_tol["state"], "final weight")
     return used
@@ -382,6 +397,20 @@ def test_diloco_equals_its_one_process_simulation(tiny_data, tmp_path, one_threa
              "train.diloco_outer_momentum=0.9"]
     run = _replicas_run(tmp_path, tiny_data, extra, 2)
     _assert_equals_its_reference(run, extra, tiny_data, 16, diloco=8)
+
+
+@pytest.mark.slow
+def test_diloco_with_one_inner_sgd_step_and_a_plain_outer_step_is_data_parallelism(tiny_data, tmp_path, one_thread):
+    """The issue's identity: H = 1, outer lr 1, no momentum. The outer step sets the anchor
+    to the groups' mean of one inner step each from it, anchor − mean_r U(g_r), and plain
+    data parallelism takes anchor − U(mean_r g_r): equal when the inner update U is linear
+    in the gradient (plain SGD, swapped in for AdamW here; no clipping, which is not linear
+    either) and the groups count the same targets (pretraining rows: every token). So the
+    run equals one process training on every row with SGD, under the twin rule."""
+    extra = ["train.steps=6", "train.diloco_inner_steps=1", "train.diloco_outer_lr=1", "train.diloco_outer_momentum=0",
+             "train.grad_clip=0", "train.lr=0.5"]
+    run = _replicas_run(tmp_path, tiny_data, extra, 2, {"faults": [], "sgd": True})
+    _assert_equals_its_reference(run, extra, tiny_data, 6, sgd=True)
 
 
 @pytest.mark.slow
