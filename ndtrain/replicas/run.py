@@ -68,9 +68,19 @@ class ReplicaRun:
             return run_dir if self.saves else None
         return run_dir if self.replica == 0 else run_dir / f"replica{self.replica}"
 
+    def own_checkpoint(self, run_dir, path):
+        """The checkpoint this group resumes, given the run's (`path`, group 0's): under
+        DiLoCo its own of the same step when it wrote one that passes the checks, else the
+        run's (a group that was down then starts from group 0's state, as a joiner would)."""
+        from ndtrain.checkpoint import store
+        if self.diloco is None or self.replica == 0:
+            return path
+        own = store.step_dir(self.checkpoint_dir(run_dir), store.step_of(path))
+        return own if own.is_dir() and store.problem(own) is None else path
+
     def checkpoint_extra(self) -> tuple[tuple[dict, tuple[str, ...]] | None, dict]:
-        """DiLoCo's tensors for checkpoint/layout.share, and meta.json's facts: H and where
-        in its round the step is."""
+        """DiLoCo's tensors for checkpoint/layout.share, and meta.json's fact: H (the step
+        in a round is the step modulo H)."""
         if self.diloco is None:
             return None, {}
         return self.diloco.checkpoint_state(), {"diloco_inner_steps": self.diloco.inner_steps}

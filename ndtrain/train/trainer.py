@@ -454,8 +454,9 @@ class Trainer:
         if self.replicas is not None and self.replicas.joining:  # its state comes from a live peer (fit)
             return None
         if self.run_dir is not None and run.resume != "false":
-            mine = self.run_dir if self.replicas is None else self.replicas.checkpoint_dir(self.run_dir) or self.run_dir
-            path = store.select(mine if store.latest(mine) else self.run_dir, self._refused)
+            path = store.select(self.run_dir, self._refused)
+            if path is not None and self.replicas is not None:  # DiLoCo: this group's own of that step
+                path = self.replicas.own_checkpoint(self.run_dir, path)
             if path is not None:
                 self.resume(path)
                 self.log_restart(path)
@@ -493,7 +494,7 @@ class Trainer:
 
     def save(self) -> Path | None:
         """A checkpoint of this step. Under replicas, written by the first live replica
-        group only (None elsewhere)."""
+        group only (None elsewhere); under DiLoCo, by each group (ReplicaRun.checkpoint_dir)."""
         rep = self.replicas
         run_dir = self.run_dir if rep is None else rep.checkpoint_dir(self.run_dir)
         if run_dir is None:
