@@ -10,8 +10,9 @@ of step 30 the first rank of replica group 1 is killed (SIGKILL):
   at a step boundary.
 Each round runs both, alternating (restart first); a round's figure is the wall time of the
 whole launch, start-up included. Both sides' processes come from one fork server
-that has imported the trainer (replicas/launch.py's PRELOAD; the first launch starts it, so
-both must name it): neither side's restart pays for imports. Every step's metrics line is written at once
+that has imported the trainer (replicas/launch.py's PRELOAD), started before the first
+round (else the first side timed would pay for its imports): neither side's restart pays
+for imports. Every step's metrics line is written at once
 (train.log_every = 1), so the restart's count of steps done again is exact. Reported per side: the median wall time, the steps lost
 (restart: the steps done again, restarts.jsonl; replicas: the steps group 0 did not record,
 0 when it never stopped), and for replicas the step at which group 1 was back and the
@@ -95,6 +96,11 @@ def run(args) -> int:
         raise ConfigError("train.steps", cfg.train.steps, f"bench ft kills a replica at step {KILL_AT}: more steps")
     data = prepared_paths(prepare(cfg, progress=False))
     root = Path(tempfile.mkdtemp(prefix="ndtrain-bench-ft-"))
+    from multiprocessing import forkserver
+
+    from ndtrain.replicas.launch import fork_context
+    fork_context()
+    forkserver.ensure_running()  # its imports before the first round, not inside it (the first side's)
     announce(args, cfg, f"bench ft: {args.nproc} ranks in 2 replica groups · {describe(cfg)} · {cfg.train.steps} "
                         f"steps, replica group 1 killed at step {KILL_AT}, checkpoints every {cfg.train.save_every} "
                         f"· {args.rounds} rounds, alternating")

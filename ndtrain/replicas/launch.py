@@ -100,6 +100,15 @@ class _Group:
             p.join(timeout=10)
 
 
+def fork_context(preload: tuple[str, ...] = ()):
+    """The fork server's context, with what it imports before it forks a rank. The server
+    is one per process, started by the first launch: later lists are ignored."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["ndtrain.forkserver", "torch", "torch.distributed", "ndtrain.supervisor", *PRELOAD,
+                                *preload])
+    return ctx
+
+
 def launch_replicas(nproc: int, replicas: int, fn, args: tuple, *, max_restarts: int, heartbeat_s: float,
                     preload: tuple[str, ...] = (), log=print) -> Results:
     """Run `fn(*args)` on `replicas` groups of `nproc // replicas` watched local ranks; returns
@@ -107,9 +116,7 @@ def launch_replicas(nproc: int, replicas: int, fn, args: tuple, *, max_restarts:
     is restarted up to `max_restarts` times. Raises RankFailure for a fault of the run, when
     a group's restarts are spent, or when no group is left."""
     import torch.distributed as dist
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["ndtrain.forkserver", "torch", "torch.distributed", "ndtrain.supervisor", *PRELOAD,
-                                *preload])
+    ctx = fork_context(preload)
     size = nproc // replicas
     lighthouse = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     for r in range(replicas):
