@@ -36,7 +36,8 @@ def _faults(plan: dict, trainer) -> None:
     group 1 is ready to join (so the rejoin happens inside a short test run, whatever the
     machine's speed). plan["pace"]: (step, seconds): from that step on, group 0's steps take
     at least that long (the default model's step time on a CPU, where the tiny model's are
-    milliseconds). Only rank 0 of a group is hit; its group dies with it."""
+    milliseconds). plan["hold"]: [(replica, incarnation)] that never get ready to join. Only
+    rank 0 of a group is hit; its group dies with it."""
     replica = int(os.environ["NDTRAIN_REPLICA"])
     incarnation = int(os.environ["NDTRAIN_REPLICA_INCARNATION"])
     if replica == 0 and plan.get("wait"):
@@ -45,6 +46,11 @@ def _faults(plan: dict, trainer) -> None:
         _pace(trainer, *plan["pace"])
     if plan.get("sgd"):
         _use_sgd(trainer)
+    if (replica, incarnation) in plan.get("hold", []):  # never ready to join: ended with the run
+        from ndtrain import supervisor
+        while True:
+            supervisor.heartbeat()
+            time.sleep(0.05)
     for r, inc, at, where, sig in plan["faults"]:
         if (replica, incarnation) == (r, inc) and trainer.mesh.rank == 0:
             _install(trainer, at, where, functools.partial(os.kill, os.getpid(), sig))
@@ -314,6 +320,23 @@ def test_a_lost_groups_rows_are_requeued_to_a_live_group_and_the_run_equals_one_
     assert used[3:6] == [[0]] * 3 and used[6:] == [[0, 1]] * 2, used
     assert [r["from_queue"] for r in m] == [[]] * 4 + [[[3, 1]], [[4, 1]], [[5, 1]], []], m
     assert m[-1]["skipped_tokens"] == 0
+
+
+@pytest.mark.slow
+def test_the_requeued_parts_survive_a_resume_from_a_checkpoint(tiny_data, tmp_path, one_thread):
+    """run.lost_rows = "requeue", 2 groups of 1 rank: group 1 dies at the start of step 3 and
+    group 0 stops after step 5 (run.stop_after) before it is back, with group 1's part of
+    step 5 still queued. The checkpoint holds the queue; the run resumed on both groups
+    trains that part at step 5's successor, and the whole equals one process on the parts
+    the metrics name."""
+    extra = ["train.steps=8", "run.lost_rows=requeue"]
+    first = _replicas_run(tmp_path, tiny_data, [*extra, "run.stop_after=5"], 2,
+                          {"faults": [(1, 0, 3, "step", signal.SIGKILL)], "hold": [(1, 1)]})
+    assert first["meta"]["step"] == 5 and first["meta"]["lost_rows_queue"] == [[4, 1]], first["meta"]
+    run = _replicas_run(tmp_path, tiny_data, extra, 2)
+    used = _assert_equals_its_reference(run, extra, tiny_data, 8)
+    assert used[3:5] == [[0]] * 2 and used[5:] == [[0, 1]] * 3, used
+    assert [r["from_queue"] for r in run["metrics"]] == [[]] * 4 + [[[3, 1]], [[4, 1]], [], []]
 
 
 def test_the_requeue_puts_back_a_queued_part_whose_group_died():

@@ -14,7 +14,7 @@ with what every rank agreed on (the lighthouse's quorums):
 - a joiner receives the queue with the state (the source writes it to the lighthouse's
   store beside the quorum that admits it);
 - at the run's last step the parts still queued are dropped, and counted as skipped.
-The queue is not in checkpoints: a run resumed from disk starts with an empty one.
+The queue is in checkpoints (meta.json's `lost_rows_queue`; ReplicaRun.checkpoint_extra).
 """
 
 from __future__ import annotations

@@ -79,18 +79,21 @@ class ReplicaRun:
         return own if own.is_dir() and store.problem(own) is None else path
 
     def checkpoint_extra(self) -> tuple[tuple[dict, tuple[str, ...]] | None, dict]:
-        """DiLoCo's tensors for checkpoint/layout.share, and meta.json's fact: H (the step
-        in a round is the step modulo H)."""
+        """DiLoCo's tensors for checkpoint/layout.share, and meta.json's facts: DiLoCo's H
+        (the step in a round is the step modulo H), the re-queued parts not trained yet."""
+        facts = {"lost_rows_queue": [list(p) for p in self.requeue.queue]} if self.requeue is not None else {}
         if self.diloco is None:
-            return None, {}
-        return self.diloco.checkpoint_state(), {"diloco_inner_steps": self.diloco.inner_steps}
+            return None, facts
+        return self.diloco.checkpoint_state(), {**facts, "diloco_inner_steps": self.diloco.inner_steps}
 
     @torch.no_grad()
     def load_checkpoint(self, source, tie_embeddings: bool, meta: dict) -> str | None:
-        """DiLoCo: the anchors and outer momentum of a checkpoint that has them (one without
-        them, or saved mid-round with another H: the round restarts from the weights, and the
-        returned line says so)."""
+        """The re-queued parts not trained yet, and DiLoCo's anchors and outer momentum, of a
+        checkpoint that has them (one without DiLoCo's, or saved mid-round with another H:
+        the round restarts from the weights, and the returned line says so)."""
         from ndtrain.checkpoint.layout import held
+        if self.requeue is not None:
+            self.requeue.queue = [tuple(p) for p in meta.get("lost_rows_queue", [])]
         if self.diloco is None:
             return None
         step, h = int(meta["step"]), meta.get("diloco_inner_steps")
