@@ -416,6 +416,13 @@ FAULT_TOLERANCE_CASES = [
     (["train.diloco_inner_steps=-1"], "train.diloco_inner_steps = -1: must be >= 0"),
     (["train.diloco_outer_lr=0"], "train.diloco_outer_lr = 0.0: must be > 0"),
     (["train.diloco_outer_momentum=1"], "train.diloco_outer_momentum = 1.0: must be in [0, 1)"),
+    (["run.lost_rows=retry"], "run.lost_rows = 'retry': choose skip or requeue"),
+    (["run.lost_rows=requeue"], "run.lost_rows = 'requeue': rows are re-queued between replica groups: set "
+                                "run.fault_tolerance = \"replicas\""),
+    (["run.fault_tolerance=replicas", "parallel.dp_replicate=2", "run.lost_rows=requeue", "train.diloco_inner_steps=4",
+      "--nproc", "2"], "run.lost_rows = 'requeue': DiLoCo's rounds do not re-queue rows yet"),
+    (["run.fault_tolerance=replicas", "parallel.dp_replicate=2", "parallel.pp=2", "run.lost_rows=requeue",
+      "--nproc", "4"], "run.lost_rows = 'requeue': a re-queued part adds micro-batches to a step"),
 ]
 
 

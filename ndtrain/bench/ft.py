@@ -9,7 +9,10 @@ of step 30 the first rank of replica group 1 is killed (SIGKILL):
 - replicas: group 0 goes on; group 1 restarts, receives the state from group 0, and rejoins
   at a step boundary.
 Each round runs both, alternating (restart first); a round's figure is the wall time of the
-whole launch, start-up included. Every step's metrics line is written at once
+whole launch, start-up included. Both sides' processes come from one fork server
+that has imported the trainer (replicas/launch.py's PRELOAD), started before the first
+round (else the first side timed would pay for its imports): neither side's restart pays
+for imports. Every step's metrics line is written at once
 (train.log_every = 1), so the restart's count of steps done again is exact. Reported per side: the median wall time, the steps lost
 (restart: the steps done again, restarts.jsonl; replicas: the steps group 0 did not record,
 0 when it never stopped), and for replicas the step at which group 1 was back and the
@@ -60,7 +63,7 @@ def _kill(at: int, trainer) -> None:
 def _one(kind: str, cfg, data: str, nproc: int, root: Path) -> dict:
     from ndtrain.launch import launch_local
     from ndtrain.observe.metrics import read_metrics
-    from ndtrain.replicas.launch import launch_replicas
+    from ndtrain.replicas.launch import PRELOAD, launch_replicas
     from ndtrain.train.worker import train_worker
     run = root / kind
     shutil.rmtree(run, ignore_errors=True)
@@ -70,7 +73,7 @@ def _one(kind: str, cfg, data: str, nproc: int, root: Path) -> dict:
     if kind == "replicas":
         launch_replicas(nproc, 2, train_worker, args, max_restarts=1, heartbeat_s=cfg.run.heartbeat_s)
     else:
-        launch_local(nproc, train_worker, *args, max_restarts=1, heartbeat_s=cfg.run.heartbeat_s)
+        launch_local(nproc, train_worker, *args, max_restarts=1, heartbeat_s=cfg.run.heartbeat_s, preload=PRELOAD)
     wall = time.perf_counter() - t0
     metrics = read_metrics(run / "metrics.jsonl")
     out = {"wall": wall}
@@ -93,6 +96,11 @@ def run(args) -> int:
         raise ConfigError("train.steps", cfg.train.steps, f"bench ft kills a replica at step {KILL_AT}: more steps")
     data = prepared_paths(prepare(cfg, progress=False))
     root = Path(tempfile.mkdtemp(prefix="ndtrain-bench-ft-"))
+    from multiprocessing import forkserver
+
+    from ndtrain.replicas.launch import fork_context
+    fork_context()
+    forkserver.ensure_running()  # its imports before the first round, not inside it (the first side's)
     announce(args, cfg, f"bench ft: {args.nproc} ranks in 2 replica groups · {describe(cfg)} · {cfg.train.steps} "
                         f"steps, replica group 1 killed at step {KILL_AT}, checkpoints every {cfg.train.save_every} "
                         f"· {args.rounds} rounds, alternating")

@@ -141,10 +141,15 @@ def save(run_dir, step: int, par, optimizer: torch.optim.Optimizer, tie_embeddin
     return store.save(run_dir, step, *share(step, par, optimizer, tie_embeddings, meta), keep)
 
 
-def share(step: int, par, optimizer: torch.optim.Optimizer, tie_embeddings: bool, meta: dict) -> tuple[list, dict]:
+def share(step: int, par, optimizer: torch.optim.Optimizer, tie_embeddings: bool, meta: dict,
+          extra: tuple[dict, tuple[str, ...]] | None = None) -> tuple[list, dict]:
     """What this rank writes of the layout's training state, (key, piece, live 1-D data)
-    each, and meta.json's facts. Refuses (on every rank) NaN or inf. Collective."""
+    each, and meta.json's facts. `extra`: more tensors shaped as the optimizer's, ({holder:
+    {kind: tensor}}, kinds) (DiLoCo's anchors and outer momentum, replicas/diloco.py).
+    Refuses (on every rank) NaN or inf. Collective."""
     pieces = held(par.states, tie_embeddings, optimizer.state, ("weight",) + MOMENTS + MUON_STATE)
+    if extra is not None:
+        pieces += held(par.states, tie_embeddings, *extra)
     mine = my_share(pieces, par.mesh)
     if not all_finite(mine, par.mesh.device):
         raise CheckpointError(f"step {step}: the weights or optimizer moments hold NaN or inf; "

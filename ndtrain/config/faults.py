@@ -16,6 +16,8 @@ def check_fault_tolerance(cfg: Config) -> None:
     if t.diloco_inner_steps and r.fault_tolerance != "replicas":
         raise ConfigError("train.diloco_inner_steps", t.diloco_inner_steps,
                           'DiLoCo runs over replica groups: set run.fault_tolerance = "replicas"')
+    if r.lost_rows == "requeue":
+        _check_requeue(cfg)
     if r.fault_tolerance != "replicas":
         return
     if p.dp_replicate < 2:
@@ -27,6 +29,19 @@ def check_fault_tolerance(cfg: Config) -> None:
     if t.precision == "fp16":
         raise ConfigError("run.fault_tolerance", r.fault_tolerance,
                           "replicas does not carry fp16's loss scale between replica groups yet; use bf16, fp32 or fp64")
+
+
+def _check_requeue(cfg: Config) -> None:
+    r, t, p = cfg.run, cfg.train, cfg.parallel
+    if r.fault_tolerance != "replicas":
+        raise ConfigError("run.lost_rows", r.lost_rows, 'rows are re-queued between replica groups: set '
+                          'run.fault_tolerance = "replicas"')
+    if t.diloco_inner_steps:
+        raise ConfigError("run.lost_rows", r.lost_rows, "DiLoCo's rounds do not re-queue rows yet: a lost group "
+                          "misses its round (use skip)")
+    if p.pp > 1:
+        raise ConfigError("run.lost_rows", r.lost_rows, "a re-queued part adds micro-batches to a step, and a "
+                          "pipeline schedule's count is fixed: use skip with parallel.pp > 1")
 
 
 def check_pretraining_only(cfg: Config, command: str) -> None:

@@ -287,6 +287,7 @@ class RunConfig:
     max_restarts: int = 0  # local launcher: restart every rank this often after one dies or hangs (last good checkpoint)
     heartbeat_s: float = 600.0  # local launcher: a rank that reports no progress for this long is hung; 0 = never
     fault_tolerance: str = "restart"  # restart: a lost rank restarts every rank from the last checkpoint | replicas: the dp_replicate groups survive each other (docs/faults.md)
+    lost_rows: str = "skip"  # replicas: the rows of a lost replica group's missed steps are skipped | requeue: trained by a live group at a later step (docs/faults.md)
     collective_timeout_s: float = 600.0  # a collective not complete after this fails, naming it, its group and the rank
     deterministic: bool = False  # torch's deterministic algorithms (and cuBLAS's fixed workspace on CUDA): bit-identical reruns on a GPU, somewhat slower
     async_save: bool = False  # write checkpoints in a background thread; the step waits only for the copy to the host

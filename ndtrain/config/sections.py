@@ -296,6 +296,8 @@ def check_run(r: RunConfig) -> None:
     positive("run.heartbeat_s", r.heartbeat_s, zero_ok=True)
     if r.fault_tolerance not in ("restart", "replicas"):
         raise ConfigError("run.fault_tolerance", r.fault_tolerance, "choose restart or replicas")
+    if r.lost_rows not in ("skip", "requeue"):
+        raise ConfigError("run.lost_rows", r.lost_rows, "choose skip or requeue")
     positive("run.collective_timeout_s", r.collective_timeout_s)
     _check_dashboards(r)
 

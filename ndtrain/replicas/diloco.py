@@ -15,6 +15,9 @@ from ndtrain.replicas.exchange import Exchange
 from ndtrain.replicas.lighthouse import Quorum
 
 
+KINDS = ("diloco_anchor", "diloco_momentum")  # their keys in a checkpoint: KIND/NAME
+
+
 class DiLoCo:
     def __init__(self, params: list[torch.Tensor], inner_steps: int, lr: float, momentum: float):
         self.params, self.inner_steps = params, inner_steps
@@ -53,6 +56,15 @@ class DiLoCo:
         if self.outer.defaults["momentum"]:
             for a in self.anchors:
                 self.outer.state[a].setdefault("momentum_buffer", torch.zeros_like(a))
+
+    def checkpoint_state(self) -> tuple[dict, tuple[str, ...]]:
+        """What a checkpoint holds of DiLoCo, as checkpoint/layout.py's `share` and `held`
+        take it: per optimizer tensor, its round's anchor and its outer momentum."""
+        kinds = KINDS if self.outer.defaults["momentum"] else KINDS[:1]
+        state = {p: {"diloco_anchor": a, **({"diloco_momentum": self.outer.state[a]["momentum_buffer"]}
+                                             if len(kinds) > 1 else {})}
+                 for p, a in zip(self.params, self.anchors)}
+        return state, kinds
 
     def state_tensors(self) -> list[torch.Tensor]:
         """What a joiner receives besides the parameters: the anchors and the momentum."""

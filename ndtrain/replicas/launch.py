@@ -18,8 +18,16 @@ import multiprocessing as mp
 import os
 import time
 
-from ndtrain.supervisor import (GRACE_S, Failure, RankFailure, Results, _Attempt, _check, _collect, _rank_main,
-                                _root_cause)
+from multiprocessing.connection import wait
+
+from ndtrain.supervisor import (GRACE_S, POLL_S, Failure, RankFailure, Results, _Attempt, _check, _collect,
+                                _exit_reason, _rank_main, _root_cause)
+
+# What a rank of a replica group imports before it can build its trainer (replicas run
+# `ndtrain train` only): imported once by the fork server, so a restarted group's processes
+# start with them, instead of seconds of imports (torch._dynamo, matplotlib, ...) each,
+# which on a loaded machine took longer than the steps left for the group to rejoin in.
+PRELOAD = ("ndtrain.train.worker", "ndtrain.train.trainer")
 
 
 def _replica_rank(fn, args, env: dict):
@@ -57,9 +65,24 @@ class _Group:
     def done(self) -> bool:
         return len(self.run.out) == self.size
 
+    def handles(self) -> list:
+        """What `wait` wakes on for this group: a report in its queue (the queue's end of its
+        pipe), the exit of a process still running."""
+        return [self.run.results._reader] + [p.sentinel for p in self.run.procs if p.exitcode is None]
+
     def poll(self, heartbeat_s: float) -> Failure | None:
-        """The root cause once this group has failed (after the grace for its other reports)."""
-        _collect(self.run)
+        """The root cause once this group has failed (after the grace for its other reports).
+        A rank killed by a signal is the cause at once: it sends no report, and the other
+        groups are waiting on it (the supervisor's grace, for a report in flight and for
+        the root cause among the group's errors, would only keep them waiting)."""
+        if not self.run.results.empty():
+            _collect(self.run)
+        reported = set(self.run.out) | {f.rank for f in self.run.failures}
+        killed = [Failure(r, _exit_reason(p.exitcode)) for r, p in enumerate(self.run.procs)
+                  if r not in reported and p.exitcode is not None and p.exitcode < 0]
+        if killed:
+            self.run.failures += killed
+            return killed[0]
         _check(self.run, heartbeat_s)
         if not self.run.failures:
             return None
@@ -77,6 +100,15 @@ class _Group:
             p.join(timeout=10)
 
 
+def fork_context(preload: tuple[str, ...] = ()):
+    """The fork server's context, with what it imports before it forks a rank. The server
+    is one per process, started by the first launch: later lists are ignored."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["ndtrain.forkserver", "torch", "torch.distributed", "ndtrain.supervisor", *PRELOAD,
+                                *preload])
+    return ctx
+
+
 def launch_replicas(nproc: int, replicas: int, fn, args: tuple, *, max_restarts: int, heartbeat_s: float,
                     preload: tuple[str, ...] = (), log=print) -> Results:
     """Run `fn(*args)` on `replicas` groups of `nproc // replicas` watched local ranks; returns
@@ -84,8 +116,7 @@ def launch_replicas(nproc: int, replicas: int, fn, args: tuple, *, max_restarts:
     is restarted up to `max_restarts` times. Raises RankFailure for a fault of the run, when
     a group's restarts are spent, or when no group is left."""
     import torch.distributed as dist
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["ndtrain.forkserver", "torch", "torch.distributed", "ndtrain.supervisor", *preload])
+    ctx = fork_context(preload)
     size = nproc // replicas
     lighthouse = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
     for r in range(replicas):
@@ -96,6 +127,7 @@ def launch_replicas(nproc: int, replicas: int, fn, args: tuple, *, max_restarts:
     out: dict[int, list] = {}
     try:
         while True:
+            wait([h for r, g in groups.items() if r not in out for h in g.handles()], timeout=POLL_S)
             for r, g in list(groups.items()):
                 if r in out:
                     continue

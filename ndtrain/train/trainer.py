@@ -182,7 +182,7 @@ class Trainer:
             rep.begin(step)
         self.seed_dropout(step)
         self.task.before_update(step, self)
-        batch = self.local_batch("train", step)
+        batch = self.local_batch("train", step) if rep is None else rep.batch(self.local_batch, step)
         fp8.begin_step(self.par.model, step, self.mesh.dp_rank * (t.global_batch // self.mesh.dp_size) // t.micro_batch)
         # The global target count, on the device: a fill (no copy from the host), then a sum.
         local = torch.full((), float(batch.n_targets), dtype=torch.float32, device=self.mesh.device)
@@ -455,6 +455,8 @@ class Trainer:
             return None
         if self.run_dir is not None and run.resume != "false":
             path = store.select(self.run_dir, self._refused)
+            if path is not None and self.replicas is not None:  # DiLoCo: this group's own of that step
+                path = self.replicas.own_checkpoint(self.run_dir, path)
             if path is not None:
                 self.resume(path)
                 self.log_restart(path)
@@ -492,22 +494,26 @@ class Trainer:
 
     def save(self) -> Path | None:
         """A checkpoint of this step. Under replicas, written by the first live replica
-        group only (None elsewhere)."""
-        if self.replicas is not None and not self.replicas.saves:
+        group only (None elsewhere); under DiLoCo, by each group (ReplicaRun.checkpoint_dir)."""
+        rep = self.replicas
+        run_dir = self.run_dir if rep is None else rep.checkpoint_dir(self.run_dir)
+        if run_dir is None:
             return None
+        extra, facts = rep.checkpoint_extra() if rep is not None else (None, {})
         t, p = self.run_cfg.train, self.cfg.parallel
         scaler = self.stepper.scaler
         meta = {"model_args": self.args.to_dict(), "tokens": self.step * t.global_batch * t.seq_len,
                 "config": self.run_cfg.to_dict(), "precision": t.precision, "zero": p.zero,
-                "scaler": scaler.state_dict() if scaler else None}
+                "scaler": scaler.state_dict() if scaler else None, **facts}
         supervisor.heartbeat()
         try:
-            entries, meta = layout.share(self.step, self.par, self.stepper.optimizer, self.args.tie_embeddings, meta)
+            entries, meta = layout.share(self.step, self.par, self.stepper.optimizer, self.args.tie_embeddings, meta,
+                                         extra)
         except CheckpointError as e:
             raise TrainingError(f"{e} ({self._last_checkpoint()}). Try a lower train.lr or train.grad_clip.") from None
         if self.saver is not None:  # waits for the previous one, then only for the copy to the host
-            return self._saving(lambda: self.saver.start(self.run_dir, self.step, entries, meta, t.keep_checkpoints))
-        return self._saving(lambda: store.save(self.run_dir, self.step, entries, meta, t.keep_checkpoints))
+            return self._saving(lambda: self.saver.start(run_dir, self.step, entries, meta, t.keep_checkpoints))
+        return self._saving(lambda: store.save(run_dir, self.step, entries, meta, t.keep_checkpoints))
 
     def _saving(self, fn):
         """Run `fn` (a save, or a wait for one written behind training); its failure becomes
@@ -573,4 +579,6 @@ class Trainer:
         scaler = self.stepper.scaler
         if scaler is not None and meta.get("scaler"):
             scaler.load_state_dict(meta["scaler"])
+        if self.replicas is not None and (note := self.replicas.load_checkpoint(source, self.args.tie_embeddings, meta)):
+            self.report(note)
         self.step = int(meta["step"])
