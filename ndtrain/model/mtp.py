@@ -79,7 +79,12 @@ def shift(t: Tensor, d: int, fill) -> Tensor:
 
 def depth_batch(mb, d: int):
     """The micro-batch of module d: tokens t_{i+d}, targets t_{i+d+1} (IGNORE past the row's
-    end or where t_{i+d} is in another document than position i)."""
+    end or where t_{i+d} is in another document than position i). From the batch's
+    `mtp_tokens`/`mtp_targets` where `lookahead` attached them (context parallelism), else
+    by shifting the batch's own rows (whole rows: one process, data parallelism, ZeRO,
+    pipelines)."""
+    if mb.mtp_tokens is not None:
+        return replace(mb, tokens=mb.mtp_tokens[..., d - 1], targets=mb.mtp_targets[..., d - 1])
     targets = shift(mb.targets, d, IGNORE)
     if mb.doc_ids is not None:
         targets = targets.masked_fill(shift(mb.doc_ids, d, -1) != mb.doc_ids, IGNORE)
@@ -87,19 +92,32 @@ def depth_batch(mb, d: int):
     return replace(mb, tokens=shift(mb.tokens, d, 0), targets=targets, weights=weights)
 
 
-def hidden_states(model, h: Tensor, tokens: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None):
-    """Yield (d, hᵈ) for d = 1..D from h⁰ and the input tokens [b, s]."""
+def lookahead(mb, depth: int):
+    """`mb` (whole rows) with every module's input tokens and targets attached
+    ([b, s, depth]), so a layout that permutes or splits the positions (context parallelism's
+    zigzag, parallel/context/layout.py) gives each position what `depth_batch` would have
+    given it from the whole row: token t_{i+d} may sit in a chunk another rank holds. Per-
+    token loss weights (RL, DPO, which refuse multi-token prediction) are not carried."""
+    if mb.weights is not None:
+        raise ValueError("multi-token prediction's lookahead carries no per-token loss weights")
+    parts = [depth_batch(mb, d) for d in range(1, depth + 1)]
+    return replace(mb, mtp_tokens=torch.stack([p.tokens for p in parts], -1),
+                   mtp_targets=torch.stack([p.targets for p in parts], -1))
+
+
+def hidden_states(model, h: Tensor, tokens_of, cos: Tensor, sin: Tensor, doc_ids: Tensor | None):
+    """Yield (d, hᵈ) for d = 1..D from h⁰; `tokens_of(d)`: module d's input tokens [b, s]."""
     for d, module in enumerate(model.mtp.values(), start=1):
-        h = module(h, model.embed(shift(tokens, d, 0)), cos, sin, doc_ids)
+        h = module(h, model.embed(tokens_of(d)), cos, sin, doc_ids)
         yield d, h
 
 
 def add_losses(model, h: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None, step: MTPStep, pending: list) -> None:
     """The MTP losses of the current micro-batch into `pending` (the step's model losses)."""
-    mb = step.batch
+    batches = {d: depth_batch(step.batch, d) for d in range(1, len(model.mtp) + 1)}
     total = None
-    for d, hd in hidden_states(model, h, mb.tokens, cos, sin, doc_ids):
-        loss = step.loss_fn(model.output(hd), depth_batch(mb, d))
+    for d, hd in hidden_states(model, h, lambda d: batches[d].tokens, cos, sin, doc_ids):
+        loss = step.loss_fn(model.output(hd), batches[d])
         step.sums[d] = step.sums.get(d, 0.0) + loss.detach().double()
         total = loss if total is None else total + loss
     pending.append(total * (step.weight / len(model.mtp)))
@@ -115,4 +133,4 @@ def predict(model, tokens: Tensor) -> list[Tensor]:
     for key, layer in model.layers.items():
         h = layer(h, cos, sin, None, key)
     h = model.norm(h)
-    return [model.output(hd) for _, hd in hidden_states(model, h, tokens, cos, sin, None)]
+    return [model.output(hd) for _, hd in hidden_states(model, h, lambda d: shift(tokens, d, 0), cos, sin, None)]

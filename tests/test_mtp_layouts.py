@@ -1,0 +1,65 @@
+"""Multi-token prediction (model/mtp.py) equals one process in fp64 under pipelines and
+context parallelism (issue 35), held to the fp64 proofs' rule (tests/helpers.py
+`assert_proof`).
+
+Pipelines: the MTP modules live on the last stage with the head and read the input embedding
+through a copy there (`mtp_embeddings`, pipeline/stage.py `embedding_copy`), whose gradient
+is summed with the first stage's embedding after the backward (TiedEmbedding, as a tied head
+is). Context parallelism: each position's tokens d ahead (which may sit in a chunk another
+rank holds) and its targets are attached to the whole rows before the zigzag permutation
+(`mtp.lookahead`, `context.shard(..., mtp_depth)`).
+
+Rows run on pretraining (deepseek-v3-tiny with its MTP module, depth 2 for the shift across
+more than one position) and on packed SFT rows (documents restart positions; no module
+predicts across a boundary: `test_mtp.py` proves that of one process, and these rows prove
+the layouts equal one process on such rows, boundaries falling on and near chunk edges).
+"""
+
+import functools
+
+import pytest
+
+from helpers import assert_proof, proof_in_rank, reference_in_rank
+from ndtrain.testing import run_ranks
+
+MTP = ["model.preset=deepseek-v3-tiny", "model.mtp_depth=2", "train.moe_aux_loss=0.01",
+       "train.moe_bias_rate=0.001", "train.micro_batch=2"]  # 4 micro-batches per step: DualPipeV on pp = 2
+PP_ROWS = [("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+           ("pp2-zb", ["parallel.pp=2", "parallel.pp_schedule=zb"]),
+           ("pp2-dualpipev", ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2"])]
+CP_ROWS = [("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring"]),
+           ("cp2-allgather", ["parallel.cp=2", "parallel.cp_impl=allgather"]),
+           ("cp2-ulysses", ["parallel.cp=2", "parallel.cp_impl=ulysses"])]
+
+
+def _runs(data_dir, rows, make_task=None, extra=()):
+    return {name: (reference_in_rank if name == "single" else proof_in_rank)(MTP + list(extra) + overrides,
+                                                                               data_dir, make_task=make_task)
+            for name, overrides in rows}
+
+
+def _check(results, ref, what):
+    assert all(r.get("mtp_loss") is not None for r in ref["history"])
+    for name, proof in results.items():
+        assert all(r.get("mtp_loss") is not None for r in proof["history"])
+        try:
+            d = assert_proof(proof, ref)
+        except AssertionError as e:
+            raise AssertionError(f"{what} {name}: {e}") from None
+        print(f"{what} {name}: gradients {d['grads']:.1e}, weights {d['state']:.1e}, "
+              f"losses {d['loss']:.1e}, norms {d['norm']:.1e}")
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_data):
+    return run_ranks(_runs, 1, tiny_data, [("single", [])])[0]["single"]
+
+
+@pytest.mark.slow
+def test_mtp_pipelines_equal_one_process(tiny_data, reference):
+    _check(run_ranks(_runs, 2, tiny_data, PP_ROWS, timeout=900)[0], reference, "mtp")
+
+
+@pytest.mark.slow
+def test_mtp_context_parallel_equals_one_process(tiny_data, reference):
+    _check(run_ranks(_runs, 2, tiny_data, CP_ROWS, timeout=900)[0], reference, "mtp")
