@@ -16,6 +16,7 @@ the layouts equal one process on such rows, boundaries falling on and near chunk
 """
 
 import functools
+import json
 
 import pytest
 
@@ -63,3 +64,31 @@ def test_mtp_pipelines_equal_one_process(tiny_data, reference):
 @pytest.mark.slow
 def test_mtp_context_parallel_equals_one_process(tiny_data, reference):
     _check(run_ranks(_runs, 2, tiny_data, CP_ROWS, timeout=900)[0], reference, "mtp")
+
+
+# ------------------------------------------------------------------- packed documents (SFT)
+
+SFT_ROWS = [("single", []), ("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
+            ("cp2-ring", ["parallel.cp=2", "parallel.cp_impl=ring"])]
+
+
+@pytest.fixture(scope="module")
+def sft_files(tmp_path_factory, tiny_data):
+    from test_sft import make_records
+    path = tmp_path_factory.mktemp("mtp_sft") / "chat.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in make_records()))
+    return str(path), f"{tiny_data}/tokenizer.json"
+
+
+def _sft_runs(files, rows):
+    from test_sft import SFT_TEST, _sft_task
+    return _runs("", rows, functools.partial(_sft_task, *files), SFT_TEST)
+
+
+@pytest.mark.slow
+def test_mtp_on_packed_documents_equals_one_process(sft_files):
+    """Packed SFT rows (positions restarting at each example, prompts masked): pp2 and cp2
+    (boundaries on and near the zigzag chunks' edges) equal one process, whose modules never
+    predict across a boundary (test_mtp.py)."""
+    ref = run_ranks(_sft_runs, 1, sft_files, SFT_ROWS[:1])[0]["single"]
+    _check(run_ranks(_sft_runs, 2, sft_files, SFT_ROWS[1:], timeout=900)[0], ref, "mtp sft")
