@@ -442,7 +442,7 @@ def test_replicas_outside_pretraining_is_refused_before_anything_runs(command, t
     (["lora.rank=4"], "lora.rank = 4: LoRA adapters are not implemented for latent attention"),
     (["train.mtp_weight=0"], "train.mtp_weight = 0.0: must be > 0 with model.mtp_depth > 0"),
     (["--nproc", "2", "parallel.tp=2"], "parallel.tp = 2: multi-token prediction (model.mtp_depth = 1) is not "
-                                        "implemented under tensor, pipeline, context or expert parallelism yet"),
+                                        "implemented under tensor parallelism yet"),
 ])
 def test_deepseek_keys_are_refused_in_one_line(extra, fragment, tmp_path, capsys, monkeypatch):
     """DeepSeek-V3's keys (config/deepseek.py): each rule names its key and value."""

@@ -92,3 +92,8 @@ def test_mtp_on_packed_documents_equals_one_process(sft_files):
     predict across a boundary (test_mtp.py)."""
     ref = run_ranks(_sft_runs, 1, sft_files, SFT_ROWS[:1])[0]["single"]
     _check(run_ranks(_sft_runs, 2, sft_files, SFT_ROWS[1:], timeout=900)[0], ref, "mtp sft")
+
+
+@pytest.mark.slow
+def test_mtp_expert_parallel_equals_one_process(tiny_data, reference):
+    _check(run_ranks(_runs, 2, tiny_data, [("ep2", ["parallel.ep=2"])], timeout=900)[0], reference, "mtp")

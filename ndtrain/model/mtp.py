@@ -27,8 +27,27 @@ generation do not run the modules (generation ignores them; no speculative decod
 The MTP block's MoE (if it has one) routes with its own router but records no statistics
 and no balance loss, and its selection bias is not updated by `train.moe_bias_rate`.
 
-Layouts: one process, data parallelism and ZeRO; tensor, pipeline, context and expert
-parallelism are refused with MTP (config/deepseek.py).
+Layouts (proofs: tests/test_deepseek_layouts.py, tests/test_mtp_layouts.py):
+- one process, data parallelism and ZeRO-1/2/3: the modules are part of the model;
+- pipelines (1F1B, ZB, DualPipeV, ...): the modules live on the last stage with the head. The
+  embedding reaches them as a copy that chunk holds (`Transformer.mtp_embeddings`, the tied
+  head's weight itself when the embeddings are tied), initialised to the embedding's values
+  (model/init.py), marked a duplicate (counted once by the gradient norm, never written by
+  checkpoints, read back from `tok_embeddings.weight`); after the backward its gradient and
+  the first stage's embedding gradient are summed (pipeline/stage.py `TiedEmbedding`, as a
+  tied head's are), so both copies take the same step and stay equal. The token ids need no
+  message: every stage has the micro-batch;
+- context parallelism (ring, all-gather, Ulysses): module d at position i reads token i + d,
+  which another cp rank may hold (the zigzag layout, parallel/context/layout.py), so the
+  inputs and targets of every module are computed from the whole rows before the
+  permutation (`lookahead`, `context.shard(..., mtp_depth)`) and permuted with the rest;
+  the hidden states never move (hᵈ_i depends on hᵈ⁻¹ at the same position); the modules'
+  attention cores are the context-parallel ones;
+- expert parallelism: the MTP block's experts are not split over ep; every rank holds them
+  whole (a dense replica, synchronised over dp × cp like the attention weights);
+- tensor parallelism is refused (config/deepseek.py): the modules would read the final norm's
+  output before the head's tensor-parallel region entry (whose backward all-reduces over tp)
+  and their blocks would need the tensor-parallel swaps; not done.
 """
 
 from __future__ import annotations
