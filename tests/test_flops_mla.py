@@ -22,11 +22,15 @@ from torch.utils.flop_counter import FlopCounterMode
 from ndtrain.data.batch import MicroBatch
 from ndtrain.model.args import PRESETS, flops_per_token
 from ndtrain.model.llama import AttentionCore, Transformer, apply_rope
+from ndtrain.model.lora import freeze_base
 from ndtrain.model.moe import RoutingLog
 from ndtrain.model.mtp import MTPStep
 
 B, S = 1, 32
 DS = PRESETS["deepseek-v3-tiny"].with_(vocab_size=96, max_seq_len=S, mtp_depth=2)
+# LoRA on latent attention's projections and the dense MLP (model/args.py lora_layers): a frozen
+# base (4·N), the adapters (6 per parameter), no gradient for the first block's wq_a and wkv_a
+LORA = DS.with_(lora_rank=4, lora_alpha=8.0, lora_targets=("wq", "wk", "wv", "wo", "w1", "w2", "w3"))
 
 
 def visible_keys_attention(self, q, k, v, cos, sin, cache=None, layer_key=None, doc_ids=None, sinks=None):
@@ -51,6 +55,12 @@ def counted_flops(args, monkeypatch) -> tuple[float, Transformer]:
     model = Transformer(args)
     model.init_weights(0)
     model.double()
+    if args.lora_rank:
+        with torch.no_grad():
+            for name, p in model.named_parameters():  # the adapters act (B ≠ 0)
+                if name.endswith(".lora.b"):
+                    p.normal_(0.0, 0.02)
+        freeze_base(model)
     tokens = torch.randint(0, args.vocab_size, (B, S), generator=torch.Generator().manual_seed(0))
     mb = MicroBatch(tokens, tokens)
 
@@ -72,20 +82,21 @@ def counted_flops(args, monkeypatch) -> tuple[float, Transformer]:
 
 def unseen(args, model) -> float:
     """formula − counted, term by term (module docstring)."""
-    norms = sum(p.numel() for p in model.parameters() if p.ndim == 1)
+    norms = sum(p.numel() for p in model.parameters() if p.ndim == 1)  # 4 each under a frozen base
     qk, v = args.qk_nope_head_dim + args.qk_rope_head_dim, args.v_head_dim
     pairs, area = sum(i + 1 for i in range(S)) / S, S / 2
     per_layer = 6.0 * args.n_heads * ((qk + v) * area - 2 * qk * pairs)
-    return 6.0 * norms + (args.n_layers + args.mtp_depth) * per_layer
+    return (4.0 if args.lora_rank else 6.0) * norms + (args.n_layers + args.mtp_depth) * per_layer
 
 
-def test_mla_and_mtp_flops_count_the_matmuls_that_run(monkeypatch, one_thread):
+@pytest.mark.parametrize("args", [DS, LORA], ids=["full", "lora"])
+def test_mla_and_mtp_flops_count_the_matmuls_that_run(args, monkeypatch, one_thread):
     """The identity, and two controls that it can fail: the formula without the MTP modules,
     and with the value width priced at the query·key width, each miss it by > 1%."""
-    counted, model = counted_flops(DS, monkeypatch)
-    formula = flops_per_token(DS, S)
-    assert formula - counted == pytest.approx(unseen(DS, model), abs=1e-12 * counted), (formula, counted)
-    no_mtp = flops_per_token(DS.with_(mtp_depth=0), S)
-    assert abs(no_mtp - counted - unseen(DS, model)) > 0.01 * counted
-    wide_v = flops_per_token(DS.with_(v_head_dim=DS.qk_nope_head_dim + DS.qk_rope_head_dim), S)
-    assert abs(wide_v - counted - unseen(DS, model)) > 0.01 * counted
+    counted, model = counted_flops(args, monkeypatch)
+    formula = flops_per_token(args, S)
+    assert formula - counted == pytest.approx(unseen(args, model), abs=1e-12 * counted), (formula, counted)
+    no_mtp = flops_per_token(args.with_(mtp_depth=0), S)
+    assert abs(no_mtp - counted - unseen(args, model)) > 0.01 * counted
+    wide_v = flops_per_token(args.with_(v_head_dim=args.qk_nope_head_dim + args.qk_rope_head_dim), S)
+    assert abs(wide_v - counted - unseen(args, model)) > 0.01 * counted

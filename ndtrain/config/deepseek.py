@@ -25,9 +25,6 @@ def check_deepseek(cfg: Config, a: ModelArgs) -> None:
             raise ConfigError(f"model.{mla[0]}", getattr(cfg.model, mla[0]), "is a key of latent attention: needs "
                               "model.attention = 'mla'")
         return
-    if cfg.lora.rank:
-        raise ConfigError("lora.rank", cfg.lora.rank, "LoRA adapters are not implemented for latent attention "
-                          "(model.attention = 'mla'); fine-tune it fully")
 
 
 def check_mtp(cfg: Config, a: ModelArgs) -> None:

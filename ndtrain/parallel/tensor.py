@@ -477,6 +477,9 @@ def _replicated(m: nn.Linear, c: Context) -> nn.Module:
     rank (each feeds every head); a rank's gradient covers its own heads only, so it is
     partial over tp, like a q/k norm weight's."""
     m.weight = mark_partial(c.param(m.weight), ("tp",))
+    lora = getattr(m, "lora", None)
+    if isinstance(lora, LoRA):  # its adapter (model/lora.py): whole too, partial gradients
+        lora.a, lora.b = (mark_partial(c.param(p), ("tp",)) for p in (lora.a, lora.b))
     return m
 
 
