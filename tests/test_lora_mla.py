@@ -22,9 +22,11 @@ def test_mla_targets_resolve_to_its_projections():
 
 
 def test_lora_on_latent_attention_equals_the_merged_model():
-    model = Transformer(LORA)
-    model.init_weights(0)
-    model.double()
+    torch.manual_seed(0)
+    model = Transformer(LORA).double()
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # B ≠ 0: the adapters act
+            p.uniform_(0.5, 1.5) if name.endswith("norm.weight") else p.normal_(0, 0.1)
     adapted = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
     for block in ["layers.0", "layers.3", "mtp.1.block"]:
         assert {f"{block}.attention.{x}" for x in ("wq_a", "wq_b", "wkv_a", "wkv_b", "wo")} <= adapted

@@ -39,10 +39,18 @@ def _runs(data_dir, rows, make_task=None, extra=()):
             for name, overrides in rows}
 
 
+def _mtp_loads(run) -> list:
+    """Per step, the MTP blocks' slots per expert (their MoE's statistics, model/mtp.py)."""
+    return [[c for layer, c in zip(r["moe"]["layers"], r["moe"]["tokens_per_expert"]) if str(layer).startswith("mtp.")]
+            for r in run["history"]]
+
+
 def _check(results, ref, what):
     assert all(r.get("mtp_loss") is not None for r in ref["history"])
+    assert all(_mtp_loads(ref))
     for name, proof in results.items():
         assert all(r.get("mtp_loss") is not None for r in proof["history"])
+        assert _mtp_loads(proof) == _mtp_loads(ref), f"{what} {name}: the MTP blocks' routing statistics differ"
         try:
             d = assert_proof(proof, ref)
         except AssertionError as e:

@@ -466,7 +466,7 @@ class Transformer(nn.Module):
         if self.output is not None:
             h = self.norm(h)
             if self.mtp is not None and routing is not None and routing.mtp is not None and not last:
-                add_mtp_losses(self, h, cos, sin, doc_ids, routing.mtp, routing.pending)  # model/mtp.py
+                add_mtp_losses(self, h, cos, sin, doc_ids, routing)  # model/mtp.py
             h = self.output(h) if head_fn is None else head_fn(h, self.output)
         return h
 

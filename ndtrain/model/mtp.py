@@ -24,8 +24,10 @@ so every schedule divides it by the step's target count with the token loss. The
 sums are kept for the metrics (`mtp_loss`: Σ over modules / D per target). Evaluation and
 generation do not run the modules (generation ignores them; no speculative decoding).
 
-The MTP block's MoE (if it has one) routes with its own router but records no statistics
-and no balance loss, and its selection bias is not updated by `train.moe_bias_rate`.
+The MTP block's MoE (if it has one) routes with its own router; its routing statistics join
+the step's MoE table as block "mtp.d" (the metrics' `moe` entry: loads, max violation, dead
+experts, and the balance term it would have, `aux_loss`), but it adds no balance loss to the
+objective and its selection bias is not updated by `train.moe_bias_rate`.
 
 Layouts (proofs: tests/test_deepseek_layouts.py, tests/test_mtp_layouts.py):
 - one process, data parallelism and ZeRO-1/2/3: the modules are part of the model;
@@ -43,8 +45,8 @@ Layouts (proofs: tests/test_deepseek_layouts.py, tests/test_mtp_layouts.py):
   permutation (`lookahead`, `context.shard(..., mtp_depth)`) and permuted with the rest;
   the hidden states never move (hᵈ_i depends on hᵈ⁻¹ at the same position); the modules'
   attention cores are the context-parallel ones;
-- expert parallelism: the MTP block's experts are not split over ep; every rank holds them
-  whole (a dense replica, synchronised over dp × cp like the attention weights);
+- expert parallelism: the MTP block's experts are split over ep as the main blocks' are
+  (parallel/expert.py `parallelize`);
 - tensor parallelism is refused (config/deepseek.py): the modules would read the final norm's
   output before the head's tensor-parallel region entry (whose backward all-reduces over tp)
   and their blocks would need the tensor-parallel swaps; not done.
@@ -58,6 +60,7 @@ import torch
 from torch import Tensor, nn
 
 from .args import ModelArgs
+from .moe import RoutingLog
 
 IGNORE = -100
 
@@ -74,9 +77,11 @@ class MTPModule(nn.Module):
         self.block = block
         self.norm = norm(args.dim, args.norm_eps)
 
-    def forward(self, h: Tensor, e: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def forward(self, h: Tensor, e: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None,
+                stats=None, key: str = "") -> Tensor:
+        """`stats`: a RoutingLog that records its MoE's routing statistics under `key`."""
         x = self.eh_proj(torch.cat((self.enorm(e), self.hnorm(h)), dim=-1))
-        return self.norm(self.block(x, cos, sin, doc_ids=doc_ids))
+        return self.norm(self.block(x, cos, sin, layer_key=key, doc_ids=doc_ids, routing=stats))
 
 
 @dataclass
@@ -124,22 +129,31 @@ def lookahead(mb, depth: int):
                    mtp_targets=torch.stack([p.targets for p in parts], -1))
 
 
-def hidden_states(model, h: Tensor, tokens_of, cos: Tensor, sin: Tensor, doc_ids: Tensor | None):
-    """Yield (d, hᵈ) for d = 1..D from h⁰; `tokens_of(d)`: module d's input tokens [b, s]."""
+def hidden_states(model, h: Tensor, tokens_of, cos: Tensor, sin: Tensor, doc_ids: Tensor | None, stats=None):
+    """Yield (d, hᵈ) for d = 1..D from h⁰; `tokens_of(d)`: module d's input tokens [b, s].
+    `stats`: where the modules' MoE blocks record their routing (as "mtp.d")."""
     for d, module in enumerate(model.mtp.values(), start=1):
-        h = module(h, model.embed(tokens_of(d)), cos, sin, doc_ids)
+        h = module(h, model.embed(tokens_of(d)), cos, sin, doc_ids, stats, f"mtp.{d}")
         yield d, h
 
 
-def add_losses(model, h: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None, step: MTPStep, pending: list) -> None:
-    """The MTP losses of the current micro-batch into `pending` (the step's model losses)."""
+def statistics_only(routing: RoutingLog) -> RoutingLog:
+    """A log that writes the routing statistics into `routing`'s tables and asks for no
+    balance loss (the MTP block's MoE: module docstring)."""
+    return RoutingLog(0.0, routing.keep, routing.counts, routing.balance, routing.dropped)
+
+
+def add_losses(model, h: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None, routing: RoutingLog) -> None:
+    """The MTP losses of the current micro-batch into `routing.pending` (the step's model
+    losses), the MoE blocks' statistics into its tables."""
+    step = routing.mtp
     batches = {d: depth_batch(step.batch, d) for d in range(1, len(model.mtp) + 1)}
     total = None
-    for d, hd in hidden_states(model, h, lambda d: batches[d].tokens, cos, sin, doc_ids):
+    for d, hd in hidden_states(model, h, lambda d: batches[d].tokens, cos, sin, doc_ids, statistics_only(routing)):
         loss = step.loss_fn(model.output(hd), batches[d])
         step.sums[d] = step.sums.get(d, 0.0) + loss.detach().double()
         total = loss if total is None else total + loss
-    pending.append(total * (step.weight / len(model.mtp)))
+    routing.pending.append(total * (step.weight / len(model.mtp)))
 
 
 @torch.no_grad()
