@@ -20,7 +20,8 @@ import json
 
 import pytest
 
-from helpers import assert_proof, proof_in_rank, reference_in_rank
+from helpers import proof_in_rank, reference_in_rank
+from test_deepseek_layouts import _check as check_proofs
 from ndtrain.testing import run_ranks
 
 MTP = ["model.preset=deepseek-v3-tiny", "model.mtp_depth=2", "train.moe_aux_loss=0.01",
@@ -46,17 +47,14 @@ def _mtp_loads(run) -> list:
 
 
 def _check(results, ref, what):
+    """Every row's MTP losses and its MTP blocks' routing statistics are there and the latter
+    equal one process's; then the proof rule (test_deepseek_layouts.py)."""
     assert all(r.get("mtp_loss") is not None for r in ref["history"])
     assert all(_mtp_loads(ref))
     for name, proof in results.items():
         assert all(r.get("mtp_loss") is not None for r in proof["history"])
         assert _mtp_loads(proof) == _mtp_loads(ref), f"{what} {name}: the MTP blocks' routing statistics differ"
-        try:
-            d = assert_proof(proof, ref)
-        except AssertionError as e:
-            raise AssertionError(f"{what} {name}: {e}") from None
-        print(f"{what} {name}: gradients {d['grads']:.1e}, weights {d['state']:.1e}, "
-              f"losses {d['loss']:.1e}, norms {d['norm']:.1e}")
+    check_proofs({f"{what} {name}": proof for name, proof in results.items()}, ref)
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +103,11 @@ def test_mtp_on_packed_documents_equals_one_process(sft_files):
 @pytest.mark.slow
 def test_mtp_expert_parallel_equals_one_process(tiny_data, reference):
     _check(run_ranks(_runs, 2, tiny_data, [("ep2", ["parallel.ep=2"])], timeout=900)[0], reference, "mtp")
+
+
+@pytest.mark.slow
+def test_mtp_3d_layout_equals_one_process(tiny_data, reference):
+    """DeepSeek-V3's own kind of layout on 8 ranks: DualPipeV over pp2 with cp2, dp2 and ep2."""
+    row = ("pp2-cp2-ep2-dualpipev", ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2",
+                                     "parallel.cp=2", "parallel.dp=2", "parallel.ep=2", "train.micro_batch=1"])
+    _check(run_ranks(_runs, 8, tiny_data, [row], timeout=1200)[0], reference, "mtp")

@@ -58,9 +58,12 @@ from ndtrain.model.moe import Experts
 from ndtrain.parallel.context.layout import zigzag_index
 from ndtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
-# latent attention's projections too (model/mla.py); the multi-token prediction modules' blocks
-# stay in the base dtype
-LINEARS = ("layers.*.attention.w[qkvo]", "layers.*.attention.wq_[ab]", "layers.*.attention.wkv_[ab]",
+# Latent attention's up-projections too (model/mla.py); its down-projections wq_a and wkv_a stay
+# in the base dtype on every layout: under tp they are whole on every rank and their output's
+# gradient is a partial sum over tp, which fp8 would quantize per rank (Σ Q(part) ≠ Q(Σ part)),
+# so one process must not quantize them either. The multi-token prediction modules' blocks stay
+# in the base dtype.
+LINEARS = ("layers.*.attention.w[qkvo]", "layers.*.attention.wq_b", "layers.*.attention.wkv_b",
            "layers.*.feed_forward.w[123]", "layers.*.feed_forward.shared.w[123]")
 EXPERTS = "layers.*.feed_forward.experts"
 STAY = ("embedding, output head, norms, attention core, router (norm statistics, softmax and routing "
@@ -191,11 +194,6 @@ def apply(model: nn.Module, mesh: ParallelMesh, recipe: str, backend: str | None
     done = []
     for name, module in list(model.named_modules()):
         if name.startswith("layers.") and int(name.split(".")[1]) in base_blocks:
-            continue
-        if tp.active and name.endswith(("attention.wq_a", "attention.wkv_a")):
-            # latent attention's down-projections under tp (parallel/tensor.py): whole on every
-            # rank, their output's gradient a partial sum over tp, which fp8 would quantize per
-            # rank (Σ Q(part) ≠ Q(Σ part)): they stay in the base dtype
             continue
         if any(fnmatchcase(name, p) for p in LINEARS):
             new = _swap(module, plan_for, tp, name)
