@@ -440,8 +440,6 @@ def test_replicas_outside_pretraining_is_refused_before_anything_runs(command, t
     (["model.first_k_dense=4"], "model.first_k_dense = 4: must be in 0..3 (some block must have experts)"),
     (["model.v_head_dim=32"], "model.v_head_dim = 32: must be at most qk_nope_head_dim + qk_rope_head_dim = 24"),
     (["train.mtp_weight=0"], "train.mtp_weight = 0.0: must be > 0 with model.mtp_depth > 0"),
-    (["--nproc", "2", "parallel.tp=2"], "parallel.tp = 2: multi-token prediction (model.mtp_depth = 1) is not "
-                                        "implemented under tensor parallelism yet"),
 ])
 def test_deepseek_keys_are_refused_in_one_line(extra, fragment, tmp_path, capsys, monkeypatch):
     """DeepSeek-V3's keys (config/deepseek.py): each rule names its key and value."""

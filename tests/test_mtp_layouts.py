@@ -107,7 +107,21 @@ def test_mtp_expert_parallel_equals_one_process(tiny_data, reference):
 
 @pytest.mark.slow
 def test_mtp_3d_layout_equals_one_process(tiny_data, reference):
-    """DeepSeek-V3's own kind of layout on 8 ranks: DualPipeV over pp2 with cp2, dp2 and ep2."""
-    row = ("pp2-cp2-ep2-dualpipev", ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2",
-                                     "parallel.cp=2", "parallel.dp=2", "parallel.ep=2", "train.micro_batch=1"])
-    _check(run_ranks(_runs, 8, tiny_data, [row], timeout=1200)[0], reference, "mtp")
+    """On 8 ranks: DeepSeek-V3's own kind of layout (DualPipeV over pp2 with cp2, dp2 and
+    ep2), and ZeRO-3 under a pipeline with cp2 (the embedding's copy alone in a flat buffer of
+    the last stage, its slice summed with the first stage's)."""
+    rows = [("pp2-cp2-ep2-dualpipev", ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2",
+                                       "parallel.cp=2", "parallel.dp=2", "parallel.ep=2", "train.micro_batch=1"]),
+            ("pp2-zero3-dp2-cp2", ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.cp=2",
+                                   "train.micro_batch=1"])]
+    _check(run_ranks(_runs, 8, tiny_data, rows, timeout=1500)[0], reference, "mtp")
+
+
+TP_ROWS = [("tp2-sp", ["parallel.tp=2"]), ("tp2-no-sp", ["parallel.tp=2", "parallel.sp=false"])]
+
+
+@pytest.mark.slow
+def test_mtp_tensor_parallel_equals_one_process(tiny_data, reference):
+    """The modules' blocks split as the main ones, h⁰ taken before the head's region entry
+    (parallel/tensor_mtp.py), with and without sequence parallelism."""
+    _check(run_ranks(_runs, 2, tiny_data, TP_ROWS, timeout=900)[0], reference, "mtp")

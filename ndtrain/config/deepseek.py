@@ -28,14 +28,9 @@ def check_deepseek(cfg: Config, a: ModelArgs) -> None:
 
 
 def check_mtp(cfg: Config, a: ModelArgs) -> None:
-    """Multi-token prediction (model/mtp.py) runs on every layout but tensor parallelism."""
+    """Multi-token prediction (model/mtp.py) runs on every layout."""
     if not 0 < cfg.train.mtp_weight < float("inf"):
         raise ConfigError("train.mtp_weight", cfg.train.mtp_weight, "must be > 0 with model.mtp_depth > 0 (0 would "
                           "leave the MTP modules untrained; use model.mtp_depth = 0)")
     if a.mtp_depth >= cfg.train.seq_len:
         raise ConfigError("model.mtp_depth", a.mtp_depth, f"must be less than train.seq_len = {cfg.train.seq_len}")
-    if cfg.parallel.tp != 1:
-        raise ConfigError("parallel.tp", cfg.parallel.tp, f"multi-token prediction (model.mtp_depth = {a.mtp_depth}) "
-                          "is not implemented under tensor parallelism yet (its modules would need the final norm's "
-                          "output before the head's tensor-parallel region, and their blocks split; docs/models.md): "
-                          "use 1, or model.mtp_depth = 0")

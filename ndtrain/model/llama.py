@@ -464,9 +464,12 @@ class Transformer(nn.Module):
         if last:
             h = h[:, -1:]
         if self.output is not None:
-            h = self.norm(h)
+            x, h = h, self.norm(h)
             if self.mtp is not None and routing is not None and routing.mtp is not None and not last:
-                add_mtp_losses(self, h, cos, sin, doc_ids, routing)  # model/mtp.py
+                # h⁰: the final norm's output; under tensor parallelism before the head's region
+                # entry (parallel/tensor_mtp.py)
+                h0 = self.norm.normed(x) if hasattr(self.norm, "normed") else h
+                add_mtp_losses(self, h0, cos, sin, doc_ids, routing)  # model/mtp.py
             h = self.output(h) if head_fn is None else head_fn(h, self.output)
         return h
 

@@ -79,9 +79,14 @@ class MTPModule(nn.Module):
 
     def forward(self, h: Tensor, e: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None,
                 stats=None, key: str = "") -> Tensor:
-        """`stats`: a RoutingLog that records its MoE's routing statistics under `key`."""
+        """(hᵈ as the head reads it, hᵈ as the next module reads it): the output norm's, the
+        same tensor but under tensor parallelism (parallel/tensor_mtp.py), where the head's is
+        after its region entry and the next module's before. `stats`: a RoutingLog that
+        records its MoE's routing statistics under `key`."""
         x = self.eh_proj(torch.cat((self.enorm(e), self.hnorm(h)), dim=-1))
-        return self.norm(self.block(x, cos, sin, layer_key=key, doc_ids=doc_ids, routing=stats))
+        y = self.block(x, cos, sin, layer_key=key, doc_ids=doc_ids, routing=stats)
+        out = self.norm(y)
+        return out, (self.norm.normed(y) if hasattr(self.norm, "normed") else out)
 
 
 @dataclass
@@ -130,11 +135,12 @@ def lookahead(mb, depth: int):
 
 
 def hidden_states(model, h: Tensor, tokens_of, cos: Tensor, sin: Tensor, doc_ids: Tensor | None, stats=None):
-    """Yield (d, hᵈ) for d = 1..D from h⁰; `tokens_of(d)`: module d's input tokens [b, s].
+    """Yield (d, hᵈ as the head reads it) for d = 1..D from h⁰; `tokens_of(d)`: module d's
+    input tokens [b, s].
     `stats`: where the modules' MoE blocks record their routing (as "mtp.d")."""
     for d, module in enumerate(model.mtp.values(), start=1):
-        h = module(h, model.embed(tokens_of(d)), cos, sin, doc_ids, stats, f"mtp.{d}")
-        yield d, h
+        out, h = module(h, model.embed(tokens_of(d)), cos, sin, doc_ids, stats, f"mtp.{d}")
+        yield d, out
 
 
 def statistics_only(routing: RoutingLog) -> RoutingLog:
