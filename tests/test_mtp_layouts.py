@@ -108,12 +108,14 @@ def test_mtp_expert_parallel_equals_one_process(tiny_data, reference):
 @pytest.mark.slow
 def test_mtp_3d_layout_equals_one_process(tiny_data, reference):
     """On 8 ranks: DeepSeek-V3's own kind of layout (DualPipeV over pp2 with cp2, dp2 and
-    ep2), and ZeRO-3 under a pipeline with cp2 (the embedding's copy alone in a flat buffer of
-    the last stage, its slice summed with the first stage's)."""
+    ep2), ZeRO-3 under a pipeline with cp2 (the embedding's copy alone in a flat buffer of
+    the last stage, its slice summed with the first stage's), and tp2 under a pipeline (the
+    copy split over the vocabulary as the embedding is)."""
     rows = [("pp2-cp2-ep2-dualpipev", ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2",
                                        "parallel.cp=2", "parallel.dp=2", "parallel.ep=2", "train.micro_batch=1"]),
             ("pp2-zero3-dp2-cp2", ["parallel.pp=2", "parallel.dp=2", "parallel.zero=3", "parallel.cp=2",
-                                   "train.micro_batch=1"])]
+                                   "train.micro_batch=1"]),
+            ("pp2-tp2-dp2", ["parallel.pp=2", "parallel.tp=2", "parallel.dp=2", "train.micro_batch=1"])]
     _check(run_ranks(_runs, 8, tiny_data, rows, timeout=1500)[0], reference, "mtp")
 
 

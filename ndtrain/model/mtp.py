@@ -47,9 +47,11 @@ Layouts (proofs: tests/test_deepseek_layouts.py, tests/test_mtp_layouts.py):
   attention cores are the context-parallel ones;
 - expert parallelism: the MTP block's experts are split over ep as the main blocks' are
   (parallel/expert.py `parallelize`);
-- tensor parallelism is refused (config/deepseek.py): the modules would read the final norm's
-  output before the head's tensor-parallel region entry (whose backward all-reduces over tp)
-  and their blocks would need the tensor-parallel swaps; not done.
+- tensor parallelism (± sequence parallelism): the modules' blocks split as the main ones,
+  their input norms and projection whole on every rank (parallel/tensor_mtp.py). h⁰ and each
+  module's output are read by the next module *before* the head's region entry (the entry's
+  backward all-reduces over tp, which would sum the modules' gradient, whole on every rank,
+  tp times; under SP the stream is the rank's positions); the head reads them after it.
 """
 
 from __future__ import annotations
