@@ -127,3 +127,16 @@ def test_mtp_tensor_parallel_equals_one_process(tiny_data, reference):
     """The modules' blocks split as the main ones, h⁰ taken before the head's region entry
     (parallel/tensor_mtp.py), with and without sequence parallelism."""
     _check(run_ranks(_runs, 2, tiny_data, TP_ROWS, timeout=900)[0], reference, "mtp")
+
+
+@pytest.mark.slow
+def test_mtp_under_a_pipeline_resumes_bit_exact(tiny_data, tmp_path):
+    """The last stage's copy of the embedding is never written, and read back from the
+    embedding's weights and moments (checkpoint/layout.py): 10 steps straight equal 5, a
+    resume and 5 more, bit for bit, on pp2 with the MTP modules."""
+    from test_resume import _straight_vs_resumed
+    import torch
+    extra = [a for a in MTP if not a.startswith("train.micro_batch")] + ["parallel.pp=2"]
+    straight, resumed, s_state, r_state, step = run_ranks(_straight_vs_resumed, 2, tiny_data, str(tmp_path), extra)[0]
+    assert step == 10 and straight == resumed
+    assert all(torch.equal(s_state[k], r_state[k]) for k in s_state)
