@@ -66,7 +66,7 @@ def test_module_d_predicts_the_token_d_plus_one_after_the_next():
     assert d2.targets.tolist() == [[13, IGNORE, IGNORE, IGNORE, IGNORE]]
 
 
-def test_mtp_blocks_record_routing_statistics_and_add_no_balance_loss():
+def test_mtp_blocks_record_routing_statistics_and_add_no_balance_loss(one_thread):
     """The MTP blocks' MoE (model/mtp.py) records its loads as "mtp.d" (every token's k
     slots), and adds no balance loss: the objective's model losses are the main MoE blocks'
     balance losses and the MTP term, nothing more."""
