@@ -4,6 +4,7 @@ model/args.py `lora_layers`), in the main blocks and the MTP module's, and the m
 (model/lora.py `merged`: W + scale·B·A) gives the adapted model's logits and MTP logits in
 fp64."""
 
+import pytest
 import torch
 
 from ndtrain.model.args import PRESETS, lora_layers
@@ -42,3 +43,29 @@ def test_lora_on_latent_attention_equals_the_merged_model(one_thread):
     torch.testing.assert_close(ours, theirs, rtol=1e-12, atol=1e-12)
     for a, b in zip(predict(model, tokens), predict(plain, tokens)):
         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+DS_LORA = ["model.preset=deepseek-v3-tiny", "train.moe_aux_loss=0.01", "lora.rank=4", "lora.alpha=8",
+           "lora.init=random", "train.micro_batch=2"]
+LAYOUTS = [("tp2-sp", ["parallel.tp=2"]), ("pp2-1f1b", ["parallel.pp=2"]), ("cp2-ring", ["parallel.cp=2"])]
+
+
+def _lora_runs(data_dir, rows):
+    from helpers import proof_in_rank, reference_in_rank
+    return {name: (reference_in_rank if name == "single" else proof_in_rank)(DS_LORA + o, data_dir) for name, o in rows}
+
+
+@pytest.mark.slow
+def test_lora_on_latent_attention_layouts_equal_one_process(tiny_data):
+    """The adapters of MLA's projections (tp: the down-projections' adapters whole on every
+    rank, their gradients partial; the up-projections' split with their base) and of the
+    MTP block, under tp2 + sp, pp2 and cp2, against one process in fp64."""
+    from helpers import assert_proof
+    from ndtrain.testing import run_ranks
+    ref = run_ranks(_lora_runs, 1, tiny_data, [("single", [])])[0]["single"]
+    assert any(".attention.wq_a.lora." in k for k in ref["grads"]) and any(k.startswith("mtp.") for k in ref["grads"])
+    for name, proof in run_ranks(_lora_runs, 2, tiny_data, LAYOUTS, timeout=900)[0].items():
+        try:
+            assert_proof(proof, ref)
+        except AssertionError as e:
+            raise AssertionError(f"LoRA on MLA {name}: {e}") from None
