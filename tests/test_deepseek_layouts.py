@@ -12,8 +12,7 @@ sequence parallelism, unequal q·k and v widths under ring context parallelism, 
 routing under expert parallelism; the 5-minute budget of the suite); the slow tier ZeRO-3,
 the pipelines, the other back ends and sizes, and 3-D rows on 8 ranks, and the preset with its
 multi-token prediction module (train.mtp_weight = 0.3) under data parallelism, ZeRO-1 and
-ZeRO-3 (pipelines, context and expert parallelism: tests/test_mtp_layouts.py; tensor
-parallelism refuses it: model/mtp.py).
+ZeRO-3 (pipelines, context, expert and tensor parallelism: tests/test_mtp_layouts.py).
 """
 
 import pytest

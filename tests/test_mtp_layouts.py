@@ -1,13 +1,15 @@
-"""Multi-token prediction (model/mtp.py) equals one process in fp64 under pipelines and
-context parallelism (issue 35), held to the fp64 proofs' rule (tests/helpers.py
-`assert_proof`).
+"""Multi-token prediction (model/mtp.py) equals one process in fp64 under pipelines, context,
+expert and tensor parallelism and 3-D layouts on 8 ranks (issue 35), held to the fp64
+proofs' rule (tests/helpers.py `assert_proof`); each row's MTP blocks' routing statistics
+equal one process's; a pipeline resumes bit for bit.
 
 Pipelines: the MTP modules live on the last stage with the head and read the input embedding
 through a copy there (`mtp_embeddings`, pipeline/stage.py `embedding_copy`), whose gradient
 is summed with the first stage's embedding after the backward (TiedEmbedding, as a tied head
 is). Context parallelism: each position's tokens d ahead (which may sit in a chunk another
 rank holds) and its targets are attached to the whole rows before the zigzag permutation
-(`mtp.lookahead`, `context.shard(..., mtp_depth)`).
+(`mtp.lookahead`, `context.shard(..., mtp_depth)`). Tensor parallelism: the modules read h⁰
+before the head's region entry (parallel/tensor_mtp.py).
 
 Rows run on pretraining (deepseek-v3-tiny with its MTP module, depth 2 for the shift across
 more than one position) and on packed SFT rows (documents restart positions; no module
