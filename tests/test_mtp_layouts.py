@@ -54,7 +54,9 @@ def _check(results, ref, what):
     assert all(r.get("mtp_loss") is not None for r in ref["history"])
     assert all(_mtp_loads(ref))
     for name, proof in results.items():
-        assert all(r.get("mtp_loss") is not None for r in proof["history"])
+        mtp = [r.get("mtp_loss") for r in proof["history"]]
+        expected = [r["mtp_loss"] for r in ref["history"]]
+        assert mtp == pytest.approx(expected, rel=1e-9), f"{what} {name}: mtp_loss {mtp} against {expected}"
         assert _mtp_loads(proof) == _mtp_loads(ref), f"{what} {name}: the MTP blocks' routing statistics differ"
     check_proofs({f"{what} {name}": proof for name, proof in results.items()}, ref)
 

@@ -101,8 +101,9 @@ class Parallelized:
         if self.across_replicas is not None:
             self.across_replicas(local)
         if self.mtp_weight is not None:  # Σ over modules / depth, per target, summed over the ranks
-            sums = routing.mtp.sums
-            self.mtp_loss = self.reduce_loss(sum(sums.values()) * unscale / (len(sums) * n_targets))  # fp16: unscaled
+            sums = routing.mtp.sums  # none on a pipeline stage without the head: 0 there
+            local = sum(sums.values(), torch.zeros((), dtype=torch.float64, device=self.mesh.device))
+            self.mtp_loss = self.reduce_loss(local * unscale / (max(len(sums), 1) * n_targets))  # fp16: unscaled
         tp = self.mesh.group("tp")
         if tp.active:  # once per step: the sum of gradients each tp rank holds a part of
             tensor.sum_partial_grads(self.states.partial_grads("tp"), tp)
