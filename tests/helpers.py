@@ -214,8 +214,8 @@ def assert_tensors_close(a: dict, b: dict, tol: float, what: str) -> float:
     assert a.keys() == b.keys(), f"{what}: names differ: {sorted(set(a) ^ set(b))[:5]}"
     worst = 0.0
     for k in b:
-        scale = b[k].abs().max().clamp_min(1e-300)
-        ratio = float((a[k] - b[k]).abs().max() / scale)
+        scale = b[k].abs().max().double().clamp_min(1e-300)  # in fp64: an all-zero fp32 tensor gives 0, not 0/0
+        ratio = float((a[k] - b[k]).abs().max().double() / scale)
         assert ratio <= tol, f"{what} {k}: max difference {ratio:.2e} of its largest element > {tol:g}"
         worst = max(worst, ratio)
     return worst

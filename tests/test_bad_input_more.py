@@ -450,15 +450,18 @@ def test_replicas_outside_pretraining_is_refused_before_anything_runs(command, t
     (["model.moe_topk_groups=5"], "model.moe_topk_groups = 5: must be at most moe_groups = 4"),
     (["model.first_k_dense=4"], "model.first_k_dense = 4: must be in 0..3 (some block must have experts)"),
     (["model.v_head_dim=32"], "model.v_head_dim = 32: must be at most qk_nope_head_dim + qk_rope_head_dim = 24"),
-    (["lora.rank=4"], "lora.rank = 4: LoRA adapters are not implemented for latent attention"),
     (["train.mtp_weight=0"], "train.mtp_weight = 0.0: must be > 0 with model.mtp_depth > 0"),
-    (["--nproc", "2", "parallel.tp=2"], "parallel.tp = 2: multi-token prediction (model.mtp_depth = 1) is not "
-                                        "implemented under tensor, pipeline, context or expert parallelism yet"),
 ])
 def test_deepseek_keys_are_refused_in_one_line(extra, fragment, tmp_path, capsys, monkeypatch):
     """DeepSeek-V3's keys (config/deepseek.py): each rule names its key and value."""
     monkeypatch.chdir(tmp_path)
     refused(["train", *CHEAP, "model.preset=deepseek-v3-tiny", *extra], tmp_path, capsys, fragment)
+
+
+def test_latent_attention_lora_targets_need_attention_mla(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    refused(["train", *CHEAP, "lora.rank=4", "lora.targets=wkv_a"], tmp_path, capsys,
+            "lora.targets = 'wkv_a': wkv_a names no layer of this model's attention: its projections are wq, wk, wv, wo")
 
 
 def test_latent_attention_keys_need_attention_mla(tmp_path, capsys, monkeypatch):

@@ -11,8 +11,8 @@ routing need a mechanism of their own (heads split with whole down-projections u
 sequence parallelism, unequal q·k and v widths under ring context parallelism, group-limited
 routing under expert parallelism; the 5-minute budget of the suite); the slow tier ZeRO-3,
 the pipelines, the other back ends and sizes, and 3-D rows on 8 ranks, and the preset with its
-multi-token prediction module (train.mtp_weight = 0.3) under the layouts MTP runs on (data
-parallelism, ZeRO-1 and ZeRO-3; the others refuse it: model/mtp.py).
+multi-token prediction module (train.mtp_weight = 0.3) under data parallelism, ZeRO-1 and
+ZeRO-3 (pipelines, context, expert and tensor parallelism: tests/test_mtp_layouts.py).
 """
 
 import pytest

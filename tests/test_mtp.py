@@ -64,3 +64,20 @@ def test_module_d_predicts_the_token_d_plus_one_after_the_next():
     assert d2.tokens.tolist() == [[12, 13, 14, 0, 0]]
     # position 0 reads t2 = 12 and predicts t3 = 13; position 1 would read t3 of document 1: none
     assert d2.targets.tolist() == [[13, IGNORE, IGNORE, IGNORE, IGNORE]]
+
+
+def test_mtp_blocks_record_routing_statistics_and_add_no_balance_loss(one_thread):
+    """The MTP blocks' MoE (model/mtp.py) records its loads as "mtp.d" (every token's k
+    slots), and adds no balance loss: the objective's model losses are the main MoE blocks'
+    balance losses and the MTP term, nothing more."""
+    model = _model()
+    tokens = torch.randint(3, 512, (2, 12), generator=torch.Generator().manual_seed(2))
+    mb = MicroBatch(tokens=tokens, targets=tokens.roll(-1, 1))
+    routing = RoutingLog(aux_coef=0.01)
+    routing.mtp = MTPStep(TokenLoss(), 1.0, mb)
+    model(mb.tokens, routing=routing)
+    moe_layers = [str(i) for i in range(ARGS.n_layers) if ARGS.is_moe_layer(i)]
+    assert sorted(routing.counts) == sorted(moe_layers + ["mtp.1", "mtp.2"])
+    for d in (1, 2):
+        assert routing.counts[f"mtp.{d}"].sum() == tokens.numel() * ARGS.moe_top_k
+    assert len(routing.pending) == len(moe_layers) + 1

@@ -105,7 +105,9 @@ def _check_rows(world, rows):
 DEEPSEEK = ["model.preset=deepseek-v3-tiny", "model.mtp_depth=0"]
 DEEPSEEK_ROWS = [("deepseek-v3-tiny-tp2", DEEPSEEK + ["parallel.tp=2"]),
                  ("deepseek-v3-tiny-ep2-bf16", DEEPSEEK + ["parallel.ep=2", "train.precision=bf16"]),
-                 ("deepseek-v3-tiny-mtp-zero1", ["model.preset=deepseek-v3-tiny", "parallel.zero=1"])]
+                 ("deepseek-v3-tiny-mtp-zero1", ["model.preset=deepseek-v3-tiny", "parallel.zero=1"]),
+                 # the MTP module and its copy of the embedding on the last stage
+                 ("deepseek-v3-tiny-mtp-pp2", ["model.preset=deepseek-v3-tiny", "parallel.pp=2"])]
 
 
 @pytest.mark.slow

@@ -94,7 +94,7 @@ class Layout:
         tokens = torch.randint(0, args.vocab_size, (t.global_batch // mesh.dp_size, t.seq_len + 1), generator=g)
         rows = MicroBatch(tokens[:, :-1], tokens[:, 1:])
         if mesh.shape.cp > 1:
-            rows = context.shard(rows, mesh.shape.cp, mesh.coord("cp"))
+            rows = context.shard(rows, mesh.shape.cp, mesh.coord("cp"), args.mtp_depth)
         self.micro = rows.split(t.micro_batch)
         self.n_targets = float(t.global_batch * t.seq_len)
 

@@ -46,7 +46,8 @@ from ndtrain.parallel.states import persistent_buffers
 MOMENTS = ("exp_avg", "exp_avg_sq")
 MUON_STATE = ("momentum_buffer",)  # Muon's (train/muon.py), on the tensors of its "muon" groups
 # A tied head held apart from the embedding (on the last pipeline stage) is the embedding.
-TIED = {"output.weight": "tok_embeddings.weight"}
+TIED = {"output.weight": "tok_embeddings.weight", "mtp_embeddings.weight": "tok_embeddings.weight"}
+MTP_COPY = {"mtp_embeddings.weight": "tok_embeddings.weight"}  # a pipeline's last stage (model/mtp.py)
 
 
 @dataclass
@@ -71,7 +72,7 @@ def held(states, tie_embeddings: bool, moments=None, kinds=("weight",)) -> list[
     for s, its_kinds in [(s, kinds) for s in states.optim_slices()] + frozen:
         region = region_of(s.param)
         piece = Piece(region.shape, region.offsets, tuple(s.param.shape), s.start, s.stop)
-        name = TIED.get(s.name, s.name) if tie_embeddings else s.name
+        name = TIED.get(s.name, s.name) if tie_embeddings else MTP_COPY.get(s.name, s.name)
         replicated = replicated_dims(s.holder)
         for kind in its_kinds:
             t = s.holder if kind == "weight" else (moments or {}).get(s.holder, {}).get(kind)

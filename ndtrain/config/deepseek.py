@@ -25,21 +25,12 @@ def check_deepseek(cfg: Config, a: ModelArgs) -> None:
             raise ConfigError(f"model.{mla[0]}", getattr(cfg.model, mla[0]), "is a key of latent attention: needs "
                               "model.attention = 'mla'")
         return
-    if cfg.lora.rank:
-        raise ConfigError("lora.rank", cfg.lora.rank, "LoRA adapters are not implemented for latent attention "
-                          "(model.attention = 'mla'); fine-tune it fully")
 
 
 def check_mtp(cfg: Config, a: ModelArgs) -> None:
-    """Multi-token prediction (model/mtp.py) runs on one process, data parallelism and ZeRO."""
+    """Multi-token prediction (model/mtp.py) runs on every layout."""
     if not 0 < cfg.train.mtp_weight < float("inf"):
         raise ConfigError("train.mtp_weight", cfg.train.mtp_weight, "must be > 0 with model.mtp_depth > 0 (0 would "
                           "leave the MTP modules untrained; use model.mtp_depth = 0)")
     if a.mtp_depth >= cfg.train.seq_len:
         raise ConfigError("model.mtp_depth", a.mtp_depth, f"must be less than train.seq_len = {cfg.train.seq_len}")
-    for key in ("tp", "pp", "cp", "ep"):
-        value = getattr(cfg.parallel, key)
-        if value != 1:
-            raise ConfigError(f"parallel.{key}", value, f"multi-token prediction (model.mtp_depth = {a.mtp_depth}) "
-                              "is not implemented under tensor, pipeline, context or expert parallelism yet: use 1, "
-                              "or model.mtp_depth = 0")

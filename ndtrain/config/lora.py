@@ -6,7 +6,7 @@ from ndtrain.config.schema import Config, ConfigError, lora_targets
 from ndtrain.model.lora import INITS, TARGETS
 
 
-ATTENTION, MLP = ("wq", "wk", "wv", "wo"), ("w1", "w2", "w3")
+ATTENTION, MLP = ("wq", "wk", "wv", "wo", "wq_a", "wq_b", "wkv_a", "wkv_b"), ("w1", "w2", "w3")
 
 
 def check_lora(cfg: Config, a=None) -> None:
@@ -57,6 +57,13 @@ def _check_targets_select(cfg: Config, a, targets: tuple[str, ...]) -> None:
     """An attention target selects a layer in every block; an MLP target only in the dense
     ones (a mixture of experts' experts keep plain weights, model/lora.py). (Each pipeline
     stage's share: plan/fit.check_lora_stages, which knows the engine's split.)"""
+    from ndtrain.model.args import linear_shapes, lora_layers
+    for x in targets:
+        if x in ATTENTION and not lora_layers(a.with_(lora_targets=(x,))):
+            kind = "latent attention (model.attention = 'mla')" if a.is_mla else "this model's attention"
+            names = ", ".join(n for n in linear_shapes(a) if n not in MLP)
+            raise ConfigError("lora.targets", cfg.lora.targets, f"{x} names no layer of {kind}: its projections are "
+                              f"{names}")
     if any(x in ATTENTION for x in targets) or any(not a.is_moe_layer(i) for i in range(a.n_layers)):
         return
     raise ConfigError("lora.targets", cfg.lora.targets, f"selects no layer of model.preset = {cfg.model.preset!r}, "

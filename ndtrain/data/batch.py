@@ -40,6 +40,10 @@ class MicroBatch:
     old_logprobs: Tensor | None = None  # [b, s] RL: log p(target) under the policy before the update
     ref_logprobs: Tensor | None = None  # [b, s] RL: log p(target) under the frozen reference
     is_weights: Tensor | None = None  # [b, s] RL, stale rollouts: each token's importance weight π_old / π_behaviour
+    # [b, s, D] multi-token prediction under context parallelism (model/mtp.lookahead): module
+    # d's input token and target at each position, from the whole rows before the permutation
+    mtp_tokens: Tensor | None = None
+    mtp_targets: Tensor | None = None
 
     def to(self, device: torch.device | str) -> "MicroBatch":
         return replace(self, **{f.name: to_device(getattr(self, f.name), device) for f in fields(self)

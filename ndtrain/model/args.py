@@ -408,17 +408,42 @@ def kv_cache_elements_per_token(a: ModelArgs) -> int:
     return a.n_layers * per_block
 
 
+MLA_LORA = {"wq": ("wq_a", "wq_b", "wq"), "wk": ("wkv_a", "wkv_b"), "wv": ("wkv_a", "wkv_b")}
+
+
+def linear_shapes(a: ModelArgs) -> dict[str, tuple[int, int]]:
+    """(in, out) of each linear layer of a block that LoRA can adapt, by its name."""
+    q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    mlp = {"w1": (a.dim, a.ffn_dim), "w3": (a.dim, a.ffn_dim), "w2": (a.ffn_dim, a.dim)}
+    if not a.is_mla:
+        return {"wq": (a.dim, q_dim), "wk": (a.dim, kv_dim), "wv": (a.dim, kv_dim), "wo": (q_dim, a.dim), **mlp}
+    attention = {"wq_a": (a.dim, a.q_lora_rank), "wq_b": (a.q_lora_rank, q_dim)} if a.q_lora_rank else {
+        "wq": (a.dim, q_dim)}
+    attention.update(wkv_a=(a.dim, a.kv_lora_rank + a.qk_rope_head_dim),
+                     wkv_b=(a.kv_lora_rank, a.n_heads * (a.qk_nope_head_dim + a.v_head_dim)),
+                     wo=(a.n_heads * a.v_head_dim, a.dim))
+    return {**attention, **mlp}
+
+
+def lora_layers(a: ModelArgs) -> tuple[str, ...]:
+    """The names of a block's linear layers that get adapters: `lora_targets`, where latent
+    attention (model/mla.py) reads wq as its query projections (wq_a and wq_b, or wq) and wk,
+    wv as its key-value projections wkv_a and wkv_b; its own names select themselves."""
+    shapes = linear_shapes(a)
+    names = [n for t in a.lora_targets for n in ((MLA_LORA.get(t, (t,)) if a.is_mla else (t,)))]
+    return tuple(n for n in dict.fromkeys(names) if n in shapes)
+
+
 def adapter_params(a: ModelArgs, layer: int | None = None) -> int:
-    """LoRA's A and B, r·(in + out) per adapted matrix, of block `layer` (default: all). An
-    MoE block's experts have none (model/lora.py)."""
+    """LoRA's A and B, r·(in + out) per adapted matrix, of block `layer` (default: all, and
+    the multi-token prediction modules' blocks, of the last block's kind). An MoE block's
+    experts have none (model/lora.py)."""
     if not a.lora_rank:
         return 0
-    q_dim, kv_dim = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
-    shapes = {"wq": (a.dim, q_dim), "wk": (a.dim, kv_dim), "wv": (a.dim, kv_dim), "wo": (q_dim, a.dim),
-              "w1": (a.dim, a.ffn_dim), "w3": (a.dim, a.ffn_dim), "w2": (a.ffn_dim, a.dim)}
+    shapes = linear_shapes(a)
     n = 0
-    for i in range(a.n_layers) if layer is None else (layer,):
-        for t in a.lora_targets:
+    for i in [*range(a.n_layers), *[a.n_layers - 1] * a.mtp_depth] if layer is None else (layer,):
+        for t in lora_layers(a):
             if t in ("w1", "w2", "w3") and a.is_moe_layer(i):
                 continue
             n += a.lora_rank * sum(shapes[t])
@@ -456,7 +481,9 @@ def flops_per_token(a: ModelArgs, seq_len: int) -> float:
     if not a.lora_rank:
         return 6.0 * n + attention
     flops = 4.0 * n + 6.0 * adapter_params(a) + 6.0 * len(a.lora_tokens) * a.dim + attention
-    if not a.lora_tokens:  # the first block's input is constant: no gradient for it
-        first = [t for t in ("wq", "wk", "wv") if t in a.lora_targets]
-        flops -= 2.0 * a.dim * (a.n_heads + 2 * a.n_kv_heads) * a.head_dim + 2.0 * a.lora_rank * a.dim * len(first)
+    if not a.lora_tokens:  # the first block's input is constant: no gradient for the layers reading it
+        shapes = linear_shapes(a)
+        reading = [t for t in ("wq", "wk", "wv", "wq_a", "wkv_a") if t in shapes and shapes[t][0] == a.dim]
+        first = [t for t in reading if t in lora_layers(a)]
+        flops -= 2.0 * a.dim * sum(shapes[t][1] for t in reading) + 2.0 * a.lora_rank * a.dim * len(first)
     return flops

@@ -182,8 +182,8 @@ def initial_values(name: str, region: Region, args: ModelArgs, seed: int, lo: in
         if region.contiguous_start() is None or region.valid_run() < hi:
             out[region.global_index(lo, hi, device) < 0] = 0.0  # padding
         return out
-    if args.tie_embeddings and name == "output.weight":
-        name = "tok_embeddings.weight"  # a separate head of a tied model mirrors the embedding
+    if (args.tie_embeddings and name == "output.weight") or name == "mtp_embeddings.weight":
+        name = "tok_embeddings.weight"  # a separate head of a tied model, MTP's copy: the embedding's values
     key, std = stream_key(name, seed), init_std(name, args)
     start = region.contiguous_start()
     out = torch.zeros(hi - lo, device=device)

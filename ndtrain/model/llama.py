@@ -415,9 +415,14 @@ class Transformer(nn.Module):
         if args.tie_embeddings and embed and head:
             self.output.weight = self.tok_embeddings.weight
         self.rotary = Rotary(args)
-        # multi-token prediction: with the head (model/mtp.py)
+        # multi-token prediction: with the head (model/mtp.py); a chunk with the head and not
+        # the embedding (a pipeline's last stage) holds a copy of the embedding for it (the
+        # tied head itself when there is one), summed with the first stage's (pipeline/stage.py)
         self.mtp = nn.ModuleDict({str(d): MTPModule(args, Block(args, args.n_layers - 1), RMSNorm)
                                   for d in range(args.mtp_depth)}) if head and args.mtp_depth else None
+        self.mtp_embeddings = nn.Embedding(args.vocab_size, args.dim) if self.mtp is not None and not embed else None
+        if self.mtp_embeddings is not None and args.tie_embeddings:
+            self.mtp_embeddings.weight = self.output.weight
         if args.rope_local_theta:  # Gemma 3: the windowed layers' own base, no scaling
             self.rotary_local = Rotary(args.with_(rope_theta=args.rope_local_theta, rope_scaling=""))
 
@@ -459,14 +464,19 @@ class Transformer(nn.Module):
         if last:
             h = h[:, -1:]
         if self.output is not None:
-            h = self.norm(h)
+            x, h = h, self.norm(h)
             if self.mtp is not None and routing is not None and routing.mtp is not None and not last:
-                add_mtp_losses(self, h, cos, sin, doc_ids, routing.mtp, routing.pending)  # model/mtp.py
+                # h⁰: the final norm's output; under tensor parallelism before the head's region
+                # entry (parallel/tensor_mtp.py)
+                h0 = self.norm.normed(x) if hasattr(self.norm, "normed") else h
+                add_mtp_losses(self, h0, cos, sin, doc_ids, routing)  # model/mtp.py
             h = self.output(h) if head_fn is None else head_fn(h, self.output)
         return h
 
     def embed(self, x: Tensor) -> Tensor:
-        h = self.tok_embeddings(x)
+        """The input embedding of tokens x (multi-token prediction's too: the copy on a
+        pipeline's last stage where the chunk has none)."""
+        h = (self.tok_embeddings if self.tok_embeddings is not None else self.mtp_embeddings)(x)
         if self.args.embed_scale != 1.0:  # Gemma: × √dim, rounded to the activations' dtype
             h = h * torch.tensor(self.args.embed_scale, dtype=h.dtype)
         return h

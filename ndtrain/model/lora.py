@@ -32,7 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")
+from .args import linear_shapes, lora_layers
+
+TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3", "wq_a", "wq_b", "wkv_a", "wkv_b")  # the last four: MLA's
 INITS = ("zero_b", "random")
 # Our layer names → the module names PEFT's target_modules use on a Hugging Face Llama.
 HF_MODULES = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "w1": "gate_proj", "w3": "up_proj",
@@ -133,7 +135,7 @@ def head_rows(args, embed: nn.Module | None) -> TokenRows | None:
 
 def linear(args, name: str, in_features: int, out_features: int, bias: bool = False) -> nn.Linear:
     """The linear layer `name` of a block: with an adapter when LoRA targets it."""
-    if args.lora_rank and name in args.lora_targets:
+    if args.lora_rank and name in lora_layers(args):
         return LoRALinear(in_features, out_features, bias, args.lora_rank, args.lora_alpha, args.lora_dropout)
     return nn.Linear(in_features, out_features, bias=bias)
 
@@ -151,8 +153,7 @@ def base_of(name: str) -> str:
 def a_std(name: str, args) -> float:
     """A's std: 1/√(3·in), the std of PEFT's Kaiming-uniform bound 1/√in."""
     layer = name.rsplit(".lora.", 1)[0].rsplit(".", 1)[1]
-    fan_in = {"wo": args.n_heads * args.head_dim, "w2": args.ffn_dim}.get(layer, args.dim)
-    return 1.0 / math.sqrt(3 * fan_in)
+    return 1.0 / math.sqrt(3 * linear_shapes(args)[layer][0])
 
 
 def freeze_base(model: nn.Module) -> int:

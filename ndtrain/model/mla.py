@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from .args import ModelArgs
 from .dtypes import widened
+from .lora import linear
 from .rope import scaling_of
 
 # DeepSeek's latent norms use this epsilon whatever rms_norm_eps says (transformers too).
@@ -97,15 +98,15 @@ class LatentAttention(nn.Module):
                                                        args.kv_lora_rank)
         self.interleave = args.rope_interleave
         if args.q_lora_rank:
-            self.wq_a = nn.Linear(args.dim, args.q_lora_rank, bias=False)
+            self.wq_a = linear(args, "wq_a", args.dim, args.q_lora_rank)
             self.q_a_norm = RMSNorm(args.q_lora_rank, LATENT_NORM_EPS)
-            self.wq_b = nn.Linear(args.q_lora_rank, heads * qk, bias=False)
+            self.wq_b = linear(args, "wq_b", args.q_lora_rank, heads * qk)
         else:
-            self.wq = nn.Linear(args.dim, heads * qk, bias=False)
-        self.wkv_a = nn.Linear(args.dim, self.rank + self.rope, bias=False)
+            self.wq = linear(args, "wq", args.dim, heads * qk)
+        self.wkv_a = linear(args, "wkv_a", args.dim, self.rank + self.rope)
         self.kv_a_norm = RMSNorm(self.rank, LATENT_NORM_EPS)
-        self.wkv_b = nn.Linear(self.rank, heads * (self.nope + self.v_dim), bias=False)
-        self.wo = nn.Linear(heads * self.v_dim, args.dim, bias=False)
+        self.wkv_b = linear(args, "wkv_b", self.rank, heads * (self.nope + self.v_dim))
+        self.wo = linear(args, "wo", heads * self.v_dim, args.dim)
         self.q_scale = softmax_scale(args)
         self.core = core
 

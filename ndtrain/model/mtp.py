@@ -24,11 +24,34 @@ so every schedule divides it by the step's target count with the token loss. The
 sums are kept for the metrics (`mtp_loss`: Σ over modules / D per target). Evaluation and
 generation do not run the modules (generation ignores them; no speculative decoding).
 
-The MTP block's MoE (if it has one) routes with its own router but records no statistics
-and no balance loss, and its selection bias is not updated by `train.moe_bias_rate`.
+The MTP block's MoE (if it has one) routes with its own router; its routing statistics join
+the step's MoE table as block "mtp.d" (the metrics' `moe` entry: loads, max violation, dead
+experts, and the balance term it would have, `aux_loss`), but it adds no balance loss to the
+objective and its selection bias is not updated by `train.moe_bias_rate`.
 
-Layouts: one process, data parallelism and ZeRO; tensor, pipeline, context and expert
-parallelism are refused with MTP (config/deepseek.py).
+Layouts (proofs: tests/test_deepseek_layouts.py, tests/test_mtp_layouts.py):
+- one process, data parallelism and ZeRO-1/2/3: the modules are part of the model;
+- pipelines (1F1B, ZB, DualPipeV, ...): the modules live on the last stage with the head. The
+  embedding reaches them as a copy that chunk holds (`Transformer.mtp_embeddings`, the tied
+  head's weight itself when the embeddings are tied), initialised to the embedding's values
+  (model/init.py), marked a duplicate (counted once by the gradient norm, never written by
+  checkpoints, read back from `tok_embeddings.weight`); after the backward its gradient and
+  the first stage's embedding gradient are summed (pipeline/stage.py `TiedEmbedding`, as a
+  tied head's are), so both copies take the same step and stay equal. The token ids need no
+  message: every stage has the micro-batch;
+- context parallelism (ring, all-gather, Ulysses): module d at position i reads token i + d,
+  which another cp rank may hold (the zigzag layout, parallel/context/layout.py), so the
+  inputs and targets of every module are computed from the whole rows before the
+  permutation (`lookahead`, `context.shard(..., mtp_depth)`) and permuted with the rest;
+  the hidden states never move (hᵈ_i depends on hᵈ⁻¹ at the same position); the modules'
+  attention cores are the context-parallel ones;
+- expert parallelism: the MTP block's experts are split over ep as the main blocks' are
+  (parallel/expert.py `parallelize`);
+- tensor parallelism (± sequence parallelism): the modules' blocks split as the main ones,
+  their input norms and projection whole on every rank (parallel/tensor_mtp.py). h⁰ and each
+  module's output are read by the next module *before* the head's region entry (the entry's
+  backward all-reduces over tp, which would sum the modules' gradient, whole on every rank,
+  tp times; under SP the stream is the rank's positions); the head reads them after it.
 """
 
 from __future__ import annotations
@@ -39,6 +62,7 @@ import torch
 from torch import Tensor, nn
 
 from .args import ModelArgs
+from .moe import RoutingLog
 
 IGNORE = -100
 
@@ -55,9 +79,16 @@ class MTPModule(nn.Module):
         self.block = block
         self.norm = norm(args.dim, args.norm_eps)
 
-    def forward(self, h: Tensor, e: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+    def forward(self, h: Tensor, e: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None = None,
+                stats=None, key: str = "") -> Tensor:
+        """(hᵈ as the head reads it, hᵈ as the next module reads it): the output norm's, the
+        same tensor but under tensor parallelism (parallel/tensor_mtp.py), where the head's is
+        after its region entry and the next module's before. `stats`: a RoutingLog that
+        records its MoE's routing statistics under `key`."""
         x = self.eh_proj(torch.cat((self.enorm(e), self.hnorm(h)), dim=-1))
-        return self.norm(self.block(x, cos, sin, doc_ids=doc_ids))
+        y = self.block(x, cos, sin, layer_key=key, doc_ids=doc_ids, routing=stats)
+        out = self.norm(y)
+        return out, (self.norm.normed(y) if hasattr(self.norm, "normed") else out)
 
 
 @dataclass
@@ -79,7 +110,12 @@ def shift(t: Tensor, d: int, fill) -> Tensor:
 
 def depth_batch(mb, d: int):
     """The micro-batch of module d: tokens t_{i+d}, targets t_{i+d+1} (IGNORE past the row's
-    end or where t_{i+d} is in another document than position i)."""
+    end or where t_{i+d} is in another document than position i). From the batch's
+    `mtp_tokens`/`mtp_targets` where `lookahead` attached them (context parallelism), else
+    by shifting the batch's own rows (whole rows: one process, data parallelism, ZeRO,
+    pipelines)."""
+    if mb.mtp_tokens is not None:
+        return replace(mb, tokens=mb.mtp_tokens[..., d - 1], targets=mb.mtp_targets[..., d - 1])
     targets = shift(mb.targets, d, IGNORE)
     if mb.doc_ids is not None:
         targets = targets.masked_fill(shift(mb.doc_ids, d, -1) != mb.doc_ids, IGNORE)
@@ -87,22 +123,45 @@ def depth_batch(mb, d: int):
     return replace(mb, tokens=shift(mb.tokens, d, 0), targets=targets, weights=weights)
 
 
-def hidden_states(model, h: Tensor, tokens: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None):
-    """Yield (d, hᵈ) for d = 1..D from h⁰ and the input tokens [b, s]."""
+def lookahead(mb, depth: int):
+    """`mb` (whole rows) with every module's input tokens and targets attached
+    ([b, s, depth]), so a layout that permutes or splits the positions (context parallelism's
+    zigzag, parallel/context/layout.py) gives each position what `depth_batch` would have
+    given it from the whole row: token t_{i+d} may sit in a chunk another rank holds. Per-
+    token loss weights (RL, DPO, which refuse multi-token prediction) are not carried."""
+    if mb.weights is not None:
+        raise ValueError("multi-token prediction's lookahead carries no per-token loss weights")
+    parts = [depth_batch(mb, d) for d in range(1, depth + 1)]
+    return replace(mb, mtp_tokens=torch.stack([p.tokens for p in parts], -1),
+                   mtp_targets=torch.stack([p.targets for p in parts], -1))
+
+
+def hidden_states(model, h: Tensor, tokens_of, cos: Tensor, sin: Tensor, doc_ids: Tensor | None, stats=None):
+    """Yield (d, hᵈ as the head reads it) for d = 1..D from h⁰; `tokens_of(d)`: module d's
+    input tokens [b, s].
+    `stats`: where the modules' MoE blocks record their routing (as "mtp.d")."""
     for d, module in enumerate(model.mtp.values(), start=1):
-        h = module(h, model.embed(shift(tokens, d, 0)), cos, sin, doc_ids)
-        yield d, h
+        out, h = module(h, model.embed(tokens_of(d)), cos, sin, doc_ids, stats, f"mtp.{d}")
+        yield d, out
 
 
-def add_losses(model, h: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None, step: MTPStep, pending: list) -> None:
-    """The MTP losses of the current micro-batch into `pending` (the step's model losses)."""
-    mb = step.batch
+def statistics_only(routing: RoutingLog) -> RoutingLog:
+    """A log that writes the routing statistics into `routing`'s tables and asks for no
+    balance loss (the MTP block's MoE: module docstring)."""
+    return RoutingLog(0.0, routing.keep, routing.counts, routing.balance, routing.dropped)
+
+
+def add_losses(model, h: Tensor, cos: Tensor, sin: Tensor, doc_ids: Tensor | None, routing: RoutingLog) -> None:
+    """The MTP losses of the current micro-batch into `routing.pending` (the step's model
+    losses), the MoE blocks' statistics into its tables."""
+    step = routing.mtp
+    batches = {d: depth_batch(step.batch, d) for d in range(1, len(model.mtp) + 1)}
     total = None
-    for d, hd in hidden_states(model, h, mb.tokens, cos, sin, doc_ids):
-        loss = step.loss_fn(model.output(hd), depth_batch(mb, d))
+    for d, hd in hidden_states(model, h, lambda d: batches[d].tokens, cos, sin, doc_ids, statistics_only(routing)):
+        loss = step.loss_fn(model.output(hd), batches[d])
         step.sums[d] = step.sums.get(d, 0.0) + loss.detach().double()
         total = loss if total is None else total + loss
-    pending.append(total * (step.weight / len(model.mtp)))
+    routing.pending.append(total * (step.weight / len(model.mtp)))
 
 
 @torch.no_grad()
@@ -115,4 +174,4 @@ def predict(model, tokens: Tensor) -> list[Tensor]:
     for key, layer in model.layers.items():
         h = layer(h, cos, sin, None, key)
     h = model.norm(h)
-    return [model.output(hd) for _, hd in hidden_states(model, h, tokens, cos, sin, None)]
+    return [model.output(hd) for _, hd in hidden_states(model, h, lambda d: shift(tokens, d, 0), cos, sin, None)]

@@ -264,7 +264,8 @@ def parallelize(model: nn.Module, mesh: ParallelMesh, sp: bool) -> None:
     experts this rank holds, the all-to-all dispatch, and the placement marks of the expert
     weights."""
     tp, cp, ep = mesh.group("tp"), mesh.group("cp"), mesh.group("ep")
-    for layer, moe in moe_blocks(model):
+    mtp = [m for name, m in model.named_modules() if isinstance(m, MoE) and name.startswith("mtp.")]  # model/mtp.py
+    for moe in [m for _, m in moe_blocks(model)] + mtp:
         if tp.active or cp.active:
             moe.tokens = SplitTokens(tp, sp, [g for g in (tp, cp) if g.active])
         n = moe.n_experts
@@ -335,6 +336,8 @@ class LoadBalance:
     def __init__(self, model: nn.Module, args: ModelArgs, mesh: ParallelMesh, aux_coef: float, bias_rate: float):
         self.mesh, self.args, self.aux_coef, self.rate = mesh, args, aux_coef, bias_rate
         self.rows = {layer: i for i, layer in enumerate(args.moe_layers)}
+        if args.mtp_depth and args.is_moe_layer(args.n_layers - 1):  # the MTP blocks' statistics (model/mtp.py)
+            self.rows.update({f"mtp.{d}": len(self.rows) + d - 1 for d in range(1, args.mtp_depth + 1)})
         self.blocks = dict(moe_blocks(model))
         self.counts: Tensor | None = None
         self.stats: dict | None = None
@@ -349,7 +352,7 @@ class LoadBalance:
         e = self.args.moe_experts
         table = torch.zeros(len(self.rows), e + 4, dtype=torch.float64, device=self.mesh.device)
         for key, counts in routing.counts.items():
-            row = self.rows[int(key)]
+            row = self.rows[int(key) if key.isdigit() else key]
             table[row, :e] = counts
             table[row, e] = routing.balance[key]
             table[row, e + 1] = routing.dropped[key]

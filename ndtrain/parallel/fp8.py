@@ -58,7 +58,13 @@ from ndtrain.model.moe import Experts
 from ndtrain.parallel.context.layout import zigzag_index
 from ndtrain.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
-LINEARS = ("layers.*.attention.w[qkvo]", "layers.*.feed_forward.w[123]", "layers.*.feed_forward.shared.w[123]")
+# Latent attention's up-projections too (model/mla.py); its down-projections wq_a and wkv_a stay
+# in the base dtype on every layout: under tp they are whole on every rank and their output's
+# gradient is a partial sum over tp, which fp8 would quantize per rank (Σ Q(part) ≠ Q(Σ part)),
+# so one process must not quantize them either. The multi-token prediction modules' blocks stay
+# in the base dtype.
+LINEARS = ("layers.*.attention.w[qkvo]", "layers.*.attention.wq_b", "layers.*.attention.wkv_b",
+           "layers.*.feed_forward.w[123]", "layers.*.feed_forward.shared.w[123]")
 EXPERTS = "layers.*.feed_forward.experts"
 STAY = ("embedding, output head, norms, attention core, router (norm statistics, softmax and routing "
         "in fp32)")

@@ -92,14 +92,18 @@ class Parallelized:
         routing statistics in `routing_stats` (collective)."""
         routing = self.balance.log() if self.balance is not None else None
         if self.mtp_weight is not None:  # its losses join the objective through the step's log
+            if self.mesh.shape.cp > 1 and micro_batches[0].mtp_tokens is None:  # a position's tokens ahead
+                raise ValueError("multi-token prediction under context parallelism reads the batch's lookahead: "
+                                 "shard it with context.shard(..., mtp_depth)")
             routing = routing if routing is not None else RoutingLog()
             routing.mtp = MTPStep(self.loss_fn, self.mtp_weight)
         local = self.schedule.run(micro_batches, n_targets, self.grad_sync, routing)
         if self.across_replicas is not None:
             self.across_replicas(local)
         if self.mtp_weight is not None:  # Σ over modules / depth, per target, summed over the ranks
-            sums = routing.mtp.sums
-            self.mtp_loss = self.reduce_loss(sum(sums.values()) * unscale / (len(sums) * n_targets))  # fp16: unscaled
+            sums = routing.mtp.sums  # none on a pipeline stage without the head: 0 there
+            local = sum(sums.values(), torch.zeros((), dtype=torch.float64, device=self.mesh.device))
+            self.mtp_loss = self.reduce_loss(local * unscale / (max(len(sums), 1) * n_targets))  # fp16: unscaled
         tp = self.mesh.group("tp")
         if tp.active:  # once per step: the sum of gradients each tp rank holds a part of
             tensor.sum_partial_grads(self.states.partial_grads("tp"), tp)
@@ -246,8 +250,11 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
         chunk.reset_rope(mesh.device)
         expert.materialize_buffers(chunk, mesh.device)
     if pipelined:
-        tied_trains = args.tie_embeddings and not args.lora_rank  # LoRA: a frozen embedding needs no sum
-        tied = TiedEmbedding(mesh, model, states.summed_grad, vshape(p.pp_schedule)) if tied_trains else None
+        # the last stage's copy of the embedding: the tied head, or multi-token prediction's input
+        # embedding (model/mtp.py); LoRA: a frozen embedding needs no sum
+        tied_trains = (args.tie_embeddings or args.mtp_depth) and not args.lora_rank
+        tied = TiedEmbedding(mesh, model, states.summed_grad, vshape(p.pp_schedule),
+                             args.tie_embeddings) if tied_trains else None
         schedule = PipelineSchedule(chunks, mesh, p.pp_schedule, p.pp_virtual, loss_fn, tied)
     else:
         schedule = SingleStage(model, loss_fn)
@@ -255,4 +262,5 @@ def build(args: ModelArgs, mesh: ParallelMesh, cfg: Config, objective: Callable 
     # multi-token prediction joins the token loss of pretraining and SFT (DPO and RL refuse it:
     # config/tasks.py)
     mtp_weight = t.mtp_weight if args.mtp_depth and objective is weighted_sum else None
-    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance, init.generated, mtp_weight)
+    return Parallelized(model, mesh, grad_sync, schedule, states, loss_fn, balance, init.generated,
+                        mtp_weight=mtp_weight)

@@ -84,6 +84,7 @@ from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import MoE, RMSNorm, Transformer, rms_norm, softcap, widened
 from ndtrain.model.lora import LoRA
+from ndtrain.parallel import tensor_mtp
 from ndtrain.parallel.placement import mark_partial, mark_region, mark_sharded
 from ndtrain.parallel.tensor_dropout import SequenceShardedDropout
 from ndtrain.parallel.vocab_loss import (VocabParallelCrossEntropy, VocabParallelNLL,  # noqa: F401 (re-exported)
@@ -308,7 +309,10 @@ class RegionEntryNorm(nn.Module):
             mark_partial(weight, ("tp",))
 
     def forward(self, x: Tensor) -> Tensor:
-        return enter_region(rms_norm(x, self.weight, self.eps, self.offset), self.group, self.sp)
+        return enter_region(self.normed(x), self.group, self.sp)
+
+    def normed(self, x: Tensor) -> Tensor:  # before the entry: what the MTP modules read (tensor_mtp.py)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
 
 class RegionEntry(nn.Module):
@@ -477,6 +481,8 @@ def _replicated(m: nn.Linear, c: Context) -> nn.Module:
     rank (each feeds every head); a rank's gradient covers its own heads only, so it is
     partial over tp, like a q/k norm weight's."""
     m.weight = mark_partial(c.param(m.weight), ("tp",))
+    if isinstance(getattr(m, "lora", None), LoRA):  # its adapter (model/lora.py): whole too, partial gradients
+        m.lora.a, m.lora.b = (mark_partial(c.param(p), ("tp",)) for p in (m.lora.a, m.lora.b))
     return m
 
 
@@ -484,8 +490,8 @@ def _dropout(m: nn.Dropout, c: Context) -> nn.Module:
     return SequenceShardedDropout(m.p, c.group) if c.sp else m
 
 
-def _moe_layer(c: Context) -> bool:
-    return c.args.is_moe_layer(int(c.name.split(".")[1]))
+def _moe_layer(c: Context) -> bool:  # an MTP module's block is of the last block's kind
+    return c.args.is_moe_layer(c.args.n_layers - 1 if c.name.startswith("mtp.") else int(c.name.split(".")[1]))
 
 
 def _ffn_norm(m: RMSNorm, c: Context) -> nn.Module:
@@ -547,6 +553,7 @@ PLAN: dict[str, Swap] = {
     "norm": _entry_norm,
     "output": _head,
 }
+PLAN.update(tensor_mtp.plan(PLAN, _plain_norm, _entry_norm, _embedding))  # multi-token prediction (model/mtp.py)
 
 
 def parallelize(model: Transformer, group: Group, sp: bool) -> Transformer:

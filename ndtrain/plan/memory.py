@@ -567,7 +567,7 @@ class Replay:
         c, v = s.c, s.vocab_local()
         kept = _loss_forward(s)[1]
         book.moment(gathered_parameters=self.kept, loss=_loss_backward(s))
-        book.add("loss", -kept)
+        book.add("loss", -kept * (1 + self.args.mtp_depth))  # the head's and each MTP module's (forward)
         if self.split:  # W still needs the loss's kept tensors and the logits' gradient (under TP: the same)
             self._keep(key, kept)
         now = self.gathered_in_backward(ch, len(ch.layer_ids))

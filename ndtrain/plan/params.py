@@ -90,6 +90,8 @@ def root_local(args: ModelArgs, chunk: Chunk, tp: int) -> int:
         n += args.dim
         if not (args.tie_embeddings and chunk.embed):
             n += table  # untied head, or a tied head's copy on the last stage
+        if args.mtp_depth and not chunk.embed and not args.tie_embeddings:
+            n += table  # multi-token prediction's copy of the embedding (model/mtp.py; tied: the head)
     return n
 
 

@@ -63,7 +63,7 @@ def measure(cfg: Config, mesh: ParallelMesh) -> dict:
     tokens = torch.randint(0, args.vocab_size, (rows, t.seq_len + 1), generator=g).to(mesh.device)
     rows = MicroBatch(tokens[:, :-1], tokens[:, 1:])
     if mesh.shape.cp > 1:  # this CP rank's tokens of each sequence, as the trainer gives them
-        rows = context.shard(rows, mesh.shape.cp, mesh.coord("cp"))
+        rows = context.shard(rows, mesh.shape.cp, mesh.coord("cp"), args.mtp_depth)
     micro = rows.split(t.micro_batch)
     for _ in range(2):  # the second step is the steady one: the optimizer state exists
         step.forward_backward(micro, float(t.global_batch * t.seq_len), measure_memory=True)

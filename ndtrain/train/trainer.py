@@ -136,7 +136,7 @@ class Trainer:
         rows = self.task.rows(split, step, start, start + per_rank)
         cp = self.mesh.group("cp")
         if cp.active:
-            rows = context.shard(rows, cp.size, cp.rank)
+            rows = context.shard(rows, cp.size, cp.rank, self.args.mtp_depth if self.par.mtp_weight else 0)
         n_targets = self.task.targets(rows)
         return StepData(rows.to(self.mesh.device).split(t.micro_batch), n_targets)
 

@@ -126,17 +126,21 @@ def apply(model: nn.Module, group: Group, impl: str, sp_group: Group | None = No
     its positions would be those of the local tokens, 0..S/cp−1, not the true ones."""
     plans = Plans(group)
     swapped = []
-    for name, block in getattr(model, "layers", nn.ModuleDict()).items():
+    blocks = [(f"layer {name}", f"layers.{name}", block)
+              for name, block in getattr(model, "layers", nn.ModuleDict()).items()]
+    mtp = getattr(model, "mtp", None) or {}  # multi-token prediction's blocks (model/mtp.py)
+    blocks += [(f"MTP module {d}'s block", f"mtp.{d}.block", module.block) for d, module in mtp.items()]
+    for label, name, block in blocks:
         core = getattr(getattr(block, "attention", None), "core", None)
         if not isinstance(core, AttentionCore):
             raise ConfigError("parallel.cp", group.size,
-                              f"layer {name} of {type(model).__name__} has no AttentionCore that takes each "
+                              f"{label} of {type(model).__name__} has no AttentionCore that takes each "
                               "token's position; context parallelism needs explicit positions")
         if core.softcap:
-            raise ConfigError("parallel.cp", group.size, f"layer {name} soft-caps its attention scores (Gemma 2); "
+            raise ConfigError("parallel.cp", group.size, f"{label} soft-caps its attention scores (Gemma 2); "
                               "context parallelism's attention kernels have no soft-capping")
         block.attention.core = ContextParallelAttention(group, impl, plans, core.window, core.rotate)
-        swapped.append(f"layers.{name}.attention.core")
+        swapped.append(f"{name}.attention.core")
         dropout = getattr(block, "dropout", None)
         if dropout is not None and dropout.p > 0:
             block.dropout = SequenceDropout(dropout.p, group, sp_group)

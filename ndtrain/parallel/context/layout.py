@@ -49,10 +49,15 @@ def gathered_index(seq_len: int, cp: int, device: torch.device | str | None = No
     return torch.cat([zigzag_index(seq_len, cp, r, device) for r in range(cp)])
 
 
-def shard(mb: MicroBatch, cp: int, rank: int) -> MicroBatch:
+def shard(mb: MicroBatch, cp: int, rank: int, mtp_depth: int = 0) -> MicroBatch:
     """This CP rank's tokens of every row: each [b, S] field permuted by the one zigzag
     index. Positions are made explicit (0..S-1 where the batch gave none), so RoPE keeps
-    each token's true position."""
+    each token's true position. `mtp_depth` > 0: first the inputs and targets of the
+    multi-token prediction modules, from the whole rows (model/mtp.lookahead: module d at
+    position i reads token i + d, which another rank may hold)."""
+    if mtp_depth:
+        from ndtrain.model.mtp import lookahead
+        mb = lookahead(mb, mtp_depth)
     b, s = mb.tokens.shape
     index = zigzag_index(s, cp, rank, mb.tokens.device)
     if mb.positions is None:

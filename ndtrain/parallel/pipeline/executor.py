@@ -231,6 +231,8 @@ class PipelineSchedule:
     def _forward(self, a: Action, x: torch.Tensor, mb: MicroBatch, step: _Step) -> None:
         """Adds the micro-batch's token loss to the step's on the last chunk."""
         set_micro(self.chunks[a.chunk], a.micro)
+        if a.chunk == self.n_chunks - 1 and step.routing is not None and step.routing.mtp is not None:
+            step.routing.mtp.batch = mb  # multi-token prediction reads the batch (model/mtp.py)
         out = self._chunk(a.chunk, x, mb, step.routing)
         if a.chunk == self.n_chunks - 1:
             token_loss = self.loss_fn(out, mb)

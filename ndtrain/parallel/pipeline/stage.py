@@ -36,12 +36,26 @@ def build_chunks(args: ModelArgs, mesh: ParallelMesh, cfg: Config, make: Callabl
     for c in local_chunks(mesh.coord("pp"), p.pp, p.pp_virtual, vshape(p.pp_schedule)):
         spec = specs[c]
         chunk = make(spec.layer_ids, spec.embed, spec.head)
-        if args.tie_embeddings and spec.head:
-            # The last stage's copy of the embedding: its gradient is summed with the first
-            # stage's (TiedEmbedding), and the global norm must count it once.
-            mark_duplicate(chunk.output.weight)
+        copy = embedding_copy(chunk, args)
+        if copy is not None:
+            # The last stage's copy of the embedding (the tied head, multi-token prediction's
+            # input embedding): its gradient is summed with the first stage's (TiedEmbedding),
+            # and the global norm and checkpoints must count it once.
+            mark_duplicate(copy)
         chunks[c] = chunk
     return chunks
+
+
+def embedding_copy(chunk: nn.Module, args: ModelArgs) -> torch.Tensor | None:
+    """The copy of the input embedding that a chunk with the output head and without the
+    embedding holds: the tied head's weight, or multi-token prediction's embedding
+    (model/mtp.py; one weight when both); None elsewhere."""
+    if getattr(chunk, "output", None) is None or getattr(chunk, "tok_embeddings", None) is not None:
+        return None
+    if args.tie_embeddings:
+        return chunk.output.weight
+    mtp = getattr(chunk, "mtp_embeddings", None)
+    return mtp.weight if mtp is not None else None
 
 
 class StageModel(nn.Module):
@@ -59,13 +73,16 @@ class StageModel(nn.Module):
         for chunk in chunks.values():
             if chunk.output is not None:
                 self.norm, self.output = chunk.norm, chunk.output
+                if chunk.mtp is not None:  # multi-token prediction (model/mtp.py), with the head
+                    self.mtp, self.mtp_embeddings = chunk.mtp, chunk.mtp_embeddings
 
     def forward(self, *args):
         raise RuntimeError("a pipeline stage is run by its schedule, chunk by chunk")
 
 
 class TiedEmbedding:
-    """Input embedding (first chunk) and output head (last chunk) are one weight held twice:
+    """Input embedding (first chunk) and its copy on the last chunk (the tied output head,
+    multi-token prediction's input embedding: `embedding_copy`) are one weight held twice:
     after the backward pass their gradients are summed over the two, so both copies take the
     same optimizer step and stay equal. `grad_of(weight)` is where the layout keeps the
     weight's synchronised gradient (its fp32 accumulator, or its ZeRO slice: the two ends
@@ -74,13 +91,16 @@ class TiedEmbedding:
     sum is local."""
 
     def __init__(self, mesh: ParallelMesh, model: nn.Module, grad_of: Callable[[torch.Tensor], torch.Tensor],
-                 v_shape: bool = False):
+                 v_shape: bool = False, tied: bool = True):
+        """`tied`: the copy is the output head (tied embeddings), else multi-token
+        prediction's embedding (`model.mtp_embeddings`)."""
         self.grad_of = grad_of
         self.group: Group | None = None
         self.weights: list[torch.Tensor] = []
+        copy = lambda: model.output.weight if tied else model.mtp_embeddings.weight  # noqa: E731 (last stage)
         if v_shape:
             if mesh.is_first_stage:
-                self.weights = [model.tok_embeddings.weight, model.output.weight]
+                self.weights = [model.tok_embeddings.weight, copy()]
             return
         for ranks in mesh.shape.group_ranks(("pp",)):  # every rank creates every group, in the same order
             ends = [ranks[0], ranks[-1]]
@@ -88,7 +108,7 @@ class TiedEmbedding:
             if mesh.rank in ends:
                 self.group = Group("pp_ends", ends, ends.index(mesh.rank), pg, mesh.stats, mesh.device)
         if self.group is not None:
-            self.weights = [model.tok_embeddings.weight if mesh.is_first_stage else model.output.weight]
+            self.weights = [model.tok_embeddings.weight if mesh.is_first_stage else copy()]
 
     def sync(self) -> None:
         if self.group is not None:
