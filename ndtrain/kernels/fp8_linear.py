@@ -253,10 +253,30 @@ def weight_grad(dy: Tensor, x: Tensor | Quantized, plan: LinearPlan, tokens: Dim
                          "weight_grad")
 
 
+# The CPU's answers, per process: off CUDA the back end depends on the recipe, the forced back
+# end, the dtype and the shapes only (there is no device capability to ask), and the fake-tensor
+# run costs about a second a layer shape on a loaded 2-core machine, paid by every run a test
+# process makes (a proof's reference, its twin, each layout).
+_CPU_ANSWERS: dict[tuple, dict[str, str]] = {}
+
+
 def predict_backends(plan: LinearPlan, tokens: Dim, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
     """The back end each of the layer's three matmuls takes for `tokens` rows of input in
     `dtype` on `device`: the layer's own code run on fake tensors (nothing computed, nothing
-    communicated), so it answers as the run does, compiled or not, and warns as it would."""
+    communicated), so it answers as the run does, compiled or not, and warns as it would
+    (on the CPU, the first time a process asks: `_CPU_ANSWERS`)."""
+    key = None
+    if device.type == "cpu":
+        key = (plan.recipe, plan.k, plan.n, plan.backend, tokens, tokens.index is None, dtype)
+        if key in _CPU_ANSWERS:
+            return dict(_CPU_ANSWERS[key])
+    answer = _predict(plan, tokens, dtype, device)
+    if key is not None:
+        _CPU_ANSWERS[key] = dict(answer)
+    return answer
+
+
+def _predict(plan: LinearPlan, tokens: Dim, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     local = replace(plan, k=plan.k.alone(), n=plan.n.alone(), saved_fp8=[0], backends={})
