@@ -439,7 +439,8 @@ class Fp8Experts(torch.autograd.Function):
     single process would quantize. Rowwise on CUDA sm90: the forward and the input gradient
     are one `_scaled_grouped_mm` each (their scales are per row, whatever the group); the
     weight gradient loops, since its scales run along each group's tokens. Otherwise every
-    product loops over the groups (`grouped_fp8` says why, once)."""
+    product loops over the groups (`grouped_fp8` says why, once). `keys`: each group's NVFP4
+    stochastic rounding keys (`expert_keys`), or None to round to nearest."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, segments: list[tuple[int, int, int]], plan: LinearPlan,
