@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The convergence study of docs/fp8.md: the default job (`ndtrain train`, 2 CPU processes or
 # every local GPU) in bf16 and in fp8 with each recipe (arms: tensorwise rowwise blockwise
-# mxfp8, and nvfp4, nvfp4-nohadamard, nvfp4-nosr), for each seed, one run after the other;
+# mxfp8, and nvfp4, nvfp4-nohadamard, nvfp4-nosr, nvfp4-1d, nvfp4-notail), for each seed, one run after the other;
 # and in fp32, a control: how far another precision's rounding alone moves a run from bf16's.
 # Every run evaluates every 50 steps (evaluation does not change training).
 # Usage: [STEPS=400] [ARMS="bf16 fp32 tensorwise rowwise blockwise"] [EXTRA="KEY=VALUE ..."] \
@@ -28,6 +28,8 @@ for s in $seeds; do
       nvfp4) precision=(train.precision=nvfp4) ;;
       nvfp4-nohadamard) precision=(train.precision=nvfp4 train.nvfp4_hadamard=false) ;;
       nvfp4-nosr) precision=(train.precision=nvfp4 train.nvfp4_stochastic_rounding=false) ;;
+      nvfp4-1d) precision=(train.precision=nvfp4 train.nvfp4_2d_weights=false) ;;
+      nvfp4-notail) precision=(train.precision=nvfp4 train.nvfp4_base_blocks=0) ;;
       *) precision=(train.precision=fp8 train.fp8_recipe="$arm") ;;
     esac
     t0=$(date +%s.%N)

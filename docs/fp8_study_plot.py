@@ -12,10 +12,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-ARMS = ("bf16", "fp32", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4", "nvfp4-nohadamard", "nvfp4-nosr")
+NV_ABLATIONS = ("nvfp4-nohadamard", "nvfp4-nosr", "nvfp4-1d", "nvfp4-notail")
+ARMS = ("bf16", "fp32", "tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4") + NV_ABLATIONS
 COLORS = {"bf16": "black", "fp32": "0.5", "tensorwise": "C0", "rowwise": "C1", "blockwise": "C2", "mxfp8": "C3",
-          "nvfp4": "C4", "nvfp4-nohadamard": "C5", "nvfp4-nosr": "C6"}
-FP8 = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4", "nvfp4-nohadamard", "nvfp4-nosr")
+          "nvfp4": "C4", "nvfp4-nohadamard": "C5", "nvfp4-nosr": "C6", "nvfp4-1d": "C7", "nvfp4-notail": "C8"}
+FP8 = ("tensorwise", "rowwise", "blockwise", "mxfp8", "nvfp4") + NV_ABLATIONS
 
 
 def curve(run: Path, key: str):

@@ -484,7 +484,6 @@ def test_rl_refuses_multi_token_prediction(tmp_path, capsys, monkeypatch):
      "gives 16 per rank"),
     (["train.precision=nvfp4", "parallel.cp=2", "--nproc", "2"],
      "parallel.cp = 2: nvfp4's Hadamard transform mixes runs of 16 tokens"),
-    (["train.precision=nvfp4", "model.preset=tiny-moe"], "train.precision = 'nvfp4': NVFP4 with MoE blocks is not built"),
     (["train.precision=nvfp4", "train.compile=true"], "train.compile = True: nvfp4's stochastic rounding"),
     (["train.nvfp4_hadamard=false"], "train.nvfp4_hadamard = False: applies only with train.precision=nvfp4"),
     (["train.precision=fp8", "train.nvfp4_base_blocks=2"], "train.nvfp4_base_blocks = 2: applies only with"),

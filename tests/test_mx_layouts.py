@@ -14,7 +14,9 @@ gradient's inputs, and stochastic rounding of the gradients, whose numbers are k
 token and feature index), so a layout draws the numbers one process draws. The model has 4
 KV heads (tiny has 2), so tp = 2 shards every projection into whole 32-element blocks, and
 NVFP4's sequence is 64 tokens, so cp = 2 cuts it into chunks of 16 (the Hadamard runs).
-NVFP4 has no MoE yet (config refuses it): MXFP8 proves expert parallelism.
+Under expert parallelism an expert's rows come from every ep rank's micro-batch: their
+numbers are keyed by that source's micro-batch in the global batch and the expert's global
+index (kernels/fp8_linear.expert_keys), so NVFP4 proves ep2 with stochastic rounding on.
 """
 
 import pytest
@@ -31,10 +33,10 @@ PP, ZB, EP = (("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
               ("pp2-zb", ["parallel.pp=2", "parallel.pp_schedule=zb"]), ("ep2", MOE + ["parallel.ep=2"]))
 # The default tier (the suite's 5-minute budget): NVFP4 (the recipe with the most to agree
 # on: tensor amaxes, Hadamard runs, random numbers) where a mechanism is needed (the amax over
-# tp, the numbers keyed by the global micro-batch under data parallelism), MXFP8 on experts;
-# the slow tier NVFP4 under cp2 and pp2 and MXFP8 on every dense row.
-DEFAULT = [("nvfp4", TP), ("nvfp4", ZERO3), ("mxfp8", EP)]
-SLOW = [("nvfp4", CP), ("nvfp4", PP)] + [("mxfp8", row) for row in (TP, CP, ZERO3, PP, ZB)] + [("nvfp4", ZB)]
+# tp, the numbers keyed by the global micro-batch under data parallelism and by the source
+# micro-batch and expert under ep); the slow tier NVFP4 under cp2 and pp2 and MXFP8 on every row.
+DEFAULT = [("nvfp4", TP), ("nvfp4", ZERO3), ("nvfp4", EP)]
+SLOW = [("nvfp4", CP), ("nvfp4", PP)] + [("mxfp8", row) for row in (TP, CP, ZERO3, PP, ZB, EP)] + [("nvfp4", ZB)]
 # NVFP4's options one at a time, on the rows their mechanisms touch.
 ABLATIONS = {"nvfp4-1d": ["train.nvfp4_2d_weights=false"], "nvfp4-nohadamard": ["train.nvfp4_hadamard=false"],
              "nvfp4-nosr": ["train.nvfp4_stochastic_rounding=false"]}
@@ -54,6 +56,9 @@ def _rows(data_dir, rows, broken=None):
         import ndtrain.parallel.fp8 as fp8_layout
         real = fp8_layout.begin_step
         fp8_layout.begin_step = lambda model, step, first: real(model, step, 0)
+    if broken == "expert rows keyed by the receiving rank":
+        import ndtrain.parallel.fp8 as fp8_layout
+        fp8_layout.ep_sources = lambda mesh: (0,) * mesh.group("ep").size
     return {(fmt, name): proof_in_rank(overrides(fmt, extra), data_dir) for fmt, (name, extra) in rows}
 
 
@@ -99,3 +104,11 @@ def test_rounding_keyed_by_the_ranks_own_micro_batches_fails(tiny_data):
     data parallelism draw other numbers than one process, and the proof catches it."""
     result = check([("nvfp4", ZERO3)], tiny_data, broken="rank-local micro-batches")
     assert result[("nvfp4", "zero3-dp2")] is not None
+
+
+@pytest.mark.slow
+def test_expert_rows_keyed_by_the_receiving_rank_fail(tiny_data):
+    """The control of NVFP4 on ep2: an expert's rows from the other rank's micro-batch keyed as
+    the receiving rank's own draw other numbers than one process, and the proof catches it."""
+    result = check([("nvfp4", EP)], tiny_data, broken="expert rows keyed by the receiving rank")
+    assert result[("nvfp4", "ep2")] is not None

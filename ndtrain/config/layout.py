@@ -254,9 +254,6 @@ def check_micro(cfg: Config, a: ModelArgs) -> None:
                                   f"element blocks: {what} = {full} gives {full / p.tp:g} per rank")
     if not nv:
         return
-    if a.is_moe:
-        raise ConfigError("train.precision", "nvfp4", "NVFP4 with MoE blocks is not built (its stochastic rounding "
-                          "of an expert's rows is not keyed across ep ranks yet); use fp8 with fp8_recipe=mxfp8")
     if p.cp > 1 and t.nvfp4_hadamard and (t.seq_len // (2 * p.cp)) % block:
         raise ConfigError("parallel.cp", p.cp, f"nvfp4's Hadamard transform mixes runs of 16 tokens: seq_len / (2·cp) "
                           f"= {t.seq_len / (2 * p.cp):g} tokens per chunk must be a multiple of 16")

@@ -90,10 +90,13 @@ class Rounding:
     step: int = 0
     first: int = 0
     micro: int = 0
+    per_rank: int = 0  # micro-batches per data-parallel rank and step (routed experts' sources)
 
-    def key(self, layer: str, what: str) -> tuple[int, int]:
-        """(the stream's key, the micro-batch's index in the step) for `layer`'s `what`."""
-        g = self.first + self.micro
+    def key(self, layer: str, what: str, ranks_away: int = 0) -> tuple[int, int]:
+        """(the stream's key, the micro-batch's index in the step) for `layer`'s `what`;
+        `ranks_away`: of the micro-batch that the data-parallel rank that many ranks after
+        this one runs now (the source of an expert's rows under expert parallelism)."""
+        g = self.first + ranks_away * self.per_rank + self.micro
         return mx.stream_key(self.seed, self.step, g, layer, what), g
 
 
@@ -250,10 +253,30 @@ def weight_grad(dy: Tensor, x: Tensor | Quantized, plan: LinearPlan, tokens: Dim
                          "weight_grad")
 
 
+# The CPU's answers, per process: off CUDA the back end depends on the recipe, the forced back
+# end, the dtype and the shapes only (there is no device capability to ask), and the fake-tensor
+# run costs about a second a layer shape on a loaded 2-core machine, paid by every run a test
+# process makes (a proof's reference, its twin, each layout).
+_CPU_ANSWERS: dict[tuple, dict[str, str]] = {}
+
+
 def predict_backends(plan: LinearPlan, tokens: Dim, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
     """The back end each of the layer's three matmuls takes for `tokens` rows of input in
     `dtype` on `device`: the layer's own code run on fake tensors (nothing computed, nothing
-    communicated), so it answers as the run does, compiled or not, and warns as it would."""
+    communicated), so it answers as the run does, compiled or not, and warns as it would
+    (on the CPU, the first time a process asks: `_CPU_ANSWERS`)."""
+    key = None
+    if device.type == "cpu":
+        key = (plan.recipe, plan.k, plan.n, plan.backend, tokens, tokens.index is None, dtype)
+        if key in _CPU_ANSWERS:
+            return dict(_CPU_ANSWERS[key])
+    answer = _predict(plan, tokens, dtype, device)
+    if key is not None:
+        _CPU_ANSWERS[key] = dict(answer)
+    return answer
+
+
+def _predict(plan: LinearPlan, tokens: Dim, dtype: torch.dtype, device: torch.device) -> dict[str, str]:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     local = replace(plan, k=plan.k.alone(), n=plan.n.alone(), saved_fp8=[0], backends={})
@@ -416,15 +439,17 @@ class Fp8Experts(torch.autograd.Function):
     single process would quantize. Rowwise on CUDA sm90: the forward and the input gradient
     are one `_scaled_grouped_mm` each (their scales are per row, whatever the group); the
     weight gradient loops, since its scales run along each group's tokens. Otherwise every
-    product loops over the groups (`grouped_fp8` says why, once)."""
+    product loops over the groups (`grouped_fp8` says why, once). `keys`: each group's NVFP4
+    stochastic rounding keys (`expert_keys`), or None to round to nearest."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, segments: list[tuple[int, int, int]], plan: LinearPlan) -> Tensor:
+    def forward(ctx, x: Tensor, w: Tensor, segments: list[tuple[int, int, int]], plan: LinearPlan,
+                keys: list | None = None) -> Tensor:
         x = row_major(x)
         why = grouped_fp8(x, w, plan)
         if why:
             warn_once(why)
-        ctx.plan, ctx.segments, ctx.grouped = plan, segments, why is None
+        ctx.plan, ctx.segments, ctx.grouped, ctx.keys = plan, segments, why is None, keys
         ctx.save_for_backward(x, w)
         if why is None:
             ctx.offs = _expert_offsets(segments, w.shape[0], x.device)
@@ -453,23 +478,46 @@ class Fp8Experts(torch.autograd.Function):
             if not torch.compiler.is_compiling():
                 plan.backends["input_grad"] = "scaled_grouped_mm"
         weights: dict[int, Quantized] = {}
-        for g, a, b in ctx.segments:
+        for i, (g, a, b) in enumerate(ctx.segments):
             rows, dy = x.narrow(0, a, b - a), grad.narrow(0, a, b - a)
             if b == a:
                 if need_dx and not ctx.grouped:
                     dx.append(x.new_zeros(0, x.shape[1]))
                 continue
-            tokens = Dim.whole(b - a)
-            dyq = quantize_grad(dy, plan, tokens)
+            tokens, sr = Dim.whole(b - a), ctx.keys[i] if ctx.keys else (None, None)
+            dyq = quantize_grad(dy, plan, tokens, sr[0])
             if need_dx and not ctx.grouped:
                 if g not in weights:
                     weights[g] = _quantize_weight(w.select(0, g), plan, plan.recipe.w_dgrad)
                 dx.append(input_grad(dy, w.select(0, g), plan, tokens, dyq, weights[g]))
             if need_dw:
-                dw[g] = dw[g] + weight_grad(dy, rows, plan, tokens, dyq, acc)
+                dw[g] = dw[g] + weight_grad(dy, rows, plan, tokens, dyq, acc, sr[1])
         dx = (torch.cat(dx) if dx else x.new_zeros(x.shape)) if need_dx else None
-        return dx, torch.stack(dw).to(w.dtype) if need_dw else None, None, None
+        return dx, torch.stack(dw).to(w.dtype) if need_dw else None, None, None, None
 
 
-def fp8_expert_matmul(x: Tensor, w: Tensor, counts: Tensor, plan: LinearPlan) -> Tensor:
-    return Fp8Experts.apply(x, w, segments_of(counts), plan)
+def expert_keys(counts: Tensor, plan: LinearPlan, layer: str, first_expert: int = 0,
+                sources: tuple[int, ...] = (0,)) -> list | None:
+    """NVFP4's stochastic rounding keys of each group of rows (`segments_of`'s order): the
+    input- and weight-gradient streams of expert `first_expert + g` (its global index) of
+    `layer`, for the micro-batch its rows came from: `sources[s]` data-parallel ranks away for
+    source s (under expert parallelism, each rank of the ep group; else this rank's own). So
+    an expert's rows draw the numbers one process draws for that micro-batch and expert,
+    whichever rank holds the expert. Each group's numbers start at its first row (the key
+    names the micro-batch): row i, feature f of the group padded with zero rows to whole
+    blocks draws the same number, padded or not. None without stochastic rounding."""
+    rounding = plan.nv.rounding if plan.nv is not None else None
+    if rounding is None:
+        return None
+    per = counts if counts.dim() == 2 else counts[:, None]
+    keys = []
+    for g in range(per.shape[0]):
+        name = f"{layer}.{first_expert + g}"
+        for s in range(per.shape[1]):
+            away = sources[s] if per.shape[1] > 1 else 0
+            keys.append(tuple((rounding.key(name, what, away)[0], 0) for what in ("input_grad", "weight_grad")))
+    return keys
+
+
+def fp8_expert_matmul(x: Tensor, w: Tensor, counts: Tensor, plan: LinearPlan, keys: list | None = None) -> Tensor:
+    return Fp8Experts.apply(x, w, segments_of(counts), plan, keys)

@@ -47,33 +47,23 @@ def e8m0_scale(amax: Tensor) -> Tensor:
 
 
 E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# The midpoints between neighbours, and whether a tie there goes up: to the even code
-# (mantissa bit 0: 0, 1, 2, 4), so up at 0.75, 1.75 and 3.5, down at 0.25, 1.25, 2.5 and 5.
-_MIDPOINTS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
 def round_e2m1(v: Tensor, u: Tensor | None = None) -> Tensor:
     """v (already scaled) on E2M1's grid, saturated at ±6: to nearest, ties to even (`u` None),
     or stochastically: up with probability (|v| − lower) / (upper − lower), given `u` uniform
-    in [0, 1). Both by a search among the grid's points (every operation exact)."""
+    in [0, 1). The grid is evenly spaced within each binade: steps of 1/2 below 2, of 1 below
+    4, of 2 up to 6, so a magnitude over its step is rounded as an integer (every operation
+    exact: a division by a power of two), and an even multiple of the step is the code with
+    mantissa bit 0 (0, 1, 2, 4), the tie's choice, which is torch.round's half-to-even."""
     a = v.abs().clamp_(max=E2M1_MAX)
-    grid = torch.tensor(E2M1_GRID, dtype=a.dtype, device=a.device)
+    step = torch.where(a < 2, 0.5, torch.where(a < 4, 1.0, 2.0)).to(a.dtype)
     if u is None:
-        # A tie that goes up: its boundary a hair below the midpoint, so the midpoint lands above.
-        mids = torch.tensor([m for m, _ in _MIDPOINTS], dtype=a.dtype, device=a.device)
-        up = torch.tensor([t for _, t in _MIDPOINTS], device=a.device)
-        mids = torch.where(up, torch.nextafter(mids, torch.zeros_like(mids)), mids)
-        out = _at(grid, torch.bucketize(a, mids))
+        out = torch.round(a / step) * step
     else:
-        i = (torch.bucketize(a, grid, right=True) - 1).clamp_(max=len(E2M1_GRID) - 2)
-        low, high = _at(grid, i), _at(grid, i + 1)
-        out = torch.where(u.to(a.dtype) * (high - low) < a - low, high, low)
+        low = torch.floor(a / step) * step
+        out = torch.where(u.to(a.dtype) * step < a - low, low + step, low)
     return torch.copysign(out, v)
-
-
-def _at(grid: Tensor, i: Tensor) -> Tensor:
-    """grid[i] by index_select (a fake CUDA tensor cannot be indexed with [] on CPU-only torch)."""
-    return grid.index_select(0, i.flatten()).view(i.shape)
 
 
 def quantize_mx(x: Tensor, dims: tuple[Dim, Dim], blocks: tuple[int, int]) -> Quantized:

@@ -50,8 +50,8 @@ from torch import Tensor, nn
 
 from ndtrain.comm import ops
 from ndtrain.kernels.fp8 import Dim
-from ndtrain.kernels.fp8_linear import (RECIPES, ROUNDING, LinearPlan, Nvfp4, Rounding, fp8_expert_matmul,
-                                       fp8_linear, predict_backends)
+from ndtrain.kernels.fp8_linear import (RECIPES, ROUNDING, LinearPlan, Nvfp4, Rounding, expert_keys,
+                                       fp8_expert_matmul, fp8_linear, predict_backends)
 from ndtrain.mesh import Group, ParallelMesh
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.moe import Experts
@@ -145,11 +145,25 @@ class _Product:
 
 
 class _ExpertProduct:
-    def __init__(self, plan: LinearPlan):
-        self.plan = plan
+    """The fp8 product of one routed-expert weight (`layer`: its name; `first_expert`: the
+    global index of this rank's first expert; `sources`: how many data-parallel ranks away
+    each ep rank is, whose micro-batches' rows arrive here: NVFP4's rounding keys)."""
+
+    def __init__(self, plan: LinearPlan, layer: str = "", first_expert: int = 0, sources: tuple[int, ...] = (0,)):
+        self.plan, self.layer, self.first_expert, self.sources = plan, layer, first_expert, sources
 
     def __call__(self, x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
-        return fp8_expert_matmul(x, w, counts, self.plan)
+        return fp8_expert_matmul(x, w, counts, self.plan,
+                                 expert_keys(counts, self.plan, self.layer, self.first_expert, self.sources))
+
+
+def ep_sources(mesh: ParallelMesh) -> tuple[int, ...]:
+    """For each rank of this rank's ep group, in its order: its data-parallel index minus this
+    rank's (an ep group lies within the data-parallel ranks: MoE with fp8 has cp = 1)."""
+    ep, dp = mesh.group("ep"), mesh.group("dp")
+    if not ep.active:
+        return (0,)
+    return tuple(dp.ranks.index(r) - dp.rank for r in ep.ranks)
 
 
 def _swap(module: nn.Module, plan_for, tp: Group, name: str):
@@ -202,8 +216,9 @@ def apply(model: nn.Module, mesh: ParallelMesh, recipe: str, backend: str | None
             done.append(name)
         elif fnmatchcase(name, EXPERTS) and isinstance(module, Experts):
             for w in ("w1", "w2", "w3"):
-                _, n, k = getattr(module, w).shape
-                module.matmuls[w] = _ExpertProduct(plan_for(Dim.whole(k), Dim.whole(n), experts=True))
+                local, n, k = getattr(module, w).shape
+                module.matmuls[w] = _ExpertProduct(plan_for(Dim.whole(k), Dim.whole(n), experts=True), f"{name}.{w}",
+                                                   mesh.group("ep").rank * local, ep_sources(mesh))
             done.append(name)
     return done
 
@@ -215,11 +230,13 @@ def recipe_of(t) -> str | None:
     return t.fp8_recipe if t.precision == "fp8" else None
 
 
-def options(t, n_layers: int) -> tuple[Nvfp4 | None, frozenset[int]]:
-    """NVFP4's options and tail for a train section (None and no tail otherwise)."""
+def options(t, n_layers: int, dp_size: int = 1) -> tuple[Nvfp4 | None, frozenset[int]]:
+    """NVFP4's options and tail for a train section (None and no tail otherwise); `dp_size`
+    gives the micro-batches per data-parallel rank (routed experts' rounding keys)."""
     if t.precision != "nvfp4":
         return None, frozenset()
-    rounding = Rounding(t.seed) if t.nvfp4_stochastic_rounding else None
+    per_rank = t.global_batch // dp_size // t.micro_batch if t.micro_batch else 1
+    rounding = Rounding(t.seed, per_rank=per_rank) if t.nvfp4_stochastic_rounding else None
     return Nvfp4(t.nvfp4_hadamard, rounding, t.seed), base_blocks(n_layers, t.nvfp4_base_blocks)
 
 

@@ -177,7 +177,7 @@ def decoder(args: ModelArgs, mesh: ParallelMesh, cfg: Config):
     tp, cp = mesh.group("tp"), mesh.group("cp")
     if args.lora_tokens and (tp.active or mesh.shape.pp > 1):  # the command refuses it (config/lora.py)
         raise ValueError("LoRA's trained token rows (model/lora.TokenRows) are not split over tp or pp")
-    nv, tail = fp8.options(cfg.train, args.n_layers)  # one rounding state for every chunk of this rank
+    nv, tail = fp8.options(cfg.train, args.n_layers, mesh.dp_size)  # one rounding state for every chunk of this rank
 
     def make(layer_ids=None, embed: bool = True, head: bool = True) -> Transformer:
         if tp.active:
