@@ -232,6 +232,7 @@ def _cli(run: Path, corpus: Path, cache: Path, *extra: str) -> list[str]:
             "run.progress=false", *extra]
 
 
+@pytest.mark.slow  # the 5-minute budget: test_stop's SIGTERM to the group and the one-process Ctrl-C below stay
 def test_ctrl_c_saves_at_the_step_boundary_and_one_run_holds_a_run_dir(tmp_path, capsys):
     """Ctrl-C (SIGINT to the whole process group, as a terminal sends it): every rank
     finishes its step, a checkpoint of that step is written, the command exits 130 with no
