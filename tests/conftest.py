@@ -4,16 +4,17 @@ import sys
 # Ranks started by the harness import test modules by name.
 sys.path.insert(0, os.path.dirname(__file__))
 
-# NDTRAIN_TEST_THREADS=N: N torch threads in every process of the suite (this one, the CLI runs
-# it makes and the processes they start: run.threads=0 takes OMP_NUM_THREADS). Unset, torch
-# chooses. On a loaded 2-core machine N=1 helps a lot: a second thread per tiny matmul costs
-# more in contention than it gains (a 40x64 @ 64x128 matmul: 20 us on one thread, 0.6-1.8 ms
-# on two at load 12; an SFT subset 14 s against 86 s). On an idle one it does not (the
-# layout and TP files: 43 s against 38 s), so it is not the default.
-if os.environ.get("NDTRAIN_TEST_THREADS"):
-    os.environ["OMP_NUM_THREADS"] = os.environ["NDTRAIN_TEST_THREADS"]
+# One torch thread in every process of the suite (this one, the CLI runs it makes and the
+# processes they start: run.threads=0 takes OMP_NUM_THREADS); NDTRAIN_TEST_THREADS=N sets N,
+# 0 leaves torch's choice. The suite's models are tiny, and on a 2-core machine a second
+# thread per tiny matmul costs more in contention with a test's other processes than it
+# gains: the whole default tier took 322 s on one thread against 364 s on torch's two (idle,
+# 2026-11-28); under load a 40x64 @ 64x128 matmul took 20 us on one thread, 0.6-1.8 ms on two.
+THREADS = os.environ.get("NDTRAIN_TEST_THREADS", "1")
+if THREADS != "0":
+    os.environ["OMP_NUM_THREADS"] = THREADS
     import torch
-    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    torch.set_num_threads(int(THREADS))
 
 import pytest  # noqa: E402
 

@@ -124,7 +124,7 @@ DEFAULT_TIER = {
     2: {"dp2-accumulation", "pp2-afab-m2", "pp2-1f1b-m4", "pp2-zb-m4", "pp2-zbv-m4-pp_virtual=2",
         "pp2-dualpipev-m4-pp_virtual=2-preset=small", "zero1", "zero2",
         "zero3-accumulation-keep-gathered", "zero3-recompute-selective", "tp2-sp", "tp2-sp-small-tied"},
-    4: {"hsdp2x2-zero3", "tp2-sp-dp2-zero3", "pp2-zb-m4-tp=2", "pp2-interleaved-m2-dp=2-zero=3-pp_virtual=2"},
+    4: {"hsdp2x2-zero3", "tp2-sp-dp2-zero3", "pp2-interleaved-m2-dp=2-zero=3-pp_virtual=2"},  # pp×tp: the 8-rank row
     8: {"pp2-1f1b-m2-tp=2-dp=2"},
 }
 

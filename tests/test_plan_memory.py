@@ -41,8 +41,14 @@ EXTRA_4 = [("cp2-tp2-ulysses", ["parallel.cp=2", "parallel.tp=2", "parallel.cp_i
            ("tiny-moe-ep4-zero1", ["model.preset=tiny-moe", "parallel.ep=4", "parallel.zero=1"])]
 # The default tier measures the layout matrix's default rows and the extra ones; the slow tier
 # the rest of the matrix.
-ROWS = {world: tier(world, slow=False) + {2: EXTRA, 4: EXTRA_4}.get(world, []) for world in LAYOUTS}
-SLOW_ROWS = {world: tier(world, slow=True) for world in LAYOUTS}
+# At 2 ranks the default tier measures one row of each family of the matrix's default rows
+# (the others join the slow tier's rows).
+FAMILIES_2 = {"dp2-accumulation", "pp2-1f1b-m4", "pp2-zb-m4", "pp2-dualpipev-m4-pp_virtual=2-preset=small",
+              "zero3-accumulation-keep-gathered", "tp2-sp"}
+ROWS = {world: [row for row in tier(world, slow=False) if world != 2 or row[0] in FAMILIES_2]
+        + {2: EXTRA, 4: EXTRA_4}.get(world, []) for world in LAYOUTS}
+SLOW_ROWS = {world: tier(world, slow=True) + [row for row in tier(world, slow=False) if world == 2 and row[0] not in FAMILIES_2]
+             for world in LAYOUTS}
 
 
 def _config(overrides, world):
