@@ -239,6 +239,17 @@ def assert_proof(run: dict, ref: dict) -> dict:
             "state": assert_tensors_close(run["state"], ref["state"], tol["state"], "final weight"), **worst}
 
 
+def prove(label: str, run: dict, ref: dict) -> dict:
+    """`assert_proof` with the row's label on a failure; prints the deviations (-s)."""
+    try:
+        d = assert_proof(run, ref)
+    except AssertionError as e:
+        raise AssertionError(f"{label}: {e}") from None
+    print(f"{label}: gradients {d['grads']:.1e}, weights {d['state']:.1e}, "
+          f"losses {d['loss']:.1e}, norms {d['norm']:.1e}")
+    return d
+
+
 def unwritable_dir(tmp_path: Path) -> Path:
     """A directory nobody here can write to: read-only by mode, or /proc when we are root
     (root ignores modes; /proc takes no new entries)."""

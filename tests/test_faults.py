@@ -174,14 +174,8 @@ def _kill_at(plan: dict, trainer):
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0)
     if attempt not in plan or trainer.mesh.rank != plan[attempt][0]:
         return
-    at = trainer.step + plan[attempt][1]
-    run_step = trainer.train_step
-
-    def train_step(step):
-        if step == at:
-            os.kill(os.getpid(), signal.SIGKILL)
-        return run_step(step)
-    trainer.train_step = train_step
+    from ndtrain.bench.ft import kill_at_step
+    kill_at_step(trainer, trainer.step + plan[attempt][1])
 
 
 def _config(extra):

@@ -23,7 +23,7 @@ activation scale covers one micro-batch, and data parallelism does not split one
 
 import pytest
 
-from helpers import assert_proof, proof_in_rank, reference_in_rank
+from helpers import prove, proof_in_rank, reference_in_rank
 from ndtrain.testing import run_ranks
 
 MOE = ["model.preset=tiny-moe", "train.moe_aux_loss=0.01", "train.moe_bias_rate=0.001"]
@@ -67,12 +67,7 @@ def _check(results, references, rows):
     for (recipe, name), proof in results.items():
         overrides = dict(rows)[name]
         ref = references[recipe]["moe" if MOE[0] in overrides else "dense"]
-        try:
-            d = assert_proof(proof, ref)
-        except AssertionError as e:
-            raise AssertionError(f"fp8 {recipe} {name}: {e}") from None
-        print(f"fp8 {recipe} {name}: gradients {d['grads']:.1e}, weights {d['state']:.1e}, "
-              f"losses {d['loss']:.1e}, norms {d['norm']:.1e}")
+        prove(f"fp8 {recipe} {name}", proof, ref)
 
 
 def test_fp8_blockwise_layouts_equal_one_process(tiny_data):

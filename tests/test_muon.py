@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import assert_proof, proof_in_rank, reference_in_rank
+from helpers import prove, proof_in_rank, reference_in_rank
 from ndtrain.testing import run_ranks
 
 MUON = ["train.optimizer=muon"]
@@ -52,12 +52,7 @@ def _rows(data_dir, rows):
 def _check(results, refs, rows):
     for name, proof in results.items():
         ref = refs["moe" if MOE[0] in dict(rows)[name] else "dense"]
-        try:
-            d = assert_proof(proof, ref)
-        except AssertionError as e:
-            raise AssertionError(f"muon {name}: {e}") from None
-        print(f"muon {name}: gradients {d['grads']:.1e}, weights {d['state']:.1e}, "
-              f"losses {d['loss']:.1e}, norms {d['norm']:.1e}")
+        prove(f"muon {name}", proof, ref)
 
 
 @pytest.fixture(scope="module")

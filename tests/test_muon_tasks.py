@@ -1,7 +1,7 @@
 """Muon (train.optimizer=muon, issue 34) under the post-training tasks: SFT, DPO and RL each
 train with Muon on a 2-rank layout whose owners move matrices (tp2+sp for SFT and RL: every
 matrix split by rows or columns; ZeRO-3 dp2 for DPO: flat slices across matrices), equal to
-one process with Muon under the fp64 proofs' rule (tests/helpers.assert_proof), each task's
+one process with Muon under the fp64 proofs' rule (tests/helpers.prove), each task's
 own data and loss (tests/test_sft.py, test_dpo.py, test_rl.py). Every run states that its
 optimizer was Muon's, and the reference's weights differ from AdamW's on the same steps (the
 key reaches the task: a test that could not fail otherwise)."""
@@ -12,7 +12,7 @@ import functools
 
 import pytest
 
-from helpers import assert_proof, proof_in_rank, reference_in_rank
+from helpers import prove, proof_in_rank, reference_in_rank
 from ndtrain.testing import run_ranks
 from test_dpo import DPO_TEST, _dpo_task, make_pairs
 from test_rl import RL_PROOF, _rl_task
@@ -74,9 +74,4 @@ def test_muon_under_sft_dpo_and_rl_equals_one_process(task_files):
         assert ref["optimizers"] == run["optimizers"] == ["MuonAdamW"], (task, ref["optimizers"], run["optimizers"])
         moved = max(float((ref["state"][k] - ref["adamw_state"][k]).abs().max()) for k in ref["state"])
         assert moved > 1e-6, f"{task}: Muon's weights equal AdamW's"
-        try:
-            d = assert_proof(run, ref)
-        except AssertionError as e:
-            raise AssertionError(f"muon {task}: {e}") from None
-        print(f"muon {task}: gradients {d['grads']:.1e}, weights {d['state']:.1e}, "
-              f"losses {d['loss']:.1e}, norms {d['norm']:.1e}")
+        prove(f"muon {task}", run, ref)

@@ -49,8 +49,12 @@ def _kill(at: int, trainer) -> None:
         hit = env["NDTRAIN_REPLICA"] == "1" and env["NDTRAIN_REPLICA_INCARNATION"] == "0" and trainer.mesh.rank == 0
     else:
         hit = env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and trainer.mesh.rank == trainer.mesh.world // 2
-    if not hit:
-        return
+    if hit:
+        kill_at_step(trainer, at)
+
+
+def kill_at_step(trainer, at: int) -> None:
+    """This process dies by SIGKILL at the start of its trainer's step `at`."""
     run_step = trainer.train_step
 
     def train_step(step):
