@@ -574,7 +574,7 @@ DEFAULT_TIER = {
 }
 REFERENCES = {"plain": FP64, "packed": FP64, "dropout": FP64 + ["model.dropout=0.1"], "fp32": [],
               "bf16": ["train.precision=bf16"]}
-STEPS = ["train.steps=3"]  # TINY's 5 steps cost the budget two more without testing anything new
+STEPS = ["train.steps=3"]
 # Under NCCL's semantics (tests/nccl_like.py), equal to the same row on gloo bit for bit: the
 # ring's message groups and the all-gather back end by default, every row with -m slow.
 NCCL_DEFAULT = {2: {"cp2-ring", "cp2-allgather"}, 4: set()}

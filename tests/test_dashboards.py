@@ -47,7 +47,7 @@ def test_tensorboard_events_equal_metrics_jsonl_also_after_a_resume(tiny_data, t
     metrics.jsonl, which equals the uninterrupted run's steps."""
     pytest.importorskip("tensorboard")
     straight = tmp_path / "straight"
-    _fit(["run.tensorboard=true", "train.save_every=3"], tiny_data, straight)
+    _fit(["run.tensorboard=true", "train.save_every=3", "train.steps=5"], tiny_data, straight)
     records = read_metrics(straight / "metrics.jsonl")
     events = _events(straight / "tensorboard")
     assert events == _expected(records)
@@ -59,7 +59,7 @@ def test_tensorboard_events_equal_metrics_jsonl_also_after_a_resume(tiny_data, t
     copy_checkpoint(str(straight), 3, str(resumed))
     shutil.copy(straight / "metrics.jsonl", resumed / "metrics.jsonl")
     shutil.copytree(straight / "tensorboard", resumed / "tensorboard")
-    _fit(["run.tensorboard=true", "train.save_every=3"], tiny_data, resumed)
+    _fit(["run.tensorboard=true", "train.save_every=3", "train.steps=5"], tiny_data, resumed)
     again = read_metrics(resumed / "metrics.jsonl")
     assert [r["step"] for r in again] == list(range(5))
     assert [r["loss"] for r in again] == [r["loss"] for r in records]

@@ -1,6 +1,6 @@
 """FP8 equals FP8: every layout trains like one process in fp8 (issue 21, parallel/fp8.py).
 
-Each row trains TINY (or tiny-moe) for 5 steps with `train.precision=fp8`, its recipe, and
+Each row trains TINY (or tiny-moe) for 3 steps with `train.precision=fp8`, its recipe, and
 `train.fp8_base=fp64`: the block linears' matmul operands are fp8, everything else (and the
 matmuls' accumulation, kernels/fp8.py's "fp64" back end) is fp64. Rows are held to the
 fp64 proofs' rule (tests/helpers.py: first-step gradients at 1e-10 of each tensor's

@@ -1,6 +1,6 @@
 """The master test: every layout trains exactly like one process.
 
-Each row of LAYOUTS trains TINY for 5 steps in fp64 on the same seed and data as a single
+Each row of LAYOUTS trains TINY for 3 steps in fp64 on the same seed and data as a single
 process, with AdamW's default eps, and must match it (tests/helpers.py, issue 9):
 - every parameter's gradient after the first step, as the optimizer receives it (summed
   over every dimension, before clipping), element by element at 1e-10 of the tensor's

@@ -31,12 +31,14 @@ FORMATS = {"nvfp4": ["train.precision=nvfp4", "train.seq_len=64"],
 TP, CP, ZERO3 = ("tp2-sp", ["parallel.tp=2"]), ("cp2", ["parallel.cp=2"]), ("zero3-dp2", ["parallel.zero=3"])
 PP, ZB, EP = (("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
               ("pp2-zb", ["parallel.pp=2", "parallel.pp_schedule=zb"]), ("ep2", MOE + ["parallel.ep=2"]))
-# The default tier (the suite's 5-minute budget): NVFP4 (the recipe with the most to agree
+# The default tier: one row of every layout family. NVFP4 (the recipe with the most to agree
 # on: tensor amaxes, Hadamard runs, random numbers) where a mechanism is needed (the amax over
-# tp, the numbers keyed by the global micro-batch under data parallelism and by the source
-# micro-batch and expert under ep); the slow tier NVFP4 under cp2 and pp2 and MXFP8 on every row.
-DEFAULT = [("nvfp4", TP), ("nvfp4", ZERO3), ("nvfp4", EP)]
-SLOW = [("nvfp4", CP), ("nvfp4", PP)] + [("mxfp8", row) for row in (TP, CP, ZERO3, PP, ZB, EP)] + [("nvfp4", ZB)]
+# tp, the Hadamard runs of the chunks under cp, the numbers keyed by the global micro-batch
+# under data parallelism and by the source micro-batch and expert under ep), MXFP8 under the
+# zero-bubble pipeline (its weight gradient apart from its input gradient); the slow tier NVFP4
+# under both pipelines and MXFP8 on every other row.
+DEFAULT = [("nvfp4", TP), ("nvfp4", ZERO3), ("nvfp4", EP), ("nvfp4", CP), ("mxfp8", ZB)]
+SLOW = [("nvfp4", PP), ("nvfp4", ZB)] + [("mxfp8", row) for row in (TP, CP, ZERO3, PP, EP)]
 # NVFP4's options one at a time, on the rows their mechanisms touch.
 ABLATIONS = {"nvfp4-1d": ["train.nvfp4_2d_weights=false"], "nvfp4-nohadamard": ["train.nvfp4_hadamard=false"],
              "nvfp4-nosr": ["train.nvfp4_stochastic_rounding=false"]}

@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism: the operators, agreement with DTensor TP, the bytes on
 the wire, GQA splits, vocabulary padding, tied embeddings, dropout, bad input.
 
-(TP, TP × DP, TP × ZeRO-1/2/3 and TP × recomputation against one process over 5 steps are
+(TP, TP × DP, TP × ZeRO-1/2/3 and TP × recomputation against one process over 3 steps are
 rows of tests/test_layouts.py; the bit-exact resume of a TP layout is in tests/test_resume.py.)
 """
 
