@@ -323,6 +323,34 @@ def test_a_lost_groups_rows_are_requeued_to_a_live_group_and_the_run_equals_one_
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("schedule", [["parallel.pp_schedule=1f1b"],
+                                      ["parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"],
+                                      ["parallel.pp_schedule=zb"],
+                                      ["parallel.pp_schedule=zbv", "parallel.pp_virtual=2"],
+                                      ["parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2", "train.micro_batch=1"]],
+                         ids=["1f1b", "interleaved", "zb", "zbv", "dualpipev"])
+def test_requeued_parts_under_pipeline_parallelism_are_more_micro_batches_of_the_schedule(tiny_data, tmp_path,
+                                                                                          schedule, one_thread):
+    """run.lost_rows = "requeue" on 2 groups × pp2 (4 ranks): group 1's first stage dies
+    (SIGKILL) in step 3's backward, and the group rejoins before step 6. Group 0 trains each
+    queued part one step later as more micro-batches of one run of its pipeline schedule (2m
+    instead of m: 2 → 4 micro-batches, DualPipeV 4 → 8; the zero-bubble ones split their
+    backwards, DualPipeV overlaps F&B pairs); its two stages agree on it because the queue is
+    the same on every live rank. The weights equal one process that trained, at each step,
+    exactly the parts the metrics name. (The rejoined group's steps 6-7 also prove that the
+    groups' gradients are summed per parameter: a survivor's first-stage buckets are in
+    ready order, a restarted group's first step's are not.)"""
+    extra = ["train.steps=8", "run.lost_rows=requeue", "parallel.pp=2", "train.micro_batch=2", *schedule]
+    run = _replicas_run(tmp_path, tiny_data, extra, 4,
+                        {"faults": [(1, 0, 3, "backward", signal.SIGKILL)], "wait": [(6, 1)]})
+    used = _assert_equals_its_reference(run, extra, tiny_data, 8)
+    m = run["metrics"]
+    assert used[3:6] == [[0]] * 3 and used[6:] == [[0, 1]] * 2, used
+    assert [r["from_queue"] for r in m] == [[]] * 4 + [[[3, 1]], [[4, 1]], [[5, 1]], []], m
+    assert m[-1]["skipped_tokens"] == 0
+
+
+@pytest.mark.slow
 def test_the_requeued_parts_survive_a_resume_from_a_checkpoint(tiny_data, tmp_path, one_thread):
     """run.lost_rows = "requeue", 2 groups of 1 rank: group 1 dies at the start of step 3 and
     group 0 stops after step 5 (run.stop_after) before it is back, with group 1's part of
@@ -337,6 +365,20 @@ def test_the_requeued_parts_survive_a_resume_from_a_checkpoint(tiny_data, tmp_pa
     used = _assert_equals_its_reference(run, extra, tiny_data, 8)
     assert used[3:5] == [[0]] * 2 and used[5:] == [[0, 1]] * 3, used
     assert [r["from_queue"] for r in run["metrics"]] == [[]] * 4 + [[[3, 1]], [[4, 1]], [], []]
+
+
+def test_requeue_is_accepted_under_every_pipeline_schedule_and_refused_under_diloco():
+    """run.lost_rows = "requeue" validates with parallel.pp = 2 under each schedule (the
+    proof is the slow test above); under DiLoCo it stays refused: the issue defines that a
+    lost group misses its outer round."""
+    from ndtrain.config import ConfigError
+    base = ["parallel.dp_replicate=2", "run.fault_tolerance=replicas", "run.lost_rows=requeue", "train.micro_batch=1"]
+    for schedule in ("afab", "1f1b", "interleaved", "zb", "zbv", "dualpipev"):
+        v = 2 if schedule in ("interleaved", "zbv", "dualpipev") else 1
+        cfg = _config([*base, "parallel.pp=2", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={v}"], 4)
+        assert (cfg["run"]["lost_rows"], cfg["parallel"]["pp"]) == ("requeue", 2)
+    with pytest.raises(ConfigError, match="misses its outer round, as the issue defines it"):
+        _config([*base, "train.diloco_inner_steps=4"], 2)
 
 
 def test_the_requeue_puts_back_a_queued_part_whose_group_died():

@@ -32,16 +32,13 @@ def check_fault_tolerance(cfg: Config) -> None:
 
 
 def _check_requeue(cfg: Config) -> None:
-    r, t, p = cfg.run, cfg.train, cfg.parallel
+    r, t = cfg.run, cfg.train
     if r.fault_tolerance != "replicas":
         raise ConfigError("run.lost_rows", r.lost_rows, 'rows are re-queued between replica groups: set '
                           'run.fault_tolerance = "replicas"')
-    if t.diloco_inner_steps:
-        raise ConfigError("run.lost_rows", r.lost_rows, "DiLoCo's rounds do not re-queue rows yet: a lost group "
-                          "misses its round (use skip)")
-    if p.pp > 1:
-        raise ConfigError("run.lost_rows", r.lost_rows, "a re-queued part adds micro-batches to a step, and a "
-                          "pipeline schedule's count is fixed: use skip with parallel.pp > 1")
+    if t.diloco_inner_steps:  # issue 37: "with replicas a lost group simply misses an outer round"
+        raise ConfigError("run.lost_rows", r.lost_rows, "DiLoCo's rounds do not re-queue rows: a lost group "
+                          "misses its outer round, as the issue defines it (use skip)")
 
 
 def check_pretraining_only(cfg: Config, command: str) -> None:

@@ -83,9 +83,14 @@ class ReplicatedStates:
         return self.grad_sync.grad_of(p)
 
     def replica_grads(self) -> list[torch.Tensor]:
-        """The synchronised gradients a replica group sums with the others' (replicas/): the
-        buckets, flat."""
-        return [b.buffer for b in self.grad_sync.buckets]
+        """The synchronised gradients a replica group sums with the others' (replicas/), one
+        per parameter in registration order: not the buckets, whose layout is the ready
+        order of this process's first backward (data.DataParallel._reorder). A restarted
+        group's first step still has the registration order there, and where the two differ
+        (a pipeline's first stage registers its layers before the embedding) the groups'
+        buckets do not line up."""
+        params = {id(p): p for p in self.model.parameters() if p.requires_grad}
+        return [self.grad_sync.grad_of(p) for p in params.values()]
 
     def after_step(self) -> None:
         if self.masters is not None:

@@ -6,8 +6,9 @@ rank holds the same queue of parts not trained yet, oldest first, because it cha
 with what every rank agreed on (the lighthouse's quorums):
 - at a step's first quorum (joiners included), the i-th member by replica number takes the
   i-th oldest queued part on top of its own rows (`assign`): its micro-batches are its own
-  and then that part's, and the step's target count is the live groups' total, so the loss
-  is the mean over every row the step trained;
+  and then that part's (under pipeline parallelism, one run of the group's schedule over
+  all of them: 2m micro-batches), and the step's target count is the live groups' total,
+  so the loss is the mean over every row the step trained;
 - once the step committed over the groups `used`, the parts it did not train go to the
   queue (`settle`): the own part of each group missing from `used`, and the queued part a
   group that died during the step had taken (back to the front, where it was);
