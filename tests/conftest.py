@@ -36,3 +36,26 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# References shared by a feature's own file and tests/test_frontier_compositions.py, computed
+# once per session (a single-process fp64 run and its twin each), only when a test asks.
+@pytest.fixture(scope="session")
+def muon_refs(tiny_data):
+    from ndtrain.testing import run_ranks
+    from test_muon import _references
+    return run_ranks(_references, 1, tiny_data, True, timeout=600)[0]
+
+
+@pytest.fixture(scope="session")
+def deepseek_reference(tiny_data):
+    from ndtrain.testing import run_ranks
+    from test_deepseek_layouts import _reference
+    return run_ranks(_reference, 1, tiny_data)[0]
+
+
+@pytest.fixture(scope="session")
+def oss_reference(tiny_data):
+    from ndtrain.testing import run_ranks
+    from test_gpt_oss import _reference_run
+    return run_ranks(_reference_run, 1, tiny_data)[0]

@@ -14,7 +14,8 @@ down-projections), ring context parallelism (unequal q·k and v widths; the MTP 
 the zigzag layout), expert parallelism (group-limited routing), ZeRO-3 (flat slices) and the
 zero-bubble pipeline (the MTP module on the last stage with the head, reading the embedding
 through its copy there); the slow tier the other ZeRO stages, pipelines, back ends and tp
-without sp, and 3-D rows on 8 ranks.
+without sp, and 3-D rows on 8 ranks (ZeRO-3·tp2·cp2·ep2 in the default tier's
+tests/test_frontier_compositions.py).
 """
 
 import pytest
@@ -39,11 +40,10 @@ SLOW_ROWS = [("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
              ("cp2-allgather", ["parallel.cp=2", "parallel.cp_impl=allgather"]),
              ("cp2-ulysses", ["parallel.cp=2", "parallel.cp_impl=ulysses"])]
 ROWS_8 = [("dp2-tp2-pp2", ["parallel.dp=2", "parallel.tp=2", "parallel.pp=2"]),
-          ("zero3-tp2-cp2-ep2", ["parallel.dp=2", "parallel.zero=3", "parallel.tp=2", "parallel.cp=2",
-                                 "parallel.ep=2"]),
           ("pp2-cp2-ep2-dualpipev", ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2",
                                      "parallel.cp=2", "parallel.dp=2", "parallel.ep=2",
                                      "train.micro_batch=1"])]  # 4 micro-batches per dp rank for DualPipeV
+# ZeRO-3 × tp2 × cp2 × ep2: the default tier's tests/test_frontier_compositions.py
 
 
 def _reference(data_dir):
@@ -63,21 +63,16 @@ def _check(results, ref):
         prove(f"deepseek-v3-tiny {name}", proof, ref)
 
 
-@pytest.fixture(scope="module")
-def reference(tiny_data):
-    return run_ranks(_reference, 1, tiny_data)[0]
-
-
-def test_deepseek_layouts_equal_one_process(tiny_data, reference):
-    _check(run_ranks(_rows, 2, tiny_data, ROWS, timeout=600)[0], reference)
+def test_deepseek_layouts_equal_one_process(tiny_data, deepseek_reference):
+    _check(run_ranks(_rows, 2, tiny_data, ROWS, timeout=600)[0], deepseek_reference)
 
 
 @pytest.mark.slow
-def test_deepseek_other_layouts_equal_one_process(tiny_data, reference):
-    _check(run_ranks(_rows, 2, tiny_data, SLOW_ROWS, timeout=900)[0], reference)
+def test_deepseek_other_layouts_equal_one_process(tiny_data, deepseek_reference):
+    _check(run_ranks(_rows, 2, tiny_data, SLOW_ROWS, timeout=900)[0], deepseek_reference)
 
 
 @pytest.mark.slow
-def test_deepseek_3d_layouts_equal_one_process(tiny_data, reference):
-    _check(run_ranks(_rows, 8, tiny_data, ROWS_8, timeout=900)[0], reference)
+def test_deepseek_3d_layouts_equal_one_process(tiny_data, deepseek_reference):
+    _check(run_ranks(_rows, 8, tiny_data, ROWS_8, timeout=900)[0], deepseek_reference)
 
