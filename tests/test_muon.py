@@ -213,7 +213,7 @@ def _switch(data_dir, root):
     steps = ["train.steps=2", "train.save_every=2"]
     train(steps, data_dir, f"{root}/adamw")
     copy_checkpoint(f"{root}/adamw", 2, f"{root}/to_muon")
-    trainer = make_trainer(["train.steps=4"] + MUON, data_dir, f"{root}/to_muon")
+    trainer = make_trainer(MUON + ["train.steps=4"], data_dir, f"{root}/to_muon")
     trainer.start()
     opt = trainer.stepper.optimizer
     fresh = all(not opt.state[p]["momentum_buffer"].any() for g in opt.muon_groups for p in g["params"])
