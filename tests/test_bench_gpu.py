@@ -101,3 +101,39 @@ def test_a_failing_or_hanging_step_is_a_row(tmp_path):
     assert rows[2][1]["took"] < 30
     table = gpu.table({"device": "test"}, rows, tmp_path)
     assert all(f"| {s.name} |" in table for s in steps)
+
+
+def test_the_features_step_says_which_rows_failed():
+    from ndtrain.bench.gpu import _features_summary
+    rows = {"a": {"status": "ok"}, "b": {"status": "FAILED fp32 first-step gradients 3.0e-02 > 1e-04 (w)"},
+            "c": {"status": "ERROR RuntimeError: no kernel"}}
+    out = "a: ok\n" + json.dumps({"rows": rows, "ok": False})
+    assert _features_summary(out) == ("1/3 features ok; b: FAILED fp32 first-step gradients 3.0e-02 > 1e-04 (w); "
+                                      "c: ERROR RuntimeError: no kernel")
+
+
+def test_gradient_comparison_is_relative_to_each_tensor_and_a_nan_fails():
+    import torch
+    from ndtrain.bench.gpu_features import grad_gap
+    ref = {"big": torch.tensor([100.0, 1.0]), "small": torch.tensor([1e-3, 0.0])}
+    assert grad_gap({"big": torch.tensor([100.0, 1.01]), "small": ref["small"]}, ref) == (pytest.approx(1e-4), "big")
+    assert grad_gap({"big": ref["big"], "small": torch.tensor([1e-3, 1e-4])}, ref) == (pytest.approx(0.1), "small")
+    assert grad_gap({"big": torch.tensor([float("nan"), 1.0]), "small": ref["small"]}, ref)[0] == float("inf")
+    assert grad_gap({"big": ref["big"]}, ref)[0] == float("inf")
+
+
+@pytest.mark.slow
+def test_the_features_step_passes_on_the_cpu_and_finds_a_wrong_rotary():
+    """On a machine without a GPU the step's script runs with the CPU as the device (every row
+    ok: the same path twice); a rotary base the device side gets wrong (the kind of fault a
+    fused kernel makes) fails the fp32 gradient comparison of the row."""
+    import subprocess
+    import sys
+    from ndtrain.bench.gpu_features import GRAD_TOL, compare
+    out = subprocess.run([sys.executable, "-m", "ndtrain.bench.gpu_features", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout + out.stderr
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    assert data["ok"] and all(r["status"] == "ok" for r in data["rows"].values())
+    wrong = compare("gpt-oss tiny: sinks, windows, YaRN, biased experts", "cpu", device_extra=("model.rope_theta=5000",))
+    assert wrong["status"].startswith("FAILED") and wrong["grad_gap"] > 10 * GRAD_TOL, wrong

@@ -6,7 +6,9 @@ crash, a hang or a timeout is one failed row and the next step still runs.
 One GPU (within `TOTAL_BUDGET_S`): the probe of every CUDA-only call (bench/gpu_probe.py),
 the CUDA-marked tests (one line per test in the log, so a step killed at its limit still
 says what passed), the 1B preset at seq 2048 in bf16 and fp8, eager and compiled (tokens/s
-and MFU, bench/mfu.py), and generation with and without the KV cache.
+and MFU, bench/mfu.py), generation with and without the KV cache, and the frontier features
+(DeepSeek-V3, gpt-oss, Muon, MXFP8, NVFP4) on the device against the CPU
+(bench/gpu_features.py).
 
 Two or more GPUs add a stage (within `MULTI_BUDGET_S`): 3 bf16 steps of the small model on
 one GPU, then the same under dp2, tp2, pp2 with every schedule, cp2 (ring), ZeRO-3, and
@@ -22,7 +24,9 @@ command says so in one line and exits 2.
 Budgets: what each step took on an H200 (docs/benchmarks-gpu.md: the probe over 80 s with
 its compiled fp8 linears, the CUDA tests 75 s, the 1B steps 18-22 s eager and 30 s compiled
 in bf16, generation over 35 s) with room for a slower machine; fp8 compiled gets what bf16
-compiled gets (it compiles the quantizers too).
+compiled gets (it compiles the quantizers too). The features step has not run on a GPU yet:
+its 60 s are five tiny models' CPU runs (~3 s each on the H200 machine's 16 cores, estimated
+from 10-14 s on 2 loaded cores here) and two device runs each.
 """
 
 from __future__ import annotations
@@ -66,6 +70,12 @@ def _probe_summary(out: str) -> str:
     return f"{data['probes_ok']}/{data['probes']} calls ok" + (f"; failed: {'; '.join(failed)}" if failed else "")
 
 
+def _features_summary(out: str) -> str:
+    data = json.loads(_last_line(out))
+    bad = [f"{name}: {r['status']}" for name, r in data["rows"].items() if r["status"] != "ok"]
+    return f"{len(data['rows']) - len(bad)}/{len(data['rows'])} features ok" + (f"; {'; '.join(bad)}" if bad else "")
+
+
 def _pytest_summary(out: str) -> str:
     found = re.findall(r"=+ (.*(?:passed|failed|skipped|error|deselected).*) =+", out)
     if not found:
@@ -104,14 +114,16 @@ def _mfu(name: str, budget_s: int, *overrides: str) -> Step:
 def one_gpu_steps() -> list[Step]:
     return [
         Step("CUDA calls (bench/gpu_probe.py)", 110, ("ndtrain.bench.gpu_probe",), _probe_summary),
-        Step("CUDA tests (pytest -m cuda)", 100, ("pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "tests"),
+        Step("CUDA tests (pytest -m cuda)", 90, ("pytest", "-m", "cuda", "-v", "-p", "no:cacheprovider", "tests"),
              _pytest_summary, _pytest_progress),
         _mfu("1B, seq 2048, bf16, eager", 40, "train.precision=bf16"),
         _mfu("1B, seq 2048, bf16, compiled", 75, "train.precision=bf16", "train.compile=true"),
         _mfu("1B, seq 2048, fp8 tensorwise, eager", 40, "train.precision=fp8"),
         _mfu("1B, seq 2048, fp8 tensorwise, compiled", 75, "train.precision=fp8", "train.compile=true"),
-        Step("bench generate (KV cache vs none)", 60,
+        Step("bench generate (KV cache vs none)", 50,
              ("ndtrain.cli", "bench", "generate", "--rounds", "3", "train.precision=bf16"), _last_line),
+        Step("frontier features vs the CPU (bench/gpu_features.py)", 60, ("ndtrain.bench.gpu_features",),
+             _features_summary),
     ]
 
 
