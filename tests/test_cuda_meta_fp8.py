@@ -228,7 +228,8 @@ def grouped_calls(monkeypatch, calls):
 def fake_experts(recipe: str, dims=(DIM, HIDDEN), sources: int = 1, counts=None):
     """`Fp8Experts` forward and backward on fake CUDA tensors, w [E, N, K]; the warnings."""
     k, n = dims
-    counts = torch.tensor(SIZES)[:, None].expand(EXPERTS, sources) // sources if counts is None else counts
+    if counts is None:
+        counts = torch.tensor(SIZES)[:, None].expand(EXPERTS, sources) // sources
     plan, segments, rows = LinearPlan(RECIPES[recipe], Dim.whole(k), Dim.whole(n)), segments_of(counts), int(counts.sum())
     with warnings.catch_warnings(record=True) as caught, FakeTensorMode():
         warnings.simplefilter("always")

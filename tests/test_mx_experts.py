@@ -140,11 +140,12 @@ def grouped_2d_3d(call):
 def grouped_2d_2d(call):
     """The same for 2-D × 2-D (weight gradient): group e is columns offs[e-1]..offs[e] of
     mat_a and rows of mat_b; its scales start after the earlier groups' (rows rounded up to
-    128) × (their size // 32, rounded up to 4) scales; out [G, M, N]."""
+    128) × (their size // 32, rounded up to 4) scales; out [G, M, N], an empty group's left
+    as allocated (NaN here)."""
     a, b = call.mat_a.double(), call.mat_b.double()
     (m, _), n = a.shape, b.shape[1]
     sa, sb = e8m0(call.scale_a), e8m0(call.scale_b)
-    out, start, at_a, at_b = torch.zeros(len(call.offs), m, n, dtype=torch.float64), 0, 0, 0
+    out, start, at_a, at_b = torch.full((len(call.offs), m, n), float("nan"), dtype=torch.float64), 0, 0, 0
     for e, end in enumerate(call.offs.tolist()):
         size = end - start
         if size:
@@ -154,15 +155,6 @@ def grouped_2d_2d(call):
             out[e] = (a[:, start:end] * s_a) @ (b[start:end] * s_b)
         at_a, at_b, start = at_a + up(m, 128) * up(size // 32, 4), at_b + up(n, 128) * up(size // 32, 4), end
     return out
-
-
-def unpadded(t, counts):
-    """The rows of each group (expert × source), each group padded to a multiple of 32 in t."""
-    parts, at = [], 0
-    for rows in counts.flatten().tolist():
-        parts.append(t[at:at + rows])
-        at += up(rows, 32)
-    return torch.cat(parts)
 
 
 def exact_operands(*shape):
@@ -178,45 +170,57 @@ COUNTS = torch.tensor([[5, 21], [0, 0], [38, 3], [40, 17], [64, 0]])  # 32-block
 GK, GN = 96, 64  # K/32 = 3 and N/32 = 2 columns of scales: padded to 4; N rows of W's: padded to 128
 
 
-def grouped_equals_loop():
-    """The grouped calls' arguments built on the CPU, computed as the kernel reads them, against
-    the per-group loop (fp64 back end); bit for bit."""
+def grouped_equals_loop(monkeypatch):
+    """The MXFP8 experts with their grouped path taken on the CPU, each `_scaled_grouped_mm`
+    computed as the kernel reads its arguments, against the per-group loop (fp64 back end);
+    bit for bit, for y, dx and dW."""
     from ndtrain.kernels import mx_experts
-    from ndtrain.kernels.fp8_linear import segments_of
     x, dy = exact_operands(int(COUNTS.sum()), GK), exact_operands(int(COUNTS.sum()), GN)
     w = exact_operands(COUNTS.shape[0], GN, GK)
-    plan = LinearPlan(RECIPES["mxfp8"], Dim.whole(GK), Dim.whole(GN))
-    xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    y = fp8_expert_matmul(xx, ww, COUNTS, plan)
-    y.backward(dy)
-    assert plan.backends == {"forward": "fp64", "input_grad": "fp64", "weight_grad": "fp64"}
-    layout = mx_experts.Padded.of(segments_of(COUNTS), COUNTS.shape[0])
-    calls = [mx_experts.forward_call(x, w, layout, plan), mx_experts.input_grad_call(dy, w, layout, plan),
-             mx_experts.weight_grad_call(dy, x, layout, plan)]
-    got = (unpadded(grouped_2d_3d(calls[0]), COUNTS), unpadded(grouped_2d_3d(calls[1]), COUNTS),
-           grouped_2d_2d(calls[2]))
-    return [torch.equal(a, b) for a, b in zip(got, (y.detach(), xx.grad, ww.grad))], calls
+
+    def run():
+        plan = LinearPlan(RECIPES["mxfp8"], Dim.whole(GK), Dim.whole(GN))
+        xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = fp8_expert_matmul(xx, ww, COUNTS, plan)
+        y.backward(dy)
+        return (y.detach(), xx.grad, ww.grad), plan.backends
+
+    want, backends = run()
+    assert set(backends.values()) == {"fp64"}
+    calls = []
+
+    def kernel(call):
+        calls.append(call)
+        return grouped_2d_3d(call) if call.mat_b.dim() == 3 else grouped_2d_2d(call)
+    with monkeypatch.context() as m:
+        m.setattr(mx_experts, "why_not", lambda x, w, plan: None)
+        m.setattr(mx_experts.GroupedCall, "run", kernel)
+        got, backends = run()
+    assert backends == dict.fromkeys(("forward", "input_grad", "weight_grad"), "scaled_grouped_mm")
+    return [torch.equal(a, b) for a, b in zip(got, want)], calls
 
 
 def test_mxfp8_grouped_calls_read_as_the_kernel_reads_them_equal_the_loop(one_thread, monkeypatch):
-    """sm100's MXFP8 experts (kernels/mx_experts.py): the three `_scaled_grouped_mm` calls'
-    operands, scales and offsets, built on the CPU and computed as torch's kernel reads them
-    (the scale layout read back by cuBLAS's formula, not by `_swizzle`), equal the per-group
-    loop bit for bit: forward, input and weight gradients, groups of 3 to 64 rows from two
-    sources and an empty expert. Controls: padding groups to 16 rows instead of 32, or laying
-    the row groups' scales as one matrix (no 128-row padding per expert), misses."""
+    """sm100's MXFP8 experts (kernels/mx_experts.py) with each `_scaled_grouped_mm` computed
+    as torch's kernel reads its arguments (its group offsets; the scale layout read back by
+    cuBLAS's formula, not by `_swizzle`) equal the per-group loop bit for bit: forward, input
+    and weight gradients, groups of 3 to 64 rows from two sources and an empty expert (whose
+    gradient the kernel leaves as allocated). Controls: padding groups to 16 rows instead of
+    32 misses the weight gradient (its blocks of 32 tokens then hold two groups' rows); laying
+    the row groups' scales as one matrix (no 128-row padding per expert) misses the forward
+    and the input gradient."""
     from ndtrain.kernels import mx_experts
-    equal, calls = grouped_equals_loop()
+    equal, calls = grouped_equals_loop(monkeypatch)
     assert equal == [True, True, True]
     ends = calls[0].offs.tolist()
-    assert all(c.offs.tolist() == ends for c in calls)
+    assert len(calls) == 3 and all(c.offs.tolist() == ends for c in calls)
     assert all((b - a) % 32 == 0 for a, b in zip([0] + ends[:-1], ends)), "whole 32-blocks per expert"
     monkeypatch.setattr(mx_experts, "PAD", 16)
-    assert grouped_equals_loop()[0] == [False, False, False], "rows where the kernel does not read them"
+    assert grouped_equals_loop(monkeypatch)[0] == [True, True, False], "32-token blocks across two groups"
     monkeypatch.setattr(mx_experts, "PAD", 32)
 
     def one_matrix(scale, spans):
         rows = torch.cat([scale.narrow(0, s, n) for s, n in spans])
         return mx_experts._blocked(rows).view(-1, up(scale.shape[1], 4))
     monkeypatch.setattr(mx_experts, "_blocked_rows", one_matrix)
-    assert grouped_equals_loop()[0] == [False, False, True]
+    assert grouped_equals_loop(monkeypatch)[0] == [False, False, True]

@@ -54,7 +54,7 @@ from ndtrain.kernels.fp8 import Dim, row_major
 
 E8M0 = torch.float8_e8m0fnu
 PAD = mx.MX_BLOCK  # each group of rows padded to whole blocks along the tokens
-SM = 10  # torch's grouped MXFP8 kernel: compute capability 10.x only
+SM100 = (10, 0)  # where torch's own tests run its grouped MXFP8 kernel (IS_SM100)
 
 
 def _up(n: int, m: int) -> int:
@@ -81,12 +81,12 @@ def why_not(x: Tensor, w: Tensor, plan) -> str | None:
                 "not NVFP4's float4_e2m1fn_x2")
     cap = kernels.device_capability(x.device)  # looked up here, so the fake-tensor checks can patch it
     _, n, k = w.shape
-    if cap[0] != SM:
+    if cap != SM100:
         return lead + f"MXFP8 _scaled_grouped_mm needs sm100, this GPU is sm{cap[0]}{cap[1]}"
     if not grouped_built():
         return lead + "this torch was built without its MXFP8 grouped kernel (USE_MSLK)"
-    if x.dtype != torch.bfloat16:
-        return lead + f"MXFP8 _scaled_grouped_mm writes bf16, these experts run in {x.dtype}"
+    if x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+        return lead + f"MXFP8 _scaled_grouped_mm writes bf16, these experts run in {x.dtype} ({w.dtype} weights)"
     if k % mx.MX_BLOCK or n % mx.MX_BLOCK:
         return lead + f"MXFP8 _scaled_grouped_mm needs K and N multiples of 32 (K={k}, N={n})"
     if plan.k.size != plan.k.full or plan.n.size != plan.n.full:
