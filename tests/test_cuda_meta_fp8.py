@@ -218,21 +218,23 @@ def grouped_calls(monkeypatch, calls):
 
     def recorder(a, b, scale_a, scale_b, **kw):
         seen.append({"a": tuple(a.shape), "b": (tuple(b.shape), b.stride()), "sa": tuple(scale_a.shape),
-                     "sb": tuple(scale_b.shape), "offs": kw["offs"].dtype})
+                     "sb": tuple(scale_b.shape), "offs": kw["offs"].dtype, "a_stride": a.stride(),
+                     "dtypes": (a.dtype, b.dtype, scale_a.dtype, scale_b.dtype), "offs_shape": tuple(kw["offs"].shape)})
         return real(a, b, scale_a, scale_b, **kw)
     monkeypatch.setattr(torch, "_scaled_grouped_mm", recorder)
     return seen
 
 
-def fake_experts(recipe: str, dims=(DIM, HIDDEN), sources: int = 1):
+def fake_experts(recipe: str, dims=(DIM, HIDDEN), sources: int = 1, counts=None):
     """`Fp8Experts` forward and backward on fake CUDA tensors, w [E, N, K]; the warnings."""
     k, n = dims
-    counts = torch.tensor(SIZES)[:, None].expand(EXPERTS, sources) // sources
+    if counts is None:
+        counts = torch.tensor(SIZES)[:, None].expand(EXPERTS, sources) // sources
     plan, segments, rows = LinearPlan(RECIPES[recipe], Dim.whole(k), Dim.whole(n)), segments_of(counts), int(counts.sum())
     with warnings.catch_warnings(record=True) as caught, FakeTensorMode():
         warnings.simplefilter("always")
         x = torch.empty(rows, k, device=CUDA, dtype=torch.bfloat16)
-        w = torch.empty(EXPERTS, n, k, device=CUDA, dtype=torch.bfloat16)
+        w = torch.empty(counts.shape[0], n, k, device=CUDA, dtype=torch.bfloat16)
         ctx = Ctx()
         y = Fp8Experts.forward(ctx, x, w, segments, plan)
         assert y.shape == (x.shape[0], n) and y.device.type == "cuda"
@@ -283,6 +285,70 @@ def test_sm89_rowwise_experts_loop_and_say_so(grouped_calls, calls, monkeypatch)
     plan, warned = fake_experts("rowwise")
     assert grouped_calls == [] and set(plan.backends.values()) == {"scaled_mm_runs"}
     assert any("_scaled_grouped_mm needs sm90" in w for w in warned)
+
+
+# MXFP8 on sm100 (kernels/mx_experts.py): tiny-moe's experts (dim 64, 8 experts of 64; rows
+# from 2 sources, as under ep2: groups of 0 to 414 rows, most not whole 32-blocks) and the
+# probe's 8 experts at dim 2048 (w1 [8, 1024, 2048] and w2 [8, 2048, 1024]).
+TINY_COUNTS = torch.tensor([[130, 61], [0, 0], [77, 12], [301, 290], [5, 64], [64, 33], [33, 414], [414, 150]])
+MX_EXPERTS = {"tiny-moe w1": ((64, 64), TINY_COUNTS),
+              "dim 2048 w1": ((DIM, HIDDEN), torch.tensor(SIZES)[:, None]),
+              "dim 2048 w2, 2 sources": ((HIDDEN, DIM), torch.tensor(SIZES)[:, None].expand(EXPERTS, 2) // 2 + 3)}
+
+
+@pytest.fixture
+def sm100(monkeypatch, grouped_calls):
+    """sm100 and a torch built with its MXFP8 grouped kernel (USE_MSLK)."""
+    from ndtrain.kernels import mx_experts
+    monkeypatch.setattr(fp8, "device_capability", lambda device: (10, 0))
+    monkeypatch.setattr(mx_experts, "grouped_built", lambda: True)
+    return grouped_calls
+
+
+def up(n, m):
+    return -(-n // m) * m
+
+
+@pytest.mark.parametrize("case", sorted(MX_EXPERTS))
+def test_mxfp8_experts_run_one_scaled_grouped_mm_per_matmul_on_sm100(sm100, calls, case):
+    """Forward (2-D × 3-D), input gradient (2-D × 3-D) and weight gradient (2-D × 2-D, the
+    tokens grouped along K) are one `_scaled_grouped_mm` each that torch's meta kernel takes:
+    E4M3 operands, float8_e8m0fnu scales, mat_a row-major, mat_b column-major, int32 offsets.
+    Each group of rows padded to a multiple of 32 (T'); the scale sizes the kernel reads (the
+    meta checks the 3-D operand's only): per expert's rows padded to 128 for a 2-D operand
+    grouped by rows, per expert's tokens/32 padded to 4 for one grouped along K. The plan
+    reports the grouped op for all three, nothing warns, no `_scaled_mm` runs."""
+    (k, n), counts = MX_EXPERTS[case]
+    plan, warned = fake_experts("mxfp8", (k, n), counts=counts)
+    e8m0, e4m3 = torch.float8_e8m0fnu, torch.float8_e4m3fn
+    per_expert = [sum(up(c, 32) for c in row) for row in counts.tolist()]
+    t = sum(per_expert)
+    rows128 = sum(up(p, 128) for p in per_expert)
+    cols4 = sum(up(p // 32, 4) for p in per_expert)
+    g = len(per_expert)
+    assert [(c["a"], c["a_stride"], c["b"], c["sa"], c["sb"]) for c in sm100] == [
+        ((t, k), (k, 1), ((g, k, n), (n * k, 1, k)), (rows128, up(k // 32, 4)), (g, up(n, 128) * up(k // 32, 4))),
+        ((t, n), (n, 1), ((g, n, k), (n * k, 1, n)), (rows128, up(n // 32, 4)), (g, up(k, 128) * up(n // 32, 4))),
+        ((n, t), (t, 1), ((t, k), (1, t)), (up(n, 128), cols4), (up(k, 128), cols4))]
+    assert all(c["dtypes"] == (e4m3, e4m3, e8m0, e8m0) and c["offs"] == torch.int32 and c["offs_shape"] == (g,)
+               for c in sm100)
+    assert plan.backends == dict.fromkeys(("forward", "input_grad", "weight_grad"), "scaled_grouped_mm")
+    assert warned == [] and calls == []
+
+
+@pytest.mark.parametrize("recipe, cap, built, reason", [
+    ("nvfp4", (10, 0), True, "takes E4M3 operands only, not NVFP4's float4_e2m1fn_x2"),
+    ("mxfp8", (9, 0), True, "MXFP8 _scaled_grouped_mm needs sm100, this GPU is sm90"),
+    ("mxfp8", (10, 0), False, "built without its MXFP8 grouped kernel (USE_MSLK)")])
+def test_micro_scaled_experts_that_cannot_group_loop_and_say_why(sm100, monkeypatch, recipe, cap, built, reason):
+    """NVFP4 (torch 2.13's grouped product takes no fp4 operands), MXFP8 off sm100 or without
+    the kernel: the per-group loop, no grouped call, one warning naming the reason."""
+    from ndtrain.kernels import mx_experts
+    monkeypatch.setattr(fp8, "device_capability", lambda device: cap)
+    monkeypatch.setattr(mx_experts, "grouped_built", lambda: built)
+    plan, warned = fake_experts(recipe, (64, 64), counts=torch.tensor([[5, 3], [0, 0], [40, 0]]))
+    assert sm100 == [] and "scaled_grouped_mm" not in plan.backends.values()
+    assert sum(reason in w for w in warned) == 1 and f"{recipe} routed experts run one product per expert" in warned[0]
 
 
 def test_the_bf16_grouped_mm_as_the_moe_block_calls_it():

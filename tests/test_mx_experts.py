@@ -92,3 +92,135 @@ def test_expert_groups_equal_the_padded_dense_reference(recipe, one_thread):
         for other in (run(Rounding(3, step=2, first=2, micro=1, per_rank=2), sources=(0, 2))[0],
                       run(Rounding(3, step=2, first=2, micro=1, per_rank=2), first_expert=0)[0]):
             assert close(other[0], got[0]) and not close(other[2], got[2])
+
+
+# -- MXFP8's grouped product on sm100 (kernels/mx_experts.py), read back on the CPU ---------------
+
+def up(n, m):
+    return -(-n // m) * m
+
+
+def blocked(rows, cols):
+    """Where element (r, c) of a [rows, cols] scale matrix lies in cuBLAS's block-scaling
+    layout (cuBLAS docs, "1D block scaling factors layout"; torch's `to_blocked`): 128×4 tiles,
+    row-tile-major, each tile 512 bytes; inside one, (r % 32)·16 + (r % 128 // 32)·4 + c % 4."""
+    r, c = torch.arange(rows)[:, None], torch.arange(cols)[None, :]
+    tile = (r // 128) * (up(cols, 4) // 4) + c // 4
+    return tile * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4
+
+
+def e8m0(scale):
+    return scale.float().double().flatten()
+
+
+def read(flat, index):
+    """flat[index], NaN past its end (memory the kernel would read is not the scales)."""
+    return torch.where(index < flat.numel(), flat[index.clamp(max=flat.numel() - 1)], float("nan"))
+
+
+def grouped_2d_3d(call):
+    """What the kernel computes for 2-D × 3-D (forward, input gradient), as its offsets read
+    it: group e is rows offs[e-1]..offs[e] of mat_a; its scales start after the earlier groups'
+    rows each rounded up to 128, times K/32 rounded up to 4; expert e's scales are row e of
+    scale_b, [N, K/32] blocked."""
+    a, b = call.mat_a.double(), call.mat_b.double()
+    (m, k), (_, _, n) = a.shape, b.shape
+    cols = k // 32
+    sa, out, start, scale_row = e8m0(call.scale_a), torch.zeros(m, n, dtype=torch.float64), 0, 0
+    for e, end in enumerate(call.offs.tolist()):
+        rows = end - start
+        if rows:
+            s_a = read(sa, scale_row * up(cols, 4) + blocked(rows, cols)).repeat_interleave(32, 1)
+            s_b = read(e8m0(call.scale_b[e]), blocked(n, cols)).t().repeat_interleave(32, 0)
+            out[start:end] = (a[start:end] * s_a) @ (b[e] * s_b)
+        scale_row, start = scale_row + up(rows, 128), end
+    return out
+
+
+def grouped_2d_2d(call):
+    """The same for 2-D × 2-D (weight gradient): group e is columns offs[e-1]..offs[e] of
+    mat_a and rows of mat_b; its scales start after the earlier groups' (rows rounded up to
+    128) × (their size // 32, rounded up to 4) scales; out [G, M, N], an empty group's left
+    as allocated (NaN here)."""
+    a, b = call.mat_a.double(), call.mat_b.double()
+    (m, _), n = a.shape, b.shape[1]
+    sa, sb = e8m0(call.scale_a), e8m0(call.scale_b)
+    out, start, at_a, at_b = torch.full((len(call.offs), m, n), float("nan"), dtype=torch.float64), 0, 0, 0
+    for e, end in enumerate(call.offs.tolist()):
+        size = end - start
+        if size:
+            cols = -(-size // 32)
+            s_a = read(sa, at_a + blocked(m, cols)).repeat_interleave(32, 1)[:, :size]
+            s_b = read(sb, at_b + blocked(n, cols)).t().repeat_interleave(32, 0)[:size]
+            out[e] = (a[:, start:end] * s_a) @ (b[start:end] * s_b)
+        at_a, at_b, start = at_a + up(m, 128) * up(size // 32, 4), at_b + up(n, 128) * up(size // 32, 4), end
+    return out
+
+
+def exact_operands(*shape):
+    """Magnitudes in [1/8, 8]: each quantized value is a multiple of 2^-6 (E4M3's 4 significant
+    bits at exponent ≥ -3), so every product and sum below is exact in fp64 whatever its order,
+    while quantization still rounds (a wrong block or scale changes the values)."""
+    g = torch.Generator().manual_seed(sum(shape))
+    mag = torch.exp2(torch.rand(*shape, generator=g, dtype=torch.float64) * 6 - 3)
+    return torch.where(torch.rand(*shape, generator=g) < 0.5, -mag, mag)
+
+
+COUNTS = torch.tensor([[5, 21], [0, 0], [38, 3], [40, 17], [64, 0]])  # 32-blocks and not, an empty expert
+GK, GN = 96, 64  # K/32 = 3 and N/32 = 2 columns of scales: padded to 4; N rows of W's: padded to 128
+
+
+def grouped_equals_loop(monkeypatch):
+    """The MXFP8 experts with their grouped path taken on the CPU, each `_scaled_grouped_mm`
+    computed as the kernel reads its arguments, against the per-group loop (fp64 back end);
+    bit for bit, for y, dx and dW."""
+    from ndtrain.kernels import mx_experts
+    x, dy = exact_operands(int(COUNTS.sum()), GK), exact_operands(int(COUNTS.sum()), GN)
+    w = exact_operands(COUNTS.shape[0], GN, GK)
+
+    def run():
+        plan = LinearPlan(RECIPES["mxfp8"], Dim.whole(GK), Dim.whole(GN))
+        xx, ww = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = fp8_expert_matmul(xx, ww, COUNTS, plan)
+        y.backward(dy)
+        return (y.detach(), xx.grad, ww.grad), plan.backends
+
+    want, backends = run()
+    assert set(backends.values()) == {"fp64"}
+    calls = []
+
+    def kernel(call):
+        calls.append(call)
+        return grouped_2d_3d(call) if call.mat_b.dim() == 3 else grouped_2d_2d(call)
+    with monkeypatch.context() as m:
+        m.setattr(mx_experts, "why_not", lambda x, w, plan: None)
+        m.setattr(mx_experts.GroupedCall, "run", kernel)
+        got, backends = run()
+    assert backends == dict.fromkeys(("forward", "input_grad", "weight_grad"), "scaled_grouped_mm")
+    return [torch.equal(a, b) for a, b in zip(got, want)], calls
+
+
+def test_mxfp8_grouped_calls_read_as_the_kernel_reads_them_equal_the_loop(one_thread, monkeypatch):
+    """sm100's MXFP8 experts (kernels/mx_experts.py) with each `_scaled_grouped_mm` computed
+    as torch's kernel reads its arguments (its group offsets; the scale layout read back by
+    cuBLAS's formula, not by `_swizzle`) equal the per-group loop bit for bit: forward, input
+    and weight gradients, groups of 3 to 64 rows from two sources and an empty expert (whose
+    gradient the kernel leaves as allocated). Controls: padding groups to 16 rows instead of
+    32 misses the weight gradient (its blocks of 32 tokens then hold two groups' rows); laying
+    the row groups' scales as one matrix (no 128-row padding per expert) misses the forward
+    and the input gradient."""
+    from ndtrain.kernels import mx_experts
+    equal, calls = grouped_equals_loop(monkeypatch)
+    assert equal == [True, True, True]
+    ends = calls[0].offs.tolist()
+    assert len(calls) == 3 and all(c.offs.tolist() == ends for c in calls)
+    assert all((b - a) % 32 == 0 for a, b in zip([0] + ends[:-1], ends)), "whole 32-blocks per expert"
+    monkeypatch.setattr(mx_experts, "PAD", 16)
+    assert grouped_equals_loop(monkeypatch)[0] == [True, True, False], "32-token blocks across two groups"
+    monkeypatch.setattr(mx_experts, "PAD", 32)
+
+    def one_matrix(scale, spans):
+        rows = torch.cat([scale.narrow(0, s, n) for s, n in spans])
+        return mx_experts._blocked(rows).view(-1, up(scale.shape[1], 4))
+    monkeypatch.setattr(mx_experts, "_blocked_rows", one_matrix)
+    assert grouped_equals_loop(monkeypatch)[0] == [False, False, True]

@@ -38,7 +38,7 @@ import torch
 from torch import Tensor
 
 from ndtrain.kernels import fp8 as kernels
-from ndtrain.kernels import mx
+from ndtrain.kernels import mx, mx_experts
 from ndtrain.kernels.fp8 import (BLOCK, E4M3, E5M2, SCALED_MM_SM, WHOLE, Dim, Quantized, quantize, row_major,
                                 scaled_matmul, warn_once)
 
@@ -384,11 +384,14 @@ def segments_of(counts: Tensor) -> list[tuple[int, int, int]]:
 
 
 def grouped_fp8(x: Tensor, w: Tensor, plan: LinearPlan) -> str | None:
-    """None where an expert product's forward and input gradient run as one
-    `torch._scaled_grouped_mm` each (CUDA sm90, rowwise, bf16, K and N multiples of 16); else
-    why not, or "" off CUDA (nothing to warn). Rowwise only: torch's grouped fp8 product takes
-    one scale per row of x and per output column of each expert, which is what rowwise
-    quantizes; tensorwise's one scale for all rows and blockwise's 128-tiles it cannot take."""
+    """None where an expert product runs grouped: rowwise on CUDA sm90 (bf16, K and N
+    multiples of 16), its forward and input gradient one `torch._scaled_grouped_mm` each;
+    MXFP8 on sm100, all three (kernels/mx_experts.py). Else why not, or "" off CUDA (nothing
+    to warn). Of the fp8 recipes rowwise only: torch's grouped fp8 product takes one scale per
+    row of x and per output column of each expert, which is what rowwise quantizes;
+    tensorwise's one scale for all rows and blockwise's 128-tiles it cannot take."""
+    if plan.recipe.micro:
+        return mx_experts.why_not(x, w, plan)
     if not x.is_cuda or plan.backend is not None:
         return ""
     if plan.recipe.name != "rowwise":
@@ -438,9 +441,11 @@ class Fp8Experts(torch.autograd.Function):
     rows is its own token dimension: one expert's tokens of one micro-batch, the tensor a
     single process would quantize. Rowwise on CUDA sm90: the forward and the input gradient
     are one `_scaled_grouped_mm` each (their scales are per row, whatever the group); the
-    weight gradient loops, since its scales run along each group's tokens. Otherwise every
-    product loops over the groups (`grouped_fp8` says why, once). `keys`: each group's NVFP4
-    stochastic rounding keys (`expert_keys`), or None to round to nearest."""
+    weight gradient loops, since its scales run along each group's tokens. MXFP8 on sm100:
+    all three are one `_scaled_grouped_mm` each, on the groups padded to whole 32-blocks of
+    tokens (kernels/mx_experts.py). Otherwise every product loops over the groups
+    (`grouped_fp8` says why, once). `keys`: each group's NVFP4 stochastic rounding keys
+    (`expert_keys`), or None to round to nearest."""
 
     @staticmethod
     def forward(ctx, x: Tensor, w: Tensor, segments: list[tuple[int, int, int]], plan: LinearPlan,
@@ -448,9 +453,14 @@ class Fp8Experts(torch.autograd.Function):
         x = row_major(x)
         why = grouped_fp8(x, w, plan)
         if why:
-            warn_once(why)
+            warn_once(why, topic=plan.recipe.kind)
         ctx.plan, ctx.segments, ctx.grouped, ctx.keys = plan, segments, why is None, keys
         ctx.save_for_backward(x, w)
+        if why is None and plan.recipe.micro:
+            ctx.layout = mx_experts.Padded.of(segments, w.shape[0])
+            if not torch.compiler.is_compiling():
+                plan.backends["forward"] = "scaled_grouped_mm"
+            return mx_experts.forward(x, w, ctx.layout, plan)
         if why is None:
             ctx.offs = _expert_offsets(segments, w.shape[0], x.device)
             if not torch.compiler.is_compiling():
@@ -470,6 +480,13 @@ class Fp8Experts(torch.autograd.Function):
         x, w = ctx.saved_tensors
         plan, grad = ctx.plan, row_major(grad)
         need_dx, need_dw = wanted(ctx, 0), wanted(ctx, 1)
+        if ctx.grouped and plan.recipe.micro:
+            if not torch.compiler.is_compiling():
+                plan.backends.update({k: "scaled_grouped_mm" for k, need in (("input_grad", need_dx),
+                                                                              ("weight_grad", need_dw)) if need})
+            dx = mx_experts.input_grad(grad, w, ctx.layout, plan) if need_dx else None
+            dw = mx_experts.weight_grad(grad, x, ctx.layout, plan).to(w.dtype) if need_dw else None
+            return dx, dw, None, None, None
         acc = torch.float32 if w.dtype != torch.float64 else w.dtype
         dw = [torch.zeros(w.shape[1:], dtype=acc, device=w.device) for _ in range(w.shape[0])]
         dx = []

@@ -21,7 +21,7 @@ multiplies them in fp32 ("emulate") or fp64 ("fp64", the CPU proofs), and multip
 result by the two per-tensor scales. A block-scaled tensor core sums the same exact products
 in its own order. On CUDA sm100 the product is one `torch.nn.functional.scaled_mm` call
 (`blackwell`), whose scales are laid in cuBLAS's swizzled 128×4 tiles; elsewhere on CUDA the
-emulation runs and says so once.
+emulation runs and says so once. MXFP8 routed experts on sm100: kernels/mx_experts.py.
 """
 
 from __future__ import annotations
