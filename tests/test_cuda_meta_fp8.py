@@ -280,11 +280,15 @@ def test_other_recipes_loop_over_the_experts_and_say_so(grouped_calls, calls, re
     assert len(warned) == lines
 
 
-def test_sm89_rowwise_experts_loop_and_say_so(grouped_calls, calls, monkeypatch):
-    monkeypatch.setattr(fp8, "device_capability", lambda device: (8, 9))
+@pytest.mark.parametrize("cap, why, loop", [
+    ((8, 9), "_scaled_grouped_mm needs sm90", {"scaled_mm_runs"}),  # no rowwise _scaled_mm on sm89 either
+    ((10, 0), "_scaled_grouped_mm runs on sm90 only, this GPU is sm100", {"scaled_mm", "scaled_mm_runs"})])
+def test_rowwise_experts_off_sm90_loop_and_say_so(grouped_calls, calls, monkeypatch, cap, why, loop):
+    """torch 2.13's rowwise grouped fp8 kernel is sm90's: on sm89 and on sm100 the experts loop."""
+    monkeypatch.setattr(fp8, "device_capability", lambda device: cap)
     plan, warned = fake_experts("rowwise")
-    assert grouped_calls == [] and set(plan.backends.values()) == {"scaled_mm_runs"}
-    assert any("_scaled_grouped_mm needs sm90" in w for w in warned)
+    assert grouped_calls == [] and set(plan.backends.values()) == loop
+    assert any(why in w for w in warned), warned
 
 
 # MXFP8 on sm100 (kernels/mx_experts.py): tiny-moe's experts (dim 64, 8 experts of 64; rows

@@ -384,7 +384,7 @@ def segments_of(counts: Tensor) -> list[tuple[int, int, int]]:
 
 
 def grouped_fp8(x: Tensor, w: Tensor, plan: LinearPlan) -> str | None:
-    """None where an expert product runs grouped: rowwise on CUDA sm90 (bf16, K and N
+    """None where an expert product runs grouped: rowwise on CUDA sm90 only (bf16, K and N
     multiples of 16), its forward and input gradient one `torch._scaled_grouped_mm` each;
     MXFP8 on sm100, all three (kernels/mx_experts.py). Else why not, or "" off CUDA (nothing
     to warn). Of the fp8 recipes rowwise only: torch's grouped fp8 product takes one scale per
@@ -400,6 +400,8 @@ def grouped_fp8(x: Tensor, w: Tensor, plan: LinearPlan) -> str | None:
     cap = kernels.device_capability(x.device)  # looked up here, so the fake-tensor checks can patch it
     if cap < SCALED_MM_SM["rowwise"]:
         return f"rowwise _scaled_grouped_mm needs sm90, this GPU is sm{cap[0]}{cap[1]}; the experts loop"
+    if cap[0] != 9:  # torch 2.13's grouped fp8 kernel is sm90's (its own tests and benchmarks: not on sm100)
+        return f"rowwise _scaled_grouped_mm runs on sm90 only, this GPU is sm{cap[0]}{cap[1]}; the experts loop"
     if x.dtype != torch.bfloat16 or w.shape[1] % 16 or w.shape[2] % 16:
         return "_scaled_grouped_mm writes bf16 and needs K and N multiples of 16; the experts loop"
     return None
