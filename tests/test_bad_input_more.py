@@ -421,7 +421,10 @@ FAULT_TOLERANCE_CASES = [
                                 "run.fault_tolerance = \"replicas\""),
     (["run.fault_tolerance=replicas", "parallel.dp_replicate=2", "run.lost_rows=requeue", "train.diloco_inner_steps=4",
       "--nproc", "2"], "run.lost_rows = 'requeue': DiLoCo's rounds do not re-queue rows: a lost group misses its "
-                       "outer round, as the issue defines it (use skip)"),
+                       "outer round (use skip)"),
+    (["run.fault_tolerance=replicas", "parallel.dp_replicate=2", "run.lost_rows=requeue", "parallel.pp=2",
+      "parallel.pp_schedule=afab", "--nproc", "4"],
+     "run.lost_rows = 'requeue': with parallel.pp_schedule = afab a step that trains a re-queued part holds twice"),
 ]
 
 

@@ -367,17 +367,20 @@ def test_the_requeued_parts_survive_a_resume_from_a_checkpoint(tiny_data, tmp_pa
     assert [r["from_queue"] for r in run["metrics"]] == [[]] * 4 + [[[3, 1]], [[4, 1]], [], []]
 
 
-def test_requeue_is_accepted_under_every_pipeline_schedule_and_refused_under_diloco():
-    """run.lost_rows = "requeue" validates with parallel.pp = 2 under each schedule (the
-    proof is the slow test above); under DiLoCo it stays refused: the issue defines that a
-    lost group misses its outer round."""
+def test_requeue_is_accepted_under_the_pipeline_schedules_and_refused_under_afab_and_diloco():
+    """run.lost_rows = "requeue" validates with parallel.pp = 2 under each schedule but AFAB
+    (the proof is the slow test above); refused under AFAB (a step that takes a queued part
+    runs twice the micro-batches, whose activations AFAB keeps all at once: twice what the
+    planner counts) and under DiLoCo (a lost group misses its outer round)."""
     from ndtrain.config import ConfigError
     base = ["parallel.dp_replicate=2", "run.fault_tolerance=replicas", "run.lost_rows=requeue", "train.micro_batch=1"]
-    for schedule in ("afab", "1f1b", "interleaved", "zb", "zbv", "dualpipev"):
+    for schedule in ("1f1b", "interleaved", "zb", "zbv", "dualpipev"):
         v = 2 if schedule in ("interleaved", "zbv", "dualpipev") else 1
         cfg = _config([*base, "parallel.pp=2", f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={v}"], 4)
         assert (cfg["run"]["lost_rows"], cfg["parallel"]["pp"]) == ("requeue", 2)
-    with pytest.raises(ConfigError, match="misses its outer round, as the issue defines it"):
+    with pytest.raises(ConfigError, match="afab a step that trains a re-queued part holds twice the activations"):
+        _config([*base, "parallel.pp=2", "parallel.pp_schedule=afab"], 4)
+    with pytest.raises(ConfigError, match="misses its outer round"):
         _config([*base, "train.diloco_inner_steps=4"], 2)
 
 

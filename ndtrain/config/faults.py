@@ -38,7 +38,12 @@ def _check_requeue(cfg: Config) -> None:
                           'run.fault_tolerance = "replicas"')
     if t.diloco_inner_steps:  # issue 37: "with replicas a lost group simply misses an outer round"
         raise ConfigError("run.lost_rows", r.lost_rows, "DiLoCo's rounds do not re-queue rows: a lost group "
-                          "misses its outer round, as the issue defines it (use skip)")
+                          "misses its outer round (use skip)")
+    if cfg.parallel.pp > 1 and cfg.parallel.pp_schedule == "afab":
+        # a step that takes a queued part runs twice the micro-batches, and AFAB keeps every one's activations
+        raise ConfigError("run.lost_rows", r.lost_rows, "with parallel.pp_schedule = afab a step that trains a "
+                          "re-queued part holds twice the activations the planner counts: use 1f1b or another "
+                          "schedule, or skip")
 
 
 def check_pretraining_only(cfg: Config, command: str) -> None:
