@@ -98,7 +98,7 @@ class AsyncRollouts:
         self.silent: set[int] = set()  # generators that let a limit pass: alive perhaps, but not answering
         self.pushed_s = 0.0
         self.pushed = weight_bridge.Sent()  # this rank's part of the last push
-        self.failures: list = []  # this rank's failed sends since the last rollout: (generator, what, update, (late, why))
+        self.failures: list = []  # this rank's failed sends: (generator, what, update, (late, why))
         self.sent_names: set = set()  # every name this rank sent over the bridge (its stage's, on its sender)
         self.segments_used: dict = {}  # rank 0: rollout -> the version of each segment (RL.timeline, tests)
         self.times: dict = {}  # the last rollout's wall-clock times (RL.timeline)

@@ -8,8 +8,9 @@ version_of(t) (`rl.async_weights = fixed`), or with the newest it holds, at leas
 as it comes (so the trainer's send takes only the copy), keeping the newest weights of each
 version it still needs: a notice on the socket, then the weights themselves over the weight
 bridge (`parallel/weight_bridge.receive`, from each pipeline stage's sender rank) into a
-shadow state that becomes visible only whole, so sampling never sees half a version. A rollout is sampled and scored exactly as the synchronous job does
-it on one rank (`RL.sample_rounds`, `rollout.generate_everywhere` on a one-process layout):
+shadow state that becomes visible only whole, so sampling never sees half a version. A
+rollout is sampled and scored exactly as the synchronous job does it on one rank
+(`RL.sample_rounds`, `rollout.generate_everywhere` on a one-process layout):
 each row's completion is a function of its prompt, seed and the weights, so it is the same
 wherever it is drawn. It reports how long it waited for weights (idle) and how long it
 sampled (busy). Waiting longer than `rl.exchange_timeout_s`, or the trainer's connection
@@ -118,8 +119,8 @@ def serve(conn) -> int:
                                 setup["timeout"], setup["join_limit"])
     broken = next((why for why in bridge.values() if isinstance(why, str)), None)
     if broken is not None:
-        print(f"ndtrain rl: generator rank {rank}: could not join the weight bridge within {setup['join_limit']:g} s: "
-              f"{broken}; exiting", file=sys.stderr, flush=True)
+        print(f"ndtrain rl: generator rank {rank}: could not join the weight bridge within "
+              f"{setup['join_limit']:g} s: {broken}; exiting", file=sys.stderr, flush=True)
         return 1
     device = torch.device("cpu" if setup["device"] == "cpu" else
                           f"cuda:{(setup['world'] + g) % max(1, torch.cuda.device_count())}")
