@@ -254,15 +254,17 @@ def test_partial_rollouts_continue_on_new_weights_equal_the_mixed_version_refere
 @pytest.mark.slow
 def test_continued_rollouts_on_the_newest_weights_equal_the_reference_of_the_versions_they_used():
     """rl.async_weights = newest with rl.partial_rollout = continue (K = 2, segments of 2 of
-    the 6 new tokens), one process and its generator: which weights sample each segment is
-    the race's, so the reference follows the versions the run recorded (UsedVersionsRL, built
-    directly from copies of the weights): fp64, the tolerance rule, the same rewards; no
-    segment staler than K, none newer than its rollout, and a segment never older than the one
-    before it."""
+    24 new tokens, so that a generation tends to outlast an update and new weights come in
+    mid-rollout), one process and its generator: which weights sample each segment is the
+    race's, so the reference follows the versions the run recorded (UsedVersionsRL, built
+    directly from copies of the weights): fp64, the tolerance rule, the same rewards and token
+    staleness; no segment staler than K, none newer than its rollout, and a segment never older
+    than the one before it. (Measured idle: rollouts 1 to 4 each switched weights mid-way.)"""
     from helpers import assert_proof
-    newest = ASYNC + [f"rl.max_staleness={STALE}", "rl.partial_rollout=continue", f"rl.partial_tokens={PARTIAL}",
-                      "rl.async_weights=newest"]
-    runs = run_ranks(_rows, 1, [("run", newest, "async"), ("ref", [], "used")], timeout=600)[0]
+    longer = ["train.seq_len=40", "rl.max_new_tokens=24"]  # 12 segments: a generation outlasts an update
+    newest = ASYNC + longer + [f"rl.max_staleness={STALE}", "rl.partial_rollout=continue",
+                               f"rl.partial_tokens={PARTIAL}", "rl.async_weights=newest"]
+    runs = run_ranks(_rows, 1, [("run", newest, "async"), ("ref", longer, "used")], timeout=600)[0]
     run, ref, used = runs["run"], runs["ref"], runs["run"]["used"]
     print("segment versions by rollout:", used)
     assert sorted(used) == list(range(5)), used
