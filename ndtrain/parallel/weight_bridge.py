@@ -51,7 +51,7 @@ from ndtrain.model.llama import Transformer
 from ndtrain.parallel.parallelize import Parallelized
 from ndtrain.parallel.precision import compute_dtype
 from ndtrain.parallel.states import persistent_buffers
-from ndtrain.parallel.weight_sync import owners, stage_values, whole_shapes
+from ndtrain.parallel.weight_sync import owners, stage_values
 
 WINDOW = 8  # asynchronous broadcasts in flight per generator on a sender
 HOST = "127.0.0.1"  # one node (the generators are started by training rank 0)
@@ -63,6 +63,7 @@ class Entry:
     shape: torch.Size
     dtype: torch.dtype
     stage: int  # the pipeline stage whose sender sends it
+    param: bool  # a parameter (made whole over the training tp), else a persistent buffer
 
 
 def plan(args: ModelArgs, cfg: Config) -> list[Entry]:
@@ -73,10 +74,11 @@ def plan(args: ModelArgs, cfg: Config) -> list[Entry]:
         model = Transformer(args).to(compute_dtype(cfg.train.precision, cfg.train.fp8_base))
     table = owners(args, cfg)
     out = []
-    for name, t in list(model.named_parameters()) + list(persistent_buffers(model).items()):
+    params = dict(model.named_parameters())
+    for name, t in list(params.items()) + list(persistent_buffers(model).items()):
         parts = name.split(".")
         stage = table[".".join(parts[:2]) if parts[0] == "layers" else parts[0]] if table else 0
-        out.append(Entry(name, t.shape, t.dtype, stage))
+        out.append(Entry(name, t.shape, t.dtype, stage, name in params))
     return out
 
 
@@ -119,17 +121,18 @@ class Sent:
 
 
 @torch.no_grad()
-def send(par: Parallelized, cfg: Config, args: ModelArgs, groups: dict[int, dist.ProcessGroup],
+def send(par: Parallelized, cfg: Config, args: ModelArgs, entries: list[Entry], groups: dict[int, dist.ProcessGroup],
          timeout: float) -> Sent:
-    """The current weights to the generators in `groups` (generator -> its group with this
-    rank's stage; empty on a rank that is no sender, which still takes part in the training
-    world's collectives). Every training rank calls it, at the same update."""
+    """The current weights (`entries`: the plan) to the generators in `groups` (generator ->
+    its group with this rank's stage; empty on a rank that is no sender, which still takes
+    part in the training world's collectives). Every training rank calls it, at the same
+    update."""
     t0 = time.perf_counter()
     deadline = time.monotonic() + timeout
-    entries = plan(args, cfg)
     dtypes = {e.name: e.dtype for e in entries}
     out, flight = Sent(), {g: deque() for g in groups}
-    for name, value, _ in stage_values(par, cfg, args, [e.name for e in entries], set(whole_shapes(args))):
+    whole = {e.name for e in entries if e.param}
+    for name, value, _ in stage_values(par, cfg, args, [e.name for e in entries], whole):
         if value is None or not groups:  # another stage's, or this rank is not its stage's sender
             continue
         wire = value.to(device="cpu", dtype=dtypes[name]).contiguous()

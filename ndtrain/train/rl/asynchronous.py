@@ -98,7 +98,7 @@ class AsyncRollouts:
         self.silent: set[int] = set()  # generators that let a limit pass: alive perhaps, but not answering
         self.pushed_s = 0.0
         self.pushed = weight_bridge.Sent()  # this rank's part of the last push
-        self.failures: list = []  # this rank's failed sends: (generator, what, update, (late, why))
+        self.failures: list = []  # this rank's failed sends: (generator, while what, update, (late, why))
         self.sent_names: set = set()  # every name this rank sent over the bridge (its stage's, on its sender)
         self.segments_used: dict = {}  # rank 0: rollout -> the version of each segment (RL.timeline, tests)
         self.times: dict = {}  # the last rollout's wall-clock times (RL.timeline)
@@ -116,12 +116,13 @@ class AsyncRollouts:
         else:
             failed = self.error
         self.groups: dict[int, object] = {}  # generator -> this sender's bridge group with it
+        self.plan = weight_bridge.plan(trainer.args, cfg)
         if self.stage is not None and failed is None:
             made = weight_bridge.join(address, [(self.stage, g) for g in range(self.n)], 0, self.timeout,
                                       self._start_limit())
             for (_, g), group in made.items():
                 if isinstance(group, str):
-                    self.failures.append((g, "joining the weight bridge", start, (False, group)))
+                    self.failures.append((g, "while joining the weight bridge", start, (False, group)))
                 else:
                     self.groups[g] = group
 
@@ -224,9 +225,10 @@ class AsyncRollouts:
         failed = {g for g, *_ in self.failures}
         groups = {} if self.error is not None else {  # (a failure on rank 0 ends the run at this update)
             g: self.groups[g] for g in targets if g in self.groups and g not in failed}
-        self.pushed = weight_bridge.send(trainer.par, self.cfg, trainer.args, groups, self.timeout)
+        self.pushed = weight_bridge.send(trainer.par, self.cfg, trainer.args, self.plan, groups, self.timeout)
         self.sent_names |= self.pushed.names
-        self.failures += [(g, f"the weights of rollout {v}", update, why) for g, why in self.pushed.failed.items()]
+        self.failures += [(g, f"while sent the weights of rollout {v}", update, why)
+                          for g, why in self.pushed.failed.items()]
         self.pushed_s = time.perf_counter() - t0
 
     def _failures(self) -> tuple[list, int]:
@@ -256,8 +258,8 @@ class AsyncRollouts:
             text = f"did not take it within {self.timeout:g} s (rl.exchange_timeout_s)"
         else:
             self.silent.add(g)
-            text = f"failed to take it ({why})"
-        return f"ndtrain rl: generator rank {self.rank_of(g)} {text} while sent {what} (update {update})"
+            text = f"failed ({why})"
+        return f"ndtrain rl: generator rank {self.rank_of(g)} {text} {what} (update {update})"
 
     def take(self, index: int, task, trainer) -> tuple:
         """Rollout `index`'s batch and metrics, on every training rank. Collective."""
