@@ -139,6 +139,8 @@ def _rows(rows):
                     out[name] = "no error"
                 except TrainingError as e:
                     out[name] = str(e)
+                rollouts = next((t.rollouts for t in TASKS if t.rollouts is not None), None)
+                out[f"{name}-failures"] = [f[1] for f in rollouts.failures] if rollouts else None  # this rank's own
                 stopped = next((t.stopped_at for t in TASKS if getattr(t, "stopped_at", None)), None)
                 out[f"{name}-s"] = None if stopped is None else time.monotonic() - stopped  # rank 0's
                 continue
@@ -189,8 +191,10 @@ def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference
     against the synchronous job, bit for bit where both sample without tensor parallelism
     (one process, dp2, ZeRO-3, pp2, cp2), under the tolerance rule under tp2; K = 2 against
     DelayedRL under the tolerance rule (one process, dp2); with the newest weights a
-    generator holds, never staler than K; a generator killed before its
-    weights of rollout 1 ends both training ranks with the same line."""
+    generator holds, never staler than K; under pp2 each stage's sender sends exactly its
+    stage's parameters; a generator killed before its weights of rollout 1 ends both training
+    ranks with the same line (dp2, and pp2, where rank 1, stage 1's sender, finds the dead
+    generator on its own bridge group)."""
     from helpers import assert_proof
     one = run_ranks(_rows, 1, [("sync", [], "reference"), ("k0", ASYNC, "async"), ("delayed", [], "delayed"),
                                ("k2", ASYNC + [f"rl.max_staleness={STALE}"], "async"),
@@ -211,7 +215,8 @@ def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference
     two = run_ranks(_rows, 2, rows + [
         ("tp2-k0", ASYNC + ["parallel.tp=2"], "async"),
         ("dp2-k2", ASYNC + [f"rl.max_staleness={STALE}", "parallel.dp=2", "train.micro_batch=2"], "async"),
-        ("killed", ASYNC + ["parallel.dp=2"], "killed")], timeout=900)
+        ("killed", ASYNC + ["parallel.dp=2"], "killed"),
+        ("killed-pp2", ASYNC + ["parallel.pp=2", "train.micro_batch=2"], "killed")], timeout=900)
     runs = two[0]
     for name, _ in FAMILIES:
         assert _same(runs[f"{name}-k0"], runs[f"{name}-sync"]), name
@@ -228,6 +233,10 @@ def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference
     line = (r"ndtrain rl: generator rank 2 exited with status -9 (before sending rollout 1|while sent the weights of "
             r"rollout 1) \(update 1\)")
     assert re.fullmatch(line, runs["killed"]) and two[1]["killed"] == runs["killed"], two
+    # pp2: stage 1's sender (rank 1) finds the dead generator on its own bridge group, and every
+    # rank ends with the same line
+    assert re.fullmatch(line, runs["killed-pp2"]) and two[1]["killed-pp2"] == runs["killed-pp2"], two
+    assert two[1]["killed-pp2-failures"] == ["while sent the weights of rollout 1"], two
 
 
 @pytest.mark.slow
