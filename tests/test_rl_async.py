@@ -300,6 +300,7 @@ def test_a_stopped_generator_ends_every_training_rank_within_the_limit():
     the test waited on the stopped process)."""
     runs = run_ranks(_rows, 2, [("hung", ASYNC + ["parallel.dp=2", f"rl.exchange_timeout_s={HUNG_LIMIT:g}"], "hung")],
                      timeout=600)
+    print(f"{runs[0]['hung']} ({runs[0]['hung-s']:.1f} s after the stop)")
     assert re.fullmatch(HUNG_LINE, runs[0]["hung"]) and runs[1]["hung"] == runs[0]["hung"], runs
     assert runs[0]["hung-s"] < HUNG_BOUND, runs
 
