@@ -14,8 +14,9 @@ at once (the connection resets).
   training-tp slice made whole over ZeRO-3's shards, expert parallelism and the training tp:
   collectives of the training world, as `sync_weights` makes them), broadcast by the stage's
   sender over its group with each generator that needs that version (asynchronous gloo work,
-  at most WINDOW in flight per generator, so a rank holds a few parameters beyond its model).
-  The other ranks of the stage drop the value. Nothing is pickled and no rank holds the whole
+  at most WINDOW_BYTES in flight per generator, so a rank holds at most that beyond its
+  model), and waited for (`Sending.finish`) after the caller's other waits and before the
+  optimizer step. The other ranks of the stage drop the value. Nothing is pickled and no rank holds the whole
   model; the value is cast to the generator's dtype (the compute dtype: what loading the
   whole state into the generator's model did) and moved to the host (gloo's wire).
 - The receive half (`receive`, a generator's inbox thread): every parameter's receive posted
@@ -53,7 +54,7 @@ from ndtrain.parallel.precision import compute_dtype
 from ndtrain.parallel.states import persistent_buffers
 from ndtrain.parallel.weight_sync import owners, stage_values
 
-WINDOW = 8  # asynchronous broadcasts in flight per generator on a sender
+WINDOW_BYTES = 64 << 20  # broadcasts in flight per generator on a sender: a rank holds at most this beyond its model
 HOST = "127.0.0.1"  # one node (the generators are started by training rank 0)
 
 
@@ -114,41 +115,66 @@ def join(address: tuple[str, int], stage_generators: list[tuple[int, int]], memb
 
 @dataclass
 class Sent:
-    seconds: float = 0.0
+    seconds: float = 0.0  # this rank's time on the move: computing the values and posting, then the final wait
     bytes: int = 0
     names: set = field(default_factory=set)  # what this rank sent (its stage's parameters, on its sender)
     failed: dict = field(default_factory=dict)  # generator -> (timed out, the first line of why)
 
 
+class Sending:
+    """One version's broadcasts on a sender, posted; at most WINDOW_BYTES of them in flight
+    per generator (waited for, oldest first, beyond it). `finish` waits for the rest within
+    the limit, and must come before the optimizer changes the weights (the values may be the
+    live parameters)."""
+
+    def __init__(self, timeout: float):
+        self.deadline = time.monotonic() + timeout
+        self.out = Sent()
+        self.flight: dict[int, deque] = {}  # generator -> (work, tensor, bytes) posted, oldest first
+        self.held: dict[int, int] = {}  # generator -> bytes in flight
+
+    def post(self, g: int, group: dist.ProcessGroup, wire: Tensor) -> None:
+        if g in self.out.failed:
+            return
+        works, size = self.flight.setdefault(g, deque()), wire.numel() * wire.element_size()
+        works.append((group.broadcast([wire], _root()), wire, size))
+        self.out.bytes += size
+        self.held[g] = self.held.get(g, 0) + size
+        while self.held[g] > WINDOW_BYTES and g not in self.out.failed:
+            work, _, done = works.popleft()
+            _finish(work, g, self.deadline, self.out.failed)
+            self.held[g] -= done
+
+    def finish(self) -> Sent:
+        t0 = time.perf_counter()
+        for g, works in self.flight.items():
+            while works and g not in self.out.failed:
+                _finish(works.popleft()[0], g, self.deadline, self.out.failed)
+        self.flight = {}
+        self.out.seconds += time.perf_counter() - t0
+        return self.out
+
+
 @torch.no_grad()
 def send(par: Parallelized, cfg: Config, args: ModelArgs, entries: list[Entry], groups: dict[int, dist.ProcessGroup],
-         timeout: float) -> Sent:
+         timeout: float) -> Sending:
     """The current weights (`entries`: the plan) to the generators in `groups` (generator ->
     its group with this rank's stage; empty on a rank that is no sender, which still takes
-    part in the training world's collectives). Every training rank calls it, at the same
-    update."""
+    part in the training world's collectives), posted. Every training rank calls it, at the
+    same update; `finish` the result before the optimizer step."""
     t0 = time.perf_counter()
-    deadline = time.monotonic() + timeout
+    sending = Sending(timeout)
     dtypes = {e.name: e.dtype for e in entries}
-    out, flight = Sent(), {g: deque() for g in groups}
     whole = {e.name for e in entries if e.param}
     for name, value, _ in stage_values(par, cfg, args, [e.name for e in entries], whole):
         if value is None or not groups:  # another stage's, or this rank is not its stage's sender
             continue
         wire = value.to(device="cpu", dtype=dtypes[name]).contiguous()
-        out.names.add(name)
+        sending.out.names.add(name)
         for g, group in groups.items():
-            if g in out.failed:
-                continue
-            flight[g].append(group.broadcast([wire], _root()))
-            out.bytes += wire.numel() * wire.element_size()
-            while len(flight[g]) > WINDOW and g not in out.failed:
-                _finish(flight[g].popleft(), g, deadline, out.failed)
-    for g, works in flight.items():
-        while works and g not in out.failed:
-            _finish(works.popleft(), g, deadline, out.failed)
-    out.seconds = time.perf_counter() - t0
-    return out
+            sending.post(g, group, wire)
+    sending.out.seconds = time.perf_counter() - t0
+    return sending
 
 
 def receive(groups: dict[int, dist.ProcessGroup], entries: list[Entry], timeout: float) -> dict[str, Tensor]:
@@ -181,11 +207,13 @@ def _root() -> dist.BroadcastOptions:
 def _finish(work, g: int, deadline: float, failed: dict) -> None:
     """Wait for one operation until the deadline; a failure is kept as (timed out, why)."""
     left = deadline - time.monotonic()
-    if left <= 0:  # (a wait of 0 would wait without a limit)
-        failed[g] = (True, "timed out")
-        return
     try:
-        work.wait(datetime.timedelta(seconds=left))
+        if work.is_completed():
+            work.wait()  # done: returns at once, or raises its error
+        elif left <= 0:  # (a wait of 0 would wait without a limit)
+            failed[g] = (True, "timed out")
+        else:
+            work.wait(datetime.timedelta(seconds=left))
     except RuntimeError as e:
         why = _first_line(e)
         failed[g] = (time.monotonic() >= deadline - 0.05 or "timed out" in why.lower() or "timeout" in why.lower(),

@@ -96,8 +96,8 @@ class AsyncRollouts:
         self.conns: list[Connection] = []
         self.error: str | None = None  # rank 0: a failed send, reported with the next rollout
         self.silent: set[int] = set()  # generators that let a limit pass: alive perhaps, but not answering
-        self.pushed_s = 0.0
         self.pushed = weight_bridge.Sent()  # this rank's part of the last push
+        self.sending, self.sending_what = None, None  # the push posted, not yet finished; (version, update)
         self.failures: list = []  # this rank's failed sends: (generator, while what, update, (late, why))
         self.sent_names: set = set()  # every name this rank sent over the bridge (its stage's, on its sender)
         self.segments_used: dict = {}  # rank 0: rollout -> the version of each segment (RL.timeline, tests)
@@ -211,25 +211,30 @@ class AsyncRollouts:
 
     # -- every rollout -------------------------------------------------------------
     def push(self, v: int, trainer, update: int) -> None:
-        """Send the current weights (version v) to the generators that need them: a notice
-        over the socket (rank 0), then the weights over the bridge. Collective over the
-        training ranks when any generator needs them."""
+        """Post the current weights (version v) to the generators that need them: a notice
+        over the socket (rank 0), then the weights over the bridge (`finish` waits for them).
+        Collective over the training ranks when any generator needs them."""
         targets = self.needs(v)
-        self.pushed = weight_bridge.Sent()
+        self.sending, self.sending_what = None, (v, update)
         if not targets:
             return
-        t0 = time.perf_counter()
         if self.lead:
             for g in targets:
                 self._send(g, ("weights", v), f"the weights of rollout {v}", update)
         failed = {g for g, *_ in self.failures}
         groups = {} if self.error is not None else {  # (a failure on rank 0 ends the run at this update)
             g: self.groups[g] for g in targets if g in self.groups and g not in failed}
-        self.pushed = weight_bridge.send(trainer.par, self.cfg, trainer.args, self.plan, groups, self.timeout)
+        self.sending = weight_bridge.send(trainer.par, self.cfg, trainer.args, self.plan, groups, self.timeout)
+
+    def finish(self) -> None:
+        """Wait until the generators have taken the weights posted by `push` (within the
+        limit), keeping any failure. Before the update's optimizer step."""
+        self.pushed = weight_bridge.Sent() if self.sending is None else self.sending.finish()
+        self.sending = None
+        v, update = self.sending_what
         self.sent_names |= self.pushed.names
         self.failures += [(g, f"while sent the weights of rollout {v}", update, why)
                           for g, why in self.pushed.failed.items()]
-        self.pushed_s = time.perf_counter() - t0
 
     def _failures(self) -> tuple[list, int]:
         """Every sender's failures and the bytes all of them sent in the last push (gathered
@@ -264,20 +269,20 @@ class AsyncRollouts:
     def take(self, index: int, task, trainer) -> tuple:
         """Rollout `index`'s batch and metrics, on every training rank. Collective."""
         update = trainer.step
-        self.push(index, trainer, update)
-        failures, sent = self._failures()
+        self.push(index, trainer, update)  # posted: the weights move while rank 0 waits for the rollout
         pushed = time.time()
         t0 = time.perf_counter()
-        payload = None
-        if self.lead:
-            if self.error is None:
-                self.error = self._bridge_error(failures)
-            payload = self._receive(index, update)
+        payload = self._receive(index, update) if self.lead else None
+        waited = time.perf_counter() - t0
+        self.finish()
+        failures, sent = self._failures()
+        if self.lead and "error" not in payload:
+            error = self.error or self._bridge_error(failures)
+            payload = {"error": error} if error else payload
         if self.world > 1:
             box = [payload]
             dist.broadcast_object_list(box, src=0)
             payload = box[0]
-        waited = time.perf_counter() - t0
         if "error" in payload:
             raise TrainingError(payload["error"])
         if payload.get("interrupted"):
@@ -286,7 +291,7 @@ class AsyncRollouts:
         self.segments_used[index] = payload.get("segments")
         batch, metrics = task.assemble(payload["rounds"], payload["kept"], index, payload["version"], trainer)
         busy, idle = payload["busy_s"], payload["idle_s"]
-        metrics.update(trainer_wait_s=waited, weight_sync_s=self.pushed_s, weight_sync_bytes=sent,
+        metrics.update(trainer_wait_s=waited, weight_sync_s=self.pushed.seconds, weight_sync_bytes=sent,
                        generator_idle=idle / (busy + idle) if busy + idle else 0.0)
         return batch, metrics
 
