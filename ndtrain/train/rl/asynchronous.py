@@ -28,11 +28,12 @@ token travels with its version, and `RL.assemble` weights each stale token by it
 1. if any generator will sample with the current weights (version t), rank 0 sends those a
    notice over the socket and every training rank takes part in moving the weights over the
    bridge (`weight_bridge.send`): parameter by parameter, made whole on the stage that holds
-   it by weight_sync's collectives and broadcast by the stage's sender to each generator,
-   whose inbox thread receives them into a shadow state while it samples; the sender waits
-   until they are taken (the copy), within the limit;
-2. rank 0 waits for rollout t from its generator and broadcasts it to the training ranks
-   (under pipeline parallelism the senders' failures and bytes are gathered first);
+   it by weight_sync's collectives and broadcast by the stage's sender to each generator
+   (posted), whose inbox thread receives them into a shadow state while it samples;
+2. rank 0 waits for rollout t from its generator while the weights move; every sender then
+   waits until they are taken (`finish`, within the limit, before the optimizer step); the
+   senders' failures and bytes are gathered (under pipeline parallelism), and rank 0
+   broadcasts the rollout, or the one line of a failure, to the training ranks;
 3. each rank assembles the batch (`RL.assemble`): the old log-probabilities by the training
    forward (the proximal policy), and for a stale rollout the importance weights from the
    behaviour policy (the sampler's recorded log-probabilities) to it.
