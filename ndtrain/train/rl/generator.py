@@ -115,12 +115,8 @@ def serve(conn) -> int:
     cfg, args, g = from_dict(setup["cfg"]), setup["args"], setup["generator"]
     rank = setup["world"] + g
     torch.set_num_threads(setup["threads"])
-    bridge = weight_bridge.join(tuple(setup["bridge"]), [(s, g) for s in range(setup["stages"])], 1,
-                                setup["timeout"], setup["join_limit"])
-    broken = next((why for why in bridge.values() if isinstance(why, str)), None)
-    if broken is not None:
-        print(f"ndtrain rl: generator rank {rank}: could not join the weight bridge within "
-              f"{setup['join_limit']:g} s: {broken}; exiting", file=sys.stderr, flush=True)
+    bridge = _join_bridge(setup, rank)
+    if bridge is None:
         return 1
     device = torch.device("cpu" if setup["device"] == "cpu" else
                           f"cuda:{(setup['world'] + g) % max(1, torch.cuda.device_count())}")
@@ -129,8 +125,7 @@ def serve(conn) -> int:
     model = Transformer(args).to(device=device, dtype=dtype).requires_grad_(False)
     model.reset_rope(device)
     reference = None
-    inbox = Inbox(conn, {s: group for (s, _), group in bridge.items()}, weight_bridge.plan(args, cfg),
-                  setup["timeout"])
+    inbox = Inbox(conn, bridge, weight_bridge.plan(args, cfg), setup["timeout"])
     start, total, k, n = setup["start"], setup["total"], setup["staleness"], setup["generators"]
     t_ = cfg.train
     template = task.env.template
@@ -152,6 +147,8 @@ def serve(conn) -> int:
                 """Partial rollouts: segment j's weights, those of min(v + j, t) (fixed) or the
                 newest held (newest); the generation waits for them as for a rollout's first."""
                 if j == 0:
+                    if held.version != v:  # a later round (DAPO's refills) starts again on the rollout's weights
+                        held.take(v, keep=v, exact=True)
                     return model, v
                 vj, waited = held.take(held.version if newest else min(v + j, t), keep=v)
                 waits[0] += waited
@@ -192,6 +189,20 @@ def serve(conn) -> int:
     return 0
 
 
+def _join_bridge(setup: dict, rank: int) -> dict | None:
+    """This generator's weight-bridge groups, by pipeline stage; None (and one line) if one
+    could not be made."""
+    g = setup["generator"]
+    made = weight_bridge.join(tuple(setup["bridge"]), [(s, g) for s in range(setup["stages"])], 1,
+                              setup["timeout"], setup["join_limit"])
+    broken = next((why for why in made.values() if isinstance(why, str)), None)
+    if broken is not None:
+        print(f"ndtrain rl: generator rank {rank}: could not join the weight bridge within "
+              f"{setup['join_limit']:g} s: {broken}; exiting", file=sys.stderr, flush=True)
+        return None
+    return {s: group for (s, _), group in made.items()}
+
+
 class Held:
     """The model's weights: which version it holds, and taking another from the inbox."""
 
@@ -199,11 +210,11 @@ class Held:
         self.model, self.inbox, self.timeout, self.newest = model, inbox, timeout, newest
         self.version = None
 
-    def take(self, version: int, keep: int | None = None) -> tuple:
-        """The weights of `version` (newest: the newest at or after it) loaded into the model;
-        (its version, seconds waited). Raises NoWeights, or WeightsLacking."""
+    def take(self, version: int, keep: int | None = None, exact: bool = False) -> tuple:
+        """The weights of `version` (newest, unless `exact`: the newest at or after it) loaded
+        into the model; (its version, seconds waited). Raises NoWeights, or WeightsLacking."""
         t0 = time.perf_counter()
-        state, v, closed = self.inbox.wait(version, self.timeout, self.newest, keep)
+        state, v, closed = self.inbox.wait(version, self.timeout, self.newest and not exact, keep)
         if state is None:
             raise NoWeights(v, closed)
         waited = time.perf_counter() - t0
