@@ -154,7 +154,8 @@ def _rows(rows):
                 run["used"] = dict(USED)
             history = run.pop("history")
             run["metrics"] = [{k: r.get(k) for k in ("reward_mean", "staleness", "behaviour_weight",
-                                                      "generator_idle", "token_staleness")} for r in history]
+                                                      "generator_idle", "token_staleness", "refills")}
+                              for r in history]
             out[name] = run
         finally:
             while TASKS:
@@ -247,17 +248,23 @@ def test_partial_rollouts_continue_on_new_weights_equal_the_mixed_version_refere
     the mixed-version sequences built directly from copies of the weights), fp64, the
     tolerance rule. The same rewards, the staleness of the oldest token 2 and of the mean
     token between 0 and 2; and the reference differs from K = 2 without continuing (the
-    segments matter)."""
+    segments matter). Under dapo too, whose refill rounds start again on each rollout's own
+    weights (the generator had moved on to a later segment's)."""
     from helpers import assert_proof
     partial = ASYNC + [f"rl.max_staleness={STALE}", "rl.partial_rollout=continue", f"rl.partial_tokens={PARTIAL}"]
-    runs = run_ranks(_rows, 1, [("ref", [], "partial"), ("run", partial, "async"), ("delayed", [], "delayed")],
-                     timeout=600)[0]
+    dapo = ["rl.loss=dapo"]  # dynamic sampling: a refill round starts again on the rollout's own weights
+    runs = run_ranks(_rows, 1, [("ref", [], "partial"), ("run", partial, "async"), ("delayed", [], "delayed"),
+                                ("ref-dapo", dapo, "partial"), ("run-dapo", partial + dapo, "async")], timeout=600)[0]
     ref, run = runs["ref"], runs["run"]
     assert [m["reward_mean"] for m in run["metrics"]] == [m["reward_mean"] for m in ref["metrics"]]
     assert [m["staleness"] for m in run["metrics"]] == [0, 1, 2, 2, 2] == [m["staleness"] for m in ref["metrics"]]
     assert all(0 < m["token_staleness"] < 2 for m in ref["metrics"][2:]), ref["metrics"]
     assert ref["losses"] != runs["delayed"]["losses"]
     assert_proof(run, ref)
+    assert any(m["refills"] for m in runs["ref-dapo"]["metrics"][2:]), runs["ref-dapo"]["metrics"]
+    assert [m["reward_mean"] for m in runs["run-dapo"]["metrics"]] == [m["reward_mean"] for m in
+                                                                        runs["ref-dapo"]["metrics"]]
+    assert_proof(runs["run-dapo"], runs["ref-dapo"])
 
 
 @pytest.mark.slow

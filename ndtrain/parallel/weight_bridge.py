@@ -16,9 +16,10 @@ at once (the connection resets).
   sender over its group with each generator that needs that version (asynchronous gloo work,
   at most WINDOW_BYTES in flight per generator, so a rank holds at most that beyond its
   model), and waited for (`Sending.finish`) after the caller's other waits and before the
-  optimizer step. The other ranks of the stage drop the value. Nothing is pickled and no rank holds the whole
-  model; the value is cast to the generator's dtype (the compute dtype: what loading the
-  whole state into the generator's model did) and moved to the host (gloo's wire).
+  optimizer step. The other ranks of the stage drop the value. Nothing is pickled and no
+  rank holds the whole model; the value is cast to the generator's dtype (the compute dtype:
+  what loading the whole state into the generator's model did) and moved to the host
+  (gloo's wire).
 - The receive half (`receive`, a generator's inbox thread): every parameter's receive posted
   at once into a fresh state (the shadow copy), waited for within the limit; the caller
   makes the state visible only when it is whole, so sampling never sees half a version.
