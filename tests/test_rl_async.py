@@ -252,7 +252,9 @@ def test_partial_rollouts_continue_on_new_weights_equal_the_mixed_version_refere
     weights (the generator had moved on to a later segment's)."""
     from helpers import assert_proof
     partial = ASYNC + [f"rl.max_staleness={STALE}", "rl.partial_rollout=continue", f"rl.partial_tokens={PARTIAL}"]
-    dapo = ["rl.loss=dapo"]  # dynamic sampling: a refill round starts again on the rollout's own weights
+    # dynamic sampling, on a one-bit reward that leaves some groups all equal: refill rounds,
+    # each starting again on the rollout's own weights
+    dapo = ["rl.loss=dapo", "rl.reward=test_rl_async:parity_reward", "rl.overlong_buffer=0"]
     runs = run_ranks(_rows, 1, [("ref", [], "partial"), ("run", partial, "async"), ("delayed", [], "delayed"),
                                 ("ref-dapo", dapo, "partial"), ("run-dapo", partial + dapo, "async")], timeout=600)[0]
     ref, run = runs["ref"], runs["run"]
@@ -289,6 +291,12 @@ def test_continued_rollouts_on_the_newest_weights_equal_the_reference_of_the_ver
     assert [m["reward_mean"] for m in run["metrics"]] == [m["reward_mean"] for m in ref["metrics"]]
     assert [m["token_staleness"] for m in run["metrics"]] == [m["token_staleness"] for m in ref["metrics"]]
     assert_proof(run, ref)
+
+
+def parity_reward(prompt: str, completion: str, answer: str) -> float:
+    """One bit: whether the completion's first character has an odd code (a group of 4 is
+    all equal one time in 8)."""
+    return float(ord(completion[0]) % 2) if completion else 0.0
 
 
 HUNG_LIMIT = 5.0  # rl.exchange_timeout_s of the stopped-generator rows
