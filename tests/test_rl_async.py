@@ -33,6 +33,7 @@ PARTIAL = 2  # rl.partial_tokens of the partial-rollout proof: 3 segments of the
 ASYNC_PROOF = [o for o in RL_PROOF if not o.startswith("rl.ppo_epochs")] + ["rl.ppo_epochs=1", "train.steps=5",
                                                                             "rl.exchange_timeout_s=40"]
 TASKS: list = []  # the tasks made in this process, closed after each run (their generators)
+USED: dict = {}  # rollout -> the version of each segment, as the last asynchronous run in this process recorded them
 
 
 def _make(kind: str):
@@ -76,6 +77,24 @@ def _make(kind: str):
                     t.micro_batch, t.loss_chunk))
                 return self.assemble(rounds, kept, index, version, trainer)
 
+        class UsedVersionsRL(DelayedRL):
+            """The reference of a run whose weights are the race's (rl.async_weights = newest,
+            partial rollouts continued), built directly: rollout t sampled PARTIAL tokens at a
+            time, segment j with the copy of the weights taken before the rollout the run
+            recorded for it (USED), each token keeping its version."""
+
+            def rollout(self, index, trainer):
+                from ndtrain.train.rl.rollout import generate_in_segments
+                layout = self._generator(trainer).layout
+                self.snapshots[index] = frozen_copy(trainer.par, self.cfg, trainer.args, layout)
+                used, reference, t = USED[index], self._reference(trainer), self.cfg.train
+                versions = lambda j: (self.snapshots[used[j]], used[j])  # noqa: E731
+                rounds, kept = self.sample_rounds(index, lambda rows, prompts, seeds: generate_in_segments(
+                    versions, PARTIAL, prompts, seeds, self.sampling, self.env.template.stop_ids,
+                    self.env.template.pad_id, lambda i, ids: self.env.score(rows[i], ids)[:4], reference,
+                    t.micro_batch, t.loss_chunk))
+                return self.assemble(rounds, kept, index, used[0], trainer)
+
         class KilledGenerator(RL):
             """Kills its generator just before the trainer sends it the weights of rollout 1
             ("killed"), or stops it there (SIGSTOP, "hung": alive and silent). The time of the
@@ -92,7 +111,7 @@ def _make(kind: str):
                         proc.wait()
                 super().before_update(step, trainer)
 
-        cls = {"delayed": DelayedRL, "partial": PartialRL, "killed": KilledGenerator,
+        cls = {"delayed": DelayedRL, "partial": PartialRL, "used": UsedVersionsRL, "killed": KilledGenerator,
                "hung": KilledGenerator}.get(kind, RL)
         task = cls(cfg, Environment(cfg, BuiltinTemplate(char_tokenizer())))
         TASKS.append(task)
@@ -120,14 +139,23 @@ def _rows(rows):
                     out[name] = "no error"
                 except TrainingError as e:
                     out[name] = str(e)
+                rollouts = next((t.rollouts for t in TASKS if t.rollouts is not None), None)
+                out[f"{name}-failures"] = [f[1] for f in rollouts.failures] if rollouts else None  # this rank's own
                 stopped = next((t.stopped_at for t in TASKS if getattr(t, "stopped_at", None)), None)
                 out[f"{name}-s"] = None if stopped is None else time.monotonic() - stopped  # rank 0's
                 continue
-            run = (reference_in_rank if kind in ("delayed", "partial", "reference") else proof_in_rank)(
+            run = (reference_in_rank if kind in ("delayed", "partial", "used", "reference") else proof_in_rank)(
                 ASYNC_PROOF + overrides, "", make_task=_make(kind))
+            rollouts = next((t.rollouts for t in TASKS if t.rollouts is not None), None)
+            if rollouts is not None:  # what this rank sent over the weight bridge, the versions each rollout used
+                run["sent"] = sorted(rollouts.sent_names)
+                USED.clear()
+                USED.update(rollouts.segments_used)
+                run["used"] = dict(USED)
             history = run.pop("history")
             run["metrics"] = [{k: r.get(k) for k in ("reward_mean", "staleness", "behaviour_weight",
-                                                      "generator_idle", "token_staleness")} for r in history]
+                                                      "generator_idle", "token_staleness", "refills")}
+                              for r in history]
             out[name] = run
         finally:
             while TASKS:
@@ -164,8 +192,10 @@ def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference
     against the synchronous job, bit for bit where both sample without tensor parallelism
     (one process, dp2, ZeRO-3, pp2, cp2), under the tolerance rule under tp2; K = 2 against
     DelayedRL under the tolerance rule (one process, dp2); with the newest weights a
-    generator holds, never staler than K; a generator killed before its
-    weights of rollout 1 ends both training ranks with the same line."""
+    generator holds, never staler than K; under pp2 each stage's sender sends exactly its
+    stage's parameters; a generator killed before its weights of rollout 1 ends both training
+    ranks with the same line (dp2, and pp2, where rank 1, stage 1's sender, finds the dead
+    generator on its own bridge group)."""
     from helpers import assert_proof
     one = run_ranks(_rows, 1, [("sync", [], "reference"), ("k0", ASYNC, "async"), ("delayed", [], "delayed"),
                                ("k2", ASYNC + [f"rl.max_staleness={STALE}"], "async"),
@@ -186,16 +216,28 @@ def test_async_rl_k0_equals_sync_bit_for_bit_and_k2_equals_the_delayed_reference
     two = run_ranks(_rows, 2, rows + [
         ("tp2-k0", ASYNC + ["parallel.tp=2"], "async"),
         ("dp2-k2", ASYNC + [f"rl.max_staleness={STALE}", "parallel.dp=2", "train.micro_batch=2"], "async"),
-        ("killed", ASYNC + ["parallel.dp=2"], "killed")], timeout=900)
+        ("killed", ASYNC + ["parallel.dp=2"], "killed"),
+        ("killed-pp2", ASYNC + ["parallel.pp=2", "train.micro_batch=2"], "killed")], timeout=900)
     runs = two[0]
     for name, _ in FAMILIES:
         assert _same(runs[f"{name}-k0"], runs[f"{name}-sync"]), name
         assert_proof(runs[f"{name}-sync"], sync)  # and both equal one process
     assert_proof(runs["tp2-k0"], sync)
+    # the weight bridge: each stage's sender sends the parameters its stage holds (pp2: rank 1
+    # the last layers, the final norm and the head), none other, and together all of them
+    stage = [set(two[r]["pp2-k0"]["sent"]) for r in (0, 1)]
+    assert {"output.weight", "norm.weight", "layers.3.attention.wq.weight"} <= stage[1], stage
+    assert {"tok_embeddings.weight", "layers.0.attention.wq.weight"} <= stage[0], stage
+    assert not stage[0] & stage[1] and stage[0] | stage[1] == set(runs["pp2-k0"]["state"]), stage
+    assert two[1]["dp2-k0"]["sent"] == [] and set(runs["dp2-k0"]["sent"]) == set(runs["dp2-k0"]["state"])
     assert_proof(runs["dp2-k2"], ref)
     line = (r"ndtrain rl: generator rank 2 exited with status -9 (before sending rollout 1|while sent the weights of "
             r"rollout 1) \(update 1\)")
     assert re.fullmatch(line, runs["killed"]) and two[1]["killed"] == runs["killed"], two
+    # pp2: stage 1's sender (rank 1) finds the dead generator on its own bridge group, and every
+    # rank ends with the same line
+    assert re.fullmatch(line, runs["killed-pp2"]) and two[1]["killed-pp2"] == runs["killed-pp2"], two
+    assert two[1]["killed-pp2-failures"] == ["while sent the weights of rollout 1"], two
 
 
 @pytest.mark.slow
@@ -206,17 +248,55 @@ def test_partial_rollouts_continue_on_new_weights_equal_the_mixed_version_refere
     the mixed-version sequences built directly from copies of the weights), fp64, the
     tolerance rule. The same rewards, the staleness of the oldest token 2 and of the mean
     token between 0 and 2; and the reference differs from K = 2 without continuing (the
-    segments matter)."""
+    segments matter). Under dapo too, whose refill rounds start again on each rollout's own
+    weights (the generator had moved on to a later segment's)."""
     from helpers import assert_proof
     partial = ASYNC + [f"rl.max_staleness={STALE}", "rl.partial_rollout=continue", f"rl.partial_tokens={PARTIAL}"]
-    runs = run_ranks(_rows, 1, [("ref", [], "partial"), ("run", partial, "async"), ("delayed", [], "delayed")],
-                     timeout=600)[0]
+    # dynamic sampling, on a one-bit reward that leaves some groups all equal: refill rounds,
+    # each starting again on the rollout's own weights
+    dapo = ["rl.loss=dapo", "rl.reward=test_rl_async:parity_reward", "rl.overlong_buffer=0"]
+    runs = run_ranks(_rows, 1, [("ref", [], "partial"), ("run", partial, "async"), ("delayed", [], "delayed"),
+                                ("ref-dapo", dapo, "partial"), ("run-dapo", partial + dapo, "async")], timeout=600)[0]
     ref, run = runs["ref"], runs["run"]
     assert [m["reward_mean"] for m in run["metrics"]] == [m["reward_mean"] for m in ref["metrics"]]
     assert [m["staleness"] for m in run["metrics"]] == [0, 1, 2, 2, 2] == [m["staleness"] for m in ref["metrics"]]
     assert all(0 < m["token_staleness"] < 2 for m in ref["metrics"][2:]), ref["metrics"]
     assert ref["losses"] != runs["delayed"]["losses"]
     assert_proof(run, ref)
+    assert any(m["refills"] for m in runs["ref-dapo"]["metrics"][2:]), runs["ref-dapo"]["metrics"]
+    assert [m["reward_mean"] for m in runs["run-dapo"]["metrics"]] == [m["reward_mean"] for m in
+                                                                        runs["ref-dapo"]["metrics"]]
+    assert_proof(runs["run-dapo"], runs["ref-dapo"])
+
+
+@pytest.mark.slow
+def test_continued_rollouts_on_the_newest_weights_equal_the_reference_of_the_versions_they_used():
+    """rl.async_weights = newest with rl.partial_rollout = continue (K = 2, segments of 2 of
+    24 new tokens, so that a generation tends to outlast an update and new weights come in
+    mid-rollout), one process and its generator: which weights sample each segment is the
+    race's, so the reference follows the versions the run recorded (UsedVersionsRL, built
+    directly from copies of the weights): fp64, the tolerance rule, the same rewards and token
+    staleness; no segment staler than K, none newer than its rollout, and a segment never older
+    than the one before it. (Measured idle: rollouts 1 to 4 each switched weights mid-way.)"""
+    from helpers import assert_proof
+    longer = ["train.seq_len=40", "rl.max_new_tokens=24"]  # 12 segments: a generation outlasts an update
+    newest = ASYNC + longer + [f"rl.max_staleness={STALE}", "rl.partial_rollout=continue",
+                               f"rl.partial_tokens={PARTIAL}", "rl.async_weights=newest"]
+    runs = run_ranks(_rows, 1, [("run", newest, "async"), ("ref", longer, "used")], timeout=600)[0]
+    run, ref, used = runs["run"], runs["ref"], runs["run"]["used"]
+    print("segment versions by rollout:", used)
+    assert sorted(used) == list(range(5)), used
+    assert all(t - STALE <= u[0] and u == sorted(u) and u[-1] <= t for t, u in used.items()), used
+    assert [m["staleness"] for m in run["metrics"]] == [t - used[t][0] for t in range(5)]
+    assert [m["reward_mean"] for m in run["metrics"]] == [m["reward_mean"] for m in ref["metrics"]]
+    assert [m["token_staleness"] for m in run["metrics"]] == [m["token_staleness"] for m in ref["metrics"]]
+    assert_proof(run, ref)
+
+
+def parity_reward(prompt: str, completion: str, answer: str) -> float:
+    """One bit: whether the completion's first character has an odd code (a group of 4 is
+    all equal one time in 8)."""
+    return float(ord(completion[0]) % 2) if completion else 0.0
 
 
 HUNG_LIMIT = 5.0  # rl.exchange_timeout_s of the stopped-generator rows
@@ -235,6 +315,7 @@ def test_a_stopped_generator_ends_every_training_rank_within_the_limit():
     the test waited on the stopped process)."""
     runs = run_ranks(_rows, 2, [("hung", ASYNC + ["parallel.dp=2", f"rl.exchange_timeout_s={HUNG_LIMIT:g}"], "hung")],
                      timeout=600)
+    print(f"{runs[0]['hung']} ({runs[0]['hung-s']:.1f} s after the stop)")
     assert re.fullmatch(HUNG_LINE, runs[0]["hung"]) and runs[1]["hung"] == runs[0]["hung"], runs
     assert runs[0]["hung-s"] < HUNG_BOUND, runs
 
@@ -310,11 +391,13 @@ def test_a_generator_the_trainer_never_answers_exits_with_one_line(tmp_path):
     from ndtrain.config import load_config, validate
     from ndtrain.data.template import BuiltinTemplate
     from ndtrain.data.verifiable import char_tokenizer
+    from ndtrain.parallel import weight_bridge
     from ndtrain.train.rl.asynchronous import KEY_ENV
     cfg = validate(load_config(None, ["model.preset=tiny", "run.device=cpu", "train.global_batch=8",
                                       "rl.group_size=4", "train.seq_len=16"]), world=1)
     for close in (False, True):
         key = os.urandom(16)
+        store, address = weight_bridge.open_store(60.0)
         with Listener(("127.0.0.1", 0), authkey=key) as listener:
             env = dict(os.environ, **{KEY_ENV: key.hex(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
             proc = subprocess.Popen([sys.executable, "-m", "ndtrain.train.rl.generator", *map(str, listener.address)],
@@ -323,7 +406,9 @@ def test_a_generator_the_trainer_never_answers_exits_with_one_line(tmp_path):
             conn.send_bytes(pickle.dumps({"cfg": cfg.to_dict(), "args": cfg.model_args(), "generator": 0, "world": 2,
                                           "template": BuiltinTemplate(char_tokenizer()), "start": 0, "total": 3,
                                           "staleness": 0, "generators": 1, "threads": 1, "timeout": 3.0,
-                                          "device": "cpu"}))
+                                          "device": "cpu", "bridge": address, "stages": 1, "join_limit": 60.0}))
+            bridge = weight_bridge.join(address, [(0, 0)], 0, 3.0, 60.0)  # the trainer's side of it
+            assert not isinstance(bridge[(0, 0)], str), bridge
             if close:
                 conn.close()
             code, err = proc.wait(120), proc.stderr.read().strip()

@@ -13,7 +13,8 @@ seconds per update, and the idle fractions from each rank's recorded times (RL.t
 the training ranks' share of an update not training (synchronously: generating and waiting
 for the longest share; asynchronously: sending the weights and waiting for the rollout), and
 the generation's share idle (synchronously: the ranks' time not sampling their share;
-asynchronously: the generator's wait for weights). Then the peak memory of the output head
+asynchronously: the generator's wait for weights), and the asynchronous side's weight move
+(seconds and bytes per update, parallel/weight_bridge.py). Then the peak memory of the output head
 and loss at vocabulary 32,768, whole logits against chunks (bench/logits.py). With
 rl.eval_prompts > 0 (and a model that can answer: model.init_from), each side also trains 3
 seeds and reports held-out pass@1 after the updates and the difference. The last line is
@@ -54,7 +55,8 @@ def _worker(cfg_dict: dict, template) -> dict:
         task.close()  # the generators (their last rollout's times are in the timeline)
         passed = task.evaluate(trainer).get("pass@1") if cfg.rl.eval_prompts else None
         return {"history": [{k: r.get(k) for k in ("step_time_s", "rollout_time_s", "trainer_wait_s",
-                                                    "generator_idle")} for r in trainer.history],
+                                                    "generator_idle", "weight_sync_s", "weight_sync_bytes")}
+                            for r in trainer.history],
                 "timeline": task.timeline, "pass@1": passed}
     finally:
         task.close()
@@ -131,6 +133,7 @@ def run(args) -> int:
                          f"{base.rl.long_tail:g} of the prompts; the others up to {max(1, base.rl.max_new_tokens // 8)}) "
                          f"· {args.rounds} rounds, alternating")
     per = {side: [] for side in SIDES}
+    weights = []  # the asynchronous side's weight moves after the first update: (seconds, bytes)
     for r in range(1 + args.rounds):
         order = list(SIDES) if r % 2 == 0 else list(reversed(SIDES))
         for side in order:
@@ -138,6 +141,9 @@ def run(args) -> int:
             ranks = launch_local(world, _worker, cfg.to_dict(), template)
             if r:  # round 0 warms the caches and the page cache up
                 per[side].append(_measure(ranks))
+                if side == "async":
+                    weights += [(h["weight_sync_s"] or 0.0, h["weight_sync_bytes"] or 0)
+                                for h in ranks[0]["history"][1:]]
     lines = ["round   sync s/update (idle: trainer, generation)   async s/update (idle: trainer, generator)"]
     for i, (s, a) in enumerate(zip(per["sync"], per["async"])):
         lines.append(f"{i + 1:>5}   {s[0]:>13.3f} ({s[1]:.2f}, {s[2]:.2f})                 {a[0]:>14.3f} "
@@ -149,6 +155,10 @@ def run(args) -> int:
     lines.append(f"idle fractions (medians): sync: the training ranks do not train {s_idle:.0%} of an update, "
                  f"generation idles {s_gen:.0%} · async: the training ranks wait {a_idle:.0%}, the generator idles "
                  f"{a_gen:.0%}")
+    if weights:
+        seconds, size = (statistics.median(w[i] for w in weights) for i in (0, 1))
+        lines.append(f"weights to the generator (async, over the weight bridge): {seconds:.4f} s and "
+                     f"{size / 2**10:.1f} KiB per update (medians of {len(weights)} updates, the training ranks' side)")
     rows, seq, dim = 8, 256, 256
     peak = peaks(rows, seq, dim, (0, 128))
     lines.append(f"logits peak (head + loss, forward and backward, {rows} rows × {seq} positions, dim {dim}, vocab "

@@ -235,7 +235,7 @@ class RLConfig:
     async_weights: str = "fixed"  # fixed: rollout t sampled with the weights of rollout t - K exactly | newest: the newest a generator holds (at least those)
     off_policy: str = "tis"  # stale rollouts: tis (importance weight π_old/π_behaviour truncated at tis_cap) | decoupled (untruncated)
     tis_cap: float = 2.0  # tis: the largest importance weight of a token
-    exchange_timeout_s: float = 300.0  # the longest wait for a generator's rollout or for weights, then one line and exit
+    exchange_timeout_s: float = 300.0  # the longest wait for a generator's rollout or weights (the weight bridge's timeout), then one line and exit
     partial_rollout: str = "finish"  # a generation that a weight update interrupts: finish (on the old weights) | continue (on the new ones, every partial_tokens tokens)
     partial_tokens: int = 8  # continue: the new tokens between two points where a generation may take newer weights
     # The update

@@ -23,6 +23,7 @@ read from the mesh's collective accounting (`comm/stats.py`, wire bytes sent by 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +116,31 @@ class StageValues:
         return value
 
 
+def whole_shapes(args: ModelArgs) -> dict[str, torch.Size]:
+    """The whole (unsplit) shape of every parameter of the full model, by name."""
+    with torch.device("meta"):
+        return {n: p.shape for n, p in Transformer(args).named_parameters()}
+
+
+def stage_values(par: Parallelized, cfg: Config, args: ModelArgs, names: list[str],
+                 whole: set[str]) -> Iterator[tuple[str, Tensor | None, int]]:
+    """For each name in the order given: (name, its value, the pipeline stage that holds it).
+    The value is computed on that stage only (None on the others): its training-tp slice,
+    whole over ZeRO-3's shards and expert parallelism, and whole over the training tp too for
+    the names in `whole`. Collective over each stage's shard, ep and tp groups, so every rank
+    asks for the same names in the same order. What the value may be: a view of the live
+    parameter (no copy), so it is read before the optimizer changes the weights."""
+    mesh = par.mesh
+    values = StageValues(par)
+    table, pp = owners(args, cfg), mesh.group("pp")
+    for name in names:
+        stage = _owner(name, table) if pp.active else 0
+        value = values(name) if stage == mesh.coord("pp") else None
+        if value is not None and name in whole:
+            value = _whole_over_tp(value, values.params[name], mesh.group("tp"))
+        yield name, value, stage
+
+
 @torch.no_grad()
 def sync_weights(par: Parallelized, cfg: Config, args: ModelArgs, target: nn.Module, gen_tp: Group) -> Transfer:
     """Copy the training weights (and persistent buffers: the routers' biases) into
@@ -122,22 +148,17 @@ def sync_weights(par: Parallelized, cfg: Config, args: ModelArgs, target: nn.Mod
     over every rank. Returns the time and this rank's bytes."""
     mesh = par.mesh
     t0, sent0 = time.perf_counter(), mesh.stats.wire()
-    values = StageValues(par)
-    table, pp = owners(args, cfg), mesh.group("pp")
-    same_tp = gen_tp.size == mesh.size("tp")
-    with torch.device("meta"):
-        whole_shapes = {n: p.shape for n, p in Transformer(args).named_parameters()}
-    names = [(n, p) for n, p in target.named_parameters()] + list(persistent_buffers(target).items())
-    for name, p in names:
-        whole = not same_tp and name in whole_shapes  # moves whole, each rank keeps its generation-tp slice
-        value = values(name) if not pp.active or _owner(name, table) == mesh.coord("pp") else None
-        if value is not None and whole:
-            value = _whole_over_tp(value, values.params[name], mesh.group("tp"))
+    pp = mesh.group("pp")
+    shapes = whole_shapes(args)
+    targets = dict(target.named_parameters()) | persistent_buffers(target)
+    moves_whole = set() if gen_tp.size == mesh.size("tp") else set(shapes)  # each rank keeps its generation-tp slice
+    for name, value, stage in stage_values(par, cfg, args, list(targets), moves_whole):
+        p, whole = targets[name], name in moves_whole
         if pp.active:  # the stage that holds it sends it to the others of its pp group
-            shape = whole_shapes[name] if whole else p.shape
+            shape = shapes[name] if whole else p.shape
             buf = (value.to(p.dtype).contiguous() if value is not None else
                    torch.empty(shape, dtype=p.dtype, device=mesh.device))
-            ops.broadcast(buf, pp, src=_owner(name, table))
+            ops.broadcast(buf, pp, src=stage)
             value = buf
         if whole and tensor.split_of(p) is not None:
             value = tensor.local_slice(value, tensor.split_of(p), gen_tp)

@@ -3,9 +3,11 @@
 With `rl.generate_ranks = N` > 0, training rank 0 starts N generator processes
 (`train/rl/generator.py`) beside the training world, each holding one whole model (the
 training model's weights, in the compute dtype, on one process) and a frozen reference.
-They are not ranks of the torch.distributed world: they talk to training rank 0 over a
-local authenticated socket (`multiprocessing.connection`), which the training ranks need
-not join.
+They are not ranks of the torch.distributed world: they take control messages (their
+setup, the notice of each version of the weights) from training rank 0 and send their
+rollouts back over a local authenticated socket (`multiprocessing.connection`), and take
+the weights over the weight bridge (`parallel/weight_bridge.py`: a two-member gloo group
+per pipeline stage and generator, with the stage's sender rank).
 
 **The schedule**: rollout t is sampled by generator (t − start) mod N with the weights of
 rollout t − K, K = `rl.max_staleness` (the weights the synchronous job samples rollout t − K
@@ -23,12 +25,15 @@ synchronous job.
 token travels with its version, and `RL.assemble` weights each stale token by its own.
 
 **Before rollout t's update** every training rank calls `take(t)`:
-1. the current weights (version t) are gathered whole on rank 0 (`Parallelized.full_model_state`,
-   collective over the training ranks) and sent to the generators that will sample with
-   them, if any; pickled once on rank 0's main thread (the copy: the optimizer may change
-   the weights right after), sent by a thread, received by a thread of each generator, so
-   neither side stops longer than the copy;
-2. rank 0 waits for rollout t from its generator and broadcasts it to the training ranks;
+1. if any generator will sample with the current weights (version t), rank 0 sends those a
+   notice over the socket and every training rank takes part in moving the weights over the
+   bridge (`weight_bridge.send`): parameter by parameter, made whole on the stage that holds
+   it by weight_sync's collectives and broadcast by the stage's sender to each generator
+   (posted), whose inbox thread receives them into a shadow state while it samples;
+2. rank 0 waits for rollout t from its generator while the weights move; every sender then
+   waits until they are taken (`finish`, within the limit, before the optimizer step); the
+   senders' failures and bytes are gathered (under pipeline parallelism), and rank 0
+   broadcasts the rollout, or the one line of a failure, to the training ranks;
 3. each rank assembles the batch (`RL.assemble`): the old log-probabilities by the training
    forward (the proximal policy), and for a stale rollout the importance weights from the
    behaviour policy (the sampler's recorded log-probabilities) to it.
@@ -59,6 +64,7 @@ import torch.distributed as dist
 
 from ndtrain import supervisor
 from ndtrain.config import Config
+from ndtrain.parallel import weight_bridge
 from ndtrain.train.trainer import TrainingError
 
 START_S = 120.0  # the least a generator is given to start (Python, torch, the model) and connect
@@ -91,10 +97,35 @@ class AsyncRollouts:
         self.conns: list[Connection] = []
         self.error: str | None = None  # rank 0: a failed send, reported with the next rollout
         self.silent: set[int] = set()  # generators that let a limit pass: alive perhaps, but not answering
-        self.pushed_s = 0.0
+        self.pushed = weight_bridge.Sent()  # this rank's part of the last push
+        self.sending, self.sending_what = None, None  # the push posted, not yet finished; (version, update)
+        self.failures: list = []  # this rank's failed sends: (generator, while what, update, (late, why))
+        self.sent_names: set = set()  # every name this rank sent over the bridge (its stage's, on its sender)
+        self.segments_used: dict = {}  # rank 0: rollout -> the version of each segment (RL.timeline, tests)
         self.times: dict = {}  # the last rollout's wall-clock times (RL.timeline)
+        self.store, address = None, None
+        self.stages = trainer.mesh.size("pp")
+        self.stage = weight_bridge.senders(trainer.mesh.shape).index(trainer.mesh.rank) \
+            if trainer.mesh.rank in weight_bridge.senders(trainer.mesh.shape) else None
         if self.lead:
-            self._spawn(trainer)
+            self.store, address = weight_bridge.open_store(self._start_limit())
+            self._spawn(trainer, address)
+        if self.world > 1:  # the other senders need the bridge's address; nobody joins after a failed start
+            box = [(address, self.error)]
+            dist.broadcast_object_list(box, src=0)
+            address, failed = box[0]
+        else:
+            failed = self.error
+        self.groups: dict[int, object] = {}  # generator -> this sender's bridge group with it
+        self.plan = weight_bridge.plan(trainer.args, cfg)
+        if self.stage is not None and failed is None:
+            made = weight_bridge.join(address, [(self.stage, g) for g in range(self.n)], 0, self.timeout,
+                                      self._start_limit())
+            for (_, g), group in made.items():
+                if isinstance(group, str):
+                    self.failures.append((g, "while joining the weight bridge", start, (False, group)))
+                else:
+                    self.groups[g] = group
 
     # -- the schedule --------------------------------------------------------------
     def rank_of(self, g: int) -> int:
@@ -114,7 +145,11 @@ class AsyncRollouts:
                        if version_of(t, self.start, self.k) <= v < version_of(t, self.start, self.k) + self.segments})
 
     # -- processes -----------------------------------------------------------------
-    def _spawn(self, trainer) -> None:
+    def _start_limit(self) -> float:
+        """A generator's start and connection: within the others' wait."""
+        return max(self.timeout, min(START_S, 0.9 * self.cfg.run.collective_timeout_s))
+
+    def _spawn(self, trainer, bridge: tuple[str, int]) -> None:
         key = os.urandom(16)
         listener = Listener(("127.0.0.1", 0), authkey=key)
         env = dict(os.environ, **{KEY_ENV: key.hex(), "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)})
@@ -131,7 +166,8 @@ class AsyncRollouts:
             setup = {"cfg": self.cfg.to_dict(), "args": trainer.args, "template": trainer.task.env.template,
                      "start": self.start, "total": self.total, "staleness": self.k, "generators": self.n,
                      "threads": _threads(), "timeout": self.timeout, "world": self.world,
-                     "device": trainer.mesh.device.type}
+                     "device": trainer.mesh.device.type, "bridge": bridge, "stages": self.stages,
+                     "join_limit": self._start_limit()}
             for g, conn in enumerate(self.conns):
                 self._send(g, dict(setup, generator=g), "its setup", 0)
 
@@ -139,7 +175,7 @@ class AsyncRollouts:
         box: list = []
         thread = threading.Thread(target=lambda: box.append(listener.accept()), daemon=True)
         thread.start()
-        limit = max(self.timeout, min(START_S, 0.9 * self.cfg.run.collective_timeout_s))  # within the others' wait
+        limit = self._start_limit()
         deadline = time.monotonic() + limit
         while thread.is_alive() and time.monotonic() < deadline:
             if self.procs[g].poll() is not None:
@@ -176,38 +212,87 @@ class AsyncRollouts:
 
     # -- every rollout -------------------------------------------------------------
     def push(self, v: int, trainer, update: int) -> None:
-        """Send the current weights (version v) to the generators that need them. Collective
-        over the training ranks when any does."""
+        """Post the current weights (version v) to the generators that need them: a notice
+        over the socket (rank 0), then the weights over the bridge (`finish` waits for them).
+        Collective over the training ranks when any generator needs them."""
         targets = self.needs(v)
+        self.sending, self.sending_what = None, (v, update)
         if not targets:
             return
-        t0 = time.perf_counter()
-        state = trainer.par.full_model_state()  # whole on rank 0
         if self.lead:
             for g in targets:
-                self._send(g, ("weights", v, state), f"the weights of rollout {v}", update)
-        self.pushed_s = time.perf_counter() - t0
+                self._send(g, ("weights", v), f"the weights of rollout {v}", update)
+        failed = {g for g, *_ in self.failures}
+        groups = {} if self.error is not None else {  # (a failure on rank 0 ends the run at this update)
+            g: self.groups[g] for g in targets if g in self.groups and g not in failed}
+        self.sending = weight_bridge.send(trainer.par, self.cfg, trainer.args, self.plan, groups, self.timeout)
+
+    def finish(self) -> None:
+        """Wait until the generators have taken the weights posted by `push` (within the
+        limit), keeping any failure. Before the update's optimizer step."""
+        self.pushed = weight_bridge.Sent() if self.sending is None else self.sending.finish()
+        self.sending = None
+        v, update = self.sending_what
+        self.sent_names |= self.pushed.names
+        self.failures += [(g, f"while sent the weights of rollout {v}", update, why)
+                          for g, why in self.pushed.failed.items()]
+
+    def _failures(self) -> tuple[list, int]:
+        """Every sender's failures and the bytes all of them sent in the last push (gathered
+        over the training ranks under pipeline parallelism: a stage's sender is not rank 0)."""
+        if self.stages == 1:
+            return self.failures, self.pushed.bytes
+        every = [None] * self.world
+        dist.all_gather_object(every, (self.failures, self.pushed.bytes))
+        return [f for fs, _ in every for f in fs], sum(b for _, b in every)
+
+    def _bridge_error(self, failures: list) -> str | None:
+        """Rank 0: the one line of the first failed send over the bridge."""
+        if not failures:
+            return None
+        g, what, update, (late, why) = failures[0]
+        proc, status = self.procs[g], self.procs[g].poll()
+        if status is None and not late:  # the connection broke: the process is ending, or a moment from it
+            try:
+                status = proc.wait(min(self.timeout, 5.0))
+            except subprocess.TimeoutExpired:
+                status = None
+        if status is not None:
+            text = f"exited with status {status}"
+        elif late:
+            self.silent.add(g)
+            text = f"did not take it within {self.timeout:g} s (rl.exchange_timeout_s)"
+        else:
+            self.silent.add(g)
+            text = f"failed ({why})"
+        return f"ndtrain rl: generator rank {self.rank_of(g)} {text} {what} (update {update})"
 
     def take(self, index: int, task, trainer) -> tuple:
         """Rollout `index`'s batch and metrics, on every training rank. Collective."""
         update = trainer.step
-        self.push(index, trainer, update)
+        self.push(index, trainer, update)  # posted: the weights move while rank 0 waits for the rollout
         pushed = time.time()
         t0 = time.perf_counter()
         payload = self._receive(index, update) if self.lead else None
+        waited = time.perf_counter() - t0
+        self.finish()
+        failures, sent = self._failures()
+        if self.lead and "error" not in payload:
+            error = self.error or self._bridge_error(failures)
+            payload = {"error": error} if error else payload
         if self.world > 1:
             box = [payload]
             dist.broadcast_object_list(box, src=0)
             payload = box[0]
-        waited = time.perf_counter() - t0
         if "error" in payload:
             raise TrainingError(payload["error"])
         if payload.get("interrupted"):
             raise supervisor.Interrupted("a stop request came while waiting for a rollout")
         self.times = {"pushed": pushed, "received": time.time(), "generator": payload.get("times")}
+        self.segments_used[index] = payload.get("segments")
         batch, metrics = task.assemble(payload["rounds"], payload["kept"], index, payload["version"], trainer)
         busy, idle = payload["busy_s"], payload["idle_s"]
-        metrics.update(trainer_wait_s=waited, weight_push_s=self.pushed_s,
+        metrics.update(trainer_wait_s=waited, weight_sync_s=self.pushed.seconds, weight_sync_bytes=sent,
                        generator_idle=idle / (busy + idle) if busy + idle else 0.0)
         return batch, metrics
 
@@ -260,6 +345,8 @@ class AsyncRollouts:
                 proc.kill()
                 proc.wait()
         self.conns, self.procs = [], []
+        if self.lead:  # every generator has ended: its bridge groups close at once (the store last)
+            self.groups, self.store = {}, None
 
 
 def _send_quietly(conn: Connection, data: bytes, close: bool = True) -> None:

@@ -6,8 +6,11 @@ samples its rollouts of the schedule in order: rollout t with the weights of rol
 version_of(t) (`rl.async_weights = fixed`), or with the newest it holds, at least those
 (`newest`), waiting for them if they have not come yet. A thread receives every message
 as it comes (so the trainer's send takes only the copy), keeping the newest weights of each
-version it still needs. A rollout is sampled and scored exactly as the synchronous job does
-it on one rank (`RL.sample_rounds`, `rollout.generate_everywhere` on a one-process layout):
+version it still needs: a notice on the socket, then the weights themselves over the weight
+bridge (`parallel/weight_bridge.receive`, from each pipeline stage's sender rank) into a
+shadow state that becomes visible only whole, so sampling never sees half a version. A
+rollout is sampled and scored exactly as the synchronous job does it on one rank
+(`RL.sample_rounds`, `rollout.generate_everywhere` on a one-process layout):
 each row's completion is a function of its prompt, seed and the weights, so it is the same
 wherever it is drawn. It reports how long it waited for weights (idle) and how long it
 sampled (busy). Waiting longer than `rl.exchange_timeout_s`, or the trainer's connection
@@ -29,6 +32,7 @@ import torch
 
 from ndtrain.config import from_dict
 from ndtrain.model.llama import Transformer
+from ndtrain.parallel import weight_bridge
 from ndtrain.parallel.precision import compute_dtype
 from ndtrain.train.rl.asynchronous import KEY_ENV, owner_of, version_of
 from ndtrain.train.rl.rollout import generate_everywhere, generate_in_segments
@@ -47,10 +51,12 @@ class _Alone:
 
 
 class Inbox:
-    """Messages from the trainer, read by a thread as they come."""
+    """Messages from the trainer, read by a thread as they come: on the notice of a version,
+    its weights from the bridge (every parameter into a fresh state, made visible whole)."""
 
-    def __init__(self, conn):
-        self.conn, self.weights, self.closed = conn, {}, False
+    def __init__(self, conn, groups: dict, entries: list, timeout: float):
+        self.conn, self.groups, self.entries, self.timeout = conn, groups, entries, timeout
+        self.weights, self.closed, self.failed, self.received = {}, False, None, 0
         self.ready = threading.Condition()
         threading.Thread(target=self._read, daemon=True).start()
 
@@ -60,13 +66,20 @@ class Inbox:
                 message = pickle.loads(self.conn.recv_bytes())
             except Exception:  # closed, or unreadable: the generator stops
                 message = ("stop",)
+            state = failed = None
+            if message[0] == "weights":
+                try:
+                    state = weight_bridge.receive(self.groups, self.entries, self.timeout)
+                except weight_bridge.BridgeError as e:
+                    failed = f"the weights of rollout {message[1]} did not come over the weight bridge: {e}"
             with self.ready:
-                if message[0] == "weights":
-                    self.weights[message[1]] = message[2]
+                if state is not None:
+                    self.weights[message[1]] = state
+                    self.received += 1
                 else:
-                    self.closed = True
+                    self.closed, self.failed = True, failed
                 self.ready.notify_all()
-            if message[0] != "weights":
+            if state is None:
                 return
 
     def wait(self, version: int, timeout: float, newest: bool = False, keep: int | None = None):
@@ -83,6 +96,17 @@ class Inbox:
                 del self.weights[v]
             return self.weights.get(chosen), chosen, self.closed
 
+    def linger(self) -> None:
+        """After the last rollout: keep taking what the trainer still sends (under `newest`
+        it sends every version, and a send to a process that left would fail) until it stops,
+        its connection closes, or nothing comes for the limit."""
+        with self.ready:
+            while not self.closed:
+                count = self.received
+                self.weights.clear()
+                if not self.ready.wait_for(lambda: self.closed or self.received != count, self.timeout):
+                    return
+
 
 def serve(conn) -> int:
     from ndtrain.train.rl.task import RL, Environment
@@ -91,6 +115,9 @@ def serve(conn) -> int:
     cfg, args, g = from_dict(setup["cfg"]), setup["args"], setup["generator"]
     rank = setup["world"] + g
     torch.set_num_threads(setup["threads"])
+    bridge = _join_bridge(setup, rank)
+    if bridge is None:
+        return 1
     device = torch.device("cpu" if setup["device"] == "cpu" else
                           f"cuda:{(setup['world'] + g) % max(1, torch.cuda.device_count())}")
     task = RL(cfg, Environment(cfg, setup["template"]))
@@ -98,7 +125,7 @@ def serve(conn) -> int:
     model = Transformer(args).to(device=device, dtype=dtype).requires_grad_(False)
     model.reset_rope(device)
     reference = None
-    inbox = Inbox(conn)
+    inbox = Inbox(conn, bridge, weight_bridge.plan(args, cfg), setup["timeout"])
     start, total, k, n = setup["start"], setup["total"], setup["staleness"], setup["generators"]
     t_ = cfg.train
     template = task.env.template
@@ -107,9 +134,10 @@ def serve(conn) -> int:
     for t in range(start, total):
         if owner_of(t, start, n) != g:
             continue
-        waits, began = [0.0], time.time()
+        waits, began, segments = [0.0], time.time(), []
         try:
             v, idle = held.take(version_of(t, start, k))
+            segments.append(v)
             ready = time.time()
             if reference is None:
                 reference = copy.deepcopy(model)
@@ -119,9 +147,12 @@ def serve(conn) -> int:
                 """Partial rollouts: segment j's weights, those of min(v + j, t) (fixed) or the
                 newest held (newest); the generation waits for them as for a rollout's first."""
                 if j == 0:
+                    if held.version != v:  # a later round (DAPO's refills) starts again on the rollout's weights
+                        held.take(v, keep=v, exact=True)
                     return model, v
                 vj, waited = held.take(held.version if newest else min(v + j, t), keep=v)
                 waits[0] += waited
+                segments.append(vj)
                 return model, vj
 
             def generate(rows, prompts, seeds):
@@ -135,8 +166,12 @@ def serve(conn) -> int:
             rounds, kept = task.sample_rounds(t, generate)
             idle += waits[0]
             message = {"index": t, "version": v, "rounds": rounds, "kept": kept, "idle_s": idle,
-                       "busy_s": time.perf_counter() - t1 - waits[0], "times": (began, ready, time.time())}
+                       "busy_s": time.perf_counter() - t1 - waits[0], "times": (began, ready, time.time()),
+                       "segments": segments}
         except NoWeights as e:
+            if inbox.failed is not None:
+                print(f"ndtrain rl: generator rank {rank}: {inbox.failed}; exiting", file=sys.stderr, flush=True)
+                return 1
             if e.closed:
                 return 0
             print(f"ndtrain rl: generator rank {rank}: no weights of rollout {e.version} (for rollout {t}) from the "
@@ -150,7 +185,22 @@ def serve(conn) -> int:
             return 0  # the trainer is gone
         if "error" in message:
             return 1
+    inbox.linger()
     return 0
+
+
+def _join_bridge(setup: dict, rank: int) -> dict | None:
+    """This generator's weight-bridge groups, by pipeline stage; None (and one line) if one
+    could not be made."""
+    g = setup["generator"]
+    made = weight_bridge.join(tuple(setup["bridge"]), [(s, g) for s in range(setup["stages"])], 1,
+                              setup["timeout"], setup["join_limit"])
+    broken = next((why for why in made.values() if isinstance(why, str)), None)
+    if broken is not None:
+        print(f"ndtrain rl: generator rank {rank}: could not join the weight bridge within "
+              f"{setup['join_limit']:g} s: {broken}; exiting", file=sys.stderr, flush=True)
+        return None
+    return {s: group for (s, _), group in made.items()}
 
 
 class Held:
@@ -160,11 +210,11 @@ class Held:
         self.model, self.inbox, self.timeout, self.newest = model, inbox, timeout, newest
         self.version = None
 
-    def take(self, version: int, keep: int | None = None) -> tuple:
-        """The weights of `version` (newest: the newest at or after it) loaded into the model;
-        (its version, seconds waited). Raises NoWeights, or WeightsLacking."""
+    def take(self, version: int, keep: int | None = None, exact: bool = False) -> tuple:
+        """The weights of `version` (newest, unless `exact`: the newest at or after it) loaded
+        into the model; (its version, seconds waited). Raises NoWeights, or WeightsLacking."""
         t0 = time.perf_counter()
-        state, v, closed = self.inbox.wait(version, self.timeout, self.newest, keep)
+        state, v, closed = self.inbox.wait(version, self.timeout, self.newest and not exact, keep)
         if state is None:
             raise NoWeights(v, closed)
         waited = time.perf_counter() - t0
