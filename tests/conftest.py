@@ -52,10 +52,3 @@ def deepseek_reference(tiny_data):
     from ndtrain.testing import run_ranks
     from test_deepseek_layouts import _reference
     return run_ranks(_reference, 1, tiny_data)[0]
-
-
-@pytest.fixture(scope="session")
-def oss_reference(tiny_data):
-    from ndtrain.testing import run_ranks
-    from test_gpt_oss import _reference_run
-    return run_ranks(_reference_run, 1, tiny_data)[0]

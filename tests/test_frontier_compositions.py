@@ -1,20 +1,17 @@
 """The frontier features in compositions on 8 ranks, in one launch (issues 34 and 35): the
-default tier's row of the "3-D compositions" family for each, held to the fp64 proofs' rule
+default tier's row of the "compositions on 8 ranks" family for Muon and DeepSeek-V3, held to the fp64 proofs' rule
 (tests/helpers.py `prove`) against the same single-process references as the features' own
 files (session fixtures in tests/conftest.py, computed once).
 
-- Muon on HSDP (2 replicas of ZeRO-3 over 2 ranks) × tp2, the replicate and shard groups
-  and the TP shards of each logical matrix together, and on pp2 × tp2 × dp2 (each stage's
-  owners over its own data-parallel and tensor-parallel ranks);
+- Muon on HSDP (2 replicas of ZeRO-3 over 2 ranks) × tp2: the replicate and shard groups
+  and the TP shards of each logical matrix together;
 - DeepSeek-V3 with its MTP module on ZeRO-3 × tp2 × cp2 × ep2 (latent attention's heads over
   tp, its unequal widths over the ring, group-limited routing over ep, the MTP targets under
-  the zigzag layout, flat slices over dp);
-- gpt-oss on tp2 × pp2 × dp2 (sinks, biases and the alternating window over stages and
-  shards).
+  the zigzag layout, flat slices over dp).
 
-The features' other 8-rank rows (Muon on ZeRO-3 dp4 × tp2, DeepSeek's dp2·tp2·pp2 and
-DualPipeV·cp2·ep2, gpt-oss's cp2·ep2·tp2 and ZeRO-3·cp2·tp2) and Muon's 4-rank HSDP are in
-the slow tier of their own files. One launch of 8 processes on 2 cores costs about as much
+The features' other 8-rank rows (Muon on pp2 × tp2 × dp2 and ZeRO-3 dp4 × tp2, DeepSeek's
+dp2·tp2·pp2 and DualPipeV·cp2·ep2, gpt-oss's three) and Muon's 4-rank HSDP are in the slow
+tier of their own files. One launch of 8 processes on 2 cores costs about as much
 as the rows' compute; a launch per feature would pay its start and its ranks' first steps
 three times.
 """
@@ -22,30 +19,23 @@ three times.
 from helpers import proof_in_rank, prove
 from ndtrain.testing import run_ranks
 from test_deepseek_layouts import BATCH, DS, _check as check_deepseek
-from test_gpt_oss import OSS, _cores
 from test_muon import MUON
 
 ROWS = [
     ("muon", "hsdp2-zero3-tp2", MUON + ["parallel.dp_replicate=2", "parallel.zero=3", "parallel.tp=2"]),
-    ("muon", "pp2-tp2-dp2", MUON + ["parallel.pp=2", "parallel.tp=2", "parallel.dp=2"]),
     ("deepseek", "zero3-tp2-cp2-ep2", DS + BATCH + ["parallel.dp=2", "parallel.zero=3", "parallel.tp=2",
                                                     "parallel.cp=2", "parallel.ep=2"]),
-    ("gpt-oss", "tp2-pp2-dp2", OSS + ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "train.micro_batch=2"]),
 ]
 
 
 def _rows(data_dir, rows):
-    return {(feature, name): proof_in_rank(overrides, data_dir, before_fit=_cores if feature == "gpt-oss" else None)
-            for feature, name, overrides in rows}
+    return {(feature, name): proof_in_rank(overrides, data_dir) for feature, name, overrides in rows}
 
 
-def test_frontier_features_in_8_rank_compositions_equal_one_process(tiny_data, muon_refs, deepseek_reference,
-                                                                   oss_reference):
+def test_frontier_features_in_8_rank_compositions_equal_one_process(tiny_data, muon_refs, deepseek_reference):
     results = run_ranks(_rows, 8, tiny_data, ROWS, timeout=900)[0]
     for (feature, name), proof in results.items():
         if feature == "muon":
             prove(f"muon {name}", proof, muon_refs["dense"])
-        elif feature == "deepseek":
-            check_deepseek({name: proof}, deepseek_reference)
         else:
-            prove(f"gpt-oss-tiny {name}", proof, oss_reference)
+            check_deepseek({name: proof}, deepseek_reference)

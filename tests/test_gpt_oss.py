@@ -12,8 +12,7 @@ an output-projection bias; the preset under every layout family.
   preset (sinks, q/k/v/o biases, alternating window, YaRN past its original context,
   biased router and experts, clamped SwiGLU): one row per layout family by default (dp2,
   ZeRO-3, tp2+sp, pp2 1F1B, cp2 ring, ep2); the other CP back ends, ZeRO-1/2, ZB,
-  DualPipeV and 3-D compositions on 8 ranks in the slow tier (tp2·pp2·dp2 in the
-  default tier's tests/test_frontier_compositions.py).
+  DualPipeV and 3-D compositions on 8 ranks in the slow tier.
 """
 
 from __future__ import annotations
@@ -166,7 +165,8 @@ SLOW_ROWS = {
     "pp2-zb": ["parallel.pp=2", "parallel.pp_schedule=zb", "train.micro_batch=4"],
     "pp2-dualpipev": ["parallel.pp=2", "parallel.pp_schedule=dualpipev", "parallel.pp_virtual=2", "train.micro_batch=2"],
 }
-ROWS_8 = {  # tp2 × pp2 × dp2: the default tier's tests/test_frontier_compositions.py
+ROWS_8 = {
+    "tp2-pp2-dp2": ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "train.micro_batch=2"],
     "cp2-ep2-tp2": ["parallel.cp=2", "parallel.tp=2", "parallel.dp=2", "parallel.ep=2"],
     "zero3-cp2-tp2": ["parallel.zero=3", "parallel.dp=2", "parallel.cp=2", "parallel.tp=2"],
 }
@@ -191,6 +191,11 @@ def _rows(data_dir, rows, kernels=False):
     out = {"kernels": _sink_kernels_on_ranks()} if kernels else {}
     return {**out, **{name: proof_in_rank(OSS + overrides, data_dir, before_fit=_cores)
                       for name, overrides in rows.items()}}
+
+
+@pytest.fixture(scope="module")
+def oss_reference(tiny_data):
+    return run_ranks(_reference_run, 1, tiny_data)[0]
 
 
 def _assert_rows(results, ref, rows):

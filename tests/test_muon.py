@@ -26,15 +26,16 @@ ROWS_2 = [("dp2", []),
           ("ep2", MOE + ["parallel.ep=2"]),
           ("ep2-zero3", MOE + ["parallel.ep=2", "parallel.zero=3"])]
 ROWS_4 = [("hsdp-zero3", ["parallel.dp_replicate=2", "parallel.zero=3"])]
-ROWS_8 = [("zero3-tp2-dp4", ["parallel.zero=3", "parallel.tp=2"])]  # pp2×tp2×dp2 and HSDP×tp2: the default
-# tier's tests/test_frontier_compositions.py
+ROWS_8 = [("pp2-tp2-dp2", ["parallel.pp=2", "parallel.tp=2", "parallel.dp=2"]),
+          ("zero3-tp2-dp4", ["parallel.zero=3", "parallel.tp=2"])]  # HSDP × tp2: the default tier's
+# tests/test_frontier_compositions.py
 # The default tier: one launch of 2 ranks, one row per layout family the owners meet: plain DP
 # and cp2 (replicas: nothing moves in), ZeRO-1 and ZeRO-3 (flat slices that cut across
 # matrices: the optimizer's slices alone, and the parameters' too), tp2+sp (row and column
 # shards), a pipeline (each stage owns its own matrices) and ep2 (experts as matrices), against
-# the references of one launch of 1 rank; HSDP × tp2 and pp2 × tp2 × dp2 on 8 ranks in
-# tests/test_frontier_compositions.py. ZeRO-2, 1F1B, ep2+ZeRO-3, HSDP on 4 ranks and ZeRO-3
-# dp4 × tp2 in the slow tier.
+# the references of one launch of 1 rank; HSDP × tp2 on 8 ranks in
+# tests/test_frontier_compositions.py. ZeRO-2, 1F1B, ep2+ZeRO-3, HSDP on 4 ranks, pp2 × tp2 × dp2
+# and ZeRO-3 dp4 × tp2 in the slow tier.
 DEFAULT = [row for row in ROWS_2 if row[0] in ("dp2", "zero1", "zero3", "tp2-sp", "pp2-zb", "cp2", "ep2")]
 
 
