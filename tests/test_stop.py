@@ -72,7 +72,7 @@ def test_sigterm_to_the_group_stops_train_with_a_checkpoint_and_exit_143(tmp_pat
     every rank saves, the command exits 143, says so, and leaves no process behind."""
     corpus, run = make_tiny_corpus(tmp_path), tmp_path / "run"
     proc = _ndtrain("train", "--nproc", "2", "model.preset=tiny", "train.steps=100000", "train.global_batch=4",
-                    "train.seq_len=32", "train.eval_every=0", "train.eval_batches=1", "train.log_every=50",
+                    "train.seq_len=32", "train.eval_every=0", "train.eval_batches=1", "train.log_every=5",
                     f"data.path={corpus}", "data.vocab_size=300", f"data.cache_dir={tmp_path / 'cache'}",
                     f"run.dir={run}", "run.device=cpu", "run.plot=false", "run.progress=false")
     wait_for(lambda: (run / "metrics.jsonl").exists() and (run / "metrics.jsonl").read_text(), what="a step")
