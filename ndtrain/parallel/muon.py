@@ -272,17 +272,24 @@ class MatrixOwners:
             for p in parts:
                 m[p.index] = flat[p.holder][p.positions]
             whole[key] = m
+        result: dict[tuple[str, int], torch.Tensor] = {}
         if self.moves_in:  # the owners' missing elements, from their holders
             pieces = [flat[p.holder][p.positions] for parts in self.send_in for p in parts]
             send = torch.cat(pieces) if pieces else torch.zeros(0, dtype=dtype, device=device)
             work, arrived = self._start(send, recv_in, send_in, dtype, device)
+            arriving = {key for items in self.recv_in for key, _ in items}
+            for key, m in whole.items():  # the matrices that wait for nothing, while the others' parts travel
+                if key not in arriving:
+                    result[key] = ns(m.view(self.shapes[key])).to(dtype)
             work.wait()
             for r, data in enumerate(arrived):
                 at = 0
                 for key, index in self.recv_in[r]:
                     whole[key][index] = data[at:at + count(index)]
                     at += count(index)
-        result = {key: ns(m.view(self.shapes[key])).to(dtype) for key, m in whole.items()}
+        for key, m in whole.items():
+            if key not in result:
+                result[key] = ns(m.view(self.shapes[key])).to(dtype)
         flat_result: dict[tuple[str, int], torch.Tensor] = {}
 
         def part_of(key, index):  # the result's elements `index`, 2-D when all of it
