@@ -395,6 +395,7 @@ def test_invalid_utf8_in_dpo_and_rl_data_is_a_bad_record(tmp_path, capsys, monke
     ("train.muon_ns_steps=0", "train.muon_ns_steps = 0: must be in [1, 100)"),
     ("train.muon_ns_coefficients=3.4,-4.7", "train.muon_ns_coefficients = '3.4,-4.7': expected three comma-separated"),
     ("train.muon_adjust_lr=none", "train.muon_adjust_lr = 'none': choose one of match_rms_adamw, original"),
+    ("train.muon_ns_dtype=fp16", "train.muon_ns_dtype = 'fp16': choose one of auto, bf16, fp32, fp64"),
     ("train.muon_lr=-1", "train.muon_lr = -1"),
     ("lora.rank=4", "train.optimizer = 'muon': Muon orthogonalises whole weight matrices; a LoRA adapter's"),
 ])

@@ -181,25 +181,28 @@ RESUME = {  # name: (world A, layout A, world B, layout B), each with train.opti
 
 @pytest.mark.slow
 def test_muon_resumes_across_layouts(tiny_data, tmp_path):
-    """Muon's momentum is stored as global tensors (momentum_buffer/NAME): train 4 steps on
-    layout A, resume 4 on B; B's losses and final weights equal A's uninterrupted 8 steps
-    under test_reshard's rule (the first resumed step exact, the rest within the twin's gaps)."""
+    """Muon's momentum is stored as global tensors (momentum_buffer/NAME): train on layout A,
+    resume on B from A's checkpoint (test_reshard's steps: 2 of 4); B's losses and final
+    weights equal A's uninterrupted run under test_reshard's rule (the first resumed step
+    exact, the rest within the twin's gaps)."""
     from helpers import LOSS_TOL, assert_tensors_close, loss_scale, proof_tolerances
-    from test_reshard import _jobs
-    by_world: dict[int, list] = {1: [("twin", "1 process -> tp2", MUON)]}
+    from test_reshard import SAVED, _jobs
+    opt = [o for o in MUON if not o.startswith("train.steps=")]  # test_reshard's step counts
+    by_world: dict[int, list] = {1: [("twin", "1 process -> tp2", opt)]}
     for name, (wa, a, _, _) in RESUME.items():
-        by_world.setdefault(wa, []).insert(0, ("a", name, MUON + a))
+        by_world.setdefault(wa, []).insert(0, ("a", name, opt + a))
     for name, (_, _, wb, b) in RESUME.items():
-        by_world.setdefault(wb, []).append(("b", name, MUON + b))
+        by_world.setdefault(wb, []).append(("b", name, opt + b))
     results = {}
     for world in sorted(by_world):
         results.update(run_ranks(_jobs, world, tiny_data, str(tmp_path), by_world[world], timeout=600)[0])
     tol = proof_tolerances(results[("a", "1 process -> tp2")], results[("twin", "1 process -> tp2")])
-    loss_tol = [LOSS_TOL] + tol["loss"][5:]
+    loss_tol = [LOSS_TOL] + tol["loss"][SAVED + 1:]
     for name in RESUME:
         a, b = results[("a", name)], results[("b", name)]
-        for i, (x, y, s) in enumerate(zip(b["losses"], a["losses"][4:], loss_scale(a["losses"][4:]))):
-            assert abs(x - y) / s <= loss_tol[i], f"{name} step {4 + i}: loss {x!r} vs {y!r} > {loss_tol[i]:.1e}"
+        assert len(b["losses"]) == len(a["losses"]) - SAVED > 0, name
+        for i, (x, y, s) in enumerate(zip(b["losses"], a["losses"][SAVED:], loss_scale(a["losses"][SAVED:]))):
+            assert abs(x - y) / s <= loss_tol[i], f"{name} step {SAVED + i}: loss {x!r} vs {y!r} > {loss_tol[i]:.1e}"
         assert_tensors_close(b["state"], a["state"], tol["state"], f"{name}: final weight")
 
 
@@ -287,3 +290,16 @@ def test_planner_and_dry_run_price_muon():
                 assert r["muon_bytes"] == bound, (name, r["muon_bytes"], bound)
             else:
                 assert r["muon_bytes"] <= bound * 1.01, (name, r["muon_bytes"], bound)
+
+
+def test_the_iteration_runs_in_bf16_unless_the_run_computes_in_fp64():
+    """train.muon_ns_dtype = auto: bf16 (torch.optim.Muon's and Keller Jordan's choice, at any
+    training precision), fp64 where the compute dtype is fp64 (the layout proofs, fp8 on an
+    fp64 base); an explicit dtype wins."""
+    from ndtrain.parallel.precision import compute_dtype, muon_ns_dtype
+    for precision, base, expected in [("fp32", "bf16", torch.bfloat16), ("bf16", "bf16", torch.bfloat16),
+                                      ("fp64", "bf16", torch.float64), ("fp8", "fp64", torch.float64),
+                                      ("nvfp4", "bf16", torch.bfloat16)]:
+        assert muon_ns_dtype("auto", compute_dtype(precision, base)) == expected, precision
+    assert muon_ns_dtype("fp32", torch.bfloat16) == torch.float32
+    assert muon_ns_dtype("fp64", torch.float32) == torch.float64

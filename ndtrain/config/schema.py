@@ -149,6 +149,7 @@ class TrainConfig:
     muon_ns_steps: int = 5  # Newton-Schulz iterations (the same recipes)
     muon_ns_coefficients: str = "3.4445,-4.7750,2.0315"  # a,b,c of the quintic iteration (Keller Jordan's)
     muon_adjust_lr: str = "match_rms_adamw"  # match_rms_adamw (Moonlight: 0.2·sqrt(max(A,B))) | original (sqrt(max(1,A/B)))
+    muon_ns_dtype: str = "auto"  # the iteration's dtype: auto (bf16, as torch.optim.Muon; fp64 in fp64 runs) | bf16 | fp32 | fp64
     grad_clip: float = 1.0  # 0 = no clipping
     seed: int = 0
     precision: str = "auto"  # compute dtype: auto (bf16 on CUDA, fp32 on the CPU) | fp32 | bf16 | fp16 (the optimizer keeps fp32 masters) | fp64 (CPU proofs) | fp8 (block matmuls in fp8, the rest in fp8_base) | nvfp4 (block matmuls in NVFP4, the rest in fp8_base)

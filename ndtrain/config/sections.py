@@ -112,6 +112,7 @@ def check_train(t: TrainConfig, device: str) -> None:
 LR_SCHEDULES = ("cosine", "wsd", "linear", "constant")
 OPTIMIZERS = ("adamw", "muon")
 MUON_ADJUST_LR = ("match_rms_adamw", "original")
+MUON_NS_DTYPES = ("auto", "bf16", "fp32", "fp64")
 
 
 def muon_coefficients(text: str) -> tuple[float, float, float] | None:
@@ -137,6 +138,8 @@ def _check_optimizer(t: TrainConfig) -> None:
                           "expected three comma-separated numbers a,b,c (e.g. 3.4445,-4.7750,2.0315)")
     if t.muon_adjust_lr not in MUON_ADJUST_LR:
         raise ConfigError("train.muon_adjust_lr", t.muon_adjust_lr, f"choose one of {', '.join(MUON_ADJUST_LR)}")
+    if t.muon_ns_dtype not in MUON_NS_DTYPES:
+        raise ConfigError("train.muon_ns_dtype", t.muon_ns_dtype, f"choose one of {', '.join(MUON_NS_DTYPES)}")
 
 
 def _check_schedule(t: TrainConfig) -> None:
