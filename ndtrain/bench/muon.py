@@ -22,7 +22,7 @@ SETTINGS = ("train.seq_len=128", "train.global_batch=16", "run.progress=false") 
 # Every training key reaches all four except the optimizer and the ZeRO stage, which are what differ.
 BENCH = Bench("muon", MODEL, SETTINGS, tuple(k for k in TRAINING if k != "train.optimizer")
               + ("parallel.dp", "train.reduce_fp32") + tuple(f"train.muon_{k}" for k in (
-                  "lr", "momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr")))
+                  "lr", "momentum", "nesterov", "ns_steps", "ns_coefficients", "adjust_lr", "ns_dtype")))
 CONTENDERS = (("adamw", 0), ("muon", 0), ("adamw", 3), ("muon", 3))
 
 
