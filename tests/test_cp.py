@@ -694,7 +694,7 @@ def _check_e2e(world, rows, tiny_data, references, nccl_names):
 # --------------------------------------------------------------------------- bytes per layer
 
 COMM_CASES = [  # on 4 ranks: (overrides, the collectives expected on the cp group)
-    *(([f"parallel.cp=4", f"parallel.cp_impl={impl}"], impl) for impl in IMPLS),
+    *((["parallel.cp=4", f"parallel.cp_impl={impl}"], impl) for impl in IMPLS),
     *((["parallel.cp=2", "parallel.tp=2", f"parallel.cp_impl={impl}", "train.precision=bf16"], impl) for impl in IMPLS),
 ]
 KINDS = {"ring": {"send", "recv"}, "allgather": {"all_gather", "reduce_scatter"}, "ulysses": {"all_to_all"}}

@@ -297,7 +297,6 @@ def test_bad_tensor_parallel_input(overrides, fragment, tmp_path, capsys, monkey
 
 def test_sp_defaults_on_with_tp_and_seq_len_need_not_divide_without_it():
     from ndtrain.config import load_config, validate
-    from ndtrain.data.batch import MicroBatch
     assert validate(load_config(None, ["parallel.tp=2", "run.nproc=2", "run.device=cpu"])).parallel.sp is True
     cfg = validate(load_config(None, ["model.preset=tiny", "parallel.tp=2", "parallel.sp=false",
                                       "train.seq_len=33", "run.nproc=2", "run.device=cpu"]))

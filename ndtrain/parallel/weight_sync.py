@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from ndtrain.comm import ops
 from ndtrain.config import Config
-from ndtrain.mesh import Group, ParallelMesh
+from ndtrain.mesh import Group
 from ndtrain.model.args import ModelArgs
 from ndtrain.model.llama import Transformer
 from ndtrain.parallel import tensor
