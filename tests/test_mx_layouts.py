@@ -31,6 +31,8 @@ FORMATS = {"nvfp4": ["train.precision=nvfp4", "train.seq_len=64"],
 TP, CP, ZERO3 = ("tp2-sp", ["parallel.tp=2"]), ("cp2", ["parallel.cp=2"]), ("zero3-dp2", ["parallel.zero=3"])
 PP, ZB, EP = (("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
               ("pp2-zb", ["parallel.pp=2", "parallel.pp_schedule=zb"]), ("ep2", MOE + ["parallel.ep=2"]))
+DP = ("dp2", [])
+HSDP = ("hsdp2x2-zero3", ["parallel.dp_replicate=2", "parallel.zero=3", "train.global_batch=16"])  # a micro-batch per rank
 # The default tier: one row of every layout family. NVFP4 (the recipe with the most to agree
 # on: tensor amaxes, Hadamard runs, random numbers) where a mechanism is needed (the amax over
 # tp, the Hadamard runs of the chunks under cp, the numbers keyed by the global micro-batch
@@ -38,7 +40,9 @@ PP, ZB, EP = (("pp2-1f1b", ["parallel.pp=2", "parallel.pp_schedule=1f1b"]),
 # zero-bubble pipeline (its weight gradient apart from its input gradient); the slow tier NVFP4
 # under both pipelines and MXFP8 on every other row.
 DEFAULT = [("nvfp4", TP), ("nvfp4", ZERO3), ("nvfp4", EP), ("nvfp4", CP), ("mxfp8", ZB)]
-SLOW = [("nvfp4", PP), ("nvfp4", ZB)] + [("mxfp8", row) for row in (TP, CP, ZERO3, PP, EP)]
+SLOW = [("nvfp4", PP), ("nvfp4", ZB), ("nvfp4", DP)] + [("mxfp8", row) for row in (TP, CP, ZERO3, PP, EP, DP)]
+SLOW_4 = [("nvfp4", HSDP), ("mxfp8", HSDP)]  # 4 ranks; NVFP4 on HSDP × tp2 (8 ranks): the default tier's
+# tests/test_frontier_compositions.py
 # NVFP4's options one at a time, on the rows their mechanisms touch.
 ABLATIONS = {"nvfp4-1d": ["train.nvfp4_2d_weights=false"], "nvfp4-nohadamard": ["train.nvfp4_hadamard=false"],
              "nvfp4-nosr": ["train.nvfp4_stochastic_rounding=false"]}
@@ -50,7 +54,8 @@ def overrides(fmt: str, extra: list[str]) -> list[str]:
 
 
 def _references(data_dir, keys):
-    return {key: reference_in_rank(overrides(key[0], MOE if key[1] else []), data_dir) for key in keys}
+    return {key: reference_in_rank(overrides(key[0], (MOE if key[1] else []) + list(key[2])), data_dir)
+            for key in keys}
 
 
 def _rows(data_dir, rows, broken=None):
@@ -65,12 +70,14 @@ def _rows(data_dir, rows, broken=None):
 
 
 def _key(fmt, row):
-    return fmt, MOE[0] in row[1]
+    """The reference a row is held to: its format, dense or MoE, and its global batch if it
+    sets one (the reference trains the same micro-batches)."""
+    return fmt, MOE[0] in row[1], tuple(o for o in row[1] if o.startswith("train.global_batch="))
 
 
-def check(rows, data_dir, broken=None):
+def check(rows, data_dir, broken=None, world=2):
     refs = run_ranks(_references, 1, data_dir, sorted({_key(f, r) for f, r in rows}), timeout=900)[0]
-    results = run_ranks(_rows, 2, data_dir, rows, broken, timeout=900)[0]
+    results = run_ranks(_rows, world, data_dir, rows, broken, timeout=900)[0]
     out = {}
     for fmt, row in rows:
         try:
@@ -90,6 +97,12 @@ def test_every_layout_family_equals_one_process_in_nvfp4_and_mxfp8(tiny_data):
 @pytest.mark.slow
 def test_mxfp8_on_every_dense_row_and_nvfp4_zero_bubble(tiny_data):
     failures = [e for e in check(SLOW, tiny_data).values() if e]
+    assert not failures, failures
+
+
+@pytest.mark.slow
+def test_both_formats_on_hsdp_equal_one_process(tiny_data):
+    failures = [e for e in check(SLOW_4, tiny_data, world=4).values() if e]
     assert not failures, failures
 
 
