@@ -296,10 +296,8 @@ def test_the_iteration_runs_in_bf16_unless_the_run_computes_in_fp64():
     """train.muon_ns_dtype = auto: bf16 (torch.optim.Muon's and Keller Jordan's choice, at any
     training precision), fp64 where the compute dtype is fp64 (the layout proofs, fp8 on an
     fp64 base); an explicit dtype wins."""
-    from ndtrain.parallel.precision import compute_dtype, muon_ns_dtype
-    for precision, base, expected in [("fp32", "bf16", torch.bfloat16), ("bf16", "bf16", torch.bfloat16),
-                                      ("fp64", "bf16", torch.float64), ("fp8", "fp64", torch.float64),
-                                      ("nvfp4", "bf16", torch.bfloat16)]:
-        assert muon_ns_dtype("auto", compute_dtype(precision, base)) == expected, precision
-    assert muon_ns_dtype("fp32", torch.bfloat16) == torch.float32
-    assert muon_ns_dtype("fp64", torch.float32) == torch.float64
+    from ndtrain.parallel.precision import muon_ns_precision
+    for precision, base, expected in [("fp32", "bf16", "bf16"), ("bf16", "bf16", "bf16"), ("fp64", "bf16", "fp64"),
+                                      ("fp8", "fp64", "fp64"), ("fp8", "fp32", "bf16"), ("nvfp4", "bf16", "bf16")]:
+        assert muon_ns_precision("auto", precision, base) == expected, (precision, base)
+    assert muon_ns_precision("fp32", "bf16") == "fp32" and muon_ns_precision("fp64", "fp32") == "fp64"

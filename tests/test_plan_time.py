@@ -173,3 +173,20 @@ def test_data_parallel_messages_are_the_engines(tiny_data):
             assert sorted(n for _, kind, n in calls if kind == "all_gather") == sorted(planned * gathers), name
             assert {dim for dim, kind, _ in calls if kind != "all_reduce"} == {"dp_shard_cp"}
             assert all(n <= 256 for _, kind, n in calls if kind == "all_reduce")  # scalars, the norm
+
+
+def test_muons_iteration_is_priced_at_its_own_precision():
+    """An fp32 run with Muon: its Newton–Schulz FLOPs at the bf16 peak (train.muon_ns_dtype =
+    auto iterates in bf16), at the fp32 peak when the key says fp32; nothing else changes."""
+    from ndtrain.parallel.muon import muon_matrices, ns_flops
+    cluster = Cluster("fast-bf16", {"fp32": 1e14, "bf16": 4e14}, 1e12, 64, LinkFit(0.0, BETA), LinkFit(0.0, BETA),
+                      shared_node=True)
+    steps = {}
+    for ns in ("auto", "fp32"):
+        cfg = validate(load_config(None, MODEL + ["train.optimizer=muon", f"train.muon_ns_dtype={ns}"]), world=1,
+                       check_paths=False)
+        steps[ns] = step_time(cfg, cfg.model_args(), cluster)[0]
+    flops = sum(ns_flops(a, b, 5) for a, b in muon_matrices(cfg.model_args()))
+    gap = steps["fp32"].optimizer - steps["auto"].optimizer
+    assert gap == pytest.approx(flops / cluster.efficiency * (1 / 1e14 - 1 / 4e14), rel=1e-9)
+    assert steps["fp32"].compute == steps["auto"].compute and steps["fp32"].dp == steps["auto"].dp

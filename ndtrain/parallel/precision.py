@@ -45,13 +45,13 @@ def compute_dtype(precision: str, fp8_base: str = "bf16") -> torch.dtype:
     return DTYPES[fp8_base if precision in ("fp8", "nvfp4") else precision]
 
 
-def muon_ns_dtype(choice: str, compute: torch.dtype) -> torch.dtype:
-    """The dtype of Muon's Newton–Schulz iteration (train.muon_ns_dtype): `auto` is bf16, as
-    torch.optim.Muon and Keller Jordan's code always run it, except where the run computes in
-    fp64 (the layout proofs), which iterate in fp64."""
+def muon_ns_precision(choice: str, precision: str, fp8_base: str = "bf16") -> str:
+    """The precision of Muon's Newton–Schulz iteration (train.muon_ns_dtype), as a key of
+    DTYPES: `auto` is bf16, as torch.optim.Muon and Keller Jordan's code always run it, except
+    where the run computes in fp64 (the layout proofs), which iterate in fp64."""
     if choice == "auto":
-        return torch.float64 if compute == torch.float64 else torch.bfloat16
-    return DTYPES[choice]
+        return "fp64" if compute_dtype(precision, fp8_base) == torch.float64 else "bf16"
+    return choice
 
 
 def has_masters(dtype: torch.dtype) -> bool:

@@ -198,8 +198,10 @@ def step_time(cfg: Config, args: ModelArgs, cluster: Cluster, fp8: Fp8 | None = 
 
 def muon_seconds(cfg: Config, args: ModelArgs, cluster: Cluster, chunks: list[Chunk], rate: float) -> float:
     """Muon's extra time on a rank (parallel/muon.muon_costs): its share of the stage's Newton–Schulz FLOPs
-    at the compute rate, and the owners' two all-to-alls over the stage's ranks."""
+    at the rate of the iteration's precision (bf16 by default: parallel/precision.muon_ns_precision; `rate`
+    is the compute precision's), and the owners' two all-to-alls over the stage's ranks."""
     from ndtrain.parallel.muon import muon_costs
+    from ndtrain.parallel.precision import muon_ns_precision
     from ndtrain.plan.params import stage_muon
     p, t = cfg.parallel, cfg.train
     n = p.dp * p.cp * p.tp
@@ -207,7 +209,9 @@ def muon_seconds(cfg: Config, args: ModelArgs, cluster: Cluster, chunks: list[Ch
     held = dense / (p.dp_shard * p.cp if p.zero else 1) + experts / (max(p.dp_shard * p.cp // p.ep, 1) if p.zero else 1)
     costs = muon_costs(args, n * p.pp, p.pp, held, t.muon_ns_steps, 4)
     link = cluster.link("all_to_all", n, n > cluster.gpus_per_node)
-    return costs["ns_flops"] / rate + 2 * link.seconds("all_to_all", n, costs["bytes"] / 2)
+    ns = muon_ns_precision(t.muon_ns_dtype, t.precision, t.fp8_base)
+    ns_rate = rate if ns == t.precision else cluster.peak_flops(ns) * cluster.efficiency
+    return costs["ns_flops"] / ns_rate + 2 * link.seconds("all_to_all", n, costs["bytes"] / 2)
 
 
 def optimizer_params(cfg: Config, args: ModelArgs, chunks: list[Chunk]) -> float:

@@ -19,7 +19,7 @@ from ndtrain.observe.memory import MemoryReport, measure_peak, model_state_bytes
 from ndtrain.parallel.clip import clip_grad_norm_, grad_norm
 from ndtrain.parallel.fp8 import saved_fp8_bytes
 from ndtrain.parallel.parallelize import Parallelized
-from ndtrain.parallel.precision import LossScaler, compute_dtype, muon_ns_dtype
+from ndtrain.parallel.precision import DTYPES, LossScaler, muon_ns_precision
 from ndtrain.train.optim import build_optimizer, set_lr
 
 
@@ -29,7 +29,7 @@ class TrainStep:
         self.par, self.mesh = par, par.mesh
         muon = t.optimizer == "muon"
         groups = par.states.param_groups(t.weight_decay, muon)
-        ns = muon_ns_dtype(t.muon_ns_dtype, compute_dtype(t.precision, t.fp8_base))
+        ns = DTYPES[muon_ns_precision(t.muon_ns_dtype, t.precision, t.fp8_base)]
         where = (par.states.optim_slices(), par.mesh.stage_group(), ns) if muon else None
         self.optimizer = build_optimizer(groups, t, par.mesh.device, where)
         self.scaler = None
