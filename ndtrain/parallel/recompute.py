@@ -90,11 +90,11 @@ def _for_rerun(a):
     return a.detach().requires_grad_(a.requires_grad) if isinstance(a, torch.Tensor) else a
 
 
-@torch.compiler.disable
 def run_recomputed(fn, *args, **kwargs):
     """`fn(*args, **kwargs)`, keeping none of its saved activations (see module docstring).
-    Opaque to torch.compile: a compiled block around a region breaks its graph there, and a
-    compiled `fn` inside one is the same code in both runs (parallel/compile.py)."""
+    Called through `_opaque()`, so opaque to torch.compile: a compiled block around a region
+    breaks its graph there, and a compiled `fn` inside one is the same code in both runs
+    (parallel/compile.py)."""
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     region = _Region(fn, args, kwargs)
@@ -102,9 +102,17 @@ def run_recomputed(fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+@functools.cache
+def _opaque():
+    """`run_recomputed` excluded from torch.compile's tracing, made on first use:
+    `torch.compiler.disable` imports dynamo (about a second of every process's start), which a
+    run without recomputation never needs."""
+    return torch.compiler.disable(run_recomputed)
+
+
 def recompute_module(module: nn.Module) -> None:
     """Make every forward call of `module` a recomputed region."""
-    module.forward = functools.partial(run_recomputed, module.forward)
+    module.forward = functools.partial(_opaque(), module.forward)
 
 
 def regions(model: nn.Module, spec: str) -> dict[str, nn.Module]:

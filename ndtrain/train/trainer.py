@@ -32,7 +32,6 @@ from ndtrain.observe.memory import per_rank_table
 from ndtrain.observe.dashboards import Dashboards
 from ndtrain.observe.metrics import MetricsLog, read_metrics, strict_json
 from ndtrain.observe.mfu import peak_flops
-from ndtrain.observe.plots import plot_loss, plot_moe_load
 from ndtrain.observe.progress import TrainProgress
 from ndtrain.parallel import context, fp8
 from ndtrain.parallel.parallelize import Parallelized, build
@@ -436,6 +435,7 @@ class Trainer:
         if fp8.recipe_of(self.cfg.train):
             summary["fp8"] = fp8.summary(self.cfg.train, self.args)
         if self.cfg.run.plot:
+            from ndtrain.observe.plots import plot_loss, plot_moe_load  # matplotlib: only where a run draws
             png = plot_loss(self.run_dir / "metrics.jsonl", self.run_dir / "loss.png",
                             baseline=task.baseline, baseline_label=task.baseline_label, title=f"{self.cfg.model.preset} · {self.mesh.describe()}")
             summary["plot"] = str(png)
