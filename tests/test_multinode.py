@@ -16,8 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from helpers import make_tiny_corpus
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -51,7 +49,6 @@ def _losses(run: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.slow  # the budget: torchrun under ndtrain stays in the default tier (test_cli's elastic restart)
 def test_two_torchrun_agents_from_the_sbatch_example_train_like_two_local_processes(tmp_path):
     from ndtrain.cli import main
 
