@@ -305,6 +305,20 @@ def test_a_killed_replica_group_rejoins_and_the_run_equals_one_process_on_the_ro
     assert used[:3] == [[0, 1]] * 3 and used[3:6] == [[0]] * 3 and used[6:] == [[0, 1]] * 2, used
 
 
+def _requeue_kill_in_step_3_back_at_6(tmp_path, tiny_data, layout: list[str], world: int) -> None:
+    """requeue, 2 groups, 8 steps: group 1's first rank killed in step 3's backward and back
+    before step 6; group 0 trains its parts of steps 3-5 at steps 4-6, nothing is skipped,
+    and the weights equal one process on the parts the metrics name."""
+    extra = ["train.steps=8", "run.lost_rows=requeue", *layout]
+    run = _replicas_run(tmp_path, tiny_data, extra, world,
+                        {"faults": [(1, 0, 3, "backward", signal.SIGKILL)], "wait": [(6, 1)]})
+    used = _assert_equals_its_reference(run, extra, tiny_data, 8)
+    m = run["metrics"]
+    assert used[3:6] == [[0]] * 3 and used[6:] == [[0, 1]] * 2, used
+    assert [r["from_queue"] for r in m] == [[]] * 4 + [[[3, 1]], [[4, 1]], [[5, 1]], []], m
+    assert m[-1]["skipped_tokens"] == 0
+
+
 @pytest.mark.slow
 def test_a_lost_groups_rows_are_requeued_to_a_live_group_and_the_run_equals_one_process_on_them(tiny_data, tmp_path,
                                                                                                  one_thread):
@@ -312,14 +326,7 @@ def test_a_lost_groups_rows_are_requeued_to_a_live_group_and_the_run_equals_one_
     step 3's backward and rejoins before step 6. Its parts of steps 3-5 are queued, and group
     0 trains each one step later on top of its own (steps 4-6): no row is skipped, and the
     weights equal one process that trained, at each step, exactly the parts the metrics name."""
-    extra = ["train.steps=8", "run.lost_rows=requeue"]
-    run = _replicas_run(tmp_path, tiny_data, extra, 2,
-                        {"faults": [(1, 0, 3, "backward", signal.SIGKILL)], "wait": [(6, 1)]})
-    used = _assert_equals_its_reference(run, extra, tiny_data, 8)
-    m = run["metrics"]
-    assert used[3:6] == [[0]] * 3 and used[6:] == [[0, 1]] * 2, used
-    assert [r["from_queue"] for r in m] == [[]] * 4 + [[[3, 1]], [[4, 1]], [[5, 1]], []], m
-    assert m[-1]["skipped_tokens"] == 0
+    _requeue_kill_in_step_3_back_at_6(tmp_path, tiny_data, [], 2)
 
 
 @pytest.mark.slow
@@ -340,14 +347,7 @@ def test_requeued_parts_under_pipeline_parallelism_are_more_micro_batches_of_the
     exactly the parts the metrics name. (The rejoined group's steps 6-7 also prove that the
     groups' gradients are summed per parameter: a survivor's first-stage buckets are in
     ready order, a restarted group's first step's are not.)"""
-    extra = ["train.steps=8", "run.lost_rows=requeue", "parallel.pp=2", "train.micro_batch=2", *schedule]
-    run = _replicas_run(tmp_path, tiny_data, extra, 4,
-                        {"faults": [(1, 0, 3, "backward", signal.SIGKILL)], "wait": [(6, 1)]})
-    used = _assert_equals_its_reference(run, extra, tiny_data, 8)
-    m = run["metrics"]
-    assert used[3:6] == [[0]] * 3 and used[6:] == [[0, 1]] * 2, used
-    assert [r["from_queue"] for r in m] == [[]] * 4 + [[[3, 1]], [[4, 1]], [[5, 1]], []], m
-    assert m[-1]["skipped_tokens"] == 0
+    _requeue_kill_in_step_3_back_at_6(tmp_path, tiny_data, ["parallel.pp=2", "train.micro_batch=2", *schedule], 4)
 
 
 @pytest.mark.slow
