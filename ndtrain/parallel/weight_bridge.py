@@ -53,7 +53,7 @@ from ndtrain.model.llama import Transformer
 from ndtrain.parallel.parallelize import Parallelized
 from ndtrain.parallel.precision import compute_dtype
 from ndtrain.parallel.states import persistent_buffers
-from ndtrain.parallel.weight_sync import owners, stage_values
+from ndtrain.parallel.weight_sync import owners, stage_of, stage_values
 
 WINDOW_BYTES = 64 << 20  # broadcasts in flight per generator on a sender: a rank holds at most this beyond its model
 HOST = "127.0.0.1"  # one node (the generators are started by training rank 0)
@@ -78,9 +78,7 @@ def plan(args: ModelArgs, cfg: Config) -> list[Entry]:
     out = []
     params = dict(model.named_parameters())
     for name, t in list(params.items()) + list(persistent_buffers(model).items()):
-        parts = name.split(".")
-        stage = table[".".join(parts[:2]) if parts[0] == "layers" else parts[0]] if table else 0
-        out.append(Entry(name, t.shape, t.dtype, stage, name in params))
+        out.append(Entry(name, t.shape, t.dtype, stage_of(name, table) if table else 0, name in params))
     return out
 
 

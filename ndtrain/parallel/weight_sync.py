@@ -65,7 +65,8 @@ def owners(args: ModelArgs, cfg: Config) -> dict[str, int]:
     return out
 
 
-def _owner(name: str, table: dict[str, int]) -> int:
+def stage_of(name: str, table: dict[str, int]) -> int:
+    """The stage of a full-model name in `owners`' table."""
     parts = name.split(".")
     return table[".".join(parts[:2])] if parts[0] == "layers" else table[parts[0]]
 
@@ -134,7 +135,7 @@ def stage_values(par: Parallelized, cfg: Config, args: ModelArgs, names: list[st
     values = StageValues(par)
     table, pp = owners(args, cfg), mesh.group("pp")
     for name in names:
-        stage = _owner(name, table) if pp.active else 0
+        stage = stage_of(name, table) if pp.active else 0
         value = values(name) if stage == mesh.coord("pp") else None
         if value is not None and name in whole:
             value = _whole_over_tp(value, values.params[name], mesh.group("tp"))
