@@ -137,3 +137,16 @@ def test_the_features_step_passes_on_the_cpu_and_finds_a_wrong_rotary():
     assert data["ok"] and all(r["status"] == "ok" for r in data["rows"].values())
     wrong = compare("gpt-oss tiny: sinks, windows, YaRN, biased experts", "cpu", device_extra=("model.rope_theta=5000",))
     assert wrong["status"].startswith("FAILED") and wrong["grad_gap"] > 10 * GRAD_TOL, wrong
+
+
+@pytest.mark.parametrize("argv, line", [
+    ([], "ndtrain: run.device = 'cuda': no CUDA device is available"),
+    (["--device", "cpu", "--precision", "fp99"], "ndtrain: --precision = 'fp99': choose one of bf16, fp32, fp64"),
+    (["--device", "tpu"], "ndtrain: run.device = 'tpu': choose auto, cpu or cuda")])
+def test_the_features_step_refuses_bad_input_in_one_line_before_any_row(argv, line, capsys):
+    from ndtrain.bench.gpu_features import main
+    if not argv and torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.strip() == line and out == ""

@@ -129,7 +129,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda", help="the device side (cpu: checks this script on a machine without one)")
     ap.add_argument("--precision", default="bf16", help="the device side's precision (base dtype of the format rows)")
     a = ap.parse_args(argv)
+    from ndtrain.config import ConfigError, load_config, validate
     from ndtrain.observe.metrics import strict_json
+    try:  # bad input ends here, in one line, before any row runs
+        if a.precision not in ("bf16", "fp32", "fp64"):
+            raise ConfigError("--precision", a.precision, "choose one of bf16, fp32, fp64")
+        for overrides, kind in ROWS.values():
+            key = "train.precision" if kind == "plain" else "train.fp8_base"
+            validate(load_config(None, COMMON + overrides + [f"{key}={a.precision}", f"run.device={a.device}"]),
+                     world=1, check_paths=False)
+    except ConfigError as e:
+        print(f"ndtrain: {e}", file=sys.stderr)
+        return 2
     rows = {}
     for name in ROWS:
         rows[name] = compare(name, a.device, a.precision)
