@@ -44,6 +44,15 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+# What the fork server imports before it forks a rank (each restarted rank starts with them
+# too, instead of importing them again): torch._dynamo because torch.optim's Optimizer
+# constructor imports it (about a second in each process that builds an optimizer; a
+# restarted rank's import competes for the cores with the ranks still training).
+BASE_PRELOAD = ("ndtrain.forkserver", "torch", "torch.distributed", "torch._dynamo", "ndtrain.supervisor")
+# What a training rank (train, sft, dpo, rl) imports before it can build its trainer: a
+# restarted replica group that imported it again took longer than the steps left to rejoin in.
+TRAINER_PRELOAD = ("ndtrain.train.worker", "ndtrain.train.trainer")
+
 GRACE_S = 0.5  # after a first failure, how long the other ranks' reports are awaited
 DEBOUNCE_S = 0.5  # two stop signals closer than this are one (torchrun forwards the terminal's)
 POLL_S = 0.1
@@ -251,7 +260,7 @@ def launch(nproc: int, fn, args: tuple, *, max_restarts: int = 0, heartbeat_s: f
     a fault of the run itself; KeyboardInterrupt after a second SIGINT."""
     ctx = mp.get_context("forkserver")
     # The fork server imports these once (the first start in this process decides).
-    ctx.set_forkserver_preload(["ndtrain.forkserver", "torch", "torch.distributed", "ndtrain.supervisor", *preload])
+    ctx.set_forkserver_preload([*BASE_PRELOAD, *preload])
     signals = _Signals(log=log, saves=STOP_SAVES)
     installed = {}
     if threading.current_thread() is threading.main_thread():

@@ -10,7 +10,7 @@ of step 30 the first rank of replica group 1 is killed (SIGKILL):
   at a step boundary.
 Each round runs both, alternating (restart first); a round's figure is the wall time of the
 whole launch, start-up included. Both sides' processes come from one fork server
-that has imported the trainer (replicas/launch.py's PRELOAD), started before the first
+that has imported the trainer (supervisor.TRAINER_PRELOAD), started before the first
 round (else the first side timed would pay for its imports): neither side's restart pays
 for imports. Every step's metrics line is written at once
 (train.log_every = 1), so the restart's count of steps done again is exact. Reported per side: the median wall time, the steps lost
@@ -67,7 +67,8 @@ def kill_at_step(trainer, at: int) -> None:
 def _one(kind: str, cfg, data: str, nproc: int, root: Path) -> dict:
     from ndtrain.launch import launch_local
     from ndtrain.observe.metrics import read_metrics
-    from ndtrain.replicas.launch import PRELOAD, launch_replicas
+    from ndtrain.replicas.launch import launch_replicas
+    from ndtrain.supervisor import TRAINER_PRELOAD
     from ndtrain.train.worker import train_worker
     run = root / kind
     shutil.rmtree(run, ignore_errors=True)
@@ -77,7 +78,7 @@ def _one(kind: str, cfg, data: str, nproc: int, root: Path) -> dict:
     if kind == "replicas":
         launch_replicas(nproc, 2, train_worker, args, max_restarts=1, heartbeat_s=cfg.run.heartbeat_s)
     else:
-        launch_local(nproc, train_worker, *args, max_restarts=1, heartbeat_s=cfg.run.heartbeat_s, preload=PRELOAD)
+        launch_local(nproc, train_worker, *args, max_restarts=1, heartbeat_s=cfg.run.heartbeat_s, preload=TRAINER_PRELOAD)
     wall = time.perf_counter() - t0
     metrics = read_metrics(run / "metrics.jsonl")
     out = {"wall": wall}

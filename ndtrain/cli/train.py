@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+from ndtrain import supervisor
 from ndtrain.launch import warn
 from ndtrain.cli.run import (check_fits, check_resume, choose_run_dir, layout_words, model_words, open_data,
                              run_task, warn_before_start, with_nproc)
@@ -38,7 +39,7 @@ def cmd_train(args) -> int:
     banner = (f"ndtrain: {model_words(cfg)}, {layout_words(cfg)}, {cfg.train.steps} steps → {run_dir}"
               + (f" (resuming {resumed.name})" if resumed else ""))
     return run_task(cfg, world, run_dir, train_worker, (cfg.to_dict(), str(run_dir), prepared_paths(data)),
-                    ("ndtrain.train.worker", "ndtrain.train.trainer"), [banner], argv=args.argv)
+                    supervisor.TRAINER_PRELOAD, [banner], argv=args.argv)
 
 
 def dry_run(cfg, world: int | None) -> int:

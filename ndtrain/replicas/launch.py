@@ -20,14 +20,8 @@ import time
 
 from multiprocessing.connection import wait
 
-from ndtrain.supervisor import (GRACE_S, POLL_S, Failure, RankFailure, Results, _Attempt, _check, _collect,
-                                _exit_reason, _rank_main, _root_cause)
-
-# What a rank of a replica group imports before it can build its trainer (replicas run
-# `ndtrain train` only): imported once by the fork server, so a restarted group's processes
-# start with them, instead of seconds of imports (torch._dynamo, matplotlib, ...) each,
-# which on a loaded machine took longer than the steps left for the group to rejoin in.
-PRELOAD = ("ndtrain.train.worker", "ndtrain.train.trainer")
+from ndtrain.supervisor import (BASE_PRELOAD, GRACE_S, POLL_S, TRAINER_PRELOAD, Failure, RankFailure, Results,
+                                _Attempt, _check, _collect, _exit_reason, _rank_main, _root_cause)
 
 
 def _replica_rank(fn, args, env: dict):
@@ -104,8 +98,7 @@ def fork_context(preload: tuple[str, ...] = ()):
     """The fork server's context, with what it imports before it forks a rank. The server
     is one per process, started by the first launch: later lists are ignored."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["ndtrain.forkserver", "torch", "torch.distributed", "ndtrain.supervisor", *PRELOAD,
-                                *preload])
+    ctx.set_forkserver_preload([*BASE_PRELOAD, *TRAINER_PRELOAD, *preload])
     return ctx
 
 
