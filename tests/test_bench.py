@@ -179,14 +179,17 @@ def test_rounds_alternate_the_order_of_the_contenders():
     assert list(times) == ["A", "B", "C"] and all(len(t) == 3 for t in times.values())
 
 
-@pytest.mark.slow  # four launches with a kill each
+@pytest.mark.slow  # three launches, two with a kill
 def test_bench_ft_runs_both_sides_and_prints_the_ratio(capsys, tmp_path, tiny_data):
     """One round of restart against replicas on the tiny model: the restart redoes the steps
-    since its checkpoint, the survivor of replicas loses none, and the last line is the
-    ratio."""
+    since its checkpoint, the survivor of replicas loses none, the run without a kill gives
+    the floor, and the last line is the ratio."""
     assert main(["bench", "ft", "--rounds", "1", "model.preset=tiny", "train.seq_len=32", "train.global_batch=8",
                  "train.steps=36", "run.device=cpu", "run.threads=1", f"data.path={tiny_data}"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"round 1  restart: [\d.]+ s, 10 steps lost", out), out
     assert re.search(r"round 1 replicas: [\d.]+ s, 0 steps lost", out), out
+    assert re.search(r"round 1  no kill: [\d.]+ s, 0 steps lost", out), out
+    assert re.search(r"\nfloor \d+\.\d\d \(no kill / restart\); over a run without a kill: replicas [+-]\d+\.\d s, "
+                     r"restart [+-]\d+\.\d s\n", out), out
     assert re.search(r"\nndtrain ft replicas/restart wall-time ratio: \d+\.\d\d\n$", out), out

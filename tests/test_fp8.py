@@ -21,8 +21,8 @@ import math
 import pytest
 import torch
 
-from ndtrain.kernels.fp8 import (BLOCK, E4M3, E5M2, FMAX, WHOLE, Dim, amax_to_scale, quantize, quantize_with,
-                                 scaled_matmul)
+from ndtrain.kernels.fp8 import (BLOCK, CPU_ROWWISE, E4M3, E5M2, FMAX, WHOLE, Dim, amax_to_scale, quantize,
+                                 quantize_with, scaled_matmul)
 from ndtrain.kernels.fp8_linear import RECIPES, LinearPlan, fp8_linear, segments_of
 
 FP8 = {name: r for name, r in RECIPES.items() if not r.micro}  # the micro-scaled ones: tests/test_mx.py
@@ -161,7 +161,8 @@ def test_blockwise_emulation_against_fp64_within_the_derived_bounds():
 
 @pytest.mark.parametrize("blocks", [((WHOLE, WHOLE), (WHOLE, WHOLE)), ((1, WHOLE), (1, WHOLE))])
 def test_cpu_scaled_mm_agrees_with_the_exact_product(blocks):
-    """torch._scaled_mm on the CPU (tensorwise and rowwise, one call) against fp64."""
+    """torch._scaled_mm on the CPU against fp64: tensorwise one call; rowwise one call where this
+    torch's CPU kernel takes a scale per row (2.13), else one call with unit scales (2.11)."""
     a, b = random_wide((32, 96), 7), random_wide((24, 96), 8)
     qa, qb = quantize(a, whole(a), blocks[0]), quantize(b, whole(b), blocks[1])
     runs = Dim.whole(96).runs(WHOLE)
@@ -458,13 +459,16 @@ def test_the_first_metrics_line_counts_the_fp8_back_ends(tiny_data, recipe):
     t = trainer.cfg.train
     wgrad = "emulate" if recipe == "blockwise" and t.micro_batch * t.seq_len > BLOCK else "scaled_mm"
     assert (wgrad == "emulate") == (recipe == "blockwise"), "8 × 32 tokens: two 128-tiles"
-    label = "scaled_mm" if wgrad == "scaled_mm" else "forward scaled_mm, input grad scaled_mm, weight grad emulate"
+    # one cell along K with a scale per row: rowwise, which a CPU `_scaled_mm` before torch 2.13 does not take
+    one_cell = "scaled_mm" if recipe == "tensorwise" or CPU_ROWWISE else "emulate"
+    label = (one_cell if one_cell == wgrad else
+             f"forward {one_cell}, input grad {one_cell}, weight grad {wgrad}")
     assert trainer.history[0]["fp8_backends"] == {label: 28}
     assert "fp8_backends" not in trainer.history[1]
     recorded = [p.backends for p in plans(trainer.par.model)]  # one plan per weight shape, shared by the blocks
     shapes = {(p.k.full, p.n.full) for p in plans(trainer.par.model)}
     assert len(recorded) == len(shapes) == 4  # wq/wo, wk/wv, w1/w3, w2
-    assert recorded == [{"forward": "scaled_mm", "input_grad": "scaled_mm", "weight_grad": wgrad}] * 4
+    assert recorded == [{"forward": one_cell, "input_grad": one_cell, "weight_grad": wgrad}] * 4
 
 
 def test_an_input_gradient_alone_skips_the_weight_gradient(monkeypatch):

@@ -8,8 +8,11 @@ of step 30 the first rank of replica group 1 is killed (SIGKILL):
   step 20 (steps 20-29 are done again);
 - replicas: group 0 goes on; group 1 restarts, receives the state from group 0, and rejoins
   at a step boundary.
-Each round runs both, alternating (restart first); a round's figure is the wall time of the
-whole launch, start-up included. Both sides' processes come from one fork server
+Each round runs both, alternating (restart first), and then the same run without a kill
+(`restart`'s launch): the time a run takes without a failure, which no side can beat, so
+that the bench shows how far each side is from it (`replicas` cannot be better than it, and
+the ratio cannot go below its median over restart's). A round's figure is the wall time of
+the whole launch, start-up included. Both sides' processes come from one fork server
 that has imported the trainer (supervisor.TRAINER_PRELOAD), started before the first
 round (else the first side timed would pay for its imports): neither side's restart pays
 for imports. Every step's metrics line is written at once
@@ -35,6 +38,7 @@ from pathlib import Path
 from ndtrain.bench.common import Bench, announce, bench_config, describe
 
 KILL_AT = 30
+LABEL = {"restart": "restart", "replicas": "replicas", "none": "no kill"}
 BENCH = Bench("ft", (), ("train.steps=40", "train.save_every=20", "train.eval_every=0", "train.eval_batches=1",
                          "train.log_every=1", "parallel.dp_replicate=2", "run.progress=false", "run.plot=false", "run.heartbeat_s=60"),
               ("model.", "train.", "data.", "parallel.dp_replicate", "parallel.tp", "parallel.zero", "run.device",
@@ -65,6 +69,7 @@ def kill_at_step(trainer, at: int) -> None:
 
 
 def _one(kind: str, cfg, data: str, nproc: int, root: Path) -> dict:
+    """One launch: `restart` or `replicas` with the kill, or `none` (restart's launch, no kill)."""
     from ndtrain.launch import launch_local
     from ndtrain.observe.metrics import read_metrics
     from ndtrain.replicas.launch import launch_replicas
@@ -72,8 +77,8 @@ def _one(kind: str, cfg, data: str, nproc: int, root: Path) -> dict:
     from ndtrain.train.worker import train_worker
     run = root / kind
     shutil.rmtree(run, ignore_errors=True)
-    cfg.run.fault_tolerance = kind
-    args = (cfg.to_dict(), str(run), data, functools.partial(_kill, KILL_AT))
+    cfg.run.fault_tolerance = "replicas" if kind == "replicas" else "restart"
+    args = (cfg.to_dict(), str(run), data, None if kind == "none" else functools.partial(_kill, KILL_AT))
     t0 = time.perf_counter()
     if kind == "replicas":
         launch_replicas(nproc, 2, train_worker, args, max_restarts=1, heartbeat_s=cfg.run.heartbeat_s)
@@ -82,6 +87,9 @@ def _one(kind: str, cfg, data: str, nproc: int, root: Path) -> dict:
     wall = time.perf_counter() - t0
     metrics = read_metrics(run / "metrics.jsonl")
     out = {"wall": wall}
+    if kind == "none":
+        out["lost"] = 0
+        return out
     if kind == "restart":
         restarts = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
         out["lost"] = sum(r["steps_lost"] for r in restarts)
@@ -108,8 +116,8 @@ def run(args) -> int:
     forkserver.ensure_running()  # its imports before the first round, not inside it (the first side's)
     announce(args, cfg, f"bench ft: {args.nproc} ranks in 2 replica groups · {describe(cfg)} · {cfg.train.steps} "
                         f"steps, replica group 1 killed at step {KILL_AT}, checkpoints every {cfg.train.save_every} "
-                        f"· {args.rounds} rounds, alternating")
-    results: dict[str, list[dict]] = {"restart": [], "replicas": []}
+                        f"· {args.rounds} rounds, alternating, each with a run without a kill")
+    results: dict[str, list[dict]] = {"restart": [], "replicas": [], "none": []}
     try:
         for i in range(args.rounds):
             for kind in results:
@@ -117,12 +125,14 @@ def run(args) -> int:
                 results[kind].append(r)
                 extra = (f", group 1 back at step {r['back']}, longest step of group 0 {r['longest']:.2f} s"
                          if kind == "replicas" else "")
-                print(f"round {i + 1} {kind:>8}: {r['wall']:.1f} s, {r['lost']} steps lost{extra}", flush=True)
+                print(f"round {i + 1} {LABEL[kind]:>8}: {r['wall']:.1f} s, {r['lost']} steps lost{extra}", flush=True)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     med = {k: statistics.median(r["wall"] for r in v) for k, v in results.items()}
     lost = {k: statistics.median(r["lost"] for r in v) for k, v in results.items()}
     for k in results:
-        print(f"median {k:>8}: {med[k]:.1f} s, {lost[k]:g} steps lost", flush=True)
+        print(f"median {LABEL[k]:>8}: {med[k]:.1f} s, {lost[k]:g} steps lost", flush=True)
+    print(f"floor {med['none'] / med['restart']:.2f} (no kill / restart); over a run without a kill: replicas "
+          f"{med['replicas'] - med['none']:+.1f} s, restart {med['restart'] - med['none']:+.1f} s", flush=True)
     print(f"ndtrain ft replicas/restart wall-time ratio: {med['replicas'] / med['restart']:.2f}", flush=True)
     return 0

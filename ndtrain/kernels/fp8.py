@@ -273,6 +273,21 @@ SCALED_MM_SM = {"tensorwise": (8, 9), "rowwise": (9, 0), "blockwise": (9, 0)}  #
 _WARNED: set[str] = set()
 
 
+def _cpu_takes_rowwise() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes a scale per row (torch 2.13's does; 2.11's
+    CPU kernel is tensorwise only and fails an internal assert). Asked once, at import: a
+    compiled graph cannot trace the try."""
+    a = torch.zeros(16, 16, dtype=E4M3)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+    except RuntimeError:
+        return False
+    return True
+
+
+CPU_ROWWISE = _cpu_takes_rowwise()
+
+
 def device_capability(device: torch.device) -> tuple[int, int]:
     """The CUDA device's compute capability: the one place the fp8 code asks (the fake-tensor
     checks on a CPU patch it)."""
@@ -313,14 +328,15 @@ def _native_blockwise(a: Quantized, b: Quantized, runs: list, out_dtype: torch.d
 def choose(a: Quantized, b: Quantized, runs: list, out_dtype: torch.dtype, backend: str | None = None) -> Choice:
     """The back end of a·bᵀ (see above). `backend` forces one ("fp64", "emulate"; "scaled_mm"
     still runs per 128-run where one call cannot). On the CPU: `_scaled_mm` for tensorwise and
-    rowwise (its CPU kernel), the emulation for blockwise (the CPU kernel has no block scales)."""
+    rowwise (its CPU kernel; the emulation where this torch's takes no rowwise scales), the
+    emulation for blockwise (the CPU kernel has no block scales)."""
     if backend in ("fp64", "emulate"):
         return Choice(backend)
     if backend is None and out_dtype == torch.float64:
         return Choice("fp64")
     kind, device = scaling_of(a, b, runs), a.data.device
     if device.type != "cuda":
-        if kind == "blockwise":
+        if kind == "blockwise" or (kind == "rowwise" and not CPU_ROWWISE):
             return Choice("scaled_mm_runs" if backend == "scaled_mm" else "emulate")
         return Choice("scaled_mm")
     cap = device_capability(device)
@@ -422,4 +438,7 @@ def scaled_matmul(a: Quantized, b: Quantized, runs: list[tuple[int, int, int]], 
         else:
             part = pa.to(acc) @ pb.to(acc).t()
         out.addcmul_(part, _run_scales(a, cell).to(acc).unsqueeze(1) * _run_scales(b, cell).to(acc).unsqueeze(0))
-    return out.to(out_dtype)
+    # a copy even in the accumulator's dtype: returned from an autograd.Function's forward,
+    # `out` itself (an intermediate, `.to` a no-op) got a zero gradient under torch 2.11's
+    # torch.compile (the backward traced with zeros for dy); 2.13 is right either way
+    return out.to(out_dtype, copy=True)
