@@ -365,8 +365,12 @@ class Fp8Linear(torch.autograd.Function):
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, plan: LinearPlan, layer: str = "") -> Tensor:
-    """`F.linear` in fp8: x [..., K] (its leading dimensions are the tokens), W [N, K]."""
-    y = Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias, plan, plan.tokens(tuple(x.shape[:-1])), layer)
+    """`F.linear` in fp8: x [..., K] (its leading dimensions are the tokens), W [N, K]. The
+    layer's name goes in only where it keys NVFP4's stochastic rounding: torch 2.11's Dynamo
+    guards on a string passed to `apply`, and recompiled every block for its name."""
+    rounding = plan.nv is not None and plan.nv.rounding is not None
+    y = Fp8Linear.apply(x.reshape(-1, x.shape[-1]), weight, bias, plan, plan.tokens(tuple(x.shape[:-1])),
+                        layer if rounding else "")
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
