@@ -293,11 +293,19 @@ TORCH_SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F
                    "dualpipev": "ScheduleDualPipeV"}
 
 
+def torch_v_schedules_run_on_gloo() -> bool:
+    """torch 2.11's ScheduleZBVZeroBubble and ScheduleDualPipeV fail on gloo at their first
+    step (the two stages in the middle of the V are on one rank; gloo: "Pair is not
+    connected"); 2.13's run."""
+    return torch.__version__ >= "2.13"
+
+
 def _grads_vs_torch_pipelining(data_dir):
     import torch.distributed.pipelining as pipelining
     out = {(s, v): _one_schedule_vs_torch(data_dir, s, v)
            for s, v in (("1f1b", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2))
-           if hasattr(pipelining, TORCH_SCHEDULES[s])}  # torch < 2.9 has no DualPipeV
+           if hasattr(pipelining, TORCH_SCHEDULES[s])  # torch < 2.9 has no DualPipeV
+           and (v == 1 or s == "interleaved" or torch_v_schedules_run_on_gloo())}
     return out, _overlap_hook(data_dir)
 
 
@@ -385,7 +393,8 @@ def test_gradients_match_torch_pipelining(tiny_data):
     ScheduleInterleaved1F1B (pp 2 × v 2), ScheduleZBVZeroBubble and ScheduleDualPipeV (pp 2,
     two chunks per rank in a V) give the gradients we give. And DualPipeV's overlap hook."""
     for compared, (calls, pairs, same) in run_ranks(_grads_vs_torch_pipelining, 2, tiny_data):
-        assert {s for s, _ in compared} >= {"1f1b", "interleaved", "zbv"}
+        v_shaped = {"zbv"} if torch_v_schedules_run_on_gloo() else set()
+        assert {s for s, _ in compared} >= {"1f1b", "interleaved"} | v_shaped
         for (schedule, virtual), worst in compared.items():
             assert worst < 1e-6, (schedule, virtual, worst)
         assert calls == pairs > 0 and same, (calls, pairs, same)
