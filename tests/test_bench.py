@@ -130,13 +130,15 @@ def _pipeline_contests(cfg_dict: dict) -> list[str]:
 
 @pytest.mark.slow  # bench plumbing; the executor's proofs stay
 def test_pipeline_contests_run_each_pair():
+    import torch
+
     from ndtrain.bench import pp
     from ndtrain.bench.common import bench_config
     cfg = bench_config(_args("model.preset=tiny", "train.seq_len=32", "train.global_batch=4", "train.micro_batch=1",
                              "run.device=cpu", "train.recompute=full"), pp.BENCH)
     ran = run_ranks(_pipeline_contests, 2, cfg.to_dict(), timeout=300)
-    assert ran[0] == ["ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
-                      "ScheduleDualPipeV", "Schedule1F1B"]
+    assert ran[0] == [anchor for _, anchor, _ in pp.CONTESTS if anchor not in pp._skipped("cpu")]
+    assert pp._skipped("cpu") == {} or torch.__version__ < "2.13", pp._skipped("cpu")  # 2.13: every pair
 
 
 def test_bench_generate_takes_fewer_rounds_by_default(monkeypatch):
