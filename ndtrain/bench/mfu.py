@@ -17,7 +17,9 @@ import sys
 import time
 
 WARMUP = 2
-DEFAULTS = ["model.preset=1B", "train.seq_len=2048", "train.global_batch=8", "train.micro_batch=2",
+# micro-batch 4: what each GPU runs in the 1B recipe (configs/1b-8gpu.toml); the first GPU
+# run's figures (docs/benchmarks-gpu.md, 2026-11-28) were taken at 2
+DEFAULTS = ["model.preset=1B", "train.seq_len=2048", "train.global_batch=8", "train.micro_batch=4",
             "train.precision=bf16", "run.device=auto", "run.progress=false"]
 
 
