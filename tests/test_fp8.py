@@ -492,6 +492,56 @@ def test_an_input_gradient_alone_skips_the_weight_gradient(monkeypatch):
 # -- torch.compile: one graph per fp8 linear ----------------------------------------------------
 
 
+def test_an_emulated_product_is_a_fresh_tensor_in_its_accumulators_dtype():
+    """Returned from the fp8 linear's autograd function, the accumulator itself (its `.to` of
+    the same dtype a no-op) got zero gradients under torch 2.11's torch.compile: the product
+    is a copy even in fp32 (docs/architecture.md, "The GPU machine's torch")."""
+    a, b = random_wide((32, 256), 7), random_wide((24, 256), 8)
+    qa, qb = quantize(a, whole(a), (1, BLOCK)), quantize(b, whole(b), (1, BLOCK))
+    seen = []
+    real_zeros = torch.zeros
+
+    def zeros(*args, **kwargs):
+        seen.append(real_zeros(*args, **kwargs))
+        return seen[-1]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(torch, "zeros", zeros)
+        out = scaled_matmul(qa, qb, Dim.whole(256).runs(BLOCK), torch.float32, backend="emulate")
+    assert len(seen) == 1 and seen[0].dtype == out.dtype == torch.float32
+    assert out.data_ptr() != seen[0].data_ptr() and torch.equal(out, seen[0])
+
+
+def test_rowwise_on_a_cpu_without_row_scales_runs_the_emulation(monkeypatch):
+    """torch 2.11's CPU `_scaled_mm` takes tensorwise scales only (an internal assert
+    otherwise): where the import-time probe says so, rowwise CPU products are emulated, and
+    the emulation equals the product of the dequantized operands within fp32 accumulation."""
+    import ndtrain.kernels.fp8 as f8
+    a, b = random_wide((32, 96), 7), random_wide((24, 96), 8)
+    qa, qb = quantize(a, whole(a), (1, WHOLE)), quantize(b, whole(b), (1, WHOLE))
+    runs = Dim.whole(96).runs(WHOLE)
+    assert f8.choose(qa, qb, runs, torch.float32).backend == ("scaled_mm" if f8.CPU_ROWWISE else "emulate")
+    monkeypatch.setattr(f8, "CPU_ROWWISE", False)
+    assert f8.choose(qa, qb, runs, torch.float32).backend == "emulate"
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: pytest.fail("no _scaled_mm without row scales"))
+    out = scaled_matmul(qa, qb, runs, torch.float32).double()
+    assert ((out - qa.dequantized() @ qb.dequantized().t()).abs() <= accumulation_bound(qa, qb, 1, 2.0**-24)).all()
+
+
+@pytest.mark.parametrize("nvfp4_rounding", [False, True])
+def test_the_layer_name_reaches_the_autograd_function_only_for_nvfp4_rounding(monkeypatch, nvfp4_rounding):
+    """torch 2.11's Dynamo guarded on the string passed to `apply` and compiled every block
+    anew; only NVFP4's stochastic rounding keys need it."""
+    import ndtrain.kernels.fp8_linear as fl
+    from ndtrain.kernels.fp8_linear import Nvfp4, Rounding
+    plan = LinearPlan(RECIPES["tensorwise"], Dim.whole(64), Dim.whole(32))
+    if nvfp4_rounding:
+        plan.nv = Nvfp4(rounding=Rounding(seed=1))
+    got = []
+    monkeypatch.setattr(fl.Fp8Linear, "apply", lambda *args: got.append(args[-1]) or args[0][:, :32])
+    fp8_linear(torch.randn(4, 64), torch.randn(32, 64), None, plan, "layers.3.attention.wq")
+    assert got == ["layers.3.attention.wq" if nvfp4_rounding else ""]
+
+
 @pytest.mark.parametrize("recipe", sorted(FP8))
 def test_an_fp8_linear_compiles_to_one_forward_and_one_backward_graph(recipe):
     """`fullgraph=True` refuses any graph break (a host read-back such as nonzero/tolist, or
