@@ -29,6 +29,27 @@ def test_dry_run_lists_every_step_within_the_budgets(capsys):
     assert len(set(compiled.values())) == 1, compiled  # fp8 compiles the quantizers too: never less time than bf16
 
 
+def test_only_reruns_the_steps_named_and_refuses_a_prefix_that_names_none(capsys, monkeypatch):
+    """--only PREFIX[,PREFIX]: a failed step run again alone. A prefix may hold a step name's
+    own commas; a prefix matching nothing is one line and exit 2, before any step (and
+    before the check for a GPU)."""
+    from ndtrain.cli import main
+
+    assert main(["bench", "gpu", "--dry-run", "--only", "1B, seq 2048, fp8,CUDA tests"]) == 0
+    listed = [line.split("  ")[0].strip() for line in capsys.readouterr().out.splitlines()[1:]
+              if not line.startswith("total")]
+    assert listed == ["CUDA tests (pytest -m cuda)", "1B, seq 2048, fp8 tensorwise, eager",
+                      "1B, seq 2048, fp8 tensorwise, compiled"]
+    assert main(["bench", "gpu", "--dry-run", "--only", "1B"]) == 0
+    assert capsys.readouterr().out.count("model.preset=1B") == 4
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("asked for a GPU before refusing --only"))
+    assert main(["bench", "gpu", "--only", "nope"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("ndtrain: error: --only = 'nope': matches no step; names: CUDA calls")
+    assert main(["bench", "dp", "--only", "x"]) == 2
+    assert "only bench plan (its layouts) and bench gpu (its steps) take it" in capsys.readouterr().err
+
+
 def test_every_multi_gpu_row_is_a_valid_layout_with_a_reference():
     """Each row of the multi-GPU stage passes the config validation `train` runs, for its
     process count, and names a one-process run as its reference."""

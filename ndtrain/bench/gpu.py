@@ -184,6 +184,26 @@ def steps(logs: Path = Path("runs/bench-gpu-<time>")) -> list[Step]:
     return one_gpu_steps() + multi_gpu_steps(logs)
 
 
+def select(chosen: list[Step], only: str | None) -> list[Step]:
+    """--only PREFIX[,PREFIX]: the steps whose name starts with one of them, e.g. a step that
+    failed, run again after a fix without the others' minutes."""
+    if not only:
+        return chosen
+    from ndtrain.config import ConfigError
+    names = [s.name for s in chosen]
+    prefixes: list[str] = []
+    for part in only.split(","):  # a step's name has commas: "1B, seq 2048, bf16" stays one prefix
+        joined = f"{prefixes[-1]},{part}" if prefixes else None
+        if joined is not None and any(n.startswith(joined) for n in names):
+            prefixes[-1] = joined
+        else:
+            prefixes.append(part.strip())
+    kept = [s for s in chosen if any(p and s.name.startswith(p) for p in prefixes)]
+    if not kept:
+        raise ConfigError("--only", only, f"matches no step; names: {'; '.join(s.name for s in chosen)}")
+    return kept
+
+
 def plan(chosen: list[Step]) -> str:
     lines = [f"{'step':<40} {'budget':>8}  command"]
     for stage, limit, title in ((False, TOTAL_BUDGET_S, "one GPU"), (True, MULTI_BUDGET_S, "2+ GPUs only")):
@@ -247,9 +267,11 @@ def table(env: dict[str, str], rows: list[tuple[Step, dict]], logs: Path) -> str
 
 
 def run(args) -> int:
+    only = getattr(args, "only", None)
     if getattr(args, "dry_run", False):
-        print(plan(steps()))
+        print(plan(select(steps(), only)))
         return 0
+    select(steps(), only)  # a bad --only is refused before anything runs
     import torch
     if not torch.cuda.is_available():
         print("ndtrain: bench gpu needs a CUDA device, and torch sees none (torch.cuda.is_available() is False)",
@@ -257,7 +279,7 @@ def run(args) -> int:
         return 2
     logs = Path("runs") / time.strftime("bench-gpu-%Y%m%d-%H%M%S")
     logs.mkdir(parents=True, exist_ok=True)
-    chosen = one_gpu_steps() + (multi_gpu_steps(logs) if torch.cuda.device_count() >= 2 else [])
+    chosen = select(one_gpu_steps() + (multi_gpu_steps(logs) if torch.cuda.device_count() >= 2 else []), only)
     env = environment()
     print(f"bench gpu: {env['device']} · {len(chosen)} steps within {sum(s.budget_s for s in chosen)} s"
           + ("" if torch.cuda.device_count() >= 2 else " (one GPU: no multi-GPU stage)"), flush=True)

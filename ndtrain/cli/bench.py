@@ -21,8 +21,8 @@ def cmd_bench(args) -> int:
     for flag, value in (("--nproc", args.nproc), ("--rounds", args.rounds), ("--steps", args.steps)):
         if value <= 0:
             raise ConfigError(flag, value, "must be > 0")
-    if args.only is not None and args.what != "plan":
-        raise ConfigError("--only", args.only, "only bench plan chooses its layouts")
+    if args.only is not None and args.what not in ("plan", "gpu"):
+        raise ConfigError("--only", args.only, "only bench plan (its layouts) and bench gpu (its steps) take it")
     if args.out:
         check_out_folder("--out", args.out, args.overwrite)
     if args.what in CALIBRATING:  # they save what they measure there: refused before measuring for minutes

@@ -300,7 +300,9 @@ def _add_bench(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="write into a non-empty --out that is not an ndtrain run, "
                                                             "beside (and over) its files")
     p.add_argument("--only", metavar="PREFIX[,PREFIX]", help="plan: only the layouts whose name starts with one "
-                                                            "of these, e.g. pp (every pipeline schedule)")
+                                                            "of these, e.g. pp (every pipeline schedule); gpu: only "
+                                                            "the steps whose name starts with one, e.g. '1B' or "
+                                                            "'CUDA tests'")
     p.add_argument("--sizes", nargs="+", metavar="SIZE", help="comm: message sizes, e.g. 1K 4M 64M "
                                                               "(default 1 KB to 256 MB by powers of 4)")
     _with_config(p)
