@@ -293,15 +293,10 @@ TORCH_SCHEDULES = {"1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F
                    "dualpipev": "ScheduleDualPipeV"}
 
 
-def torch_v_schedules_run_on_gloo() -> bool:
-    """torch 2.11's ScheduleZBVZeroBubble and ScheduleDualPipeV fail on gloo at their first
-    step (the two stages in the middle of the V are on one rank; gloo: "Pair is not
-    connected"); 2.13's run."""
-    return torch.__version__ >= "2.13"
-
-
 def _grads_vs_torch_pipelining(data_dir):
     import torch.distributed.pipelining as pipelining
+
+    from ndtrain.bench.pp import torch_v_schedules_run_on_gloo
     out = {(s, v): _one_schedule_vs_torch(data_dir, s, v)
            for s, v in (("1f1b", 1), ("interleaved", 2), ("zbv", 2), ("dualpipev", 2))
            if hasattr(pipelining, TORCH_SCHEDULES[s])  # torch < 2.9 has no DualPipeV
@@ -393,6 +388,7 @@ def test_gradients_match_torch_pipelining(tiny_data):
     ScheduleInterleaved1F1B (pp 2 × v 2), ScheduleZBVZeroBubble and ScheduleDualPipeV (pp 2,
     two chunks per rank in a V) give the gradients we give. And DualPipeV's overlap hook."""
     for compared, (calls, pairs, same) in run_ranks(_grads_vs_torch_pipelining, 2, tiny_data):
+        from ndtrain.bench.pp import torch_v_schedules_run_on_gloo
         v_shaped = {"zbv"} if torch_v_schedules_run_on_gloo() else set()
         assert {s for s, _ in compared} >= {"1f1b", "interleaved"} | v_shaped
         for (schedule, virtual), worst in compared.items():
@@ -565,7 +561,6 @@ def _trace(data_dir, out):
     import torch.distributed as dist
 
     from ndtrain.config import load_config, validate
-    from ndtrain.data.batch import MicroBatch
     from ndtrain.data.prepare import PreparedData
     from ndtrain.mesh import ParallelMesh
     from ndtrain.train.trace import trace_run

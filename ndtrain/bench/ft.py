@@ -19,7 +19,8 @@ for imports. Every step's metrics line is written at once
 (train.log_every = 1), so the restart's count of steps done again is exact. Reported per side: the median wall time, the steps lost
 (restart: the steps done again, restarts.jsonl; replicas: the steps group 0 did not record,
 0 when it never stopped), and for replicas the step at which group 1 was back and the
-longest step of group 0. Last line: the replicas/restart wall-time ratio (below 1: replicas
+longest step of group 0. Then the floor (the run without a kill over restart's, with each
+side's seconds over it), and last the replicas/restart wall-time ratio (below 1: replicas
 finish sooner).
 """
 
@@ -84,16 +85,14 @@ def _one(kind: str, cfg, data: str, nproc: int, root: Path) -> dict:
         launch_replicas(nproc, 2, train_worker, args, max_restarts=1, heartbeat_s=cfg.run.heartbeat_s)
     else:
         launch_local(nproc, train_worker, *args, max_restarts=1, heartbeat_s=cfg.run.heartbeat_s, preload=TRAINER_PRELOAD)
-    wall = time.perf_counter() - t0
-    metrics = read_metrics(run / "metrics.jsonl")
-    out = {"wall": wall}
+    out = {"wall": time.perf_counter() - t0}
     if kind == "none":
-        out["lost"] = 0
-        return out
+        return {**out, "lost": 0}
     if kind == "restart":
         restarts = [json.loads(line) for line in (run / "restarts.jsonl").read_text().splitlines()]
         out["lost"] = sum(r["steps_lost"] for r in restarts)
         return out
+    metrics = read_metrics(run / "metrics.jsonl")
     steps = [r["step"] for r in metrics]
     out["lost"] = cfg.train.steps - len(set(steps))
     out["back"] = next((r["step"] for r in metrics if r["step"] > KILL_AT and len(r.get("replicas", [])) == 2), None)

@@ -55,13 +55,19 @@ def _with_schedule(cfg, name: str, virtual: int | None):
     return c
 
 
+def torch_v_schedules_run_on_gloo() -> bool:
+    """torch 2.11's ScheduleZBVZeroBubble and ScheduleDualPipeV fail on gloo at their first
+    step (the two stages in the middle of the V are on one rank: "Pair is not connected");
+    2.13's run."""
+    return torch.__version__ >= "2.13"
+
+
 def _skipped(device_type: str) -> dict[str, str]:
-    """The anchors this torch cannot run here, and why: an older torch lacks the newer ones;
-    torch 2.11's V-shaped schedules fail on gloo at their first step (the two stages in the
-    middle of the V are on one rank: "Pair is not connected"), 2.13's run."""
+    """The anchors this torch cannot run here, and why: an older torch lacks the newer ones,
+    and torch_v_schedules_run_on_gloo."""
     import torch.distributed.pipelining as pipelining
     why = {a: f"torch {torch.__version__} has no {a}" for _, a, _ in CONTESTS if not hasattr(pipelining, a)}
-    if device_type != "cuda" and torch.__version__ < "2.13":
+    if device_type != "cuda" and not torch_v_schedules_run_on_gloo():
         for anchor in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
             why.setdefault(anchor, f"torch {torch.__version__}'s {anchor} fails on gloo")
     return why

@@ -105,8 +105,9 @@ def run_recomputed(fn, *args, **kwargs):
 @functools.cache
 def _opaque():
     """`run_recomputed` excluded from torch.compile's tracing, made on first use:
-    `torch.compiler.disable` imports dynamo (about a second of every process's start), which a
-    run without recomputation never needs."""
+    `torch.compiler.disable` imports dynamo (about a second), which a process that builds no
+    optimizer (a command's parent, `plan`, `prepare`) never needs; torch.optim imports it in
+    every training rank anyway, so the fork servers preload it (supervisor.BASE_PRELOAD)."""
     return torch.compiler.disable(run_recomputed)
 
 
