@@ -181,7 +181,7 @@ def test_rounds_alternate_the_order_of_the_contenders():
     assert list(times) == ["A", "B", "C"] and all(len(t) == 3 for t in times.values())
 
 
-@pytest.mark.slow  # three launches, two with a kill
+@pytest.mark.slow  # six launches (a warm-up round and one round), four with a kill
 def test_bench_ft_runs_both_sides_and_prints_the_ratio(capsys, tmp_path, tiny_data):
     """One round of restart against replicas on the tiny model: the restart redoes the steps
     since its checkpoint, the survivor of replicas loses none, the run without a kill gives
@@ -190,6 +190,8 @@ def test_bench_ft_runs_both_sides_and_prints_the_ratio(capsys, tmp_path, tiny_da
                  "train.steps=36", "run.device=cpu", "run.threads=1", f"data.path={tiny_data}"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"round 1  restart: [\d.]+ s, 10 steps lost", out), out
+    assert re.search(r"\nwarm-up round \(not counted\): restart [\d.]+ s, replicas [\d.]+ s, no kill [\d.]+ s\n"
+                     r"round 1  restart", out), out
     assert re.search(r"round 1 replicas: [\d.]+ s, 0 steps lost", out), out
     assert re.search(r"round 1  no kill: [\d.]+ s, 0 steps lost", out), out
     assert re.search(r"\nfloor \d+\.\d\d \(no kill / restart\); over a run without a kill: replicas [+-]\d+\.\d s, "

@@ -8,7 +8,8 @@ of step 30 the first rank of replica group 1 is killed (SIGKILL):
   step 20 (steps 20-29 are done again);
 - replicas: group 0 goes on; group 1 restarts, receives the state from group 0, and rejoins
   at a step boundary.
-Each round runs both, alternating (restart first), and then the same run without a kill
+After one warm-up round (not counted: the process's first launch is slower), each round
+runs both, alternating (restart first), and then the same run without a kill
 (`restart`'s launch): the time a run takes without a failure, which no side can beat, so
 that the bench shows how far each side is from it (`replicas` cannot be better than it, and
 the ratio cannot go below its median over restart's). A round's figure is the wall time of
@@ -115,9 +116,14 @@ def run(args) -> int:
     forkserver.ensure_running()  # its imports before the first round, not inside it (the first side's)
     announce(args, cfg, f"bench ft: {args.nproc} ranks in 2 replica groups · {describe(cfg)} · {cfg.train.steps} "
                         f"steps, replica group 1 killed at step {KILL_AT}, checkpoints every {cfg.train.save_every} "
-                        f"· {args.rounds} rounds, alternating, each with a run without a kill")
+                        f"· a warm-up round and {args.rounds} rounds, alternating, each with a run without a kill")
     results: dict[str, list[dict]] = {"restart": [], "replicas": [], "none": []}
     try:
+        # a warm-up round first, not counted: the first launch in this process took ~2 s longer
+        # (restart's, measured 12.0 s against 9.9 s after it), which counted against restart
+        warm = {kind: _one(kind, cfg, data, args.nproc, root)["wall"] for kind in results}
+        print("warm-up round (not counted): " + ", ".join(f"{LABEL[k]} {w:.1f} s" for k, w in warm.items()),
+              flush=True)
         for i in range(args.rounds):
             for kind in results:
                 r = _one(kind, cfg, data, args.nproc, root)
